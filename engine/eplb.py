@@ -7,14 +7,16 @@
   expert's tokens over its replicas in arrival order, starting at ``offset``); it is
   re-implemented here on tensors because the engine does not import the router, and a
   test checks the two agree token for token.
-- :func:`plan_remap` / :func:`remap_expert_weights`: move one layer's expert weights among
-  the ranks of an EP group from an old to a new placement with point-to-point sends,
-  into fresh buffers, so the old weights keep serving until the caller swaps them in.
+- :func:`remap_expert_weights`: execute one layer's move plan (``router.eplb.transfer``)
+  among the ranks of an EP group with point-to-point sends, into fresh buffers, so the old
+  weights keep serving until the caller swaps them in.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -164,60 +166,21 @@ class ReplicaMap:
         return self._log2phy[layer][flat, replica].reshape(topk_ids.shape)
 
 
-@dataclass(frozen=True)
-class Transfer:
-    src_rank: int
-    src_local: int  # slot index in the source rank's *old* buffer
-    dst_rank: int
-    dst_local: int  # slot index in the destination rank's *new* buffer
+class RemapPlanLike(Protocol):
+    """What :func:`remap_expert_weights` needs of a plan (``router.eplb.transfer.RemapPlan``
+    made by the controller; the engine does not import the router). ``transfers`` items
+    have ``src_rank, src_local, dst_rank, dst_local``; ``local`` = (rank, old_local,
+    new_local) copies from the rank's own old buffer; ``dup`` = (rank, new_local_src,
+    new_local_dst) copies of a slot received in this remap."""
 
+    @property
+    def transfers(self) -> Sequence[Any]: ...
 
-@dataclass(frozen=True)
-class RemapPlan:
-    """How one layer's weights move. ``local`` = (rank, old_local, new_local) copies from
-    the rank's own old buffer; ``dup`` = (rank, new_local_src, new_local_dst) copies of a
-    slot received in this remap; ``transfers`` go over the network, in a fixed order."""
+    @property
+    def local(self) -> Sequence[tuple[int, int, int]]: ...
 
-    transfers: tuple[Transfer, ...]
-    local: tuple[tuple[int, int, int], ...]
-    dup: tuple[tuple[int, int, int], ...]
-
-
-def plan_remap(old_phy2log: np.ndarray, new_phy2log: np.ndarray, num_ranks: int) -> RemapPlan:
-    """Plan one layer's move (pure; every rank computes the same plan).
-
-    A destination rank that already holds an expert copies it locally; otherwise it
-    receives it once (further slots of the same expert are local duplicates) from an old
-    holder, chosen as the one that has sent the fewest slots so far (ties: lowest rank).
-    """
-    old = np.asarray(old_phy2log, dtype=np.int64)
-    new = np.asarray(new_phy2log, dtype=np.int64)
-    if old.shape != new.shape or old.ndim != 1 or old.size % num_ranks:
-        raise ValueError("old and new phy2log must be 1-D, the same length, divisible by num_ranks")
-    if set(new.tolist()) - set(old.tolist()):
-        raise ValueError("new placement holds experts the old one does not")
-    s = old.size // num_ranks
-    holders: dict[int, list[int]] = {}
-    for slot, e in enumerate(old.tolist()):
-        holders.setdefault(e, []).append(slot)
-    sent = np.zeros(num_ranks, dtype=np.int64)
-    transfers: list[Transfer] = []
-    local: list[tuple[int, int, int]] = []
-    dup: list[tuple[int, int, int]] = []
-    for d in range(num_ranks):
-        old_local = {int(e): j for j, e in reversed(list(enumerate(old[d * s : (d + 1) * s])))}
-        received: dict[int, int] = {}
-        for j, e in enumerate(new[d * s : (d + 1) * s].tolist()):
-            if e in old_local:
-                local.append((d, old_local[e], j))
-            elif e in received:
-                dup.append((d, received[e], j))
-            else:
-                src_slot = min(holders[e], key=lambda q: (sent[q // s], q))
-                sent[src_slot // s] += 1
-                transfers.append(Transfer(src_slot // s, src_slot % s, d, j))
-                received[e] = j
-    return RemapPlan(tuple(transfers), tuple(local), tuple(dup))
+    @property
+    def dup(self) -> Sequence[tuple[int, int, int]]: ...
 
 
 @dataclass(frozen=True)
@@ -228,7 +191,7 @@ class RemapStats:
 
 
 def remap_expert_weights(
-    plan: RemapPlan,
+    plan: RemapPlanLike,
     weights: dict[str, torch.Tensor],
     rank: int,
     group: dist.ProcessGroup | None = None,

@@ -12,7 +12,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.eplb import plan_remap, remap_expert_weights
+from engine.eplb import remap_expert_weights
+from router.eplb.transfer import plan_remap
 from services.procs import free_port
 
 pytestmark = pytest.mark.integration

@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from engine.eplb import ExpertLoadRecorder, ReplicaMap, plan_remap
+from engine.eplb import ExpertLoadRecorder, ReplicaMap
 from router.eplb import Placement, split_counts
 from router.eplb.simulate import RecordedLoads
+from router.eplb.transfer import RemapPlan, plan_remap
 
 
 def test_recorder_keeps_a_sliding_window_of_closed_steps(tmp_path) -> None:
@@ -84,3 +85,12 @@ def test_plan_moves_only_what_is_missing_and_spreads_sources() -> None:
     assert len({t.src_rank for t in plan2.transfers}) > 1
     with pytest.raises(ValueError, match="does not"):
         plan_remap(np.array([0, 1]), np.array([0, 2]), 1)
+
+
+def test_plan_round_trips_through_plain_arrays() -> None:
+    plan = plan_remap(np.array([0, 1, 2, 3, 4, 5]), np.array([5, 5, 0, 3, 1, 2]), 3)
+    arrays = plan.to_arrays()
+    assert all(a.dtype == np.int64 for a in arrays.values())
+    assert RemapPlan.from_arrays(arrays) == plan
+    with pytest.raises(ValueError, match="must be"):
+        RemapPlan.from_arrays({**arrays, "local": np.zeros((2, 2))})
