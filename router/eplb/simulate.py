@@ -23,6 +23,7 @@ import numpy as np
 from router.eplb.metric import imbalance_matrix
 from router.eplb.placement import Placement, PlacementSpec, compute_placement, identity_placement
 from router.eplb.split import rank_loads
+from router.eplb.transfer import plan_remap
 
 
 class LoadSource(Protocol):
@@ -86,6 +87,9 @@ class SimResult:
     placements: int
     eval_steps: int
     placement_ms: dict[str, float] = field(default_factory=dict)  # mean wall time per call
+    # per re-placement after the first: share of physical slots that receive weights over
+    # the network (router.eplb.transfer.plan_remap), mean over layers and re-placements
+    moved_fraction: dict[str, float] = field(default_factory=dict)
 
 
 def _policies(cfg: SimConfig) -> list[str]:
@@ -111,12 +115,13 @@ def simulate(source: LoadSource, cfg: SimConfig) -> SimResult:
     sums = {p: np.zeros(n_layers) for p in _policies(cfg)}
     valid = np.zeros(n_layers)  # evaluated (step, layer) pairs that carry load
     times: dict[str, list[float]] = {a: [] for a in {*cfg.algorithms, cfg.static_algorithm}}
+    moved: dict[str, list[float]] = {a: [] for a in cfg.algorithms}
     window_sum = np.zeros((n_layers, cfg.spec.num_logical))
     n_eval = 0
     bounds = [0, *rebal, cfg.total_steps]
     for k, (lo, hi) in enumerate(zip(bounds[:-1], bounds[1:])):
         if k >= 1:  # at T_{k-1}: place from the window that just ended
-            _replace(current, window_sum, cfg, first=(k == 1), times=times)
+            _replace(current, window_sum, cfg, first=(k == 1), times=times, moved=moved)
             window_sum[:] = 0
         seg = needed[(needed >= lo) & (needed < hi)]
         for start in range(0, seg.size, cfg.chunk):
@@ -141,6 +146,7 @@ def simulate(source: LoadSource, cfg: SimConfig) -> SimResult:
         placements=len(rebal),
         eval_steps=n_eval,
         placement_ms={a: 1e3 * float(np.mean(v)) for a, v in times.items() if v},
+        moved_fraction={a: float(np.mean(v)) for a, v in moved.items() if v},
     )
 
 
@@ -150,6 +156,7 @@ def _replace(
     cfg: SimConfig,
     first: bool,
     times: dict[str, list[float]],
+    moved: dict[str, list[float]],
 ) -> None:
     cache: dict[str, Placement] = {}
     wanted = list(cfg.algorithms) + ([cfg.static_algorithm] if first else [])
@@ -159,6 +166,13 @@ def _replace(
             cache[alg] = compute_placement(alg, window_sum, cfg.spec)
             times[alg].append(time.perf_counter() - t0)
     for alg in cfg.algorithms:
+        old = current.get(f"eplb:{alg}")
+        if old is not None:
+            n = sum(
+                len(plan_remap(o, n_, cfg.spec.num_ranks).transfers)
+                for o, n_ in zip(old.phy2log, cache[alg].phy2log)
+            )
+            moved[alg].append(n / old.phy2log.size)
         current[f"eplb:{alg}"] = cache[alg]
     if first:
         current["static"] = cache[cfg.static_algorithm]

@@ -16,8 +16,10 @@ from typing import Any
 import numpy as np
 
 from router.eplb.loadgen import DriftingZipfLoads, LoadGenConfig
-from router.eplb.placement import PlacementSpec
+from router.eplb.metric import imbalance
+from router.eplb.placement import PlacementSpec, compute_placement
 from router.eplb.simulate import LoadSource, RecordedLoads, SimConfig, SimResult, simulate
+from router.eplb.split import rank_loads
 from services.bench import Report, progress
 
 OURS = "waterfill_swap"
@@ -65,6 +67,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seeds", type=int, default=3, help="synthetic seeds per configuration")
     p.add_argument("--layers", type=int, default=8, help="simulated MoE layers")
     p.add_argument("--quick", action="store_true", help="few periods and EP<=64 (smoke run)")
+    p.add_argument("--skew", type=float, default=SKEW, help="Zipf exponent of expert popularity")
+    p.add_argument("--only", nargs="*", help="run only these configurations, e.g. 'decode EP64'")
     p.add_argument("--loads", help=".npz with 'counts' [steps, layers, experts] recorded by the engine")
     p.add_argument("--pool", choices=["prefill", "decode"], default="prefill", help="with --loads")
     p.add_argument("--ep", type=int, nargs="*", help="with --loads: EP sizes (default: 2 4 8 dividing E)")
@@ -77,13 +81,13 @@ def _spec(case: PoolCase, num_experts: int) -> PlacementSpec:
     return PlacementSpec(num_experts, case.ep, case.redundant_per_rank, num_nodes=nodes, num_groups=8)
 
 
-def _gen_config(case: PoolCase, layers: int, seed: int) -> LoadGenConfig:
+def _gen_config(case: PoolCase, layers: int, seed: int, skew: float = SKEW) -> LoadGenConfig:
     return LoadGenConfig(
         num_experts=256,
         num_layers=layers,
         top_k=6,
         tokens_per_step=case.tokens_per_rank * case.ep,
-        skew=SKEW,
+        skew=skew,
         layer_spread=LAYER_SPREAD,
         drift_period_steps=round(DRIFT_PERIOD_S / case.step_time_s),
         burst_sigma=round(SEQ_SIGMA / math.sqrt(case.seqs_per_rank * case.ep), 4),
@@ -130,6 +134,7 @@ def _summarise(case: PoolCase, runs: list[SimResult], report: Report, label: str
         "placements_per_run": runs[0].placements,
         "eval_steps_per_run": runs[0].eval_steps,
         "placement_ms": runs[0].placement_ms,
+        "moved_slot_fraction_per_replacement": runs[0].moved_fraction,
     }
 
 
@@ -138,10 +143,12 @@ def _synthetic(args: argparse.Namespace, report: Report) -> None:
         if args.quick and case.ep > 64:
             continue
         label = f"{case.pool} EP{case.ep}"
+        if args.only and label not in args.only:
+            continue
         total = case.window + case.periods * case.period
         runs = []
         for seed in range(args.seeds):
-            gen_cfg = _gen_config(case, args.layers, seed)
+            gen_cfg = _gen_config(case, args.layers, seed, args.skew)
             t0 = time.perf_counter()
             runs.append(_run_case(case, DriftingZipfLoads(gen_cfg), total, _spec(case, 256)))
             progress(f"{label} seed {seed}: {runs[-1].imbalance} ({time.perf_counter() - t0:.1f}s)")
@@ -149,10 +156,32 @@ def _synthetic(args: argparse.Namespace, report: Report) -> None:
             **{k: v for k, v in vars(case).items() if k != "target"},
             "total_steps": total,
             "simulated_hours": round(total * case.step_time_s / 3600, 2),
-            "generator": {**_gen_config(case, args.layers, 0).to_json(), "seed": list(range(args.seeds))},
+            "generator": {
+                **_gen_config(case, args.layers, 0, args.skew).to_json(),
+                "seed": list(range(args.seeds)),
+            },
             "spec": vars(_spec(case, 256)),
         }
         report.results[label] = _summarise(case, runs, report, label)
+        floor = _oracle_floor(case, args.layers, args.skew)
+        report.results[label]["oracle_floor"] = floor
+        report.rows[-1]["oracle_floor"] = floor["imbalance"]
+
+
+def _oracle_floor(
+    case: PoolCase, layers: int, skew: float, samples: int = 6, steps_each: int = 20
+) -> dict[str, Any]:
+    """What perfect knowledge of the current expected loads would give (seed 0): the
+    placement is fitted to the generator's true popularity at the evaluated step itself,
+    so only per-step sampling and burst noise remain. A floor for any window-based EPLB."""
+    gen = DriftingZipfLoads(_gen_config(case, layers, 0, skew))
+    spec = _spec(case, 256)
+    starts = case.window + case.period // 2 + case.period * np.arange(min(samples, case.periods))
+    values = []
+    for t in starts:
+        fitted = compute_placement(OURS, gen.popularity(np.array([t]))[0], spec)
+        values.append(imbalance(rank_loads(gen.counts(np.arange(t, t + steps_each)), fitted)))
+    return {"imbalance": float(np.mean(values)), "sampled_steps": int(len(starts) * steps_each)}
 
 
 def _recorded(args: argparse.Namespace, report: Report) -> None:
@@ -198,7 +227,7 @@ def run(args: argparse.Namespace) -> Report:
                 "drift_period_wall_s": DRIFT_PERIOD_S,
                 "seq_sigma": SEQ_SIGMA,
                 "burst_sigma": "seq_sigma / sqrt(seqs_per_rank * ep)",
-                "skew": SKEW,
+                "skew": args.skew,
                 "layer_spread": LAYER_SPREAD,
             },
             "seeds": args.seeds,
