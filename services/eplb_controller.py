@@ -55,7 +55,7 @@ class EplbConfig:
     window_steps: int
     period_steps: int
     enabled: bool = True
-    algorithm: str = "waterfill_swap"
+    algorithm: str = "waterfill_sticky"
     num_groups: int = 1
     gpus_per_node: int = 8
     first_step: int | None = None
@@ -178,7 +178,7 @@ class EplbController:
         if self._pending:
             raise ValueError(f"layers {sorted(self._pending)} of the previous decision are not committed yet")
         load = self.window_load(rank_windows)
-        new = compute_placement(self.config.algorithm, load, self.spec)
+        new = compute_placement(self.config.algorithm, load, self.spec, previous=self.placement)
         before = _window_imbalance(load, self.placement)
         after = _window_imbalance(load, new)
         layers = []

@@ -108,12 +108,14 @@ def rebalance(load: np.ndarray, num_phy: int, num_groups: int, num_nodes: int, n
 
 
 @register_algorithm("deepseek_hierarchical")
-def deepseek_hierarchical(load: np.ndarray, spec: PlacementSpec) -> Placement:
+def deepseek_hierarchical(
+    load: np.ndarray, spec: PlacementSpec, previous: Placement | None = None
+) -> Placement:
     phy2log = rebalance(load, spec.num_physical, spec.num_groups, spec.num_nodes, spec.num_ranks)
     return Placement.from_phy2log(phy2log, spec.num_logical, spec.num_ranks)
 
 
 @register_algorithm("deepseek_global")
-def deepseek_global(load: np.ndarray, spec: PlacementSpec) -> Placement:
+def deepseek_global(load: np.ndarray, spec: PlacementSpec, previous: Placement | None = None) -> Placement:
     phy2log = rebalance(load, spec.num_physical, 1, 1, spec.num_ranks)
     return Placement.from_phy2log(phy2log, spec.num_logical, spec.num_ranks)

@@ -118,15 +118,17 @@ def _place_layer(weight: np.ndarray, num_phy: int, num_ranks: int) -> np.ndarray
 
 
 @register_algorithm("waterfill_swap")
-def waterfill_swap(load: np.ndarray, spec: PlacementSpec) -> Placement:
+def waterfill_swap(load: np.ndarray, spec: PlacementSpec, previous: Placement | None = None) -> Placement:
     phy2log = np.stack([_place_layer(w, spec.num_physical, spec.num_ranks) for w in load])
     return Placement.from_phy2log(phy2log, spec.num_logical, spec.num_ranks)
 
 
 @register_algorithm("waterfill_swap_hier")
-def waterfill_swap_hier(load: np.ndarray, spec: PlacementSpec) -> Placement:
+def waterfill_swap_hier(
+    load: np.ndarray, spec: PlacementSpec, previous: Placement | None = None
+) -> Placement:
     if spec.num_nodes == 1 or spec.num_groups % spec.num_nodes:
-        return waterfill_swap(load, spec)
+        return waterfill_swap(load, spec, previous)
     n_log, n_nodes = spec.num_logical, spec.num_nodes
     group_size = n_log // spec.num_groups
     phy_per_node = spec.num_physical // n_nodes

@@ -5,8 +5,9 @@ holds. Physical slots are numbered rank-major: slot ``p`` lives on rank
 ``p // slots_per_rank``. Every logical expert has at least one slot; the extra
 ("redundant") slots hold replicas of hot experts.
 
-An algorithm is a pure function ``(load [L, n_logical], PlacementSpec) -> Placement``
-registered by name with :func:`register_algorithm`. Algorithms must be deterministic
+An algorithm is a pure function ``(load [L, n_logical], PlacementSpec, previous) ->
+Placement`` registered by name with :func:`register_algorithm` (``previous``: the placement
+in force, which move-aware algorithms use to keep experts where they are). Algorithms must be deterministic
 (same input, same output on every host) because every rank of an EP group may compute
 the placement itself.
 """
@@ -15,10 +16,19 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
-Algorithm = Callable[[np.ndarray, "PlacementSpec"], "Placement"]
+
+class Algorithm(Protocol):
+    """``load`` [L, n_logical] (tokens over the window, any scale), ``spec``, and the
+    placement now in force (``previous``, same spec, or None) -> a new placement.
+    Pure and deterministic; algorithms that ignore ``previous`` may."""
+
+    def __call__(
+        self, load: np.ndarray, spec: PlacementSpec, previous: Placement | None = None
+    ) -> Placement: ...
 
 
 @dataclass(frozen=True)
@@ -172,14 +182,20 @@ def get_algorithm(name: str) -> Algorithm:
         ) from None
 
 
-def compute_placement(name: str, load: np.ndarray, spec: PlacementSpec) -> Placement:
+def compute_placement(
+    name: str, load: np.ndarray, spec: PlacementSpec, previous: Placement | None = None
+) -> Placement:
     """Run algorithm ``name`` on a load window summed or averaged to [L, n_logical]."""
     load = np.asarray(load, dtype=np.float64)
     if load.ndim != 2 or load.shape[1] != spec.num_logical:
         raise ValueError(f"load must be [layers, {spec.num_logical}], got shape {load.shape}")
     if (load < 0).any() or not np.isfinite(load).all():
         raise ValueError("load must be finite and non-negative")
-    placement = get_algorithm(name)(load, spec)
+    if previous is not None and previous.phy2log.shape != (load.shape[0], spec.num_physical):
+        raise ValueError(
+            f"previous placement has shape {previous.phy2log.shape}, expected {(load.shape[0], spec.num_physical)}"
+        )
+    placement = get_algorithm(name)(load, spec, previous)
     if placement.phy2log.shape != (load.shape[0], spec.num_physical):
         raise ValueError(f"algorithm {name!r} returned phy2log of shape {placement.phy2log.shape}")
     return placement
@@ -187,4 +203,4 @@ def compute_placement(name: str, load: np.ndarray, spec: PlacementSpec) -> Place
 
 def _load_builtin() -> None:
     # built-in algorithms register on import; importing here avoids a cycle at module load
-    from router.eplb import deepseek, ours  # noqa: F401
+    from router.eplb import deepseek, ours, sticky  # noqa: F401

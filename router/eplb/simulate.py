@@ -163,7 +163,7 @@ def _replace(
     for alg in wanted:
         if alg not in cache:
             t0 = time.perf_counter()
-            cache[alg] = compute_placement(alg, window_sum, cfg.spec)
+            cache[alg] = compute_placement(alg, window_sum, cfg.spec, previous=current.get(f"eplb:{alg}"))
             times[alg].append(time.perf_counter() - t0)
     for alg in cfg.algorithms:
         old = current.get(f"eplb:{alg}")

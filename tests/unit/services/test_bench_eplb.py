@@ -21,19 +21,28 @@ def test_quick_synthetic_run_reports_every_policy_and_target(capsys: pytest.Capt
     assert out["bench"] == "eplb" and "cpu" in out["machine"]
     assert set(out["results"]) == {"prefill EP2", "prefill EP4", "prefill EP8", "decode EP64"}
     ep4 = out["results"]["prefill EP4"]["imbalance_mean_over_seeds"]
-    assert set(ep4) == {"none", "static", "eplb:deepseek_hierarchical", "eplb:waterfill_swap"}
-    assert ep4["eplb:waterfill_swap"] < ep4["none"]
+    assert set(ep4) == {
+        "none",
+        "static",
+        "eplb:deepseek_hierarchical",
+        "eplb:waterfill_swap",
+        "eplb:waterfill_sticky",
+        "eplb:waterfill_sticky_lazy",
+    }
+    assert ep4["eplb:waterfill_sticky"] < ep4["none"]
+    moved = out["results"]["prefill EP4"]["moved_slot_fraction_per_replacement"]
+    assert 0 < moved["waterfill_sticky"] < moved["deepseek_hierarchical"]  # keeps experts in place
     gen = out["config"]["cases"]["decode EP64"]["generator"]
     assert gen["num_experts"] == 256 and gen["top_k"] == 6 and gen["tokens_per_step"] == 256 * 64
     names = {t["name"]: t for t in out["targets"]}
-    t = names["prefill EP2 imbalance eplb:waterfill_swap"]
+    t = names["prefill EP2 imbalance eplb:waterfill_sticky"]
     assert (
         t["op"] == "<="
         and t["target"] == 1.045
         and t["value"]
-        == pytest.approx(out["results"]["prefill EP2"]["imbalance_mean_over_seeds"]["eplb:waterfill_swap"])
+        == pytest.approx(out["results"]["prefill EP2"]["imbalance_mean_over_seeds"]["eplb:waterfill_sticky"])
     )
-    assert "decode EP64 imbalance eplb:waterfill_swap / eplb:deepseek_global" in names
+    assert "decode EP64 imbalance eplb:waterfill_sticky / eplb:deepseek_global" in names
     assert all(isinstance(t["met"], bool) for t in out["targets"])
 
 
@@ -49,7 +58,7 @@ def test_recorded_loads_go_through_the_same_pipeline(tmp_path, capsys: pytest.Ca
     res = out["results"]["recorded prefill EP4"]
     assert res["eval_steps_per_run"] == 380 and res["placements_per_run"] == 4
     imb = res["imbalance_mean_over_seeds"]
-    assert imb["eplb:waterfill_swap"] < imb["none"]
+    assert imb["eplb:waterfill_sticky"] < imb["none"]
 
 
 def test_recorded_loads_too_short_is_an_actionable_error(

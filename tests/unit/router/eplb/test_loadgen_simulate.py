@@ -14,7 +14,7 @@ SEEN: list[np.ndarray] = []
 
 
 @register_algorithm("test_recording_global")
-def _recording(load, spec):  # records what the simulation shows the algorithm
+def _recording(load, spec, previous=None):  # records what the simulation shows the algorithm
     SEEN.append(load.copy())
     return deepseek_global(load, spec)
 
