@@ -55,6 +55,10 @@ class ExpertLoadRecorder:
         ids = topk_ids.reshape(-1).to(torch.int64)
         self._buf[self._pos, layer].index_add_(0, ids, torch.ones_like(ids))
 
+    def record_counts(self, layer: int, counts: torch.Tensor) -> None:
+        """Add per-expert token counts [E] (e.g. an MoE layer's own load counter)."""
+        self._buf[self._pos, layer].add_(counts.to(self._buf.dtype))
+
     def end_step(self) -> None:
         if self._history is not None:
             self._history.append(self._buf[self._pos].cpu().numpy().copy())
@@ -153,17 +157,33 @@ class ReplicaMap:
         s = self.slots_per_rank
         return self.phy2log[layer, rank * s : (rank + 1) * s]
 
+    def log2phy(self, layer: int) -> torch.Tensor:
+        """[E, max_replicas] physical slots per logical expert (-1 padded)."""
+        return self._log2phy[layer]
+
     def map(self, layer: int, topk_ids: torch.Tensor, offset: int = 0) -> torch.Tensor:
         """Logical ``topk_ids`` [T, k] -> physical slot ids [T, k]."""
-        flat = topk_ids.reshape(-1).to(torch.int64)  # [T*k], token-major arrival order
-        counts = torch.zeros(self.num_logical, dtype=torch.int64, device=flat.device)
-        counts.index_add_(0, flat, torch.ones_like(flat))
-        starts = torch.cumsum(counts, 0) - counts
-        order = torch.argsort(flat, stable=True)
-        occ = torch.empty_like(flat)
-        occ[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
-        replica = (occ + offset) % self._logcnt[layer][flat]
-        return self._log2phy[layer][flat, replica].reshape(topk_ids.shape)
+        return choose_replicas(self._log2phy[layer], self._logcnt[layer], topk_ids, offset)
+
+
+def choose_replicas(
+    log2phy: torch.Tensor, logcnt: torch.Tensor, topk_ids: torch.Tensor, offset: int = 0
+) -> torch.Tensor:
+    """The split rule on tensors: logical ids [T, k] -> physical ids [T, k].
+
+    ``log2phy`` [E, R] (-1 padded), ``logcnt`` [E]. The j-th occurrence of expert ``e`` in
+    ``topk_ids`` (row-major: token, then top-k position) goes to replica
+    ``(j + offset) % logcnt[e]``. No host sync; deterministic (stable sort).
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)  # [T*k], token-major arrival order
+    counts = torch.zeros(logcnt.numel(), dtype=torch.int64, device=flat.device)
+    counts.index_add_(0, flat, torch.ones_like(flat))
+    starts = torch.cumsum(counts, 0) - counts
+    order = torch.argsort(flat, stable=True)
+    occ = torch.empty_like(flat)
+    occ[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+    replica = (occ + offset) % logcnt[flat]
+    return log2phy[flat, replica].reshape(topk_ids.shape)
 
 
 class RemapPlanLike(Protocol):

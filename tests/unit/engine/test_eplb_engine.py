@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from engine.eplb import ExpertLoadRecorder, ReplicaMap
+from engine.eplb import ExpertLoadRecorder, ReplicaMap, choose_replicas
 from router.eplb import Placement, split_counts
 from router.eplb.simulate import RecordedLoads
 from router.eplb.transfer import RemapPlan, plan_remap
@@ -20,6 +20,7 @@ def test_recorder_keeps_a_sliding_window_of_closed_steps(tmp_path) -> None:
         rec.record(1, torch.tensor([[3, 2], [3, 1]]))
         rec.end_step()
     rec.record(0, torch.tensor([[1, 1]]))  # open step: not exported
+    rec.record_counts(1, torch.tensor([5, 0, 0, 0]))
     win = rec.window_counts()
     assert win.shape == (3, 2, 4)
     for i, step in enumerate((2, 3, 4)):  # oldest first
@@ -56,6 +57,7 @@ def test_replica_map_splits_tokens_exactly_as_the_router_model(offset: int) -> N
     first = int(np.flatnonzero(topk.reshape(-1).numpy() == 3)[0])
     assert int(phys.reshape(-1)[first]) == placement.log2phy[0, 3, offset % 4]
     assert torch.equal(phys, rmap.map(0, topk, offset=offset))
+    assert torch.equal(phys, choose_replicas(rmap.log2phy(0), rmap.logcnt(0), topk, offset))
 
 
 def test_replica_map_update_layer_and_validation() -> None:
@@ -94,3 +96,11 @@ def test_plan_round_trips_through_plain_arrays() -> None:
     assert RemapPlan.from_arrays(arrays) == plan
     with pytest.raises(ValueError, match="must be"):
         RemapPlan.from_arrays({**arrays, "local": np.zeros((2, 2))})
+
+
+def test_record_counts_adds_to_the_open_step() -> None:
+    rec = ExpertLoadRecorder(num_layers=1, num_experts=3, window=2)
+    rec.record_counts(0, torch.tensor([1, 2, 3]))
+    rec.record(0, torch.tensor([[2]]))
+    rec.end_step()
+    assert rec.window_counts().tolist() == [[[1, 2, 4]]]
