@@ -19,7 +19,7 @@ deterministic, so all ranks reach the same decision without a coordinator.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from typing import Any
 
 import numpy as np
@@ -225,8 +225,3 @@ def _window_imbalance(load: np.ndarray, placement: Placement) -> np.ndarray:
     ranks = per_slot.reshape(load.shape[0], placement.num_ranks, -1).sum(-1)
     out = imbalance_matrix(ranks)
     return np.where(np.isnan(out), 1.0, out)
-
-
-def with_overrides(config: EplbConfig, **changes: Any) -> EplbConfig:
-    """A validated copy (configs are never mutated)."""
-    return replace(config, **changes)

@@ -32,8 +32,11 @@ class LoadSource(Protocol):
     ``counts(steps)`` takes strictly increasing step indices, never earlier than steps
     already asked for, and returns int64 [len(steps), num_layers, num_experts]."""
 
-    num_layers: int
-    num_experts: int
+    @property
+    def num_layers(self) -> int: ...
+
+    @property
+    def num_experts(self) -> int: ...
 
     def counts(self, steps: np.ndarray) -> np.ndarray: ...
 

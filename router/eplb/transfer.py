@@ -90,8 +90,3 @@ def plan_remap(old_phy2log: np.ndarray, new_phy2log: np.ndarray, num_ranks: int)
                 transfers.append(Transfer(src_slot // s, src_slot % s, d, j))
                 received[e] = j
     return RemapPlan(tuple(transfers), tuple(local), tuple(dup))
-
-
-def plan_bytes(plan: RemapPlan, row_bytes: int) -> int:
-    """Bytes a plan puts on the network for experts of ``row_bytes`` each."""
-    return len(plan.transfers) * row_bytes

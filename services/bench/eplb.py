@@ -50,17 +50,48 @@ class PoolCase:
     target: float | None  # DeepSeek's measured imbalance, where one was published
 
 
+def _prefill(ep: int, quick: bool, target: float | None) -> PoolCase:
+    return PoolCase(
+        pool="prefill",
+        ep=ep,
+        redundant_per_rank=4,
+        window=100,
+        period=1000,
+        tokens_per_rank=4096,
+        seqs_per_rank=2,
+        step_time_s=0.7,
+        periods=3 if quick else 20,
+        eval_stride=5,
+        baseline="deepseek_hierarchical",
+        target=target,
+    )
+
+
+def _decode(ep: int, quick: bool, target: float | None) -> PoolCase:
+    return PoolCase(
+        pool="decode",
+        ep=ep,
+        redundant_per_rank=1,
+        window=1000,
+        period=10000,
+        tokens_per_rank=256,
+        seqs_per_rank=256,
+        step_time_s=0.03,
+        periods=2 if quick else 12,
+        eval_stride=50,
+        baseline="deepseek_global",
+        target=target,
+    )
+
+
 def cases(quick: bool) -> list[PoolCase]:
-    pre = {"redundant_per_rank": 4, "window": 100, "period": 1000, "tokens_per_rank": 4096}
-    dec = {"redundant_per_rank": 1, "window": 1000, "period": 10000, "tokens_per_rank": 256}
-    p_run = {"periods": 3 if quick else 20, "eval_stride": 5, "baseline": "deepseek_hierarchical"}
-    d_run = {"periods": 2 if quick else 12, "eval_stride": 50, "baseline": "deepseek_global"}
+    """DeepSeek's pool settings; targets are DeepSeek's measured imbalance where published."""
     return [
-        PoolCase("prefill", 2, **pre, seqs_per_rank=2, step_time_s=0.7, **p_run, target=1.045),
-        PoolCase("prefill", 4, **pre, seqs_per_rank=2, step_time_s=0.7, **p_run, target=1.074),
-        PoolCase("prefill", 8, **pre, seqs_per_rank=2, step_time_s=0.7, **p_run, target=None),
-        PoolCase("decode", 64, **dec, seqs_per_rank=256, step_time_s=0.03, **d_run, target=1.090),
-        PoolCase("decode", 128, **dec, seqs_per_rank=256, step_time_s=0.03, **d_run, target=None),
+        _prefill(2, quick, 1.045),
+        _prefill(4, quick, 1.074),
+        _prefill(8, quick, None),
+        _decode(64, quick, 1.090),
+        _decode(128, quick, None),
     ]
 
 
