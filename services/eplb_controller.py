@@ -33,6 +33,7 @@ from router.eplb.placement import (
     identity_placement,
 )
 from router.eplb.transfer import RemapPlan, plan_remap
+from services.cluster_config import EplbSpec
 
 _POOL_DEFAULTS: dict[str, dict[str, int]] = {
     # DeepSeek's settings (SEED_FACTS section 4)
@@ -100,6 +101,20 @@ class EplbConfig:
         if unknown:
             raise ValueError(f"unknown eplb setting(s) {sorted(unknown)}; known: {sorted(known)}")
         return cls.for_pool(pool, **dict(section))
+
+    @classmethod
+    def from_cluster_spec(cls, pool: str, spec: EplbSpec, **extra: Any) -> EplbConfig:
+        """From the cluster spec's ``<pool>.eplb`` section (``services.cluster_config``);
+        ``extra`` sets what that section does not carry yet (``min_gain`` and others)."""
+        return cls.for_pool(
+            pool,
+            enabled=spec.enabled,
+            num_redundant_per_rank=spec.redundant_experts_per_gpu,
+            window_steps=spec.window_steps,
+            period_steps=spec.period_steps,
+            algorithm=spec.algorithm,
+            **extra,
+        )
 
     def spec(self, num_logical: int, num_ranks: int) -> PlacementSpec:
         nodes = max(1, num_ranks // self.gpus_per_node) if num_ranks % self.gpus_per_node == 0 else 1

@@ -110,6 +110,13 @@ def waterfill_sticky(load: np.ndarray, spec: PlacementSpec, previous: Placement 
     return _sticky(load, spec, previous, tolerance=0.0)
 
 
+@register_algorithm("sluice")
+def sluice(load: np.ndarray, spec: PlacementSpec, previous: Placement | None = None) -> Placement:
+    """The project's recommended algorithm (the cluster spec's default name): now
+    ``waterfill_sticky``."""
+    return waterfill_sticky(load, spec, previous)
+
+
 @register_algorithm("waterfill_sticky_lazy")
 def waterfill_sticky_lazy(
     load: np.ndarray, spec: PlacementSpec, previous: Placement | None = None

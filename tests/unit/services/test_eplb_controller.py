@@ -78,3 +78,24 @@ def test_min_gain_and_disabled_and_shape_checks() -> None:
     long[-5:] = 1.0
     long[:4] = 100.0
     assert ctl.window_load([long]).sum() == 5 * 2 * 8
+
+
+def test_config_from_the_cluster_spec_example() -> None:
+    from pathlib import Path
+
+    from services.cluster_config import load_cluster_spec
+
+    spec = load_cluster_spec(Path(__file__).parents[3] / "deploy" / "cluster.example.yaml")
+    pre = EplbConfig.from_cluster_spec("prefill", spec.prefill.eplb)
+    dec = EplbConfig.from_cluster_spec("decode", spec.decode.eplb, min_gain=0.01)
+    assert (pre.num_redundant_per_rank, pre.window_steps, pre.period_steps) == (4, 100, 1000)
+    assert (dec.num_redundant_per_rank, dec.window_steps, dec.period_steps, dec.min_gain) == (
+        1,
+        1000,
+        10000,
+        0.01,
+    )
+    assert pre.algorithm == "sluice"  # the spec's default name resolves in the registry
+    ctl = EplbController(pre, num_layers=1, num_logical=16, num_ranks=4)
+    rng = np.random.default_rng(0)
+    assert ctl.decide(100, _windows(rng, 4, 100, 1, 16, hot=3)).layers
