@@ -105,16 +105,19 @@ class EplbConfig:
     @classmethod
     def from_cluster_spec(cls, pool: str, spec: EplbSpec, **extra: Any) -> EplbConfig:
         """From the cluster spec's ``<pool>.eplb`` section (``services.cluster_config``);
-        ``extra`` sets what that section does not carry yet (``min_gain`` and others)."""
-        return cls.for_pool(
-            pool,
-            enabled=spec.enabled,
-            num_redundant_per_rank=spec.redundant_experts_per_gpu,
-            window_steps=spec.window_steps,
-            period_steps=spec.period_steps,
-            algorithm=spec.algorithm,
-            **extra,
-        )
+        ``extra`` overrides any field."""
+        fields: dict[str, Any] = {
+            "enabled": spec.enabled,
+            "num_redundant_per_rank": spec.redundant_experts_per_gpu,
+            "window_steps": spec.window_steps,
+            "period_steps": spec.period_steps,
+            "algorithm": spec.algorithm,
+            "min_gain": spec.min_gain,
+            "layers_per_step": spec.layers_per_step,
+            "num_groups": spec.num_groups,
+            "gpus_per_node": spec.gpus_per_node,
+        }
+        return cls.for_pool(pool, **{**fields, **extra})
 
     def spec(self, num_logical: int, num_ranks: int) -> PlacementSpec:
         nodes = max(1, num_ranks // self.gpus_per_node) if num_ranks % self.gpus_per_node == 0 else 1
