@@ -33,6 +33,9 @@ class SequenceInput:
     swa_slot: int
     block_table: Sequence[int]  # physical block ids, logical order
     sample: bool = True  # produce logits for the last new token
+    # Compressed rows covering only positions below this are already final in the blocks (a prefix
+    # hit being replayed to rebuild SWA state): the step must not rewrite them. 0 = none.
+    rows_cached_until: int = 0
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class ForwardBatch:
     query_len_cpu: tuple[int, ...] = ()
     num_computed_cpu: tuple[int, ...] = ()
     swa_slot_cpu: tuple[int, ...] = ()
+    rows_cached_until_cpu: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +62,10 @@ class ForwardBatch:
     @property
     def num_seqs(self) -> int:
         return len(self.query_len_cpu)
+
+    @property
+    def cached_until(self) -> tuple[int, ...]:
+        return self.rows_cached_until_cpu or (0,) * self.num_seqs
 
     @property
     def sample_indices(self) -> torch.Tensor:
@@ -102,6 +110,7 @@ class ForwardBatch:
             query_len_cpu=tuple(lens),
             num_computed_cpu=tuple(s.num_computed for s in seqs),
             swa_slot_cpu=tuple(s.swa_slot for s in seqs),
+            rows_cached_until_cpu=tuple(s.rows_cached_until for s in seqs),
         )
         batch.validate()
         return batch
@@ -110,6 +119,8 @@ class ForwardBatch:
         """Raise ValueError if the batch breaks an invariant in the module docstring."""
         b = self.num_seqs
         if not (len(self.query_start_cpu) == len(self.num_computed_cpu) == len(self.swa_slot_cpu) == b):
+            raise ValueError("per-sequence host metadata must all have one entry per sequence")
+        if self.rows_cached_until_cpu and len(self.rows_cached_until_cpu) != b:
             raise ValueError("per-sequence host metadata must all have one entry per sequence")
         expect = 0
         for i in range(b):
