@@ -12,6 +12,7 @@ from engine.cache.spec import CacheSpec
 from engine.cache.swa import SWASlots
 from engine.checkpoint.loader import load_weights
 from engine.config import ModelConfig
+from engine.distributed.ep import select_dispatch
 from engine.forward_batch import ForwardBatch
 from engine.model.model import DeepseekV4
 from engine.model.moe import ExpertPlacement
@@ -56,12 +57,9 @@ class ModelRunner:
         model = DeepseekV4(self.model_cfg, placement, cfg.ep_rank, with_mtp=cfg.with_mtp)
         self.unused_keys = load_weights(model, model_dir)
         self.model = model.to(device=cfg.device, dtype=cfg.torch_dtype).eval()
-        if cfg.ep_size > 1:
-            from engine.distributed.ep import AllToAllDispatch
-
-            dispatch = AllToAllDispatch(ep_group, cfg.ep_size)
-            for moe in self.model.moe_layers():
-                moe.dispatch = dispatch
+        dispatch = select_dispatch(ep_group, cfg.ep_size, torch.device(cfg.device))
+        for moe in self.model.moe_layers():
+            moe.dispatch = dispatch
         self.spec = CacheSpec.from_model(self.model_cfg, elem_bytes=cfg.torch_dtype.itemsize,
                                          state_bytes=cfg.torch_dtype.itemsize)
         self.pool = CompressedPool(self.spec, cfg.num_blocks, cfg.torch_dtype, cfg.device)
