@@ -76,6 +76,7 @@ class Attention(nn.Module):
              cached_until[i], batch.block_table[i])
             for i in range(batch.num_seqs)
         ]
+        window_from = batch.window_from
         iq = iw = None
         if self.compressor is not None:
             run_compressor(self.compressor, self.rotary, x, meta, pool, swa, layer, index=False)
@@ -84,9 +85,9 @@ class Attention(nn.Module):
                 run_compressor(ix, self.rotary, x, meta, pool, swa, layer, index=True)
                 iq, iw = ix.queries(self.rotary, q_latent, x, pos)
         out = torch.empty_like(q)  # [T, H, hd]
-        for start, qlen, n0, slot, _, table in meta:
+        for i, (start, qlen, n0, slot, _, table) in enumerate(meta):
             sl = slice(start, start + qlen)
-            keys, bias = self._keys(kv[sl], pos[sl], n0, slot, table, pool, swa, layer,
+            keys, bias = self._keys(kv[sl], pos[sl], n0, window_from[i], slot, table, pool, swa, layer,
                                     None if iq is None else (iq[sl], iw[sl]))
             out[sl] = self._attend(q[sl], keys, bias)
             SWASlots.ring_write(swa.window[layer], slot, n0, kv[sl])
@@ -94,9 +95,9 @@ class Attention(nn.Module):
         grouped = out.reshape(x.shape[0], self.o_groups, -1)
         return self.o_b_proj(self.o_a_proj(grouped))
 
-    def _keys(self, kv_new, qpos, n0, slot, table, pool, swa, layer, idx_q):
+    def _keys(self, kv_new, qpos, n0, window_from, slot, table, pool, swa, layer, idx_q):
         """Keys [K, hd] visible to a sequence's queries and the additive bias [q, K] (0 / -inf)."""
-        lo = max(0, n0 - self.window + 1)
+        lo = min(n0, max(window_from, n0 - self.window + 1))
         raw = torch.cat([SWASlots.ring_read(swa.window[layer], slot, lo, n0), kv_new], dim=0)
         kpos = torch.arange(lo, n0 + kv_new.shape[0], device=kv_new.device)
         d = qpos[:, None] - kpos[None, :]
