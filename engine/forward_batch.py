@@ -82,7 +82,9 @@ class ForwardBatch:
         return last[self.sample]
 
     @classmethod
-    def from_sequences(cls, seqs: Sequence[SequenceInput], device: torch.device | str = "cpu") -> ForwardBatch:
+    def from_sequences(
+        cls, seqs: Sequence[SequenceInput], device: torch.device | str = "cpu"
+    ) -> ForwardBatch:
         if not seqs:
             raise ValueError("a ForwardBatch needs at least one sequence")
         ids: list[int] = []

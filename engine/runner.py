@@ -60,8 +60,9 @@ class ModelRunner:
         dispatch = select_dispatch(ep_group, cfg.ep_size, torch.device(cfg.device))
         for moe in self.model.moe_layers():
             moe.dispatch = dispatch
-        self.spec = CacheSpec.from_model(self.model_cfg, elem_bytes=cfg.torch_dtype.itemsize,
-                                         state_bytes=cfg.torch_dtype.itemsize)
+        self.spec = CacheSpec.from_model(
+            self.model_cfg, elem_bytes=cfg.torch_dtype.itemsize, state_bytes=cfg.torch_dtype.itemsize
+        )
         self.pool = CompressedPool(self.spec, cfg.num_blocks, cfg.torch_dtype, cfg.device)
         self.swa = SWASlots(self.spec, cfg.num_slots, cfg.torch_dtype, cfg.device)
 

@@ -41,7 +41,7 @@ class TensorSource:
                 for k in h.keys():  # noqa: SIM118 - safe_open handles are not mappings
                     self._where[k] = f
 
-    def keys(self) -> list[str]:
+    def names(self) -> list[str]:
         return list(self._where)
 
     def __contains__(self, key: str) -> bool:
@@ -58,8 +58,7 @@ class _Loader:
     def __init__(self, model: DeepseekV4, src: TensorSource) -> None:
         self.src = src
         self.state = model.state_dict()
-        first = model.model.layers[0].mlp.experts
-        self.lo, self.hi = first.first, first.first + first.gate_up_proj.shape[0]
+        self.lo, self.hi = model.local_expert_range()
         self.seen: set[str] = set()
         self.expert_parts: dict[str, set[tuple[int, str]]] = {}
         self.unused: list[str] = []
@@ -123,7 +122,7 @@ def load_weights(model: DeepseekV4, path: str | Path, strict: bool = True) -> li
     src = TensorSource(path)
     loader = _Loader(model, src)
     with torch.no_grad():
-        for key in src.keys():
+        for key in src.names():
             if not is_scale_key(src, key):
                 loader.load_key(key)
     return loader.finish(path, strict)

@@ -65,12 +65,16 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     elif q.dtype == torch.float8_e4m3fn:
         w, block = q.to(torch.float32), (FP8_BLOCK, FP8_BLOCK)
     else:
-        raise ValueError(f"a scale was given for a {q.dtype} tensor; expected float8_e4m3fn or packed FP4 int8")
+        raise ValueError(
+            f"a scale was given for a {q.dtype} tensor; expected float8_e4m3fn or packed FP4 int8"
+        )
     s = _scales_fp32(scale)
     rows, cols = w.shape[-2:]
     s = s.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
     if s.shape != w.shape:
-        raise ValueError(f"scale grid {tuple(scale.shape)} does not cover weight {tuple(w.shape)} in {block} blocks")
+        raise ValueError(
+            f"scale grid {tuple(scale.shape)} does not cover weight {tuple(w.shape)} in {block} blocks"
+        )
     return w * s
 
 
@@ -114,8 +118,18 @@ def _fp8_target(name: str, t: torch.Tensor) -> bool:
     norms, router, hc params, or the compressor/indexer kv/gate/weights projections (BF16 there)."""
     if t.dim() != 2 or not name.endswith(".weight") or "norm" in name:
         return False
-    skip = ("embed", "head.weight", ".gate.weight", "compressor.wkv", "compressor.wgate", "compressor.kv_proj",
-            "compressor.gate_proj", "weights_proj", "indexer.kv_proj", "indexer.gate_proj")
+    skip = (
+        "embed",
+        "head.weight",
+        ".gate.weight",
+        "compressor.wkv",
+        "compressor.wgate",
+        "compressor.kv_proj",
+        "compressor.gate_proj",
+        "weights_proj",
+        "indexer.kv_proj",
+        "indexer.gate_proj",
+    )
     return not any(s in name for s in skip)
 
 
@@ -126,7 +140,9 @@ def _is_expert(name: str) -> bool:
     return _EXPERT_KEY.search(name) is not None
 
 
-def quantize_tensors(tensors: dict[str, torch.Tensor], mode: str, ue8m0: bool = True) -> dict[str, torch.Tensor]:
+def quantize_tensors(
+    tensors: dict[str, torch.Tensor], mode: str, ue8m0: bool = True
+) -> dict[str, torch.Tensor]:
     """Quantise a checkpoint's tensors: ``fp8`` = FP8 linears and experts; ``fp4`` = FP8 linears + FP4 experts."""
     if mode not in QUANT_MODES:
         raise ValueError(f"unknown quant mode {mode!r}; known: {QUANT_MODES}")
@@ -136,7 +152,9 @@ def quantize_tensors(tensors: dict[str, torch.Tensor], mode: str, ue8m0: bool = 
         if expert and mode == "fp4":
             q, s = quantize_fp4(t)
             out[name] = q
-            out[name.removesuffix("weight") + "scale" if name.endswith(".weight") else name + "_scale_inv"] = s
+            out[
+                name.removesuffix("weight") + "scale" if name.endswith(".weight") else name + "_scale_inv"
+            ] = s
         elif expert or _fp8_target(name, t):
             q, s = quantize_fp8(t, ue8m0)
             out[name], out[name + "_scale_inv"] = q, s
@@ -152,7 +170,9 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, mode: str, ue8m0: bool
     for f in sorted(src.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
             tensors = {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118
-        save_file({k: v.contiguous() for k, v in quantize_tensors(tensors, mode, ue8m0).items()}, str(dst / f.name))
+        save_file(
+            {k: v.contiguous() for k, v in quantize_tensors(tensors, mode, ue8m0).items()}, str(dst / f.name)
+        )
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = {
         "quant_method": "fp8",
@@ -177,5 +197,11 @@ def fake_quantize(t: torch.Tensor, name: str, mode: str, ue8m0: bool = True) -> 
     return dequantize(q[name], q[scale_key]).to(t.dtype)
 
 
-__all__ = ["QUANT_MODES", "dequantize", "fake_quantize", "quantize_checkpoint", "quantize_fp4", "quantize_fp8",
+__all__ = [
+    "QUANT_MODES",
+    "dequantize",
+    "fake_quantize",
+    "quantize_checkpoint",
+    "quantize_fp4",
+    "quantize_fp8",
 ]

@@ -35,7 +35,9 @@ class AllToAllDispatch:
         dist.all_to_all_single(recv, send.contiguous(), recv_splits, send_splits, group=self.group)
         return recv
 
-    def __call__(self, x: torch.Tensor, phys: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, phys: torch.Tensor, weights: torch.Tensor, experts: Experts
+    ) -> torch.Tensor:
         """x [N, D], phys/weights [N, k] -> routed output [N, D]."""
         n, k = phys.shape
         per_rank = experts.gate_up_proj.shape[0]

@@ -55,14 +55,28 @@ class Attention(nn.Module):
         self.rotary = Rotary(cfg.main_rope if layer_type == SLIDING else cfg.compress_rope)
         self.compressor: CSACompressor | HCACompressor | None = None
         if layer_type == CSA:
-            idx = Indexer(cfg.hidden_size, cfg.q_lora_rank, cfg.index_head_dim, cfg.index_n_heads, cfg.csa_rate,
-                          cfg.index_topk, cfg.rms_norm_eps)
-            self.compressor = CSACompressor(cfg.hidden_size, cfg.head_dim, cfg.csa_rate, cfg.rms_norm_eps, idx)
+            idx = Indexer(
+                cfg.hidden_size,
+                cfg.q_lora_rank,
+                cfg.index_head_dim,
+                cfg.index_n_heads,
+                cfg.csa_rate,
+                cfg.index_topk,
+                cfg.rms_norm_eps,
+            )
+            self.compressor = CSACompressor(
+                cfg.hidden_size, cfg.head_dim, cfg.csa_rate, cfg.rms_norm_eps, idx
+            )
         elif layer_type == HCA:
             self.compressor = HCACompressor(cfg.hidden_size, cfg.head_dim, cfg.hca_rate, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, pool: CompressedPool, swa: SWASlots, layer: int,
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        pool: CompressedPool,
+        swa: SWASlots,
+        layer: int,
         cached_until: tuple[int, ...],
     ) -> torch.Tensor:
         """x [T, D] (normed attention input) -> [T, D]."""
@@ -72,23 +86,39 @@ class Attention(nn.Module):
         q = self.rotary(rms_unweighted(q, self.eps), pos)
         kv = self.rotary(self.kv_norm(self.kv_proj(x)), pos)  # [T, hd], K == V
         meta = [
-            (batch.query_start_cpu[i], batch.query_len_cpu[i], batch.num_computed_cpu[i], batch.swa_slot_cpu[i],
-             cached_until[i], batch.block_table[i])
+            (
+                batch.query_start_cpu[i],
+                batch.query_len_cpu[i],
+                batch.num_computed_cpu[i],
+                batch.swa_slot_cpu[i],
+                cached_until[i],
+                batch.block_table[i],
+            )
             for i in range(batch.num_seqs)
         ]
         window_from = batch.window_from
-        iq = iw = None
+        idx: tuple[torch.Tensor, torch.Tensor] | None = None  # indexer queries [T, nI, dI], weights [T, nI]
         if self.compressor is not None:
             run_compressor(self.compressor, self.rotary, x, meta, pool, swa, layer, index=False)
             if isinstance(self.compressor, CSACompressor):
                 ix = self.compressor.indexer
                 run_compressor(ix, self.rotary, x, meta, pool, swa, layer, index=True)
-                iq, iw = ix.queries(self.rotary, q_latent, x, pos)
+                idx = ix.queries(self.rotary, q_latent, x, pos)
         out = torch.empty_like(q)  # [T, H, hd]
         for i, (start, qlen, n0, slot, _, table) in enumerate(meta):
             sl = slice(start, start + qlen)
-            keys, bias = self._keys(kv[sl], pos[sl], n0, window_from[i], slot, table, pool, swa, layer,
-                                    None if iq is None else (iq[sl], iw[sl]))
+            keys, bias = self._keys(
+                kv[sl],
+                pos[sl],
+                n0,
+                window_from[i],
+                slot,
+                table,
+                pool,
+                swa,
+                layer,
+                None if idx is None else (idx[0][sl], idx[1][sl]),
+            )
             out[sl] = self._attend(q[sl], keys, bias)
             SWASlots.ring_write(swa.window[layer], slot, n0, kv[sl])
         out = self.rotary(out, pos, inverse=True)
@@ -106,7 +136,7 @@ class Attention(nn.Module):
             rate = self.compressor.rate
             n_entries = (n0 + kv_new.shape[0]) // rate
             comp = pool.read(layer, table, n_entries)  # [E, hd]
-            if idx_q is not None:
+            if idx_q is not None and isinstance(self.compressor, CSACompressor):
                 ikeys = pool.read(layer, table, n_entries, index=True)
                 cvis = self.compressor.indexer.select(idx_q[0], idx_q[1], ikeys, qpos)
             else:

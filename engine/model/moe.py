@@ -26,7 +26,9 @@ class ExpertPlacement:
 
     def __post_init__(self) -> None:
         if self.num_physical % self.ep_size:
-            raise ValueError(f"{self.num_physical} physical experts do not split over {self.ep_size} EP ranks")
+            raise ValueError(
+                f"{self.num_physical} physical experts do not split over {self.ep_size} EP ranks"
+            )
         if int(self.logcnt.min()) < 1:
             raise ValueError("every logical expert needs at least one physical replica")
 
@@ -36,8 +38,12 @@ class ExpertPlacement:
 
     @classmethod
     def identity(cls, num_experts: int, ep_size: int = 1) -> ExpertPlacement:
-        return cls(torch.arange(num_experts).view(-1, 1), torch.ones(num_experts, dtype=torch.long), num_experts,
-                   ep_size)
+        return cls(
+            torch.arange(num_experts).view(-1, 1),
+            torch.ones(num_experts, dtype=torch.long),
+            num_experts,
+            ep_size,
+        )
 
     def physical(self, logical: torch.Tensor) -> torch.Tensor:
         """Logical ids [N, k] -> physical ids [N, k]; replicas chosen round-robin by row (deterministic)."""
@@ -52,6 +58,9 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 class Router(nn.Module):
+    tid2eid: torch.Tensor
+    e_score_correction_bias: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, hashed: bool) -> None:
         super().__init__()
         self.top_k, self.scale, self.hashed = cfg.num_experts_per_tok, cfg.routed_scaling_factor, hashed
@@ -59,7 +68,9 @@ class Router(nn.Module):
         if hashed:
             self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.top_k, dtype=torch.long))
         else:
-            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+            self.register_buffer(
+                "e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32)
+            )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (weights [T, k], logical expert ids [T, k])."""
@@ -75,7 +86,9 @@ class Router(nn.Module):
 class Experts(nn.Module):
     """This rank's physical experts, packed as transformers stores them."""
 
-    def __init__(self, num_local: int, hidden: int, inter: int, limit: float, first_physical: int = 0) -> None:
+    def __init__(
+        self, num_local: int, hidden: int, inter: int, limit: float, first_physical: int = 0
+    ) -> None:
         super().__init__()
         self.limit, self.first = limit, first_physical
         self.gate_up_proj = nn.Parameter(torch.zeros(num_local, 2 * inter, hidden))
@@ -107,7 +120,9 @@ class SharedExpert(nn.Module):
 Dispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Experts], torch.Tensor]
 
 
-def local_dispatch(x: torch.Tensor, phys: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
+def local_dispatch(
+    x: torch.Tensor, phys: torch.Tensor, weights: torch.Tensor, experts: Experts
+) -> torch.Tensor:
     """Single-rank MoE: every physical expert is local."""
     n, k = phys.shape
     rows = torch.arange(n, device=x.device).repeat_interleave(k)
@@ -117,19 +132,31 @@ def local_dispatch(x: torch.Tensor, phys: torch.Tensor, weights: torch.Tensor, e
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, hashed: bool, placement: ExpertPlacement | None = None,
-                 ep_rank: int = 0) -> None:
+    last_load: torch.Tensor
+    dispatch: Dispatch
+
+    def __init__(
+        self, cfg: ModelConfig, hashed: bool, placement: ExpertPlacement | None = None, ep_rank: int = 0
+    ) -> None:
         super().__init__()
         self.placement = placement or ExpertPlacement.identity(cfg.n_routed_experts)
         per_rank = self.placement.experts_per_rank
         self.gate = Router(cfg, hashed)
-        self.experts = Experts(per_rank, cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit,
-                               first_physical=ep_rank * per_rank)
-        self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                           cfg.swiglu_limit)
+        self.experts = Experts(
+            per_rank,
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            cfg.swiglu_limit,
+            first_physical=ep_rank * per_rank,
+        )
+        self.shared_experts = SharedExpert(
+            cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.swiglu_limit
+        )
         self.dispatch: Dispatch = local_dispatch
         # tokens routed to each logical expert in the last forward (for EPLB)
-        self.register_buffer("last_load", torch.zeros(cfg.n_routed_experts, dtype=torch.long), persistent=False)
+        self.register_buffer(
+            "last_load", torch.zeros(cfg.n_routed_experts, dtype=torch.long), persistent=False
+        )
 
     def set_placement(self, placement: ExpertPlacement) -> None:
         """Swap the logical->physical map (the caller moves the expert weights to match)."""

@@ -45,10 +45,14 @@ def test_prefix_hit_shares_blocks_and_copies_the_slot(reference) -> None:
         assert torch.equal(runner.pool.rows[k][0], v)
 
 
-def _replay_then_decode(runner: ModelRunner, prefix: list[int], suffix: list[int], replay: int) -> torch.Tensor:
+def _replay_then_decode(
+    runner: ModelRunner, prefix: list[int], suffix: list[int], replay: int
+) -> torch.Tensor:
     s = PREFIX - replay
     # a fresh slot: replay [s, PREFIX) without rewriting the cached rows, window starting at s
-    _run(runner, SequenceInput(prefix[s:], s, 2, [0, 3], sample=False, rows_cached_until=PREFIX, window_from=s))
+    _run(
+        runner, SequenceInput(prefix[s:], s, 2, [0, 3], sample=False, rows_cached_until=PREFIX, window_from=s)
+    )
     return _run(runner, SequenceInput(suffix, PREFIX, 2, [0, 3]))[0]
 
 

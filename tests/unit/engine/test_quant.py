@@ -11,7 +11,14 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from engine.checkpoint.quant import dequantize, find_scale, is_scale_key, quantize_checkpoint, quantize_fp4, quantize_fp8
+from engine.checkpoint.quant import (
+    dequantize,
+    find_scale,
+    is_scale_key,
+    quantize_checkpoint,
+    quantize_fp4,
+    quantize_fp8,
+)
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.runner import ModelRunner, RunnerConfig
 from tests.unit.engine.conftest import reference_logits
