@@ -164,15 +164,24 @@ def quantize_tensors(
 
 
 def quantize_checkpoint(src: str | Path, dst: str | Path, mode: str, ue8m0: bool = True) -> Path:
-    """Write a quantised copy of a safetensors checkpoint directory (config gains a quantization_config)."""
+    """Write a quantised copy of a safetensors checkpoint directory (``dst`` may be ``src``).
+
+    The config gains a ``quantization_config``; a shard index gains the new scale keys.
+    """
     src, dst = Path(src), Path(dst)
     dst.mkdir(parents=True, exist_ok=True)
+    weight_map: dict[str, str] = {}
     for f in sorted(src.glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as h:
-            tensors = {k: h.get_tensor(k) for k in h.keys()}  # noqa: SIM118
-        save_file(
-            {k: v.contiguous() for k, v in quantize_tensors(tensors, mode, ue8m0).items()}, str(dst / f.name)
-        )
+            tensors = {k: h.get_tensor(k).clone() for k in h.keys()}  # noqa: SIM118
+        out = {k: v.contiguous() for k, v in quantize_tensors(tensors, mode, ue8m0).items()}
+        save_file(out, str(dst / f.name))
+        weight_map.update({k: f.name for k in out})
+    index = src / "model.safetensors.index.json"
+    if index.exists():
+        meta = json.loads(index.read_text())
+        meta["weight_map"] = weight_map
+        (dst / index.name).write_text(json.dumps(meta, indent=2))
     cfg = json.loads((src / "config.json").read_text())
     cfg["quantization_config"] = {
         "quant_method": "fp8",
@@ -182,9 +191,10 @@ def quantize_checkpoint(src: str | Path, dst: str | Path, mode: str, ue8m0: bool
         "expert_dtype": mode,
     }
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
-    for extra in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
-        if (src / extra).exists():
-            shutil.copy(src / extra, dst / extra)
+    if src.resolve() != dst.resolve():
+        for extra in ("generation_config.json", "tokenizer.json", "tokenizer_config.json"):
+            if (src / extra).exists():
+                shutil.copy(src / extra, dst / extra)
     return dst
 
 
