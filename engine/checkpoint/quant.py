@@ -52,7 +52,7 @@ def _scales_fp32(scale: torch.Tensor) -> torch.Tensor:
 
 
 def _unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
-    lut = torch.tensor(_E2M1, dtype=torch.float32)
+    lut = torch.tensor(_E2M1, dtype=torch.float32, device=packed.device)
     u8 = packed.contiguous().view(torch.uint8)
     vals = torch.stack([lut[(u8 & 0xF).long()], lut[((u8 >> 4) & 0xF).long()]], dim=-1)
     return vals.reshape(*packed.shape[:-1], 2 * packed.shape[-1])
@@ -106,7 +106,7 @@ def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     g = w.float().reshape(*w.shape[:-1], cols // FP4_GROUP, FP4_GROUP)
     scale = _pow2_ceil(g.abs().amax(-1).clamp(min=1e-12) / FP4_MAX)  # [..., out, in/32]
     x = (g / scale.unsqueeze(-1)).reshape(w.shape)
-    lut = torch.tensor(_E2M1[:8])
+    lut = torch.tensor(_E2M1[:8], device=w.device)
     mag = (x.abs().unsqueeze(-1) - lut).abs().argmin(-1)  # nearest magnitude code 0..7
     code = (mag + 8 * (x < 0).long()).to(torch.uint8)
     packed = (code[..., 0::2] | (code[..., 1::2] << 4)).view(torch.int8)

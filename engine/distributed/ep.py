@@ -40,7 +40,7 @@ class AllToAllDispatch:
     ) -> torch.Tensor:
         """x [N, D], phys/weights [N, k] -> routed output [N, D]."""
         n, k = phys.shape
-        per_rank = experts.gate_up_proj.shape[0]
+        per_rank = experts.num_local
         flat = phys.reshape(-1)  # [N*k]
         rows = torch.arange(n, device=x.device).repeat_interleave(k)
         dest = flat // per_rank

@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.cache.pool import CompressedPool
 from engine.cache.swa import SWASlots
+from engine.checkpoint.quant import dequantize
 from engine.config import CSA, HCA, SLIDING, ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.model.compressor import CSACompressor, HCACompressor, Indexer, run_compressor
@@ -21,16 +22,31 @@ from engine.model.rope import Rotary
 
 
 class GroupedLinear(nn.Module):
-    """Block-diagonal linear: weight [groups * out_per_group, in_per_group]."""
+    """Block-diagonal linear: weight [groups * out_per_group, in_per_group] (optionally kept quantised)."""
+
+    qweight: torch.Tensor | None
+    scale: torch.Tensor | None
 
     def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
         super().__init__()
         self.groups = groups
         self.weight = nn.Parameter(torch.zeros(out_features, in_per_group))
+        self.register_buffer("qweight", None)
+        self.register_buffer("scale", None)
+
+    def set_quantized(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, G, in] -> [T, G * out_per_group]."""
-        w = self.weight.view(self.groups, -1, x.shape[-1])  # [G, out, in]
+        w = (
+            self.weight
+            if self.qweight is None or self.scale is None
+            else dequantize(self.qweight, self.scale)
+        )
+        w = w.view(self.groups, -1, x.shape[-1])  # [G, out, in]
         return torch.einsum("tgi,goi->tgo", x, w.to(x.dtype)).flatten(1)
 
 

@@ -54,7 +54,7 @@ class DeepseekV4(nn.Module):
     def local_expert_range(self) -> tuple[int, int]:
         """[first, last) physical expert ids held by this rank."""
         experts = self.moe_layers()[0].experts
-        return experts.first, experts.first + int(experts.gate_up_proj.shape[0])
+        return experts.first, experts.first + experts.num_local
 
     def expert_load(self) -> torch.Tensor:
         """[num_moe_layers, n_routed_experts] tokens routed to each logical expert in the last step."""

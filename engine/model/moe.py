@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.checkpoint.quant import dequantize
 from engine.config import ModelConfig
 
 
@@ -84,23 +85,41 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """This rank's physical experts, packed as transformers stores them."""
+    """This rank's physical experts, packed as transformers stores them (optionally kept quantised)."""
 
     def __init__(
         self, num_local: int, hidden: int, inter: int, limit: float, first_physical: int = 0
     ) -> None:
         super().__init__()
-        self.limit, self.first = limit, first_physical
+        self.limit, self.first, self.num_local = limit, first_physical, num_local
         self.gate_up_proj = nn.Parameter(torch.zeros(num_local, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.zeros(num_local, hidden, inter))
+        self.quantized: set[str] = set()
+
+    def set_quantized(self, which: str, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+        """Keep ``which`` ("gate_up_proj" or "down_proj") as FP8/FP4 + scales; dequantised per expert use."""
+        if which not in ("gate_up_proj", "down_proj") or qweight.shape[0] != self.num_local:
+            raise ValueError(
+                f"cannot keep {which} {tuple(qweight.shape)} quantised for {self.num_local} experts"
+            )
+        self.register_buffer(f"{which}_q", qweight)
+        self.register_buffer(f"{which}_s", scale)
+        setattr(self, which, nn.Parameter(torch.empty(0), requires_grad=False))
+        self.quantized.add(which)
+
+    def _weight(self, which: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        if which in self.quantized:
+            return dequantize(getattr(self, f"{which}_q")[e], getattr(self, f"{which}_s")[e]).to(dtype)
+        return getattr(self, which)[e]
 
     def run_rows(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Unweighted expert output for rows x [N, D] routed to local expert ids [N] -> [N, D]."""
         out = torch.zeros_like(x)
         for e in torch.unique(local_ids).tolist():
             rows = (local_ids == e).nonzero().squeeze(1)
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            out[rows] = F.linear(swiglu_clamped(gate, up, self.limit), self.down_proj[e]).to(out.dtype)
+            gate, up = F.linear(x[rows], self._weight("gate_up_proj", e, x.dtype)).chunk(2, dim=-1)
+            down = self._weight("down_proj", e, x.dtype)
+            out[rows] = F.linear(swiglu_clamped(gate, up, self.limit), down).to(out.dtype)
         return out
 
 
@@ -160,7 +179,7 @@ class MoE(nn.Module):
 
     def set_placement(self, placement: ExpertPlacement) -> None:
         """Swap the logical->physical map (the caller moves the expert weights to match)."""
-        if placement.experts_per_rank != self.experts.gate_up_proj.shape[0]:
+        if placement.experts_per_rank != self.experts.num_local:
             raise ValueError("a new placement must keep the number of physical experts per rank")
         self.placement = placement
 

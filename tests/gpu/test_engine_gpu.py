@@ -16,7 +16,9 @@ def _chunked(runner: ModelRunner, ids: list[int], chunks: list[int]) -> list[tor
     out, pos = [], 0
     for c in chunks:
         seq = SequenceInput(ids[pos : pos + c], pos, 0, [0, 1])
-        out.append(runner.execute(ForwardBatch.from_sequences([seq], device=runner.cfg.device)).logits[0].cpu())
+        out.append(
+            runner.execute(ForwardBatch.from_sequences([seq], device=runner.cfg.device)).logits[0].cpu()
+        )
         pos += c
     return out
 
@@ -48,3 +50,14 @@ def test_flash_widths_mixed_batch_bf16(tmp_path) -> None:
     ms = (time.perf_counter() - t0) / steps * 1e3
     print(f"flash widths, 4 layers, batch 4 decode: {ms:.1f} ms/step")
     assert torch.isfinite(logits).all()
+
+
+def test_cuda_keeps_fp4_fp8_weights_quantised(tmp_path) -> None:
+    path = generate_checkpoint("tiny", tmp_path / "q", quant="fp4", hidden_size=128, moe_intermediate_size=64).path
+    ids = list(range(3, 200))
+    chunks = [150, 47, 1]
+    cpu = _chunked(ModelRunner(path, RunnerConfig(num_blocks=2, num_slots=1)), ids, chunks)
+    cfg = RunnerConfig(num_blocks=2, num_slots=1, device="cuda", keep_quantized=True)
+    gpu = _chunked(ModelRunner(path, cfg), ids, chunks)
+    for a, b in zip(cpu, gpu):
+        assert (a - b).abs().max().item() < 1e-3

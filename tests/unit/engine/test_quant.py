@@ -83,3 +83,25 @@ def test_quantized_checkpoint_matches_dequantized_reference(reference, tmp_path:
     assert (got - want[-1]).abs().max().item() < 1e-4
     # the quantisation is real: the unquantised model gives different logits
     assert (got - reference_logits(ref, ids)[-1]).abs().max().item() > 1e-3
+
+
+@pytest.mark.parametrize("quant", ["fp8", "fp4"])
+def test_weights_kept_quantised_give_the_same_logits_in_less_memory(checkpoint_factory, quant: str) -> None:
+    from engine.model.qlinear import QuantLinear
+
+    path = checkpoint_factory("tiny", quant=quant, hidden_size=128, moe_intermediate_size=64)
+    ids = list(range(9, 80))
+    batch = ForwardBatch.from_sequences([SequenceInput(ids, 0, 0, [0])])
+    runners = [
+        ModelRunner(path, RunnerConfig(num_blocks=2, num_slots=1, keep_quantized=k)) for k in (False, True)
+    ]
+    dense, kept = (r.execute(batch).logits[0] for r in runners)
+    assert (dense - kept).abs().max().item() < 1e-5
+    model = runners[1].model
+    assert isinstance(model.model.layers[0].self_attn.q_a_proj, QuantLinear)
+    assert model.model.layers[1].mlp.experts.quantized == {"gate_up_proj", "down_proj"}
+
+    def nbytes(m: torch.nn.Module) -> int:
+        return sum(t.numel() * t.element_size() for t in [*m.parameters(), *m.buffers()])
+
+    assert nbytes(model) < 0.6 * nbytes(runners[0].model)
