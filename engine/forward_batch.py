@@ -76,6 +76,11 @@ class ForwardBatch:
         return self.window_from_cpu or (0,) * self.num_seqs
 
     @property
+    def is_decode(self) -> bool:
+        """Every sequence brings exactly one token (the vectorised decode path applies)."""
+        return all(n == 1 for n in self.query_len_cpu)
+
+    @property
     def sample_indices(self) -> torch.Tensor:
         """[num_sampled] flat index of the last new token of every sequence with sample=True."""
         last = self.query_start + self.query_len - 1

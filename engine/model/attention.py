@@ -17,6 +17,7 @@ from engine.checkpoint.quant import dequantize
 from engine.config import CSA, HCA, SLIDING, ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.model.compressor import CSACompressor, HCACompressor, Indexer, run_compressor
+from engine.model.decode import decode_attend, decode_compress, decode_keys
 from engine.model.norms import RMSNorm, rms_unweighted
 from engine.model.rope import Rotary
 
@@ -101,6 +102,8 @@ class Attention(nn.Module):
         q = self.q_b_proj(q_latent).view(x.shape[0], self.n_heads, self.head_dim)  # [T, H, hd]
         q = self.rotary(rms_unweighted(q, self.eps), pos)
         kv = self.rotary(self.kv_norm(self.kv_proj(x)), pos)  # [T, hd], K == V
+        if batch.is_decode:
+            return self._forward_decode(x, q, kv, q_latent, batch, pool, swa, layer)
         meta = [
             (
                 batch.query_start_cpu[i],
@@ -140,6 +143,22 @@ class Attention(nn.Module):
         out = self.rotary(out, pos, inverse=True)
         grouped = out.reshape(x.shape[0], self.o_groups, -1)
         return self.o_b_proj(self.o_a_proj(grouped))
+
+    def _forward_decode(self, x, q, kv, q_latent, batch, pool, swa, layer) -> torch.Tensor:
+        """One token per sequence, no per-sequence loop (engine.model.decode)."""
+        compressed = csa = None
+        if self.compressor is not None:
+            decode_compress(self.compressor, self.rotary, x, batch, pool, swa, layer, index=False)
+            compressed = (pool.rows[layer], self.compressor.rate)
+            if isinstance(self.compressor, CSACompressor):
+                ix = self.compressor.indexer
+                decode_compress(ix, self.rotary, x, batch, pool, swa, layer, index=True)
+                iq, iw = ix.queries(self.rotary, q_latent, x, batch.positions)
+                csa = (ix, iq, iw, pool.index_rows[layer])
+        keys, visible = decode_keys(kv, batch, swa.window[layer], compressed, csa)
+        out = decode_attend(q, keys, visible, self.sinks)
+        out = self.rotary(out, batch.positions, inverse=True)
+        return self.o_b_proj(self.o_a_proj(out.reshape(x.shape[0], self.o_groups, -1)))
 
     def _keys(self, kv_new, qpos, n0, window_from, slot, table, pool, swa, layer, idx_q):
         """Keys [K, hd] visible to a sequence's queries and the additive bias [q, K] (0 / -inf)."""

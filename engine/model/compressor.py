@@ -74,6 +74,13 @@ class Compressor(nn.Module):
         return w0, entries
 
 
+def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """Indices of the k largest scores per row; equal scores resolve to the lowest index, so the
+    choice does not depend on row length, padding, chunking or batch-mates (batch invariance).
+    ``torch.topk`` leaves ties implementation-defined; ReLU scores tie at 0 often."""
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., : min(k, scores.shape[-1])]
+
+
 class IndexerScorer(nn.Module):
     def __init__(self, hidden: int, n_heads: int) -> None:
         super().__init__()
@@ -112,7 +119,7 @@ class Indexer(Compressor):
         thresh = (positions + 1) // self.rate  # entries < thresh are complete at the query
         future = torch.arange(e, device=q.device)[None, :] >= thresh[:, None]
         scores = scores.masked_fill(future, float("-inf"))
-        top = scores.topk(min(self.topk, e), dim=-1).indices  # [q, k]
+        top = topk_lowest_index(scores, self.topk)  # [q, k]
         valid = top < thresh[:, None]
         visible = torch.zeros(q.shape[0], e + 1, dtype=torch.bool, device=q.device)  # column e: discard
         visible.scatter_(1, torch.where(valid, top, torch.full_like(top, e)), True)

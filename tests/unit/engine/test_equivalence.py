@@ -1,9 +1,9 @@
 """Sluice's engine vs the transformers DeepSeek-V4 reference on tiny random checkpoints (fp32).
 
 ``index_topk`` is 512 (>= every entry count) in two checkpoints, so CSA selection is exact; the
-third (``csa_small_topk``, top-4) exercises real top-k selection; its scores are computed in the
-same order in both implementations, and the test asserts equality of logits, which would fail
-on a selection flip.
+third (``csa_small_topk``) selects the top 4 of up to ~50 entries with 16 indexer heads, which
+makes exact score ties (all heads' ReLU at 0) improbable, so its logits are compared directly.
+Tie behaviour itself is tested in test_decode_path.py.
 """
 
 from __future__ import annotations
