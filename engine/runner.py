@@ -65,10 +65,20 @@ def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
 
 
 class ModelRunner:
-    def __init__(self, model_dir: str | Path, cfg: RunnerConfig, ep_group: object | None = None) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        cfg: RunnerConfig,
+        ep_group: object | None = None,
+        placement: ExpertPlacement | None = None,
+    ) -> None:
+        """Load ``model_dir``; ``placement`` (default: identity over ``cfg.ep_size`` ranks) sets the
+        initial physical expert slots of every MoE layer (EPLB replicas)."""
         self.cfg = cfg
         self.model_cfg = ModelConfig.from_dir(model_dir)
-        placement = ExpertPlacement.identity(self.model_cfg.n_routed_experts, cfg.ep_size)
+        placement = placement or ExpertPlacement.identity(self.model_cfg.n_routed_experts, cfg.ep_size)
+        if placement.ep_size != cfg.ep_size or placement.num_logical != self.model_cfg.n_routed_experts:
+            raise ValueError("placement must cover the model's routed experts over cfg.ep_size ranks")
         model = DeepseekV4(self.model_cfg, placement, cfg.ep_rank, with_mtp=cfg.with_mtp)
         cast_parameters(model, cfg.torch_dtype)
         self.unused_keys = load_weights(model, model_dir, keep_quantized=cfg.keep_quantized)

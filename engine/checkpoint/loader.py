@@ -17,7 +17,7 @@ from safetensors import safe_open
 from engine.checkpoint.keys import KeyRef, canonical
 from engine.checkpoint.quant import dequantize, find_scale, is_scale_key
 from engine.model.model import DeepseekV4
-from engine.model.moe import Experts
+from engine.model.moe import Experts, MoE
 from engine.model.qlinear import replace_linear
 
 
@@ -60,17 +60,31 @@ class _Loader:
     def __init__(self, model: DeepseekV4, src: TensorSource, keep_quantized: bool) -> None:
         self.src, self.model, self.keep = src, model, keep_quantized
         self.state = model.state_dict()
-        self.lo, self.hi = model.local_expert_range()
         self.seen: set[str] = set()
-        self.expert_parts: dict[str, set[tuple[int, str]]] = {}
+        self.expert_parts: dict[str, set[tuple[int, str]]] = {}  # packed name -> (local slot, part)
         self.unused: list[str] = []
 
-    def _read(self, key: str, rows: tuple[int, int] | None = None) -> torch.Tensor:
-        t = self.src.get(key, rows)
+    def _local_logical(self, packed_name: str) -> list[int]:
+        """Logical expert of each of this rank's physical slots, for the MoE owning ``packed_name``."""
+        moe = self.model.get_submodule(packed_name.rsplit(".experts.", 1)[0])
+        if not isinstance(moe, MoE):
+            raise ValueError(f"{packed_name}: expected a MoE module")
+        return moe.placement.local_logical(moe.ep_rank)
+
+    def _get_rows(self, key: str, logical: list[int] | None) -> torch.Tensor:
+        if logical is None:
+            return self.src.get(key)
+        lo, n = logical[0], len(logical)
+        if logical == list(range(lo, lo + n)):
+            return self.src.get(key, (lo, lo + n))
+        return torch.cat([self.src.get(key, (e, e + 1)) for e in logical])  # replicas / scattered slots
+
+    def _read(self, key: str, logical: list[int] | None = None) -> torch.Tensor:
+        t = self._get_rows(key, logical)
         scale_key = find_scale(self.src, key)
         if scale_key is None:
             return t
-        return dequantize(t, self.src.get(scale_key, rows))
+        return dequantize(t, self._get_rows(scale_key, logical))
 
     def _store(self, name: str, t: torch.Tensor, dst: torch.Tensor) -> None:
         if dst.shape != t.shape:
@@ -87,19 +101,18 @@ class _Loader:
             self._load_expert(key, ref, dst)
             return
         packed = ref.name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        logical = self._local_logical(ref.name) if packed else None
         scale_key = find_scale(self.src, key) if self.keep else None
         if scale_key is not None and (packed or ref.name.endswith(".weight")):
-            self._keep_quantized(key, scale_key, ref.name, packed)
+            self._keep_quantized(key, scale_key, ref.name, logical)
             return
-        t = self._read(key, (self.lo, self.hi) if packed else None)
-        self._store(ref.name, t, dst)
+        self._store(ref.name, self._read(key, logical), dst)
         self.seen.add(ref.name)
 
-    def _keep_quantized(self, key: str, scale_key: str, name: str, packed: bool) -> None:
-        rows = (self.lo, self.hi) if packed else None
-        q, scale = self.src.get(key, rows), self.src.get(scale_key, rows)
+    def _keep_quantized(self, key: str, scale_key: str, name: str, logical: list[int] | None) -> None:
+        q, scale = self._get_rows(key, logical), self._get_rows(scale_key, logical)
         owner, _, leaf = name.rpartition(".")
-        if packed:
+        if logical is not None:
             experts = self.model.get_submodule(owner)
             if not isinstance(experts, Experts):
                 raise ValueError(f"{name}: expected an Experts module at {owner}")
@@ -109,22 +122,25 @@ class _Loader:
         self.seen.add(name)
 
     def _load_expert(self, key: str, ref: KeyRef, dst: torch.Tensor) -> None:
-        if not self.lo <= ref.expert < self.hi:
+        slots = [i for i, e in enumerate(self._local_logical(ref.name)) if e == ref.expert]
+        if not slots:
             return
         t = self._read(key)
-        row = dst[ref.expert - self.lo]  # [2I, H] or [H, I]
-        if ref.part == "w2":
-            self._store(key, t, row)
-        else:
-            half = row.shape[0] // 2
-            self._store(key, t, row[:half] if ref.part == "w1" else row[half:])
-        self.expert_parts.setdefault(ref.name, set()).add((ref.expert, ref.part))
+        for i in slots:
+            row = dst[i]  # [2I, H] or [H, I]
+            if ref.part == "w2":
+                self._store(key, t, row)
+            else:
+                half = row.shape[0] // 2
+                self._store(key, t, row[:half] if ref.part == "w1" else row[half:])
+            self.expert_parts.setdefault(ref.name, set()).add((i, ref.part))
 
     def finish(self, path: str | Path, strict: bool) -> list[str]:
         need = {"experts.gate_up_proj": ("w1", "w3"), "experts.down_proj": ("w2",)}
         for name, parts in self.expert_parts.items():
             want = next(v for k, v in need.items() if name.endswith(k))
-            if all((e, p) in parts for e in range(self.lo, self.hi) for p in want):
+            n_local = len(self._local_logical(name))
+            if all((i, p) in parts for i in range(n_local) for p in want):
                 self.seen.add(name)
         missing = [k for k in self.state if k not in self.seen]
         if strict and missing:

@@ -51,11 +51,6 @@ class DeepseekV4(nn.Module):
         layers = [*self.model.layers, *self.mtp]
         return [cast(DecoderLayer, layer).mlp for layer in layers]
 
-    def local_expert_range(self) -> tuple[int, int]:
-        """[first, last) physical expert ids held by this rank."""
-        experts = self.moe_layers()[0].experts
-        return experts.first, experts.first + experts.num_local
-
     def expert_load(self) -> torch.Tensor:
         """[num_moe_layers, n_routed_experts] tokens routed to each logical expert in the last step."""
         return torch.stack([m.last_load for m in self.moe_layers()])

@@ -4,6 +4,7 @@ shared expert; logical -> physical expert lookup through a replaceable placement
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -17,41 +18,71 @@ from engine.config import ModelConfig
 
 @dataclass(frozen=True)
 class ExpertPlacement:
-    """Where each logical expert lives. ``log2phy [E, R]`` lists up to R physical replicas (-1 pad),
-    ``logcnt [E]`` how many are valid; physical expert p is held by rank ``p // experts_per_rank``."""
+    """Where each logical expert lives: ``phy2log [P]`` names the logical expert of each physical
+    slot (rank-major: rank r holds slots ``[r*P/ep, (r+1)*P/ep)``); a logical expert may have
+    several replicas. ``offset`` (the DP rank) spreads remainders over replicas.
 
-    log2phy: torch.Tensor
-    logcnt: torch.Tensor
-    num_physical: int
+    Replica choice (the EPLB contract): the j-th occurrence of expert e in a step's top-k ids
+    (token-major) goes to replica ``(j + offset) % count[e]``; deterministic, no host sync.
+    """
+
+    phy2log: torch.Tensor  # [P] int64
+    num_logical: int
     ep_size: int = 1
+    offset: int = 0
 
     def __post_init__(self) -> None:
-        if self.num_physical % self.ep_size:
+        p = self.phy2log.numel()
+        if p % self.ep_size:
+            raise ValueError(f"{p} physical experts do not split over {self.ep_size} EP ranks")
+        counts = torch.bincount(self.phy2log.long(), minlength=self.num_logical)
+        if counts.numel() != self.num_logical or bool((counts == 0).any()):
             raise ValueError(
-                f"{self.num_physical} physical experts do not split over {self.ep_size} EP ranks"
+                f"phy2log must hold every logical expert in [0, {self.num_logical}) at least once"
             )
-        if int(self.logcnt.min()) < 1:
-            raise ValueError("every logical expert needs at least one physical replica")
+
+    @property
+    def num_physical(self) -> int:
+        return self.phy2log.numel()
 
     @property
     def experts_per_rank(self) -> int:
         return self.num_physical // self.ep_size
 
+    def local_logical(self, rank: int) -> list[int]:
+        """Logical expert held by each of ``rank``'s physical slots."""
+        n = self.experts_per_rank
+        return self.phy2log[rank * n : (rank + 1) * n].tolist()
+
+    @functools.cached_property
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log2phy [E, R] physical slots per logical expert, -1 padded; logcnt [E])."""
+        p2l = self.phy2log.long()
+        logcnt = torch.bincount(p2l, minlength=self.num_logical)
+        order = torch.argsort(p2l, stable=True)
+        starts = torch.cumsum(logcnt, 0) - logcnt
+        replica = torch.empty_like(p2l)
+        replica[order] = torch.arange(p2l.numel()) - starts[p2l[order]]
+        log2phy = torch.full((self.num_logical, int(logcnt.max())), -1, dtype=torch.long)
+        log2phy[p2l, replica] = torch.arange(p2l.numel())
+        return log2phy, logcnt
+
     @classmethod
     def identity(cls, num_experts: int, ep_size: int = 1) -> ExpertPlacement:
-        return cls(
-            torch.arange(num_experts).view(-1, 1),
-            torch.ones(num_experts, dtype=torch.long),
-            num_experts,
-            ep_size,
-        )
+        return cls(torch.arange(num_experts), num_experts, ep_size)
 
     def physical(self, logical: torch.Tensor) -> torch.Tensor:
-        """Logical ids [N, k] -> physical ids [N, k]; replicas chosen round-robin by row (deterministic)."""
-        log2phy, logcnt = self.log2phy.to(logical.device), self.logcnt.to(logical.device)
-        rows = torch.arange(logical.shape[0], device=logical.device).view(-1, 1)
-        replica = (rows + torch.arange(logical.shape[1], device=logical.device).view(1, -1)) % logcnt[logical]
-        return log2phy[logical, replica]
+        """Logical ids [N, k] -> physical slot ids [N, k]."""
+        log2phy, logcnt = (t.to(logical.device) for t in self.tables)
+        if int(log2phy.shape[1]) == 1:
+            return log2phy[logical, 0]
+        flat = logical.reshape(-1)
+        counts = torch.bincount(flat, minlength=self.num_logical)
+        starts = torch.cumsum(counts, 0) - counts
+        order = torch.argsort(flat, stable=True)
+        occ = torch.empty_like(flat)
+        occ[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+        return log2phy[flat, (occ + self.offset) % logcnt[flat]].reshape(logical.shape)
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -159,6 +190,7 @@ class MoE(nn.Module):
     ) -> None:
         super().__init__()
         self.placement = placement or ExpertPlacement.identity(cfg.n_routed_experts)
+        self.ep_rank = ep_rank
         per_rank = self.placement.experts_per_rank
         self.gate = Router(cfg, hashed)
         self.experts = Experts(
@@ -178,10 +210,25 @@ class MoE(nn.Module):
         )
 
     def set_placement(self, placement: ExpertPlacement) -> None:
-        """Swap the logical->physical map (the caller moves the expert weights to match)."""
+        """Swap the logical->physical map; call after the expert weights match it
+        (`expert_weights` / `load_expert_weights`, e.g. around EPLB's ``remap_expert_weights``)."""
         if placement.experts_per_rank != self.experts.num_local:
             raise ValueError("a new placement must keep the number of physical experts per rank")
         self.placement = placement
+
+    def expert_weights(self) -> dict[str, torch.Tensor]:
+        """This rank's physical expert tensors [slots, ...] by name (dense layout only)."""
+        if self.experts.quantized:
+            raise ValueError("expert weights kept quantised cannot be remapped yet; load dequantised")
+        return {"gate_up_proj": self.experts.gate_up_proj.data, "down_proj": self.experts.down_proj.data}
+
+    def load_expert_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Replace this rank's expert tensors (same shapes) with ``weights``."""
+        for name, t in weights.items():
+            dst = getattr(self.experts, name)
+            if t.shape != dst.shape:
+                raise ValueError(f"{name}: new shape {tuple(t.shape)} != {tuple(dst.shape)}")
+            dst.data = t.to(device=dst.device, dtype=dst.dtype)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
