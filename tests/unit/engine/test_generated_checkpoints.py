@@ -41,6 +41,7 @@ def test_tiny_sharded_checkpoint_matches_transformers(checkpoint_factory) -> Non
         assert (_logits(path, ids) - want).abs().max().item() < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("quant", ["fp8", "fp4"])
 def test_quantised_generated_checkpoint_loads(checkpoint_factory, quant: str) -> None:
     plain = checkpoint_factory("tiny", hidden_size=128, moe_intermediate_size=64)

@@ -85,7 +85,7 @@ def test_quantized_checkpoint_matches_dequantized_reference(reference, tmp_path:
     assert (got - reference_logits(ref, ids)[-1]).abs().max().item() > 1e-3
 
 
-@pytest.mark.parametrize("quant", ["fp8", "fp4"])
+@pytest.mark.parametrize("quant", [pytest.param("fp8", marks=pytest.mark.slow), "fp4"])
 def test_weights_kept_quantised_give_the_same_logits_in_less_memory(checkpoint_factory, quant: str) -> None:
     from engine.model.qlinear import QuantLinear
 
