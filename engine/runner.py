@@ -92,8 +92,18 @@ class ModelRunner:
         self.pool = CompressedPool(self.spec, cfg.num_blocks, cfg.torch_dtype, cfg.device)
         self.swa = SWASlots(self.spec, cfg.num_slots, cfg.torch_dtype, cfg.device)
 
+    def check(self, batch: ForwardBatch) -> None:
+        """Raise ValueError if the batch addresses slots or blocks this runner does not have."""
+        bad_slots = [s for s in batch.swa_slot_cpu if not 0 <= s < self.cfg.num_slots]
+        if bad_slots:
+            raise ValueError(f"SWA slots {bad_slots} out of range [0, {self.cfg.num_slots})")
+        top = int(batch.block_table.max())
+        if top >= self.cfg.num_blocks:
+            raise ValueError(f"block id {top} out of range [0, {self.cfg.num_blocks})")
+
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> RunnerOutput:
+        self.check(batch)
         logits, hidden = self.model(batch, self.pool, self.swa)
         return RunnerOutput(logits, hidden)
 
