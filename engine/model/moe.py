@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -66,6 +67,13 @@ class ExpertPlacement:
         log2phy = torch.full((self.num_logical, int(logcnt.max())), -1, dtype=torch.long)
         log2phy[p2l, replica] = torch.arange(p2l.numel())
         return log2phy, logcnt
+
+    @classmethod
+    def from_replica_map(cls, rmap: Any, layer: int, offset: int = 0) -> ExpertPlacement:
+        """One layer of an `engine.eplb.ReplicaMap` (``phy2log [L, P]``, ``num_logical``, ``num_ranks``)."""
+        return cls(
+            rmap.phy2log[layer].detach().cpu().clone(), int(rmap.num_logical), int(rmap.num_ranks), offset
+        )
 
     @classmethod
     def identity(cls, num_experts: int, ep_size: int = 1) -> ExpertPlacement:

@@ -47,3 +47,24 @@ def test_placement_validation() -> None:
         ExpertPlacement(torch.tensor([0, 1, 1, 2]), num_logical=4)
     with pytest.raises(ValueError, match="EP ranks"):
         ExpertPlacement(torch.arange(6), num_logical=6, ep_size=4)
+
+
+def test_replica_choice_is_eplbs_and_loads_feed_its_recorder(reference) -> None:
+    from engine.eplb import ExpertLoadRecorder, ReplicaMap, choose_replicas
+
+    phy2log = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7, 0, 3, 5, 7], [7, 6, 5, 4, 3, 2, 1, 0, 1, 1, 2, 2]])
+    rmap = ReplicaMap(phy2log, num_logical=8, num_ranks=2)
+    ids = torch.randint(0, 8, (50, 2), generator=torch.Generator().manual_seed(5))
+    for layer in range(2):
+        for offset in (0, 1):
+            mine = ExpertPlacement.from_replica_map(rmap, layer, offset).physical(ids)
+            assert torch.equal(mine, choose_replicas(rmap.log2phy(layer), rmap.logcnt(layer), ids, offset))
+    path, _ = reference(NAME)
+    runner = ModelRunner(path, RunnerConfig(num_blocks=1, num_slots=1))
+    moes = runner.model.moe_layers()
+    recorder = ExpertLoadRecorder(num_layers=len(moes), num_experts=8, window=2)
+    _logits(runner, list(range(30)))
+    for layer, moe in enumerate(moes):
+        recorder.record_counts(layer, moe.last_load)
+    recorder.end_step()
+    assert recorder.window_sum()[: len(runner.model.model.layers)].sum(1).tolist() == [30 * 2] * 4
