@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from engine.forward_batch import ForwardBatch, SequenceInput
+from engine.model.moe import ExpertPlacement
 from engine.runner import ModelRunner, RunnerConfig
 from services.procs import free_port
 
@@ -33,14 +34,24 @@ def _steps(runner: ModelRunner, rank: int) -> tuple[list[torch.Tensor], torch.Te
     return out, runner.expert_load()
 
 
-def _worker(rank: int, world: int, port: int, path: str, out_dir: str) -> None:
+REPLICATED = [0, 1, 2, 3, 4, 5, 6, 7, 0, 3, 5, 7]  # 12 physical slots, 6 per rank at EP=2
+
+
+def _placement(world: int, replicated: bool, rank: int) -> ExpertPlacement | None:
+    if not replicated:
+        return None
+    return ExpertPlacement(torch.tensor(REPLICATED), num_logical=8, ep_size=world, offset=rank)
+
+
+def _worker(rank: int, world: int, port: int, path: str, out_dir: str, replicated: bool = False) -> None:
     import torch.distributed as dist
 
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         torch.set_num_threads(1)
-        runner = ModelRunner(path, RunnerConfig(num_blocks=2, num_slots=1, ep_size=world, ep_rank=rank))
+        cfg = RunnerConfig(num_blocks=2, num_slots=1, ep_size=world, ep_rank=rank)
+        runner = ModelRunner(path, cfg, placement=_placement(world, replicated, rank))
         logits, load = _steps(runner, rank)
         tensors = {f"step{i}": t.contiguous() for i, t in enumerate(logits)}
         tensors["load"] = load
@@ -49,14 +60,23 @@ def _worker(rank: int, world: int, port: int, path: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
-def test_expert_parallel_matches_single_rank(reference, tmp_path: Path, world: int) -> None:
+@pytest.mark.parametrize(
+    ("world", "replicated"),
+    [
+        (2, False),
+        pytest.param(4, False, marks=pytest.mark.slow),
+        pytest.param(2, True, marks=pytest.mark.slow),
+    ],
+)
+def test_expert_parallel_matches_single_rank(reference, tmp_path: Path, world: int, replicated: bool) -> None:
+    """Each rank runs its own sequence (DP attention); replicated = EPLB-style redundant experts."""
     path, _ = reference(NAME)
     single = ModelRunner(path, RunnerConfig(num_blocks=2, num_slots=1))
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world, port, str(path), str(tmp_path))) for r in range(world)
+        ctx.Process(target=_worker, args=(r, world, port, str(path), str(tmp_path), replicated))
+        for r in range(world)
     ]
     for p in procs:
         p.start()
