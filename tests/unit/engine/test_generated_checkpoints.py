@@ -54,3 +54,9 @@ def test_quantised_generated_checkpoint_loads(checkpoint_factory, quant: str) ->
     # quantisation error is visible but bounded (same random model, e4m3 / e2m1 weights)
     diff = (a - b).abs().max().item()
     assert 1e-5 < diff < 0.5 * a.abs().max().item()
+
+
+def test_bf16_checkpoint_matches_transformers_in_fp32(checkpoint_factory) -> None:
+    path = checkpoint_factory("tiny", dtype="bfloat16")
+    ids = list(range(11, 90))
+    assert (_logits(path, ids) - _hf(path, ids)).abs().max().item() < 1e-4
