@@ -93,6 +93,10 @@ class ExpertPlacement:
         return log2phy[flat, (occ + self.offset) % logcnt[flat]].reshape(logical.shape)
 
 
+#: one grouped GEMM per projection for all local experts (CPU and CUDA); else a loop over experts
+GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
@@ -153,6 +157,19 @@ class Experts(nn.Module):
 
     def run_rows(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Unweighted expert output for rows x [N, D] routed to local expert ids [N] -> [N, D]."""
+        # CUDA's grouped GEMM takes bf16 only; other CUDA dtypes take the loop
+        if self.quantized or not GROUPED_MM or x.shape[0] == 0 or (x.is_cuda and x.dtype != torch.bfloat16):
+            return self._run_rows_loop(x, local_ids)
+        order = torch.argsort(local_ids, stable=True)  # rows grouped by expert
+        offs = torch.cumsum(torch.bincount(local_ids, minlength=self.num_local), 0).to(torch.int32)
+        gate_up = torch._grouped_mm(x[order], self.gate_up_proj.transpose(1, 2), offs=offs)  # [N, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = torch._grouped_mm(swiglu_clamped(gate, up, self.limit), self.down_proj.transpose(1, 2), offs=offs)
+        out = torch.empty_like(x)
+        out[order] = y.to(out.dtype)
+        return out
+
+    def _run_rows_loop(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         for e in torch.unique(local_ids).tolist():
             rows = (local_ids == e).nonzero().squeeze(1)
