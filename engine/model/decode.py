@@ -73,20 +73,18 @@ def _gather_entries(store: torch.Tensor, table: torch.Tensor, e_max: int) -> tor
     return store[table[:, e // rpb].clamp(min=0), (e % rpb)[None, :]]
 
 
-def _csa_visible(
+def _csa_select(
     ix: Indexer, iq: torch.Tensor, iw: torch.Tensor, ikeys: torch.Tensor, count: torch.Tensor
-) -> torch.Tensor:
-    """Top-k visible mask [B, E] from indexer queries [B, nI, dI], weights [B, nI], keys [B, E, dI]."""
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k entry ids [B, k] and their validity [B, k], from indexer queries [B, nI, dI],
+    head weights [B, nI] and every entry's indexer key [B, E, dI]."""
     e_max = ikeys.shape[1]
     scores = F.relu(torch.einsum("bhd,bed->bhe", iq.float(), ikeys.float())) * ix.dim**-0.5
     scores = (scores * iw.unsqueeze(-1)).sum(dim=1)  # [B, E]
     ent = torch.arange(e_max, device=iq.device)[None, :]
     scores = scores.masked_fill(ent >= count[:, None], float("-inf"))
-    top = topk_lowest_index(scores, ix.topk)
-    valid = top < count[:, None]
-    vis = torch.zeros(scores.shape[0], e_max + 1, dtype=torch.bool, device=iq.device)
-    vis.scatter_(1, torch.where(valid, top, torch.full_like(top, e_max)), True)
-    return vis[:, :e_max]
+    top = topk_lowest_index(scores, ix.topk)  # [B, k]
+    return top, top < count[:, None]
 
 
 def decode_keys(
@@ -110,11 +108,14 @@ def decode_keys(
     e_max = max((p + 1) // rate for p in batch.num_computed_cpu)
     if e_max == 0:
         return keys, visible
-    comp = _gather_entries(rows, batch.block_table, e_max)  # [B, E, hd]
-    if csa is not None:
+    if csa is not None:  # attend to the k selected entries only: gather them, not all E
         ix, iq, iw, irows = csa
-        cvis = _csa_visible(ix, iq, iw, _gather_entries(irows, batch.block_table, e_max), count)
+        top, cvis = _csa_select(ix, iq, iw, _gather_entries(irows, batch.block_table, e_max), count)
+        rpb = rows.shape[1]
+        blocks = batch.block_table.gather(1, top // rpb).clamp(min=0)
+        comp = rows[blocks, top % rpb]  # [B, k, hd]
     else:
+        comp = _gather_entries(rows, batch.block_table, e_max)  # [B, E, hd]
         cvis = torch.arange(e_max, device=pos.device)[None, :] < count[:, None]
     return torch.cat([keys, comp.to(keys.dtype)], dim=1), torch.cat([visible, cvis], dim=1)
 
