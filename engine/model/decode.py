@@ -1,0 +1,133 @@
+"""Vectorised decode path: every sequence of the batch brings exactly one token.
+
+No per-sequence Python loop: ring slots, block tables and positions are gathered as tensors,
+so a decode step costs a fixed number of kernels per layer whatever the batch size. Results
+equal the general per-sequence path (tests/unit/engine/test_decode_path.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.cache.pool import CompressedPool
+from engine.cache.swa import SWASlots
+from engine.forward_batch import ForwardBatch
+from engine.model.compressor import Compressor, Indexer, topk_lowest_index
+from engine.model.rope import Rotary
+
+
+def _seq_tensor(values: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.long, device=like.device)
+
+
+def decode_compress(
+    comp: Compressor,
+    rotary: Rotary,
+    x: torch.Tensor,  # [B, hidden]
+    batch: ForwardBatch,
+    pool: CompressedPool,
+    swa: SWASlots,
+    layer: int,
+    index: bool,
+) -> None:
+    """Append each sequence's projections to its ring; emit the entries of windows that close now."""
+    m, d = comp.rate, comp.dim
+    ring_kv = swa.index_kv[layer] if index else swa.state_kv[layer]
+    ring_gate = swa.index_gate[layer] if index else swa.state_gate[layer]
+    r = ring_kv.shape[1]
+    slots, pos = batch.swa_slot, batch.positions
+    ring_kv[slots, pos % r] = comp.kv_proj(x).to(ring_kv.dtype)
+    ring_gate[slots, pos % r] = comp.gate_proj(x).to(ring_gate.dtype)
+    closing = [
+        i
+        for i, (p, keep) in enumerate(zip(batch.num_computed_cpu, batch.cached_until))
+        if (p + 1) % m == 0 and (p + 1) // m - 1 >= keep // m
+    ]
+    if not closing:
+        return
+    sel = _seq_tensor(tuple(closing), pos)
+    p, s = pos[sel], slots[sel]  # [n]
+    span = 2 * m if comp.overlap else m
+    offs = p[:, None] + 1 - span + torch.arange(span, device=p.device)[None, :]  # [n, span] positions
+    kv = ring_kv[s[:, None], offs % r]  # [n, span, C]
+    gate = ring_gate[s[:, None], offs % r] + (
+        comp.position_bias.repeat(2, 1) if comp.overlap else comp.position_bias
+    )
+    if comp.overlap:  # previous window's Ca half, then this window's Cb half
+        kv = torch.cat([kv[:, :m, :d], kv[:, m:, d:]], dim=1)
+        gate = torch.cat([gate[:, :m, :d], gate[:, m:, d:]], dim=1)
+        gate[:, :m] = gate[:, :m].masked_fill((offs[:, :m] < 0).unsqueeze(-1), float("-inf"))
+    pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)  # [n, d]
+    entries = rotary(comp.kv_norm(pooled), p + 1 - m)
+    store = pool.index_rows[layer] if index else pool.rows[layer]
+    rpb = store.shape[1]
+    w = (p + 1) // m - 1
+    store[batch.block_table[sel, w // rpb], w % rpb] = entries.to(store.dtype)
+
+
+def _gather_entries(store: torch.Tensor, table: torch.Tensor, e_max: int) -> torch.Tensor:
+    """Entries [0, e_max) of every sequence: [B, e_max, dim] (rows past a sequence's count are junk)."""
+    rpb = store.shape[1]
+    e = torch.arange(e_max, device=table.device)
+    return store[table[:, e // rpb].clamp(min=0), (e % rpb)[None, :]]
+
+
+def _csa_select(
+    ix: Indexer, iq: torch.Tensor, iw: torch.Tensor, ikeys: torch.Tensor, count: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k entry ids [B, k] and their validity [B, k], from indexer queries [B, nI, dI],
+    head weights [B, nI] and every entry's indexer key [B, E, dI]."""
+    e_max = ikeys.shape[1]
+    scores = F.relu(torch.einsum("bhd,bed->bhe", iq.float(), ikeys.float())) * ix.dim**-0.5
+    scores = (scores * iw.unsqueeze(-1)).sum(dim=1)  # [B, E]
+    ent = torch.arange(e_max, device=iq.device)[None, :]
+    scores = scores.masked_fill(ent >= count[:, None], float("-inf"))
+    top = topk_lowest_index(scores, ix.topk)  # [B, k]
+    return top, top < count[:, None]
+
+
+def decode_keys(
+    kv: torch.Tensor,  # [B, hd] this step's keys (rotated)
+    batch: ForwardBatch,
+    window_ring: torch.Tensor,
+    compressed: tuple[torch.Tensor, int] | None,  # (pool rows of this layer, rate)
+    csa: tuple[Indexer, torch.Tensor, torch.Tensor, torch.Tensor] | None,  # (indexer, iq, iw, index rows)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys [B, K, hd] and visibility [B, K] for one decode token per sequence; writes the window ring."""
+    w = window_ring.shape[1]
+    slots, pos = batch.swa_slot, batch.positions
+    window_ring[slots, pos % w] = kv.to(window_ring.dtype)
+    keys = window_ring[slots]  # [B, W, hd]: row r holds position pos - ((pos - r) mod W)
+    held = pos[:, None] - ((pos[:, None] - torch.arange(w, device=pos.device)[None, :]) % w)
+    visible = held >= _seq_tensor(batch.window_from, pos)[:, None]
+    if compressed is None:
+        return keys, visible
+    rows, rate = compressed
+    count = (pos + 1) // rate  # [B] complete entries
+    e_max = max((p + 1) // rate for p in batch.num_computed_cpu)
+    if e_max == 0:
+        return keys, visible
+    if csa is not None:  # attend to the k selected entries only: gather them, not all E
+        ix, iq, iw, irows = csa
+        top, cvis = _csa_select(ix, iq, iw, _gather_entries(irows, batch.block_table, e_max), count)
+        rpb = rows.shape[1]
+        blocks = batch.block_table.gather(1, top // rpb).clamp(min=0)
+        comp = rows[blocks, top % rpb]  # [B, k, hd]
+    else:
+        comp = _gather_entries(rows, batch.block_table, e_max)  # [B, E, hd]
+        cvis = torch.arange(e_max, device=pos.device)[None, :] < count[:, None]
+    return torch.cat([keys, comp.to(keys.dtype)], dim=1), torch.cat([visible, cvis], dim=1)
+
+
+def decode_attend(
+    q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor
+) -> torch.Tensor:
+    """q [B, H, hd], keys [B, K, hd] (also values), visible [B, K] -> [B, H, hd]."""
+    logits = torch.einsum("bhd,bkd->bhk", q, keys) * q.shape[-1] ** -0.5
+    logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
+    sink = sinks.to(logits.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)
+    comb = torch.cat([logits, sink], dim=-1)
+    comb = comb - comb.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(comb, dim=-1)[..., :-1]
+    return torch.einsum("bhk,bkd->bhd", probs.to(keys.dtype), keys)

@@ -1,0 +1,263 @@
+"""Mixture of experts: sqrtsoftplus router (+ correction bias) or hash routing, SwiGLU-clamped experts,
+shared expert; logical -> physical expert lookup through a replaceable placement; per-step load counters.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.checkpoint.quant import dequantize
+from engine.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Where each logical expert lives: ``phy2log [P]`` names the logical expert of each physical
+    slot (rank-major: rank r holds slots ``[r*P/ep, (r+1)*P/ep)``); a logical expert may have
+    several replicas. ``offset`` (the DP rank) spreads remainders over replicas.
+
+    Replica choice (the EPLB contract): the j-th occurrence of expert e in a step's top-k ids
+    (token-major) goes to replica ``(j + offset) % count[e]``; deterministic, no host sync.
+    """
+
+    phy2log: torch.Tensor  # [P] int64
+    num_logical: int
+    ep_size: int = 1
+    offset: int = 0
+
+    def __post_init__(self) -> None:
+        p = self.phy2log.numel()
+        if p % self.ep_size:
+            raise ValueError(f"{p} physical experts do not split over {self.ep_size} EP ranks")
+        counts = torch.bincount(self.phy2log.long(), minlength=self.num_logical)
+        if counts.numel() != self.num_logical or bool((counts == 0).any()):
+            raise ValueError(
+                f"phy2log must hold every logical expert in [0, {self.num_logical}) at least once"
+            )
+
+    @property
+    def num_physical(self) -> int:
+        return self.phy2log.numel()
+
+    @property
+    def experts_per_rank(self) -> int:
+        return self.num_physical // self.ep_size
+
+    def local_logical(self, rank: int) -> list[int]:
+        """Logical expert held by each of ``rank``'s physical slots."""
+        n = self.experts_per_rank
+        return self.phy2log[rank * n : (rank + 1) * n].tolist()
+
+    @functools.cached_property
+    def tables(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(log2phy [E, R] physical slots per logical expert, -1 padded; logcnt [E])."""
+        p2l = self.phy2log.long()
+        logcnt = torch.bincount(p2l, minlength=self.num_logical)
+        order = torch.argsort(p2l, stable=True)
+        starts = torch.cumsum(logcnt, 0) - logcnt
+        replica = torch.empty_like(p2l)
+        replica[order] = torch.arange(p2l.numel()) - starts[p2l[order]]
+        log2phy = torch.full((self.num_logical, int(logcnt.max())), -1, dtype=torch.long)
+        log2phy[p2l, replica] = torch.arange(p2l.numel())
+        return log2phy, logcnt
+
+    @classmethod
+    def from_replica_map(cls, rmap: Any, layer: int, offset: int = 0) -> ExpertPlacement:
+        """One layer of an `engine.eplb.ReplicaMap` (``phy2log [L, P]``, ``num_logical``, ``num_ranks``)."""
+        return cls(
+            rmap.phy2log[layer].detach().cpu().clone(), int(rmap.num_logical), int(rmap.num_ranks), offset
+        )
+
+    @classmethod
+    def identity(cls, num_experts: int, ep_size: int = 1) -> ExpertPlacement:
+        return cls(torch.arange(num_experts), num_experts, ep_size)
+
+    def physical(self, logical: torch.Tensor) -> torch.Tensor:
+        """Logical ids [N, k] -> physical slot ids [N, k]."""
+        log2phy, logcnt = (t.to(logical.device) for t in self.tables)
+        if int(log2phy.shape[1]) == 1:
+            return log2phy[logical, 0]
+        flat = logical.reshape(-1)
+        counts = torch.bincount(flat, minlength=self.num_logical)
+        starts = torch.cumsum(counts, 0) - counts
+        order = torch.argsort(flat, stable=True)
+        occ = torch.empty_like(flat)
+        occ[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
+        return log2phy[flat, (occ + self.offset) % logcnt[flat]].reshape(logical.shape)
+
+
+#: one grouped GEMM per projection for all local experts (CPU and CUDA); else a loop over experts
+GROUPED_MM = hasattr(torch, "_grouped_mm")
+
+
+def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+
+class Router(nn.Module):
+    tid2eid: torch.Tensor
+    e_score_correction_bias: torch.Tensor
+
+    def __init__(self, cfg: ModelConfig, hashed: bool) -> None:
+        super().__init__()
+        self.top_k, self.scale, self.hashed = cfg.num_experts_per_tok, cfg.routed_scaling_factor, hashed
+        self.weight = nn.Parameter(torch.zeros(cfg.n_routed_experts, cfg.hidden_size))
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.top_k, dtype=torch.long))
+        else:
+            self.register_buffer(
+                "e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32)
+            )
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (weights [T, k], logical expert ids [T, k])."""
+        scores = F.softplus(F.linear(x, self.weight)).sqrt()  # [T, E]
+        if self.hashed:
+            ids = self.tid2eid[input_ids].long()
+        else:
+            ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+        w = scores.gather(1, ids)
+        return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scale, ids
+
+
+class Experts(nn.Module):
+    """This rank's physical experts, packed as transformers stores them (optionally kept quantised)."""
+
+    def __init__(
+        self, num_local: int, hidden: int, inter: int, limit: float, first_physical: int = 0
+    ) -> None:
+        super().__init__()
+        self.limit, self.first, self.num_local = limit, first_physical, num_local
+        self.gate_up_proj = nn.Parameter(torch.zeros(num_local, 2 * inter, hidden))
+        self.down_proj = nn.Parameter(torch.zeros(num_local, hidden, inter))
+        self.quantized: set[str] = set()
+
+    def set_quantized(self, which: str, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+        """Keep ``which`` ("gate_up_proj" or "down_proj") as FP8/FP4 + scales; dequantised per expert use."""
+        if which not in ("gate_up_proj", "down_proj") or qweight.shape[0] != self.num_local:
+            raise ValueError(
+                f"cannot keep {which} {tuple(qweight.shape)} quantised for {self.num_local} experts"
+            )
+        self.register_buffer(f"{which}_q", qweight)
+        self.register_buffer(f"{which}_s", scale)
+        setattr(self, which, nn.Parameter(torch.empty(0), requires_grad=False))
+        self.quantized.add(which)
+
+    def _weight(self, which: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        if which in self.quantized:
+            return dequantize(getattr(self, f"{which}_q")[e], getattr(self, f"{which}_s")[e]).to(dtype)
+        return getattr(self, which)[e]
+
+    def run_rows(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        """Unweighted expert output for rows x [N, D] routed to local expert ids [N] -> [N, D]."""
+        # CUDA's grouped GEMM takes bf16 only; other CUDA dtypes take the loop
+        if self.quantized or not GROUPED_MM or x.shape[0] == 0 or (x.is_cuda and x.dtype != torch.bfloat16):
+            return self._run_rows_loop(x, local_ids)
+        order = torch.argsort(local_ids, stable=True)  # rows grouped by expert
+        offs = torch.cumsum(torch.bincount(local_ids, minlength=self.num_local), 0).to(torch.int32)
+        gate_up = torch._grouped_mm(x[order], self.gate_up_proj.transpose(1, 2), offs=offs)  # [N, 2I]
+        gate, up = gate_up.chunk(2, dim=-1)
+        y = torch._grouped_mm(swiglu_clamped(gate, up, self.limit), self.down_proj.transpose(1, 2), offs=offs)
+        out = torch.empty_like(x)
+        out[order] = y.to(out.dtype)
+        return out
+
+    def _run_rows_loop(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(x)
+        for e in torch.unique(local_ids).tolist():
+            rows = (local_ids == e).nonzero().squeeze(1)
+            gate, up = F.linear(x[rows], self._weight("gate_up_proj", e, x.dtype)).chunk(2, dim=-1)
+            down = self._weight("down_proj", e, x.dtype)
+            out[rows] = F.linear(swiglu_clamped(gate, up, self.limit), down).to(out.dtype)
+        return out
+
+
+class SharedExpert(nn.Module):
+    def __init__(self, hidden: int, inter: int, limit: float) -> None:
+        super().__init__()
+        self.limit = limit
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(swiglu_clamped(self.gate_proj(x), self.up_proj(x), self.limit))
+
+
+#: (x [N, D], physical ids [N, k], weights [N, k], local experts) -> routed output [N, D]
+Dispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Experts], torch.Tensor]
+
+
+def local_dispatch(
+    x: torch.Tensor, phys: torch.Tensor, weights: torch.Tensor, experts: Experts
+) -> torch.Tensor:
+    """Single-rank MoE: every physical expert is local."""
+    n, k = phys.shape
+    rows = torch.arange(n, device=x.device).repeat_interleave(k)
+    y = experts.run_rows(x[rows], phys.reshape(-1) - experts.first)  # [N*k, D]
+    y = y * weights.reshape(-1, 1).to(y.dtype)
+    return torch.zeros_like(x).index_add_(0, rows, y)
+
+
+class MoE(nn.Module):
+    last_load: torch.Tensor
+    dispatch: Dispatch
+
+    def __init__(
+        self, cfg: ModelConfig, hashed: bool, placement: ExpertPlacement | None = None, ep_rank: int = 0
+    ) -> None:
+        super().__init__()
+        self.placement = placement or ExpertPlacement.identity(cfg.n_routed_experts)
+        self.ep_rank = ep_rank
+        per_rank = self.placement.experts_per_rank
+        self.gate = Router(cfg, hashed)
+        self.experts = Experts(
+            per_rank,
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            cfg.swiglu_limit,
+            first_physical=ep_rank * per_rank,
+        )
+        self.shared_experts = SharedExpert(
+            cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.swiglu_limit
+        )
+        self.dispatch: Dispatch = local_dispatch
+        # tokens routed to each logical expert in the last forward (for EPLB)
+        self.register_buffer(
+            "last_load", torch.zeros(cfg.n_routed_experts, dtype=torch.long), persistent=False
+        )
+
+    def set_placement(self, placement: ExpertPlacement) -> None:
+        """Swap the logical->physical map; call after the expert weights match it
+        (`expert_weights` / `load_expert_weights`, e.g. around EPLB's ``remap_expert_weights``)."""
+        if placement.experts_per_rank != self.experts.num_local:
+            raise ValueError("a new placement must keep the number of physical experts per rank")
+        self.placement = placement
+
+    def expert_weights(self) -> dict[str, torch.Tensor]:
+        """This rank's physical expert tensors [slots, ...] by name (dense layout only)."""
+        if self.experts.quantized:
+            raise ValueError("expert weights kept quantised cannot be remapped yet; load dequantised")
+        return {"gate_up_proj": self.experts.gate_up_proj.data, "down_proj": self.experts.down_proj.data}
+
+    def load_expert_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Replace this rank's expert tensors (same shapes) with ``weights``."""
+        for name, t in weights.items():
+            dst = getattr(self.experts, name)
+            if t.shape != dst.shape:
+                raise ValueError(f"{name}: new shape {tuple(t.shape)} != {tuple(dst.shape)}")
+            dst.data = t.to(device=dst.device, dtype=dst.dtype)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> [T, D]."""
+        weights, ids = self.gate(x, input_ids)
+        self.last_load.zero_().index_add_(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1)))
+        routed = self.dispatch(x, self.placement.physical(ids), weights, self.experts)
+        return routed + self.shared_experts(x)
