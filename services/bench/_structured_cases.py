@@ -1,4 +1,5 @@
-"""30 varied JSON schemas (nesting, enums, patterns, bounded arrays, refs, unions)."""
+"""30 varied JSON schemas (nesting, enums, patterns, bounded arrays, refs, unions): shared by
+the structured-output tests and `sluice bench structured`."""
 
 from __future__ import annotations
 
