@@ -40,6 +40,7 @@ class StepUpdate:
     """What one ``update`` changed: new tokens per request and the requests that finished."""
 
     new_tokens: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, object] = field(default_factory=dict)
     finished: list[Request] = field(default_factory=list)
 
 
@@ -226,6 +227,8 @@ class Scheduler:
             req.num_pending -= 1
             req.output_token_ids.append(token)
             upd.new_tokens[req.request_id] = token
+            if seq.request_id in result.logprobs:
+                upd.logprobs[req.request_id] = result.logprobs[seq.request_id]
             status = None
             if token in req.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
