@@ -111,7 +111,6 @@ def test_batch_invariance_alone_together_and_other_chunk_budget(mixed):
     assert len({tuple(t) for t in together}) > 8  # sampled, not degenerate
 
 
-@pytest.mark.slow
 def test_preemption_loses_nothing_and_changes_no_greedy_output(mixed):
     path, _ = mixed
     prompts = [ids(250 + i, 200 + i) for i in range(4)]  # each crosses into a second block
