@@ -92,7 +92,9 @@ class ModelConfig:
         if bad:
             raise ValueError(f"unknown mlp layer types {bad}; known: ('moe', 'hash_moe')")
         if self.scoring_func != "sqrtsoftplus":
-            raise ValueError(f"scoring_func {self.scoring_func!r} is not supported; DeepSeek-V4 uses 'sqrtsoftplus'")
+            raise ValueError(
+                f"scoring_func {self.scoring_func!r} is not supported; DeepSeek-V4 uses 'sqrtsoftplus'"
+            )
         if self.rope_dim % 2 or self.rope_dim > self.head_dim:
             raise ValueError(f"rope dim {self.rope_dim} must be even and <= head_dim {self.head_dim}")
         if self.index_head_dim < self.rope_dim:
@@ -133,8 +135,8 @@ class ModelConfig:
             raise ValueError(f"model_type {d.get('model_type')!r} is not deepseek_v4")
         n = int(d["num_hidden_layers"])
         rates = dict(d.get("compress_rates") or {})
-        csa_rate = int(d.get("compress_rate_csa", rates.get(CSA, 4)))
-        hca_rate = int(d.get("compress_rate_hca", rates.get(HCA, 128)))
+        csa_rate = int(d.get("compress_rate_csa") or rates.get(CSA) or 4)
+        hca_rate = int(d.get("compress_rate_hca") or rates.get(HCA) or 128)
         layer_types = d.get("layer_types")
         if layer_types is None and d.get("compress_ratios") is not None:
             layer_types = [_RATIO_TO_TYPE[int(r)] for r in d["compress_ratios"]]
@@ -193,7 +195,10 @@ def _parse_rope(d: dict[str, Any], rope_dim: int) -> tuple[RopeConfig, RopeConfi
     if isinstance(rp.get("main"), dict) and isinstance(rp.get("compress"), dict):
         main_d, comp_d = rp["main"], rp["compress"]
     else:
-        flat = {**(d.get("rope_scaling") or {}), **{k: v for k, v in rp.items() if k not in ("main", "compress")}}
+        flat = {
+            **(d.get("rope_scaling") or {}),
+            **{k: v for k, v in rp.items() if k not in ("main", "compress")},
+        }
         main_d = {"rope_type": "default", "rope_theta": d.get("rope_theta", 10000.0)}
         comp_d = {**flat, "rope_theta": d.get("compress_rope_theta", 160000.0)}
     main = RopeConfig(theta=float(main_d.get("rope_theta", 10000.0)), rope_dim=rope_dim)

@@ -36,6 +36,9 @@ class SequenceInput:
     # Compressed rows covering only positions below this are already final in the blocks (a prefix
     # hit being replayed to rebuild SWA state): the step must not rewrite them. 0 = none.
     rows_cached_until: int = 0
+    # Raw-window positions below this are not in the slot (SWA-state replay into a fresh slot):
+    # attention ignores them. 0 = the slot is valid (fresh sequences, copied slots).
+    window_from: int = 0
 
 
 @dataclass(frozen=True)
@@ -54,6 +57,7 @@ class ForwardBatch:
     num_computed_cpu: tuple[int, ...] = ()
     swa_slot_cpu: tuple[int, ...] = ()
     rows_cached_until_cpu: tuple[int, ...] = ()
+    window_from_cpu: tuple[int, ...] = ()
 
     @property
     def num_tokens(self) -> int:
@@ -68,13 +72,19 @@ class ForwardBatch:
         return self.rows_cached_until_cpu or (0,) * self.num_seqs
 
     @property
+    def window_from(self) -> tuple[int, ...]:
+        return self.window_from_cpu or (0,) * self.num_seqs
+
+    @property
     def sample_indices(self) -> torch.Tensor:
         """[num_sampled] flat index of the last new token of every sequence with sample=True."""
         last = self.query_start + self.query_len - 1
         return last[self.sample]
 
     @classmethod
-    def from_sequences(cls, seqs: Sequence[SequenceInput], device: torch.device | str = "cpu") -> ForwardBatch:
+    def from_sequences(
+        cls, seqs: Sequence[SequenceInput], device: torch.device | str = "cpu"
+    ) -> ForwardBatch:
         if not seqs:
             raise ValueError("a ForwardBatch needs at least one sequence")
         ids: list[int] = []
@@ -111,6 +121,7 @@ class ForwardBatch:
             num_computed_cpu=tuple(s.num_computed for s in seqs),
             swa_slot_cpu=tuple(s.swa_slot for s in seqs),
             rows_cached_until_cpu=tuple(s.rows_cached_until for s in seqs),
+            window_from_cpu=tuple(s.window_from for s in seqs),
         )
         batch.validate()
         return batch
@@ -120,7 +131,7 @@ class ForwardBatch:
         b = self.num_seqs
         if not (len(self.query_start_cpu) == len(self.num_computed_cpu) == len(self.swa_slot_cpu) == b):
             raise ValueError("per-sequence host metadata must all have one entry per sequence")
-        if self.rows_cached_until_cpu and len(self.rows_cached_until_cpu) != b:
+        if any(len(t) not in (0, b) for t in (self.rows_cached_until_cpu, self.window_from_cpu)):
             raise ValueError("per-sequence host metadata must all have one entry per sequence")
         expect = 0
         for i in range(b):

@@ -27,6 +27,7 @@ class RunnerConfig:
     dtype: str = "float32"
     device: str = "cpu"
     with_mtp: bool = True
+    keep_quantized: bool = False  # FP8/FP4 weights stay quantised on the device, dequantised per use
     ep_size: int = 1
     ep_rank: int = 0
 
@@ -49,19 +50,35 @@ class RunnerOutput:
     hidden: torch.Tensor  # [T, hc, D] final hc streams (input of the MTP head)
 
 
+#: Parameters transformers keeps in fp32 whatever the model dtype (its _keep_in_fp32_modules_strict).
+FP32_PARTS = (
+    "attn_hc.", "ffn_hc.", "hc_head.", "sinks", "position_bias", "e_score_correction_bias", "q_a_norm",
+    "kv_norm", "input_layernorm", "post_attention_layernorm", "norm.", "enorm", "hnorm",
+)  # fmt: skip
+
+
+def cast_parameters(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Cast every parameter to ``dtype`` except those the reference keeps in fp32."""
+    for name, p in model.named_parameters():
+        if not any(part in name for part in FP32_PARTS):
+            p.data = p.data.to(dtype)
+
+
 class ModelRunner:
     def __init__(self, model_dir: str | Path, cfg: RunnerConfig, ep_group: object | None = None) -> None:
         self.cfg = cfg
         self.model_cfg = ModelConfig.from_dir(model_dir)
         placement = ExpertPlacement.identity(self.model_cfg.n_routed_experts, cfg.ep_size)
         model = DeepseekV4(self.model_cfg, placement, cfg.ep_rank, with_mtp=cfg.with_mtp)
-        self.unused_keys = load_weights(model, model_dir)
-        self.model = model.to(device=cfg.device, dtype=cfg.torch_dtype).eval()
+        cast_parameters(model, cfg.torch_dtype)
+        self.unused_keys = load_weights(model, model_dir, keep_quantized=cfg.keep_quantized)
+        self.model = model.to(device=cfg.device).eval()
         dispatch = select_dispatch(ep_group, cfg.ep_size, torch.device(cfg.device))
         for moe in self.model.moe_layers():
             moe.dispatch = dispatch
-        self.spec = CacheSpec.from_model(self.model_cfg, elem_bytes=cfg.torch_dtype.itemsize,
-                                         state_bytes=cfg.torch_dtype.itemsize)
+        self.spec = CacheSpec.from_model(
+            self.model_cfg, elem_bytes=cfg.torch_dtype.itemsize, state_bytes=cfg.torch_dtype.itemsize
+        )
         self.pool = CompressedPool(self.spec, cfg.num_blocks, cfg.torch_dtype, cfg.device)
         self.swa = SWASlots(self.spec, cfg.num_slots, cfg.torch_dtype, cfg.device)
 

@@ -17,7 +17,9 @@ from engine.config import CSA
 
 
 class CompressedPool:
-    def __init__(self, spec: CacheSpec, num_blocks: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, spec: CacheSpec, num_blocks: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
         if num_blocks < 1:
             raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
         self.spec = spec
@@ -38,7 +40,9 @@ class CompressedPool:
     def _addr(table: torch.Tensor, entries: torch.Tensor, rpb: int) -> tuple[torch.Tensor, torch.Tensor]:
         return table[entries // rpb], entries % rpb
 
-    def write(self, layer: int, table: torch.Tensor, first: int, rows: torch.Tensor, index: bool = False) -> None:
+    def write(
+        self, layer: int, table: torch.Tensor, first: int, rows: torch.Tensor, index: bool = False
+    ) -> None:
         """Store entries [first, first + len(rows)) of one sequence (block table ``table [nb]``)."""
         if rows.shape[0] == 0:
             return

@@ -34,8 +34,16 @@ class CacheSpec:
     @classmethod
     def from_model(cls, cfg: ModelConfig, elem_bytes: int = 4, state_bytes: int = 4) -> CacheSpec:
         types = cfg.layer_types + (SLIDING,) * cfg.num_nextn_predict_layers
-        return cls(types, cfg.head_dim, cfg.index_head_dim, cfg.sliding_window, cfg.csa_rate, cfg.hca_rate,
-                   elem_bytes, state_bytes)
+        return cls(
+            types,
+            cfg.head_dim,
+            cfg.index_head_dim,
+            cfg.sliding_window,
+            cfg.csa_rate,
+            cfg.hca_rate,
+            elem_bytes,
+            state_bytes,
+        )
 
     def rate(self, layer: int) -> int:
         t = self.layer_types[layer]

@@ -12,12 +12,20 @@ State "valid at n" (n = tokens computed) means: the ring holds positions
 [max(0, n - W), n) of the raw window and [max(0, floor(n/m)*m - m_overlap), n) of the
 compressor input, where m_overlap = m for CSA and 0 for HCA.
 
-Rebuilding a slot for a sequence whose compressed blocks are cached up to n (prefix hit
-without SWA state): recompute positions [n - r, n) through every layer with
-``r = max(W - 1, n - (floor(n/m')*m'))``, i.e. the last W - 1 = 127 tokens for the windows and
-CSA state (2m <= 127) plus the open HCA window (up to 127 tokens). Because W - 1 = m' - 1 = 127
-for V4, replaying the last 127 tokens is always enough; the compressed rows they would
-re-emit are already in the blocks and are simply rewritten with identical values.
+Rebuilding a slot for a sequence whose compressed blocks are cached up to n (a prefix hit
+whose SWA state is gone), exactly: replay positions [n - r, n) into a fresh slot with
+``num_computed = window_from = n - r`` and ``rows_cached_until = n`` (the replay reads the
+cached rows and never rewrites them), where
+
+    r = min(n, L * (W - 1))    L = decoder layers (+1 if the MTP layer's window is kept), W = window
+
+Why L * (W - 1): layer l's window keys at positions [n - W + 1, n) depend on layer l-1's
+attention outputs there, which depend on layer l-1's keys W - 1 positions further back, and so
+on down to the embeddings, which are exact everywhere. The compressor rings need at most
+max(2m, m') - 1 <= W - 1 trailing positions (m' <= W holds for V4), which this covers. For V4-Flash (43 layers, W=128)
+that is 5,461 tokens; replaying only the last W - 1 = 127 tokens with the window truncated to the
+replay (DeepInfer's "bounded replay") is approximate: layers above the first see hidden states
+computed from truncated windows. `tests/unit/engine/test_prefix_and_mtp.py` checks both.
 """
 
 from __future__ import annotations
@@ -29,7 +37,9 @@ from engine.config import CSA
 
 
 class SWASlots:
-    def __init__(self, spec: CacheSpec, num_slots: int, dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self, spec: CacheSpec, num_slots: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
         if num_slots < 1:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.spec = spec

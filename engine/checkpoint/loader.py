@@ -17,6 +17,8 @@ from safetensors import safe_open
 from engine.checkpoint.keys import KeyRef, canonical
 from engine.checkpoint.quant import dequantize, find_scale, is_scale_key
 from engine.model.model import DeepseekV4
+from engine.model.moe import Experts
+from engine.model.qlinear import replace_linear
 
 
 def checkpoint_files(path: str | Path) -> list[Path]:
@@ -41,7 +43,7 @@ class TensorSource:
                 for k in h.keys():  # noqa: SIM118 - safe_open handles are not mappings
                     self._where[k] = f
 
-    def keys(self) -> list[str]:
+    def names(self) -> list[str]:
         return list(self._where)
 
     def __contains__(self, key: str) -> bool:
@@ -55,11 +57,10 @@ class TensorSource:
 
 
 class _Loader:
-    def __init__(self, model: DeepseekV4, src: TensorSource) -> None:
-        self.src = src
+    def __init__(self, model: DeepseekV4, src: TensorSource, keep_quantized: bool) -> None:
+        self.src, self.model, self.keep = src, model, keep_quantized
         self.state = model.state_dict()
-        first = model.model.layers[0].mlp.experts
-        self.lo, self.hi = first.first, first.first + first.gate_up_proj.shape[0]
+        self.lo, self.hi = model.local_expert_range()
         self.seen: set[str] = set()
         self.expert_parts: dict[str, set[tuple[int, str]]] = {}
         self.unused: list[str] = []
@@ -86,9 +87,26 @@ class _Loader:
             self._load_expert(key, ref, dst)
             return
         packed = ref.name.endswith(("experts.gate_up_proj", "experts.down_proj"))
+        scale_key = find_scale(self.src, key) if self.keep else None
+        if scale_key is not None and (packed or ref.name.endswith(".weight")):
+            self._keep_quantized(key, scale_key, ref.name, packed)
+            return
         t = self._read(key, (self.lo, self.hi) if packed else None)
         self._store(ref.name, t, dst)
         self.seen.add(ref.name)
+
+    def _keep_quantized(self, key: str, scale_key: str, name: str, packed: bool) -> None:
+        rows = (self.lo, self.hi) if packed else None
+        q, scale = self.src.get(key, rows), self.src.get(scale_key, rows)
+        owner, _, leaf = name.rpartition(".")
+        if packed:
+            experts = self.model.get_submodule(owner)
+            if not isinstance(experts, Experts):
+                raise ValueError(f"{name}: expected an Experts module at {owner}")
+            experts.set_quantized(leaf, q, scale)
+        else:
+            replace_linear(self.model, owner, q, scale)
+        self.seen.add(name)
 
     def _load_expert(self, key: str, ref: KeyRef, dst: torch.Tensor) -> None:
         if not self.lo <= ref.expert < self.hi:
@@ -114,16 +132,19 @@ class _Loader:
         return self.unused
 
 
-def load_weights(model: DeepseekV4, path: str | Path, strict: bool = True) -> list[str]:
+def load_weights(
+    model: DeepseekV4, path: str | Path, strict: bool = True, keep_quantized: bool = False
+) -> list[str]:
     """Copy every checkpoint tensor into ``model``; return the checkpoint keys the model has no slot for.
 
-    Raises ValueError when a model tensor is missing from the checkpoint (``strict``) or a shape
-    does not match.
+    With ``keep_quantized``, FP8/FP4 linears become `QuantLinear` and packed quantised experts stay
+    packed (DeepSeek's per-expert keys are still dequantised at load). Raises ValueError when a
+    model tensor is missing from the checkpoint (``strict``) or a shape does not match.
     """
     src = TensorSource(path)
-    loader = _Loader(model, src)
+    loader = _Loader(model, src, keep_quantized)
     with torch.no_grad():
-        for key in src.keys():
+        for key in src.names():
             if not is_scale_key(src, key):
                 loader.load_key(key)
     return loader.finish(path, strict)

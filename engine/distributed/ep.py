@@ -35,10 +35,12 @@ class AllToAllDispatch:
         dist.all_to_all_single(recv, send.contiguous(), recv_splits, send_splits, group=self.group)
         return recv
 
-    def __call__(self, x: torch.Tensor, phys: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
+    def __call__(
+        self, x: torch.Tensor, phys: torch.Tensor, weights: torch.Tensor, experts: Experts
+    ) -> torch.Tensor:
         """x [N, D], phys/weights [N, k] -> routed output [N, D]."""
         n, k = phys.shape
-        per_rank = experts.gate_up_proj.shape[0]
+        per_rank = experts.num_local
         flat = phys.reshape(-1)  # [N*k]
         rows = torch.arange(n, device=x.device).repeat_interleave(k)
         dest = flat // per_rank

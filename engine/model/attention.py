@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.cache.pool import CompressedPool
 from engine.cache.swa import SWASlots
+from engine.checkpoint.quant import dequantize
 from engine.config import CSA, HCA, SLIDING, ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.model.compressor import CSACompressor, HCACompressor, Indexer, run_compressor
@@ -21,16 +22,31 @@ from engine.model.rope import Rotary
 
 
 class GroupedLinear(nn.Module):
-    """Block-diagonal linear: weight [groups * out_per_group, in_per_group]."""
+    """Block-diagonal linear: weight [groups * out_per_group, in_per_group] (optionally kept quantised)."""
+
+    qweight: torch.Tensor | None
+    scale: torch.Tensor | None
 
     def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
         super().__init__()
         self.groups = groups
         self.weight = nn.Parameter(torch.zeros(out_features, in_per_group))
+        self.register_buffer("qweight", None)
+        self.register_buffer("scale", None)
+
+    def set_quantized(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, G, in] -> [T, G * out_per_group]."""
-        w = self.weight.view(self.groups, -1, x.shape[-1])  # [G, out, in]
+        w = (
+            self.weight
+            if self.qweight is None or self.scale is None
+            else dequantize(self.qweight, self.scale)
+        )
+        w = w.view(self.groups, -1, x.shape[-1])  # [G, out, in]
         return torch.einsum("tgi,goi->tgo", x, w.to(x.dtype)).flatten(1)
 
 
@@ -55,14 +71,28 @@ class Attention(nn.Module):
         self.rotary = Rotary(cfg.main_rope if layer_type == SLIDING else cfg.compress_rope)
         self.compressor: CSACompressor | HCACompressor | None = None
         if layer_type == CSA:
-            idx = Indexer(cfg.hidden_size, cfg.q_lora_rank, cfg.index_head_dim, cfg.index_n_heads, cfg.csa_rate,
-                          cfg.index_topk, cfg.rms_norm_eps)
-            self.compressor = CSACompressor(cfg.hidden_size, cfg.head_dim, cfg.csa_rate, cfg.rms_norm_eps, idx)
+            idx = Indexer(
+                cfg.hidden_size,
+                cfg.q_lora_rank,
+                cfg.index_head_dim,
+                cfg.index_n_heads,
+                cfg.csa_rate,
+                cfg.index_topk,
+                cfg.rms_norm_eps,
+            )
+            self.compressor = CSACompressor(
+                cfg.hidden_size, cfg.head_dim, cfg.csa_rate, cfg.rms_norm_eps, idx
+            )
         elif layer_type == HCA:
             self.compressor = HCACompressor(cfg.hidden_size, cfg.head_dim, cfg.hca_rate, cfg.rms_norm_eps)
 
     def forward(
-        self, x: torch.Tensor, batch: ForwardBatch, pool: CompressedPool, swa: SWASlots, layer: int,
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        pool: CompressedPool,
+        swa: SWASlots,
+        layer: int,
         cached_until: tuple[int, ...],
     ) -> torch.Tensor:
         """x [T, D] (normed attention input) -> [T, D]."""
@@ -72,31 +102,48 @@ class Attention(nn.Module):
         q = self.rotary(rms_unweighted(q, self.eps), pos)
         kv = self.rotary(self.kv_norm(self.kv_proj(x)), pos)  # [T, hd], K == V
         meta = [
-            (batch.query_start_cpu[i], batch.query_len_cpu[i], batch.num_computed_cpu[i], batch.swa_slot_cpu[i],
-             cached_until[i], batch.block_table[i])
+            (
+                batch.query_start_cpu[i],
+                batch.query_len_cpu[i],
+                batch.num_computed_cpu[i],
+                batch.swa_slot_cpu[i],
+                cached_until[i],
+                batch.block_table[i],
+            )
             for i in range(batch.num_seqs)
         ]
-        iq = iw = None
+        window_from = batch.window_from
+        idx: tuple[torch.Tensor, torch.Tensor] | None = None  # indexer queries [T, nI, dI], weights [T, nI]
         if self.compressor is not None:
             run_compressor(self.compressor, self.rotary, x, meta, pool, swa, layer, index=False)
             if isinstance(self.compressor, CSACompressor):
                 ix = self.compressor.indexer
                 run_compressor(ix, self.rotary, x, meta, pool, swa, layer, index=True)
-                iq, iw = ix.queries(self.rotary, q_latent, x, pos)
+                idx = ix.queries(self.rotary, q_latent, x, pos)
         out = torch.empty_like(q)  # [T, H, hd]
-        for start, qlen, n0, slot, _, table in meta:
+        for i, (start, qlen, n0, slot, _, table) in enumerate(meta):
             sl = slice(start, start + qlen)
-            keys, bias = self._keys(kv[sl], pos[sl], n0, slot, table, pool, swa, layer,
-                                    None if iq is None else (iq[sl], iw[sl]))
+            keys, bias = self._keys(
+                kv[sl],
+                pos[sl],
+                n0,
+                window_from[i],
+                slot,
+                table,
+                pool,
+                swa,
+                layer,
+                None if idx is None else (idx[0][sl], idx[1][sl]),
+            )
             out[sl] = self._attend(q[sl], keys, bias)
             SWASlots.ring_write(swa.window[layer], slot, n0, kv[sl])
         out = self.rotary(out, pos, inverse=True)
         grouped = out.reshape(x.shape[0], self.o_groups, -1)
         return self.o_b_proj(self.o_a_proj(grouped))
 
-    def _keys(self, kv_new, qpos, n0, slot, table, pool, swa, layer, idx_q):
+    def _keys(self, kv_new, qpos, n0, window_from, slot, table, pool, swa, layer, idx_q):
         """Keys [K, hd] visible to a sequence's queries and the additive bias [q, K] (0 / -inf)."""
-        lo = max(0, n0 - self.window + 1)
+        lo = min(n0, max(window_from, n0 - self.window + 1))
         raw = torch.cat([SWASlots.ring_read(swa.window[layer], slot, lo, n0), kv_new], dim=0)
         kpos = torch.arange(lo, n0 + kv_new.shape[0], device=kv_new.device)
         d = qpos[:, None] - kpos[None, :]
@@ -105,7 +152,7 @@ class Attention(nn.Module):
             rate = self.compressor.rate
             n_entries = (n0 + kv_new.shape[0]) // rate
             comp = pool.read(layer, table, n_entries)  # [E, hd]
-            if idx_q is not None:
+            if idx_q is not None and isinstance(self.compressor, CSACompressor):
                 ikeys = pool.read(layer, table, n_entries, index=True)
                 cvis = self.compressor.indexer.select(idx_q[0], idx_q[1], ikeys, qpos)
             else:

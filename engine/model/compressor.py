@@ -83,20 +83,26 @@ class IndexerScorer(nn.Module):
 class Indexer(Compressor):
     """Lightning indexer: its own overlapping compressor at index_head_dim plus multi-head ReLU scoring."""
 
-    def __init__(self, hidden: int, q_lora: int, dim: int, n_heads: int, rate: int, topk: int, eps: float) -> None:
+    def __init__(
+        self, hidden: int, q_lora: int, dim: int, n_heads: int, rate: int, topk: int, eps: float
+    ) -> None:
         super().__init__(hidden, dim, rate, overlap=True, eps=eps)
         self.n_heads, self.topk = n_heads, topk
         self.q_b_proj = nn.Linear(q_lora, n_heads * dim, bias=False)
         self.scorer = IndexerScorer(hidden, n_heads)
 
-    def queries(self, rotary: Rotary, q_latent: torch.Tensor, x: torch.Tensor, positions: torch.Tensor):
+    def queries(
+        self, rotary: Rotary, q_latent: torch.Tensor, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> q [T, nI, dI] (rotated at the query positions), head weights [T, nI] (fp32)."""
         q = self.q_b_proj(q_latent).view(q_latent.shape[0], self.n_heads, self.dim)
         q = rotary(q, positions)
         w = self.scorer.weights_proj(x).float() * self.n_heads**-0.5
         return q, w
 
-    def select(self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def select(
+        self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
         """Visible-entry mask [q, E] (bool) of the top-k entries per query; keys [E, dI]."""
         e = keys.shape[0]
         if e == 0:

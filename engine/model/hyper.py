@@ -43,10 +43,14 @@ class HyperConnection(nn.Module):
         return post, comb, collapsed
 
 
-def hc_merge(streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+def hc_merge(
+    streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
     """x' = post * out + comb^T @ x (comb is consumed transposed). streams [T, n, D], out [T, D]."""
     dtype = streams.dtype
-    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
+        comb.to(dtype).transpose(-1, -2), streams
+    )
 
 
 class HyperHead(nn.Module):

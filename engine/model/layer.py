@@ -11,13 +11,19 @@ from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.model.attention import Attention
 from engine.model.hyper import HyperConnection, hc_merge
-from engine.model.moe import MoE, ExpertPlacement
+from engine.model.moe import ExpertPlacement, MoE
 from engine.model.norms import RMSNorm
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_type: str, hashed: bool, placement: ExpertPlacement | None = None,
-                 ep_rank: int = 0) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        layer_type: str,
+        hashed: bool,
+        placement: ExpertPlacement | None = None,
+        ep_rank: int = 0,
+    ) -> None:
         super().__init__()
         self.self_attn = Attention(cfg, layer_type)
         self.mlp = MoE(cfg, hashed, placement, ep_rank)
@@ -27,7 +33,12 @@ class DecoderLayer(nn.Module):
         self.ffn_hc = HyperConnection(cfg)
 
     def forward(
-        self, streams: torch.Tensor, batch: ForwardBatch, pool: CompressedPool, swa: SWASlots, cache_layer: int,
+        self,
+        streams: torch.Tensor,
+        batch: ForwardBatch,
+        pool: CompressedPool,
+        swa: SWASlots,
+        cache_layer: int,
         input_ids: torch.Tensor,
     ) -> torch.Tensor:
         """streams [T, hc, D] -> [T, hc, D]."""

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import torch
 from torch import nn
 
@@ -31,8 +33,13 @@ class V4Backbone(nn.Module):
 class DeepseekV4(nn.Module):
     """Main model plus MTP draft layer(s). Weights load from transformers-named safetensors keys."""
 
-    def __init__(self, cfg: ModelConfig, placement: ExpertPlacement | None = None, ep_rank: int = 0,
-                 with_mtp: bool = True) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        placement: ExpertPlacement | None = None,
+        ep_rank: int = 0,
+        with_mtp: bool = True,
+    ) -> None:
         super().__init__()
         self.cfg = cfg
         self.model = V4Backbone(cfg, placement, ep_rank)
@@ -41,13 +48,21 @@ class DeepseekV4(nn.Module):
         self.mtp = nn.ModuleList(MTPLayer(cfg, placement, ep_rank) for _ in range(n_mtp))
 
     def moe_layers(self) -> list[MoE]:
-        return [layer.mlp for layer in self.model.layers] + [m.mlp for m in self.mtp]
+        layers = [*self.model.layers, *self.mtp]
+        return [cast(DecoderLayer, layer).mlp for layer in layers]
+
+    def local_expert_range(self) -> tuple[int, int]:
+        """[first, last) physical expert ids held by this rank."""
+        experts = self.moe_layers()[0].experts
+        return experts.first, experts.first + experts.num_local
 
     def expert_load(self) -> torch.Tensor:
         """[num_moe_layers, n_routed_experts] tokens routed to each logical expert in the last step."""
         return torch.stack([m.last_load for m in self.moe_layers()])
 
-    def forward(self, batch: ForwardBatch, pool: CompressedPool, swa: SWASlots) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, batch: ForwardBatch, pool: CompressedPool, swa: SWASlots
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (logits [num_sampled, vocab] fp32, final hc streams [T, hc, D] for the MTP head)."""
         ids = batch.input_ids
         emb = self.model.embed_tokens(ids)  # [T, D]
@@ -59,16 +74,28 @@ class DeepseekV4(nn.Module):
         return self.lm_head(h).float(), streams
 
     def forward_mtp(
-        self, streams: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch, pool: CompressedPool,
-        swa: SWASlots, depth: int = 0,
+        self,
+        streams: torch.Tensor,
+        next_ids: torch.Tensor,
+        batch: ForwardBatch,
+        pool: CompressedPool,
+        swa: SWASlots,
+        depth: int = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft head: streams [T, hc, D] of the main model at each position, next_ids [T] the token
         after each position -> (logits [num_sampled, vocab] for the token after next, new streams)."""
         if depth >= len(self.mtp):
             raise ValueError(f"MTP depth {depth} requested but {len(self.mtp)} MTP layer(s) are loaded")
-        layer = self.mtp[depth]
-        out = layer(streams, self.model.embed_tokens(next_ids), batch, pool, swa,
-                    self.cfg.num_hidden_layers + depth, next_ids)
+        layer = cast(MTPLayer, self.mtp[depth])
+        out = layer(
+            streams,
+            self.model.embed_tokens(next_ids),
+            batch,
+            pool,
+            swa,
+            self.cfg.num_hidden_layers + depth,
+            next_ids,
+        )
         rows = batch.sample_indices
         h = layer.norm(layer.hc_head(out[rows]))
         return self.lm_head(h).float(), out

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.checkpoint.quant import dequantize
 from engine.config import ModelConfig
 
 
@@ -26,7 +27,9 @@ class ExpertPlacement:
 
     def __post_init__(self) -> None:
         if self.num_physical % self.ep_size:
-            raise ValueError(f"{self.num_physical} physical experts do not split over {self.ep_size} EP ranks")
+            raise ValueError(
+                f"{self.num_physical} physical experts do not split over {self.ep_size} EP ranks"
+            )
         if int(self.logcnt.min()) < 1:
             raise ValueError("every logical expert needs at least one physical replica")
 
@@ -36,8 +39,12 @@ class ExpertPlacement:
 
     @classmethod
     def identity(cls, num_experts: int, ep_size: int = 1) -> ExpertPlacement:
-        return cls(torch.arange(num_experts).view(-1, 1), torch.ones(num_experts, dtype=torch.long), num_experts,
-                   ep_size)
+        return cls(
+            torch.arange(num_experts).view(-1, 1),
+            torch.ones(num_experts, dtype=torch.long),
+            num_experts,
+            ep_size,
+        )
 
     def physical(self, logical: torch.Tensor) -> torch.Tensor:
         """Logical ids [N, k] -> physical ids [N, k]; replicas chosen round-robin by row (deterministic)."""
@@ -52,6 +59,9 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 class Router(nn.Module):
+    tid2eid: torch.Tensor
+    e_score_correction_bias: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, hashed: bool) -> None:
         super().__init__()
         self.top_k, self.scale, self.hashed = cfg.num_experts_per_tok, cfg.routed_scaling_factor, hashed
@@ -59,7 +69,9 @@ class Router(nn.Module):
         if hashed:
             self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, self.top_k, dtype=torch.long))
         else:
-            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+            self.register_buffer(
+                "e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32)
+            )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (weights [T, k], logical expert ids [T, k])."""
@@ -73,21 +85,41 @@ class Router(nn.Module):
 
 
 class Experts(nn.Module):
-    """This rank's physical experts, packed as transformers stores them."""
+    """This rank's physical experts, packed as transformers stores them (optionally kept quantised)."""
 
-    def __init__(self, num_local: int, hidden: int, inter: int, limit: float, first_physical: int = 0) -> None:
+    def __init__(
+        self, num_local: int, hidden: int, inter: int, limit: float, first_physical: int = 0
+    ) -> None:
         super().__init__()
-        self.limit, self.first = limit, first_physical
+        self.limit, self.first, self.num_local = limit, first_physical, num_local
         self.gate_up_proj = nn.Parameter(torch.zeros(num_local, 2 * inter, hidden))
         self.down_proj = nn.Parameter(torch.zeros(num_local, hidden, inter))
+        self.quantized: set[str] = set()
+
+    def set_quantized(self, which: str, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+        """Keep ``which`` ("gate_up_proj" or "down_proj") as FP8/FP4 + scales; dequantised per expert use."""
+        if which not in ("gate_up_proj", "down_proj") or qweight.shape[0] != self.num_local:
+            raise ValueError(
+                f"cannot keep {which} {tuple(qweight.shape)} quantised for {self.num_local} experts"
+            )
+        self.register_buffer(f"{which}_q", qweight)
+        self.register_buffer(f"{which}_s", scale)
+        setattr(self, which, nn.Parameter(torch.empty(0), requires_grad=False))
+        self.quantized.add(which)
+
+    def _weight(self, which: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        if which in self.quantized:
+            return dequantize(getattr(self, f"{which}_q")[e], getattr(self, f"{which}_s")[e]).to(dtype)
+        return getattr(self, which)[e]
 
     def run_rows(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Unweighted expert output for rows x [N, D] routed to local expert ids [N] -> [N, D]."""
         out = torch.zeros_like(x)
         for e in torch.unique(local_ids).tolist():
             rows = (local_ids == e).nonzero().squeeze(1)
-            gate, up = F.linear(x[rows], self.gate_up_proj[e]).chunk(2, dim=-1)
-            out[rows] = F.linear(swiglu_clamped(gate, up, self.limit), self.down_proj[e]).to(out.dtype)
+            gate, up = F.linear(x[rows], self._weight("gate_up_proj", e, x.dtype)).chunk(2, dim=-1)
+            down = self._weight("down_proj", e, x.dtype)
+            out[rows] = F.linear(swiglu_clamped(gate, up, self.limit), down).to(out.dtype)
         return out
 
 
@@ -107,7 +139,9 @@ class SharedExpert(nn.Module):
 Dispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Experts], torch.Tensor]
 
 
-def local_dispatch(x: torch.Tensor, phys: torch.Tensor, weights: torch.Tensor, experts: Experts) -> torch.Tensor:
+def local_dispatch(
+    x: torch.Tensor, phys: torch.Tensor, weights: torch.Tensor, experts: Experts
+) -> torch.Tensor:
     """Single-rank MoE: every physical expert is local."""
     n, k = phys.shape
     rows = torch.arange(n, device=x.device).repeat_interleave(k)
@@ -117,23 +151,35 @@ def local_dispatch(x: torch.Tensor, phys: torch.Tensor, weights: torch.Tensor, e
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: ModelConfig, hashed: bool, placement: ExpertPlacement | None = None,
-                 ep_rank: int = 0) -> None:
+    last_load: torch.Tensor
+    dispatch: Dispatch
+
+    def __init__(
+        self, cfg: ModelConfig, hashed: bool, placement: ExpertPlacement | None = None, ep_rank: int = 0
+    ) -> None:
         super().__init__()
         self.placement = placement or ExpertPlacement.identity(cfg.n_routed_experts)
         per_rank = self.placement.experts_per_rank
         self.gate = Router(cfg, hashed)
-        self.experts = Experts(per_rank, cfg.hidden_size, cfg.moe_intermediate_size, cfg.swiglu_limit,
-                               first_physical=ep_rank * per_rank)
-        self.shared_experts = SharedExpert(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
-                                           cfg.swiglu_limit)
+        self.experts = Experts(
+            per_rank,
+            cfg.hidden_size,
+            cfg.moe_intermediate_size,
+            cfg.swiglu_limit,
+            first_physical=ep_rank * per_rank,
+        )
+        self.shared_experts = SharedExpert(
+            cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts, cfg.swiglu_limit
+        )
         self.dispatch: Dispatch = local_dispatch
         # tokens routed to each logical expert in the last forward (for EPLB)
-        self.register_buffer("last_load", torch.zeros(cfg.n_routed_experts, dtype=torch.long), persistent=False)
+        self.register_buffer(
+            "last_load", torch.zeros(cfg.n_routed_experts, dtype=torch.long), persistent=False
+        )
 
     def set_placement(self, placement: ExpertPlacement) -> None:
         """Swap the logical->physical map (the caller moves the expert weights to match)."""
-        if placement.experts_per_rank != self.experts.gate_up_proj.shape[0]:
+        if placement.experts_per_rank != self.experts.num_local:
             raise ValueError("a new placement must keep the number of physical experts per rank")
         self.placement = placement
 

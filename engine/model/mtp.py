@@ -31,8 +31,14 @@ class MTPLayer(DecoderLayer):
         self.hc_head = HyperHead(cfg)
 
     def forward(  # type: ignore[override]
-        self, streams: torch.Tensor, next_emb: torch.Tensor, batch: ForwardBatch, pool: CompressedPool,
-        swa: SWASlots, cache_layer: int, next_ids: torch.Tensor,
+        self,
+        streams: torch.Tensor,
+        next_emb: torch.Tensor,
+        batch: ForwardBatch,
+        pool: CompressedPool,
+        swa: SWASlots,
+        cache_layer: int,
+        next_ids: torch.Tensor,
     ) -> torch.Tensor:
         """streams [T, hc, D], next_emb [T, D] -> [T, hc, D]."""
         x = self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(next_emb)).unsqueeze(1)

@@ -41,6 +41,8 @@ def inv_freq(cfg: RopeConfig) -> torch.Tensor:
 class Rotary(nn.Module):
     """Applies interleaved RoPE at given absolute positions."""
 
+    inv_freq: torch.Tensor
+
     def __init__(self, cfg: RopeConfig) -> None:
         super().__init__()
         self.rope_dim = cfg.rope_dim

@@ -77,8 +77,14 @@ def _randomise(model: torch.nn.Module, cfg, gen: torch.Generator) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.08)
         for name, b in model.named_buffers():
             if name.endswith("tid2eid"):
-                b.copy_(torch.stack([torch.randperm(cfg.n_routed_experts, generator=gen)[: b.shape[1]]
-                                     for _ in range(b.shape[0])]))
+                b.copy_(
+                    torch.stack(
+                        [
+                            torch.randperm(cfg.n_routed_experts, generator=gen)[: b.shape[1]]
+                            for _ in range(b.shape[0])
+                        ]
+                    )
+                )
             elif name.endswith("e_score_correction_bias"):
                 b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
 
@@ -86,13 +92,18 @@ def _randomise(model: torch.nn.Module, cfg, gen: torch.Generator) -> None:
 def mtp_state(ref_model: torch.nn.Module, cfg, gen: torch.Generator) -> dict[str, torch.Tensor]:
     """A random MTP layer under ``mtp.0.*``: a (window-only, non-hash) decoder layer's keys plus the MTP extras."""
     last = len(cfg.layer_types) - 1
-    src = {k[len(f"model.layers.{last}."):]: v for k, v in ref_model.state_dict().items()
-           if k.startswith(f"model.layers.{last}.")}
+    src = {
+        k[len(f"model.layers.{last}.") :]: v
+        for k, v in ref_model.state_dict().items()
+        if k.startswith(f"model.layers.{last}.")
+    }
     out: dict[str, torch.Tensor] = {}
     for k, v in src.items():
         if ".compressor." in k or k.endswith("tid2eid") or "rotary" in k:
             continue
-        out[f"mtp.0.{k}"] = (v + 0.01 * torch.randn(v.shape, generator=gen)) if v.is_floating_point() else v.clone()
+        out[f"mtp.0.{k}"] = (
+            (v + 0.01 * torch.randn(v.shape, generator=gen)) if v.is_floating_point() else v.clone()
+        )
     d = cfg.hidden_size
     out["mtp.0.mlp.gate.e_score_correction_bias"] = torch.randn(cfg.n_routed_experts, generator=gen) * 0.1
     for name in ("e_proj", "h_proj"):

@@ -77,7 +77,11 @@ def test_mixed_batch_matches_reference(reference, name: str) -> None:
         seqs, who = [], []
         for i, c in enumerate(step):
             if c:
-                seqs.append(SequenceInput(prompts[i][done[i] : done[i] + c].tolist(), done[i], i + 1, [2 * i, 2 * i + 1]))
+                seqs.append(
+                    SequenceInput(
+                        prompts[i][done[i] : done[i] + c].tolist(), done[i], i + 1, [2 * i, 2 * i + 1]
+                    )
+                )
                 who.append(i)
         out = runner.execute(ForwardBatch.from_sequences(seqs))
         for row, i in enumerate(who):

@@ -49,13 +49,15 @@ def _worker(rank: int, world: int, port: int, path: str, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_expert_parallel_matches_single_rank(reference, tmp_path: Path, world: int) -> None:
     path, _ = reference(NAME)
     single = ModelRunner(path, RunnerConfig(num_blocks=2, num_slots=1))
     ctx = mp.get_context("spawn")
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, str(path), str(tmp_path))) for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, str(path), str(tmp_path))) for r in range(world)
+    ]
     for p in procs:
         p.start()
     for p in procs:
