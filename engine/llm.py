@@ -114,6 +114,7 @@ class LLM:
         cfg = self.config
         path = Path(cfg.cost_model_path) if cfg.cost_model_path else Path(cfg.model) / COST_MODEL_FILE
         cost = CostModel.from_json(path.read_text()) if path.is_file() else None
+        mc = self.runner.model_cfg
         return SchedulerConfig(
             num_blocks=cfg.num_blocks,
             num_swa_slots=cfg.num_swa_slots,
@@ -122,9 +123,10 @@ class LLM:
             step_time_budget_s=cfg.step_time_budget_s,
             cost_model=cost,
             enable_prefix_caching=cfg.enable_prefix_caching,
-            # Engine I's runner rewrites compressed rows when it replays, and a window rebuilt
-            # from a reset slot is not exact: hits need the exact slot (docs/engine-runtime.md).
-            swa_miss_policy="recompute",
+            # A hit whose slot state is gone is replayed exactly: L * (W - 1) tokens rebuild the
+            # window of every layer (docs/engine.md, docs/engine-runtime.md).
+            swa_miss_policy="replay",
+            swa_replay_tokens=mc.num_hidden_layers * (mc.sliding_window - 1),
         )
 
     # -- tokenizer, chat, grammar ----------------------------------------------------------

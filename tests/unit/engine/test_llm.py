@@ -189,3 +189,20 @@ def test_saved_cost_model_drives_chunking_without_changing_outputs(mixed, tmp_pa
     finally:
         llm.close()
     assert_hf_greedy(ref, prompt, out)
+
+
+def test_shared_prefix_hit_without_slot_is_replayed_exactly(mixed):
+    """Two requests share a 300-token prefix; the first's slot has moved on, so the second
+    reuses the cached block and replays L * (W - 1) = 4 * 15 tokens to rebuild its window."""
+    path, ref = mixed
+    prefix = ids(300, 8)
+    a, b = prefix + ids(10, 9), prefix + ids(12, 10)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = make(path, max_num_batched_tokens=512)
+    try:
+        llm.generate(prompt_token_ids=[a], sampling_params=sp)
+        out = llm.generate(prompt_token_ids=[b], sampling_params=sp)[0]
+    finally:
+        llm.close()
+    assert out.num_cached_tokens == 256 - 4 * 15
+    assert_hf_greedy(ref, b, out.outputs[0].token_ids)
