@@ -316,6 +316,12 @@ class LLM:
             logprobs=tr.logprobs if tr.params.logprobs is not None else None,
         )
 
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         self.loop.close()
         if self._grammar is not None:

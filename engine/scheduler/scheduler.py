@@ -94,9 +94,11 @@ class Scheduler:
             if req in self.waiting:
                 self.waiting.remove(req)
             else:
-                for group in self._forks.values():
+                for parent_id, group in list(self._forks.items()):
                     if req in group:
                         group.remove(req)
+                        if not group:
+                            del self._forks[parent_id]
         for child in self._forks.pop(req.request_id, []):  # never forked: run on their own
             self._enqueue(child)
         req.status = status

@@ -219,3 +219,14 @@ def test_fork_without_room_falls_back_to_an_independent_request():
             outs[r.request_id] = r.output_token_ids
     assert outs["c"] == outs["p"] == reference(prompt, 3, VOCAB, frozenset())
     assert dev.forked == 0
+
+
+def test_aborting_fork_children_and_parent_leaves_nothing_behind():
+    sched = Scheduler(SchedulerConfig(num_blocks=20, num_swa_slots=4, block_size=4))
+    sched.add_request(Request("p", [1, 2, 3, 4, 5], 3, frozenset()))
+    sched.add_request(Request("c1", [1, 2, 3, 4, 5], 3, frozenset(), fork_of="p"))
+    sched.add_request(Request("c2", [1, 2, 3, 4, 5], 3, frozenset(), fork_of="p"))
+    assert sched.abort("c1")
+    assert sched.abort("p")  # c2 was never forked: it becomes an ordinary waiting request
+    assert [r.request_id for r in sched.waiting] == ["c2"]
+    assert sched.abort("c2") and not sched.has_unfinished()
