@@ -202,11 +202,17 @@ class LLM:
         prios = list(priority) if priority is not None else [0] * len(ids)
         if len(prios) != len(ids):
             raise ValueError(f"priority has {len(prios)} entries for {len(ids)} prompts")
-        for p in ids:
+        capacity = self.config.num_blocks * self.scheduler.config.block_size
+        for p, sp in zip(ids, params):
             bad = [t for t in p if not 0 <= t < self.vocab_size]
             if not p or bad:
                 raise ValueError(
                     f"prompt is empty or has token ids outside [0, {self.vocab_size}): {bad[:5]}"
+                )
+            if len(p) + sp.max_tokens > capacity:
+                raise ValueError(
+                    f"a prompt of {len(p)} tokens plus max_tokens={sp.max_tokens} exceeds the cache "
+                    f"({capacity} tokens = num_blocks x block size)"
                 )
         grammars = [
             [self._grammar_state(sp) for _ in range(sp.n)] for sp in params

@@ -176,6 +176,9 @@ def test_n_seeds_logprobs_priority_and_bad_requests(mixed):
             llm.generate(prompt_token_ids=[[1, 2, 999]], sampling_params=GREEDY)
         with pytest.raises(ValueError, match="empty"):
             llm.generate(prompt_token_ids=[[]], sampling_params=GREEDY)
+        with pytest.raises(ValueError, match="exceeds the cache"):  # the 2nd is too long: none admitted
+            llm.generate(prompt_token_ids=[[1, 2], [3] * (24 * 256)], sampling_params=GREEDY)
+        assert not llm.scheduler.has_unfinished()
         # still serving after the rejections
         assert (
             len(llm.generate(prompt_token_ids=[[1, 2, 3]], sampling_params=GREEDY)[0].outputs[0].token_ids)
