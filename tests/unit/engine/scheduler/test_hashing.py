@@ -62,3 +62,12 @@ def test_rejects_tokens_outside_u32():
         block_hash(ROOT_HASH, [-1])
     with pytest.raises(ValueError, match="u32"):
         block_hash(ROOT_HASH, [2**32])
+
+
+def test_scheduler_core_and_engine_package_import_without_torch():
+    code = (
+        "import sys, engine, engine.loop, engine.scheduler.scheduler, engine.sampling.params, "
+        "engine.sampling.stop; assert 'torch' not in sys.modules, 'torch imported'; "
+        "assert callable(engine.__getattr__)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
