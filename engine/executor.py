@@ -1,0 +1,110 @@
+"""Runner glue: ``SchedulerOutput -> ForwardBatch -> logits -> sampler -> RunnerOutput`` (torch).
+
+The executor owns each live request's sampling state (params, seed, token history, grammar)
+so that it can run on the device thread while the scheduler prepares the next step: it
+never reads the scheduler's mutable ``Request`` objects.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from engine.forward_batch import ForwardBatch, SequenceInput
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import RowInput, TokenLogprobs, sample_row
+from engine.scheduler.output import PENDING_TOKEN, RunnerOutput, SchedulerOutput
+from engine.structured.matcher import GrammarState
+
+
+class LogitsRunner(Protocol):
+    """What the executor needs of Engine I's ``ModelRunner``: ``execute`` returns an object
+    with ``.logits [num_sampled, vocab]`` fp32; ``pool.copy_block`` and ``copy_slot`` copy a
+    compressed block and an SWA slot (for n > 1 forks)."""
+
+    pool: Any
+
+    def execute(self, batch: ForwardBatch) -> Any: ...
+
+    def copy_slot(self, src: int, dst: int) -> None: ...
+
+
+@dataclass
+class SamplingState:
+    params: SamplingParams
+    seed: int
+    prompt_token_ids: list[int]
+    stop_token_ids: frozenset[int] = frozenset()
+    output_token_ids: list[int] = field(default_factory=list)
+    grammar: GrammarState | None = None
+
+    @property
+    def done(self) -> bool:
+        """Its last sampled token stops it: a step already in flight samples nothing more."""
+        return bool(self.output_token_ids) and self.output_token_ids[-1] in self.stop_token_ids
+
+
+class ModelExecutor:
+    def __init__(self, runner: LogitsRunner, device: str = "cpu") -> None:
+        self.runner = runner
+        self.device = device
+        self.states: dict[str, SamplingState] = {}
+
+    def add(self, request_id: str, state: SamplingState) -> None:
+        self.states[request_id] = state
+
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        for rid in out.finished_ids:
+            self.states.pop(rid, None)
+        for src, dst in out.block_copies:  # forks made by the previous step
+            self.runner.pool.copy_block(src, dst)
+        for src, dst in out.slot_copies:
+            self.runner.copy_slot(src, dst)
+        seqs = []
+        for s in out.seqs:
+            tokens = [self._resolve(s.request_id, t) for t in s.token_ids]
+            seqs.append(
+                SequenceInput(
+                    tokens,
+                    s.start_pos,
+                    s.swa_slot,
+                    list(s.block_table),
+                    s.sample,
+                    rows_cached_until=s.replay_until,
+                    window_from=s.window_from,
+                )
+            )
+        logits = self.runner.execute(ForwardBatch.from_sequences(seqs, device=self.device)).logits  # [R, V]
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprobs | None] = {}
+        row = 0
+        for s in out.seqs:
+            if not s.sample:
+                continue
+            for rid in (s.request_id, *s.fork_children):  # fork children share the parent's row
+                tok, lp = self._sample(rid, logits[row], s.output_index)
+                sampled[rid] = tok
+                logprobs[rid] = lp
+            row += 1
+        return RunnerOutput(out.step, sampled, dict(logprobs))
+
+    def _resolve(self, request_id: str, token: int) -> int:
+        if token != PENDING_TOKEN:
+            return token
+        return self.states[request_id].output_token_ids[-1]
+
+    def _sample(self, rid: str, row_logits, output_index: int) -> tuple[int, TokenLogprobs | None]:
+        st = self.states[rid]
+        if st.done:  # stopped in the previous step; the scheduler drops this result
+            return st.output_token_ids[-1], None
+        if output_index != len(st.output_token_ids):
+            raise RuntimeError(f"{rid}: sampling output {output_index}, have {len(st.output_token_ids)}")
+        mask = st.grammar.allowed_mask() if st.grammar is not None else None
+        res = sample_row(
+            row_logits,
+            RowInput(st.params, st.seed, output_index, st.prompt_token_ids, st.output_token_ids, mask),
+        )
+        if st.grammar is not None and not st.grammar.is_finished:
+            st.grammar.accept(res.token_id)
+        st.output_token_ids.append(res.token_id)
+        return res.token_id, res.logprobs
