@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from engine.checkpoint.presets import preset_config
+from engine.checkpoint.quant import QUANT_MODES, quantize_checkpoint
 from engine.checkpoint.safetensors_stream import TensorPlan, write_streaming
 from engine.checkpoint.tokenizer import write_tokenizer
 
@@ -147,9 +148,17 @@ def generate_checkpoint(
     out_dir: Path | str,
     seed: int = 0,
     shard_bytes: int = SHARD_BYTES,
+    quant: str | None = None,
     **overrides: Any,
 ) -> GeneratedCheckpoint:
-    """Write a random checkpoint of ``preset`` (with config ``overrides``) into ``out_dir``."""
+    """Write a random checkpoint of ``preset`` (with config ``overrides``) into ``out_dir``.
+
+    ``quant="fp8"`` stores the linears (and experts) as FP8 e4m3 with 128x128 ue8m0 block
+    scales, ``quant="fp4"`` additionally stores the routed experts as packed FP4 e2m1 with one
+    ue8m0 scale per 32 values (DeepSeek's released formats, `engine.checkpoint.quant`).
+    """
+    if quant is not None and quant not in QUANT_MODES:
+        raise ValueError(f"unknown quant {quant!r}; known: {', '.join(QUANT_MODES)}")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     config = preset_config(preset, **overrides)
@@ -177,4 +186,7 @@ def generate_checkpoint(
     gen_cfg = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
     n_params = sum(math.prod(p.shape) for p in plans)
+    if quant is not None:
+        quantize_checkpoint(out, out, quant)
+        total = sum((out / f).stat().st_size for f in files)
     return GeneratedCheckpoint(out, n_params, total, tuple(files))

@@ -16,6 +16,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
     p.add_argument(
+        "--quant",
+        choices=["fp8", "fp4"],
+        default=None,
+        help="store DeepSeek's released formats: fp8 = FP8 block-scaled linears, fp4 = that plus FP4 experts",
+    )
+    p.add_argument(
         "--set",
         action="append",
         default=[],
@@ -45,7 +51,7 @@ def _overrides(args: argparse.Namespace) -> dict[str, object]:
 def run(args: argparse.Namespace) -> int:
     from engine.checkpoint.generate import generate_checkpoint
 
-    result = generate_checkpoint(args.preset, args.out, seed=args.seed, **_overrides(args))
+    result = generate_checkpoint(args.preset, args.out, seed=args.seed, quant=args.quant, **_overrides(args))
     print(
         f"wrote {args.preset} checkpoint to {result.path}: "
         f"{result.num_parameters:,} parameters, {result.num_bytes / 2**20:.1f} MiB in {len(result.files)} file(s)"

@@ -1,0 +1,97 @@
+"""One fixed-size sliding-window slot per sequence.
+
+Per layer a slot holds
+- the raw window: a ring ``window[l]: [num_slots, W, head_dim]``; position p lives at p % W;
+- for compressed layers, the compressor's input ring ``state_kv[l], state_gate[l]:
+  [num_slots, R, C]`` holding the projected kv and gate (before ``position_bias``) of the
+  last R positions (p at p % R): R = 2m, C = 2*head_dim for CSA (the open window plus the
+  previous window whose Ca half overlaps the next entry); R = m', C = head_dim for HCA (the
+  open window only); CSA layers keep the same for the indexer (C = 2*index_head_dim).
+
+State "valid at n" (n = tokens computed) means: the ring holds positions
+[max(0, n - W), n) of the raw window and [max(0, floor(n/m)*m - m_overlap), n) of the
+compressor input, where m_overlap = m for CSA and 0 for HCA.
+
+Rebuilding a slot for a sequence whose compressed blocks are cached up to n (a prefix hit
+whose SWA state is gone), exactly: replay positions [n - r, n) into a fresh slot with
+``num_computed = window_from = n - r`` and ``rows_cached_until = n`` (the replay reads the
+cached rows and never rewrites them), where
+
+    r = min(n, L * (W - 1))    L = decoder layers (+1 if the MTP layer's window is kept), W = window
+
+Why L * (W - 1): layer l's window keys at positions [n - W + 1, n) depend on layer l-1's
+attention outputs there, which depend on layer l-1's keys W - 1 positions further back, and so
+on down to the embeddings, which are exact everywhere. The compressor rings need at most
+max(2m, m') - 1 <= W - 1 trailing positions (m' <= W holds for V4), which this covers. For V4-Flash (43 layers, W=128)
+that is 5,461 tokens; replaying only the last W - 1 = 127 tokens with the window truncated to the
+replay (DeepInfer's "bounded replay") is approximate: layers above the first see hidden states
+computed from truncated windows. `tests/unit/engine/test_prefix_and_mtp.py` checks both.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache.spec import CacheSpec
+from engine.config import CSA
+
+
+class SWASlots:
+    def __init__(
+        self, spec: CacheSpec, num_slots: int, dtype: torch.dtype, device: torch.device | str
+    ) -> None:
+        if num_slots < 1:
+            raise ValueError(f"num_slots must be >= 1, got {num_slots}")
+        self.spec = spec
+        self.num_slots = num_slots
+        self.window: list[torch.Tensor] = []
+        self.state_kv: dict[int, torch.Tensor] = {}
+        self.state_gate: dict[int, torch.Tensor] = {}
+        self.index_kv: dict[int, torch.Tensor] = {}
+        self.index_gate: dict[int, torch.Tensor] = {}
+        for layer, t in enumerate(spec.layer_types):
+            self.window.append(torch.zeros(num_slots, spec.window, spec.head_dim, dtype=dtype, device=device))
+            r = spec.state_window(layer)
+            if r == 0:
+                continue
+            c = 2 * spec.head_dim if t == CSA else spec.head_dim
+            self.state_kv[layer] = torch.zeros(num_slots, r, c, dtype=dtype, device=device)
+            self.state_gate[layer] = torch.zeros(num_slots, r, c, dtype=dtype, device=device)
+            if t == CSA:
+                ci = 2 * spec.index_head_dim
+                self.index_kv[layer] = torch.zeros(num_slots, r, ci, dtype=dtype, device=device)
+                self.index_gate[layer] = torch.zeros(num_slots, r, ci, dtype=dtype, device=device)
+
+    def _all(self) -> list[torch.Tensor]:
+        return (
+            self.window
+            + list(self.state_kv.values())
+            + list(self.state_gate.values())
+            + list(self.index_kv.values())
+            + list(self.index_gate.values())
+        )
+
+    def copy_slot(self, src: int, dst: int) -> None:
+        """Make slot ``dst`` an exact copy of slot ``src`` (prefix hit on another sequence's state, n>1 forks)."""
+        for t in self._all():
+            t[dst].copy_(t[src])
+
+    def nbytes_per_slot(self) -> int:
+        return sum(t[0].numel() * t.element_size() for t in self._all())
+
+    # ------------------------------------------------------------ ring helpers
+    @staticmethod
+    def ring_read(ring: torch.Tensor, slot: int, start: int, end: int) -> torch.Tensor:
+        """Positions [start, end) of a ring [num_slots, R, C] -> [end - start, C]."""
+        r = ring.shape[1]
+        idx = torch.arange(start, end, device=ring.device) % r
+        return ring[slot, idx]
+
+    @staticmethod
+    def ring_write(ring: torch.Tensor, slot: int, start: int, values: torch.Tensor) -> None:
+        """Store values [N, C] for positions [start, start + N); only the last R survive."""
+        r = ring.shape[1]
+        n = values.shape[0]
+        keep = min(n, r)
+        idx = torch.arange(start + n - keep, start + n, device=ring.device) % r
+        ring[slot, idx] = values[n - keep :].to(ring.dtype)

@@ -1,0 +1,151 @@
+"""`ForwardBatch`: the only input of the model forward (the seam with the scheduler).
+
+A batch is a list of sequences; each contributes a contiguous run of new tokens (a prefill
+chunk of any length, one decode token, or k+1 tokens for speculative verification). Tokens
+are flattened into one axis of length T; per-sequence metadata says where each run starts.
+
+Invariants (checked by :meth:`ForwardBatch.validate`):
+- sequence i owns flat tokens ``[query_start[i], query_start[i] + query_len[i])``, runs are
+  contiguous and in order, ``sum(query_len) == T``;
+- ``positions`` of sequence i are ``num_computed[i] + arange(query_len[i])`` (absolute);
+- ``block_table[i, j]`` is the physical block holding logical block j (positions
+  ``[256 j, 256 j + 256)``) of the sequence's compressed state; it covers every position
+  below ``num_computed[i] + query_len[i]``; unused entries are -1;
+- ``swa_slot[i]`` is the sliding-window slot whose state is valid at ``num_computed[i]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from engine.config import BLOCK_TOKENS
+
+
+@dataclass(frozen=True)
+class SequenceInput:
+    """One sequence's part of a step, as plain Python data (what the scheduler knows)."""
+
+    token_ids: Sequence[int]  # the new tokens of this step
+    num_computed: int  # tokens already in this sequence's caches
+    swa_slot: int
+    block_table: Sequence[int]  # physical block ids, logical order
+    sample: bool = True  # produce logits for the last new token
+    # Compressed rows covering only positions below this are already final in the blocks (a prefix
+    # hit being replayed to rebuild SWA state): the step must not rewrite them. 0 = none.
+    rows_cached_until: int = 0
+    # Raw-window positions below this are not in the slot (SWA-state replay into a fresh slot):
+    # attention ignores them. 0 = the slot is valid (fresh sequences, copied slots).
+    window_from: int = 0
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64, absolute positions
+    query_start: torch.Tensor  # [B] int64, offset of each sequence's run in the flat tokens
+    query_len: torch.Tensor  # [B] int64
+    num_computed: torch.Tensor  # [B] int64, tokens already cached before this step
+    swa_slot: torch.Tensor  # [B] int64
+    block_table: torch.Tensor  # [B, max_blocks] int64, -1 padded
+    sample: torch.Tensor  # [B] bool
+    # Host copies of the per-sequence metadata, so per-sequence loops never sync a device.
+    query_start_cpu: tuple[int, ...] = ()
+    query_len_cpu: tuple[int, ...] = ()
+    num_computed_cpu: tuple[int, ...] = ()
+    swa_slot_cpu: tuple[int, ...] = ()
+    rows_cached_until_cpu: tuple[int, ...] = ()
+    window_from_cpu: tuple[int, ...] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_len_cpu)
+
+    @property
+    def cached_until(self) -> tuple[int, ...]:
+        return self.rows_cached_until_cpu or (0,) * self.num_seqs
+
+    @property
+    def window_from(self) -> tuple[int, ...]:
+        return self.window_from_cpu or (0,) * self.num_seqs
+
+    @property
+    def sample_indices(self) -> torch.Tensor:
+        """[num_sampled] flat index of the last new token of every sequence with sample=True."""
+        last = self.query_start + self.query_len - 1
+        return last[self.sample]
+
+    @classmethod
+    def from_sequences(
+        cls, seqs: Sequence[SequenceInput], device: torch.device | str = "cpu"
+    ) -> ForwardBatch:
+        if not seqs:
+            raise ValueError("a ForwardBatch needs at least one sequence")
+        ids: list[int] = []
+        pos: list[int] = []
+        starts: list[int] = []
+        lens: list[int] = []
+        for s in seqs:
+            if len(s.token_ids) == 0:
+                raise ValueError("every sequence in a step must contribute at least one token")
+            starts.append(len(ids))
+            lens.append(len(s.token_ids))
+            ids.extend(int(t) for t in s.token_ids)
+            pos.extend(range(s.num_computed, s.num_computed + len(s.token_ids)))
+        width = max(1, max(len(s.block_table) for s in seqs))
+        table = torch.full((len(seqs), width), -1, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            if s.block_table:
+                table[i, : len(s.block_table)] = torch.tensor(list(s.block_table), dtype=torch.long)
+
+        def t(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.long, device=device)
+
+        batch = cls(
+            input_ids=t(ids),
+            positions=t(pos),
+            query_start=t(starts),
+            query_len=t(lens),
+            num_computed=t([s.num_computed for s in seqs]),
+            swa_slot=t([s.swa_slot for s in seqs]),
+            block_table=table.to(device),
+            sample=torch.tensor([s.sample for s in seqs], dtype=torch.bool, device=device),
+            query_start_cpu=tuple(starts),
+            query_len_cpu=tuple(lens),
+            num_computed_cpu=tuple(s.num_computed for s in seqs),
+            swa_slot_cpu=tuple(s.swa_slot for s in seqs),
+            rows_cached_until_cpu=tuple(s.rows_cached_until for s in seqs),
+            window_from_cpu=tuple(s.window_from for s in seqs),
+        )
+        batch.validate()
+        return batch
+
+    def validate(self) -> None:
+        """Raise ValueError if the batch breaks an invariant in the module docstring."""
+        b = self.num_seqs
+        if not (len(self.query_start_cpu) == len(self.num_computed_cpu) == len(self.swa_slot_cpu) == b):
+            raise ValueError("per-sequence host metadata must all have one entry per sequence")
+        if any(len(t) not in (0, b) for t in (self.rows_cached_until_cpu, self.window_from_cpu)):
+            raise ValueError("per-sequence host metadata must all have one entry per sequence")
+        expect = 0
+        for i in range(b):
+            if self.query_start_cpu[i] != expect or self.query_len_cpu[i] < 1:
+                raise ValueError(f"sequence {i}: runs must be contiguous, in order and non-empty")
+            expect += self.query_len_cpu[i]
+            need = -(-(self.num_computed_cpu[i] + self.query_len_cpu[i]) // BLOCK_TOKENS)
+            have = int((self.block_table[i] >= 0).sum())
+            if have < need:
+                raise ValueError(
+                    f"sequence {i}: block_table has {have} blocks but positions up to "
+                    f"{self.num_computed_cpu[i] + self.query_len_cpu[i]} need {need} blocks of {BLOCK_TOKENS}"
+                )
+        if expect != self.num_tokens or self.positions.shape[0] != expect:
+            raise ValueError(f"sum(query_len)={expect} but the batch has {self.num_tokens} tokens")
+        if len(set(self.swa_slot_cpu)) != b:
+            raise ValueError("two sequences of one step share a sliding-window slot")

@@ -1,0 +1,73 @@
+"""The engine step loop, sequential or asynchronous (pure Python, no torch).
+
+Sequential: ``schedule -> execute -> update`` one step at a time.
+Asynchronous: step N+1 is scheduled on the CPU while step N executes on a worker thread
+(the device queue); ``update(N)`` is applied after N+1 has been submitted. The scheduler
+advances its state optimistically, so both modes issue the same sequence computations
+and produce the same tokens; asynchronous mode may run one extra decode step for a
+request that has just stopped, whose result is discarded. With one worker and steps
+submitted in order, the device executes steps in schedule order, which is what makes
+freeing blocks at schedule time safe.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+from engine.scheduler.output import RunnerOutput, SchedulerOutput
+from engine.scheduler.scheduler import Scheduler, StepUpdate
+
+ExecuteFn = Callable[[SchedulerOutput], RunnerOutput]
+
+
+class EngineLoop:
+    def __init__(self, scheduler: Scheduler, execute: ExecuteFn, async_scheduling: bool = False) -> None:
+        self.scheduler = scheduler
+        self._execute = execute
+        self.async_scheduling = async_scheduling
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="sluice-exec") if async_scheduling else None
+        self._inflight: deque[tuple[SchedulerOutput, Future[RunnerOutput]]] = deque()
+        self.steps = 0
+
+    def _submit(self, out: SchedulerOutput) -> None:
+        fut: Future[RunnerOutput]
+        if self._pool is None:
+            fut = Future()
+            try:
+                fut.set_result(self._execute(out))
+            except BaseException as exc:  # surfaced by result() below, like the async path
+                fut.set_exception(exc)
+        else:
+            fut = self._pool.submit(self._execute, out)
+        self._inflight.append((out, fut))
+        self.steps += 1
+
+    def has_work(self) -> bool:
+        return bool(self._inflight) or self.scheduler.has_unfinished()
+
+    def step(self) -> StepUpdate:
+        """Advance by one update: schedule (and submit) the next step if there is one, then
+        apply the oldest in-flight step's result. Returns what that update changed."""
+        if self.scheduler.has_unfinished() and (not self._inflight or self.async_scheduling):
+            out = self.scheduler.schedule()
+            if not out.is_empty:
+                self._submit(out)
+        if not self._inflight:
+            if self.scheduler.has_unfinished():
+                raise RuntimeError(
+                    "the scheduler has unfinished requests but scheduled nothing: "
+                    "the cache is too small for the head request"
+                )
+            return StepUpdate()
+        out, fut = self._inflight.popleft()
+        return self.scheduler.update(out, fut.result())
+
+    def close(self) -> None:
+        while self._inflight:
+            _, fut = self._inflight.popleft()
+            fut.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None

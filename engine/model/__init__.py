@@ -1,0 +1,1 @@
+"""DeepSeek-V4 layers (torch), written for flattened serving batches."""

@@ -1,0 +1,172 @@
+"""V4 attention: shared-KV MQA over a 128-token sliding window plus compressed entries.
+
+Per layer type: sliding (window only, plain RoPE), CSA (window + top-k of the rate-4 entries
+chosen by the lightning indexer), HCA (window + every complete rate-128 entry). Per-head sink
+logits join the softmax; V carries RoPE so the output is rotated back at the query position;
+the output projection is grouped low-rank (block-diagonal ``o_a_proj`` then ``o_b_proj``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine.cache.pool import CompressedPool
+from engine.cache.swa import SWASlots
+from engine.checkpoint.quant import dequantize
+from engine.config import CSA, HCA, SLIDING, ModelConfig
+from engine.forward_batch import ForwardBatch
+from engine.model.compressor import CSACompressor, HCACompressor, Indexer, run_compressor
+from engine.model.norms import RMSNorm, rms_unweighted
+from engine.model.rope import Rotary
+
+
+class GroupedLinear(nn.Module):
+    """Block-diagonal linear: weight [groups * out_per_group, in_per_group] (optionally kept quantised)."""
+
+    qweight: torch.Tensor | None
+    scale: torch.Tensor | None
+
+    def __init__(self, in_per_group: int, out_features: int, groups: int) -> None:
+        super().__init__()
+        self.groups = groups
+        self.weight = nn.Parameter(torch.zeros(out_features, in_per_group))
+        self.register_buffer("qweight", None)
+        self.register_buffer("scale", None)
+
+    def set_quantized(self, qweight: torch.Tensor, scale: torch.Tensor) -> None:
+        self.register_buffer("qweight", qweight)
+        self.register_buffer("scale", scale)
+        self.weight = nn.Parameter(torch.empty(0), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, G, in] -> [T, G * out_per_group]."""
+        w = (
+            self.weight
+            if self.qweight is None or self.scale is None
+            else dequantize(self.qweight, self.scale)
+        )
+        w = w.view(self.groups, -1, x.shape[-1])  # [G, out, in]
+        return torch.einsum("tgi,goi->tgo", x, w.to(x.dtype)).flatten(1)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_type: str) -> None:
+        super().__init__()
+        self.layer_type = layer_type
+        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.window = cfg.sliding_window
+        self.o_groups = cfg.o_groups
+        self.eps = cfg.rms_norm_eps
+        self.q_a_proj = nn.Linear(cfg.hidden_size, cfg.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, self.n_heads * self.head_dim, bias=False)
+        self.kv_proj = nn.Linear(cfg.hidden_size, self.head_dim, bias=False)
+        self.kv_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.o_a_proj = GroupedLinear(
+            self.n_heads * self.head_dim // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, cfg.o_groups
+        )
+        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, cfg.hidden_size, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads, dtype=torch.float32))
+        self.rotary = Rotary(cfg.main_rope if layer_type == SLIDING else cfg.compress_rope)
+        self.compressor: CSACompressor | HCACompressor | None = None
+        if layer_type == CSA:
+            idx = Indexer(
+                cfg.hidden_size,
+                cfg.q_lora_rank,
+                cfg.index_head_dim,
+                cfg.index_n_heads,
+                cfg.csa_rate,
+                cfg.index_topk,
+                cfg.rms_norm_eps,
+            )
+            self.compressor = CSACompressor(
+                cfg.hidden_size, cfg.head_dim, cfg.csa_rate, cfg.rms_norm_eps, idx
+            )
+        elif layer_type == HCA:
+            self.compressor = HCACompressor(cfg.hidden_size, cfg.head_dim, cfg.hca_rate, cfg.rms_norm_eps)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        pool: CompressedPool,
+        swa: SWASlots,
+        layer: int,
+        cached_until: tuple[int, ...],
+    ) -> torch.Tensor:
+        """x [T, D] (normed attention input) -> [T, D]."""
+        pos = batch.positions
+        q_latent = self.q_a_norm(self.q_a_proj(x))  # [T, q_lora]
+        q = self.q_b_proj(q_latent).view(x.shape[0], self.n_heads, self.head_dim)  # [T, H, hd]
+        q = self.rotary(rms_unweighted(q, self.eps), pos)
+        kv = self.rotary(self.kv_norm(self.kv_proj(x)), pos)  # [T, hd], K == V
+        meta = [
+            (
+                batch.query_start_cpu[i],
+                batch.query_len_cpu[i],
+                batch.num_computed_cpu[i],
+                batch.swa_slot_cpu[i],
+                cached_until[i],
+                batch.block_table[i],
+            )
+            for i in range(batch.num_seqs)
+        ]
+        window_from = batch.window_from
+        idx: tuple[torch.Tensor, torch.Tensor] | None = None  # indexer queries [T, nI, dI], weights [T, nI]
+        if self.compressor is not None:
+            run_compressor(self.compressor, self.rotary, x, meta, pool, swa, layer, index=False)
+            if isinstance(self.compressor, CSACompressor):
+                ix = self.compressor.indexer
+                run_compressor(ix, self.rotary, x, meta, pool, swa, layer, index=True)
+                idx = ix.queries(self.rotary, q_latent, x, pos)
+        out = torch.empty_like(q)  # [T, H, hd]
+        for i, (start, qlen, n0, slot, _, table) in enumerate(meta):
+            sl = slice(start, start + qlen)
+            keys, bias = self._keys(
+                kv[sl],
+                pos[sl],
+                n0,
+                window_from[i],
+                slot,
+                table,
+                pool,
+                swa,
+                layer,
+                None if idx is None else (idx[0][sl], idx[1][sl]),
+            )
+            out[sl] = self._attend(q[sl], keys, bias)
+            SWASlots.ring_write(swa.window[layer], slot, n0, kv[sl])
+        out = self.rotary(out, pos, inverse=True)
+        grouped = out.reshape(x.shape[0], self.o_groups, -1)
+        return self.o_b_proj(self.o_a_proj(grouped))
+
+    def _keys(self, kv_new, qpos, n0, window_from, slot, table, pool, swa, layer, idx_q):
+        """Keys [K, hd] visible to a sequence's queries and the additive bias [q, K] (0 / -inf)."""
+        lo = min(n0, max(window_from, n0 - self.window + 1))
+        raw = torch.cat([SWASlots.ring_read(swa.window[layer], slot, lo, n0), kv_new], dim=0)
+        kpos = torch.arange(lo, n0 + kv_new.shape[0], device=kv_new.device)
+        d = qpos[:, None] - kpos[None, :]
+        visible = (d >= 0) & (d < self.window)  # [q, n_raw]
+        if self.compressor is not None:
+            rate = self.compressor.rate
+            n_entries = (n0 + kv_new.shape[0]) // rate
+            comp = pool.read(layer, table, n_entries)  # [E, hd]
+            if idx_q is not None and isinstance(self.compressor, CSACompressor):
+                ikeys = pool.read(layer, table, n_entries, index=True)
+                cvis = self.compressor.indexer.select(idx_q[0], idx_q[1], ikeys, qpos)
+            else:
+                cvis = torch.arange(n_entries, device=kv_new.device)[None, :] < ((qpos + 1) // rate)[:, None]
+            raw = torch.cat([raw, comp.to(raw.dtype)], dim=0)
+            visible = torch.cat([visible, cvis], dim=1)
+        bias = torch.zeros(visible.shape, dtype=torch.float32, device=kv_new.device)
+        return raw, bias.masked_fill(~visible, float("-inf"))
+
+    def _attend(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
+        """q [q, H, hd], keys [K, hd] (also values), bias [q, K] -> [q, H, hd]."""
+        logits = torch.einsum("qhd,kd->hqk", q, keys) * self.head_dim**-0.5 + bias.to(q.dtype)
+        sinks = self.sinks.to(logits.dtype).view(-1, 1, 1).expand(-1, q.shape[0], 1)
+        comb = torch.cat([logits, sinks], dim=-1)
+        comb = comb - comb.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(comb, dim=-1)[..., :-1]
+        return torch.einsum("hqk,kd->qhd", probs.to(keys.dtype), keys)

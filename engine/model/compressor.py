@@ -1,0 +1,158 @@
+"""KV compressors (CSA rate 4 with overlapping windows, HCA rate 128 dense) and the lightning indexer.
+
+All three share one step: project the new tokens to (kv, gate), join them with the slot's
+ring of earlier projections, emit one entry per window that closes in this step, normalise,
+rotate at position ``w * rate`` and store the entry in the paged pool.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.cache.pool import CompressedPool
+from engine.cache.swa import SWASlots
+from engine.model.norms import RMSNorm
+from engine.model.rope import Rotary
+
+
+class Compressor(nn.Module):
+    """Softmax-gated pooling of ``rate`` tokens (two overlapping series Ca|Cb when ``overlap``)."""
+
+    def __init__(self, hidden: int, dim: int, rate: int, overlap: bool, eps: float) -> None:
+        super().__init__()
+        width = 2 * dim if overlap else dim
+        self.dim, self.rate, self.overlap = dim, rate, overlap
+        self.kv_proj = nn.Linear(hidden, width, bias=False)
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.position_bias = nn.Parameter(torch.zeros(rate, width, dtype=torch.float32))
+        self.kv_norm = RMSNorm(dim, eps)
+
+    def step(
+        self,
+        rotary: Rotary,
+        kv_new: torch.Tensor,  # [q, C] projections of this sequence's new tokens
+        gate_new: torch.Tensor,  # [q, C]
+        n0: int,  # tokens computed before this step
+        ring_kv: torch.Tensor,  # [num_slots, R, C]
+        ring_gate: torch.Tensor,
+        slot: int,
+    ) -> tuple[int, torch.Tensor]:
+        """Return (first entry index, entries [n_new, dim]) for windows closing in [n0, n0+q); update the ring."""
+        m, d = self.rate, self.dim
+        n1 = n0 + kv_new.shape[0]
+        w0, w1 = n0 // m, n1 // m
+        entries = kv_new.new_zeros(0, d)
+        if w1 > w0:
+            lo = max(0, w0 * m - (m if self.overlap else 0))
+            all_kv = torch.cat([SWASlots.ring_read(ring_kv, slot, lo, n0), kv_new], dim=0)  # [n1 - lo, C]
+            all_gate = torch.cat([SWASlots.ring_read(ring_gate, slot, lo, n0), gate_new], dim=0)
+            nw = w1 - w0
+            a = w0 * m - lo
+            cur_kv = all_kv[a : a + nw * m].view(nw, m, -1)  # [nw, m, C]
+            cur_gate = all_gate[a : a + nw * m].view(nw, m, -1) + self.position_bias  # fp32
+            if self.overlap:
+                kv = cur_kv.new_zeros(nw, 2 * m, d)
+                gate = cur_gate.new_full((nw, 2 * m, d), float("-inf"))
+                kv[:, m:], gate[:, m:] = cur_kv[..., d:], cur_gate[..., d:]
+                # Ca half of the previous window (positions [w*m - m, w*m)); window 0 has none.
+                first_prev = 1 if w0 == 0 else 0
+                if nw > first_prev:
+                    b = (w0 + first_prev) * m - m - lo
+                    cnt = nw - first_prev
+                    prev_kv = all_kv[b : b + cnt * m].view(cnt, m, -1)
+                    prev_gate = all_gate[b : b + cnt * m].view(cnt, m, -1) + self.position_bias
+                    kv[first_prev:, :m], gate[first_prev:, :m] = prev_kv[..., :d], prev_gate[..., :d]
+            else:
+                kv, gate = cur_kv, cur_gate
+            pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)  # [nw, d]
+            pos = torch.arange(w0, w1, device=kv_new.device) * m
+            entries = rotary(self.kv_norm(pooled), pos)
+        SWASlots.ring_write(ring_kv, slot, n0, kv_new)
+        SWASlots.ring_write(ring_gate, slot, n0, gate_new)
+        return w0, entries
+
+
+class IndexerScorer(nn.Module):
+    def __init__(self, hidden: int, n_heads: int) -> None:
+        super().__init__()
+        self.weights_proj = nn.Linear(hidden, n_heads, bias=False)
+
+
+class Indexer(Compressor):
+    """Lightning indexer: its own overlapping compressor at index_head_dim plus multi-head ReLU scoring."""
+
+    def __init__(
+        self, hidden: int, q_lora: int, dim: int, n_heads: int, rate: int, topk: int, eps: float
+    ) -> None:
+        super().__init__(hidden, dim, rate, overlap=True, eps=eps)
+        self.n_heads, self.topk = n_heads, topk
+        self.q_b_proj = nn.Linear(q_lora, n_heads * dim, bias=False)
+        self.scorer = IndexerScorer(hidden, n_heads)
+
+    def queries(
+        self, rotary: Rotary, q_latent: torch.Tensor, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """-> q [T, nI, dI] (rotated at the query positions), head weights [T, nI] (fp32)."""
+        q = self.q_b_proj(q_latent).view(q_latent.shape[0], self.n_heads, self.dim)
+        q = rotary(q, positions)
+        w = self.scorer.weights_proj(x).float() * self.n_heads**-0.5
+        return q, w
+
+    def select(
+        self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor
+    ) -> torch.Tensor:
+        """Visible-entry mask [q, E] (bool) of the top-k entries per query; keys [E, dI]."""
+        e = keys.shape[0]
+        if e == 0:
+            return torch.zeros(q.shape[0], 0, dtype=torch.bool, device=q.device)
+        scores = F.relu(torch.einsum("qhd,ed->qhe", q.float(), keys.float())) * self.dim**-0.5
+        scores = (scores * w.unsqueeze(-1)).sum(dim=1)  # [q, E]
+        thresh = (positions + 1) // self.rate  # entries < thresh are complete at the query
+        future = torch.arange(e, device=q.device)[None, :] >= thresh[:, None]
+        scores = scores.masked_fill(future, float("-inf"))
+        top = scores.topk(min(self.topk, e), dim=-1).indices  # [q, k]
+        valid = top < thresh[:, None]
+        visible = torch.zeros(q.shape[0], e + 1, dtype=torch.bool, device=q.device)  # column e: discard
+        visible.scatter_(1, torch.where(valid, top, torch.full_like(top, e)), True)
+        return visible[:, :e]
+
+
+class CSACompressor(Compressor):
+    def __init__(self, hidden: int, head_dim: int, rate: int, eps: float, indexer: Indexer) -> None:
+        super().__init__(hidden, head_dim, rate, overlap=True, eps=eps)
+        self.indexer = indexer
+
+
+class HCACompressor(Compressor):
+    def __init__(self, hidden: int, head_dim: int, rate: int, eps: float) -> None:
+        super().__init__(hidden, head_dim, rate, overlap=False, eps=eps)
+
+
+def run_compressor(
+    comp: Compressor,
+    rotary: Rotary,
+    x: torch.Tensor,  # [T, hidden] attention input (normed)
+    batch_meta: list[tuple[int, int, int, int, int, torch.Tensor]],
+    pool: CompressedPool,
+    swa: SWASlots,
+    layer: int,
+    index: bool,
+) -> None:
+    """Run one compressor for every sequence of a batch and store its new entries in the pool.
+
+    ``batch_meta`` rows are (start, qlen, n0, slot, cached_until, block_table): entries that only
+    cover positions below ``cached_until`` are already final in (possibly shared) blocks and are
+    not rewritten (used by SWA-state replay).
+    """
+    kv_all, gate_all = comp.kv_proj(x), comp.gate_proj(x)  # [T, C]
+    ring_kv = swa.index_kv[layer] if index else swa.state_kv[layer]
+    ring_gate = swa.index_gate[layer] if index else swa.state_gate[layer]
+    for start, qlen, n0, slot, cached_until, table in batch_meta:
+        keep_from = cached_until // comp.rate
+        sl = slice(start, start + qlen)
+        w0, entries = comp.step(rotary, kv_all[sl], gate_all[sl], n0, ring_kv, ring_gate, slot)
+        skip = max(0, keep_from - w0)  # entries already final in shared blocks are never rewritten
+        if entries.shape[0] > skip:
+            pool.write(layer, table, w0 + skip, entries[skip:], index=index)

@@ -1,0 +1,73 @@
+"""Manifold-constrained hyper-connections (mHC): pre/post/comb weights with Sinkhorn, and the hc head."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.config import ModelConfig
+from engine.model.norms import rms_unweighted
+
+
+class HyperConnection(nn.Module):
+    """Weights for one block: collapse the hc streams (pre), expand the output (post), mix (comb)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        n = cfg.hc_mult
+        self.n = n
+        self.iters = cfg.hc_sinkhorn_iters
+        self.hc_eps = cfg.hc_eps
+        self.norm_eps = cfg.rms_norm_eps
+        self.fn = nn.Parameter(torch.zeros((2 + n) * n, n * cfg.hidden_size, dtype=torch.float32))
+        self.base = nn.Parameter(torch.zeros((2 + n) * n, dtype=torch.float32))
+        self.scale = nn.Parameter(torch.ones(3, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """streams [T, n, D] -> post [T, n], comb [T, n, n] (fp32), collapsed [T, D]."""
+        n = self.n
+        flat = rms_unweighted(streams.flatten(1).float(), self.norm_eps)  # [T, n*D]
+        mixes = F.linear(flat, self.fn.float())  # [T, (2+n)*n]
+        pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = self.base.split([n, n, n * n])
+        pre_s, post_s, comb_s = self.scale.unbind(0)
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return post, comb, collapsed
+
+
+def hc_merge(
+    streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
+    """x' = post * out + comb^T @ x (comb is consumed transposed). streams [T, n, D], out [T, D]."""
+    dtype = streams.dtype
+    return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
+        comb.to(dtype).transpose(-1, -2), streams
+    )
+
+
+class HyperHead(nn.Module):
+    """Final collapse of the hc streams (sigmoid weights) before the final norm."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        n = cfg.hc_mult
+        self.eps = cfg.hc_eps
+        self.norm_eps = cfg.rms_norm_eps
+        self.hc_fn = nn.Parameter(torch.zeros(n, n * cfg.hidden_size, dtype=torch.float32))
+        self.hc_base = nn.Parameter(torch.zeros(n, dtype=torch.float32))
+        self.hc_scale = nn.Parameter(torch.ones(1, dtype=torch.float32))
+
+    def forward(self, streams: torch.Tensor) -> torch.Tensor:
+        """streams [T, n, D] -> [T, D]."""
+        flat = rms_unweighted(streams.flatten(1).float(), self.norm_eps)
+        mixes = F.linear(flat, self.hc_fn.float())
+        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
+        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)

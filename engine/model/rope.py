@@ -1,0 +1,69 @@
+"""Partial interleaved RoPE (GPT-J pairs) on the trailing `rope_dim` channels.
+
+Sliding-only layers use plain RoPE (theta 10000); compressed layers, their compressors and
+the indexer use YaRN with theta 160000 and the attention factor forced to 1.0 (so cos/sin are
+not rescaled). Inverse rotation = the same call with ``inverse=True`` (cos, -sin).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from engine.config import RopeConfig
+
+
+def inv_freq(cfg: RopeConfig) -> torch.Tensor:
+    """[rope_dim // 2] inverse frequencies, YaRN-corrected when ``cfg.factor`` is set."""
+    dim = cfg.rope_dim
+    pos_freqs = cfg.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    extra = 1.0 / pos_freqs
+    if cfg.factor is None:
+        return extra
+    inter = 1.0 / (cfg.factor * pos_freqs)
+
+    def corr_dim(rot: float) -> float:
+        return (dim * math.log(cfg.original_max_position / (rot * 2 * math.pi))) / (2 * math.log(cfg.theta))
+
+    low, high = corr_dim(cfg.beta_fast), corr_dim(cfg.beta_slow)
+    if cfg.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    extra_factor = 1 - ramp
+    return inter * (1 - extra_factor) + extra * extra_factor
+
+
+class Rotary(nn.Module):
+    """Applies interleaved RoPE at given absolute positions."""
+
+    inv_freq: torch.Tensor
+
+    def __init__(self, cfg: RopeConfig) -> None:
+        super().__init__()
+        self.rope_dim = cfg.rope_dim
+        self.register_buffer("inv_freq", inv_freq(cfg), persistent=False)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [N] -> cos, sin [N, rope_dim] (pairs repeated)."""
+        freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [N, rope_dim/2]
+        cos = freqs.cos().to(dtype).repeat_interleave(2, dim=-1)
+        sin = freqs.sin().to(dtype).repeat_interleave(2, dim=-1)
+        return cos, sin
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
+        """x [N, ..., D] with positions [N]; rotates x[..., -rope_dim:]."""
+        cos, sin = self.cos_sin(positions, x.dtype)
+        if inverse:
+            sin = -sin
+        shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (self.rope_dim,)
+        cos, sin = cos.view(shape), sin.view(shape)
+        nope, rope = x[..., : -self.rope_dim], x[..., -self.rope_dim :]
+        x1, x2 = rope[..., 0::2], rope[..., 1::2]
+        rot = torch.stack((-x2, x1), dim=-1).flatten(-2)
+        out = (rope.float() * cos + rot.float() * sin).to(x.dtype)
+        return torch.cat([nope, out], dim=-1)

@@ -1,0 +1,163 @@
+"""Per-request cache operations over the block manager and the SWA slot manager (pure).
+
+``match`` finds what an admitted request can skip: either an exact retained slot state
+(full blocks + its partial block, no replay) or a run of cached full blocks whose window
+state is rebuilt by replaying the last ``swa_replay_tokens`` tokens of the hit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from engine.scheduler.block_manager import BlockManager, OutOfBlocks
+from engine.scheduler.config import SchedulerConfig
+from engine.scheduler.hashing import ROOT_HASH, BlockHasher
+from engine.scheduler.request import Request
+from engine.scheduler.swa_slots import RetainedSlot, SwaSlotManager
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    blocks: tuple[int, ...]  # shared full blocks (plus an adopted partial block if any)
+    hit_tokens: int  # compressed cache valid up to here
+    replay_tokens: int  # tokens before hit_tokens to recompute for the window state
+    slot_entry: RetainedSlot | None  # exact retained state to adopt (then replay_tokens == 0)
+
+    @property
+    def start(self) -> int:
+        return self.hit_tokens - self.replay_tokens
+
+
+class CacheManager:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.bs = config.block_size
+        self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.slots = SwaSlotManager(config.num_swa_slots)
+
+    def hasher_for(self, req: Request) -> BlockHasher:
+        if req.hasher is None:
+            req.hasher = BlockHasher(self.bs, req.extra_keys)
+        return req.hasher
+
+    def match(self, req: Request) -> PrefixMatch:
+        """Longest exact reuse for ``req`` (at least one token is always left to compute)."""
+        tokens = req.all_token_ids
+        max_hit = len(tokens) - 1
+        hashes = self.hasher_for(req).update(tokens)
+        cached = self.blocks.lookup(hashes[: max_hit // self.bs])
+        entry = None
+        if self.config.enable_prefix_caching:
+            anchors = [ROOT_HASH, *hashes[: len(cached)]]
+            entry = self.slots.match(anchors, tokens, self.bs, max_hit)
+        hit = len(cached) * self.bs
+        replay = min(self.config.swa_replay_tokens, hit)
+        if self.config.swa_miss_policy == "recompute" or replay == hit:
+            hit, replay = 0, 0
+        if entry is not None and max_hit - entry.num_tokens <= max_hit - hit + replay:
+            full = entry.num_tokens // self.bs
+            blocks = tuple(cached[:full]) + (
+                (entry.partial_block,) if entry.partial_block is not None else ()
+            )
+            return PrefixMatch(blocks, entry.num_tokens, 0, entry)
+        return PrefixMatch(tuple(cached[: hit // self.bs]), hit, replay, None)
+
+    def can_admit(self, m: PrefixMatch, end_pos: int) -> bool:
+        need = self.blocks_needed(end_pos) - len(m.blocks)
+        idle_hits = sum(1 for b in m.blocks if self.blocks.ref_count(b) == 0)
+        has_slot = m.slot_entry is not None or self.slots.num_available > 0
+        releasable = self.slots.num_retained_partials - (
+            1 if m.slot_entry is not None and m.slot_entry.partial_block is not None else 0
+        )
+        return has_slot and need <= self.blocks.num_available - idle_hits + releasable
+
+    def admit(self, req: Request, m: PrefixMatch) -> bool:
+        """Give ``req`` its slot and hit blocks; False (nothing changed) when no slot is left."""
+        if m.slot_entry is not None:
+            req.swa_slot = self.slots.take(m.slot_entry)
+            shared = m.blocks[:-1] if m.slot_entry.partial_block is not None else m.blocks
+            self.blocks.acquire(shared)  # the partial block's reference moves with the slot
+            reset = False
+        else:
+            if self.slots.num_available == 0:
+                return False
+            self.blocks.acquire(m.blocks)  # before evicting: keeps the hit off the LRU
+            slot, evicted = self.slots.allocate()
+            if evicted is not None and evicted.partial_block is not None:
+                self.blocks.release([evicted.partial_block])
+            req.swa_slot = slot
+            reset = True
+        req.block_table = list(m.blocks)
+        req.num_computed = m.start
+        req.replay_until = m.hit_tokens
+        req.num_registered = m.hit_tokens // self.bs
+        if req.num_cached_tokens < 0:
+            req.num_cached_tokens = m.start
+        return reset
+
+    def blocks_needed(self, end_pos: int) -> int:
+        return -(-end_pos // self.bs)
+
+    def grow(self, req: Request, end_pos: int) -> bool:
+        """Extend ``req``'s block table to cover ``end_pos``; False if the pool is short."""
+        need = self.blocks_needed(end_pos) - len(req.block_table)
+        if need <= 0:
+            return True
+        while need > self.blocks.num_available:
+            evicted = self.slots.evict_oldest()
+            if evicted is None:
+                return False
+            if evicted.partial_block is not None:
+                self.blocks.release([evicted.partial_block])
+            self.slots.free(evicted.slot)
+        try:
+            req.block_table.extend(self.blocks.allocate(need))
+        except OutOfBlocks:  # pragma: no cover - guarded by the loop above
+            return False
+        return True
+
+    def register_full_blocks(self, req: Request) -> None:
+        """Publish every block whose tokens are all known and computed."""
+        full = min(req.num_computed, req.num_tokens) // self.bs
+        if full <= req.num_registered:
+            return
+        hashes = self.hasher_for(req).update(req.all_token_ids)
+        for i in range(req.num_registered, full):
+            self.blocks.register(req.block_table[i], hashes[i])
+        req.num_registered = full
+
+    def free(self, req: Request, retain_slot: bool) -> None:
+        """Release ``req``'s blocks and slot; keep the slot (and partial block) for reuse if its
+        state is at a fully known position."""
+        table, slot = req.block_table, req.swa_slot
+        req.block_table, req.swa_slot = [], None
+        if slot is None:
+            self.blocks.release(table)
+            return
+        self.register_full_blocks_of(req, table)
+        pos = req.num_computed
+        keep = (
+            retain_slot
+            and self.config.enable_prefix_caching
+            and req.num_pending == 0
+            and pos <= req.num_tokens
+            and pos >= req.replay_until
+            and pos > 0
+        )
+        if not keep:
+            self.blocks.release(table)
+            self.slots.free(slot)
+            return
+        full = pos // self.bs
+        partial = table[full] if pos % self.bs else None
+        self.blocks.release(table[:full] + table[full + 1 :] if partial is not None else table)
+        hashes = self.hasher_for(req).update(req.all_token_ids)
+        anchor = hashes[full - 1] if full else ROOT_HASH
+        tail = tuple(req.all_token_ids[full * self.bs : pos])
+        self.slots.retain(RetainedSlot(slot, anchor, pos, tail, partial))
+
+    def register_full_blocks_of(self, req: Request, table: list[int]) -> None:
+        saved = req.block_table
+        req.block_table = table
+        self.register_full_blocks(req)
+        req.block_table = saved

@@ -1,0 +1,45 @@
+"""Scheduler configuration: one frozen dataclass, validated at construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from engine.scheduler.chunking import StepCostModel
+
+DEFAULT_TOKEN_BUDGET = 32_768
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    num_blocks: int  # physical compressed-cache blocks in the pool
+    num_swa_slots: int  # sliding-window slots in the pool (>= max_num_seqs is sensible)
+    block_size: int = 256
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = DEFAULT_TOKEN_BUDGET
+    step_time_budget_s: float | None = None  # None: chunks limited by the token budget only
+    cost_model: StepCostModel | None = None
+    enable_prefix_caching: bool = True
+    # A prefix hit whose exact SWA slot state is gone: "replay" recomputes the last
+    # ``swa_replay_tokens`` tokens of the hit (reading, not writing, their cached compressed
+    # rows) to rebuild the window exactly; "recompute" drops such a hit entirely.
+    swa_miss_policy: Literal["replay", "recompute"] = "replay"
+    swa_replay_tokens: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("num_blocks", "num_swa_slots", "block_size", "max_num_seqs", "max_num_batched_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.swa_replay_tokens < 0:
+            raise ValueError(f"SchedulerConfig.swa_replay_tokens must be >= 0, got {self.swa_replay_tokens}")
+        if self.swa_miss_policy not in ("replay", "recompute"):
+            raise ValueError(
+                f"SchedulerConfig.swa_miss_policy must be 'replay' or 'recompute', got {self.swa_miss_policy!r}"
+            )
+        if self.step_time_budget_s is not None:
+            if self.step_time_budget_s <= 0:
+                raise ValueError(f"step_time_budget_s must be > 0 or None, got {self.step_time_budget_s}")
+            if self.cost_model is None:
+                raise ValueError(
+                    "step_time_budget_s needs a cost_model (fit one with `sluice bench engine --profile`)"
+                )

@@ -1,0 +1,60 @@
+"""The dataclasses that cross the step boundary: SchedulerOutput in, RunnerOutput out.
+
+``schedule() -> SchedulerOutput``, ``execute(SchedulerOutput) -> RunnerOutput``,
+``update(SchedulerOutput, RunnerOutput)``. Every scheduled sequence is described in full
+(tokens of the step, positions, block table, slot), so a runner keeps no scheduling state
+of its own except each sequence's last sampled token (for ``PENDING_TOKEN``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PENDING_TOKEN = -1  # an input token sampled by the previous, still in-flight step
+
+
+@dataclass(frozen=True)
+class ScheduledSeq:
+    request_id: str
+    token_ids: tuple[int, ...]  # [num_new]; PENDING_TOKEN = this request's last sampled token
+    start_pos: int  # tokens already in the caches (== num_computed before the step)
+    block_table: tuple[int, ...]  # physical blocks covering positions [0, start_pos + num_new)
+    swa_slot: int
+    reset_slot: bool  # the slot holds no state for this sequence: clear it before use
+    replay_until: int  # positions below it have cached compressed rows: read, do not write
+    sample: bool  # produce logits for the last token and sample the next one
+    output_index: int  # index of the sampled token among this request's outputs (seeding)
+
+    @property
+    def num_new(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    step: int
+    seqs: tuple[ScheduledSeq, ...]
+    finished_ids: frozenset[str] = frozenset()  # finished/aborted since the previous step
+    preempted_ids: frozenset[str] = frozenset()
+    predicted_time_s: float = 0.0  # cost-model estimate of this step (0 without a model)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new for s in self.seqs)
+
+    @property
+    def num_sampled(self) -> int:
+        return sum(1 for s in self.seqs if s.sample)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(frozen=True)
+class RunnerOutput:
+    """Sampled tokens, in the order of the ``sample=True`` sequences of the step."""
+
+    step: int
+    sampled: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, object] = field(default_factory=dict)  # per request, sampler-defined

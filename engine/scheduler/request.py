@@ -1,0 +1,91 @@
+"""A request's scheduling state (pure): tokens, computed length, blocks, slot, status.
+
+State machine::
+
+    WAITING --admit--> RUNNING --finish(stop|length|abort)--> FINISHED_*
+       ^                  |
+       +----preempt-------+   (recompute: blocks released, computed length reset)
+    WAITING --abort--> FINISHED_ABORTED
+
+``num_pending`` counts tokens sampled by steps that are still in flight (asynchronous
+scheduling): they are inputs of the next step before their values are known.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from engine.scheduler.hashing import BlockHasher, ExtraKeys
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self in (
+            RequestStatus.FINISHED_STOPPED,
+            RequestStatus.FINISHED_LENGTH,
+            RequestStatus.FINISHED_ABORTED,
+        )
+
+
+@dataclass(eq=False)
+class Request:
+    """What the scheduler knows about one sequence. Lower ``priority`` is served first."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    stop_token_ids: frozenset[int] = frozenset()
+    priority: int = 0
+    extra_keys: ExtraKeys = field(default_factory=ExtraKeys)
+    wait_for: str | None = None  # admit only once this request's prompt is computed (n > 1)
+    # -- state, owned by the scheduler --
+    arrival: int = -1
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0
+    num_pending: int = 0
+    block_table: list[int] = field(default_factory=list)
+    swa_slot: int | None = None
+    replay_until: int = 0  # compressed rows below this position are cached: read, never written
+    num_cached_tokens: int = -1  # prefix tokens not computed at first admission
+    num_preemptions: int = 0
+    hasher: BlockHasher | None = None
+    num_registered: int = 0  # leading blocks already published in the prefix table
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError(f"request {self.request_id!r}: the prompt is empty")
+        if self.max_tokens < 1:
+            raise ValueError(f"request {self.request_id!r}: max_tokens must be >= 1, got {self.max_tokens}")
+
+    @property
+    def num_tokens(self) -> int:
+        """Known tokens: prompt plus generated (pending ones excluded)."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_tokens_with_pending(self) -> int:
+        return self.num_tokens + self.num_pending
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_outputs_with_pending(self) -> int:
+        return len(self.output_token_ids) + self.num_pending
+
+    @property
+    def tokens_to_compute(self) -> int:
+        return self.num_tokens_with_pending - self.num_computed
+
+    def sort_key(self) -> tuple[int, int]:
+        return (self.priority, self.arrival)

@@ -1,0 +1,240 @@
+"""The scheduler: continuous batching of prefill chunks and decodes in one step (pure).
+
+Each ``schedule()`` builds one step under a token budget and, with a cost model, a time
+budget:
+1. running sequences in priority order (lower ``priority`` first, then arrival): decodes
+   take one token, unfinished prefills the largest chunk that fits (``chunking.py``); when
+   the block pool runs dry the lowest-priority, latest-arrived running sequence is
+   preempted by recompute (its blocks released, its slot retained) and requeued;
+2. if nothing was preempted, waiting requests are admitted in priority order with their
+   prefix-cache hit (``cache_manager.py``), as long as blocks, slots and budget last.
+
+``update()`` applies the runner's sampled tokens, finishes sequences on stop tokens or
+``max_tokens``, and frees them. State advances optimistically at schedule time, so step
+N+1 can be scheduled while step N runs (asynchronous scheduling): inputs not yet sampled
+are sent as ``PENDING_TOKEN``.
+"""
+
+from __future__ import annotations
+
+import bisect
+import itertools
+from dataclasses import dataclass, field
+
+from engine.scheduler.cache_manager import CacheManager, PrefixMatch
+from engine.scheduler.chunking import largest_chunk, seq_cost
+from engine.scheduler.config import SchedulerConfig
+from engine.scheduler.output import PENDING_TOKEN, RunnerOutput, ScheduledSeq, SchedulerOutput
+from engine.scheduler.request import Request, RequestStatus
+
+
+@dataclass
+class _Budget:
+    tokens: int
+    time: float | None  # seconds left after the per-step constant; None: unlimited
+    predicted: float = 0.0
+
+
+@dataclass
+class StepUpdate:
+    """What one ``update`` changed: new tokens per request and the requests that finished."""
+
+    new_tokens: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, object] = field(default_factory=dict)
+    finished: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig) -> None:
+        self.config = config
+        self.cache = CacheManager(config)
+        self.waiting: list[Request] = []  # sorted by (priority, arrival)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._arrivals = itertools.count()
+        self._finished_ids: set[str] = set()
+        self._step = 0
+        self.num_preemptions = 0
+
+    # -- requests --------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in the scheduler")
+        if len(req.prompt_token_ids) + req.max_tokens > self.config.num_blocks * self.config.block_size:
+            raise ValueError(
+                f"request {req.request_id!r} needs up to {len(req.prompt_token_ids) + req.max_tokens} "
+                f"tokens but the cache holds {self.config.num_blocks * self.config.block_size}"
+            )
+        req.arrival = next(self._arrivals)
+        req.status = RequestStatus.WAITING
+        self.requests[req.request_id] = req
+        self._enqueue(req)
+
+    def abort(self, request_id: str) -> bool:
+        """Abort a waiting or running request; False if unknown or already finished."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        self.finish(req, RequestStatus.FINISHED_ABORTED)
+        return True
+
+    def finish(self, req: Request, status: RequestStatus) -> None:
+        if req.status == RequestStatus.RUNNING:
+            self.running.remove(req)
+            self.cache.free(req, retain_slot=True)
+        elif req.status == RequestStatus.WAITING:
+            self.waiting.remove(req)
+        req.status = status
+        self.requests.pop(req.request_id, None)
+        self._finished_ids.add(req.request_id)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- step ------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        cfg = self.config
+        time_left = None
+        if cfg.step_time_budget_s is not None and cfg.cost_model is not None:
+            time_left = cfg.step_time_budget_s - cfg.cost_model.c
+        budget = _Budget(cfg.max_num_batched_tokens, time_left)
+        seqs: list[ScheduledSeq] = []
+        preempted = self._schedule_running(budget, seqs)
+        if not preempted:
+            self._admit_waiting(budget, seqs)
+        for req in self.running:
+            self.cache.register_full_blocks(req)
+        self._step += 1
+        predicted = budget.predicted + (cfg.cost_model.c if cfg.cost_model is not None and seqs else 0.0)
+        out = SchedulerOutput(
+            self._step, tuple(seqs), frozenset(self._finished_ids), frozenset(preempted), predicted
+        )
+        if seqs:  # an empty step is not executed: keep the ids for the next one
+            self._finished_ids.clear()
+        return out
+
+    def _schedule_running(self, budget: _Budget, seqs: list[ScheduledSeq]) -> set[str]:
+        preempted: set[str] = set()
+        running = sorted(self.running, key=Request.sort_key)
+        i = 0
+        while i < len(running):
+            req = running[i]
+            n = self._num_new(req, req.num_computed, req.tokens_to_compute, budget, not seqs)
+            if n == 0:
+                i += 1
+                continue
+            while not self.cache.grow(req, req.num_computed + n):
+                victim = running.pop()  # lowest priority, latest arrival
+                self._preempt(victim)
+                preempted.add(victim.request_id)
+                if victim is req:
+                    break
+            else:
+                seqs.append(self._emit(req, n, reset=False, budget=budget))
+                i += 1
+        self.running = running
+        return preempted
+
+    def _admit_waiting(self, budget: _Budget, seqs: list[ScheduledSeq]) -> None:
+        for req in list(self.waiting):
+            if len(self.running) >= self.config.max_num_seqs or budget.tokens <= 0:
+                return
+            if req.num_pending or not self._dependency_ready(req):
+                continue
+            m: PrefixMatch = self.cache.match(req)
+            n = self._num_new(req, m.start, req.num_tokens - m.start, budget, not seqs)
+            if n == 0 or not self.cache.can_admit(m, m.start + n):
+                return  # strict priority: nothing overtakes the head of the queue
+            reset = self.cache.admit(req, m)
+            if not self.cache.grow(req, req.num_computed + n):  # pragma: no cover - can_admit checked
+                raise RuntimeError("block pool changed between can_admit and grow")
+            self.waiting.remove(req)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            seqs.append(self._emit(req, n, reset=reset, budget=budget))
+
+    def _num_new(self, req: Request, start: int, remaining: int, budget: _Budget, first: bool) -> int:
+        if remaining <= 0 or budget.tokens <= 0:
+            return 0
+        if req.num_outputs_with_pending >= req.max_tokens:
+            return 0  # its last token is being sampled by a step in flight
+        if remaining == 1:
+            return 1  # decodes are never held back by the time budget
+        model = self.config.cost_model
+        time_left = None if budget.time is None else budget.time - budget.predicted
+        n = (
+            min(remaining, budget.tokens)
+            if model is None
+            else largest_chunk(model, start, min(remaining, budget.tokens), time_left)
+        )
+        return max(n, 1) if first else n
+
+    def _emit(self, req: Request, n: int, reset: bool, budget: _Budget) -> ScheduledSeq:
+        start = req.num_computed
+        known = req.all_token_ids[start : start + n]
+        tokens = tuple(known) + (PENDING_TOKEN,) * (n - len(known))
+        sample = start + n == req.num_tokens_with_pending
+        seq = ScheduledSeq(
+            request_id=req.request_id,
+            token_ids=tokens,
+            start_pos=start,
+            block_table=tuple(req.block_table),
+            swa_slot=req.swa_slot if req.swa_slot is not None else -1,
+            reset_slot=reset,
+            replay_until=req.replay_until,
+            sample=sample,
+            output_index=req.num_outputs_with_pending if sample else -1,
+        )
+        req.num_computed += n
+        if sample:
+            req.num_pending += 1
+        budget.tokens -= n
+        if self.config.cost_model is not None:
+            budget.predicted += seq_cost(self.config.cost_model, n, start)
+        return seq
+
+    def _preempt(self, req: Request) -> None:
+        self.cache.free(req, retain_slot=True)
+        req.num_computed = 0
+        req.replay_until = 0
+        req.num_registered = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.WAITING
+        self.num_preemptions += 1
+        self._enqueue(req)
+
+    def _dependency_ready(self, req: Request) -> bool:
+        other = self.requests.get(req.wait_for) if req.wait_for else None
+        if other is None or other.status != RequestStatus.RUNNING:
+            return True
+        return other.num_registered >= len(other.prompt_token_ids) // self.config.block_size
+
+    def _enqueue(self, req: Request) -> None:
+        keys = [r.sort_key() for r in self.waiting]
+        self.waiting.insert(bisect.bisect(keys, req.sort_key()), req)
+
+    # -- update ----------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, result: RunnerOutput) -> StepUpdate:
+        """Apply step ``out``'s sampled tokens. Tokens of requests finished meanwhile are dropped."""
+        upd = StepUpdate()
+        for seq in out.seqs:
+            if not seq.sample:
+                continue
+            req = self.requests.get(seq.request_id)
+            if req is None or req.status.finished:
+                continue  # finished or aborted while this step was in flight
+            token = result.sampled[seq.request_id]
+            req.num_pending -= 1
+            req.output_token_ids.append(token)
+            upd.new_tokens[req.request_id] = token
+            if seq.request_id in result.logprobs:
+                upd.logprobs[req.request_id] = result.logprobs[seq.request_id]
+            status = None
+            if token in req.stop_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif len(req.output_token_ids) >= req.max_tokens:
+                status = RequestStatus.FINISHED_LENGTH
+            if status is not None:
+                self.finish(req, status)
+                upd.finished.append(req)
+        return upd

@@ -1,0 +1,134 @@
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from engine.sampling.params import SamplingParams
+from engine.sampling.sampler import RowInput, sample, sample_row
+from engine.sampling.stop import StopStringMatcher
+
+V = 1000
+
+
+def row(params: SamplingParams, seed: int = 7, idx: int = 0, prompt=(1, 2), out=()) -> RowInput:
+    return RowInput(params, seed, idx, list(prompt), list(out))
+
+
+def test_greedy_is_argmax_with_lowest_id_on_ties():
+    logits = torch.zeros(V)
+    logits[[5, 9, 700]] = 3.0
+    assert sample_row(logits, row(SamplingParams(temperature=0.0))).token_id == 5
+
+
+def test_seeded_rows_are_batch_invariant_and_depend_on_seed_and_position():
+    torch.manual_seed(0)
+    logits = torch.randn(16, V) * 3
+    params = SamplingParams(temperature=0.8, top_k=50, top_p=0.9, min_p=0.01)
+    rows = [row(params, seed=100 + i) for i in range(16)]
+    together = [r.token_id for r in sample(logits, rows)]
+    alone = [sample_row(logits[i].clone(), rows[i]).token_id for i in range(16)]
+    perm = list(reversed(range(16)))
+    shuffled = sample(logits[perm], [rows[i] for i in perm])
+    assert together == alone == [shuffled[perm.index(i)].token_id for i in range(16)]
+    # A different seed or position changes the draws for most rows.
+    other = [sample_row(logits[i], row(params, seed=999 + i)).token_id for i in range(16)]
+    later = [sample_row(logits[i], row(params, seed=100 + i, idx=1)).token_id for i in range(16)]
+    assert other != together and later != together
+
+
+def test_empirical_distribution_matches_softmax():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.2]))
+    p = SamplingParams(temperature=1.0)
+    counts = [0, 0, 0]
+    for i in range(3000):
+        counts[sample_row(logits, row(p, seed=i)).token_id] += 1
+    for c, q in zip(counts, (0.5, 0.3, 0.2)):
+        assert abs(c / 3000 - q) < 0.03
+
+
+def test_truncation_only_samples_allowed_tokens():
+    logits = torch.arange(V, dtype=torch.float32) / 100  # token 999 most likely
+    k = {sample_row(logits, row(SamplingParams(top_k=3), seed=s)).token_id for s in range(200)}
+    assert k <= {997, 998, 999} and len(k) == 3
+    sharp = torch.tensor([5.0, 4.0, -5.0, -6.0])
+    top_p = {sample_row(sharp, row(SamplingParams(top_p=0.5), seed=s)).token_id for s in range(100)}
+    assert top_p == {0}  # token 0 alone has p = 0.73 >= 0.5
+    min_p = {sample_row(sharp, row(SamplingParams(min_p=0.2), seed=s)).token_id for s in range(200)}
+    assert min_p == {0, 1}
+
+
+def test_penalties_follow_vllm_definitions():
+    logits = torch.tensor([2.0, -2.0, 1.0, 0.5])
+    p = SamplingParams(temperature=0.0, repetition_penalty=2.0)
+    # token 0 seen in the prompt: 2.0 / 2 = 1.0 ties with token 2 -> lowest id still wins
+    assert sample_row(logits, row(p, prompt=(0,))).token_id == 0
+    p = SamplingParams(temperature=0.0, repetition_penalty=4.0)
+    assert sample_row(logits, row(p, prompt=(0,))).token_id == 2
+    p = SamplingParams(temperature=0.0, frequency_penalty=0.3, presence_penalty=0.5)
+    # output has token 0 twice: 2.0 - 0.6 - 0.5 = 0.9 < 1.0
+    assert sample_row(logits, row(p, prompt=(), out=(0, 0))).token_id == 2
+    assert sample_row(logits, row(p, prompt=(0, 0), out=())).token_id == 0  # prompt not counted
+
+
+def test_logprobs_are_raw_model_logprobs_with_ranks():
+    logits = torch.tensor([1.0, 3.0, 2.0, 0.0])
+    res = sample_row(
+        logits, row(SamplingParams(temperature=0.0, logprobs=2, repetition_penalty=9.0), prompt=(1,))
+    )
+    lp = torch.log_softmax(logits, 0)
+    assert res.token_id == 2  # penalised away from 1 ...
+    assert res.logprobs is not None
+    assert math.isclose(res.logprobs.logprob, float(lp[2]), rel_tol=1e-6)  # ... but raw logprob
+    assert res.logprobs.rank == 2
+    assert [t for t, _ in res.logprobs.top] == [1, 2]
+
+
+def test_grammar_mask_restricts_choices():
+    logits = torch.zeros(8)
+    mask = torch.zeros(8, dtype=torch.bool)
+    mask[[3, 6]] = True
+    got = {
+        sample_row(logits, RowInput(SamplingParams(), s, 0, [], [], allowed_mask=mask)).token_id
+        for s in range(50)
+    }
+    assert got == {3, 6}
+    with pytest.raises(ValueError, match="allows no token"):
+        sample_row(
+            logits, RowInput(SamplingParams(), 0, 0, [], [], allowed_mask=torch.zeros(8, dtype=torch.bool))
+        )
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"n": 0}, "n must"),
+        ({"n": 1000}, "n must"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"temperature": -1}, "temperature"),
+        ({"stop": ("",)}, "stop"),
+        ({"n": 2, "temperature": 0.0}, "identical"),
+    ],
+)
+def test_invalid_params_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_stop_strings_hold_back_partial_matches():
+    m = StopStringMatcher(("STOP", "\n\n"))
+    text = ""
+    emitted = []
+    for piece in ["Hello", " ST", "O", "P and more"]:
+        text += piece
+        safe, match = m.feed(text)
+        emitted.append(safe)
+        if match:
+            break
+    assert all("S" not in e for e in emitted[:-1])  # "ST" / "STO" were never shown
+    assert match is not None and match.text == "Hello " and match.stop == "STOP"
+    inc = StopStringMatcher(("lo",), include_stop=True)
+    assert inc.feed("hello world")[1].text == "hello"
+    assert StopStringMatcher(()).feed("abc\ufffd")[0] == "abc"
