@@ -67,9 +67,10 @@ class Converter:
         self.info = info
         self.tokenizer = dr.Tokenizer.from_file(info.tokenizer_path)
         self.encoding = dr.DeepseekV41Encoding().with_tokenizer(self.tokenizer)
-        base = dr.ConversionOptions()
-        for name in cfg.model_names:
-            base = base.with_model_alias(name, dr.ModelVersion.DeepseekV41Flash)
+        # The whole table is replaced (recipe's default also accepts DeepSeek-V4-Pro, which
+        # would select the V4 encoding; this server renders V4.1 only).
+        table = {name: dr.ModelVersion.DeepseekV41Flash for name in cfg.model_names}
+        base = dr.ConversionOptions().with_model_versions_by_name(table)
         base = base.with_thinking_max_tokens_upper_bound(cfg.max_tokens_limit)
         base = base.with_non_thinking_max_tokens_upper_bound(cfg.max_tokens_limit)
         self.options_thinking = base

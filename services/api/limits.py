@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from services.api.config import ApiConfig
 from services.api.errors import ApiError, limit_error
@@ -121,7 +121,7 @@ def check_tools_and_formats(body: dict[str, Any], cfg: ApiConfig) -> None:
         _validate_grammar("regex", regex, "response_format.regex")
 
 
-def _validate_grammar(kind: str, source: str, param: str) -> None:
+def _validate_grammar(kind: Literal["json_schema", "regex"], source: str, param: str) -> None:
     """llguidance's own parser (no tokenizer needed): the engine compiles the same text."""
     import llguidance
 

@@ -21,7 +21,7 @@ class _EngineCollector:
     def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self._stats = stats
 
-    def collect(self):  # type: ignore[no-untyped-def]
+    def collect(self):  # -> Iterator[GaugeMetricFamily]
         try:
             s = self._stats()
         except Exception:  # a scrape must not fail because the engine is down
@@ -78,7 +78,7 @@ class ApiMetrics:
         self.in_flight = Gauge("sluice_api_in_flight", "Requests holding an admission slot.", registry=r)
         self.queued = Gauge("sluice_api_queued", "Requests waiting for an admission slot.", registry=r)
         if engine_stats is not None:
-            r.register(_EngineCollector(engine_stats))  # type: ignore[arg-type]
+            r.register(_EngineCollector(engine_stats))
 
     def reject(self, reason: str) -> None:
         self.rejections.labels(reason=reason).inc()

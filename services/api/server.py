@@ -44,7 +44,6 @@ class ServerThread:
         self.host = host
         self.port = port
         self.server = uvicorn.Server(uvicorn_config(app, cfg, host, port, log_level))
-        self.server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self.thread = threading.Thread(target=self.server.run, name="sluice-api", daemon=True)
 
     @property

@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
 
@@ -68,7 +68,8 @@ class Generation:
         want_lp = self.prep.engine_request.top_logprobs is not None
         ready = False
         try:
-            async with aclosing(self.engine.generate(self.prep.engine_request)) as outs:
+            outs_gen: AsyncGenerator[EngineOutput, None] = self.engine.generate(self.prep.engine_request)  # type: ignore[assignment]
+            async with aclosing(outs_gen) as outs:
                 while True:
                     out = await self._next(outs)
                     if out is None:

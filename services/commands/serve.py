@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import logging
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("sluice.serve")
 
@@ -46,7 +47,7 @@ def api_config_from(args: argparse.Namespace) -> tuple[object, str, int, Path]:
     from services.api.config import ApiConfig
 
     host, port, model = envs.HOST.get(), envs.PORT.get(), args.model
-    overrides: dict[str, object] = {}
+    overrides: dict[str, Any] = {}
     if args.config is not None:
         from services.cluster_config import load_cluster_spec
 

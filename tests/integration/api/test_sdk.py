@@ -251,3 +251,13 @@ def test_anthropic_tool_use(claude):
     uses = [b for b in msg.content if b.type == "tool_use"]
     assert msg.stop_reason == "tool_use" and uses and uses[0].name == "get_weather"
     assert uses[0].input["city"] in ("Paris", "Oslo")
+
+
+def test_data_url_image_is_accepted(oai):
+    from tests.unit.api.images_fixtures import data_url, png
+
+    content = [{"type": "text", "text": "What is in this image?"},
+               {"type": "image_url", "image_url": {"url": data_url(png(16, 16))}}]  # fmt: skip
+    r = oai.chat.completions.create(model="deepseek-chat", messages=[{"role": "user", "content": content}],
+                                    max_tokens=3)  # fmt: skip
+    assert r.choices[0].finish_reason in ("length", "stop") and r.usage.prompt_tokens > 0
