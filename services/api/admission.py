@@ -49,6 +49,14 @@ class AdmissionController:
             headers={"Retry-After": str(self.retry_after_s)},
         )
 
+    def reject_if_full(self) -> None:
+        """Raise the 429 now if a new request could neither run nor queue (no await, no parse)."""
+        if self.stats.running >= self.max_concurrency and len(self._waiters) >= self.max_queue:
+            self.stats.rejected_full += 1
+            raise self._overloaded(
+                f"{self.stats.running} requests running and the queue is full ({self.max_queue})"
+            )
+
     async def acquire(self) -> None:
         """Take a slot, waiting in FIFO order; raise ``ApiError(429)`` when full or timed out."""
         if self.stats.running < self.max_concurrency and not self._waiters:

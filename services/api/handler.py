@@ -3,9 +3,10 @@
 1. parse the JSON body and run the cheap limit checks (``limits.check_body``);
 2. take an admission slot (429 + Retry-After when full);
 3. convert and tokenise with recipe (in a worker thread: tokenising is CPU work);
-4. generate: SSE through ``StreamingResponse`` (Starlette cancels it when the client
-   disconnects), or one JSON body, while a watcher cancels the generation if the
-   client disconnects first. Either way the engine request is aborted on cancellation.
+4. generate: SSE through ``StreamingResponse`` once the first token is out (Starlette
+   cancels it when the client disconnects), or one JSON body; until the response starts,
+   a watcher cancels the generation if the client disconnects. Either way the engine
+   request is aborted on cancellation.
 The slot is released when the response has been sent or abandoned, never earlier.
 """
 
@@ -16,7 +17,7 @@ import contextlib
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
@@ -29,6 +30,8 @@ from services.api.errors import ApiError
 from services.api.limits import check_body, parse_json_object
 from services.api.metrics import ApiMetrics
 from services.api.streaming import Generation
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -54,7 +57,7 @@ class _SlotStreamingResponse(StreamingResponse):
             self._on_close()
 
 
-async def _until_disconnect(request: Request, work: Coroutine[Any, Any, str], state: ServerState) -> str:
+async def _until_disconnect(request: Request, work: Coroutine[Any, Any, T], state: ServerState) -> T:
     """Run ``work``; cancel it (aborting the engine request) if the client disconnects."""
     task = asyncio.ensure_future(work)
 
@@ -80,6 +83,7 @@ async def _until_disconnect(request: Request, work: Coroutine[Any, Any, str], st
 
 async def handle_generation(request: Request, kind: Kind, endpoint: str) -> Response:
     state: ServerState = request.app.state.sluice
+    state.admission.reject_if_full()  # overload is refused before any parsing
     raw = await request.body()
     body = parse_json_object(raw)
     await asyncio.to_thread(check_body, body, kind, state.config)
@@ -104,12 +108,16 @@ async def handle_generation(request: Request, kind: Kind, endpoint: str) -> Resp
             state.config.request_timeout_s,
         )
         if prep.stream:
-            streaming = True
-            state.metrics.requests.labels(endpoint=endpoint, status="200").inc()
-            return _SlotStreamingResponse(
+            # Headers go out with the first token: a request the engine refuses (a grammar it
+            # cannot compile, a prompt its cache cannot hold) still gets a proper 4xx.
+            await _until_disconnect(request, gen.prime(), state)
+            response = _SlotStreamingResponse(
                 gen.sse(), media_type="text/event-stream",
                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}, on_close=release,
             )  # fmt: skip
+            streaming = True
+            state.metrics.requests.labels(endpoint=endpoint, status="200").inc()
+            return response
         text = await _until_disconnect(request, gen.full_json(), state)
         state.metrics.latency.labels(endpoint=endpoint).observe(time.monotonic() - gen.started)
         state.metrics.requests.labels(endpoint=endpoint, status="200").inc()

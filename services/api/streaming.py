@@ -23,7 +23,7 @@ import deepseek_recipe as dr
 
 from services.api.completions import completion_json
 from services.api.convert import RESPONSE_TYPES, Prepared
-from services.api.engine_client import EngineClient, EngineOutput, EngineUnavailable
+from services.api.engine_client import EngineClient, EngineOutput, EngineRequestError, EngineUnavailable
 from services.api.errors import ApiError, anthropic_body, openai_body
 from services.api.metrics import ApiMetrics
 
@@ -60,9 +60,11 @@ class Generation:
         self.started = time.monotonic()
         self.deadline = self.started + timeout_s
         self._reasoning_end = prep.reasoning_end_id
+        self._stream: AsyncGenerator[tuple[EngineOutput, list], None] | None = None
+        self._first: list = []
         self.created = int(time.time())
 
-    async def events(self) -> AsyncIterator[tuple[EngineOutput, list]]:
+    async def events(self) -> AsyncGenerator[tuple[EngineOutput, list], None]:
         """(engine output, the protocol chunks it produced), until the processor finishes."""
         sp = dr.StreamProcessor(self.prep.make_generator(), self.prep.parsing_options, self.tokenizer)
         want_lp = self.prep.engine_request.top_logprobs is not None
@@ -166,16 +168,29 @@ class Generation:
         _patch_usage(obj, self.usage.completion_tokens, self.usage.reasoning_tokens)
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
+    async def prime(self) -> None:
+        """Start the stream and wait for its first output, so engine refusals raise here."""
+        stream = self._stream = self.events()
+        _, self._first = await anext(stream)
+
     async def sse(self) -> AsyncIterator[bytes]:
-        """The streaming body: recipe's chunks as SSE; an error mid-stream becomes an error event."""
+        """The streaming body (after ``prime``): recipe's chunks as SSE; an error mid-stream
+        becomes an error event."""
+        if self._stream is None:
+            raise RuntimeError("Generation.sse() needs prime() first")
         rtype = RESPONSE_TYPES[self.prep.kind]
         try:
-            async for _, chunks in self.events():
+            for chunk in self._first:
+                yield self._format(rtype, chunk)
+            async for _, chunks in self._stream:
                 for chunk in chunks:
                     yield self._format(rtype, chunk)
-        except (EngineUnavailable, ApiError) as exc:
+        except (EngineUnavailable, EngineRequestError, ApiError) as exc:
             yield self._error_event(exc)
             return
+        finally:
+            await self._stream.aclose()  # the consumer left mid-stream: abort the engine request
+            self.metrics.latency.labels(endpoint=self.endpoint).observe(time.monotonic() - self.started)
         done = rtype.sse_done_data()
         if done is not None:
             yield f"data: {done}\n\n".encode()
@@ -188,7 +203,12 @@ class Generation:
         return (f"event: {name}\ndata: {data}\n\n" if name else f"data: {data}\n\n").encode()
 
     def _error_event(self, exc: Exception) -> bytes:
-        err = exc if isinstance(exc, ApiError) else ApiError(503, str(exc), code="engine_unavailable")
+        if isinstance(exc, ApiError):
+            err = exc
+        elif isinstance(exc, EngineRequestError):
+            err = ApiError(400, str(exc))
+        else:
+            err = ApiError(503, str(exc), code="engine_unavailable")
         if self.prep.kind == "messages":
             return f"event: error\ndata: {json.dumps(anthropic_body(err))}\n\n".encode()
         return f"data: {json.dumps(openai_body(err))}\n\n".encode()

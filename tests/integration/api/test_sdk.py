@@ -261,3 +261,16 @@ def test_data_url_image_is_accepted(oai):
     r = oai.chat.completions.create(model="deepseek-chat", messages=[{"role": "user", "content": content}],
                                     max_tokens=3)  # fmt: skip
     assert r.choices[0].finish_reason in ("length", "stop") and r.usage.prompt_tokens > 0
+
+
+def test_engine_refusal_is_a_4xx_even_when_streaming(oai, api_server):
+    """A regex that parses but whose automaton is too costly: the engine's compiler refuses it
+    after its time limit; the stream's headers wait for the first token, so this is a 400."""
+    with pytest.raises(openai.BadRequestError) as exc:
+        list(oai.chat.completions.create(
+            model="deepseek-chat", messages=USER, max_tokens=5, stream=True,
+            response_format={"type": "regex", "regex": "((a{100}){100}){100}"},
+        ))  # fmt: skip
+    assert "regex" in str(exc.value) and api_server.engine.stats().running == 0
+    ok = oai.chat.completions.create(model="deepseek-chat", messages=USER, max_tokens=2)
+    assert ok.choices[0].finish_reason in ("length", "stop")  # the engine still serves
