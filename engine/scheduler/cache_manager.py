@@ -90,6 +90,7 @@ class CacheManager:
         req.block_table = list(m.blocks)
         req.num_computed = m.start
         req.replay_until = m.hit_tokens
+        req.window_from = m.start if reset else 0
         req.num_registered = m.hit_tokens // self.bs
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = m.start

@@ -15,9 +15,12 @@ from typing import Protocol
 class StepCostModel(Protocol):
     """``router.costmodel.CostModel``: step_time(C, H) = a*C*(C+H) + b*(C+H) + c."""
 
-    a: float
-    b: float
-    c: float
+    @property
+    def a(self) -> float: ...
+    @property
+    def b(self) -> float: ...
+    @property
+    def c(self) -> float: ...
 
 
 def seq_cost(model: StepCostModel, chunk: int, prefix: int) -> float:

@@ -22,6 +22,7 @@ class ScheduledSeq:
     swa_slot: int
     reset_slot: bool  # the slot holds no state for this sequence: clear it before use
     replay_until: int  # positions below it have cached compressed rows: read, do not write
+    window_from: int  # raw-window positions below it are not in the slot (replay into a fresh slot)
     sample: bool  # produce logits for the last token and sample the next one
     output_index: int  # index of the sampled token among this request's outputs (seeding)
 

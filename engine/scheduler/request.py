@@ -55,6 +55,7 @@ class Request:
     block_table: list[int] = field(default_factory=list)
     swa_slot: int | None = None
     replay_until: int = 0  # compressed rows below this position are cached: read, never written
+    window_from: int = 0  # the slot was rebuilt from here: raw-window positions below are absent
     num_cached_tokens: int = -1  # prefix tokens not computed at first admission
     num_preemptions: int = 0
     hasher: BlockHasher | None = None

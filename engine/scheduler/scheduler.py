@@ -182,6 +182,7 @@ class Scheduler:
             swa_slot=req.swa_slot if req.swa_slot is not None else -1,
             reset_slot=reset,
             replay_until=req.replay_until,
+            window_from=req.window_from,
             sample=sample,
             output_index=req.num_outputs_with_pending if sample else -1,
         )
@@ -197,6 +198,7 @@ class Scheduler:
         self.cache.free(req, retain_slot=True)
         req.num_computed = 0
         req.replay_until = 0
+        req.window_from = 0
         req.num_registered = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING

@@ -16,6 +16,7 @@ from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
+from typing import Any
 
 from engine.sampling.params import StructuredOutput
 
@@ -58,7 +59,7 @@ def canonical(spec: StructuredOutput) -> str:
 class GrammarCompiler:
     """Thread-safe compile cache over one tokenizer."""
 
-    def __init__(self, ll_tokenizer: object, config: GrammarConfig | None = None) -> None:
+    def __init__(self, ll_tokenizer: Any, config: GrammarConfig | None = None) -> None:
         import llguidance
 
         self._ll = llguidance

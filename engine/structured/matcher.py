@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 
@@ -11,7 +13,9 @@ from engine.structured.grammar import CompiledGrammar, GrammarError
 class GrammarState:
     """Wraps one ``llguidance.LLMatcher``. ``vocab_size`` is the model's logits width."""
 
-    def __init__(self, compiled: CompiledGrammar, ll_tokenizer: object, vocab_size: int, limits=None) -> None:
+    def __init__(
+        self, compiled: CompiledGrammar, ll_tokenizer: Any, vocab_size: int, limits: Any = None
+    ) -> None:
         import llguidance
 
         self.matcher = llguidance.LLMatcher(ll_tokenizer, compiled.grammar, log_level=0, limits=limits)

@@ -168,3 +168,41 @@ def test_n_seeds_logprobs_priority_and_bad_requests(mixed):
         )
     finally:
         llm.close()
+
+
+def test_saved_cost_model_drives_chunking_without_changing_outputs(mixed, tmp_path):
+    from router.costmodel import CostModel
+
+    path, ref = mixed
+    model = CostModel(a=2e-6, b=1e-4, c=1e-3)
+    saved = tmp_path / "cost.json"
+    saved.write_text(model.to_json())
+    prompt = ids(120, 7)
+    sp = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    llm = make(path, cost_model_path=str(saved), step_time_budget_s=0.01, max_num_batched_tokens=4096)
+    try:
+        assert llm.scheduler.config.cost_model == model
+        steps_before = llm.loop.steps
+        out = llm.generate(prompt_token_ids=[prompt], sampling_params=sp)[0].outputs[0].token_ids
+        # 120 tokens at <= 10 ms predicted per step: several chunks, not one 120-token step
+        assert llm.loop.steps - steps_before >= 3 + 3
+    finally:
+        llm.close()
+    assert_hf_greedy(ref, prompt, out)
+
+
+def test_shared_prefix_hit_without_slot_is_replayed_exactly(mixed):
+    """Two requests share a 300-token prefix; the first's slot has moved on, so the second
+    reuses the cached block and replays L * (W - 1) = 4 * 15 tokens to rebuild its window."""
+    path, ref = mixed
+    prefix = ids(300, 8)
+    a, b = prefix + ids(10, 9), prefix + ids(12, 10)
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = make(path, max_num_batched_tokens=512)
+    try:
+        llm.generate(prompt_token_ids=[a], sampling_params=sp)
+        out = llm.generate(prompt_token_ids=[b], sampling_params=sp)[0]
+    finally:
+        llm.close()
+    assert out.num_cached_tokens == 256 - 4 * 15
+    assert_hf_greedy(ref, b, out.outputs[0].token_ids)

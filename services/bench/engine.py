@@ -1,0 +1,157 @@
+"""Engine throughput and the chunk cost model: prefill and decode tokens/s through
+``LLM.generate``, step times over a (chunk, prefix) grid fitted to
+``t(C, H) = a*C*(C+H) + b*(C+H) + c`` (``router.costmodel.CostModel``). ``--profile`` saves
+the fit as ``<checkpoint>/sluice_cost_model.json`` (or ``--out``), which ``LLM`` loads."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from services.bench import Report, progress
+
+GRID_C = (16, 64, 128, 256, 512)
+GRID_H = (0, 256, 768)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--presets", default="tiny,small", help="gen-checkpoint presets to measure (default tiny,small)"
+    )
+    p.add_argument("--model", help="measure this checkpoint directory instead of generated presets")
+    p.add_argument("--profile", action="store_true", help="save the fitted cost model next to the checkpoint")
+    p.add_argument(
+        "--out",
+        help="with --profile: the JSON file (with --model; default <model>/sluice_cost_model.json) or the "
+        "directory for <preset>.json files (with presets; default var/costmodel)",
+    )
+    p.add_argument("--prompt-tokens", type=int, default=512, help="tokens per prefill prompt (default 512)")
+    p.add_argument("--batch", type=int, default=8, help="concurrent requests (default 8)")
+    p.add_argument("--decode-tokens", type=int, default=16, help="decode tokens per request (default 16)")
+    p.add_argument("--repeats", type=int, default=5, help="timings per grid point, minimum kept (default 5)")
+    p.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (default 1: stable on shared CPUs)"
+    )
+
+
+def _throughput(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
+    from engine import LLM, SamplingParams
+
+    llm = LLM(model_dir, num_blocks=64, num_swa_slots=2 * args.batch, max_num_seqs=args.batch)
+    try:
+        vocab = llm.vocab_size
+        prompts = [[(17 * i + 31 * j) % vocab for j in range(args.prompt_tokens)] for i in range(args.batch)]
+        many = SamplingParams(temperature=0.0, max_tokens=1 + args.decode_tokens, ignore_eos=True)
+        llm.generate(prompt_token_ids=[prompts[0][:32]], sampling_params=many)  # warm-up
+        llm.loop.stats.clear()
+        t0 = time.perf_counter()
+        llm.generate(prompt_token_ids=prompts, sampling_params=many)
+        wall = time.perf_counter() - t0
+        stats = list(llm.loop.stats)
+    finally:
+        llm.close()
+    # Pure steps only: prefill throughput from steps with no decodes, decode from decode-only steps.
+    pre = [s for s in stats if s.decode_tokens == 0]
+    dec = [s for s in stats if s.prefill_tokens == 0]
+    return {
+        "prefill_tok_per_s": sum(s.prefill_tokens for s in pre) / max(sum(s.seconds for s in pre), 1e-9),
+        "decode_tok_per_s": sum(s.decode_tokens for s in dec) / max(sum(s.seconds for s in dec), 1e-9),
+        "decode_steps": len(dec),
+        "end_to_end_tok_per_s": args.batch * (args.prompt_tokens + 1 + args.decode_tokens) / wall,
+    }
+
+
+def _step_samples(model_dir: Path, repeats: int) -> list[tuple[int, int, float]]:
+    """(chunk, prefix, seconds) of single-sequence steps over the grid, timed on the runner."""
+    import torch
+
+    from engine.forward_batch import ForwardBatch, SequenceInput
+    from engine.runner import ModelRunner, RunnerConfig
+
+    blocks = -(-(max(GRID_H) + max(GRID_C)) // 256)
+    runner = ModelRunner(model_dir, RunnerConfig(num_blocks=blocks, num_slots=1, with_mtp=False))
+    vocab = runner.model_cfg.vocab_size
+    table = list(range(blocks))
+    samples = []
+    gen = torch.Generator().manual_seed(0)
+    warm = torch.randint(0, vocab, (max(GRID_C),), generator=gen).tolist()
+    for _ in range(2):  # first steps allocate and fault in pages: keep them out of the fit
+        runner.execute(ForwardBatch.from_sequences([SequenceInput(warm, 0, 0, table)]))
+    for h in GRID_H:
+        prefix = torch.randint(0, vocab, (h,), generator=gen).tolist()
+        for c in GRID_C:
+            chunk = torch.randint(0, vocab, (c,), generator=gen).tolist()
+            best = math.inf
+            for _ in range(repeats):
+                if h:
+                    runner.execute(ForwardBatch.from_sequences([SequenceInput(prefix, 0, 0, table)]))
+                batch = ForwardBatch.from_sequences([SequenceInput(chunk, h, 0, table)])
+                t0 = time.perf_counter()
+                runner.execute(batch)
+                best = min(best, time.perf_counter() - t0)
+            samples.append((c, h, best))
+    return samples
+
+
+def _fit(samples: list[tuple[int, int, float]]) -> dict[str, Any]:
+    from router.costmodel import CostModel
+
+    model = CostModel.fit(samples)
+    rel = [(model.predict(c, h) - t) / t for c, h, t in samples]
+    return {
+        "model": model,
+        "a": model.a,
+        "b": model.b,
+        "c": model.c,
+        "fit_rel_rmse": math.sqrt(statistics.fmean(r * r for r in rel)),
+        "fit_max_rel_err": max(abs(r) for r in rel),
+    }
+
+
+def _measure(name: str, model_dir: Path, args: argparse.Namespace, report: Report, out: Path) -> None:
+    progress(f"{name}: throughput")
+    tput = _throughput(model_dir, args)
+    progress(f"{name}: step-time grid {len(GRID_C)}x{len(GRID_H)}")
+    fit = _fit(_step_samples(model_dir, args.repeats))
+    model = fit.pop("model")
+    if args.profile:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(model.to_json())
+        fit["saved_to"] = str(out)
+    report.results[name] = {**tput, **fit}
+    report.rows.append({"model": name, **tput, **{k: v for k, v in fit.items() if k != "saved_to"}})
+    report.target(f"{name}: costmodel fit_rel_rmse", fit["fit_rel_rmse"], "<=", 0.25)
+
+
+def run(args: argparse.Namespace) -> Report:
+    import torch
+
+    torch.set_num_threads(args.threads)
+    report = Report(
+        "engine",
+        config={
+            k: getattr(args, k)
+            for k in ("presets", "model", "profile", "prompt_tokens", "batch", "decode_tokens", "repeats")
+        }
+        | {"grid_chunk": GRID_C, "grid_prefix": GRID_H, "torch_threads": torch.get_num_threads()},
+    )
+    if args.model:
+        model_dir = Path(args.model)
+        _measure(
+            model_dir.name, model_dir, args, report, Path(args.out or model_dir / "sluice_cost_model.json")
+        )
+        return report
+    out_dir = Path(args.out or "var/costmodel")
+    from engine.checkpoint.generate import generate_checkpoint
+
+    for preset in [p.strip() for p in args.presets.split(",") if p.strip()]:
+        with tempfile.TemporaryDirectory(prefix=f"sluice-bench-{preset}-") as tmp:
+            progress(f"{preset}: generating the checkpoint")
+            generate_checkpoint(preset, Path(tmp))
+            _measure(preset, Path(tmp), args, report, out_dir / f"{preset}.json")
+    return report
