@@ -18,10 +18,12 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
+# The regex forbids ending (EOS) before 2000 characters, so random weights cannot stop early.
 LONG = {
     "model": "deepseek-chat",
     "messages": [{"role": "user", "content": "Tell a long story."}],
     "max_tokens": 3000,
+    "response_format": {"type": "regex", "regex": "[a-z ]{2000}"},
 }
 
 
