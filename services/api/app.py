@@ -9,6 +9,7 @@ elsewhere. The engine client is started and closed by the app's lifespan.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -25,6 +26,8 @@ from services.api.errors import ApiError, error_response
 from services.api.handler import ServerState
 from services.api.metrics import ApiMetrics
 from services.api.middleware import GuardMiddleware
+
+log = logging.getLogger(__name__)
 
 
 def create_app(config: ApiConfig, engine: EngineClient) -> FastAPI:
@@ -69,6 +72,13 @@ def _install_handlers(app: FastAPI, metrics: ApiMetrics) -> None:
         metrics.reject(err.param or err.code or str(err.status))
         endpoint = request.url.path.rsplit("/", 1)[-1]
         metrics.requests.labels(endpoint=endpoint, status=str(err.status)).inc()
+        return error_response(err, request.url.path)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> Response:
+        log.exception("unhandled error on %s", request.url.path)
+        metrics.requests.labels(endpoint=request.url.path.rsplit("/", 1)[-1], status="500").inc()
+        err = ApiError(500, "internal server error", code="internal_error")
         return error_response(err, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)

@@ -99,9 +99,9 @@ class Converter:
         except ValueError as exc:  # recipe's serde errors: wrong types, overflows, missing fields
             raise ApiError(400, str(exc), param=_serde_param(str(exc))) from None
         model = req.model
-        echo = req.echo() if kind == "responses" else None
-        ns_map = req.namespace_tool_map(self.options_for(model)) if kind == "responses" else None
         try:
+            echo = req.echo() if kind == "responses" else None
+            ns_map = req.namespace_tool_map(self.options_for(model)) if kind == "responses" else None
             conv = req.convert(self.options_for(model))
         except dr.ConversionError as exc:
             raise from_recipe(exc.status_code, exc.body) from None

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
@@ -27,6 +28,7 @@ from services.api.engine_client import EngineClient, EngineOutput, EngineRequest
 from services.api.errors import ApiError, anthropic_body, openai_body
 from services.api.metrics import ApiMetrics
 
+log = logging.getLogger(__name__)
 _FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishReason.Length}
 
 
@@ -187,6 +189,10 @@ class Generation:
                     yield self._format(rtype, chunk)
         except (EngineUnavailable, EngineRequestError, ApiError) as exc:
             yield self._error_event(exc)
+            return
+        except Exception:  # a bug or a recipe stream error: say so in-band, keep details in the log
+            log.exception("stream %s failed", self.prep.request_id)
+            yield self._error_event(ApiError(500, "internal error while streaming", code="internal_error"))
             return
         finally:
             await self._stream.aclose()  # the consumer left mid-stream: abort the engine request

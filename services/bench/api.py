@@ -153,11 +153,14 @@ def _overload(url: str, total: int, max_tokens: int) -> dict[str, float]:
 
 
 def run(args: argparse.Namespace) -> Report:
+    import logging
+
     from services.api.app import create_app
     from services.api.config import ApiConfig
     from services.api.inprocess import InProcessEngineClient
     from services.api.server import ServerThread
 
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     tmp = None
     model = args.model
     if model is None:
