@@ -308,17 +308,13 @@ class InProcessEngineClient:
             aborted_total=c.aborted_total,
             finished_total=c.finished_total,
             steps=llm.loop.steps,
-            extra={"free_swa_slots": float(_free_slots(sched))},
+            extra={
+                "free_swa_slots": float(sched.cache.slots.num_available),
+                "total_swa_slots": float(sched.cache.slots.num_slots),
+                "retained_swa_slots": float(sched.cache.slots.num_retained),
+                "preemptions": float(sched.num_preemptions),
+            },
         )
-
-
-def _free_slots(sched: Any) -> int:
-    slots = sched.cache.slots
-    for name in ("num_free", "num_available"):
-        value = getattr(slots, name, None)
-        if value is not None:
-            return int(value() if callable(value) else value)
-    return -1
 
 
 def _seed_for(request_id: str) -> int:

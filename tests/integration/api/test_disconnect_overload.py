@@ -37,7 +37,8 @@ def wait_for(predicate, timeout_s: float = 15.0, what: str = "condition") -> Non
 
 def idle(engine) -> bool:
     s = engine.stats()
-    return s.running == 0 and s.waiting == 0 and s.free_blocks == s.total_blocks
+    slots_free = s.extra["free_swa_slots"] == s.extra["total_swa_slots"]
+    return s.running == 0 and s.waiting == 0 and s.free_blocks == s.total_blocks and slots_free
 
 
 def test_stream_disconnect_aborts_the_request_and_frees_its_blocks(small_server):
@@ -57,7 +58,7 @@ def test_stream_disconnect_aborts_the_request_and_frees_its_blocks(small_server)
     after = engine.stats()
     assert after.aborted_total == before.aborted_total + 1
     assert after.finished_total == before.finished_total  # aborted, not run to max_tokens
-    assert after.extra["free_swa_slots"] == before.extra["free_swa_slots"]
+    assert during.extra["free_swa_slots"] == after.extra["free_swa_slots"] - 1  # its slot came back
 
 
 def test_non_streaming_disconnect_aborts_too(small_server):

@@ -128,3 +128,19 @@ def test_tool_grammar_accepts_a_declared_call_and_nothing_else(tmp_path):
     assert not _matcher_accepts(grammar, days + tail, tok)  # the required parameter is missing
     with pytest.raises(ValueError):
         tool_call_grammar([])
+
+
+def test_thinking_mode_constraint_applies_after_the_reasoning(tmp_path):
+    from deepseek_recipe import Tokenizer
+
+    from engine.checkpoint.tokenizer import write_tokenizer
+    from services.api.convert import _after_reasoning
+
+    write_tokenizer(tmp_path, 1024)
+    tok = tmp_path / "tokenizer.json"
+    (think_end,) = Tokenizer.from_file(str(tok)).encode("</think>")
+    schema = '{"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}'
+    grammar = _after_reasoning(think_end, f"%json {schema}")
+    assert _matcher_accepts(grammar, 'free {not json} reasoning</think>{"a": 12}', tok)
+    assert not _matcher_accepts(grammar, 'reasoning</think>{"a": "x"}', tok)  # answer violates the schema
+    assert not _matcher_accepts(grammar, '{"a": 12}', tok)  # no end of reasoning: not complete
