@@ -123,6 +123,8 @@ class InProcessEngineClient:
         finished = False
         try:
             self._send("add", (request, grammar, sink, added))
+            if self._dead is not None and not added.done():  # the thread stopped before reading it
+                added.set_exception(EngineUnavailable(f"engine is not running: {self._dead}"))
             await added  # raises EngineRequestError if the scheduler refuses it
             while True:
                 item = await sink.get()
@@ -185,15 +187,15 @@ class InProcessEngineClient:
                     continue
                 self._apply(self._llm.loop.step(), live)
                 self._publish_stats()
+            err = EngineUnavailable("engine stopped")
+            self._dead = err
         except BaseException as exc:  # the engine died: fail everything, refuse what follows
             log.exception("engine thread died")
             self._dead = exc
             err = EngineUnavailable(f"engine failed: {exc!r}")
-            for item in live.values():
-                self._deliver(item.sink, err)
-            self._fail_pending(err)
-        finally:
-            self._fail_pending(EngineUnavailable("engine stopped"))
+        for item in live.values():  # in-flight requests end now, not at their timeout
+            self._deliver(item.sink, err)
+        self._fail_pending(err)
 
     def _drain(self, live: dict[str, _Live]) -> None:
         while True:
