@@ -191,7 +191,8 @@ def test_rejections_are_counted_by_reason(api_server):
 def test_health_is_open_and_ready_probes_the_engine(api_server):
     with httpx.Client(base_url=api_server.url, timeout=10) as c:
         assert c.get("/health").status_code == 200
-        assert c.get("/ready").status_code == 401  # every endpoint but health needs the key
+        for path in ("/ready", "/metrics", "/v1/models"):  # every endpoint but health needs the key
+            assert c.get(path).status_code == 401, path
         ready = c.get("/ready", headers={"x-api-key": api_server.api_key})
     assert ready.status_code == 200 and ready.json()["status"] == "ready"
 
