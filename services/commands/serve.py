@@ -23,6 +23,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--port", type=int, default=None, help="port (default 8000, or SLUICE_PORT)")
     p.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: generated tiny)")
     p.add_argument("--config", type=Path, default=None, help="cluster.yaml")
+    p.add_argument(
+        "--max-concurrency", type=int, default=None, help="requests generating at once (default 8)"
+    )
+    p.add_argument("--max-queue", type=int, default=None, help="requests waiting for a slot (default 16)")
+    p.add_argument(
+        "--allow-image-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="enable remote image URLs from this host name (repeatable; private addresses stay refused)",
+    )
     p.set_defaults(func=run)
 
 
@@ -62,6 +73,11 @@ def api_config_from(args: argparse.Namespace) -> tuple[object, str, int, Path]:
             model = Path(spec.model)
     host = args.host or host
     port = args.port if args.port is not None else port
+    for name in ("max_concurrency", "max_queue"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    if args.allow_image_host:
+        overrides.update(allow_remote_images=True, image_url_allow_hosts=tuple(args.allow_image_host))
     keys = envs.API_KEYS.get()
     cfg = ApiConfig(host=host, port=port, api_keys=keys, api_keys_file=envs.API_KEYS_FILE.get(), **overrides)
     return cfg, host, port, model or default_model_dir()

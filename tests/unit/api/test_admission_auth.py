@@ -95,3 +95,33 @@ def test_key_compare_has_no_early_exit(monkeypatch):
     monkeypatch.setattr(hmac, "compare_digest", lambda a, b: calls.append(b) or real(a, b))
     KeyChecker(["k1", "k2", "k3"]).matches("k1")
     assert calls == [b"k1", b"k2", b"k3"]  # matched the first key, still compared all three
+
+
+def test_serve_flags_beat_the_cluster_file_and_env(tmp_path, monkeypatch):
+    from services.cli import build_parser
+    from services.commands.serve import api_config_from
+
+    spec = tmp_path / "cluster.yaml"
+    spec.write_text(
+        "mode: embedded\napi:\n  host: 127.0.0.1\n  port: 9100\n  max_concurrency: 3\n  max_queue: 5\n"
+    )
+    monkeypatch.setenv("SLUICE_PORT", "9000")
+    monkeypatch.setenv("SLUICE_API_KEYS", "k1,k2")
+    argv = [
+        "serve",
+        "--config",
+        str(spec),
+        "--max-queue",
+        "7",
+        "--model",
+        str(tmp_path),
+        "--allow-image-host",
+        "img.example",
+    ]
+    cfg, host, port, model = api_config_from(build_parser().parse_args(argv))
+    assert (host, port, model) == ("127.0.0.1", 9100, tmp_path)
+    assert (cfg.max_concurrency, cfg.max_queue, cfg.api_keys) == (3, 7, ("k1", "k2"))
+    assert cfg.allow_remote_images and cfg.image_url_allow_hosts == ("img.example",)
+    spec.write_text("mode: local-cluster\n")
+    with pytest.raises(ValueError, match="not served"):
+        api_config_from(build_parser().parse_args(["serve", "--config", str(spec)]))
