@@ -90,8 +90,8 @@ def _api_throughput(url: str, streams: int, max_tokens: int) -> dict[str, float]
     oai = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0, timeout=600)
 
     def one(_: int) -> int:
-        chunks = list(oai.chat.completions.create(
-            model="deepseek-chat", messages=PROMPT, max_tokens=max_tokens, stream=True,  # type: ignore[arg-type]
+        chunks = list(oai.chat.completions.create(  # type: ignore[call-overload]
+            model="deepseek-chat", messages=PROMPT, max_tokens=max_tokens, stream=True,
             stream_options={"include_usage": True},
         ))  # fmt: skip
         usage = [c.usage for c in chunks if c.usage is not None]
