@@ -206,8 +206,10 @@ class InProcessEngineClient:
             if kind == "add":
                 self._add(live, *payload)
             elif kind == "abort":
+                # Scheduler side only: a step already in flight on the executor thread may still
+                # read this request's sampling state; the executor drops it itself when the
+                # next step lists the request among ``finished_ids``.
                 if self._llm.scheduler.abort(payload):
-                    self._llm.executor.states.pop(payload, None)
                     self._counters.aborted_total += 1
                 live.pop(payload, None)
                 self._publish_stats()
