@@ -8,7 +8,7 @@ never reads the scheduler's mutable ``Request`` objects.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.sampling.params import SamplingParams
@@ -18,10 +18,15 @@ from engine.structured.matcher import GrammarState
 
 
 class LogitsRunner(Protocol):
-    """What the executor needs of Engine I's ``ModelRunner``."""
+    """What the executor needs of Engine I's ``ModelRunner``: ``execute`` returns an object
+    with ``.logits [num_sampled, vocab]`` fp32; ``pool.copy_block`` and ``copy_slot`` copy a
+    compressed block and an SWA slot (for n > 1 forks)."""
 
-    def execute(self, batch: ForwardBatch):  # -> object with .logits [num_sampled, vocab] fp32
-        ...
+    pool: Any
+
+    def execute(self, batch: ForwardBatch) -> Any: ...
+
+    def copy_slot(self, src: int, dst: int) -> None: ...
 
 
 @dataclass
@@ -51,6 +56,10 @@ class ModelExecutor:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         for rid in out.finished_ids:
             self.states.pop(rid, None)
+        for src, dst in out.block_copies:  # forks made by the previous step
+            self.runner.pool.copy_block(src, dst)
+        for src, dst in out.slot_copies:
+            self.runner.copy_slot(src, dst)
         seqs = []
         for s in out.seqs:
             tokens = [self._resolve(s.request_id, t) for t in s.token_ids]
@@ -72,29 +81,30 @@ class ModelExecutor:
         for s in out.seqs:
             if not s.sample:
                 continue
-            st = self.states[s.request_id]
-            if st.done:  # stopped in the previous step; the scheduler drops this result
-                sampled[s.request_id] = st.output_token_ids[-1]
-                row += 1
-                continue
-            if s.output_index != len(st.output_token_ids):
-                raise RuntimeError(
-                    f"{s.request_id}: sampling output {s.output_index}, have {len(st.output_token_ids)}"
-                )
-            mask = st.grammar.allowed_mask() if st.grammar is not None else None
-            res = sample_row(
-                logits[row],
-                RowInput(st.params, st.seed, s.output_index, st.prompt_token_ids, st.output_token_ids, mask),
-            )
+            for rid in (s.request_id, *s.fork_children):  # fork children share the parent's row
+                tok, lp = self._sample(rid, logits[row], s.output_index)
+                sampled[rid] = tok
+                logprobs[rid] = lp
             row += 1
-            if st.grammar is not None and not st.grammar.is_finished:
-                st.grammar.accept(res.token_id)
-            st.output_token_ids.append(res.token_id)
-            sampled[s.request_id] = res.token_id
-            logprobs[s.request_id] = res.logprobs
         return RunnerOutput(out.step, sampled, dict(logprobs))
 
     def _resolve(self, request_id: str, token: int) -> int:
         if token != PENDING_TOKEN:
             return token
         return self.states[request_id].output_token_ids[-1]
+
+    def _sample(self, rid: str, row_logits, output_index: int) -> tuple[int, TokenLogprobs | None]:
+        st = self.states[rid]
+        if st.done:  # stopped in the previous step; the scheduler drops this result
+            return st.output_token_ids[-1], None
+        if output_index != len(st.output_token_ids):
+            raise RuntimeError(f"{rid}: sampling output {output_index}, have {len(st.output_token_ids)}")
+        mask = st.grammar.allowed_mask() if st.grammar is not None else None
+        res = sample_row(
+            row_logits,
+            RowInput(st.params, st.seed, output_index, st.prompt_token_ids, st.output_token_ids, mask),
+        )
+        if st.grammar is not None and not st.grammar.is_finished:
+            st.grammar.accept(res.token_id)
+        st.output_token_ids.append(res.token_id)
+        return res.token_id, res.logprobs

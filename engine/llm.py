@@ -262,8 +262,9 @@ class LLM:
         for i in range(sp.n):
             cid = f"{rid}-{i}"
             seed = base if sp.n == 1 else derive_seed(base, f"child:{i}")
+            fork_of = f"{rid}-0" if i else None  # n > 1: children fork from completion 0
             self.scheduler.add_request(
-                Request(cid, list(prompt), sp.max_tokens, stop_ids, priority=prio, extra_keys=self._extra)
+                Request(cid, list(prompt), sp.max_tokens, stop_ids, prio, self._extra, fork_of=fork_of)
             )
             self.executor.add(cid, SamplingState(sp, seed, list(prompt), stop_ids, grammar=grammars[i]))
             tracks[cid] = _Track(i, sp, StopStringMatcher(sp.stop, sp.include_stop_str_in_output), stop_ids)
@@ -314,6 +315,12 @@ class LLM:
             stop_reason=stop_reason,
             logprobs=tr.logprobs if tr.params.logprobs is not None else None,
         )
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         self.loop.close()

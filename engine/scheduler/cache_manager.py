@@ -99,11 +99,8 @@ class CacheManager:
     def blocks_needed(self, end_pos: int) -> int:
         return -(-end_pos // self.bs)
 
-    def grow(self, req: Request, end_pos: int) -> bool:
-        """Extend ``req``'s block table to cover ``end_pos``; False if the pool is short."""
-        need = self.blocks_needed(end_pos) - len(req.block_table)
-        if need <= 0:
-            return True
+    def _make_room(self, need: int) -> bool:
+        """Drop retained slots (oldest first) until ``need`` blocks are available."""
         while need > self.blocks.num_available:
             evicted = self.slots.evict_oldest()
             if evicted is None:
@@ -111,11 +108,45 @@ class CacheManager:
             if evicted.partial_block is not None:
                 self.blocks.release([evicted.partial_block])
             self.slots.free(evicted.slot)
+        return True
+
+    def grow(self, req: Request, end_pos: int) -> bool:
+        """Extend ``req``'s block table to cover ``end_pos``; False if the pool is short."""
+        need = self.blocks_needed(end_pos) - len(req.block_table)
+        if need <= 0:
+            return True
+        if not self._make_room(need):
+            return False
         try:
             req.block_table.extend(self.blocks.allocate(need))
-        except OutOfBlocks:  # pragma: no cover - guarded by the loop above
+        except OutOfBlocks:  # pragma: no cover - guarded by _make_room
             return False
         return True
+
+    def fork(self, parent: Request, child: Request) -> tuple[tuple[int, int] | None, tuple[int, int]] | None:
+        """Give ``child`` the parent's state at ``parent.num_computed``: shared full blocks, a
+        copy of the partial block and of the slot. Returns (block copy, slot copy) for the
+        runner, or None (nothing changed) when no slot or block is left."""
+        pos, full = parent.num_computed, parent.num_computed // self.bs
+        partial = pos % self.bs != 0
+        if self.slots.num_available == 0 or not self._make_room(int(partial)):
+            return None
+        slot, evicted = self.slots.allocate()
+        if evicted is not None and evicted.partial_block is not None:
+            self.blocks.release([evicted.partial_block])
+        assert parent.swa_slot is not None  # internal invariant: a running parent owns a slot
+        shared = parent.block_table[:full]
+        self.blocks.acquire(shared)
+        table = list(shared)
+        block_copy = None
+        if partial:
+            (new,) = self.blocks.allocate(1)
+            block_copy = (parent.block_table[full], new)
+            table.append(new)
+        child.block_table, child.swa_slot = table, slot
+        child.num_computed, child.replay_until, child.window_from = pos, 0, 0
+        child.num_cached_tokens = max(parent.num_cached_tokens, 0)
+        return block_copy, (parent.swa_slot, slot)
 
     def register_full_blocks(self, req: Request) -> None:
         """Publish every block whose tokens are all known and computed."""

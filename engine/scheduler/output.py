@@ -25,6 +25,7 @@ class ScheduledSeq:
     window_from: int  # raw-window positions below it are not in the slot (replay into a fresh slot)
     sample: bool  # produce logits for the last token and sample the next one
     output_index: int  # index of the sampled token among this request's outputs (seeding)
+    fork_children: tuple[str, ...] = ()  # n > 1: also sample each child's first token from this row
 
     @property
     def num_new(self) -> int:
@@ -38,6 +39,10 @@ class SchedulerOutput:
     finished_ids: frozenset[str] = frozenset()  # finished/aborted since the previous step
     preempted_ids: frozenset[str] = frozenset()
     predicted_time_s: float = 0.0  # cost-model estimate of this step (0 without a model)
+    # Applied before the forward, in order (forks made by an earlier step): physical block
+    # copies (a parent's partial block) and SWA slot copies (the parent's window state).
+    block_copies: tuple[tuple[int, int], ...] = ()
+    slot_copies: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_tokens(self) -> int:

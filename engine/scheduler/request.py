@@ -45,7 +45,7 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     priority: int = 0
     extra_keys: ExtraKeys = field(default_factory=ExtraKeys)
-    wait_for: str | None = None  # admit only once this request's prompt is computed (n > 1)
+    fork_of: str | None = None  # n > 1: share this request's prompt computation, then diverge
     # -- state, owned by the scheduler --
     arrival: int = -1
     status: RequestStatus = RequestStatus.WAITING

@@ -55,6 +55,10 @@ class Scheduler:
         self._finished_ids: set[str] = set()
         self._step = 0
         self.num_preemptions = 0
+        self._forks: dict[str, list[Request]] = {}  # parent id -> children waiting for its prompt
+        self._forked: list[Request] = []  # children forked in this schedule() call
+        self._block_copies: list[tuple[int, int]] = []  # for the next non-empty step
+        self._slot_copies: list[tuple[int, int]] = []
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
@@ -68,7 +72,11 @@ class Scheduler:
         req.arrival = next(self._arrivals)
         req.status = RequestStatus.WAITING
         self.requests[req.request_id] = req
-        self._enqueue(req)
+        parent = self.requests.get(req.fork_of) if req.fork_of else None
+        if parent is not None and parent is not req and parent.num_outputs_with_pending == 0:
+            self._forks.setdefault(parent.request_id, []).append(req)  # forked after its prefill
+        else:
+            self._enqueue(req)
 
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request; False if unknown or already finished."""
@@ -83,13 +91,22 @@ class Scheduler:
             self.running.remove(req)
             self.cache.free(req, retain_slot=True)
         elif req.status == RequestStatus.WAITING:
-            self.waiting.remove(req)
+            if req in self.waiting:
+                self.waiting.remove(req)
+            else:
+                for parent_id, group in list(self._forks.items()):
+                    if req in group:
+                        group.remove(req)
+                        if not group:
+                            del self._forks[parent_id]
+        for child in self._forks.pop(req.request_id, []):  # never forked: run on their own
+            self._enqueue(child)
         req.status = status
         self.requests.pop(req.request_id, None)
         self._finished_ids.add(req.request_id)
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self._forks)
 
     # -- step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -99,18 +116,33 @@ class Scheduler:
             time_left = cfg.step_time_budget_s - cfg.cost_model.c
         budget = _Budget(cfg.max_num_batched_tokens, time_left)
         seqs: list[ScheduledSeq] = []
+        # Copies for forks made by earlier steps; forks made now are copied before the next.
+        block_copies, slot_copies = tuple(self._block_copies), tuple(self._slot_copies)
+        self._block_copies.clear()
+        self._slot_copies.clear()
         preempted = self._schedule_running(budget, seqs)
         if not preempted:
             self._admit_waiting(budget, seqs)
+        self.running.extend(self._forked)
+        self._forked.clear()
         for req in self.running:
             self.cache.register_full_blocks(req)
         self._step += 1
         predicted = budget.predicted + (cfg.cost_model.c if cfg.cost_model is not None and seqs else 0.0)
         out = SchedulerOutput(
-            self._step, tuple(seqs), frozenset(self._finished_ids), frozenset(preempted), predicted
+            self._step,
+            tuple(seqs),
+            frozenset(self._finished_ids),
+            frozenset(preempted),
+            predicted,
+            block_copies,
+            slot_copies,
         )
-        if seqs:  # an empty step is not executed: keep the ids for the next one
+        if seqs:  # an empty step is not executed: keep the ids and copies for the next one
             self._finished_ids.clear()
+        else:
+            self._block_copies[:0] = block_copies
+            self._slot_copies[:0] = slot_copies
         return out
 
     def _schedule_running(self, budget: _Budget, seqs: list[ScheduledSeq]) -> set[str]:
@@ -139,7 +171,7 @@ class Scheduler:
         for req in list(self.waiting):
             if len(self.running) >= self.config.max_num_seqs or budget.tokens <= 0:
                 return
-            if req.num_pending or not self._dependency_ready(req):
+            if req.num_pending:
                 continue
             m: PrefixMatch = self.cache.match(req)
             n = self._num_new(req, m.start, req.num_tokens - m.start, budget, not seqs)
@@ -174,6 +206,9 @@ class Scheduler:
         known = req.all_token_ids[start : start + n]
         tokens = tuple(known) + (PENDING_TOKEN,) * (n - len(known))
         sample = start + n == req.num_tokens_with_pending
+        req.num_computed += n
+        children = self._fork_children(req) if sample and req.num_outputs_with_pending == 0 else ()
+        req.num_computed -= n
         seq = ScheduledSeq(
             request_id=req.request_id,
             token_ids=tokens,
@@ -185,6 +220,7 @@ class Scheduler:
             window_from=req.window_from,
             sample=sample,
             output_index=req.num_outputs_with_pending if sample else -1,
+            fork_children=children,
         )
         req.num_computed += n
         if sample:
@@ -193,6 +229,27 @@ class Scheduler:
         if self.config.cost_model is not None:
             budget.predicted += seq_cost(self.config.cost_model, n, start)
         return seq
+
+    def _fork_children(self, parent: Request) -> tuple[str, ...]:
+        """Fork the children waiting for ``parent``, whose prompt this step completes: they
+        take its state after the step (copies run before the next step) and their first
+        token is sampled from the parent's logits row."""
+        forked = []
+        for child in self._forks.pop(parent.request_id, []):
+            room = len(self.running) + len(self._forked) < self.config.max_num_seqs
+            copies = self.cache.fork(parent, child) if room else None
+            if copies is None:
+                self._enqueue(child)  # no room now: it runs on its own later (prefix cache)
+                continue
+            block_copy, slot_copy = copies
+            if block_copy is not None:
+                self._block_copies.append(block_copy)
+            self._slot_copies.append(slot_copy)
+            child.status = RequestStatus.RUNNING
+            child.num_pending = 1
+            self._forked.append(child)
+            forked.append(child.request_id)
+        return tuple(forked)
 
     def _preempt(self, req: Request) -> None:
         self.cache.free(req, retain_slot=True)
@@ -205,12 +262,6 @@ class Scheduler:
         self.num_preemptions += 1
         self._enqueue(req)
 
-    def _dependency_ready(self, req: Request) -> bool:
-        other = self.requests.get(req.wait_for) if req.wait_for else None
-        if other is None or other.status != RequestStatus.RUNNING:
-            return True
-        return other.num_registered >= len(other.prompt_token_ids) // self.config.block_size
-
     def _enqueue(self, req: Request) -> None:
         keys = [r.sort_key() for r in self.waiting]
         self.waiting.insert(bisect.bisect(keys, req.sort_key()), req)
@@ -219,18 +270,16 @@ class Scheduler:
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> StepUpdate:
         """Apply step ``out``'s sampled tokens. Tokens of requests finished meanwhile are dropped."""
         upd = StepUpdate()
-        for seq in out.seqs:
-            if not seq.sample:
-                continue
-            req = self.requests.get(seq.request_id)
+        for rid in (r for seq in out.seqs if seq.sample for r in (seq.request_id, *seq.fork_children)):
+            req = self.requests.get(rid)
             if req is None or req.status.finished:
                 continue  # finished or aborted while this step was in flight
-            token = result.sampled[seq.request_id]
+            token = result.sampled[rid]
             req.num_pending -= 1
             req.output_token_ids.append(token)
             upd.new_tokens[req.request_id] = token
-            if seq.request_id in result.logprobs:
-                upd.logprobs[req.request_id] = result.logprobs[seq.request_id]
+            if rid in result.logprobs:
+                upd.logprobs[rid] = result.logprobs[rid]
             status = None
             if token in req.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED

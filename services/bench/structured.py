@@ -20,7 +20,7 @@ from services.bench._structured_cases import SCHEMAS
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=64, help="tokens per completion (default 64)")
+    p.add_argument("--max-tokens", type=int, default=200, help="token cap per completion (default 200)")
     p.add_argument("--schemas", type=int, default=len(SCHEMAS), help="how many of the 30 schemas")
 
 

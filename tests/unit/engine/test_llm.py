@@ -155,6 +155,21 @@ def test_n_seeds_logprobs_priority_and_bad_requests(mixed):
         b = llm.generate(prompt_token_ids=[ids(12, 9)], sampling_params=sp)[0]
         assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]  # reproducible
         assert len({tuple(c.token_ids) for c in a.outputs}) > 1  # n distinct samples
+        # Forked children equal independent requests with the children's derived seeds.
+        from engine.sampling.params import derive_seed
+
+        alone = [
+            llm.generate(
+                prompt_token_ids=[ids(12, 9)],
+                sampling_params=SamplingParams(
+                    temperature=1.0, seed=derive_seed(5, f"child:{i}"), max_tokens=6, ignore_eos=True
+                ),
+            )[0]
+            .outputs[0]
+            .token_ids
+            for i in range(3)
+        ]
+        assert alone == [c.token_ids for c in a.outputs]
         lp = a.outputs[0].logprobs
         assert lp is not None and len(lp) == 6 and all(x is not None and len(x.top) == 3 for x in lp)
         with pytest.raises(ValueError, match="outside"):

@@ -9,7 +9,9 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_offline_example_runs_on_tiny_preset(checkpoint_factory, capsys):
-    spec = importlib.util.spec_from_file_location("offline_inference", ROOT / "examples" / "offline_inference.py")
+    spec = importlib.util.spec_from_file_location(
+        "offline_inference", ROOT / "examples" / "offline_inference.py"
+    )
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -49,6 +49,7 @@ class SimDevice:
     slots: dict[int, tuple[int, bytes]] = field(default_factory=dict)
     last_sampled: dict[str, int] = field(default_factory=dict)
     tokens_computed: int = 0
+    forked: int = 0  # slot copies applied (n > 1 forks)
 
     def _row(self, table: tuple[int, ...], pos: int) -> tuple[int, bytes]:
         bs = self.block_size
@@ -66,8 +67,20 @@ class SimDevice:
                 raise AssertionError(f"row at position {p} holds another prefix's state")
         return d
 
+    def _apply_copies(self, out: SchedulerOutput) -> None:
+        self.forked += len(out.slot_copies)
+        for src, dst in out.block_copies:
+            for off in range(self.block_size):
+                if (src, off) in self.rows:
+                    self.rows[(dst, off)] = self.rows[(src, off)]
+                else:
+                    self.rows.pop((dst, off), None)
+        for src, dst in out.slot_copies:
+            self.slots[dst] = self.slots[src]
+
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         sampled: dict[str, int] = {}
+        self._apply_copies(out)
         for seq in out.seqs:
             table = seq.block_table
             if seq.reset_slot:
@@ -96,6 +109,7 @@ class SimDevice:
             self.tokens_computed += seq.num_new
             if seq.sample:
                 t = next_token(d, self.vocab)
-                sampled[seq.request_id] = t
-                self.last_sampled[seq.request_id] = t
+                for rid in (seq.request_id, *seq.fork_children):
+                    sampled[rid] = t
+                    self.last_sampled[rid] = t
         return RunnerOutput(out.step, sampled)

@@ -181,3 +181,52 @@ def test_request_too_large_for_cache_is_rejected():
     sched = Scheduler(SchedulerConfig(num_blocks=2, num_swa_slots=1, block_size=4))
     with pytest.raises(ValueError, match="cache holds 8"):
         sched.add_request(Request("x", [1] * 6, 5))
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_n_forks_share_the_prompt_and_match_the_reference(async_scheduling):
+    cfg = SchedulerConfig(num_blocks=60, num_swa_slots=8, block_size=8, max_num_batched_tokens=16)
+    sched = Scheduler(cfg)
+    dev = SimDevice(8, VOCAB)
+    prompt = [3 + (i * 7) % 40 for i in range(37)]  # 4 full blocks + a partial one: copy needed
+    sched.add_request(Request("p", prompt, 6, frozenset()))
+    for i in (1, 2):
+        sched.add_request(Request(f"c{i}", prompt, 6, frozenset(), fork_of="p"))
+    loop = EngineLoop(sched, dev.execute, async_scheduling=async_scheduling)
+    outs = {}
+    while loop.has_work():
+        for r in loop.step().finished:
+            outs[r.request_id] = r.output_token_ids
+    loop.close()
+    want = reference(prompt, 6, VOCAB, frozenset())
+    assert outs == {"p": want, "c1": want, "c2": want}
+    assert dev.forked == 2
+    assert dev.tokens_computed == len(prompt) + 3 * 5  # the prompt once, then 5 decodes each
+    sched.cache.blocks.check_invariants()
+
+
+def test_fork_without_room_falls_back_to_an_independent_request():
+    cfg = SchedulerConfig(num_blocks=60, num_swa_slots=8, block_size=8, max_num_seqs=1)
+    sched = Scheduler(cfg)
+    dev = SimDevice(8, VOCAB)
+    prompt = list(range(1, 20))
+    sched.add_request(Request("p", prompt, 3, frozenset()))
+    sched.add_request(Request("c", prompt, 3, frozenset(), fork_of="p"))
+    loop = EngineLoop(sched, dev.execute)
+    outs = {}
+    while loop.has_work():
+        for r in loop.step().finished:
+            outs[r.request_id] = r.output_token_ids
+    assert outs["c"] == outs["p"] == reference(prompt, 3, VOCAB, frozenset())
+    assert dev.forked == 0
+
+
+def test_aborting_fork_children_and_parent_leaves_nothing_behind():
+    sched = Scheduler(SchedulerConfig(num_blocks=20, num_swa_slots=4, block_size=4))
+    sched.add_request(Request("p", [1, 2, 3, 4, 5], 3, frozenset()))
+    sched.add_request(Request("c1", [1, 2, 3, 4, 5], 3, frozenset(), fork_of="p"))
+    sched.add_request(Request("c2", [1, 2, 3, 4, 5], 3, frozenset(), fork_of="p"))
+    assert sched.abort("c1")
+    assert sched.abort("p")  # c2 was never forked: it becomes an ordinary waiting request
+    assert [r.request_id for r in sched.waiting] == ["c2"]
+    assert sched.abort("c2") and not sched.has_unfinished()
