@@ -217,7 +217,17 @@ class Generation:
             err = ApiError(503, str(exc), code="engine_unavailable")
         if self.prep.kind == "messages":
             return f"event: error\ndata: {json.dumps(anthropic_body(err))}\n\n".encode()
-        return f"data: {json.dumps(openai_body(err))}\n\n".encode()
+        body = openai_body(err)
+        if self.prep.kind == "responses":  # Responses streams carry a typed error event
+            inner = body["error"]
+            event = {
+                "type": "error",
+                "code": inner["code"],
+                "message": inner["message"],
+                "param": inner["param"],
+            }
+            return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
+        return f"data: {json.dumps(body)}\n\n".encode()
 
 
 def _patch_usage(node: object, generated: int, reasoning: int, depth: int = 0) -> None:
