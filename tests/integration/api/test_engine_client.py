@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -64,3 +65,39 @@ def test_abort_and_refusals(tiny_model):
             await client.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 120))
+
+
+def test_request_timeout_ends_streams_in_band_and_plain_requests_with_504(tiny_model):
+    import httpx
+
+    from services.api.app import create_app
+    from services.api.config import ApiConfig
+
+    client = InProcessEngineClient(tiny_model)
+    app = create_app(ApiConfig(request_timeout_s=1.0), client)
+    body = {
+        "model": "deepseek-chat", "messages": [{"role": "user", "content": "go"}], "max_tokens": 3000,
+        "response_format": {"type": "regex", "regex": "[a-z ]{2000}"},
+    }  # fmt: skip
+
+    async def scenario():
+        await client.start()
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
+                plain = await c.post("/v1/chat/completions", json=body)
+                streamed = await c.post("/v1/chat/completions", json={**body, "stream": True})
+            for _ in range(500):
+                if client.stats().running == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return plain, streamed, client.stats()
+        finally:
+            await client.close()
+
+    plain, streamed, stats = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert plain.status_code == 504 and plain.json()["error"]["param"] == "request_timeout_s"
+    events = [ln[6:] for ln in streamed.text.splitlines() if ln.startswith("data: ")]
+    assert streamed.status_code == 200 and len(events) > 2
+    assert json.loads(events[-1])["error"]["param"] == "request_timeout_s"  # in-band, last event
+    assert stats.running == 0 and stats.aborted_total == 2
