@@ -1,0 +1,132 @@
+"""The API server's view of an engine: an async client, whatever stands behind it.
+
+The same server fronts the in-process engine (``InProcessEngineClient``), and later the
+router with its disaggregated prefill/decode pools: each implements ``EngineClient``.
+The server never touches engine internals; it sends token ids and sampling settings and
+receives token ids, logprobs, a finish reason and usage.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, runtime_checkable
+
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+
+class EngineRequestError(ValueError):
+    """The engine refused the request as given (e.g. a grammar it cannot compile): a 400."""
+
+
+class EngineUnavailable(RuntimeError):
+    """The engine is not running or died: a 503."""
+
+
+@dataclass(frozen=True)
+class StructuredSpec:
+    """At most one output constraint: ``kind`` is json_schema, regex or grammar (Lark)."""
+
+    kind: Literal["json_schema", "regex", "grammar"]
+    source: str  # "" with kind json_schema means any JSON value
+
+
+@dataclass(frozen=True)
+class EngineRequest:
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+    top_logprobs: int | None = None  # None: no logprobs; 0: the sampled token's only
+    stop_token_ids: tuple[int, ...] = ()  # added to the model's EOS ids
+    structured: StructuredSpec | None = None
+    priority: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("EngineRequest: the prompt is empty")
+        if self.max_tokens < 1:
+            raise ValueError(f"EngineRequest: max_tokens must be >= 1, got {self.max_tokens}")
+
+
+# One sampled token's logprob and its top alternatives: (logprob, [(token_id, logprob), ...]).
+TokenLogprob = tuple[float, list[tuple[int, float]]]
+
+
+@dataclass(frozen=True)
+class EngineOutput:
+    """One incremental update of one request.
+
+    ``token_ids`` are the tokens new since the previous update (possibly none on the
+    final one); a terminating stop token (EOS or a ``stop_token_ids`` entry) is left
+    out, since it is not text, but it is counted in ``completion_tokens``. ``finish_reason`` is set exactly once, on the last update. Usage counts
+    are cumulative and always filled: ``prompt_tokens`` (as the engine counted them),
+    ``cached_tokens`` (prompt tokens served from the prefix cache, i.e. not recomputed),
+    ``completion_tokens`` (all tokens generated so far).
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None
+    finish_reason: FinishReason | None
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """Counters a test or the metrics endpoint can read. Block counts are KV-cache blocks."""
+
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    requests_total: int
+    aborted_total: int
+    finished_total: int
+    steps: int
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_id: str
+    context_limit: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    tokenizer_path: str
+
+
+@runtime_checkable
+class EngineClient(Protocol):
+    """Async access to an engine. All methods are safe to call from one event loop.
+
+    - ``generate`` submits the request and yields its ``EngineOutput``s in order; the last
+      one has ``finish_reason`` set. It raises ``EngineRequestError`` (before yielding
+      anything) when the engine refuses the request, and ``EngineUnavailable`` when the
+      engine is not running or dies mid-request. If the consumer stops iterating early
+      (``aclose``, cancellation: the client disconnected), the request is aborted in the
+      engine and its KV blocks are freed; callers need not call ``abort`` themselves.
+    - ``abort`` stops a request by id; idempotent, a no-op for unknown ids.
+    - ``ready`` probes the engine (it answers within ``timeout_s``); never raises.
+    - ``stats`` is a snapshot of counters; cheap, no engine round trip needed.
+    - ``model_info`` describes the served model; constant for the client's lifetime.
+    - ``start`` / ``close`` bracket the client's lifetime (the app's lifespan calls them).
+    """
+
+    async def start(self) -> None: ...
+
+    async def close(self) -> None: ...
+
+    def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]: ...
+
+    async def abort(self, request_id: str) -> None: ...
+
+    async def ready(self, timeout_s: float = 5.0) -> bool: ...
+
+    def stats(self) -> EngineStats: ...
+
+    def model_info(self) -> ModelInfo: ...

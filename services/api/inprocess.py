@@ -1,0 +1,341 @@
+"""``InProcessEngineClient``: Engine II's engine core on a background thread, bridged to asyncio.
+
+One thread owns the engine (scheduler, executor, step loop) and is the only code that
+touches it. The event loop talks to it through a FIFO command queue (add, abort, probe);
+the thread answers through ``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per
+request. Commands are applied between steps, in order, so an abort queued after an add
+always finds the request. Counters are published as an immutable snapshot after every
+step, so ``stats()`` never reads engine state across threads.
+
+Grammar compilation (which may take up to the compiler's time limit) runs on the caller's
+worker thread, not the engine thread: a slow schema delays only its own request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.api.engine_client import (
+    EngineOutput,
+    EngineRequest,
+    EngineRequestError,
+    EngineStats,
+    EngineUnavailable,
+    ModelInfo,
+)
+
+log = logging.getLogger(__name__)
+_IDLE_WAIT_S = 0.05
+
+
+@dataclass
+class _Live:
+    """Engine-thread bookkeeping of one request."""
+
+    request: EngineRequest
+    sink: asyncio.Queue[EngineOutput | BaseException]
+    sent_tokens: int = 0
+
+
+@dataclass
+class _Counters:
+    requests_total: int = 0
+    aborted_total: int = 0
+    finished_total: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class InProcessEngineClient:
+    """Serve ``model_dir`` with ``engine.llm.LLM(model_dir, **engine_kwargs)`` in this process."""
+
+    def __init__(self, model_dir: str | Path, **engine_kwargs: Any) -> None:
+        self.model_dir = Path(model_dir)
+        self.engine_kwargs = dict(engine_kwargs)
+        self._info = _read_model_info(self.model_dir, self.engine_kwargs)
+        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._llm: Any = None
+        self._grammar_lock = threading.Lock()
+        self._dead: BaseException | None = None
+        self._counters = _Counters()
+        self._stats = EngineStats(0, 0, 0, 0, 0, 0, 0, 0)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._thread is not None:
+            return
+        from engine.llm import LLM
+
+        self._loop = asyncio.get_running_loop()
+        self._llm = await asyncio.to_thread(LLM, str(self.model_dir), **self.engine_kwargs)
+        self._publish_stats()
+        self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
+        self._thread.start()
+
+    async def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join, 30.0)
+            self._thread = None
+        if self._llm is not None:
+            self._llm.close()
+            self._llm = None
+
+    # -- EngineClient ----------------------------------------------------------------------
+    def model_info(self) -> ModelInfo:
+        return self._info
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def ready(self, timeout_s: float = 5.0) -> bool:
+        if self._thread is None or self._dead is not None or self._loop is None:
+            return False
+        fut: asyncio.Future[bool] = self._loop.create_future()
+        self._send("probe", fut)
+        try:
+            return bool(await asyncio.wait_for(fut, timeout_s))
+        except (TimeoutError, EngineUnavailable):
+            return False
+
+    async def abort(self, request_id: str) -> None:
+        self._send("abort", request_id)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if self._dead is not None or self._thread is None or self._loop is None:
+            raise EngineUnavailable(f"engine is not running: {self._dead or 'not started'}")
+        grammar = await asyncio.to_thread(self._grammar_state, request)
+        sink: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
+        added: asyncio.Future[None] = self._loop.create_future()
+        finished = False
+        try:
+            self._send("add", (request, grammar, sink, added))
+            if self._dead is not None and not added.done():  # the thread stopped before reading it
+                added.set_exception(EngineUnavailable(f"engine is not running: {self._dead}"))
+            await added  # raises EngineRequestError if the scheduler refuses it
+            while True:
+                item = await sink.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finish_reason is not None
+                yield item
+                if finished:
+                    return
+        finally:
+            if not finished:  # consumer gone (disconnect, stop sequence) or error: free the blocks
+                self._send("abort", request.request_id)
+
+    # -- caller side -----------------------------------------------------------------------
+    def _send(self, kind: str, payload: Any) -> None:
+        self._commands.put((kind, payload))
+        self._wake.set()
+
+    def _grammar_state(self, request: EngineRequest) -> Any:
+        params = self._sampling_params(request)
+        if params.structured is None:
+            return None
+        from engine.structured.grammar import GrammarError
+
+        try:
+            with self._grammar_lock:
+                return self._llm._grammar_state(params)
+        except GrammarError as exc:
+            raise EngineRequestError(str(exc)) from None
+
+    @staticmethod
+    def _sampling_params(request: EngineRequest) -> Any:
+        from engine.sampling.params import SamplingParams, StructuredOutput
+
+        structured = None
+        if request.structured is not None:
+            structured = StructuredOutput(**{request.structured.kind: request.structured.source})
+        try:
+            return SamplingParams(
+                max_tokens=request.max_tokens,
+                temperature=request.temperature,
+                top_p=request.top_p,
+                seed=request.seed,
+                logprobs=request.top_logprobs,
+                stop_token_ids=request.stop_token_ids,
+                structured=structured,
+            )
+        except ValueError as exc:
+            raise EngineRequestError(str(exc)) from None
+
+    # -- engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        live: dict[str, _Live] = {}
+        try:
+            while not self._stop.is_set():
+                self._drain(live)
+                if not self._llm.loop.has_work():
+                    self._wake.wait(_IDLE_WAIT_S)
+                    self._wake.clear()
+                    continue
+                self._apply(self._llm.loop.step(), live)
+                self._publish_stats()
+            err = EngineUnavailable("engine stopped")
+            self._dead = err
+        except BaseException as exc:  # the engine died: fail everything, refuse what follows
+            log.exception("engine thread died")
+            self._dead = exc
+            err = EngineUnavailable(f"engine failed: {exc!r}")
+        for item in live.values():  # in-flight requests end now, not at their timeout
+            self._deliver(item.sink, err)
+        self._fail_pending(err)
+
+    def _drain(self, live: dict[str, _Live]) -> None:
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._add(live, *payload)
+            elif kind == "abort":
+                # Scheduler side only: a step already in flight on the executor thread may still
+                # read this request's sampling state; the executor drops it itself when the
+                # next step lists the request among ``finished_ids``.
+                if self._llm.scheduler.abort(payload):
+                    self._counters.aborted_total += 1
+                live.pop(payload, None)
+                self._publish_stats()
+            elif kind == "probe":
+                self._resolve(payload, True)
+
+    def _add(
+        self, live: dict[str, _Live], request: EngineRequest, grammar: Any, sink: Any, added: Any
+    ) -> None:
+        from engine.executor import SamplingState
+        from engine.scheduler.request import Request
+
+        llm = self._llm
+        rid = request.request_id
+        stop_ids = frozenset(request.stop_token_ids) | {llm.eos_token_id}
+        try:
+            params = self._sampling_params(request)
+            seed = request.seed if request.seed is not None else _seed_for(rid)
+            llm.scheduler.add_request(
+                Request(rid, list(request.prompt_token_ids), request.max_tokens, stop_ids,
+                        priority=request.priority, extra_keys=llm._extra)
+            )  # fmt: skip
+        except ValueError as exc:
+            self._resolve(added, EngineRequestError(str(exc)))
+            return
+        llm.executor.add(
+            rid, SamplingState(params, seed, list(request.prompt_token_ids), stop_ids, grammar=grammar)
+        )
+        live[rid] = _Live(request, sink)
+        self._counters.requests_total += 1
+        self._resolve(added, None)
+
+    def _apply(self, upd: Any, live: dict[str, _Live]) -> None:
+        finished = {req.request_id: req for req in upd.finished}
+        for rid in set(upd.new_tokens) | set(finished):
+            item = live.get(rid)
+            if item is None:
+                continue
+            req = finished.get(rid) or self._llm.scheduler.requests.get(rid)
+            if req is None:
+                continue
+            new = list(req.output_token_ids[item.sent_tokens :])
+            item.sent_tokens += len(new)
+            reason = req.status.value if rid in finished else None
+            if reason == "stop" and new and new[-1] in req.stop_token_ids:
+                new.pop()  # the terminating EOS/stop token is counted, not sent as text
+            lps = None
+            if item.request.top_logprobs is not None and rid in upd.logprobs and len(new) == 1:
+                tl = upd.logprobs[rid]
+                lps = ((float(tl.logprob), [(int(t), float(lp)) for t, lp in tl.top]),)
+            out = EngineOutput(
+                rid, tuple(new), lps, reason, len(req.prompt_token_ids), max(req.num_cached_tokens, 0),
+                len(req.output_token_ids),
+            )  # fmt: skip
+            self._deliver(item.sink, out)
+            if reason is not None:
+                live.pop(rid, None)
+                self._counters.finished_total += 1
+
+    def _deliver(self, sink: asyncio.Queue[Any], item: Any) -> None:
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is listening
+            self._loop.call_soon_threadsafe(sink.put_nowait, item)
+
+    def _resolve(self, fut: asyncio.Future[Any], value: Any) -> None:
+        def settle() -> None:
+            if fut.done():
+                return
+            if isinstance(value, BaseException):
+                fut.set_exception(value)
+            else:
+                fut.set_result(value)
+
+        assert self._loop is not None
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(settle)
+
+    def _fail_pending(self, err: BaseException) -> None:
+        while True:
+            try:
+                kind, payload = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if kind == "add":
+                self._resolve(payload[3], err)
+            elif kind == "probe":
+                self._resolve(payload, False)
+
+    def _publish_stats(self) -> None:
+        llm = self._llm
+        sched = llm.scheduler
+        blocks = sched.cache.blocks
+        c = self._counters
+        self._stats = EngineStats(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            free_blocks=blocks.num_available,
+            total_blocks=blocks.num_blocks,
+            requests_total=c.requests_total,
+            aborted_total=c.aborted_total,
+            finished_total=c.finished_total,
+            steps=llm.loop.steps,
+            extra={
+                "free_swa_slots": float(sched.cache.slots.num_available),
+                "total_swa_slots": float(sched.cache.slots.num_slots),
+                "retained_swa_slots": float(sched.cache.slots.num_retained),
+                "preemptions": float(sched.num_preemptions),
+            },
+        )
+
+
+def _seed_for(request_id: str) -> int:
+    import hashlib
+
+    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little") & (2**63 - 1)
+
+
+def _read_model_info(model_dir: Path, engine_kwargs: dict[str, Any]) -> ModelInfo:
+    config_path = model_dir / "config.json"
+    tokenizer = model_dir / "tokenizer.json"
+    if not config_path.is_file() or not tokenizer.is_file():
+        raise ValueError(f"{model_dir} is not a checkpoint directory (needs config.json and tokenizer.json)")
+    cfg = json.loads(config_path.read_text())
+    context = int(cfg.get("max_position_embeddings", 4096))
+    num_blocks = int(engine_kwargs.get("num_blocks", 256))
+    context = min(context, num_blocks * 256)
+    eos = cfg.get("eos_token_id", 1)
+    eos_ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return ModelInfo(model_dir.resolve().name, context, int(cfg["vocab_size"]), eos_ids, str(tokenizer))

@@ -1,0 +1,249 @@
+"""Engine outputs -> recipe's StreamProcessor -> SSE events or one accumulated response.
+
+Every response body, streamed or not, is produced by deepseek-recipe: engine token ids
+and logprobs go in as ``InferenceChunk``s, protocol chunks come out (reasoning content,
+tool calls, JSON output, stop sequences, usage with ``prompt_cache_hit_tokens``).
+Non-streaming responses feed the same chunks to recipe's response accumulators.
+
+When the processor finishes on its own (a stop sequence matched) or the consumer goes
+away (client disconnect cancels the task), the engine generator is closed, which aborts
+the request in the engine and frees its blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from contextlib import aclosing
+from dataclasses import dataclass
+
+import deepseek_recipe as dr
+
+from services.api.completions import completion_json
+from services.api.convert import RESPONSE_TYPES, Prepared
+from services.api.engine_client import EngineClient, EngineOutput, EngineRequestError, EngineUnavailable
+from services.api.errors import ApiError, anthropic_body, openai_body
+from services.api.metrics import ApiMetrics
+
+log = logging.getLogger(__name__)
+_FINISH = {"stop": dr.InferenceFinishReason.Stop, "length": dr.InferenceFinishReason.Length}
+
+
+@dataclass
+class Usage:
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    reasoning_tokens: int = 0
+    first_token_at: float | None = None
+
+
+class Generation:
+    """One request's run through the engine and recipe's processor."""
+
+    def __init__(
+        self,
+        prep: Prepared,
+        engine: EngineClient,
+        tokenizer: dr.Tokenizer,
+        metrics: ApiMetrics,
+        endpoint: str,
+        timeout_s: float,
+    ) -> None:
+        self.prep = prep
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.metrics = metrics
+        self.endpoint = endpoint
+        self.usage = Usage()
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout_s
+        self._reasoning_end = prep.reasoning_end_id
+        self._stream: AsyncGenerator[tuple[EngineOutput, list], None] | None = None
+        self._first: list = []
+        self.created = int(time.time())
+
+    async def events(self) -> AsyncGenerator[tuple[EngineOutput, list], None]:
+        """(engine output, the protocol chunks it produced), until the processor finishes."""
+        sp = dr.StreamProcessor(self.prep.make_generator(), self.prep.parsing_options, self.tokenizer)
+        want_lp = self.prep.engine_request.top_logprobs is not None
+        ready = False
+        try:
+            outs_gen: AsyncGenerator[EngineOutput, None] = self.engine.generate(self.prep.engine_request)  # type: ignore[assignment]
+            async with aclosing(outs_gen) as outs:
+                while True:
+                    out = await self._next(outs)
+                    if out is None:
+                        break
+                    chunks = []
+                    if not ready:
+                        usage = dr.PromptUsage(
+                            prompt_tokens=out.prompt_tokens, prompt_cache_hit_tokens=out.cached_tokens
+                        )
+                        chunks += sp.push(dr.InferenceChunk.ready(prompt_usage=usage))
+                        ready = True
+                    self._account(out)
+                    if out.token_ids:
+                        lps = (
+                            [(lp, list(top)) for lp, top in out.logprobs]
+                            if want_lp and out.logprobs
+                            else None
+                        )
+                        chunks += sp.push(dr.InferenceChunk.tokens(list(out.token_ids), lps))
+                    if not sp.finished and out.finish_reason is not None:
+                        if out.finish_reason not in _FINISH:
+                            raise EngineUnavailable(f"the engine ended the request ({out.finish_reason})")
+                        chunks += sp.push(dr.InferenceChunk.finish(_FINISH[out.finish_reason]))
+                        chunks += sp.finish()
+                    yield out, chunks
+                    if sp.finished:  # a stop sequence matched, or the engine finished
+                        return
+            raise EngineUnavailable("the engine stopped the stream without a finish reason")
+        finally:
+            if not sp.finished:
+                sp.close()
+            self._record()
+
+    async def _next(self, outs: AsyncIterator[EngineOutput]) -> EngineOutput | None:
+        left = self.deadline - time.monotonic()
+        try:
+            return await asyncio.wait_for(anext(outs), max(left, 0.001))
+        except StopAsyncIteration:
+            return None
+        except TimeoutError:
+            raise ApiError(
+                504, "generation exceeded the server's time limit", param="request_timeout_s"
+            ) from None
+
+    def _account(self, out: EngineOutput) -> None:
+        u = self.usage
+        u.prompt_tokens, u.cached_tokens, u.completion_tokens = (
+            out.prompt_tokens,
+            out.cached_tokens,
+            out.completion_tokens,
+        )
+        for token in out.token_ids if self._reasoning_end is not None else ():
+            if token == self._reasoning_end:
+                self._reasoning_end = None
+                break
+            u.reasoning_tokens += 1
+        if out.token_ids and u.first_token_at is None:
+            u.first_token_at = time.monotonic()
+            self.metrics.ttft.labels(endpoint=self.endpoint).observe(u.first_token_at - self.started)
+
+    def _record(self) -> None:
+        m, u = self.metrics, self.usage
+        m.prompt_tokens.inc(u.prompt_tokens)
+        m.cached_tokens.inc(u.cached_tokens)
+        m.completion_tokens.inc(u.completion_tokens)
+
+    async def full_json(self) -> str:
+        """The whole non-streaming response body, accumulated by recipe."""
+        rtype = RESPONSE_TYPES[self.prep.kind]
+        resp = None
+        async for out, chunks in self.events():
+            if resp is None:
+                resp = rtype(
+                    self.prep.request_id, self.prep.model, self.created, out.prompt_tokens, out.cached_tokens
+                )
+            for chunk in chunks:
+                resp.accumulate(chunk)
+        if resp is None:
+            raise EngineUnavailable("the engine returned no output")
+        text = self._fix_usage(resp.to_json())
+        return completion_json(text, chunk=False) if self.prep.kind == "completions" else text
+
+    def _fix_usage(self, text: str) -> str:
+        """Set the output token count to the engine's.
+
+        recipe counts output tokens by the text they decode to, so byte-fallback tokens of
+        an incomplete UTF-8 sequence held back at the end (common with random weights,
+        possible with real ones at max_tokens) go uncounted; the client is billed for what
+        the engine generated.
+        """
+        if '"usage"' not in text:
+            return text
+        obj = json.loads(text)
+        _patch_usage(obj, self.usage.completion_tokens, self.usage.reasoning_tokens)
+        return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
+
+    async def prime(self) -> None:
+        """Start the stream and wait for its first output, so engine refusals raise here."""
+        stream = self._stream = self.events()
+        _, self._first = await anext(stream)
+
+    async def sse(self) -> AsyncIterator[bytes]:
+        """The streaming body (after ``prime``): recipe's chunks as SSE; an error mid-stream
+        becomes an error event."""
+        if self._stream is None:
+            raise RuntimeError("Generation.sse() needs prime() first")
+        rtype = RESPONSE_TYPES[self.prep.kind]
+        try:
+            for chunk in self._first:
+                yield self._format(rtype, chunk)
+            async for _, chunks in self._stream:
+                for chunk in chunks:
+                    yield self._format(rtype, chunk)
+        except (EngineUnavailable, EngineRequestError, ApiError) as exc:
+            yield self._error_event(exc)
+            return
+        except Exception:  # a bug or a recipe stream error: say so in-band, keep details in the log
+            log.exception("stream %s failed", self.prep.request_id)
+            yield self._error_event(ApiError(500, "internal error while streaming", code="internal_error"))
+            return
+        finally:
+            await self._stream.aclose()  # the consumer left mid-stream: abort the engine request
+            self.metrics.latency.labels(endpoint=self.endpoint).observe(time.monotonic() - self.started)
+        done = rtype.sse_done_data()
+        if done is not None:
+            yield f"data: {done}\n\n".encode()
+
+    def _format(self, rtype: type, chunk: object) -> bytes:
+        data = self._fix_usage(chunk.to_json())  # type: ignore[attr-defined]
+        if self.prep.kind == "completions":
+            data = completion_json(data, chunk=True)
+        name = rtype.sse_event_name(chunk)  # type: ignore[attr-defined]
+        return (f"event: {name}\ndata: {data}\n\n" if name else f"data: {data}\n\n").encode()
+
+    def _error_event(self, exc: Exception) -> bytes:
+        if isinstance(exc, ApiError):
+            err = exc
+        elif isinstance(exc, EngineRequestError):
+            err = ApiError(400, str(exc))
+        else:
+            err = ApiError(503, str(exc), code="engine_unavailable")
+        if self.prep.kind == "messages":
+            return f"event: error\ndata: {json.dumps(anthropic_body(err))}\n\n".encode()
+        body = openai_body(err)
+        if self.prep.kind == "responses":  # Responses streams carry a typed error event
+            inner = body["error"]
+            event = {
+                "type": "error",
+                "code": inner["code"],
+                "message": inner["message"],
+                "param": inner["param"],
+            }
+            return f"event: error\ndata: {json.dumps(event)}\n\n".encode()
+        return f"data: {json.dumps(body)}\n\n".encode()
+
+
+def _patch_usage(node: object, generated: int, reasoning: int, depth: int = 0) -> None:
+    """Every ``usage`` object below ``node``: output and reasoning counts := the engine's."""
+    if depth > 4 or not isinstance(node, dict):
+        return
+    usage = node.get("usage")
+    if isinstance(usage, dict):
+        for out_key, in_key in (("completion_tokens", "prompt_tokens"), ("output_tokens", "input_tokens")):
+            if out_key in usage:
+                usage[out_key] = generated
+                if "total_tokens" in usage and in_key in usage:
+                    usage["total_tokens"] = usage[in_key] + generated
+        for details in ("completion_tokens_details", "output_tokens_details"):
+            if isinstance(usage.get(details), dict) and "reasoning_tokens" in usage[details]:
+                usage[details]["reasoning_tokens"] = reasoning
+    for value in node.values():
+        if isinstance(value, dict):
+            _patch_usage(value, generated, reasoning, depth + 1)

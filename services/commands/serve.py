@@ -1,0 +1,100 @@
+"""``sluice serve``: the OpenAI- and Anthropic-compatible API server.
+
+Default (embedded): an in-process engine on the tiny checkpoint, generated under
+``$SLUICE_HOME/checkpoints/tiny`` on first use. ``--model DIR`` serves another checkpoint;
+``--config cluster.yaml`` takes host, port, admission limits and model from the cluster
+spec (only ``mode: embedded`` is served here so far). Flags beat the file, the file beats
+``SLUICE_HOST`` / ``SLUICE_PORT``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("sluice.serve")
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="serve the OpenAI/Anthropic-compatible HTTP API")
+    p.add_argument("--host", default=None, help="bind address (default 127.0.0.1, or SLUICE_HOST)")
+    p.add_argument("--port", type=int, default=None, help="port (default 8000, or SLUICE_PORT)")
+    p.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: generated tiny)")
+    p.add_argument("--config", type=Path, default=None, help="cluster.yaml")
+    p.add_argument(
+        "--max-concurrency", type=int, default=None, help="requests generating at once (default 8)"
+    )
+    p.add_argument("--max-queue", type=int, default=None, help="requests waiting for a slot (default 16)")
+    p.add_argument(
+        "--allow-image-host",
+        action="append",
+        default=[],
+        metavar="HOST",
+        help="enable remote image URLs from this host name (repeatable; private addresses stay refused)",
+    )
+    p.set_defaults(func=run)
+
+
+def default_model_dir() -> Path:
+    """The tiny checkpoint under SLUICE_HOME, generated the first time it is needed."""
+    from services import envs
+
+    configured = envs.MODEL_DIR.get()
+    if configured is not None:
+        return configured
+    path = envs.HOME.get() / "checkpoints" / "tiny"
+    if not (path / "config.json").is_file():
+        from engine.checkpoint.generate import generate_checkpoint
+
+        log.info("generating the tiny checkpoint in %s (first use)", path)
+        generate_checkpoint("tiny", path, seed=0)
+    return path
+
+
+def api_config_from(args: argparse.Namespace) -> tuple[object, str, int, Path]:
+    from services import envs
+    from services.api.config import ApiConfig
+
+    host, port, model = envs.HOST.get(), envs.PORT.get(), args.model
+    overrides: dict[str, Any] = {}
+    if args.config is not None:
+        from services.cluster_config import load_cluster_spec
+
+        spec = load_cluster_spec(args.config)
+        if spec.mode != "embedded":
+            raise ValueError(
+                f"{args.config}: mode {spec.mode!r} is not served by `sluice serve` yet; use embedded"
+            )
+        host, port = spec.api.host, spec.api.port
+        overrides.update(max_concurrency=spec.api.max_concurrency, max_queue=spec.api.max_queue)
+        if model is None and spec.model:
+            model = Path(spec.model)
+    host = args.host or host
+    port = args.port if args.port is not None else port
+    for name in ("max_concurrency", "max_queue"):
+        if getattr(args, name) is not None:
+            overrides[name] = getattr(args, name)
+    if args.allow_image_host:
+        overrides.update(allow_remote_images=True, image_url_allow_hosts=tuple(args.allow_image_host))
+    keys = envs.API_KEYS.get()
+    cfg = ApiConfig(host=host, port=port, api_keys=keys, api_keys_file=envs.API_KEYS_FILE.get(), **overrides)
+    return cfg, host, port, model or default_model_dir()
+
+
+def run(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from services.api.app import create_app
+    from services.api.inprocess import InProcessEngineClient
+    from services.api.server import uvicorn_config
+
+    cfg, host, port, model = api_config_from(args)
+    engine = InProcessEngineClient(model)
+    app = create_app(cfg, engine)  # type: ignore[arg-type]
+    if host not in ("127.0.0.1", "::1", "localhost") and not app.state.sluice.config.api_keys:
+        log.warning("serving on %s without API keys: set SLUICE_API_KEYS or SLUICE_API_KEYS_FILE", host)
+    log.info("serving %s on http://%s:%d", model, host, port)
+    uvicorn.Server(uvicorn_config(app, cfg, host, port)).run()  # type: ignore[arg-type]
+    return 0

@@ -1,0 +1,103 @@
+"""``InProcessEngineClient`` on the real engine, without HTTP: stop, abort and refusal paths."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from services.api.engine_client import EngineRequest, EngineRequestError, EngineUnavailable, StructuredSpec
+from services.api.inprocess import InProcessEngineClient
+
+pytestmark = pytest.mark.integration
+
+NEVER_ENDS = StructuredSpec("regex", "[a-z ]{2000}")  # EOS is masked until 2000 characters
+
+
+def test_closing_the_engine_ends_in_flight_requests_and_refuses_new_ones(tiny_model):
+    async def scenario():
+        client = InProcessEngineClient(tiny_model)
+        await client.start()
+        assert await client.ready()
+        gen = client.generate(EngineRequest("long", (0, 5, 6, 7), 3000, structured=NEVER_ENDS))
+        first = await anext(gen)
+        assert first.token_ids and first.prompt_tokens == 4
+        close = asyncio.create_task(client.close())
+        with pytest.raises(EngineUnavailable):
+            async for _ in gen:  # ends within the close, not after 3000 tokens
+                pass
+        await asyncio.wait_for(close, 30)
+        assert not await client.ready()
+        with pytest.raises(EngineUnavailable):
+            await anext(client.generate(EngineRequest("late", (0, 5), 4)))
+
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+
+
+def test_abort_and_refusals(tiny_model):
+    async def scenario():
+        client = InProcessEngineClient(tiny_model)
+        await client.start()
+        try:
+            total = client.stats().total_blocks
+            gen = client.generate(EngineRequest("a", (0, 5, 6, 7), 3000, structured=NEVER_ENDS))
+            await anext(gen)
+            await client.abort("a")
+            await client.abort("a")  # idempotent
+            await client.abort("unknown")
+            for _ in range(500):
+                s = client.stats()
+                if s.running == 0 and s.aborted_total == 1:
+                    break
+                await asyncio.sleep(0.01)
+            assert client.stats().running == 0 and client.stats().aborted_total == 1
+            await gen.aclose()
+            with pytest.raises(EngineRequestError):  # the scheduler cannot hold it
+                await anext(client.generate(EngineRequest("big", (0,) * 10, total * 256)))
+            with pytest.raises(EngineRequestError):  # the grammar compiler refuses it
+                await anext(
+                    client.generate(EngineRequest("g", (0, 5), 4, structured=StructuredSpec("regex", "[a-")))
+                )
+            outs = [o async for o in client.generate(EngineRequest("ok", (0, 5, 6), 3, seed=1))]
+            assert outs[-1].finish_reason in ("length", "stop") and outs[-1].completion_tokens <= 3
+        finally:
+            await client.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 120))
+
+
+def test_request_timeout_ends_streams_in_band_and_plain_requests_with_504(tiny_model):
+    import httpx
+
+    from services.api.app import create_app
+    from services.api.config import ApiConfig
+
+    client = InProcessEngineClient(tiny_model)
+    app = create_app(ApiConfig(request_timeout_s=1.0), client)
+    body = {
+        "model": "deepseek-chat", "messages": [{"role": "user", "content": "go"}], "max_tokens": 3000,
+        "response_format": {"type": "regex", "regex": "[a-z ]{2000}"},
+    }  # fmt: skip
+
+    async def scenario():
+        await client.start()
+        try:
+            transport = httpx.ASGITransport(app=app)
+            async with httpx.AsyncClient(transport=transport, base_url="http://t", timeout=60) as c:
+                plain = await c.post("/v1/chat/completions", json=body)
+                streamed = await c.post("/v1/chat/completions", json={**body, "stream": True})
+            for _ in range(500):
+                if client.stats().running == 0:
+                    break
+                await asyncio.sleep(0.01)
+            return plain, streamed, client.stats()
+        finally:
+            await client.close()
+
+    plain, streamed, stats = asyncio.run(asyncio.wait_for(scenario(), 120))
+    assert plain.status_code == 504 and plain.json()["error"]["param"] == "request_timeout_s"
+    events = [ln[6:] for ln in streamed.text.splitlines() if ln.startswith("data: ")]
+    assert streamed.status_code == 200 and len(events) > 2
+    assert json.loads(events[-1])["error"]["param"] == "request_timeout_s"  # in-band, last event
+    assert stats.running == 0 and stats.aborted_total == 2

@@ -1,0 +1,67 @@
+"""``sluice serve`` as a user runs it: a subprocess on a free loopback port, then curl-like calls."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from services.procs import free_port
+
+pytestmark = pytest.mark.integration
+
+
+def test_sluice_serve_starts_answers_and_stops(tiny_model, tmp_path):
+    port = free_port()
+    env = {
+        **os.environ,
+        "SLUICE_HOME": str(tmp_path),
+        "SLUICE_API_KEYS": "sk-serve-test",
+        "SLUICE_LOG_LEVEL": "WARNING",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "services.cli", "serve", "--port", str(port), "--model", str(tiny_model)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    )  # fmt: skip
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()[-2000:] if proc.stdout else ""
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "sluice serve did not come up in 90s"
+            time.sleep(0.1)
+        headers = {"authorization": "Bearer sk-serve-test"}
+        body = {"model": "deepseek-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+        assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 401
+        r = httpx.post(f"{url}/v1/chat/completions", json=body, headers=headers, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
+        assert httpx.get(f"{url}/ready", headers=headers, timeout=10).status_code == 200
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+    assert proc.returncode in (0, -15)
+
+
+@pytest.mark.slow
+def test_default_model_is_generated_on_first_use(tmp_path, monkeypatch):
+    from services.commands.serve import default_model_dir
+
+    monkeypatch.setenv("SLUICE_HOME", str(tmp_path))
+    monkeypatch.delenv("SLUICE_MODEL_DIR", raising=False)
+    path = default_model_dir()
+    assert path == tmp_path / "checkpoints" / "tiny" and (path / "tokenizer.json").is_file()
+    mtime = (path / "config.json").stat().st_mtime
+    assert default_model_dir() == path and (path / "config.json").stat().st_mtime == mtime  # not regenerated
