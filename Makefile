@@ -9,9 +9,16 @@ PYTEST_ARGS ?=
 TEST_MARKERS ?= not slow and not gpu
 # The pure cores (CONVENTIONS 1) are type-checked.
 MYPY_TARGETS ?= router kvstore services/envs.py services/cluster_config.py services/bench/__init__.py \
-	engine/eplb.py services/eplb_controller.py services/eplb_rank.py
+	engine/eplb.py services/eplb_controller.py services/eplb_rank.py services/api \
+	engine/scheduler engine/loop.py engine/executor.py engine/llm.py engine/sampling engine/structured
 
 .PHONY: install proto test test-slow test-gpu lint run clean redis-server
+
+# `make run`: the OpenAI/Anthropic-compatible API on the generated tiny checkpoint.
+SLUICE_HOME ?= var
+TINY := $(SLUICE_HOME)/checkpoints/tiny
+HOST ?= 127.0.0.1
+PORT ?= 8000
 
 install: $(STAMP) redis-server
 
@@ -56,6 +63,13 @@ test-slow: install
 
 test-gpu: install
 	$(call run_pytest,-m gpu tests/gpu)
+
+run: install
+	@test -f $(TINY)/config.json || $(PY) -m services.cli gen-checkpoint --preset tiny --out $(TINY)
+	@echo "Sluice API on http://$(HOST):$(PORT). Try:"
+	@echo "  curl -s http://$(HOST):$(PORT)/v1/chat/completions -H 'content-type: application/json' \\"
+	@echo "    -d '{\"model\":\"deepseek-chat\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}],\"max_tokens\":32}'"
+	SLUICE_HOME=$(SLUICE_HOME) exec $(PY) -m services.cli serve --host $(HOST) --port $(PORT) --model $(TINY)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache var
