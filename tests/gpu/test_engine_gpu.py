@@ -56,7 +56,7 @@ def test_cuda_keeps_fp4_fp8_weights_quantised(tmp_path) -> None:
     path = generate_checkpoint(
         "tiny", tmp_path / "q", quant="fp4", hidden_size=128, moe_intermediate_size=64
     ).path
-    ids = list(range(3, 200))
+    ids = list(range(3, 201))  # 198 tokens: two prefill chunks, then one decode step
     chunks = [150, 47, 1]
     cpu = _chunked(ModelRunner(path, RunnerConfig(num_blocks=2, num_slots=1)), ids, chunks)
     cfg = RunnerConfig(num_blocks=2, num_slots=1, device="cuda", keep_quantized=True)
