@@ -1,0 +1,209 @@
+"""The store client: prefix-cache semantics over erasure-coded objects on storage nodes.
+
+``put_blocks(hashes, payloads, cls)`` stores one object per block; ``get_prefix(hashes)``
+returns the payloads of the longest contiguous cached run from the first block; ``touch``
+refreshes LRU and TTL; ``delete`` removes blocks. Placement is rendezvous hashing of the
+block hash over the node ids, so every client agrees on a block's group of k+m nodes.
+
+Write protocol (whole or absent): encode with a fresh object id, put all k+m shards in
+parallel (each node writes atomically), and only if at least ``min_write_shards`` are
+durable commit the directory entry; until that commit no reader can find the object. A
+short write deletes what it wrote and raises ``WriteFailed``. Readers decode only shards
+whose header carries the committed object id. No gRPC here: nodes are reached through
+``kvstore.transport.ShardTransport``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+from kvstore.codec import Codec, CodecConfig, new_object_id
+from kvstore.directory import BlockMeta, Directory, InMemoryDirectory
+from kvstore.fanout import ObjectLost, ObjectUnavailable, StoreError, WriteFailed, read_object, write_object
+from kvstore.placement import NodeAddress, place
+from kvstore.repair import RepairWorker
+from kvstore.retention import DEFAULT_TTL_S
+from kvstore.shardfmt import class_code
+from kvstore.transport import NodeError, Progress, ShardTransport
+
+log = logging.getLogger(__name__)
+__all__ = ["StoreClient", "StoreClientConfig", "StoreError", "WriteFailed", "ObjectUnavailable", "ObjectLost"]
+
+
+@dataclass(frozen=True)
+class StoreClientConfig:
+    nodes: tuple[NodeAddress, ...]
+    codec: CodecConfig = field(default_factory=CodecConfig)
+    ttl_s: Mapping[str, float] = field(default_factory=lambda: DEFAULT_TTL_S)
+    min_write_shards: int | None = None  # None means k+1
+    write_timeout_s: float = 10.0
+    read_timeout_s: float = 2.0
+    admin_timeout_s: float = 2.0
+    chunk_bytes: int = 1 << 20
+    shard_threads: int = 48
+    object_parallelism: int = 4
+    background_repair: bool = True
+
+    def __post_init__(self) -> None:
+        n = self.codec.n
+        if len({nd.node_id for nd in self.nodes}) != len(self.nodes):
+            raise ValueError("node ids must be unique")
+        if len(self.nodes) < n:
+            raise ValueError(f"{self.codec.k}+{self.codec.m} needs at least {n} nodes, got {len(self.nodes)}")
+        if not self.codec.k <= self.write_quorum <= n:
+            raise ValueError(f"min_write_shards must be within [k, k+m] = [{self.codec.k}, {n}]")
+        if min(self.write_timeout_s, self.read_timeout_s, self.admin_timeout_s) <= 0:
+            raise ValueError("timeouts must be positive seconds")
+        if self.shard_threads < n or self.object_parallelism < 1:
+            raise ValueError(f"shard_threads must be >= k+m ({n}) and object_parallelism >= 1")
+
+    @property
+    def write_quorum(self) -> int:
+        return self.codec.k + 1 if self.min_write_shards is None else self.min_write_shards
+
+
+TransportFactory = Callable[[NodeAddress, int], ShardTransport]
+
+
+def _grpc_transport(node: NodeAddress, chunk_bytes: int) -> ShardTransport:
+    from kvstore.transport import GrpcShardTransport
+
+    return GrpcShardTransport(node, chunk_bytes)
+
+
+class StoreClient:
+    def __init__(
+        self,
+        config: StoreClientConfig,
+        directory: Directory | None = None,
+        transport_factory: TransportFactory = _grpc_transport,
+    ) -> None:
+        self.config = config
+        self.codec = Codec(config.codec)
+        self.directory: Directory = directory if directory is not None else InMemoryDirectory()
+        self.transports = {nd.node_id: transport_factory(nd, config.chunk_bytes) for nd in config.nodes}
+        self._node_ids = [nd.node_id for nd in config.nodes]
+        self._shard_pool = ThreadPoolExecutor(config.shard_threads, thread_name_prefix="kv-shard")
+        self._object_pool = ThreadPoolExecutor(config.object_parallelism, thread_name_prefix="kv-object")
+        self.repair = RepairWorker(self, background=config.background_repair)
+
+    # -- objects -------------------------------------------------------------------------
+    def group(self, key: bytes) -> tuple[str, ...]:
+        return place(key, self._node_ids, self.codec.config.n)
+
+    def put_object(
+        self, key: bytes, data: bytes, traffic_class: str = "chat", progress: Progress | None = None
+    ) -> BlockMeta:
+        """Store ``data`` under ``key`` (replacing an older object); whole or absent."""
+        code = class_code(traffic_class)
+        nodes = self.group(key)
+        oid = new_object_id()
+        shards = self.codec.encode(oid, data, code)
+        transports = [self.transports[n] for n in nodes]
+        mask, errors = write_object(
+            self._shard_pool, transports, shards, self.config.write_timeout_s, progress
+        )
+        durable = bin(mask).count("1")
+        if durable < self.config.write_quorum:
+            self._delete_shards([(nodes[i], oid, i) for i in range(len(nodes)) if mask >> i & 1])
+            detail = "; ".join(f"shard {i} on {nodes[i]}: {e}" for i, e in sorted(errors.items()))
+            raise WriteFailed(
+                f"block {key.hex()[:16]}: {durable} of {len(nodes)} shards durable, need "
+                f"{self.config.write_quorum}; nothing committed ({detail})"
+            )
+        old = self.directory.get(key)
+        meta = BlockMeta(key, oid, nodes, len(data), traffic_class, mask, int(time.time() * 1000))
+        self.directory.commit(meta, self.config.ttl_s[traffic_class])
+        if old is not None and old.object_id != oid:
+            self._delete_shards([(n, old.object_id, i) for i, n in enumerate(old.nodes)])
+        if errors:
+            self.repair.enqueue(key)
+        return meta
+
+    def get_object(self, meta: BlockMeta) -> bytes:
+        """The bytes of a committed object; raises ObjectUnavailable or ObjectLost."""
+        transports = [self.transports[n] for n in meta.nodes]
+
+        def settled(bad: set[int]) -> None:
+            self.repair.enqueue(meta.key)
+
+        return read_object(
+            self._shard_pool, self.codec, transports, meta.object_id, self.config.read_timeout_s, settled
+        )
+
+    # -- prefix-cache API ----------------------------------------------------------------
+    def put_blocks(
+        self, hashes: Sequence[bytes], payloads: Sequence[bytes], traffic_class: str = "chat"
+    ) -> list[BlockMeta]:
+        """Store the blocks not already cached; returns the metadata of every stored block."""
+        if len(hashes) != len(payloads):
+            raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
+        class_code(traffic_class)
+        todo = [(h, p) for h, p in zip(hashes, payloads) if self.directory.get(h) is None]
+        futs = [self._object_pool.submit(self.put_object, h, p, traffic_class) for h, p in todo]
+        return [f.result() for f in futs]
+
+    def get_prefix(self, hashes: Sequence[bytes], touch: bool = True) -> list[bytes]:
+        """Payloads of the longest run of ``hashes`` (from the first) that is cached and
+        readable. A block whose shards are gone (evicted, expired) ends the run and its
+        entry is dropped. Raises ObjectUnavailable when a block of the run cannot be read
+        because nodes are down: an explicit error, never a silent truncation."""
+        metas = self.directory.lookup_prefix(hashes)
+        futs = [self._object_pool.submit(self.get_object, m) for m in metas]
+        out: list[bytes] = []
+        for meta, fut in zip(metas, futs):
+            try:
+                out.append(fut.result())
+            except ObjectLost:
+                self.directory.delete([meta.key])
+                break
+        if touch and out:
+            self.touch(hashes[: len(out)])
+        return out
+
+    def touch(self, hashes: Sequence[bytes]) -> int:
+        metas = [m for m in (self.directory.get(h) for h in hashes) if m is not None]
+        by_node: dict[str, list[tuple[bytes, int]]] = {}
+        for meta in metas:
+            for i, node in enumerate(meta.nodes):
+                by_node.setdefault(node, []).append((meta.object_id, i))
+        for node, refs in by_node.items():
+            try:
+                self.transports[node].touch(refs, self.config.admin_timeout_s)
+            except NodeError as exc:
+                log.debug("touch on %s failed: %s", node, exc)
+        return self.directory.touch([m.key for m in metas], self.config.ttl_s)
+
+    def delete(self, hashes: Sequence[bytes]) -> int:
+        metas = [m for m in (self.directory.get(h) for h in hashes) if m is not None]
+        count = self.directory.delete([m.key for m in metas])
+        self._delete_shards([(n, m.object_id, i) for m in metas for i, n in enumerate(m.nodes)])
+        return count
+
+    def _delete_shards(self, refs: Sequence[tuple[str, bytes, int]]) -> None:
+        by_node: dict[str, list[tuple[bytes, int]]] = {}
+        for node, oid, idx in refs:
+            by_node.setdefault(node, []).append((oid, idx))
+        for node, items in by_node.items():
+            try:
+                self.transports[node].delete(items, self.config.admin_timeout_s)
+            except NodeError as exc:  # orphans are reclaimed by the node's TTL/LRU
+                log.debug("delete on %s failed: %s", node, exc)
+
+    def close(self) -> None:
+        self.repair.stop()
+        self._object_pool.shutdown(wait=True)
+        self._shard_pool.shutdown(wait=True, cancel_futures=True)
+        for t in self.transports.values():
+            t.close()
+        self.directory.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

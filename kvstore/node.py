@@ -1,0 +1,296 @@
+"""The storage node: a thin gRPC adapter over ``kvstore.shardstore.ShardStore``.
+
+Run as its own process (``python -m kvstore.node`` or ``sluice store node``) so it can be
+killed and restarted. When serving, it writes ``<data-dir>/node.addr`` (host:port) so a
+launcher that asked for port 0 learns the bound port. Prometheus metrics are served on
+``--metrics-port`` when given; a background thread sweeps TTL and LRU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from sluice_proto import common_pb2, store_pb2, store_pb2_grpc
+
+from kvstore.retention import DAY_S, RetentionConfig
+from kvstore.shardfmt import HEADER_LEN, OBJECT_ID_LEN, ShardFormatError, ShardHeader
+from kvstore.shardstore import CapacityExceeded, ShardCorrupt, ShardNotFound, ShardRejected, ShardStore
+
+log = logging.getLogger(__name__)
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    node_id: str
+    data_dir: Path
+    capacity_bytes: int
+    host: str = "127.0.0.1"
+    port: int = 0
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+    max_shard_bytes: int = 64 * MiB
+    chunk_bytes: int = 1 * MiB
+    fsync: bool = True
+    sweep_interval_s: float = 5.0
+    metrics_port: int | None = None
+    workers: int = 16
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes <= 0:
+            raise ValueError(f"--capacity must be positive, got {self.capacity_bytes}")
+        if not 64 * 1024 <= self.chunk_bytes <= 4 * MiB:
+            raise ValueError(f"chunk size {self.chunk_bytes} must be within [64 KiB, 4 MiB]")
+        if self.max_shard_bytes <= 0 or self.sweep_interval_s <= 0 or self.workers <= 0:
+            raise ValueError("max shard bytes, sweep interval and workers must be positive")
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.chunk_bytes + HEADER_LEN + 64 * 1024
+
+
+def _ref(ref: store_pb2.ShardRef, context: grpc.ServicerContext) -> tuple[bytes, int]:
+    if len(ref.object_id) != OBJECT_ID_LEN or ref.index > 255:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "shard ref needs a 16-byte object id and index < 256")
+    return bytes(ref.object_id), int(ref.index)
+
+
+class _Metrics:
+    def __init__(self, store: ShardStore, node_id: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ops = Counter(
+            "sluice_store_ops", "Shard operations by kind and outcome", ["op", "outcome"], registry=r
+        )
+        self.bytes = Counter(
+            "sluice_store_bytes", "Shard bytes moved by direction", ["direction"], registry=r
+        )
+        used = Gauge("sluice_store_used_bytes", "Bytes of shards on disk", registry=r)
+        used.set_function(lambda: store.index.used)
+        Gauge("sluice_store_capacity_bytes", "Configured capacity", registry=r).set(store.index.capacity)
+        Gauge("sluice_store_shards", "Shards on disk", registry=r).set_function(lambda: len(store.index))
+        Gauge("sluice_store_evicted_shards", "Evicted by LRU since start", registry=r).set_function(
+            lambda: store.evicted
+        )
+        Gauge("sluice_store_expired_shards", "Expired by TTL since start", registry=r).set_function(
+            lambda: store.expired
+        )
+        Gauge("sluice_store_corrupt_shards", "Failed checksum on read since start", registry=r).set_function(
+            lambda: store.corrupt_detected
+        )
+
+
+class StoreNodeServicer(store_pb2_grpc.StoreNodeServicer):
+    def __init__(self, config: NodeConfig, store: ShardStore) -> None:
+        self.config, self.store = config, store
+        self.metrics = _Metrics(store, config.node_id)
+
+    def PutShard(self, request_iterator: Iterator[store_pb2.PutShardChunk], context: grpc.ServicerContext):  # noqa: N802
+        writer = None
+        try:
+            for msg in request_iterator:
+                if writer is None:
+                    header = ShardHeader.unpack(msg.header)
+                    if header.payload_len > self.config.max_shard_bytes:
+                        raise CapacityExceeded(
+                            f"shard of {header.payload_len} bytes exceeds --max-shard-bytes "
+                            f"{self.config.max_shard_bytes}"
+                        )
+                    writer = self.store.begin_put(header)
+                elif msg.header:
+                    raise ShardRejected("header sent twice in one PutShard stream")
+                if msg.data:
+                    writer.write(msg.data)
+            if writer is None:
+                raise ShardRejected("empty PutShard stream")
+            stored = writer.commit()
+            writer = None
+        except (ShardFormatError, ShardRejected) as exc:
+            self.metrics.ops.labels("put", "rejected").inc()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except CapacityExceeded as exc:
+            self.metrics.ops.labels("put", "too_large").inc()
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        finally:
+            if writer is not None:
+                writer.abort()
+        self.metrics.ops.labels("put", "ok").inc()
+        self.metrics.bytes.labels("in").inc(stored)
+        return store_pb2.PutShardReply(stored_bytes=stored)
+
+    def GetShard(self, request: store_pb2.GetShardRequest, context: grpc.ServicerContext):  # noqa: N802
+        oid, idx = _ref(request.ref, context)
+        try:
+            shard = self.store.get(oid, idx)
+        except ShardNotFound:
+            self.metrics.ops.labels("get", "not_found").inc()
+            context.abort(grpc.StatusCode.NOT_FOUND, f"shard {oid.hex()}.{idx} not on {self.config.node_id}")
+        except ShardCorrupt as exc:
+            self.metrics.ops.labels("get", "corrupt").inc()
+            context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+        chunk = min(request.chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
+        payload = memoryview(shard.payload)
+        self.metrics.ops.labels("get", "ok").inc()
+        self.metrics.bytes.labels("out").inc(HEADER_LEN + len(payload))
+        yield store_pb2.GetShardChunk(header=shard.header.pack(), data=bytes(payload[:chunk]))
+        for start in range(chunk, len(payload), chunk):
+            yield store_pb2.GetShardChunk(data=bytes(payload[start : start + chunk]))
+
+    def DeleteShards(self, request: store_pb2.ShardRefs, context: grpc.ServicerContext):  # noqa: N802
+        refs = [_ref(r, context) for r in request.refs]
+        return store_pb2.CountReply(count=self.store.delete(refs))
+
+    def TouchShards(self, request: store_pb2.ShardRefs, context: grpc.ServicerContext):  # noqa: N802
+        refs = [_ref(r, context) for r in request.refs]
+        return store_pb2.CountReply(count=self.store.touch(refs))
+
+    def StatShard(self, request: store_pb2.ShardRef, context: grpc.ServicerContext):  # noqa: N802
+        st = self.store.stat(*_ref(request, context))
+        if st is None:
+            return store_pb2.StatShardReply(exists=False)
+        size, tclass, last, expires = st
+        return store_pb2.StatShardReply(
+            exists=True, size=size, traffic_class=tclass, last_access_unix=last, expires_unix=expires
+        )
+
+    def NodeStats(self, request: store_pb2.NodeStatsRequest, context: grpc.ServicerContext):  # noqa: N802
+        s = self.store.stats()
+        return store_pb2.NodeStatsReply(
+            node_id=self.config.node_id, used_bytes=s.used_bytes, capacity_bytes=s.capacity_bytes,
+            shard_count=s.shard_count, evicted_shards=s.evicted, expired_shards=s.expired,
+            discarded_at_start=s.discarded_at_start, corrupt_detected=s.corrupt_detected,
+        )  # fmt: skip
+
+    def Health(self, request: common_pb2.HealthRequest, context: grpc.ServicerContext):  # noqa: N802
+        return common_pb2.HealthReply(state=common_pb2.HealthReply.SERVING, version="0.1.0")
+
+
+class StoreNodeServer:
+    """Owns the ShardStore, the gRPC server, the sweeper thread and the metrics endpoint."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.store = ShardStore(config.data_dir, config.capacity_bytes, config.retention, fsync=config.fsync)
+        self.servicer = StoreNodeServicer(config, self.store)
+        opts = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers), options=opts)
+        store_pb2_grpc.add_StoreNodeServicer_to_server(self.servicer, self.server)
+        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {config.host}:{config.port}")
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="store-sweeper", daemon=True)
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    def start(self) -> StoreNodeServer:
+        self.server.start()
+        self._sweeper.start()
+        if self.config.metrics_port is not None:
+            start_http_server(
+                self.config.metrics_port, addr=self.config.host, registry=self.servicer.metrics.registry
+            )
+        tmp = self.config.data_dir / "node.addr.tmp"
+        tmp.write_text(self.address + "\n")
+        os.replace(tmp, self.config.data_dir / "node.addr")
+        return self
+
+    def _sweep_loop(self) -> None:
+        while not self._stop.wait(self.config.sweep_interval_s):
+            expired, evicted = self.store.sweep()
+            if expired or evicted:
+                log.info("%s: swept %d expired, %d evicted shards", self.config.node_id, expired, evicted)
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self._stop.set()
+        self.server.stop(grace_s).wait()
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+
+def parse_size(text: str) -> int:
+    """``123``, ``64KiB``, ``512MiB``, ``2GiB`` (also K/M/G) -> bytes."""
+    units = {
+        "kib": 1 << 10,
+        "k": 1 << 10,
+        "mib": 1 << 20,
+        "m": 1 << 20,
+        "gib": 1 << 30,
+        "g": 1 << 30,
+        "tib": 1 << 40,
+    }
+    low = text.strip().lower()
+    for suffix in sorted(units, key=len, reverse=True):
+        if low.endswith(suffix):
+            return int(float(low[: -len(suffix)]) * units[suffix])
+    return int(low)
+
+
+def add_node_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--node-id", default=None, help="stable node id used by placement (default: node-<port>)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
+    p.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
+    p.add_argument("--data-dir", type=Path, required=True, help="directory for shard files")
+    p.add_argument("--capacity", type=parse_size, default=parse_size("1GiB"), help="bytes, e.g. 512MiB")
+    p.add_argument("--ttl-agent", type=float, default=3 * DAY_S, help="seconds an agent shard lives unused")
+    p.add_argument("--ttl-chat", type=float, default=7 * DAY_S, help="seconds a chat shard lives unused")
+    p.add_argument("--high-watermark", type=float, default=0.90, help="usage fraction that starts LRU GC")
+    p.add_argument("--low-watermark", type=float, default=0.80, help="usage fraction LRU GC frees down to")
+    p.add_argument("--sweep-interval", type=float, default=5.0, help="seconds between TTL/LRU sweeps")
+    p.add_argument("--max-shard-bytes", type=parse_size, default=64 * MiB, help="largest shard accepted")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--no-fsync", action="store_true", help="skip fsync (tests on tmpfs only; unsafe)")
+
+
+def config_from_args(args: argparse.Namespace) -> NodeConfig:
+    retention = RetentionConfig(
+        ttl_s={"agent": args.ttl_agent, "chat": args.ttl_chat},
+        high_watermark=args.high_watermark,
+        low_watermark=args.low_watermark,
+    )
+    return NodeConfig(
+        node_id=args.node_id or f"node-{args.port}", data_dir=args.data_dir, capacity_bytes=args.capacity,
+        host=args.host, port=args.port, retention=retention, max_shard_bytes=args.max_shard_bytes,
+        fsync=not args.no_fsync, sweep_interval_s=args.sweep_interval, metrics_port=args.metrics_port,
+    )  # fmt: skip
+
+
+def serve(config: NodeConfig) -> int:
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    node = StoreNodeServer(config).start()
+    log.info("store node %s serving on %s (data %s)", config.node_id, node.address, config.data_dir)
+    print(f"store node {config.node_id} listening on {node.address}", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    node.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvstore.node", description=__doc__)
+    add_node_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve(config_from_args(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,288 @@
+"""A storage node's shards on local disk: atomic writes, index rebuilt at start, LRU + TTL.
+
+Layout under ``data_dir``::
+
+    shards/<oid[:2]>/<oid-hex>.<index:02d>   header || payload (kvstore.shardfmt)
+    tmp/<random>.part                          writes in progress (cleared at start)
+
+A write goes to ``tmp/``, is checked against its header (length, checksum), fsynced and
+renamed into place, then the directory is fsynced: a shard file either is complete or does
+not exist under its final name. At start the index is rebuilt from the files; a file whose
+size or header does not match (torn by a crash, truncated, extended) is discarded. The
+last access time is the file's mtime, so LRU order and TTL survive a restart.
+No sockets here: the gRPC adapter is ``kvstore.node``.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import xxhash
+
+from kvstore.retention import RetentionConfig, ShardIndex
+from kvstore.shardfmt import HEADER_LEN, Shard, ShardFormatError, ShardHeader
+
+
+class ShardNotFound(KeyError):
+    """No such shard on this node (never written, deleted, evicted or expired)."""
+
+
+class ShardCorrupt(Exception):
+    """The stored shard failed its checksum; it has been dropped from this node."""
+
+
+class ShardRejected(ValueError):
+    """A shard being written does not match its header (length or checksum)."""
+
+
+class CapacityExceeded(Exception):
+    """A shard larger than this node's usable capacity (high watermark) was offered."""
+
+
+def shard_name(object_id: bytes, index: int) -> str:
+    return f"{object_id.hex()}.{index:02d}"
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    used_bytes: int
+    capacity_bytes: int
+    shard_count: int
+    evicted: int
+    expired: int
+    discarded_at_start: int
+    corrupt_detected: int
+
+
+class ShardWriter:
+    """One shard being written: feed ``write`` in order, then ``commit`` or ``abort``."""
+
+    def __init__(self, store: ShardStore, header: ShardHeader) -> None:
+        self._store, self.header = store, header
+        self._tmp = store.tmp_dir / f"{os.urandom(8).hex()}.part"
+        self._file = open(self._tmp, "wb")  # noqa: SIM115 - closed in commit/abort
+        self._file.write(header.pack())
+        self._hash = xxhash.xxh3_64()
+        self.received = 0
+
+    def write(self, data: bytes) -> None:
+        self.received += len(data)
+        if self.received > self.header.payload_len:
+            raise ShardRejected(f"payload exceeds the {self.header.payload_len} bytes its header declares")
+        self._hash.update(data)
+        self._file.write(data)
+
+    def commit(self) -> int:
+        try:
+            if self.received != self.header.payload_len:
+                raise ShardRejected(
+                    f"got {self.received} payload bytes, header says {self.header.payload_len}"
+                )
+            if self._hash.intdigest() != self.header.payload_xxh3:
+                raise ShardRejected("payload checksum does not match the header")
+            self._file.flush()
+            if self._store.fsync:
+                os.fsync(self._file.fileno())
+            self._file.close()
+            return self._store._install(self._tmp, self.header)
+        except BaseException:
+            self.abort()
+            raise
+
+    def abort(self) -> None:
+        self._file.close()
+        self._tmp.unlink(missing_ok=True)
+
+
+class ShardStore:
+    """Thread-safe shard files plus their LRU/TTL index."""
+
+    def __init__(
+        self,
+        data_dir: Path,
+        capacity_bytes: int,
+        retention: RetentionConfig | None = None,
+        *,
+        fsync: bool = True,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.data_dir = Path(data_dir)
+        self.shard_dir = self.data_dir / "shards"
+        self.tmp_dir = self.data_dir / "tmp"
+        self.fsync = fsync
+        self.clock = clock
+        self.index = ShardIndex(capacity_bytes, retention or RetentionConfig())
+        self._lock = threading.Lock()
+        self.evicted = self.expired = self.discarded_at_start = self.corrupt_detected = 0
+        self.shard_dir.mkdir(parents=True, exist_ok=True)
+        self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        self._rebuild()
+
+    # -- start-up ----------------------------------------------------------------------
+    def _rebuild(self) -> None:
+        for stale in self.tmp_dir.iterdir():
+            stale.unlink(missing_ok=True)
+        found: list[tuple[float, str, int, int]] = []
+        for path in self.shard_dir.glob("*/*"):
+            entry = self._inspect(path)
+            if entry is None:
+                path.unlink(missing_ok=True)
+                self.discarded_at_start += 1
+            else:
+                found.append(entry)
+        for mtime, name, size, tclass in sorted(found):
+            self.index.add(name, size, tclass, mtime)
+        self.sweep()
+
+    @staticmethod
+    def _inspect(path: Path) -> tuple[float, str, int, int] | None:
+        try:
+            st = path.stat()
+            with open(path, "rb") as f:
+                header = ShardHeader.unpack(f.read(HEADER_LEN))
+        except (OSError, ShardFormatError):
+            return None
+        if path.name != shard_name(header.object_id, header.index):
+            return None
+        if st.st_size != HEADER_LEN + header.payload_len:
+            return None
+        return (st.st_mtime, path.name, st.st_size, header.traffic_class)
+
+    # -- paths ---------------------------------------------------------------------------
+    def path_of(self, name: str) -> Path:
+        return self.shard_dir / name[:2] / name
+
+    def _install(self, tmp: Path, header: ShardHeader) -> int:
+        name = shard_name(header.object_id, header.index)
+        size = HEADER_LEN + header.payload_len
+        final = self.path_of(name)
+        final.parent.mkdir(exist_ok=True)
+        with self._lock:  # room, rename and index move together: usage never overshoots
+            for victim in self._make_room(size, exclude=name):
+                self.path_of(victim).unlink(missing_ok=True)
+            os.replace(tmp, final)
+            self.index.add(name, size, header.traffic_class, self.clock())
+        if self.fsync:
+            fd = os.open(final.parent, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        return size
+
+    def _make_room(self, incoming: int, exclude: str) -> list[str]:
+        if incoming > self.index.config.high_watermark * self.index.capacity:
+            raise CapacityExceeded(
+                f"shard of {incoming} bytes exceeds this node's usable capacity "
+                f"({self.index.config.high_watermark:.0%} of {self.index.capacity} bytes)"
+            )
+        victims = [v for v in self.index.eviction_candidates(incoming) if v != exclude]
+        for victim in victims:
+            self.index.remove(victim)
+        self.evicted += len(victims)
+        return victims
+
+    # -- operations ----------------------------------------------------------------------
+    def begin_put(self, header: ShardHeader) -> ShardWriter:
+        if HEADER_LEN + header.payload_len > self.index.config.high_watermark * self.index.capacity:
+            raise CapacityExceeded(f"shard of {header.payload_len} bytes exceeds this node's usable capacity")
+        return ShardWriter(self, header)
+
+    def put(self, shard: Shard) -> int:
+        writer = self.begin_put(shard.header)
+        writer.write(shard.payload)
+        return writer.commit()
+
+    def get(self, object_id: bytes, index: int) -> Shard:
+        """The verified shard; raises ShardNotFound or ShardCorrupt (after dropping it)."""
+        name = shard_name(object_id, index)
+        now = self.clock()
+        with self._lock:
+            if name not in self.index:
+                raise ShardNotFound(name)
+            if self.index.is_expired(name, now):
+                self._drop(name, expired=True)
+                raise ShardNotFound(name)
+        path = self.path_of(name)
+        try:
+            raw = path.read_bytes()
+        except FileNotFoundError:
+            with self._lock:
+                self.index.remove(name)
+            raise ShardNotFound(name) from None
+        try:
+            shard = Shard.parse(raw)
+            if shard.header.object_id != object_id or shard.index != index:
+                raise ShardFormatError("shard file holds another shard")
+        except ShardFormatError as exc:
+            with self._lock:
+                self.corrupt_detected += 1
+                self._drop(name)
+            raise ShardCorrupt(f"{name}: {exc}") from exc
+        self.touch([(object_id, index)], now)
+        return shard
+
+    def touch(self, refs: list[tuple[bytes, int]], now: float | None = None) -> int:
+        now = self.clock() if now is None else now
+        count = 0
+        for oid, idx in refs:
+            name = shard_name(oid, idx)
+            with self._lock:
+                if not self.index.touch(name, now):
+                    continue
+            try:
+                os.utime(self.path_of(name), (now, now))
+            except FileNotFoundError:
+                continue
+            count += 1
+        return count
+
+    def delete(self, refs: list[tuple[bytes, int]]) -> int:
+        count = 0
+        with self._lock:
+            for oid, idx in refs:
+                name = shard_name(oid, idx)
+                if name in self.index:
+                    self._drop(name)
+                    count += 1
+        return count
+
+    def stat(self, object_id: bytes, index: int) -> tuple[int, int, float, float] | None:
+        """(size, class, last access, expires at), or None when absent."""
+        name = shard_name(object_id, index)
+        with self._lock:
+            entry = self.index.get(name)
+            if entry is None:
+                return None
+            return entry.size, entry.traffic_class, entry.last_access, self.index.expires_at(name) or 0.0
+
+    def sweep(self, now: float | None = None) -> tuple[int, int]:
+        """Drop expired shards, then LRU ones past the high watermark: (expired, evicted)."""
+        now = self.clock() if now is None else now
+        with self._lock:
+            gone = self.index.expired(now)
+            for name in gone:
+                self._drop(name, expired=True)
+            victims = self.index.eviction_candidates()
+            for name in victims:
+                self._drop(name)
+            self.evicted += len(victims)
+        return len(gone), len(victims)
+
+    def _drop(self, name: str, *, expired: bool = False) -> None:
+        # Called with the lock held.
+        if self.index.remove(name) is not None and expired:
+            self.expired += 1
+        self.path_of(name).unlink(missing_ok=True)
+
+    def stats(self) -> StoreStats:
+        with self._lock:
+            return StoreStats(
+                self.index.used, self.index.capacity, len(self.index), self.evicted, self.expired,
+                self.discarded_at_start, self.corrupt_detected,
+            )  # fmt: skip
