@@ -194,6 +194,12 @@ class StoreClient:
             except NodeError as exc:  # orphans are reclaimed by the node's TTL/LRU
                 log.debug("delete on %s failed: %s", node, exc)
 
+    def health(self, timeout_s: float | None = None) -> dict[str, bool]:
+        """Node id -> SERVING, waiting up to ``timeout_s`` for each connection to come up."""
+        t = self.config.admin_timeout_s if timeout_s is None else timeout_s
+        futs = {n: self._shard_pool.submit(tr.health, t) for n, tr in self.transports.items()}
+        return {n: f.result() for n, f in futs.items()}
+
     def close(self) -> None:
         self.repair.stop()
         self._object_pool.shutdown(wait=True)

@@ -100,7 +100,7 @@ class GrpcShardTransport:
     def __init__(self, node: NodeAddress, chunk_bytes: int = 1 << 20) -> None:
         self.node_id = node.node_id
         self.chunk_bytes = chunk_bytes
-        limit = chunk_bytes + HEADER_LEN + 64 * 1024
+        limit = max(chunk_bytes, 4 << 20) + HEADER_LEN + 64 * 1024  # a node sends at most 4 MiB
         opts = [
             ("grpc.max_receive_message_length", limit),
             ("grpc.max_send_message_length", limit),
@@ -141,7 +141,9 @@ class GrpcShardTransport:
     def get_shard(
         self, object_id: bytes, index: int, timeout_s: float, cancel: Cancel | None = None
     ) -> Shard:
-        req = store_pb2.GetShardRequest(ref=store_pb2.ShardRef(object_id=object_id, index=index))
+        req = store_pb2.GetShardRequest(
+            ref=store_pb2.ShardRef(object_id=object_id, index=index), chunk_bytes=self.chunk_bytes
+        )
         try:
             call = self._stub.GetShard(req, timeout=timeout_s)
             if cancel is not None:
