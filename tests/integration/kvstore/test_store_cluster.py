@@ -196,9 +196,16 @@ def test_restarted_node_serves_its_shards_again(
     keys = [os.urandom(32) for _ in range(5)]
     datas = [os.urandom(100_000 + i) for i in range(5)]
     store_client.put_blocks(keys, datas)
+    live_cluster.kill(0)
+    torn = live_cluster.data_dir(0) / "shards" / "ab" / ("ab" * 16 + ".03")
+    torn.parent.mkdir(exist_ok=True)
+    torn.write_bytes(b"SLKV" + bytes(30))  # a write torn by a crash
     live_cluster.restart(0)
     live_cluster.restart(1)
     assert all(store_client.health(5.0).values())
+    stats = store_client.transports["n00"].stats(2.0)
+    assert stats.discarded_at_start == 1 and not torn.exists()
+    assert stats.shard_count >= 5
     live_cluster.kill(2)  # now shards on the restarted 0 and 1 are needed to reach k = 10
     live_cluster.kill(3)
     assert store_client.get_prefix(keys) == datas
