@@ -17,13 +17,22 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 from kvstore.codec import Codec, CodecConfig, new_object_id
 from kvstore.directory import BlockMeta, Directory, InMemoryDirectory
-from kvstore.fanout import ObjectLost, ObjectUnavailable, StoreError, WriteFailed, read_object, write_object
+from kvstore.fanout import (
+    ObjectLost,
+    ObjectRef,
+    ObjectUnavailable,
+    StoreError,
+    WriteFailed,
+    read_objects,
+    write_objects,
+)
 from kvstore.placement import NodeAddress, place
 from kvstore.repair import RepairWorker
 from kvstore.retention import DEFAULT_TTL_S
@@ -45,7 +54,7 @@ class StoreClientConfig:
     admin_timeout_s: float = 2.0
     chunk_bytes: int = 1 << 20
     shard_threads: int = 48
-    object_parallelism: int = 4
+    batch_bytes: int = 64 << 20  # object bytes per batched put/get round
     background_repair: bool = True
 
     def __post_init__(self) -> None:
@@ -58,12 +67,31 @@ class StoreClientConfig:
             raise ValueError(f"min_write_shards must be within [k, k+m] = [{self.codec.k}, {n}]")
         if min(self.write_timeout_s, self.read_timeout_s, self.admin_timeout_s) <= 0:
             raise ValueError("timeouts must be positive seconds")
-        if self.shard_threads < n or self.object_parallelism < 1:
-            raise ValueError(f"shard_threads must be >= k+m ({n}) and object_parallelism >= 1")
+        if self.shard_threads < n or self.batch_bytes < 1:
+            raise ValueError(f"shard_threads must be >= k+m ({n}) and batch_bytes positive")
 
     @property
     def write_quorum(self) -> int:
         return self.codec.k + 1 if self.min_write_shards is None else self.min_write_shards
+
+
+T = TypeVar("T")
+
+
+def _batches(items: Sequence[T], max_bytes: int, size: Callable[[T], int] | None = None) -> Iterator[list[T]]:
+    """Consecutive runs of ``items`` of at most ``max_bytes`` (one item always fits)."""
+    measure = size or (lambda item: len(item[1]))  # type: ignore[index]
+    batch: list[T] = []
+    total = 0
+    for item in items:
+        n = measure(item)
+        if batch and total + n > max_bytes:
+            yield batch
+            batch, total = [], 0
+        batch.append(item)
+        total += n
+    if batch:
+        yield batch
 
 
 TransportFactory = Callable[[NodeAddress, int], ShardTransport]
@@ -88,7 +116,6 @@ class StoreClient:
         self.transports = {nd.node_id: transport_factory(nd, config.chunk_bytes) for nd in config.nodes}
         self._node_ids = [nd.node_id for nd in config.nodes]
         self._shard_pool = ThreadPoolExecutor(config.shard_threads, thread_name_prefix="kv-shard")
-        self._object_pool = ThreadPoolExecutor(config.object_parallelism, thread_name_prefix="kv-object")
         self.repair = RepairWorker(self, background=config.background_repair)
 
     # -- objects -------------------------------------------------------------------------
@@ -98,54 +125,84 @@ class StoreClient:
     def put_object(
         self, key: bytes, data: bytes, traffic_class: str = "chat", progress: Progress | None = None
     ) -> BlockMeta:
-        """Store ``data`` under ``key`` (replacing an older object); whole or absent."""
+        """Store ``data`` under ``key`` (replacing an older object); whole or absent.
+        Raises WriteFailed when fewer than the write quorum of shards became durable."""
+        result = self._put_batch([(key, data)], traffic_class, progress)[0]
+        if isinstance(result, WriteFailed):
+            raise result
+        return result
+
+    def _put_batch(
+        self, items: Sequence[tuple[bytes, bytes]], traffic_class: str, progress: Progress | None = None
+    ) -> list[BlockMeta | WriteFailed]:
         code = class_code(traffic_class)
-        nodes = self.group(key)
-        oid = new_object_id()
-        shards = self.codec.encode(oid, data, code)
-        transports = [self.transports[n] for n in nodes]
-        mask, errors = write_object(
-            self._shard_pool, transports, shards, self.config.write_timeout_s, progress
-        )
-        durable = bin(mask).count("1")
-        if durable < self.config.write_quorum:
-            self._delete_shards([(nodes[i], oid, i) for i in range(len(nodes)) if mask >> i & 1])
-            detail = "; ".join(f"shard {i} on {nodes[i]}: {e}" for i, e in sorted(errors.items()))
-            raise WriteFailed(
-                f"block {key.hex()[:16]}: {durable} of {len(nodes)} shards durable, need "
-                f"{self.config.write_quorum}; nothing committed ({detail})"
-            )
-        old = self.directory.get(key)
-        meta = BlockMeta(key, oid, nodes, len(data), traffic_class, mask, int(time.time() * 1000))
-        self.directory.commit(meta, self.config.ttl_s[traffic_class])
-        if old is not None and old.object_id != oid:
-            self._delete_shards([(n, old.object_id, i) for i, n in enumerate(old.nodes)])
-        if errors:
-            self.repair.enqueue(key)
-        return meta
+        plans = []
+        for key, data in items:
+            oid = new_object_id()
+            plans.append((key, oid, self.group(key), self.codec.encode(oid, data, code), len(data)))
+        outcomes = write_objects(
+            self._shard_pool, self.transports, [(nodes, shards) for _, _, nodes, shards, _ in plans],
+            self.config.write_timeout_s, progress,
+        )  # fmt: skip
+        results: list[BlockMeta | WriteFailed] = []
+        for (key, oid, nodes, _, size), out in zip(plans, outcomes):
+            durable = bin(out.mask).count("1")
+            if durable < self.config.write_quorum:
+                self._delete_shards([(nodes[i], oid, i) for i in range(len(nodes)) if out.mask >> i & 1])
+                detail = "; ".join(f"shard {i} on {nodes[i]}: {e}" for i, e in sorted(out.errors.items()))
+                results.append(
+                    WriteFailed(
+                        f"block {key.hex()[:16]}: {durable} of {len(nodes)} shards durable, need "
+                        f"{self.config.write_quorum}; nothing committed ({detail})"
+                    )
+                )
+                continue
+            old = self.directory.get(key)
+            meta = BlockMeta(key, oid, nodes, size, traffic_class, out.mask, int(time.time() * 1000))
+            self.directory.commit(meta, self.config.ttl_s[traffic_class])
+            if old is not None and old.object_id != oid:
+                self._delete_shards([(n, old.object_id, i) for i, n in enumerate(old.nodes)])
+            if out.errors:
+                self.repair.enqueue(key)
+            results.append(meta)
+        return results
 
     def get_object(self, meta: BlockMeta) -> bytes:
         """The bytes of a committed object; raises ObjectUnavailable or ObjectLost."""
-        transports = [self.transports[n] for n in meta.nodes]
+        result = self._read([meta])[0]
+        if isinstance(result, StoreError):
+            raise result
+        return result
 
-        def settled(bad: set[int]) -> None:
-            self.repair.enqueue(meta.key)
+    def _read(self, metas: Sequence[BlockMeta]) -> list[bytes | StoreError]:
+        def settled(pos: int, bad: set[int]) -> None:
+            self.repair.enqueue(metas[pos].key)
 
-        return read_object(
-            self._shard_pool, self.codec, transports, meta.object_id, self.config.read_timeout_s, settled
+        refs = [ObjectRef(m.object_id, m.nodes) for m in metas]
+        return read_objects(
+            self._shard_pool, self.codec, self.transports, refs, self.config.read_timeout_s, settled
         )
 
     # -- prefix-cache API ----------------------------------------------------------------
     def put_blocks(
         self, hashes: Sequence[bytes], payloads: Sequence[bytes], traffic_class: str = "chat"
     ) -> list[BlockMeta]:
-        """Store the blocks not already cached; returns the metadata of every stored block."""
+        """Store the blocks not already cached, in batches with one stream per node; returns
+        the metadata of every block stored. Raises WriteFailed (after committing the blocks
+        that did succeed) when any block could not be written."""
         if len(hashes) != len(payloads):
             raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
         class_code(traffic_class)
-        todo = [(h, p) for h, p in zip(hashes, payloads) if self.directory.get(h) is None]
-        futs = [self._object_pool.submit(self.put_object, h, p, traffic_class) for h, p in todo]
-        return [f.result() for f in futs]
+        known = self.directory.lookup_many(hashes) if hashes else []
+        todo = [(h, p) for h, p, m in zip(hashes, payloads, known) if m is None]
+        stored: list[BlockMeta] = []
+        failures: list[WriteFailed] = []
+        for batch in _batches(todo, self.config.batch_bytes):
+            for r in self._put_batch(batch, traffic_class):
+                (failures if isinstance(r, WriteFailed) else stored).append(r)  # type: ignore[arg-type]
+        if failures:
+            raise WriteFailed(f"{len(failures)} of {len(todo)} blocks not stored; first: {failures[0]}")
+        return stored
 
     def get_prefix(self, hashes: Sequence[bytes], touch: bool = True) -> list[bytes]:
         """Payloads of the longest run of ``hashes`` (from the first) that is cached and
@@ -153,20 +210,24 @@ class StoreClient:
         entry is dropped. Raises ObjectUnavailable when a block of the run cannot be read
         because nodes are down: an explicit error, never a silent truncation."""
         metas = self.directory.lookup_prefix(hashes)
-        futs = [self._object_pool.submit(self.get_object, m) for m in metas]
         out: list[bytes] = []
-        for meta, fut in zip(metas, futs):
-            try:
-                out.append(fut.result())
-            except ObjectLost:
-                self.directory.delete([meta.key])
-                break
+        for batch in _batches(metas, self.config.batch_bytes, size=lambda m: m.size):
+            for meta, result in zip(batch, self._read(batch)):
+                if isinstance(result, ObjectLost):
+                    self.directory.delete([meta.key])
+                    return self._done(hashes, out, touch)
+                if isinstance(result, StoreError):
+                    raise result
+                out.append(result)
+        return self._done(hashes, out, touch)
+
+    def _done(self, hashes: Sequence[bytes], out: list[bytes], touch: bool) -> list[bytes]:
         if touch and out:
             self.touch(hashes[: len(out)])
         return out
 
     def touch(self, hashes: Sequence[bytes]) -> int:
-        metas = [m for m in (self.directory.get(h) for h in hashes) if m is not None]
+        metas = [m for m in self.directory.lookup_many(hashes) if m is not None]
         by_node: dict[str, list[tuple[bytes, int]]] = {}
         for meta in metas:
             for i, node in enumerate(meta.nodes):
@@ -179,7 +240,7 @@ class StoreClient:
         return self.directory.touch([m.key for m in metas], self.config.ttl_s)
 
     def delete(self, hashes: Sequence[bytes]) -> int:
-        metas = [m for m in (self.directory.get(h) for h in hashes) if m is not None]
+        metas = [m for m in self.directory.lookup_many(hashes) if m is not None]
         count = self.directory.delete([m.key for m in metas])
         self._delete_shards([(n, m.object_id, i) for m in metas for i, n in enumerate(m.nodes)])
         return count
@@ -202,7 +263,6 @@ class StoreClient:
 
     def close(self) -> None:
         self.repair.stop()
-        self._object_pool.shutdown(wait=True)
         self._shard_pool.shutdown(wait=True, cancel_futures=True)
         for t in self.transports.values():
             t.close()

@@ -45,7 +45,8 @@ class Directory(Protocol):
     Contract: ``commit`` makes an entry visible atomically (all fields at once) and sets its
     TTL; it replaces an older entry for the same key. ``lookup_prefix`` returns the entries
     of the longest run of ``keys`` from the first one that are all present, in one round
-    trip, and changes nothing. ``touch`` refreshes last access and TTL of existing entries.
+    trip, and changes nothing; ``lookup_many`` returns one entry (or None) per key, also in
+    one round trip. ``touch`` refreshes last access and TTL of existing entries.
     ``set_present`` updates the shard mask only if the entry still names ``object_id``
     (a concurrent rewrite wins). ``delete`` removes entries. None of them raise for absent
     keys; backends raise their own connection errors.
@@ -56,6 +57,8 @@ class Directory(Protocol):
     def get(self, key: bytes) -> BlockMeta | None: ...
 
     def lookup_prefix(self, keys: Sequence[bytes]) -> list[BlockMeta]: ...
+
+    def lookup_many(self, keys: Sequence[bytes]) -> list[BlockMeta | None]: ...
 
     def touch(self, keys: Sequence[bytes], ttl_s: Mapping[str, float]) -> int: ...
 
@@ -103,6 +106,12 @@ class InMemoryDirectory:
                 out.append(meta)
         return out
 
+    def lookup_many(self, keys: Sequence[bytes]) -> list[BlockMeta | None]:
+        check_chain(keys)
+        with self._lock:
+            now = self._clock()
+            return [self._live(k, now) for k in keys]
+
     def touch(self, keys: Sequence[bytes], ttl_s: Mapping[str, float]) -> int:
         count = 0
         with self._lock:
@@ -130,3 +139,7 @@ class InMemoryDirectory:
 
     def close(self) -> None:
         pass
+
+
+def _conforms(d: InMemoryDirectory) -> Directory:
+    return d  # mypy checks that InMemoryDirectory implements the Directory protocol

@@ -1,18 +1,18 @@
-"""Object-level writes and reads over k+m shard transports (no gRPC here).
+"""Object-level writes and reads over k+m shard transports, batched per node (no gRPC here).
 
-``write_object`` sends the k+m shards in parallel and reports which ones are durable.
-``read_object`` fans out to every shard of the group and decodes from the first k that
-pass their checksums; the remaining requests are the hedge against slow or dead nodes,
-and their outcomes (missing, corrupt) are reported for repair.
+``write_objects`` sends the shards of a batch of objects with one stream per node and
+reports, per object, which shards are durable. ``read_objects`` fans out to every shard of
+every object (one stream per node) and decodes each object from the first k shards that
+pass their checksums; the other m requests are the hedge against slow or dead nodes, and
+their outcomes (missing, corrupt) are reported for repair once every reply is in.
 """
 
 from __future__ import annotations
 
-import functools
 import threading
 import time
-from collections.abc import Callable, Sequence
-from concurrent.futures import Executor, Future, wait
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor, wait
 from dataclasses import dataclass, field
 
 from kvstore.codec import Codec, TooFewShards
@@ -23,6 +23,7 @@ from kvstore.transport import (
     Progress,
     ShardCorruptOnNode,
     ShardMissing,
+    ShardResult,
     ShardTransport,
 )
 
@@ -43,134 +44,177 @@ class ObjectLost(StoreError):
     """More than m nodes answered that their shard is gone (evicted, expired, deleted)."""
 
 
-@dataclass
-class ReadOutcome:
-    data: bytes
-    bad: set[int] = field(default_factory=set)  # shards missing or corrupt on a live node
-    done: threading.Event = field(default_factory=threading.Event)  # all replies are in
+@dataclass(frozen=True)
+class ObjectRef:
+    """One object to read: its id and the node id holding each shard index."""
+
+    object_id: bytes
+    nodes: tuple[str, ...]
 
 
-def write_object(
+@dataclass(frozen=True)
+class WriteOutcome:
+    mask: int  # shards durable
+    errors: dict[int, str]
+
+
+def write_objects(
     pool: Executor,
-    transports: Sequence[ShardTransport],
-    shards: Sequence[Shard],
+    transports: Mapping[str, ShardTransport],
+    objects: Sequence[tuple[tuple[str, ...], Sequence[Shard]]],
     timeout_s: float,
     progress: Progress | None = None,
-) -> tuple[int, dict[int, str]]:
-    """Put shard i on transports[i], all in parallel. Returns (mask of durable shards,
-    {index: error} for the others). Never raises for a node failure."""
-    futures = {
-        pool.submit(t.put_shard, s, timeout_s, progress): i
-        for i, (t, s) in enumerate(zip(transports, shards))
+) -> list[WriteOutcome]:
+    """Put shard i of each object on node ``nodes[i]``: one stream per node, all in parallel.
+    Never raises for a node failure; the outcome says which shards are durable."""
+    per_node: dict[str, list[tuple[int, Shard]]] = {}
+    for obj, (nodes, shards) in enumerate(objects):
+        for node, shard in zip(nodes, shards):
+            per_node.setdefault(node, []).append((obj, shard))
+    futs = {
+        pool.submit(transports[node].put_shards, [s for _, s in items], timeout_s, progress): items
+        for node, items in per_node.items()
     }
-    wait(futures, timeout=timeout_s + 1.0)
-    mask, errors = 0, {}
-    for fut, i in futures.items():
-        if not fut.done():
-            errors[i] = "timed out"
-            continue
-        exc = fut.exception()
-        if exc is None:
-            mask |= 1 << i
+    wait(futs, timeout=timeout_s + 1.0)
+    masks = [0] * len(objects)
+    errors: list[dict[int, str]] = [{} for _ in objects]
+    for fut, items in futs.items():
+        results: list[NodeError | None]
+        if fut.done() and fut.exception() is None:
+            results = fut.result()
         else:
-            errors[i] = str(exc)
-    return mask, errors
-
-
-class _Gather:
-    """Collects shard replies until k valid ones (or until no more can arrive)."""
-
-    def __init__(self, codec: Codec, object_id: bytes, n: int) -> None:
-        self.codec, self.object_id = codec, object_id
-        self.k, self.m = codec.config.k, codec.config.m
-        self.shards: list[Shard | None] = [None] * n
-        self.valid = 0
-        self.pending = n
-        self.missing: set[int] = set()
-        self.corrupt: set[int] = set()
-        self.errors: dict[int, str] = {}
-        self.cond = threading.Condition()
-
-    def on_reply(self, index: int, fut: Future[Shard]) -> None:
-        exc = fut.exception() if not fut.cancelled() else NodeError("?", "cancelled")
-        with self.cond:
-            self.pending -= 1
-            if exc is None:
-                shard = fut.result()
-                try:
-                    ok = index in self.codec.valid(self._one(index, shard), self.object_id)
-                except Exception:  # noqa: BLE001 - any malformed shard is just a bad shard
-                    ok = False
-                if ok:
-                    self.shards[index] = shard
-                    self.valid += 1
-                else:
-                    self.corrupt.add(index)
-                    self.errors[index] = "failed checksum at the client"
+            results = [NodeError("?", "timed out")] * len(items)
+        for (obj, shard), err in zip(items, results):
+            if err is None:
+                masks[obj] |= 1 << shard.index
             else:
-                self.errors[index] = str(exc)
-                if isinstance(exc, ShardMissing):
-                    self.missing.add(index)
-                elif isinstance(exc, ShardCorruptOnNode):
-                    self.corrupt.add(index)
+                errors[obj][shard.index] = str(err)
+    return [WriteOutcome(m, e) for m, e in zip(masks, errors)]
+
+
+@dataclass
+class _Gather:
+    """Replies for one object, until k valid ones (or until no more can arrive)."""
+
+    object_id: bytes
+    n: int
+    shards: list[Shard | None] = field(default_factory=list)
+    valid: int = 0
+    pending: int = 0
+    missing: set[int] = field(default_factory=set)
+    corrupt: set[int] = field(default_factory=set)
+    errors: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.shards = [None] * self.n
+        self.pending = self.n
+
+    def ready(self, k: int, m: int) -> bool:
+        return self.valid >= k or self.pending == 0 or len(self.missing) > m
+
+
+class _ReadBatch:
+    def __init__(self, codec: Codec, objects: Sequence[ObjectRef]) -> None:
+        self.codec = codec
+        self.k, self.m = codec.config.k, codec.config.m
+        self.gathers = [_Gather(o.object_id, len(o.nodes)) for o in objects]
+        self.cond = threading.Condition()
+        self.outstanding = sum(g.n for g in self.gathers)
+
+    def on_reply(self, obj: int, index: int, result: ShardResult) -> bool:
+        """Record one reply; True when it was the last reply of the whole batch."""
+        g = self.gathers[obj]
+        ok = False
+        if isinstance(result, Shard):
+            one: list[Shard | None] = [None] * g.n
+            one[index] = result
+            try:
+                ok = index in self.codec.valid(one, g.object_id)
+            except Exception:  # noqa: BLE001 - any malformed shard is just a bad shard
+                ok = False
+        with self.cond:
+            g.pending -= 1
+            self.outstanding -= 1
+            if ok and isinstance(result, Shard):
+                g.shards[index] = result
+                g.valid += 1
+            elif isinstance(result, Shard):
+                g.corrupt.add(index)
+                g.errors[index] = "failed checksum at the client"
+            else:
+                g.errors[index] = str(result)
+                if isinstance(result, ShardMissing):
+                    g.missing.add(index)
+                elif isinstance(result, ShardCorruptOnNode):
+                    g.corrupt.add(index)
             self.cond.notify_all()
+            return self.outstanding == 0
 
-    def _one(self, index: int, shard: Shard) -> list[Shard | None]:
-        one: list[Shard | None] = [None] * len(self.shards)
-        one[index] = shard
-        return one
+    def all_ready(self) -> bool:
+        return all(g.ready(self.k, self.m) for g in self.gathers)
 
-    def ready(self) -> bool:
-        return self.valid >= self.k or self.pending == 0 or len(self.missing) > self.m
+    def result(self, obj: int, timeout_s: float) -> bytes | StoreError:
+        with self.cond:
+            g = self.gathers[obj]
+            shards, valid, missing, errors = list(g.shards), g.valid, len(g.missing), dict(g.errors)
+        if valid >= self.k:
+            return self.codec.decode(shards, g.object_id)
+        detail = "; ".join(f"shard {i} {e}" for i, e in sorted(errors.items())) or "no replies in time"
+        if missing > self.m:
+            return ObjectLost(f"object {g.object_id.hex()}: {missing} shards gone ({detail})")
+        return ObjectUnavailable(
+            f"object {g.object_id.hex()}: {TooFewShards(valid, self.k)} within {timeout_s:.2f}s ({detail})"
+        )
 
 
-def read_object(
+def read_objects(
     pool: Executor,
     codec: Codec,
-    transports: Sequence[ShardTransport],
-    object_id: bytes,
+    transports: Mapping[str, ShardTransport],
+    objects: Sequence[ObjectRef],
     timeout_s: float,
-    on_settled: Callable[[set[int]], None] | None = None,
-) -> bytes:
-    """Decode one object from the first k valid shards of its group.
+    on_settled: Callable[[int, set[int]], None] | None = None,
+) -> list[bytes | StoreError]:
+    """Decode each object from the first k valid shards of its group.
 
-    Raises ObjectLost when more than m live nodes report the shard gone, ObjectUnavailable
-    when fewer than k valid shards arrive within ``timeout_s``. ``on_settled`` is called
-    (from a pool thread) once every reply is in, with the indices that were missing or
-    corrupt on a live node; stragglers are not cancelled so that they can report.
+    One result per object: its bytes, ObjectLost (more than m live nodes report the shard
+    gone) or ObjectUnavailable (fewer than k valid shards within ``timeout_s``). Stragglers
+    are not cancelled: once every reply is in, ``on_settled(object position, bad indices)``
+    is called for each object with shards missing or corrupt on a live node.
     """
-    n = len(transports)
-    gather = _Gather(codec, object_id, n)
+    batch = _ReadBatch(codec, objects)
+    per_node: dict[str, list[tuple[int, int]]] = {}
+    for obj, ref in enumerate(objects):
+        for index, node in enumerate(ref.nodes):
+            per_node.setdefault(node, []).append((obj, index))
     cancel = Cancel()
+
+    def settle() -> None:
+        if on_settled is None:
+            return
+        for obj, g in enumerate(batch.gathers):
+            if g.missing or g.corrupt:
+                on_settled(obj, g.missing | g.corrupt)
+
+    def run(node: str, items: list[tuple[int, int]]) -> None:
+        def on_shard(pos: int, result: ShardResult) -> None:
+            obj, index = items[pos]
+            if batch.on_reply(obj, index, result):
+                settle()
+
+        refs = [(objects[obj].object_id, index) for obj, index in items]
+        transports[node].get_shards(refs, timeout_s, on_shard, cancel)
+
+    for node, items in per_node.items():
+        pool.submit(run, node, items)
     deadline = time.monotonic() + timeout_s
-    settled = threading.Event()
-
-    def finish(index: int, fut: Future[Shard]) -> None:
-        gather.on_reply(index, fut)
-        with gather.cond:
-            last = gather.pending == 0
-        if last:
-            settled.set()
-            if on_settled is not None and (gather.missing or gather.corrupt):
-                on_settled(gather.missing | gather.corrupt)
-
-    for i, t in enumerate(transports):
-        fut = pool.submit(t.get_shard, object_id, i, timeout_s, cancel)
-        fut.add_done_callback(functools.partial(finish, i))
-    with gather.cond:
-        while not gather.ready():
+    with batch.cond:
+        while not batch.all_ready():
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            gather.cond.wait(left)
-        shards, valid, missing = list(gather.shards), gather.valid, set(gather.missing)
-        errors = dict(gather.errors)
-    if valid >= codec.config.k:
-        return codec.decode(shards, object_id)
-    cancel.cancel()
-    detail = "; ".join(f"shard {i} {e}" for i, e in sorted(errors.items())) or "no replies in time"
-    if len(missing) > codec.config.m:
-        raise ObjectLost(f"object {object_id.hex()}: {len(missing)} shards gone ({detail})")
-    raise ObjectUnavailable(
-        f"object {object_id.hex()}: {TooFewShards(valid, codec.config.k)} within {timeout_s:.2f}s ({detail})"
-    )
+            batch.cond.wait(left)
+    results = [batch.result(i, timeout_s) for i in range(len(objects))]
+    if any(not isinstance(r, bytes) for r in results):
+        cancel.cancel()
+    return results

@@ -24,10 +24,18 @@ from sluice_proto import common_pb2, store_pb2, store_pb2_grpc
 
 from kvstore.retention import DAY_S, RetentionConfig
 from kvstore.shardfmt import HEADER_LEN, OBJECT_ID_LEN, ShardFormatError, ShardHeader
-from kvstore.shardstore import CapacityExceeded, ShardCorrupt, ShardNotFound, ShardRejected, ShardStore
+from kvstore.shardstore import (
+    CapacityExceeded,
+    ShardCorrupt,
+    ShardNotFound,
+    ShardRejected,
+    ShardStore,
+    ShardWriter,
+)
 
 log = logging.getLogger(__name__)
 MiB = 1 << 20
+MAX_BATCH = 4096  # shards per batched stream
 
 
 @dataclass(frozen=True)
@@ -99,13 +107,7 @@ class StoreNodeServicer(store_pb2_grpc.StoreNodeServicer):
         try:
             for msg in request_iterator:
                 if writer is None:
-                    header = ShardHeader.unpack(msg.header)
-                    if header.payload_len > self.config.max_shard_bytes:
-                        raise CapacityExceeded(
-                            f"shard of {header.payload_len} bytes exceeds --max-shard-bytes "
-                            f"{self.config.max_shard_bytes}"
-                        )
-                    writer = self.store.begin_put(header)
+                    writer = self._begin(ShardHeader.unpack(msg.header))
                 elif msg.header:
                     raise ShardRejected("header sent twice in one PutShard stream")
                 if msg.data:
@@ -144,6 +146,84 @@ class StoreNodeServicer(store_pb2_grpc.StoreNodeServicer):
         yield store_pb2.GetShardChunk(header=shard.header.pack(), data=bytes(payload[:chunk]))
         for start in range(chunk, len(payload), chunk):
             yield store_pb2.GetShardChunk(data=bytes(payload[start : start + chunk]))
+
+    def PutShards(self, request_iterator: Iterator[store_pb2.PutShardChunk], context: grpc.ServicerContext):  # noqa: N802
+        statuses: list[store_pb2.ShardStatus] = []
+        details: list[str] = []
+        writer = None
+
+        def finish(w: ShardWriter | None) -> None:
+            if w is None:
+                return
+            try:
+                self.metrics.bytes.labels("in").inc(w.commit())
+                statuses.append(store_pb2.SHARD_OK)
+                details.append("")
+                self.metrics.ops.labels("put", "ok").inc()
+            except (ShardRejected, CapacityExceeded) as exc:
+                statuses.append(store_pb2.SHARD_REJECTED)
+                details.append(str(exc))
+                self.metrics.ops.labels("put", "rejected").inc()
+
+        try:
+            for msg in request_iterator:
+                if msg.header:
+                    finish(writer)
+                    writer = None
+                    if len(statuses) >= MAX_BATCH:
+                        context.abort(
+                            grpc.StatusCode.INVALID_ARGUMENT, f"more than {MAX_BATCH} shards in one stream"
+                        )
+                    try:
+                        writer = self._begin(ShardHeader.unpack(msg.header))
+                    except (ShardFormatError, CapacityExceeded) as exc:
+                        statuses.append(store_pb2.SHARD_REJECTED)
+                        details.append(str(exc))
+                        continue
+                if msg.data and writer is not None:
+                    try:
+                        writer.write(msg.data)
+                    except ShardRejected as exc:
+                        writer.abort()
+                        writer = None
+                        statuses.append(store_pb2.SHARD_REJECTED)
+                        details.append(str(exc))
+            finish(writer)
+            writer = None
+        finally:
+            if writer is not None:  # the client went away mid-shard: nothing half-written stays
+                writer.abort()
+        return store_pb2.PutShardsReply(status=statuses, detail=details)
+
+    def _begin(self, header: ShardHeader) -> ShardWriter:
+        if header.payload_len > self.config.max_shard_bytes:
+            raise CapacityExceeded(
+                f"shard of {header.payload_len} bytes exceeds --max-shard-bytes {self.config.max_shard_bytes}"
+            )
+        return self.store.begin_put(header)
+
+    def GetShards(self, request: store_pb2.GetShardsRequest, context: grpc.ServicerContext):  # noqa: N802
+        if len(request.refs) > MAX_BATCH:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"more than {MAX_BATCH} refs in one request")
+        chunk = min(request.chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
+        refs = [_ref(r, context) for r in request.refs]
+        for pos, (oid, idx) in enumerate(refs):
+            try:
+                shard = self.store.get(oid, idx)
+            except ShardNotFound:
+                self.metrics.ops.labels("get", "not_found").inc()
+                yield store_pb2.GetShardChunk(ref=pos, status=store_pb2.SHARD_NOT_FOUND)
+                continue
+            except ShardCorrupt as exc:
+                self.metrics.ops.labels("get", "corrupt").inc()
+                yield store_pb2.GetShardChunk(ref=pos, status=store_pb2.SHARD_CORRUPT, detail=str(exc))
+                continue
+            self.metrics.ops.labels("get", "ok").inc()
+            payload = memoryview(shard.payload)
+            self.metrics.bytes.labels("out").inc(HEADER_LEN + len(payload))
+            yield store_pb2.GetShardChunk(ref=pos, header=shard.header.pack(), data=bytes(payload[:chunk]))
+            for start in range(chunk, len(payload), chunk):
+                yield store_pb2.GetShardChunk(ref=pos, data=bytes(payload[start : start + chunk]))
 
     def DeleteShards(self, request: store_pb2.ShardRefs, context: grpc.ServicerContext):  # noqa: N802
         refs = [_ref(r, context) for r in request.refs]

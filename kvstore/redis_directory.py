@@ -22,7 +22,7 @@ from typing import Any
 
 import redis
 
-from kvstore.directory import BlockMeta, check_chain
+from kvstore.directory import BlockMeta, Directory, check_chain
 
 _SET_PRESENT = """
 if redis.call('HGET', KEYS[1], 'oid') == ARGV[1] then
@@ -109,6 +109,15 @@ class RedisDirectory:
             out.append(meta)
         return out
 
+    def lookup_many(self, keys: Sequence[bytes]) -> list[BlockMeta | None]:
+        check_chain(keys)
+        if not keys:
+            return []
+        pipe = self._r.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(self._key(key))
+        return [self._decode(k, raw) for k, raw in zip(keys, pipe.execute())]
+
     def touch(self, keys: Sequence[bytes], ttl_s: Mapping[str, float]) -> int:
         if not keys:
             return 0
@@ -128,3 +137,7 @@ class RedisDirectory:
 
     def close(self) -> None:
         self._r.close()
+
+
+def _conforms(d: RedisDirectory) -> Directory:
+    return d  # mypy checks that RedisDirectory implements the Directory protocol

@@ -16,7 +16,7 @@ import grpc
 from sluice_proto import common_pb2, store_pb2, store_pb2_grpc
 
 from kvstore.placement import NodeAddress
-from kvstore.shardfmt import HEADER_LEN, Shard
+from kvstore.shardfmt import HEADER_LEN, Shard, ShardFormatError, ShardHeader
 
 
 class NodeError(Exception):
@@ -65,6 +65,8 @@ class Cancel:
 
 
 Progress = Callable[[int, int], None]  # (shard index, payload bytes sent so far)
+ShardResult = Shard | NodeError
+OnShard = Callable[[int, ShardResult], None]  # (position in the request, shard or error)
 
 
 class ShardTransport(Protocol):
@@ -79,6 +81,24 @@ class ShardTransport(Protocol):
         self, object_id: bytes, index: int, timeout_s: float, cancel: Cancel | None = None
     ) -> Shard: ...
 
+    def put_shards(
+        self, shards: Sequence[Shard], timeout_s: float, progress: Progress | None = None
+    ) -> list[NodeError | None]:
+        """Store many shards in one stream; one outcome per shard (None when durable)."""
+        ...
+
+    def get_shards(
+        self,
+        refs: Sequence[tuple[bytes, int]],
+        timeout_s: float,
+        on_shard: OnShard,
+        cancel: Cancel | None = None,
+    ) -> None:
+        """Read many shards in one stream, calling ``on_shard`` once per ref as each completes
+        (with the Shard, unverified, or a NodeError). Never raises: a broken stream reports
+        NodeUnavailable for every ref not yet delivered."""
+        ...
+
     def delete(self, refs: Sequence[tuple[bytes, int]], timeout_s: float) -> int: ...
 
     def touch(self, refs: Sequence[tuple[bytes, int]], timeout_s: float) -> int: ...
@@ -92,6 +112,39 @@ class ShardTransport(Protocol):
 
 def _refs(refs: Sequence[tuple[bytes, int]]) -> store_pb2.ShardRefs:
     return store_pb2.ShardRefs(refs=[store_pb2.ShardRef(object_id=o, index=i) for o, i in refs])
+
+
+class _Assembler:
+    """Turns a GetShards reply stream back into one result per ref."""
+
+    def __init__(self, node_id: str, on_shard: OnShard) -> None:
+        self.node_id, self.on_shard = node_id, on_shard
+        self.delivered: set[int] = set()
+        self.pos, self.header, self.parts, self.need = -1, b"", [b""], 0
+
+    def _deliver(self, pos: int, result: ShardResult) -> None:
+        self.delivered.add(pos)
+        self.on_shard(pos, result)
+
+    def feed(self, msg: store_pb2.GetShardChunk) -> None:
+        if msg.status == store_pb2.SHARD_NOT_FOUND:
+            self._deliver(msg.ref, ShardMissing(self.node_id, "NOT_FOUND"))
+            return
+        if msg.status != store_pb2.SHARD_OK:
+            self._deliver(msg.ref, ShardCorruptOnNode(self.node_id, f"DATA_LOSS: {msg.detail}"))
+            return
+        if msg.header:
+            self.pos, self.header, self.parts = msg.ref, msg.header, []
+            self.need = ShardHeader.unpack(msg.header).payload_len
+        self.parts.append(msg.data)
+        self.need -= len(msg.data)
+        if self.need <= 0 and self.pos not in self.delivered:
+            self._deliver(self.pos, Shard.from_parts(self.header, b"".join(self.parts), verify=False))
+
+    def fail_rest(self, n: int, err: NodeError) -> None:
+        for pos in range(n):
+            if pos not in self.delivered:
+                self._deliver(pos, err)
 
 
 class GrpcShardTransport:
@@ -159,6 +212,52 @@ class GrpcShardTransport:
             raise ShardCorruptOnNode(self.node_id, "reply carried no shard header")
         # Parsed but not verified here: the caller checks every shard against the object.
         return Shard.from_parts(header, b"".join(parts), verify=False)
+
+    def _batch_chunks(
+        self, shards: Sequence[Shard], progress: Progress | None
+    ) -> Iterator[store_pb2.PutShardChunk]:
+        for shard in shards:
+            yield from self._chunks(shard, progress)
+
+    def put_shards(
+        self, shards: Sequence[Shard], timeout_s: float, progress: Progress | None = None
+    ) -> list[NodeError | None]:
+        try:
+            reply = self._stub.PutShards(self._batch_chunks(shards, progress), timeout=timeout_s)
+        except grpc.RpcError as exc:
+            err = self._error(exc)
+            return [err] * len(shards)
+        out: list[NodeError | None] = []
+        for i in range(len(shards)):
+            if i < len(reply.status) and reply.status[i] == store_pb2.SHARD_OK:
+                out.append(None)
+            else:
+                why = reply.detail[i] if i < len(reply.detail) else "no result from the node"
+                out.append(ShardRejectedByNode(self.node_id, why))
+        return out
+
+    def get_shards(
+        self,
+        refs: Sequence[tuple[bytes, int]],
+        timeout_s: float,
+        on_shard: OnShard,
+        cancel: Cancel | None = None,
+    ) -> None:
+        req = store_pb2.GetShardsRequest(
+            refs=[store_pb2.ShardRef(object_id=o, index=i) for o, i in refs], chunk_bytes=self.chunk_bytes
+        )
+        asm = _Assembler(self.node_id, on_shard)
+        try:
+            call = self._stub.GetShards(req, timeout=timeout_s)
+            if cancel is not None:
+                cancel.attach(call)
+            for msg in call:
+                asm.feed(msg)
+        except grpc.RpcError as exc:
+            asm.fail_rest(len(refs), self._error(exc))
+        except ShardFormatError as exc:
+            asm.fail_rest(len(refs), ShardCorruptOnNode(self.node_id, f"bad header in reply: {exc}"))
+        asm.fail_rest(len(refs), ShardMissing(self.node_id, "not in the reply"))
 
     def delete(self, refs: Sequence[tuple[bytes, int]], timeout_s: float) -> int:
         try:

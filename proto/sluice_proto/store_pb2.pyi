@@ -1,11 +1,23 @@
 from sluice_proto import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class ShardStatus(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    SHARD_OK: _ClassVar[ShardStatus]
+    SHARD_NOT_FOUND: _ClassVar[ShardStatus]
+    SHARD_CORRUPT: _ClassVar[ShardStatus]
+    SHARD_REJECTED: _ClassVar[ShardStatus]
+SHARD_OK: ShardStatus
+SHARD_NOT_FOUND: ShardStatus
+SHARD_CORRUPT: ShardStatus
+SHARD_REJECTED: ShardStatus
 
 class ShardRef(_message.Message):
     __slots__ = ("object_id", "index")
@@ -38,12 +50,34 @@ class GetShardRequest(_message.Message):
     def __init__(self, ref: _Optional[_Union[ShardRef, _Mapping]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class GetShardChunk(_message.Message):
-    __slots__ = ("header", "data")
+    __slots__ = ("header", "data", "ref", "status", "detail")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
+    REF_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
     header: bytes
     data: bytes
-    def __init__(self, header: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+    ref: int
+    status: ShardStatus
+    detail: str
+    def __init__(self, header: _Optional[bytes] = ..., data: _Optional[bytes] = ..., ref: _Optional[int] = ..., status: _Optional[_Union[ShardStatus, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class GetShardsRequest(_message.Message):
+    __slots__ = ("refs", "chunk_bytes")
+    REFS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    refs: _containers.RepeatedCompositeFieldContainer[ShardRef]
+    chunk_bytes: int
+    def __init__(self, refs: _Optional[_Iterable[_Union[ShardRef, _Mapping]]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class PutShardsReply(_message.Message):
+    __slots__ = ("status", "detail")
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    status: _containers.RepeatedScalarFieldContainer[ShardStatus]
+    detail: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, status: _Optional[_Iterable[_Union[ShardStatus, str]]] = ..., detail: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ShardRefs(_message.Message):
     __slots__ = ("refs",)

@@ -45,6 +45,16 @@ class StoreNodeStub:
                 request_serializer=sluice__proto_dot_store__pb2.GetShardRequest.SerializeToString,
                 response_deserializer=sluice__proto_dot_store__pb2.GetShardChunk.FromString,
                 _registered_method=True)
+        self.PutShards = channel.stream_unary(
+                '/sluice.v1.StoreNode/PutShards',
+                request_serializer=sluice__proto_dot_store__pb2.PutShardChunk.SerializeToString,
+                response_deserializer=sluice__proto_dot_store__pb2.PutShardsReply.FromString,
+                _registered_method=True)
+        self.GetShards = channel.unary_stream(
+                '/sluice.v1.StoreNode/GetShards',
+                request_serializer=sluice__proto_dot_store__pb2.GetShardsRequest.SerializeToString,
+                response_deserializer=sluice__proto_dot_store__pb2.GetShardChunk.FromString,
+                _registered_method=True)
         self.DeleteShards = channel.unary_unary(
                 '/sluice.v1.StoreNode/DeleteShards',
                 request_serializer=sluice__proto_dot_store__pb2.ShardRefs.SerializeToString,
@@ -94,6 +104,24 @@ class StoreNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutShards(self, request_iterator, context):
+        """Batched forms: one stream per node for many shards (a prefix chain, a batch of blocks),
+        so the per-RPC cost is paid once per node and batch instead of once per shard.
+        PutShards: a message with a header starts the next shard; each shard is stored
+        atomically as soon as it is complete and gets its own result, in order.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetShards(self, request, context):
+        """GetShards: for each ref, in order, a first message with `ref`, `status` and (if OK) the
+        header, then data messages for that ref until its payload is complete.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def DeleteShards(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -136,6 +164,16 @@ def add_StoreNodeServicer_to_server(servicer, server):
             'GetShard': grpc.unary_stream_rpc_method_handler(
                     servicer.GetShard,
                     request_deserializer=sluice__proto_dot_store__pb2.GetShardRequest.FromString,
+                    response_serializer=sluice__proto_dot_store__pb2.GetShardChunk.SerializeToString,
+            ),
+            'PutShards': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutShards,
+                    request_deserializer=sluice__proto_dot_store__pb2.PutShardChunk.FromString,
+                    response_serializer=sluice__proto_dot_store__pb2.PutShardsReply.SerializeToString,
+            ),
+            'GetShards': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetShards,
+                    request_deserializer=sluice__proto_dot_store__pb2.GetShardsRequest.FromString,
                     response_serializer=sluice__proto_dot_store__pb2.GetShardChunk.SerializeToString,
             ),
             'DeleteShards': grpc.unary_unary_rpc_method_handler(
@@ -217,6 +255,60 @@ class StoreNode:
             target,
             '/sluice.v1.StoreNode/GetShard',
             sluice__proto_dot_store__pb2.GetShardRequest.SerializeToString,
+            sluice__proto_dot_store__pb2.GetShardChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutShards(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/sluice.v1.StoreNode/PutShards',
+            sluice__proto_dot_store__pb2.PutShardChunk.SerializeToString,
+            sluice__proto_dot_store__pb2.PutShardsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetShards(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/sluice.v1.StoreNode/GetShards',
+            sluice__proto_dot_store__pb2.GetShardsRequest.SerializeToString,
             sluice__proto_dot_store__pb2.GetShardChunk.FromString,
             options,
             channel_credentials,

@@ -49,3 +49,11 @@ def check_directory_contract(d: Directory, advance: Callable[[float], None]) -> 
     assert d.delete([meta(30).key, b"\xee" * 32]) == 1 and d.get(meta(30).key) is None
     with pytest.raises(ValueError, match="exceeds the limit"):
         d.lookup_prefix([b"k"] * (MAX_CHAIN + 1))
+    check_lookup_many(d)
+
+
+def check_lookup_many(d: Directory) -> None:
+    d.commit(meta(40), TTL["chat"])
+    d.commit(meta(42), TTL["chat"])
+    assert d.lookup_many([meta(40).key, meta(41).key, meta(42).key]) == [meta(40), None, meta(42)]
+    assert d.lookup_many([]) == []
