@@ -222,8 +222,8 @@ class StoreClient:
         return self._done(hashes, out, touch)
 
     def _done(self, hashes: Sequence[bytes], out: list[bytes], touch: bool) -> list[bytes]:
-        if touch and out:
-            self.touch(hashes[: len(out)])
+        if touch and out:  # the nodes refreshed their shards when serving them
+            self.directory.touch(hashes[: len(out)], self.config.ttl_s)
         return out
 
     def touch(self, hashes: Sequence[bytes]) -> int:

@@ -178,6 +178,19 @@ class Codec:
             for i, p in enumerate(payloads)
         ]
 
+    def shard_ok(self, shard: Shard, index: int, object_id: bytes | None = None) -> bool:
+        """True when ``shard`` is intact, from this codec, at ``index`` and (if given) of ``object_id``."""
+        h, cfg = shard.header, self.config
+        if (h.codec, h.k, h.m, h.index) != (self.code, cfg.k, cfg.m, index):
+            return False
+        if object_id is not None and h.object_id != object_id:
+            return False
+        try:
+            shard.check()
+        except ShardFormatError:
+            return False
+        return True
+
     def valid(self, shards: Sequence[Shard | None], object_id: bytes | None = None) -> dict[int, Shard]:
         """The shards that pass their checksums and agree with this codec and each other.
 
@@ -187,20 +200,11 @@ class Codec:
         cfg = self.config
         if len(shards) != cfg.n:
             raise ShardCountMismatch(f"expected {cfg.n} shard slots, got {len(shards)}")
-        good: dict[int, Shard] = {}
-        for pos, shard in enumerate(shards):
-            if shard is None:
-                continue
-            h = shard.header
-            if (h.codec, h.k, h.m, h.index) != (self.code, cfg.k, cfg.m, pos):
-                continue
-            if object_id is not None and h.object_id != object_id:
-                continue
-            try:
-                shard.check()
-            except ShardFormatError:
-                continue
-            good[pos] = shard
+        good = {
+            pos: shard
+            for pos, shard in enumerate(shards)
+            if shard is not None and self.shard_ok(shard, pos, object_id)
+        }
         lengths = {(s.header.object_id, s.header.object_len, s.header.payload_len) for s in good.values()}
         if len(lengths) > 1:
             raise ShardSizeMismatch(f"valid shards disagree on (object id, lengths): {sorted(lengths)}")

@@ -120,25 +120,21 @@ class _ReadBatch:
         self.gathers = [_Gather(o.object_id, len(o.nodes)) for o in objects]
         self.cond = threading.Condition()
         self.outstanding = sum(g.n for g in self.gathers)
+        self.unready = len(self.gathers)  # the waiter wakes once, when this reaches 0
 
     def on_reply(self, obj: int, index: int, result: ShardResult) -> bool:
         """Record one reply; True when it was the last reply of the whole batch."""
         g = self.gathers[obj]
-        ok = False
-        if isinstance(result, Shard):
-            one: list[Shard | None] = [None] * g.n
-            one[index] = result
-            try:
-                ok = index in self.codec.valid(one, g.object_id)
-            except Exception:  # noqa: BLE001 - any malformed shard is just a bad shard
-                ok = False
+        shard = result if isinstance(result, Shard) else None
+        ok = shard is not None and self.codec.shard_ok(shard, index, g.object_id)
         with self.cond:
+            was_ready = g.ready(self.k, self.m)
             g.pending -= 1
             self.outstanding -= 1
-            if ok and isinstance(result, Shard):
-                g.shards[index] = result
+            if ok:
+                g.shards[index] = shard
                 g.valid += 1
-            elif isinstance(result, Shard):
+            elif shard is not None:
                 g.corrupt.add(index)
                 g.errors[index] = "failed checksum at the client"
             else:
@@ -147,11 +143,11 @@ class _ReadBatch:
                     g.missing.add(index)
                 elif isinstance(result, ShardCorruptOnNode):
                     g.corrupt.add(index)
-            self.cond.notify_all()
+            if not was_ready and g.ready(self.k, self.m):
+                self.unready -= 1
+                if self.unready == 0:
+                    self.cond.notify_all()
             return self.outstanding == 0
-
-    def all_ready(self) -> bool:
-        return all(g.ready(self.k, self.m) for g in self.gathers)
 
     def result(self, obj: int, timeout_s: float) -> bytes | StoreError:
         with self.cond:
@@ -209,7 +205,7 @@ def read_objects(
         pool.submit(run, node, items)
     deadline = time.monotonic() + timeout_s
     with batch.cond:
-        while not batch.all_ready():
+        while batch.unready > 0:
             left = deadline - time.monotonic()
             if left <= 0:
                 break

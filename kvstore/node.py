@@ -76,12 +76,16 @@ class _Metrics:
     def __init__(self, store: ShardStore, node_id: str) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.ops = Counter(
+        ops = Counter(
             "sluice_store_ops", "Shard operations by kind and outcome", ["op", "outcome"], registry=r
         )
-        self.bytes = Counter(
-            "sluice_store_bytes", "Shard bytes moved by direction", ["direction"], registry=r
-        )
+        moved = Counter("sluice_store_bytes", "Shard bytes moved by direction", ["direction"], registry=r)
+        # Children bound once: a labels() lookup per shard costs more than the increment.
+        self.puts_ok, self.puts_rejected = ops.labels("put", "ok"), ops.labels("put", "rejected")
+        self.puts_too_large = ops.labels("put", "too_large")
+        self.gets_ok, self.gets_not_found = ops.labels("get", "ok"), ops.labels("get", "not_found")
+        self.gets_corrupt = ops.labels("get", "corrupt")
+        self.bytes_in, self.bytes_out = moved.labels("in"), moved.labels("out")
         used = Gauge("sluice_store_used_bytes", "Bytes of shards on disk", registry=r)
         used.set_function(lambda: store.index.used)
         Gauge("sluice_store_capacity_bytes", "Configured capacity", registry=r).set(store.index.capacity)
@@ -117,16 +121,16 @@ class StoreNodeServicer(store_pb2_grpc.StoreNodeServicer):
             stored = writer.commit()
             writer = None
         except (ShardFormatError, ShardRejected) as exc:
-            self.metrics.ops.labels("put", "rejected").inc()
+            self.metrics.puts_rejected.inc()
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         except CapacityExceeded as exc:
-            self.metrics.ops.labels("put", "too_large").inc()
+            self.metrics.puts_too_large.inc()
             context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         finally:
             if writer is not None:
                 writer.abort()
-        self.metrics.ops.labels("put", "ok").inc()
-        self.metrics.bytes.labels("in").inc(stored)
+        self.metrics.puts_ok.inc()
+        self.metrics.bytes_in.inc(stored)
         return store_pb2.PutShardReply(stored_bytes=stored)
 
     def GetShard(self, request: store_pb2.GetShardRequest, context: grpc.ServicerContext):  # noqa: N802
@@ -134,15 +138,15 @@ class StoreNodeServicer(store_pb2_grpc.StoreNodeServicer):
         try:
             shard = self.store.get(oid, idx)
         except ShardNotFound:
-            self.metrics.ops.labels("get", "not_found").inc()
+            self.metrics.gets_not_found.inc()
             context.abort(grpc.StatusCode.NOT_FOUND, f"shard {oid.hex()}.{idx} not on {self.config.node_id}")
         except ShardCorrupt as exc:
-            self.metrics.ops.labels("get", "corrupt").inc()
+            self.metrics.gets_corrupt.inc()
             context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
         chunk = min(request.chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
         payload = memoryview(shard.payload)
-        self.metrics.ops.labels("get", "ok").inc()
-        self.metrics.bytes.labels("out").inc(HEADER_LEN + len(payload))
+        self.metrics.gets_ok.inc()
+        self.metrics.bytes_out.inc(HEADER_LEN + len(payload))
         yield store_pb2.GetShardChunk(header=shard.header.pack(), data=bytes(payload[:chunk]))
         for start in range(chunk, len(payload), chunk):
             yield store_pb2.GetShardChunk(data=bytes(payload[start : start + chunk]))
@@ -150,25 +154,26 @@ class StoreNodeServicer(store_pb2_grpc.StoreNodeServicer):
     def PutShards(self, request_iterator: Iterator[store_pb2.PutShardChunk], context: grpc.ServicerContext):  # noqa: N802
         statuses: list[store_pb2.ShardStatus] = []
         details: list[str] = []
-        writer = None
+        sealed: dict[int, ShardWriter] = {}  # position in the stream -> writer ready to commit
+        writer: ShardWriter | None = None
+        committed = False
 
-        def finish(w: ShardWriter | None) -> None:
+        def seal(w: ShardWriter | None) -> None:
             if w is None:
                 return
             try:
-                self.metrics.bytes.labels("in").inc(w.commit())
+                w.seal()
+                sealed[len(statuses)] = w
                 statuses.append(store_pb2.SHARD_OK)
                 details.append("")
-                self.metrics.ops.labels("put", "ok").inc()
-            except (ShardRejected, CapacityExceeded) as exc:
+            except ShardRejected as exc:
                 statuses.append(store_pb2.SHARD_REJECTED)
                 details.append(str(exc))
-                self.metrics.ops.labels("put", "rejected").inc()
 
         try:
             for msg in request_iterator:
                 if msg.header:
-                    finish(writer)
+                    seal(writer)
                     writer = None
                     if len(statuses) >= MAX_BATCH:
                         context.abort(
@@ -188,11 +193,18 @@ class StoreNodeServicer(store_pb2_grpc.StoreNodeServicer):
                         writer = None
                         statuses.append(store_pb2.SHARD_REJECTED)
                         details.append(str(exc))
-            finish(writer)
+            seal(writer)
             writer = None
+            sizes = self.store.commit(list(sealed.values()))  # group commit; acks only after it
+            committed = True
         finally:
             if writer is not None:  # the client went away mid-shard: nothing half-written stays
                 writer.abort()
+            if not committed:
+                for w in sealed.values():
+                    w.abort()
+        self.metrics.puts_ok.inc(len(sizes))
+        self.metrics.bytes_in.inc(sum(sizes))
         return store_pb2.PutShardsReply(status=statuses, detail=details)
 
     def _begin(self, header: ShardHeader) -> ShardWriter:
@@ -211,16 +223,16 @@ class StoreNodeServicer(store_pb2_grpc.StoreNodeServicer):
             try:
                 shard = self.store.get(oid, idx)
             except ShardNotFound:
-                self.metrics.ops.labels("get", "not_found").inc()
+                self.metrics.gets_not_found.inc()
                 yield store_pb2.GetShardChunk(ref=pos, status=store_pb2.SHARD_NOT_FOUND)
                 continue
             except ShardCorrupt as exc:
-                self.metrics.ops.labels("get", "corrupt").inc()
+                self.metrics.gets_corrupt.inc()
                 yield store_pb2.GetShardChunk(ref=pos, status=store_pb2.SHARD_CORRUPT, detail=str(exc))
                 continue
-            self.metrics.ops.labels("get", "ok").inc()
+            self.metrics.gets_ok.inc()
             payload = memoryview(shard.payload)
-            self.metrics.bytes.labels("out").inc(HEADER_LEN + len(payload))
+            self.metrics.bytes_out.inc(HEADER_LEN + len(payload))
             yield store_pb2.GetShardChunk(ref=pos, header=shard.header.pack(), data=bytes(payload[:chunk]))
             for start in range(chunk, len(payload), chunk):
                 yield store_pb2.GetShardChunk(ref=pos, data=bytes(payload[start : start + chunk]))
