@@ -28,7 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nodes", type=int, default=12, help="store nodes on loopback")
     p.add_argument("--k", type=int, default=10)
     p.add_argument("--m", type=int, default=2)
-    p.add_argument("--sizes", default="262144,1048576,16777216", help="object sizes in bytes, comma-separated")
+    p.add_argument(
+        "--sizes", default="262144,1048576,16777216", help="object sizes in bytes, comma-separated"
+    )
     p.add_argument("--bytes-per-size", type=int, default=64 * MiB, help="bytes moved per size and direction")
     p.add_argument("--rounds", type=int, default=3, help="timed rounds per figure (best is kept)")
     p.add_argument("--codec-min-time", type=float, default=0.3, help="seconds per codec timing round")
@@ -153,7 +155,9 @@ def run(args: argparse.Namespace) -> Report:
                 keys = keys_by_size[size]
                 t = _best(args.rounds, lambda keys=keys: client.get_prefix(keys))
                 degraded[str(size)] = {"get_GBps": _rate(size * len(keys), t)}
-                degraded[str(size)]["ratio"] = degraded[str(size)]["get_GBps"] / store[str(size)]["store"]["get_GBps"]
+                degraded[str(size)]["ratio"] = (
+                    degraded[str(size)]["get_GBps"] / store[str(size)]["store"]["get_GBps"]
+                )
                 progress(f"  degraded get {size >> 10} KiB: {degraded[str(size)]['get_GBps']:.3f} GB/s")
     _targets(report, sizes)
     return report
@@ -166,13 +170,30 @@ def _targets(report: Report, sizes: list[int]) -> None:
         best_enc = max(v["encode_GBps"] for v in peers.values())
         best_dec = max(v["decode2_GBps"] for v in peers.values())
         mib = int(size_key) >> 20
-        report.target(f"codec_encode_GBps / best_peer_encode_GBps ({mib} MiB)", row["sluice"]["encode_GBps"] / best_enc, ">=", 1.0)
-        report.target(f"codec_decode2_GBps / best_peer_decode2_GBps ({mib} MiB)", row["sluice"]["decode2_GBps"] / best_dec, ">=", 1.0)
+        report.target(
+            f"codec_encode_GBps / best_peer_encode_GBps ({mib} MiB)",
+            row["sluice"]["encode_GBps"] / best_enc,
+            ">=",
+            1.0,
+        )
+        report.target(
+            f"codec_decode2_GBps / best_peer_decode2_GBps ({mib} MiB)",
+            row["sluice"]["decode2_GBps"] / best_dec,
+            ">=",
+            1.0,
+        )
     for size in sizes:
         row = res["store"][str(size)]
         label = f"{size >> 10} KiB"
-        report.target(f"store_get_GBps / redis_get_GBps ({label})", row["store"]["get_GBps"] / row["redis"]["get_GBps"], ">=", 1.0)
-        report.target(f"degraded_get_GBps / healthy_get_GBps ({label})", res["degraded"][str(size)]["ratio"], ">=", 0.8)
+        report.target(
+            f"store_get_GBps / redis_get_GBps ({label})",
+            row["store"]["get_GBps"] / row["redis"]["get_GBps"],
+            ">=",
+            1.0,
+        )
+        report.target(
+            f"degraded_get_GBps / healthy_get_GBps ({label})", res["degraded"][str(size)]["ratio"], ">=", 0.8
+        )
         report.rows.append({
             "size": label, "put_GBps": row["store"]["put_GBps"], "get_GBps": row["store"]["get_GBps"],
             "redis_set_GBps": row["redis"]["put_GBps"], "redis_get_GBps": row["redis"]["get_GBps"],
