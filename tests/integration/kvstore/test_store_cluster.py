@@ -209,3 +209,35 @@ def test_restarted_node_serves_its_shards_again(
     live_cluster.kill(2)  # now shards on the restarted 0 and 1 are needed to reach k = 10
     live_cluster.kill(3)
     assert store_client.get_prefix(keys) == datas
+
+
+_CLIENT_DIES = """
+import os, sys
+from kvstore.client import StoreClient, StoreClientConfig
+from kvstore.placement import NodeAddress
+from kvstore.redis_directory import RedisDirectory
+nodes = tuple(NodeAddress(*a.split("=")) for a in sys.argv[3:])
+client = StoreClient(StoreClientConfig(nodes=nodes, chunk_bytes=64 * 1024), RedisDirectory(sys.argv[1]))
+def progress(index, sent):
+    if index == 5 and sent > 64 * 1024:
+        os._exit(17)  # the client process dies in the middle of its write
+client.put_object(bytes.fromhex(sys.argv[2]), os.urandom(4 << 20), progress=progress)
+"""
+
+
+def test_client_killed_mid_write_leaves_object_absent(
+    live_cluster: LocalStoreCluster, store_client: StoreClient, redis_url: str
+) -> None:
+    import subprocess
+    import sys
+
+    from kvstore.cluster import _child_env
+
+    key = os.urandom(32)
+    nodes = [f"{n.node_id}={n.address}" for n in live_cluster.nodes]
+    proc = subprocess.run(
+        [sys.executable, "-c", _CLIENT_DIES, redis_url, key.hex(), *nodes], env=_child_env(), timeout=60
+    )
+    assert proc.returncode == 17
+    assert store_client.directory.get(key) is None
+    assert store_client.get_prefix([key]) == []
