@@ -22,6 +22,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from sluice_proto import common_pb2, store_pb2, store_pb2_grpc
 
+from kvstore.pieces import Packer, shard_pieces
 from kvstore.retention import DAY_S, RetentionConfig
 from kvstore.shardfmt import HEADER_LEN, OBJECT_ID_LEN, ShardFormatError, ShardHeader
 from kvstore.shardstore import (
@@ -101,6 +102,66 @@ class _Metrics:
         )
 
 
+class _PutBatch:
+    """The shards of one PutShards stream: each checked as it completes, committed together."""
+
+    def __init__(self, servicer: StoreNodeServicer) -> None:
+        self._servicer = servicer
+        self.statuses: list[store_pb2.ShardStatus] = []
+        self.details: list[str] = []
+        self._sealed: list[ShardWriter] = []
+        self._writer: ShardWriter | None = None
+
+    def _result(self, status: store_pb2.ShardStatus, detail: str = "") -> None:
+        self.statuses.append(status)
+        self.details.append(detail)
+
+    def _seal(self) -> None:
+        w, self._writer = self._writer, None
+        if w is None:
+            return
+        try:
+            w.seal()
+        except ShardRejected as exc:
+            self._result(store_pb2.SHARD_REJECTED, str(exc))
+            return
+        self._sealed.append(w)
+        self._result(store_pb2.SHARD_OK)
+
+    def feed(self, piece: store_pb2.ShardPiece) -> bool:
+        """Take one piece; False when the stream holds too many shards."""
+        if piece.header:
+            self._seal()
+            if len(self.statuses) >= MAX_BATCH:
+                return False
+            try:
+                self._writer = self._servicer._begin(ShardHeader.unpack(piece.header))
+            except (ShardFormatError, CapacityExceeded) as exc:
+                self._result(store_pb2.SHARD_REJECTED, str(exc))
+                return True
+        if piece.data and self._writer is not None:
+            try:
+                self._writer.write(piece.data)
+            except ShardRejected as exc:
+                self._writer.abort()
+                self._writer = None
+                self._result(store_pb2.SHARD_REJECTED, str(exc))
+        return True
+
+    def commit(self) -> list[int]:
+        self._seal()
+        sealed, self._sealed = self._sealed, []
+        return self._servicer.store.commit(sealed)  # acknowledged only after this returns
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
+        for w in self._sealed:
+            w.abort()
+        self._sealed = []
+
+
 class StoreNodeServicer(store_pb2_grpc.StoreNodeServicer):
     def __init__(self, config: NodeConfig, store: ShardStore) -> None:
         self.config, self.store = config, store
@@ -151,61 +212,21 @@ class StoreNodeServicer(store_pb2_grpc.StoreNodeServicer):
         for start in range(chunk, len(payload), chunk):
             yield store_pb2.GetShardChunk(data=bytes(payload[start : start + chunk]))
 
-    def PutShards(self, request_iterator: Iterator[store_pb2.PutShardChunk], context: grpc.ServicerContext):  # noqa: N802
-        statuses: list[store_pb2.ShardStatus] = []
-        details: list[str] = []
-        sealed: dict[int, ShardWriter] = {}  # position in the stream -> writer ready to commit
-        writer: ShardWriter | None = None
-        committed = False
-
-        def seal(w: ShardWriter | None) -> None:
-            if w is None:
-                return
-            try:
-                w.seal()
-                sealed[len(statuses)] = w
-                statuses.append(store_pb2.SHARD_OK)
-                details.append("")
-            except ShardRejected as exc:
-                statuses.append(store_pb2.SHARD_REJECTED)
-                details.append(str(exc))
-
+    def PutShards(self, request_iterator: Iterator[store_pb2.ShardPieces], context: grpc.ServicerContext):  # noqa: N802
+        batch = _PutBatch(self)
         try:
             for msg in request_iterator:
-                if msg.header:
-                    seal(writer)
-                    writer = None
-                    if len(statuses) >= MAX_BATCH:
+                for piece in msg.pieces:
+                    if not batch.feed(piece):
                         context.abort(
                             grpc.StatusCode.INVALID_ARGUMENT, f"more than {MAX_BATCH} shards in one stream"
                         )
-                    try:
-                        writer = self._begin(ShardHeader.unpack(msg.header))
-                    except (ShardFormatError, CapacityExceeded) as exc:
-                        statuses.append(store_pb2.SHARD_REJECTED)
-                        details.append(str(exc))
-                        continue
-                if msg.data and writer is not None:
-                    try:
-                        writer.write(msg.data)
-                    except ShardRejected as exc:
-                        writer.abort()
-                        writer = None
-                        statuses.append(store_pb2.SHARD_REJECTED)
-                        details.append(str(exc))
-            seal(writer)
-            writer = None
-            sizes = self.store.commit(list(sealed.values()))  # group commit; acks only after it
-            committed = True
+            sizes = batch.commit()
         finally:
-            if writer is not None:  # the client went away mid-shard: nothing half-written stays
-                writer.abort()
-            if not committed:
-                for w in sealed.values():
-                    w.abort()
+            batch.abort()  # no-op after a commit; otherwise nothing half-written stays
         self.metrics.puts_ok.inc(len(sizes))
         self.metrics.bytes_in.inc(sum(sizes))
-        return store_pb2.PutShardsReply(status=statuses, detail=details)
+        return store_pb2.PutShardsReply(status=batch.statuses, detail=batch.details)
 
     def _begin(self, header: ShardHeader) -> ShardWriter:
         if header.payload_len > self.config.max_shard_bytes:
@@ -219,23 +240,30 @@ class StoreNodeServicer(store_pb2_grpc.StoreNodeServicer):
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"more than {MAX_BATCH} refs in one request")
         chunk = min(request.chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
         refs = [_ref(r, context) for r in request.refs]
+        packer = Packer(chunk)
         for pos, (oid, idx) in enumerate(refs):
-            try:
-                shard = self.store.get(oid, idx)
-            except ShardNotFound:
-                self.metrics.gets_not_found.inc()
-                yield store_pb2.GetShardChunk(ref=pos, status=store_pb2.SHARD_NOT_FOUND)
-                continue
-            except ShardCorrupt as exc:
-                self.metrics.gets_corrupt.inc()
-                yield store_pb2.GetShardChunk(ref=pos, status=store_pb2.SHARD_CORRUPT, detail=str(exc))
-                continue
-            self.metrics.gets_ok.inc()
-            payload = memoryview(shard.payload)
-            self.metrics.bytes_out.inc(HEADER_LEN + len(payload))
-            yield store_pb2.GetShardChunk(ref=pos, header=shard.header.pack(), data=bytes(payload[:chunk]))
-            for start in range(chunk, len(payload), chunk):
-                yield store_pb2.GetShardChunk(ref=pos, data=bytes(payload[start : start + chunk]))
+            for piece in self._pieces_of(pos, oid, idx, chunk):
+                msg = packer.add(piece)
+                if msg is not None:
+                    yield msg
+        msg = packer.flush()
+        if msg is not None:
+            yield msg
+
+    def _pieces_of(self, pos: int, oid: bytes, idx: int, chunk: int) -> Iterator[store_pb2.ShardPiece]:
+        try:
+            shard = self.store.get(oid, idx)
+        except ShardNotFound:
+            self.metrics.gets_not_found.inc()
+            yield store_pb2.ShardPiece(ref=pos, status=store_pb2.SHARD_NOT_FOUND)
+            return
+        except ShardCorrupt as exc:
+            self.metrics.gets_corrupt.inc()
+            yield store_pb2.ShardPiece(ref=pos, status=store_pb2.SHARD_CORRUPT, detail=str(exc))
+            return
+        self.metrics.gets_ok.inc()
+        self.metrics.bytes_out.inc(HEADER_LEN + len(shard.payload))
+        yield from shard_pieces(pos, shard.header.pack(), shard.payload, chunk)
 
     def DeleteShards(self, request: store_pb2.ShardRefs, context: grpc.ServicerContext):  # noqa: N802
         refs = [_ref(r, context) for r in request.refs]

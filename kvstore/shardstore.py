@@ -235,13 +235,14 @@ class ShardStore:
                 raise ShardNotFound(name)
         path = self.path_of(name)
         try:
-            raw = path.read_bytes()
+            with open(path, "rb") as f:  # header and payload read apart: no slicing copy
+                head, payload = f.read(HEADER_LEN), f.read()
         except FileNotFoundError:
             with self._lock:
                 self.index.remove(name)
             raise ShardNotFound(name) from None
         try:
-            shard = Shard.parse(raw)
+            shard = Shard.from_parts(head, payload)
             if shard.header.object_id != object_id or shard.index != index:
                 raise ShardFormatError("shard file holds another shard")
         except ShardFormatError as exc:

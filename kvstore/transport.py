@@ -15,6 +15,7 @@ from typing import Protocol
 import grpc
 from sluice_proto import common_pb2, store_pb2, store_pb2_grpc
 
+from kvstore.pieces import Packer, shard_pieces
 from kvstore.placement import NodeAddress
 from kvstore.shardfmt import HEADER_LEN, Shard, ShardFormatError, ShardHeader
 
@@ -114,6 +115,16 @@ def _refs(refs: Sequence[tuple[bytes, int]]) -> store_pb2.ShardRefs:
     return store_pb2.ShardRefs(refs=[store_pb2.ShardRef(object_id=o, index=i) for o, i in refs])
 
 
+def _report(
+    shards: Sequence[Shard], pending: dict[int, int], sent: list[int], progress: Progress | None
+) -> None:
+    for pos, n in pending.items():
+        sent[pos] += n
+        if progress is not None:
+            progress(shards[pos].index, sent[pos])
+    pending.clear()
+
+
 class _Assembler:
     """Turns a GetShards reply stream back into one result per ref."""
 
@@ -126,7 +137,7 @@ class _Assembler:
         self.delivered.add(pos)
         self.on_shard(pos, result)
 
-    def feed(self, msg: store_pb2.GetShardChunk) -> None:
+    def feed(self, msg: store_pb2.ShardPiece) -> None:
         if msg.status == store_pb2.SHARD_NOT_FOUND:
             self._deliver(msg.ref, ShardMissing(self.node_id, "NOT_FOUND"))
             return
@@ -139,7 +150,8 @@ class _Assembler:
         self.parts.append(msg.data)
         self.need -= len(msg.data)
         if self.need <= 0 and self.pos not in self.delivered:
-            self._deliver(self.pos, Shard.from_parts(self.header, b"".join(self.parts), verify=False))
+            payload = self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
+            self._deliver(self.pos, Shard.from_parts(self.header, payload, verify=False))
 
     def fail_rest(self, n: int, err: NodeError) -> None:
         for pos in range(n):
@@ -213,17 +225,29 @@ class GrpcShardTransport:
         # Parsed but not verified here: the caller checks every shard against the object.
         return Shard.from_parts(header, b"".join(parts), verify=False)
 
-    def _batch_chunks(
+    def _batch_messages(
         self, shards: Sequence[Shard], progress: Progress | None
-    ) -> Iterator[store_pb2.PutShardChunk]:
-        for shard in shards:
-            yield from self._chunks(shard, progress)
+    ) -> Iterator[store_pb2.ShardPieces]:
+        packer = Packer(self.chunk_bytes)
+        sent = [0] * len(shards)  # payload bytes of each shard handed to gRPC so far
+        pending: dict[int, int] = {}
+        for pos, shard in enumerate(shards):
+            for piece in shard_pieces(pos, shard.header.pack(), shard.payload, self.chunk_bytes):
+                pending[pos] = pending.get(pos, 0) + len(piece.data)
+                msg = packer.add(piece)
+                if msg is not None:
+                    yield msg
+                    _report(shards, pending, sent, progress)
+        msg = packer.flush()
+        if msg is not None:
+            yield msg
+            _report(shards, pending, sent, progress)
 
     def put_shards(
         self, shards: Sequence[Shard], timeout_s: float, progress: Progress | None = None
     ) -> list[NodeError | None]:
         try:
-            reply = self._stub.PutShards(self._batch_chunks(shards, progress), timeout=timeout_s)
+            reply = self._stub.PutShards(self._batch_messages(shards, progress), timeout=timeout_s)
         except grpc.RpcError as exc:
             err = self._error(exc)
             return [err] * len(shards)
@@ -252,7 +276,8 @@ class GrpcShardTransport:
             if cancel is not None:
                 cancel.attach(call)
             for msg in call:
-                asm.feed(msg)
+                for piece in msg.pieces:
+                    asm.feed(piece)
         except grpc.RpcError as exc:
             asm.fail_rest(len(refs), self._error(exc))
         except ShardFormatError as exc:

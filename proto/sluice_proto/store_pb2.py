@@ -25,15 +25,15 @@ _sym_db = _symbol_database.Default()
 from sluice_proto import common_pb2 as sluice__proto_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18sluice_proto/store.proto\x12\tsluice.v1\x1a\x19sluice_proto/common.proto\",\n\x08ShardRef\x12\x11\n\tobject_id\x18\x01 \x01(\x0c\x12\r\n\x05index\x18\x02 \x01(\r\"-\n\rPutShardChunk\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"%\n\rPutShardReply\x12\x14\n\x0cstored_bytes\x18\x01 \x01(\x04\"H\n\x0fGetShardRequest\x12 \n\x03ref\x18\x01 \x01(\x0b\x32\x13.sluice.v1.ShardRef\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\r\"r\n\rGetShardChunk\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0b\n\x03ref\x18\x03 \x01(\r\x12&\n\x06status\x18\x04 \x01(\x0e\x32\x16.sluice.v1.ShardStatus\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\"J\n\x10GetShardsRequest\x12!\n\x04refs\x18\x01 \x03(\x0b\x32\x13.sluice.v1.ShardRef\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\r\"H\n\x0ePutShardsReply\x12&\n\x06status\x18\x01 \x03(\x0e\x32\x16.sluice.v1.ShardStatus\x12\x0e\n\x06\x64\x65tail\x18\x02 \x03(\t\".\n\tShardRefs\x12!\n\x04refs\x18\x01 \x03(\x0b\x32\x13.sluice.v1.ShardRef\"\x1b\n\nCountReply\x12\r\n\x05\x63ount\x18\x01 \x01(\r\"u\n\x0eStatShardReply\x12\x0e\n\x06\x65xists\x18\x01 \x01(\x08\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x15\n\rtraffic_class\x18\x03 \x01(\r\x12\x18\n\x10last_access_unix\x18\x04 \x01(\x01\x12\x14\n\x0c\x65xpires_unix\x18\x05 \x01(\x01\"\x12\n\x10NodeStatsRequest\"\xc8\x01\n\x0eNodeStatsReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bshard_count\x18\x04 \x01(\x04\x12\x16\n\x0e\x65victed_shards\x18\x05 \x01(\x04\x12\x16\n\x0e\x65xpired_shards\x18\x06 \x01(\x04\x12\x1a\n\x12\x64iscarded_at_start\x18\x07 \x01(\x04\x12\x18\n\x10\x63orrupt_detected\x18\x08 \x01(\x04*W\n\x0bShardStatus\x12\x0c\n\x08SHARD_OK\x10\x00\x12\x13\n\x0fSHARD_NOT_FOUND\x10\x01\x12\x11\n\rSHARD_CORRUPT\x10\x02\x12\x12\n\x0eSHARD_REJECTED\x10\x03\x32\xd2\x04\n\tStoreNode\x12@\n\x08PutShard\x12\x18.sluice.v1.PutShardChunk\x1a\x18.sluice.v1.PutShardReply(\x01\x12\x42\n\x08GetShard\x12\x1a.sluice.v1.GetShardRequest\x1a\x18.sluice.v1.GetShardChunk0\x01\x12\x42\n\tPutShards\x12\x18.sluice.v1.PutShardChunk\x1a\x19.sluice.v1.PutShardsReply(\x01\x12\x44\n\tGetShards\x12\x1b.sluice.v1.GetShardsRequest\x1a\x18.sluice.v1.GetShardChunk0\x01\x12;\n\x0c\x44\x65leteShards\x12\x14.sluice.v1.ShardRefs\x1a\x15.sluice.v1.CountReply\x12:\n\x0bTouchShards\x12\x14.sluice.v1.ShardRefs\x1a\x15.sluice.v1.CountReply\x12;\n\tStatShard\x12\x13.sluice.v1.ShardRef\x1a\x19.sluice.v1.StatShardReply\x12\x43\n\tNodeStats\x12\x1b.sluice.v1.NodeStatsRequest\x1a\x19.sluice.v1.NodeStatsReply\x12:\n\x06Health\x12\x18.sluice.v1.HealthRequest\x1a\x16.sluice.v1.HealthReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18sluice_proto/store.proto\x12\tsluice.v1\x1a\x19sluice_proto/common.proto\",\n\x08ShardRef\x12\x11\n\tobject_id\x18\x01 \x01(\x0c\x12\r\n\x05index\x18\x02 \x01(\r\"-\n\rPutShardChunk\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"%\n\rPutShardReply\x12\x14\n\x0cstored_bytes\x18\x01 \x01(\x04\"H\n\x0fGetShardRequest\x12 \n\x03ref\x18\x01 \x01(\x0b\x32\x13.sluice.v1.ShardRef\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\r\"-\n\rGetShardChunk\x12\x0e\n\x06header\x18\x01 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"o\n\nShardPiece\x12\x0b\n\x03ref\x18\x01 \x01(\r\x12&\n\x06status\x18\x02 \x01(\x0e\x32\x16.sluice.v1.ShardStatus\x12\x0e\n\x06header\x18\x03 \x01(\x0c\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\x12\x0e\n\x06\x64\x65tail\x18\x05 \x01(\t\"4\n\x0bShardPieces\x12%\n\x06pieces\x18\x01 \x03(\x0b\x32\x15.sluice.v1.ShardPiece\"J\n\x10GetShardsRequest\x12!\n\x04refs\x18\x01 \x03(\x0b\x32\x13.sluice.v1.ShardRef\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\r\"H\n\x0ePutShardsReply\x12&\n\x06status\x18\x01 \x03(\x0e\x32\x16.sluice.v1.ShardStatus\x12\x0e\n\x06\x64\x65tail\x18\x02 \x03(\t\".\n\tShardRefs\x12!\n\x04refs\x18\x01 \x03(\x0b\x32\x13.sluice.v1.ShardRef\"\x1b\n\nCountReply\x12\r\n\x05\x63ount\x18\x01 \x01(\r\"u\n\x0eStatShardReply\x12\x0e\n\x06\x65xists\x18\x01 \x01(\x08\x12\x0c\n\x04size\x18\x02 \x01(\x04\x12\x15\n\rtraffic_class\x18\x03 \x01(\r\x12\x18\n\x10last_access_unix\x18\x04 \x01(\x01\x12\x14\n\x0c\x65xpires_unix\x18\x05 \x01(\x01\"\x12\n\x10NodeStatsRequest\"\xc8\x01\n\x0eNodeStatsReply\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12\x12\n\nused_bytes\x18\x02 \x01(\x04\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x03 \x01(\x04\x12\x13\n\x0bshard_count\x18\x04 \x01(\x04\x12\x16\n\x0e\x65victed_shards\x18\x05 \x01(\x04\x12\x16\n\x0e\x65xpired_shards\x18\x06 \x01(\x04\x12\x1a\n\x12\x64iscarded_at_start\x18\x07 \x01(\x04\x12\x18\n\x10\x63orrupt_detected\x18\x08 \x01(\x04*W\n\x0bShardStatus\x12\x0c\n\x08SHARD_OK\x10\x00\x12\x13\n\x0fSHARD_NOT_FOUND\x10\x01\x12\x11\n\rSHARD_CORRUPT\x10\x02\x12\x12\n\x0eSHARD_REJECTED\x10\x03\x32\xce\x04\n\tStoreNode\x12@\n\x08PutShard\x12\x18.sluice.v1.PutShardChunk\x1a\x18.sluice.v1.PutShardReply(\x01\x12\x42\n\x08GetShard\x12\x1a.sluice.v1.GetShardRequest\x1a\x18.sluice.v1.GetShardChunk0\x01\x12@\n\tPutShards\x12\x16.sluice.v1.ShardPieces\x1a\x19.sluice.v1.PutShardsReply(\x01\x12\x42\n\tGetShards\x12\x1b.sluice.v1.GetShardsRequest\x1a\x16.sluice.v1.ShardPieces0\x01\x12;\n\x0c\x44\x65leteShards\x12\x14.sluice.v1.ShardRefs\x1a\x15.sluice.v1.CountReply\x12:\n\x0bTouchShards\x12\x14.sluice.v1.ShardRefs\x1a\x15.sluice.v1.CountReply\x12;\n\tStatShard\x12\x13.sluice.v1.ShardRef\x1a\x19.sluice.v1.StatShardReply\x12\x43\n\tNodeStats\x12\x1b.sluice.v1.NodeStatsRequest\x1a\x19.sluice.v1.NodeStatsReply\x12:\n\x06Health\x12\x18.sluice.v1.HealthRequest\x1a\x16.sluice.v1.HealthReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'sluice_proto.store_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SHARDSTATUS']._serialized_start=957
-  _globals['_SHARDSTATUS']._serialized_end=1044
+  _globals['_SHARDSTATUS']._serialized_start=1055
+  _globals['_SHARDSTATUS']._serialized_end=1142
   _globals['_SHARDREF']._serialized_start=66
   _globals['_SHARDREF']._serialized_end=110
   _globals['_PUTSHARDCHUNK']._serialized_start=112
@@ -43,21 +43,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETSHARDREQUEST']._serialized_start=198
   _globals['_GETSHARDREQUEST']._serialized_end=270
   _globals['_GETSHARDCHUNK']._serialized_start=272
-  _globals['_GETSHARDCHUNK']._serialized_end=386
-  _globals['_GETSHARDSREQUEST']._serialized_start=388
-  _globals['_GETSHARDSREQUEST']._serialized_end=462
-  _globals['_PUTSHARDSREPLY']._serialized_start=464
-  _globals['_PUTSHARDSREPLY']._serialized_end=536
-  _globals['_SHARDREFS']._serialized_start=538
-  _globals['_SHARDREFS']._serialized_end=584
-  _globals['_COUNTREPLY']._serialized_start=586
-  _globals['_COUNTREPLY']._serialized_end=613
-  _globals['_STATSHARDREPLY']._serialized_start=615
-  _globals['_STATSHARDREPLY']._serialized_end=732
-  _globals['_NODESTATSREQUEST']._serialized_start=734
-  _globals['_NODESTATSREQUEST']._serialized_end=752
-  _globals['_NODESTATSREPLY']._serialized_start=755
-  _globals['_NODESTATSREPLY']._serialized_end=955
-  _globals['_STORENODE']._serialized_start=1047
-  _globals['_STORENODE']._serialized_end=1641
+  _globals['_GETSHARDCHUNK']._serialized_end=317
+  _globals['_SHARDPIECE']._serialized_start=319
+  _globals['_SHARDPIECE']._serialized_end=430
+  _globals['_SHARDPIECES']._serialized_start=432
+  _globals['_SHARDPIECES']._serialized_end=484
+  _globals['_GETSHARDSREQUEST']._serialized_start=486
+  _globals['_GETSHARDSREQUEST']._serialized_end=560
+  _globals['_PUTSHARDSREPLY']._serialized_start=562
+  _globals['_PUTSHARDSREPLY']._serialized_end=634
+  _globals['_SHARDREFS']._serialized_start=636
+  _globals['_SHARDREFS']._serialized_end=682
+  _globals['_COUNTREPLY']._serialized_start=684
+  _globals['_COUNTREPLY']._serialized_end=711
+  _globals['_STATSHARDREPLY']._serialized_start=713
+  _globals['_STATSHARDREPLY']._serialized_end=830
+  _globals['_NODESTATSREQUEST']._serialized_start=832
+  _globals['_NODESTATSREQUEST']._serialized_end=850
+  _globals['_NODESTATSREPLY']._serialized_start=853
+  _globals['_NODESTATSREPLY']._serialized_end=1053
+  _globals['_STORENODE']._serialized_start=1145
+  _globals['_STORENODE']._serialized_end=1735
 # @@protoc_insertion_point(module_scope)

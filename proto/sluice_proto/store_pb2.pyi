@@ -50,18 +50,32 @@ class GetShardRequest(_message.Message):
     def __init__(self, ref: _Optional[_Union[ShardRef, _Mapping]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class GetShardChunk(_message.Message):
-    __slots__ = ("header", "data", "ref", "status", "detail")
+    __slots__ = ("header", "data")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
-    REF_FIELD_NUMBER: _ClassVar[int]
-    STATUS_FIELD_NUMBER: _ClassVar[int]
-    DETAIL_FIELD_NUMBER: _ClassVar[int]
     header: bytes
     data: bytes
+    def __init__(self, header: _Optional[bytes] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ShardPiece(_message.Message):
+    __slots__ = ("ref", "status", "header", "data", "detail")
+    REF_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
     ref: int
     status: ShardStatus
+    header: bytes
+    data: bytes
     detail: str
-    def __init__(self, header: _Optional[bytes] = ..., data: _Optional[bytes] = ..., ref: _Optional[int] = ..., status: _Optional[_Union[ShardStatus, str]] = ..., detail: _Optional[str] = ...) -> None: ...
+    def __init__(self, ref: _Optional[int] = ..., status: _Optional[_Union[ShardStatus, str]] = ..., header: _Optional[bytes] = ..., data: _Optional[bytes] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class ShardPieces(_message.Message):
+    __slots__ = ("pieces",)
+    PIECES_FIELD_NUMBER: _ClassVar[int]
+    pieces: _containers.RepeatedCompositeFieldContainer[ShardPiece]
+    def __init__(self, pieces: _Optional[_Iterable[_Union[ShardPiece, _Mapping]]] = ...) -> None: ...
 
 class GetShardsRequest(_message.Message):
     __slots__ = ("refs", "chunk_bytes")

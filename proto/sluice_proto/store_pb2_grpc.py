@@ -47,13 +47,13 @@ class StoreNodeStub:
                 _registered_method=True)
         self.PutShards = channel.stream_unary(
                 '/sluice.v1.StoreNode/PutShards',
-                request_serializer=sluice__proto_dot_store__pb2.PutShardChunk.SerializeToString,
+                request_serializer=sluice__proto_dot_store__pb2.ShardPieces.SerializeToString,
                 response_deserializer=sluice__proto_dot_store__pb2.PutShardsReply.FromString,
                 _registered_method=True)
         self.GetShards = channel.unary_stream(
                 '/sluice.v1.StoreNode/GetShards',
                 request_serializer=sluice__proto_dot_store__pb2.GetShardsRequest.SerializeToString,
-                response_deserializer=sluice__proto_dot_store__pb2.GetShardChunk.FromString,
+                response_deserializer=sluice__proto_dot_store__pb2.ShardPieces.FromString,
                 _registered_method=True)
         self.DeleteShards = channel.unary_unary(
                 '/sluice.v1.StoreNode/DeleteShards',
@@ -105,18 +105,19 @@ class StoreNodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def PutShards(self, request_iterator, context):
-        """Batched forms: one stream per node for many shards (a prefix chain, a batch of blocks),
-        so the per-RPC cost is paid once per node and batch instead of once per shard.
-        PutShards: a message with a header starts the next shard; each shard is stored
-        atomically as soon as it is complete and gets its own result, in order.
+        """Batched forms: one stream per node for many shards (a prefix chain, a batch of blocks).
+        Each message packs pieces of several shards up to ~chunk_bytes, so small shards do not
+        pay one gRPC message each. A piece with a header starts shard `ref`; the following
+        pieces with the same ref carry the rest of its payload, in order.
+        PutShards: each shard is checked as it completes; all are committed as a group (see
+        shardstore.py) and get one status each, in stream order.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def GetShards(self, request, context):
-        """GetShards: for each ref, in order, a first message with `ref`, `status` and (if OK) the
-        header, then data messages for that ref until its payload is complete.
+        """GetShards: one status per ref, in request order; payload follows an OK header.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -168,13 +169,13 @@ def add_StoreNodeServicer_to_server(servicer, server):
             ),
             'PutShards': grpc.stream_unary_rpc_method_handler(
                     servicer.PutShards,
-                    request_deserializer=sluice__proto_dot_store__pb2.PutShardChunk.FromString,
+                    request_deserializer=sluice__proto_dot_store__pb2.ShardPieces.FromString,
                     response_serializer=sluice__proto_dot_store__pb2.PutShardsReply.SerializeToString,
             ),
             'GetShards': grpc.unary_stream_rpc_method_handler(
                     servicer.GetShards,
                     request_deserializer=sluice__proto_dot_store__pb2.GetShardsRequest.FromString,
-                    response_serializer=sluice__proto_dot_store__pb2.GetShardChunk.SerializeToString,
+                    response_serializer=sluice__proto_dot_store__pb2.ShardPieces.SerializeToString,
             ),
             'DeleteShards': grpc.unary_unary_rpc_method_handler(
                     servicer.DeleteShards,
@@ -281,7 +282,7 @@ class StoreNode:
             request_iterator,
             target,
             '/sluice.v1.StoreNode/PutShards',
-            sluice__proto_dot_store__pb2.PutShardChunk.SerializeToString,
+            sluice__proto_dot_store__pb2.ShardPieces.SerializeToString,
             sluice__proto_dot_store__pb2.PutShardsReply.FromString,
             options,
             channel_credentials,
@@ -309,7 +310,7 @@ class StoreNode:
             target,
             '/sluice.v1.StoreNode/GetShards',
             sluice__proto_dot_store__pb2.GetShardsRequest.SerializeToString,
-            sluice__proto_dot_store__pb2.GetShardChunk.FromString,
+            sluice__proto_dot_store__pb2.ShardPieces.FromString,
             options,
             channel_credentials,
             insecure,
