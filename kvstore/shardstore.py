@@ -105,6 +105,24 @@ class ShardWriter:
         self.tmp.unlink(missing_ok=True)
 
 
+def _read_shard_file(path: Path, size: int) -> tuple[bytes, bytes]:
+    """(header, payload) of a shard file whose indexed size is ``size``; a file that is now
+    longer or shorter yields a payload that fails its length check."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        head = os.read(fd, HEADER_LEN)
+        want = size - HEADER_LEN + 1  # one byte more than indexed: detects extra bytes
+        payload = os.read(fd, want)
+        while 0 < len(payload) < want:  # a short read is not the end of the file
+            more = os.read(fd, want - len(payload))
+            if not more:
+                break
+            payload += more
+        return head, payload
+    finally:
+        os.close(fd)
+
+
 def _fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -228,15 +246,16 @@ class ShardStore:
         name = shard_name(object_id, index)
         now = self.clock()
         with self._lock:
-            if name not in self.index:
+            entry = self.index.get(name)
+            if entry is None:
                 raise ShardNotFound(name)
             if self.index.is_expired(name, now):
                 self._drop(name, expired=True)
                 raise ShardNotFound(name)
+            size = entry.size
         path = self.path_of(name)
-        try:
-            with open(path, "rb") as f:  # header and payload read apart: no slicing copy
-                head, payload = f.read(HEADER_LEN), f.read()
+        try:  # header and payload read apart (no slicing copy), unbuffered (fewer syscalls)
+            head, payload = _read_shard_file(path, size)
         except FileNotFoundError:
             with self._lock:
                 self.index.remove(name)
