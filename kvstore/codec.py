@@ -13,7 +13,7 @@ sockets, no torch.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -136,16 +136,30 @@ class CodecConfig:
     k: int = 10
     m: int = 2
     backend: str = "isa_l_rs_cauchy"
+    # Objects larger than this are coded in stripes of about this size, each shard holding
+    # its fragment of every stripe: the GF work then runs in cache (ISA-L here: ~9 GB/s on
+    # 1 MiB against ~2.4 GB/s on 16 MiB in one call). 0 codes every object in one stripe.
+    stripe_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         if not 1 <= self.k <= 32 or not 1 <= self.m <= 16:
             raise ValueError(f"erasure code {self.k}+{self.m}: need 1 <= k <= 32 and 1 <= m <= 16")
+        if self.stripe_bytes != 0 and self.stripe_bytes < 4096:
+            raise ValueError(f"stripe_bytes must be 0 (off) or at least 4096, got {self.stripe_bytes}")
         if self.backend not in _BACKENDS:
             raise ValueError(f"unknown codec backend {self.backend!r}; known: {backend_names()}")
 
     @property
     def n(self) -> int:
         return self.k + self.m
+
+
+def _stripe_payloads(use: dict[int, Shard], stripes: int) -> Iterator[dict[int, bytes]]:
+    """Per stripe, the fragment of each shard in ``use`` (payload = stripes equal fragments);
+    made one stripe at a time so the slices stay in cache."""
+    size = next(iter(use.values())).header.payload_len // stripes
+    for st in range(stripes):
+        yield {i: s.payload[st * size : (st + 1) * size] for i, s in use.items()}
 
 
 def new_object_id() -> bytes:
@@ -162,16 +176,39 @@ class Codec:
         self.code = code
         self._backend = factory(self.config.k, self.config.m)
 
+    def stripes_for(self, length: int) -> int:
+        s = self.config.stripe_bytes
+        return 1 if s == 0 or length <= s else min(65535, -(-length // s))
+
     def encode(self, object_id: bytes, data: bytes, traffic_class: int = 0) -> list[Shard]:
         """Split ``data`` into k data and m parity shards, each with its header."""
         if len(object_id) != OBJECT_ID_LEN:
             raise ValueError(f"object id must be {OBJECT_ID_LEN} bytes, got {len(object_id)}")
         cfg = self.config
-        payloads = self._backend.encode(data)
+        stripes = self.stripes_for(len(data))
+        if stripes == 1:
+            payloads = self._backend.encode(data)
+        else:
+            per = -(-len(data) // stripes)  # every stripe this long; the last one zero-padded
+            view = memoryview(data)
+            coded = []
+            for i in range(stripes):
+                piece = bytes(view[i * per : (i + 1) * per])
+                coded.append(self._backend.encode(piece + bytes(per - len(piece))))
+            payloads = [b"".join(c[j] for c in coded) for j in range(cfg.n)]
         return [
             Shard(
                 ShardHeader(
-                    self.code, cfg.k, cfg.m, i, traffic_class, object_id, len(data), len(p), checksum(p)
+                    self.code,
+                    cfg.k,
+                    cfg.m,
+                    i,
+                    traffic_class,
+                    object_id,
+                    len(data),
+                    len(p),
+                    checksum(p),
+                    stripes,
                 ),
                 p,
             )
@@ -205,7 +242,10 @@ class Codec:
             for pos, shard in enumerate(shards)
             if shard is not None and self.shard_ok(shard, pos, object_id)
         }
-        lengths = {(s.header.object_id, s.header.object_len, s.header.payload_len) for s in good.values()}
+        lengths = {
+            (s.header.object_id, s.header.object_len, s.header.payload_len, s.header.stripes)
+            for s in good.values()
+        }
         if len(lengths) > 1:
             raise ShardSizeMismatch(f"valid shards disagree on (object id, lengths): {sorted(lengths)}")
         return good
@@ -215,19 +255,26 @@ class Codec:
         good = self.valid(shards)
         if len(good) != self.config.n:
             return False
-        again = self._backend.encode(self.decode(shards))
-        return all(again[i] == good[i].payload for i in range(self.config.n))
+        h = good[0].header
+        again = self.encode(h.object_id, self.decode(shards), h.traffic_class)
+        return all(again[i].payload == good[i].payload for i in range(self.config.n))
 
     def decode(self, shards: Sequence[Shard | None], object_id: bytes | None = None) -> bytes:
         """The object, from any k valid shards; raises TooFewShards otherwise."""
         good = self.valid(shards, object_id)
         if len(good) < self.config.k:
             raise TooFewShards(len(good), self.config.k)
-        object_len = next(iter(good.values())).header.object_len
+        ref = next(iter(good.values())).header
         use = dict(sorted(good.items())[: self.config.k])
-        data = self._backend.decode({i: s.payload for i, s in use.items()}, object_len)
-        if len(data) != object_len:
-            raise ShardSizeMismatch(f"decoded {len(data)} bytes, header says {object_len}")
+        if ref.stripes == 1:
+            data = self._backend.decode({i: s.payload for i, s in use.items()}, ref.object_len)
+        else:
+            per = -(-ref.object_len // ref.stripes)
+            parts = [self._backend.decode(payloads, per) for payloads in _stripe_payloads(use, ref.stripes)]
+            parts[-1] = parts[-1][: ref.object_len - per * (ref.stripes - 1)]
+            data = b"".join(parts)
+        if len(data) != ref.object_len:
+            raise ShardSizeMismatch(f"decoded {len(data)} bytes, header says {ref.object_len}")
         return data
 
     def reconstruct(self, shards: Sequence[Shard | None], object_id: bytes | None = None) -> list[Shard]:
@@ -240,12 +287,17 @@ class Codec:
             return [good[i] for i in range(self.config.n)]
         ref = next(iter(good.values())).header
         use = dict(sorted(good.items())[: self.config.k])
-        rebuilt = self._backend.rebuild({i: s.payload for i, s in use.items()}, missing, ref.object_len)
+        if ref.stripes == 1:
+            rebuilt = self._backend.rebuild({i: s.payload for i, s in use.items()}, missing, ref.object_len)
+        else:
+            per = -(-ref.object_len // ref.stripes)
+            pieces = [self._backend.rebuild(p, missing, per) for p in _stripe_payloads(use, ref.stripes)]
+            rebuilt = {i: b"".join(p[i] for p in pieces) for i in missing}
         out = dict(good)
         for i, payload in rebuilt.items():
             header = ShardHeader(
                 ref.codec, ref.k, ref.m, i, ref.traffic_class, ref.object_id, ref.object_len,
-                len(payload), checksum(payload),
+                len(payload), checksum(payload), ref.stripes,
             )  # fmt: skip
             out[i] = Shard(header, payload)
         return [out[i] for i in range(self.config.n)]

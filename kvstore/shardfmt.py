@@ -11,7 +11,7 @@ Byte layout (offsets in bytes)::
     11  index          u8   this shard's index in [0, k+m)
     12  traffic_class  u8   1 agent, 2 chat (storage-side TTL)
     13  flags          u8   0 (reserved)
-    14  reserved       u16  0
+    14  stripes        u16  stripes the object was coded in (payload = stripes x fragment)
     16  object_id      16s  identity of one write of one object (never reused)
     32  object_len     u64  bytes of the original object
     40  payload_len    u64  bytes following this header
@@ -69,6 +69,7 @@ class ShardHeader:
     object_len: int
     payload_len: int
     payload_xxh3: int
+    stripes: int = 1
 
     def pack(self) -> bytes:
         body = _STRUCT.pack(
@@ -81,7 +82,7 @@ class ShardHeader:
             self.index,
             self.traffic_class,
             0,
-            0,
+            self.stripes,
             self.object_id,
             self.object_len,
             self.payload_len,
@@ -98,8 +99,8 @@ class ShardHeader:
         (stored,) = _CHECK.unpack_from(raw, _STRUCT.size)
         if checksum(body) != stored:
             raise ShardFormatError("header checksum mismatch")
-        magic, version, hlen, codec, k, m, index, tclass, _flags, _res, oid, olen, plen, pxx = _STRUCT.unpack(
-            body
+        magic, version, hlen, codec, k, m, index, tclass, _flags, stripes, oid, olen, plen, pxx = (
+            _STRUCT.unpack(body)
         )
         if magic != MAGIC:
             raise ShardFormatError(f"bad magic {magic!r}")
@@ -107,7 +108,9 @@ class ShardHeader:
             raise ShardFormatError(f"unsupported format version {version} (header length {hlen})")
         if index >= k + m:
             raise ShardFormatError(f"shard index {index} out of range for {k}+{m}")
-        return cls(codec, k, m, index, tclass, oid, olen, plen, pxx)
+        if stripes < 1 or plen % stripes:
+            raise ShardFormatError(f"payload of {plen} bytes does not split into {stripes} stripes")
+        return cls(codec, k, m, index, tclass, oid, olen, plen, pxx, stripes)
 
 
 @dataclass(frozen=True)

@@ -80,13 +80,21 @@ class Load:
         for t in threads:
             t.start()
         try:
-            time.sleep(during / 2)
+            self._wait(lambda: len(self.written) >= 3 and self.reads >= 1, during / 2)
             action()  # type: ignore[operator]
-            time.sleep(during / 2)
+            reads = self.reads
+            self._wait(lambda: self.reads >= reads + 3, during / 2)  # reads go on meanwhile
         finally:
             self._stop.set()
             for t in threads:
                 t.join(timeout=30)
+
+    def _wait(self, cond: object, at_least_s: float, limit_s: float = 60.0) -> None:
+        """Sleep ``at_least_s``, then until ``cond()`` holds (a slow machine still gets load)."""
+        time.sleep(at_least_s)
+        deadline = time.monotonic() + limit_s
+        while not cond() and time.monotonic() < deadline and not self.unexpected:  # type: ignore[operator]
+            time.sleep(0.01)
 
     def check_all_readable(self) -> None:
         for key, data in self.written.items():

@@ -241,3 +241,21 @@ def test_client_killed_mid_write_leaves_object_absent(
     assert proc.returncode == 17
     assert store_client.directory.get(key) is None
     assert store_client.get_prefix([key]) == []
+
+
+def test_batched_rpcs_report_each_shard(live_cluster: LocalStoreCluster, store_client: StoreClient) -> None:
+    from kvstore.codec import new_object_id
+    from kvstore.transport import ShardMissing, ShardRejectedByNode
+
+    node = store_client.transports["n04"]
+    good = [store_client.codec.encode(new_object_id(), os.urandom(n))[3] for n in (10, 300_000, 5)]
+    bad = Shard(good[1].header, good[1].payload[:-1] + bytes([good[1].payload[-1] ^ 1]))
+    results = node.put_shards([good[0], bad, good[2]], 5.0)
+    assert results[0] is None and results[2] is None
+    assert isinstance(results[1], ShardRejectedByNode) and "checksum" in str(results[1])
+    replies: dict[int, object] = {}
+    refs = [(s.header.object_id, 3) for s in good]
+    node.get_shards(refs, 5.0, replies.__setitem__)
+    assert replies[0].to_bytes() == good[0].to_bytes()  # type: ignore[attr-defined]
+    assert isinstance(replies[1], ShardMissing)
+    assert replies[2].to_bytes() == good[2].to_bytes()  # type: ignore[attr-defined]

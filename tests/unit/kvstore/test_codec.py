@@ -159,3 +159,26 @@ def test_config_validation_is_actionable() -> None:
         CodecConfig(k=0)
     with pytest.raises(ValueError, match="object id"):
         Codec().encode(b"short", b"x")
+
+
+@pytest.mark.parametrize("backend", ["isa_l_rs_cauchy", "zfec"])
+@pytest.mark.parametrize("size", [4095, 4096, 4097, 8192, 8193, 3 * 4096 + 7, 40_961])
+def test_striped_objects_round_trip_lose_two_and_rebuild_identically(backend: str, size: int) -> None:
+    codec = Codec(CodecConfig(backend=backend, stripe_bytes=4096))
+    data = os.urandom(size)
+    shards = codec.encode(new_object_id(), data)
+    assert shards[0].header.stripes == max(1, -(-size // 4096))
+    assert codec.verify(shards)
+    holed: list[Shard | None] = [None if i in (0, 7) else s for i, s in enumerate(shards)]
+    holed[3] = _flip(shards[3], 5) if size > 4096 else holed[3]
+    if size > 4096:
+        holed[7] = shards[7]  # two losses in all: a corrupt shard and a missing one
+    assert codec.decode(holed) == data
+    assert [s.to_bytes() for s in codec.reconstruct(holed)] == [s.to_bytes() for s in shards]
+
+
+def test_striping_is_off_with_zero() -> None:
+    codec = Codec(CodecConfig(stripe_bytes=0))
+    assert codec.encode(new_object_id(), os.urandom(3 << 20))[0].header.stripes == 1
+    with pytest.raises(ValueError, match="stripe_bytes"):
+        CodecConfig(stripe_bytes=100)
