@@ -145,7 +145,11 @@ class StoreClient:
             self.config.write_timeout_s, progress,
         )  # fmt: skip
         results: list[BlockMeta | WriteFailed] = []
-        for (key, oid, nodes, _, size), out in zip(plans, outcomes):
+        olds = self.directory.lookup_many([p[0] for p in plans])
+        commits: list[tuple[BlockMeta, float]] = []
+        stale: list[tuple[str, bytes, int]] = []
+        now_ms = int(time.time() * 1000)
+        for (key, oid, nodes, _, size), out, old in zip(plans, outcomes, olds):
             durable = bin(out.mask).count("1")
             if durable < self.config.write_quorum:
                 self._delete_shards([(nodes[i], oid, i) for i in range(len(nodes)) if out.mask >> i & 1])
@@ -157,14 +161,16 @@ class StoreClient:
                     )
                 )
                 continue
-            old = self.directory.get(key)
-            meta = BlockMeta(key, oid, nodes, size, traffic_class, out.mask, int(time.time() * 1000))
-            self.directory.commit(meta, self.config.ttl_s[traffic_class])
+            meta = BlockMeta(key, oid, nodes, size, traffic_class, out.mask, now_ms)
+            commits.append((meta, self.config.ttl_s[traffic_class]))
             if old is not None and old.object_id != oid:
-                self._delete_shards([(n, old.object_id, i) for i, n in enumerate(old.nodes)])
-            if out.errors:
-                self.repair.enqueue(key)
+                stale += [(n, old.object_id, i) for i, n in enumerate(old.nodes)]
             results.append(meta)
+        self.directory.commit_many(commits)  # the objects become visible here, not before
+        for meta, _ in commits:
+            if meta.present != (1 << len(meta.nodes)) - 1:
+                self.repair.enqueue(meta.key)
+        self._delete_shards(stale)
         return results
 
     def get_object(self, meta: BlockMeta) -> bytes:

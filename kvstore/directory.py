@@ -43,7 +43,8 @@ class Directory(Protocol):
     """Block metadata with per-entry TTL.
 
     Contract: ``commit`` makes an entry visible atomically (all fields at once) and sets its
-    TTL; it replaces an older entry for the same key. ``lookup_prefix`` returns the entries
+    TTL; it replaces an older entry for the same key. ``commit_many`` does the same for many
+    entries in one round trip (each entry atomic on its own). ``lookup_prefix`` returns the entries
     of the longest run of ``keys`` from the first one that are all present, in one round
     trip, and changes nothing; ``lookup_many`` returns one entry (or None) per key, also in
     one round trip. ``touch`` refreshes last access and TTL of existing entries.
@@ -53,6 +54,8 @@ class Directory(Protocol):
     """
 
     def commit(self, meta: BlockMeta, ttl_s: float) -> None: ...
+
+    def commit_many(self, items: Sequence[tuple[BlockMeta, float]]) -> None: ...
 
     def get(self, key: bytes) -> BlockMeta | None: ...
 
@@ -89,6 +92,12 @@ class InMemoryDirectory:
     def commit(self, meta: BlockMeta, ttl_s: float) -> None:
         with self._lock:
             self._entries[meta.key] = (meta, self._clock() + ttl_s)
+
+    def commit_many(self, items: Sequence[tuple[BlockMeta, float]]) -> None:
+        with self._lock:
+            now = self._clock()
+            for meta, ttl_s in items:
+                self._entries[meta.key] = (meta, now + ttl_s)
 
     def get(self, key: bytes) -> BlockMeta | None:
         with self._lock:

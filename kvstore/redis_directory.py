@@ -74,21 +74,27 @@ class RedisDirectory:
         )
 
     def commit(self, meta: BlockMeta, ttl_s: float) -> None:
-        name = self._key(meta.key)
-        pipe = self._r.pipeline(transaction=True)
-        pipe.delete(name)
-        pipe.hset(
-            name,
-            mapping={
-                "oid": meta.object_id,
-                "nodes": ",".join(meta.nodes),
-                "size": meta.size,
-                "cls": meta.traffic_class,
-                "mask": meta.present,
-                "at": meta.last_access_ms,
-            },
-        )
-        pipe.pexpire(name, max(1, int(ttl_s * 1000)))
+        self.commit_many([(meta, ttl_s)])
+
+    def commit_many(self, items: Sequence[tuple[BlockMeta, float]]) -> None:
+        if not items:
+            return
+        pipe = self._r.pipeline(transaction=True)  # one MULTI/EXEC: every entry whole
+        for meta, ttl_s in items:
+            name = self._key(meta.key)
+            pipe.delete(name)
+            pipe.hset(
+                name,
+                mapping={
+                    "oid": meta.object_id,
+                    "nodes": ",".join(meta.nodes),
+                    "size": meta.size,
+                    "cls": meta.traffic_class,
+                    "mask": meta.present,
+                    "at": meta.last_access_ms,
+                },
+            )
+            pipe.pexpire(name, max(1, int(ttl_s * 1000)))
         pipe.execute()
 
     def get(self, key: bytes) -> BlockMeta | None:

@@ -53,7 +53,7 @@ def check_directory_contract(d: Directory, advance: Callable[[float], None]) -> 
 
 
 def check_lookup_many(d: Directory) -> None:
-    d.commit(meta(40), TTL["chat"])
-    d.commit(meta(42), TTL["chat"])
+    d.commit_many([(meta(40), TTL["chat"]), (meta(42), TTL["chat"])])
+    d.commit_many([])
     assert d.lookup_many([meta(40).key, meta(41).key, meta(42).key]) == [meta(40), None, meta(42)]
     assert d.lookup_many([]) == []
