@@ -228,9 +228,16 @@ class StoreClient:
         return self._done(hashes, out, touch)
 
     def _done(self, hashes: Sequence[bytes], out: list[bytes], touch: bool) -> list[bytes]:
-        if touch and out:  # the nodes refreshed their shards when serving them
-            self.directory.touch(hashes[: len(out)], self.config.ttl_s)
+        if touch and out:  # the nodes refreshed their shards when serving them; the directory
+            # TTL is refreshed off the read's critical path
+            self._shard_pool.submit(self._touch_directory, list(hashes[: len(out)]))
         return out
+
+    def _touch_directory(self, keys: list[bytes]) -> None:
+        try:
+            self.directory.touch(keys, self.config.ttl_s)
+        except Exception as exc:  # noqa: BLE001 - a missed refresh only shortens a TTL
+            log.warning("directory touch of %d blocks failed: %s", len(keys), exc)
 
     def touch(self, hashes: Sequence[bytes]) -> int:
         metas = [m for m in self.directory.lookup_many(hashes) if m is not None]

@@ -20,6 +20,7 @@ from kvstore.shardfmt import Shard
 from kvstore.transport import (
     Cancel,
     NodeError,
+    NodeUnavailable,
     Progress,
     ShardCorruptOnNode,
     ShardMissing,
@@ -184,25 +185,12 @@ def read_objects(
         for index, node in enumerate(ref.nodes):
             per_node.setdefault(node, []).append((obj, index))
     cancel = Cancel()
-
-    def settle() -> None:
-        if on_settled is None:
-            return
-        for obj, g in enumerate(batch.gathers):
-            if g.missing or g.corrupt:
-                on_settled(obj, g.missing | g.corrupt)
-
-    def run(node: str, items: list[tuple[int, int]]) -> None:
-        def on_shard(pos: int, result: ShardResult) -> None:
-            obj, index = items[pos]
-            if batch.on_reply(obj, index, result):
-                settle()
-
-        refs = [(objects[obj].object_id, index) for obj, index in items]
-        transports[node].get_shards(refs, timeout_s, on_shard, cancel)
-
     for node, items in per_node.items():
-        pool.submit(run, node, items)
+        if node in transports:
+            pool.submit(_read_node, batch, transports[node], items, timeout_s, cancel, on_settled)
+        else:  # a node no longer in the client's membership: its shards are unavailable
+            for obj, index in items:
+                batch.on_reply(obj, index, NodeUnavailable(node, "not a known node"))
     deadline = time.monotonic() + timeout_s
     with batch.cond:
         while batch.unready > 0:
@@ -214,3 +202,24 @@ def read_objects(
     if any(not isinstance(r, bytes) for r in results):
         cancel.cancel()
     return results
+
+
+def _read_node(
+    batch: _ReadBatch,
+    transport: ShardTransport,
+    items: list[tuple[int, int]],
+    timeout_s: float,
+    cancel: Cancel,
+    on_settled: Callable[[int, set[int]], None] | None,
+) -> None:
+    """One node's stream of a read batch; the last reply of the batch reports bad shards."""
+
+    def on_shard(pos: int, result: ShardResult) -> None:
+        obj, index = items[pos]
+        if batch.on_reply(obj, index, result) and on_settled is not None:
+            for o, g in enumerate(batch.gathers):
+                if g.missing or g.corrupt:
+                    on_settled(o, g.missing | g.corrupt)
+
+    refs = [(batch.gathers[obj].object_id, index) for obj, index in items]
+    transport.get_shards(refs, timeout_s, on_shard, cancel)

@@ -12,7 +12,8 @@ import signal
 import threading
 from pathlib import Path
 
-from kvstore.node import add_node_arguments, config_from_args, parse_size, serve
+from kvstore.node import serve
+from kvstore.nodecli import add_node_arguments, config_from_args, parse_size
 
 
 def register(sub: argparse._SubParsersAction) -> None:
