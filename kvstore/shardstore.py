@@ -2,7 +2,7 @@
 
 Layout under ``data_dir``::
 
-    shards/<oid[:2]>/<oid-hex>.<index:02d>   header || payload (kvstore.shardfmt)
+    shards/<oid[:1]>/<oid-hex>.<index:02d>   header || payload (kvstore.shardfmt)
     tmp/<random>.part                          writes in progress (cleared at start)
 
 A write goes to ``tmp/``, is checked against its header (length, checksum), fsynced and
@@ -154,6 +154,8 @@ class ShardStore:
         self.evicted = self.expired = self.discarded_at_start = self.corrupt_detected = 0
         self.shard_dir.mkdir(parents=True, exist_ok=True)
         self.tmp_dir.mkdir(parents=True, exist_ok=True)
+        for digit in "0123456789abcdef":  # made once here, not per write
+            (self.shard_dir / digit).mkdir(exist_ok=True)
         self._rebuild()
 
     # -- start-up ----------------------------------------------------------------------
@@ -188,7 +190,7 @@ class ShardStore:
 
     # -- paths ---------------------------------------------------------------------------
     def path_of(self, name: str) -> Path:
-        return self.shard_dir / name[:2] / name
+        return self.shard_dir / name[:1] / name  # 16 directories: few directory fsyncs per group
 
     def commit(self, writers: Sequence[ShardWriter]) -> list[int]:
         """Make sealed shards durable and visible, as a group: fsync every temporary file
@@ -201,7 +203,6 @@ class ShardStore:
             for w in writers:
                 name = shard_name(w.header.object_id, w.header.index)
                 final = self.path_of(name)
-                final.parent.mkdir(exist_ok=True)
                 size = HEADER_LEN + w.header.payload_len
                 with self._lock:  # room, rename and index move together: usage never overshoots
                     for victim in self._make_room(size, exclude=name):

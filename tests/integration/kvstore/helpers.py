@@ -21,7 +21,7 @@ def node_index(node_id: str) -> int:
 
 def shard_path(cluster: LocalStoreCluster, meta: BlockMeta, index: int) -> Path:
     name = f"{meta.object_id.hex()}.{index:02d}"
-    return cluster.data_dir(node_index(meta.nodes[index])) / "shards" / name[:2] / name
+    return cluster.data_dir(node_index(meta.nodes[index])) / "shards" / name[:1] / name
 
 
 @dataclass

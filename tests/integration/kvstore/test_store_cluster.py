@@ -197,7 +197,7 @@ def test_restarted_node_serves_its_shards_again(
     datas = [os.urandom(100_000 + i) for i in range(5)]
     store_client.put_blocks(keys, datas)
     live_cluster.kill(0)
-    torn = live_cluster.data_dir(0) / "shards" / "ab" / ("ab" * 16 + ".03")
+    torn = live_cluster.data_dir(0) / "shards" / "a" / ("ab" * 16 + ".03")
     torn.parent.mkdir(exist_ok=True)
     torn.write_bytes(b"SLKV" + bytes(30))  # a write torn by a crash
     live_cluster.restart(0)
