@@ -34,7 +34,8 @@ def live_cluster(store_cluster: LocalStoreCluster) -> Iterator[LocalStoreCluster
 
 
 def make_client(cluster: LocalStoreCluster, redis_url: str, **overrides: object) -> StoreClient:
-    cfg = StoreClientConfig(nodes=cluster.nodes, background_repair=False, **overrides)  # type: ignore[arg-type]
+    settings: dict[str, object] = {"background_repair": False, **overrides}
+    cfg = StoreClientConfig(nodes=cluster.nodes, **settings)  # type: ignore[arg-type]
     client = StoreClient(cfg, RedisDirectory(redis_url))
     assert all(client.health(5.0).values())
     return client

@@ -259,3 +259,47 @@ def test_batched_rpcs_report_each_shard(live_cluster: LocalStoreCluster, store_c
     assert replies[0].to_bytes() == good[0].to_bytes()  # type: ignore[attr-defined]
     assert isinstance(replies[1], ShardMissing)
     assert replies[2].to_bytes() == good[2].to_bytes()  # type: ignore[attr-defined]
+
+
+def test_hung_nodes_are_hedged_and_a_third_times_out_explicitly(
+    live_cluster: LocalStoreCluster, redis_url: str
+) -> None:
+    import signal
+
+    client = make_client(live_cluster, redis_url, read_timeout_s=0.7)
+    stopped: list[int] = []
+    try:
+        keys = [os.urandom(32) for _ in range(4)]
+        datas = [os.urandom(300_000) for _ in keys]
+        client.put_blocks(keys, datas)
+        for i in (2, 9):  # alive but frozen: connections open, no replies
+            os.kill(live_cluster.procs[i].pid, signal.SIGSTOP)  # type: ignore[union-attr]
+            stopped.append(i)
+        start = time.monotonic()
+        assert client.get_prefix(keys, touch=False) == datas  # the first 10 replies decode
+        assert time.monotonic() - start < 0.7
+        os.kill(live_cluster.procs[4].pid, signal.SIGSTOP)  # type: ignore[union-attr]
+        stopped.append(4)
+        assert expect_unavailable_fast(client, keys) < 1.0  # the deadline, not a hang
+    finally:
+        for i in stopped:
+            os.kill(live_cluster.procs[i].pid, signal.SIGCONT)  # type: ignore[union-attr]
+        client.close()
+
+
+def test_background_repair_restores_a_corrupt_shard(live_cluster: LocalStoreCluster, redis_url: str) -> None:
+    client = make_client(live_cluster, redis_url, background_repair=True)
+    try:
+        key, data = os.urandom(32), os.urandom(123_457)
+        meta = client.put_object(key, data)
+        path = shard_path(live_cluster, meta, 6)
+        good = path.read_bytes()
+        path.write_bytes(good[:HEADER_LEN] + bytes([good[HEADER_LEN] ^ 0xFF]) + good[HEADER_LEN + 1 :])
+        assert client.get_prefix([key], touch=False) == [data]
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline and not (path.exists() and path.read_bytes() == good):
+            time.sleep(0.05)
+        assert path.read_bytes() == good
+        assert client.repair.repaired_shards == 1
+    finally:
+        client.close()
