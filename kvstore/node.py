@@ -345,6 +345,9 @@ class StoreNodeServer:
 
 
 def serve(config: NodeConfig) -> int:
+    from kvstore.memtune import tune_malloc
+
+    tune_malloc()  # this process is a node: keep shard-sized buffers for reuse
     config.data_dir.mkdir(parents=True, exist_ok=True)
     node = StoreNodeServer(config).start()
     log.info("store node %s serving on %s (data %s)", config.node_id, node.address, config.data_dir)

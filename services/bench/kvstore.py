@@ -118,12 +118,15 @@ def run(args: argparse.Namespace) -> Report:
     from kvstore.client import StoreClient, StoreClientConfig
     from kvstore.cluster import LocalClusterConfig, LocalStoreCluster
     from kvstore.codec import CodecConfig
+    from kvstore.memtune import tune_malloc
     from kvstore.redis_directory import RedisDirectory
     from services.procs import RedisProcess, free_port
 
     sizes = [int(s) for s in args.sizes.split(",")]
     config = {k: v for k, v in vars(args).items() if k != "func"}
     report = Report("kvstore", config)
+    # Process-wide, so the Redis client measured here gets the same allocator settings.
+    report.results["malloc_tuned"] = tune_malloc()
     progress("codec: ours vs zfec, pyeclib backends, memcpy")
     codec = run_codec([1 * MiB, 16 * MiB], args.k, args.m, args.codec_min_time, args.codec_rounds, progress)
     report.results["codec"] = codec
