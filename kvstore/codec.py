@@ -215,20 +215,28 @@ class Codec:
             for i, p in enumerate(payloads)
         ]
 
-    def shard_ok(self, shard: Shard, index: int, object_id: bytes | None = None) -> bool:
-        """True when ``shard`` is intact, from this codec, at ``index`` and (if given) of ``object_id``."""
+    def shard_ok(
+        self, shard: Shard, index: int, object_id: bytes | None = None, *, checksums: bool = True
+    ) -> bool:
+        """True when ``shard`` is intact, from this codec, at ``index`` and (if given) of
+        ``object_id``. ``checksums=False`` skips the payload hash, for shards the caller has
+        already checked with ``shard_ok``."""
         h, cfg = shard.header, self.config
         if (h.codec, h.k, h.m, h.index) != (self.code, cfg.k, cfg.m, index):
             return False
         if object_id is not None and h.object_id != object_id:
             return False
+        if not checksums:
+            return len(shard.payload) == h.payload_len
         try:
             shard.check()
         except ShardFormatError:
             return False
         return True
 
-    def valid(self, shards: Sequence[Shard | None], object_id: bytes | None = None) -> dict[int, Shard]:
+    def valid(
+        self, shards: Sequence[Shard | None], object_id: bytes | None = None, *, checksums: bool = True
+    ) -> dict[int, Shard]:
         """The shards that pass their checksums and agree with this codec and each other.
 
         A shard that fails is dropped (treated as missing). Raises ShardCountMismatch for a
@@ -240,7 +248,7 @@ class Codec:
         good = {
             pos: shard
             for pos, shard in enumerate(shards)
-            if shard is not None and self.shard_ok(shard, pos, object_id)
+            if shard is not None and self.shard_ok(shard, pos, object_id, checksums=checksums)
         }
         lengths = {
             (s.header.object_id, s.header.object_len, s.header.payload_len, s.header.stripes)
@@ -259,9 +267,12 @@ class Codec:
         again = self.encode(h.object_id, self.decode(shards), h.traffic_class)
         return all(again[i].payload == good[i].payload for i in range(self.config.n))
 
-    def decode(self, shards: Sequence[Shard | None], object_id: bytes | None = None) -> bytes:
-        """The object, from any k valid shards; raises TooFewShards otherwise."""
-        good = self.valid(shards, object_id)
+    def decode(
+        self, shards: Sequence[Shard | None], object_id: bytes | None = None, *, checksums: bool = True
+    ) -> bytes:
+        """The object, from any k valid shards; raises TooFewShards otherwise.
+        ``checksums=False``: every given shard already passed ``shard_ok`` (the read path)."""
+        good = self.valid(shards, object_id, checksums=checksums)
         if len(good) < self.config.k:
             raise TooFewShards(len(good), self.config.k)
         ref = next(iter(good.values())).header

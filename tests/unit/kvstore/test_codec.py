@@ -182,3 +182,14 @@ def test_striping_is_off_with_zero() -> None:
     assert codec.encode(new_object_id(), os.urandom(3 << 20))[0].header.stripes == 1
     with pytest.raises(ValueError, match="stripe_bytes"):
         CodecConfig(stripe_bytes=100)
+
+
+def test_skipping_checksums_still_checks_identity_and_length() -> None:
+    codec = Codec()
+    oid, data = new_object_id(), os.urandom(20_000)
+    shards = codec.encode(oid, data)
+    assert codec.decode(shards, oid, checksums=False) == data
+    short = Shard(shards[0].header, shards[0].payload[:-1])
+    assert 0 not in codec.valid([short, *shards[1:]], oid, checksums=False)
+    other = codec.encode(new_object_id(), data)
+    assert 0 not in codec.valid([other[0], *shards[1:]], oid, checksums=False)
