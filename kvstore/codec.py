@@ -137,9 +137,11 @@ class CodecConfig:
     m: int = 2
     backend: str = "isa_l_rs_cauchy"
     # Objects larger than this are coded in stripes of about this size, each shard holding
-    # its fragment of every stripe: the GF work then runs in cache (ISA-L here: ~9 GB/s on
-    # 1 MiB against ~2.4 GB/s on 16 MiB in one call). 0 codes every object in one stripe.
-    stripe_bytes: int = 1 << 20
+    # its fragment of every stripe. Off by default: measured here, striping helps large
+    # objects only in a process whose allocator returns big buffers to the kernel (then
+    # every fresh buffer page-faults); with kvstore.memtune.tune_malloc() applied, as nodes
+    # and the benchmark do, the extra copies make it a loss.
+    stripe_bytes: int = 0
 
     def __post_init__(self) -> None:
         if not 1 <= self.k <= 32 or not 1 <= self.m <= 16:
