@@ -8,7 +8,6 @@ same port and data directory, so it serves its shards again.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys
@@ -39,16 +38,24 @@ class LocalClusterConfig:
             raise ValueError(f"--nodes must be within [1, 256], got {self.nodes}")
 
 
-def _child_env() -> dict[str, str]:
-    """The parent's environment, with this checkout's packages first on the import path, so
-    nodes run the same code as the process that starts them (a worktree, not the install)."""
+# Runs a module with this checkout's packages first on sys.path: argv is
+# [root, proto dir, module, *module args]. No environment variable is read or set.
+_BOOT = (
+    "import runpy, sys; sys.path[:0] = sys.argv[1:3]; module = sys.argv[3]; "
+    "sys.argv = [module, *sys.argv[4:]]; runpy.run_module(module, run_name='__main__', alter_sys=True)"
+)
+
+
+def checkout_paths() -> list[str]:
+    """The import roots of the checkout this package was imported from (repo root, proto/)."""
     root = Path(kvstore.__file__).resolve().parent.parent
-    paths = [str(root), str(root / "proto")]
-    env = dict(os.environ)
-    if env.get("PYTHONPATH"):
-        paths.append(env["PYTHONPATH"])
-    env["PYTHONPATH"] = os.pathsep.join(paths)
-    return env
+    return [str(root), str(root / "proto")]
+
+
+def module_command(module: str, *args: str) -> list[str]:
+    """``python -m module args`` that imports this checkout's code (a worktree, not whatever
+    is installed), so child processes run the same code as the process that starts them."""
+    return [sys.executable, "-c", _BOOT, *checkout_paths(), module, *args]
 
 
 class LocalStoreCluster:
@@ -76,7 +83,6 @@ class LocalStoreCluster:
         d.mkdir(parents=True, exist_ok=True)
         (d / "node.addr").unlink(missing_ok=True)
         args = [
-            sys.executable, "-m", "kvstore.node",
             "--node-id", self.node_ids[i], "--port", str(port), "--data-dir", str(d),
             "--capacity", str(c.capacity_bytes),
             "--ttl-agent", str(c.ttl_s["agent"]), "--ttl-chat", str(c.ttl_s["chat"]),
@@ -93,7 +99,10 @@ class LocalStoreCluster:
         log = open(d / "node.log", "ab")  # noqa: SIM115 - handed to the child
         try:
             return subprocess.Popen(
-                args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=_child_env()
+                module_command("kvstore.node", *args),
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
             )
         finally:
             log.close()

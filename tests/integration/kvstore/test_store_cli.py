@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from kvstore.cluster import _child_env
+from kvstore.cluster import module_command
 from kvstore.placement import NodeAddress
 from kvstore.transport import GrpcShardTransport
 
@@ -35,8 +34,8 @@ def _wait_line(proc: subprocess.Popen[str], needle: str, timeout_s: float) -> li
 
 def test_store_cluster_command_starts_and_stops_all_nodes(tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "store", "cluster", "--nodes", "3", "--data-dir", str(tmp_path)],
-        stdout=subprocess.PIPE, text=True, env=_child_env(),
+        module_command("services.cli", "store", "cluster", "--nodes", "3", "--data-dir", str(tmp_path)),
+        stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
         lines = _wait_line(proc, "store nodes up", 30)
@@ -60,8 +59,8 @@ def test_store_cluster_command_starts_and_stops_all_nodes(tmp_path: Path) -> Non
 
 def test_store_node_rejects_bad_capacity(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "services.cli", "store", "node", "--data-dir", str(tmp_path), "--capacity", "0"],
-        capture_output=True, text=True, env=_child_env(), timeout=30,
+        module_command("services.cli", "store", "node", "--data-dir", str(tmp_path), "--capacity", "0"),
+        capture_output=True, text=True, timeout=30,
     )  # fmt: skip
     assert out.returncode == 2 and "--capacity must be positive" in out.stderr
     assert os.listdir(tmp_path) == []

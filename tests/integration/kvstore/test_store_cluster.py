@@ -213,6 +213,8 @@ def test_restarted_node_serves_its_shards_again(
 
 _CLIENT_DIES = """
 import os, sys
+sys.path[:0] = sys.argv[1:3]  # this checkout's packages
+del sys.argv[1:3]
 from kvstore.client import StoreClient, StoreClientConfig
 from kvstore.placement import NodeAddress
 from kvstore.redis_directory import RedisDirectory
@@ -231,12 +233,12 @@ def test_client_killed_mid_write_leaves_object_absent(
     import subprocess
     import sys
 
-    from kvstore.cluster import _child_env
+    from kvstore.cluster import checkout_paths
 
     key = os.urandom(32)
     nodes = [f"{n.node_id}={n.address}" for n in live_cluster.nodes]
     proc = subprocess.run(
-        [sys.executable, "-c", _CLIENT_DIES, redis_url, key.hex(), *nodes], env=_child_env(), timeout=60
+        [sys.executable, "-c", _CLIENT_DIES, *checkout_paths(), redis_url, key.hex(), *nodes], timeout=60
     )
     assert proc.returncode == 17
     assert store_client.directory.get(key) is None
