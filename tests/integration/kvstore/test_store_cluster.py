@@ -268,7 +268,7 @@ def test_hung_nodes_are_hedged_and_a_third_times_out_explicitly(
 ) -> None:
     import signal
 
-    client = make_client(live_cluster, redis_url, read_timeout_s=0.7)
+    client = make_client(live_cluster, redis_url, read_timeout_s=1.0)
     stopped: list[int] = []
     try:
         keys = [os.urandom(32) for _ in range(4)]
@@ -279,10 +279,10 @@ def test_hung_nodes_are_hedged_and_a_third_times_out_explicitly(
             stopped.append(i)
         start = time.monotonic()
         assert client.get_prefix(keys, touch=False) == datas  # the first 10 replies decode
-        assert time.monotonic() - start < 0.7
+        assert time.monotonic() - start < 1.0  # answered without waiting on the frozen two
         os.kill(live_cluster.procs[4].pid, signal.SIGSTOP)  # type: ignore[union-attr]
         stopped.append(4)
-        assert expect_unavailable_fast(client, keys) < 1.0  # the deadline, not a hang
+        assert expect_unavailable_fast(client, keys) < 1.5  # the 1 s deadline, not a hang
     finally:
         for i in stopped:
             os.kill(live_cluster.procs[i].pid, signal.SIGCONT)  # type: ignore[union-attr]
