@@ -26,6 +26,10 @@ class EplbSpec(_Strict):
     window_steps: int = Field(ge=1)
     period_steps: int = Field(ge=1)
     algorithm: str = "sluice"
+    min_gain: float = Field(default=0.0, ge=0)  # skip a re-placement that improves imbalance less
+    layers_per_step: int = Field(default=1, ge=1)  # layers whose weights move per engine step
+    num_groups: int = Field(default=1, ge=1)  # expert groups for hierarchical placement
+    gpus_per_node: int = Field(default=8, ge=1)
 
     @model_validator(mode="after")
     def _window_within_period(self) -> EplbSpec:

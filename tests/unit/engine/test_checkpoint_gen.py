@@ -95,6 +95,7 @@ def test_flash_shape_config_has_v4_flash_widths():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_flash_shape_loads_in_transformers(tmp_path):
     """Real V4-Flash widths, one layer (13 GB of experts in bf16 per layer: slow suite only)."""
     out = generate_checkpoint("flash-shape", tmp_path / "flash", num_hidden_layers=1)
