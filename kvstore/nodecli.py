@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kvstore.node import MiB, NodeConfig
 from kvstore.retention import DAY_S, RetentionConfig
+
+if TYPE_CHECKING:
+    from kvstore.node import NodeConfig
+
+MiB = 1 << 20
 
 
 def parse_size(text: str) -> int:
@@ -44,6 +49,8 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> NodeConfig:
+    from kvstore.node import NodeConfig  # gRPC is imported only when a node is built
+
     retention = RetentionConfig(
         ttl_s={"agent": args.ttl_agent, "chat": args.ttl_chat},
         high_watermark=args.high_watermark,

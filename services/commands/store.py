@@ -12,7 +12,6 @@ import signal
 import threading
 from pathlib import Path
 
-from kvstore.node import serve
 from kvstore.nodecli import add_node_arguments, config_from_args, parse_size
 
 
@@ -34,6 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_node(args: argparse.Namespace) -> int:
+    from kvstore.node import serve  # gRPC and the stubs load only for this command
+
     return serve(config_from_args(args))
 
 
