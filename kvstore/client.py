@@ -36,7 +36,7 @@ from kvstore.fanout import (
 from kvstore.placement import NodeAddress, place
 from kvstore.repair import RepairWorker
 from kvstore.retention import DEFAULT_TTL_S
-from kvstore.shardfmt import class_code
+from kvstore.shardfmt import TRAFFIC_CLASSES, class_code
 from kvstore.transport import NodeError, Progress, ShardTransport
 
 log = logging.getLogger(__name__)
@@ -65,6 +65,10 @@ class StoreClientConfig:
             raise ValueError(f"{self.codec.k}+{self.codec.m} needs at least {n} nodes, got {len(self.nodes)}")
         if not self.codec.k <= self.write_quorum <= n:
             raise ValueError(f"min_write_shards must be within [k, k+m] = [{self.codec.k}, {n}]")
+        if set(self.ttl_s) != set(TRAFFIC_CLASSES) or min(self.ttl_s.values()) <= 0:
+            raise ValueError(
+                f"ttl_s needs a positive TTL for exactly {sorted(TRAFFIC_CLASSES)}, got {dict(self.ttl_s)}"
+            )
         if min(self.write_timeout_s, self.read_timeout_s, self.admin_timeout_s) <= 0:
             raise ValueError("timeouts must be positive seconds")
         if self.shard_threads < n or self.batch_bytes < 1:
