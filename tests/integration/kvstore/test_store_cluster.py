@@ -305,3 +305,30 @@ def test_background_repair_restores_a_corrupt_shard(live_cluster: LocalStoreClus
         assert client.repair.repaired_shards == 1
     finally:
         client.close()
+
+
+def test_redis_down_is_an_error_and_an_empty_redis_is_a_miss(live_cluster: LocalStoreCluster) -> None:
+    import redis as redis_lib
+
+    from kvstore.client import StoreClientConfig
+    from kvstore.redis_directory import RedisDirectory
+    from services.procs import RedisProcess, free_port
+
+    port = free_port()
+    server = RedisProcess(port=port).start()
+    client = StoreClient(
+        StoreClientConfig(nodes=live_cluster.nodes), RedisDirectory(server.url, timeout_s=0.5)
+    )
+    try:
+        keys = [os.urandom(32) for _ in range(3)]
+        client.put_blocks(keys, [os.urandom(50_000) for _ in keys])
+        server.stop()
+        start = time.monotonic()
+        with pytest.raises(redis_lib.exceptions.ConnectionError):
+            client.get_prefix(keys)
+        assert time.monotonic() - start < 2.0
+        server = RedisProcess(port=port).start()  # metadata is gone (no persistence)
+        assert client.get_prefix(keys) == []  # a cache miss, never wrong bytes
+    finally:
+        client.close()
+        server.stop()
