@@ -1,0 +1,292 @@
+"""The store client: prefix-cache semantics over erasure-coded objects on storage nodes.
+
+``put_blocks(hashes, payloads, cls)`` stores one object per block; ``get_prefix(hashes)``
+returns the payloads of the longest contiguous cached run from the first block; ``touch``
+refreshes LRU and TTL; ``delete`` removes blocks. Placement is rendezvous hashing of the
+block hash over the node ids, so every client agrees on a block's group of k+m nodes.
+
+Write protocol (whole or absent): encode with a fresh object id, put all k+m shards in
+parallel (each node writes atomically), and only if at least ``min_write_shards`` are
+durable commit the directory entry; until that commit no reader can find the object. A
+short write deletes what it wrote and raises ``WriteFailed``. Readers decode only shards
+whose header carries the committed object id. No gRPC here: nodes are reached through
+``kvstore.transport.ShardTransport``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+from kvstore.codec import Codec, CodecConfig, new_object_id
+from kvstore.directory import BlockMeta, Directory, InMemoryDirectory
+from kvstore.fanout import (
+    ObjectLost,
+    ObjectRef,
+    ObjectUnavailable,
+    StoreError,
+    WriteFailed,
+    read_objects,
+    write_objects,
+)
+from kvstore.placement import NodeAddress, place
+from kvstore.repair import RepairWorker
+from kvstore.retention import DEFAULT_TTL_S
+from kvstore.shardfmt import TRAFFIC_CLASSES, class_code
+from kvstore.transport import NodeError, Progress, ShardTransport
+
+log = logging.getLogger(__name__)
+__all__ = ["StoreClient", "StoreClientConfig", "StoreError", "WriteFailed", "ObjectUnavailable", "ObjectLost"]
+
+
+@dataclass(frozen=True)
+class StoreClientConfig:
+    nodes: tuple[NodeAddress, ...]
+    codec: CodecConfig = field(default_factory=CodecConfig)
+    ttl_s: Mapping[str, float] = field(default_factory=lambda: DEFAULT_TTL_S)
+    min_write_shards: int | None = None  # None means k+1
+    write_timeout_s: float = 10.0
+    read_timeout_s: float = 2.0
+    admin_timeout_s: float = 2.0
+    chunk_bytes: int = 1 << 20
+    shard_threads: int = 48
+    batch_bytes: int = 64 << 20  # object bytes per batched put/get round
+    background_repair: bool = True
+
+    def __post_init__(self) -> None:
+        n = self.codec.n
+        if len({nd.node_id for nd in self.nodes}) != len(self.nodes):
+            raise ValueError("node ids must be unique")
+        if len(self.nodes) < n:
+            raise ValueError(f"{self.codec.k}+{self.codec.m} needs at least {n} nodes, got {len(self.nodes)}")
+        if not self.codec.k <= self.write_quorum <= n:
+            raise ValueError(f"min_write_shards must be within [k, k+m] = [{self.codec.k}, {n}]")
+        if set(self.ttl_s) != set(TRAFFIC_CLASSES) or min(self.ttl_s.values()) <= 0:
+            raise ValueError(
+                f"ttl_s needs a positive TTL for exactly {sorted(TRAFFIC_CLASSES)}, got {dict(self.ttl_s)}"
+            )
+        if min(self.write_timeout_s, self.read_timeout_s, self.admin_timeout_s) <= 0:
+            raise ValueError("timeouts must be positive seconds")
+        if self.shard_threads < n or self.batch_bytes < 1:
+            raise ValueError(f"shard_threads must be >= k+m ({n}) and batch_bytes positive")
+
+    @property
+    def write_quorum(self) -> int:
+        return self.codec.k + 1 if self.min_write_shards is None else self.min_write_shards
+
+
+T = TypeVar("T")
+
+
+def _batches(items: Sequence[T], max_bytes: int, size: Callable[[T], int] | None = None) -> Iterator[list[T]]:
+    """Consecutive runs of ``items`` of at most ``max_bytes`` (one item always fits)."""
+    measure = size or (lambda item: len(item[1]))  # type: ignore[index]
+    batch: list[T] = []
+    total = 0
+    for item in items:
+        n = measure(item)
+        if batch and total + n > max_bytes:
+            yield batch
+            batch, total = [], 0
+        batch.append(item)
+        total += n
+    if batch:
+        yield batch
+
+
+TransportFactory = Callable[[NodeAddress, int], ShardTransport]
+
+
+def _grpc_transport(node: NodeAddress, chunk_bytes: int) -> ShardTransport:
+    from kvstore.transport import GrpcShardTransport
+
+    return GrpcShardTransport(node, chunk_bytes)
+
+
+class StoreClient:
+    def __init__(
+        self,
+        config: StoreClientConfig,
+        directory: Directory | None = None,
+        transport_factory: TransportFactory = _grpc_transport,
+    ) -> None:
+        self.config = config
+        self.codec = Codec(config.codec)
+        self.directory: Directory = directory if directory is not None else InMemoryDirectory()
+        self.transports = {nd.node_id: transport_factory(nd, config.chunk_bytes) for nd in config.nodes}
+        self._node_ids = [nd.node_id for nd in config.nodes]
+        self._shard_pool = ThreadPoolExecutor(config.shard_threads, thread_name_prefix="kv-shard")
+        self.repair = RepairWorker(self, background=config.background_repair)
+
+    # -- objects -------------------------------------------------------------------------
+    def group(self, key: bytes) -> tuple[str, ...]:
+        return place(key, self._node_ids, self.codec.config.n)
+
+    def put_object(
+        self, key: bytes, data: bytes, traffic_class: str = "chat", progress: Progress | None = None
+    ) -> BlockMeta:
+        """Store ``data`` under ``key`` (replacing an older object); whole or absent.
+        Raises WriteFailed when fewer than the write quorum of shards became durable."""
+        result = self._put_batch([(key, data)], traffic_class, progress)[0]
+        if isinstance(result, WriteFailed):
+            raise result
+        return result
+
+    def _put_batch(
+        self, items: Sequence[tuple[bytes, bytes]], traffic_class: str, progress: Progress | None = None
+    ) -> list[BlockMeta | WriteFailed]:
+        code = class_code(traffic_class)
+        plans = []
+        for key, data in items:
+            oid = new_object_id()
+            plans.append((key, oid, self.group(key), self.codec.encode(oid, data, code), len(data)))
+        outcomes = write_objects(
+            self._shard_pool, self.transports, [(nodes, shards) for _, _, nodes, shards, _ in plans],
+            self.config.write_timeout_s, progress,
+        )  # fmt: skip
+        results: list[BlockMeta | WriteFailed] = []
+        olds = self.directory.lookup_many([p[0] for p in plans])
+        commits: list[tuple[BlockMeta, float]] = []
+        stale: list[tuple[str, bytes, int]] = []
+        now_ms = int(time.time() * 1000)
+        for (key, oid, nodes, _, size), out, old in zip(plans, outcomes, olds):
+            durable = bin(out.mask).count("1")
+            if durable < self.config.write_quorum:
+                self._delete_shards([(nodes[i], oid, i) for i in range(len(nodes)) if out.mask >> i & 1])
+                detail = "; ".join(f"shard {i} on {nodes[i]}: {e}" for i, e in sorted(out.errors.items()))
+                results.append(
+                    WriteFailed(
+                        f"block {key.hex()[:16]}: {durable} of {len(nodes)} shards durable, need "
+                        f"{self.config.write_quorum}; nothing committed ({detail})"
+                    )
+                )
+                continue
+            meta = BlockMeta(key, oid, nodes, size, traffic_class, out.mask, now_ms)
+            commits.append((meta, self.config.ttl_s[traffic_class]))
+            if old is not None and old.object_id != oid:
+                stale += [(n, old.object_id, i) for i, n in enumerate(old.nodes)]
+            results.append(meta)
+        self.directory.commit_many(commits)  # the objects become visible here, not before
+        for meta, _ in commits:
+            if meta.present != (1 << len(meta.nodes)) - 1:
+                self.repair.enqueue(meta.key)
+        self._delete_shards(stale)
+        return results
+
+    def get_object(self, meta: BlockMeta) -> bytes:
+        """The bytes of a committed object; raises ObjectUnavailable or ObjectLost."""
+        result = self._read([meta])[0]
+        if isinstance(result, StoreError):
+            raise result
+        return result
+
+    def _read(self, metas: Sequence[BlockMeta]) -> list[bytes | StoreError]:
+        def settled(pos: int, bad: set[int]) -> None:
+            self.repair.enqueue(metas[pos].key)
+
+        refs = [ObjectRef(m.object_id, m.nodes) for m in metas]
+        return read_objects(
+            self._shard_pool, self.codec, self.transports, refs, self.config.read_timeout_s, settled
+        )
+
+    # -- prefix-cache API ----------------------------------------------------------------
+    def put_blocks(
+        self, hashes: Sequence[bytes], payloads: Sequence[bytes], traffic_class: str = "chat"
+    ) -> list[BlockMeta]:
+        """Store the blocks not already cached, in batches with one stream per node; returns
+        the metadata of every block stored. Raises WriteFailed (after committing the blocks
+        that did succeed) when any block could not be written."""
+        if len(hashes) != len(payloads):
+            raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
+        class_code(traffic_class)
+        known = self.directory.lookup_many(hashes) if hashes else []
+        todo = [(h, p) for h, p, m in zip(hashes, payloads, known) if m is None]
+        stored: list[BlockMeta] = []
+        failures: list[WriteFailed] = []
+        for batch in _batches(todo, self.config.batch_bytes):
+            for r in self._put_batch(batch, traffic_class):
+                (failures if isinstance(r, WriteFailed) else stored).append(r)  # type: ignore[arg-type]
+        if failures:
+            raise WriteFailed(f"{len(failures)} of {len(todo)} blocks not stored; first: {failures[0]}")
+        return stored
+
+    def get_prefix(self, hashes: Sequence[bytes], touch: bool = True) -> list[bytes]:
+        """Payloads of the longest run of ``hashes`` (from the first) that is cached and
+        readable. A block whose shards are gone (evicted, expired) ends the run and its
+        entry is dropped. Raises ObjectUnavailable when a block of the run cannot be read
+        because nodes are down: an explicit error, never a silent truncation."""
+        metas = self.directory.lookup_prefix(hashes)
+        out: list[bytes] = []
+        for batch in _batches(metas, self.config.batch_bytes, size=lambda m: m.size):
+            for meta, result in zip(batch, self._read(batch)):
+                if isinstance(result, ObjectLost):
+                    self.directory.delete([meta.key])
+                    return self._done(hashes, out, touch)
+                if isinstance(result, StoreError):
+                    raise result
+                out.append(result)
+        return self._done(hashes, out, touch)
+
+    def _done(self, hashes: Sequence[bytes], out: list[bytes], touch: bool) -> list[bytes]:
+        if touch and out:  # the nodes refreshed their shards when serving them; the directory
+            # TTL is refreshed off the read's critical path
+            self._shard_pool.submit(self._touch_directory, list(hashes[: len(out)]))
+        return out
+
+    def _touch_directory(self, keys: list[bytes]) -> None:
+        try:
+            self.directory.touch(keys, self.config.ttl_s)
+        except Exception as exc:  # noqa: BLE001 - a missed refresh only shortens a TTL
+            log.warning("directory touch of %d blocks failed: %s", len(keys), exc)
+
+    def touch(self, hashes: Sequence[bytes]) -> int:
+        metas = [m for m in self.directory.lookup_many(hashes) if m is not None]
+        by_node: dict[str, list[tuple[bytes, int]]] = {}
+        for meta in metas:
+            for i, node in enumerate(meta.nodes):
+                by_node.setdefault(node, []).append((meta.object_id, i))
+        for node, refs in by_node.items():
+            try:
+                self.transports[node].touch(refs, self.config.admin_timeout_s)
+            except NodeError as exc:
+                log.debug("touch on %s failed: %s", node, exc)
+        return self.directory.touch([m.key for m in metas], self.config.ttl_s)
+
+    def delete(self, hashes: Sequence[bytes]) -> int:
+        metas = [m for m in self.directory.lookup_many(hashes) if m is not None]
+        count = self.directory.delete([m.key for m in metas])
+        self._delete_shards([(n, m.object_id, i) for m in metas for i, n in enumerate(m.nodes)])
+        return count
+
+    def _delete_shards(self, refs: Sequence[tuple[str, bytes, int]]) -> None:
+        by_node: dict[str, list[tuple[bytes, int]]] = {}
+        for node, oid, idx in refs:
+            by_node.setdefault(node, []).append((oid, idx))
+        for node, items in by_node.items():
+            try:
+                self.transports[node].delete(items, self.config.admin_timeout_s)
+            except NodeError as exc:  # orphans are reclaimed by the node's TTL/LRU
+                log.debug("delete on %s failed: %s", node, exc)
+
+    def health(self, timeout_s: float | None = None) -> dict[str, bool]:
+        """Node id -> SERVING, waiting up to ``timeout_s`` for each connection to come up."""
+        t = self.config.admin_timeout_s if timeout_s is None else timeout_s
+        futs = {n: self._shard_pool.submit(tr.health, t) for n, tr in self.transports.items()}
+        return {n: f.result() for n, f in futs.items()}
+
+    def close(self) -> None:
+        self.repair.stop()
+        self._shard_pool.shutdown(wait=True, cancel_futures=True)
+        for t in self.transports.values():
+            t.close()
+        self.directory.close()
+
+    def __enter__(self) -> StoreClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

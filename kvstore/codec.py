@@ -1,0 +1,316 @@
+"""Systematic Reed-Solomon erasure coding of objects into self-describing shards.
+
+The API follows klauspost/reedsolomon: ``encode`` an object into k+m shards, ``verify``
+a full set, ``reconstruct`` the missing ones (given as ``None``), ``decode`` the object.
+Every shard carries a ``kvstore.shardfmt`` header; a shard that fails its checksum or does
+not belong to the same object is treated as missing, so a wrong shard is never decoded.
+
+The Galois-field work is done by a registered backend: ISA-L through pyeclib by default
+(``isa_l_rs_cauchy``: always invertible, fastest measured here), or zfec. Pure: no
+sockets, no torch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvstore.shardfmt import OBJECT_ID_LEN, Shard, ShardFormatError, ShardHeader, checksum
+
+
+class CodecError(Exception):
+    """Base class of every codec error."""
+
+
+class TooFewShards(CodecError):
+    """Fewer than k valid shards of one object are available; the object cannot be decoded."""
+
+    def __init__(self, have: int, need: int, detail: str = "") -> None:
+        self.have, self.need = have, need
+        super().__init__(f"{have} valid shards, need {need} to decode" + (f": {detail}" if detail else ""))
+
+
+class ShardSizeMismatch(CodecError):
+    """Valid shards of one object disagree on their payload length or object length."""
+
+
+class ShardCountMismatch(CodecError):
+    """The shard list does not have exactly k+m entries."""
+
+
+class ErasureBackend(Protocol):
+    """The Galois-field engine behind a Codec.
+
+    ``encode`` returns k+m payloads of equal length. ``decode`` receives at least k payloads
+    keyed by shard index and returns the first ``object_len`` bytes of the object.
+    ``rebuild`` returns the payloads of ``missing`` indices. Inputs are never modified.
+    Callers guarantee that every payload passed in is an untampered encoder output.
+    """
+
+    def encode(self, data: bytes) -> list[bytes]: ...
+
+    def decode(self, payloads: dict[int, bytes], object_len: int) -> bytes: ...
+
+    def rebuild(
+        self, payloads: dict[int, bytes], missing: list[int], object_len: int
+    ) -> dict[int, bytes]: ...
+
+
+BackendFactory = Callable[[int, int], ErasureBackend]
+_BACKENDS: dict[str, tuple[int, BackendFactory]] = {}
+
+
+def register_backend(name: str, code: int) -> Callable[[BackendFactory], BackendFactory]:
+    """Register a backend factory under ``name``; ``code`` is stored in every shard header."""
+
+    def deco(factory: BackendFactory) -> BackendFactory:
+        if name in _BACKENDS or any(c == code for c, _ in _BACKENDS.values()):
+            raise ValueError(f"codec backend {name!r} or code {code} registered twice")
+        _BACKENDS[name] = (code, factory)
+        return factory
+
+    return deco
+
+
+def backend_names() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+class _PyECLib:
+    def __init__(self, k: int, m: int, ec_type: str) -> None:
+        from pyeclib.ec_iface import ECDriver
+
+        self._driver = ECDriver(k=k, m=m, ec_type=ec_type)
+
+    def encode(self, data: bytes) -> list[bytes]:
+        return list(self._driver.encode(bytes(data)))
+
+    def decode(self, payloads: dict[int, bytes], object_len: int) -> bytes:
+        # pyeclib aborts the process on memoryviews; every payload here is bytes.
+        return bytes(self._driver.decode([payloads[i] for i in sorted(payloads)]))
+
+    def rebuild(self, payloads: dict[int, bytes], missing: list[int], object_len: int) -> dict[int, bytes]:
+        frags = [payloads[i] for i in sorted(payloads)]
+        return dict(zip(missing, self._driver.reconstruct(frags, list(missing))))
+
+
+def _pyeclib_factory(ec_type: str) -> BackendFactory:
+    return lambda k, m: _PyECLib(k, m, ec_type)
+
+
+for _code, _name in enumerate(("isa_l_rs_cauchy", "isa_l_rs_vand", "liberasurecode_rs_vand"), start=1):
+    register_backend(_name, _code)(_pyeclib_factory(_name))
+
+
+@register_backend("zfec", 16)
+class _Zfec:
+    def __init__(self, k: int, m: int) -> None:
+        import zfec
+
+        self.k, self.n = k, k + m
+        self._enc = zfec.Encoder(k, self.n)
+        self._dec = zfec.Decoder(k, self.n)
+
+    def encode(self, data: bytes) -> list[bytes]:
+        size = max(1, -(-len(data) // self.k))
+        padded = bytes(data) + bytes(size * self.k - len(data))
+        blocks = [padded[i * size : (i + 1) * size] for i in range(self.k)]
+        return [bytes(b) for b in self._enc.encode(blocks, list(range(self.n)))]
+
+    def decode(self, payloads: dict[int, bytes], object_len: int) -> bytes:
+        nums = sorted(payloads)[: self.k]
+        blocks = self._dec.decode([payloads[i] for i in nums], nums)
+        return b"".join(bytes(b) for b in blocks)[:object_len]
+
+    def rebuild(self, payloads: dict[int, bytes], missing: list[int], object_len: int) -> dict[int, bytes]:
+        full = self.encode(self.decode(payloads, object_len))
+        return {i: full[i] for i in missing}
+
+
+@dataclass(frozen=True)
+class CodecConfig:
+    """Erasure-code geometry and backend. Default 10+2 on ISA-L (Cauchy)."""
+
+    k: int = 10
+    m: int = 2
+    backend: str = "isa_l_rs_cauchy"
+    # Objects larger than this are coded in stripes of about this size, each shard holding
+    # its fragment of every stripe. Off by default: measured here, striping helps large
+    # objects only in a process whose allocator returns big buffers to the kernel (then
+    # every fresh buffer page-faults); with kvstore.memtune.tune_malloc() applied, as nodes
+    # and the benchmark do, the extra copies make it a loss.
+    stripe_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.k <= 32 or not 1 <= self.m <= 16:
+            raise ValueError(f"erasure code {self.k}+{self.m}: need 1 <= k <= 32 and 1 <= m <= 16")
+        if self.stripe_bytes != 0 and self.stripe_bytes < 4096:
+            raise ValueError(f"stripe_bytes must be 0 (off) or at least 4096, got {self.stripe_bytes}")
+        if self.backend not in _BACKENDS:
+            raise ValueError(f"unknown codec backend {self.backend!r}; known: {backend_names()}")
+
+    @property
+    def n(self) -> int:
+        return self.k + self.m
+
+
+def _stripe_payloads(use: dict[int, Shard], stripes: int) -> Iterator[dict[int, bytes]]:
+    """Per stripe, the fragment of each shard in ``use`` (payload = stripes equal fragments);
+    made one stripe at a time so the slices stay in cache."""
+    size = next(iter(use.values())).header.payload_len // stripes
+    for st in range(stripes):
+        yield {i: s.payload[st * size : (st + 1) * size] for i, s in use.items()}
+
+
+def new_object_id() -> bytes:
+    """A fresh identity for one write of one object (random, never reused)."""
+    return os.urandom(OBJECT_ID_LEN)
+
+
+class Codec:
+    """Encode objects into k+m checksummed shards and decode them back."""
+
+    def __init__(self, config: CodecConfig | None = None) -> None:
+        self.config = config or CodecConfig()
+        code, factory = _BACKENDS[self.config.backend]
+        self.code = code
+        self._backend = factory(self.config.k, self.config.m)
+
+    def stripes_for(self, length: int) -> int:
+        s = self.config.stripe_bytes
+        return 1 if s == 0 or length <= s else min(65535, -(-length // s))
+
+    def encode(self, object_id: bytes, data: bytes, traffic_class: int = 0) -> list[Shard]:
+        """Split ``data`` into k data and m parity shards, each with its header."""
+        if len(object_id) != OBJECT_ID_LEN:
+            raise ValueError(f"object id must be {OBJECT_ID_LEN} bytes, got {len(object_id)}")
+        cfg = self.config
+        stripes = self.stripes_for(len(data))
+        if stripes == 1:
+            payloads = self._backend.encode(data)
+        else:
+            per = -(-len(data) // stripes)  # every stripe this long; the last one zero-padded
+            view = memoryview(data)
+            coded = []
+            for i in range(stripes):
+                piece = bytes(view[i * per : (i + 1) * per])
+                coded.append(self._backend.encode(piece + bytes(per - len(piece))))
+            payloads = [b"".join(c[j] for c in coded) for j in range(cfg.n)]
+        return [
+            Shard(
+                ShardHeader(
+                    self.code,
+                    cfg.k,
+                    cfg.m,
+                    i,
+                    traffic_class,
+                    object_id,
+                    len(data),
+                    len(p),
+                    checksum(p),
+                    stripes,
+                ),
+                p,
+            )
+            for i, p in enumerate(payloads)
+        ]
+
+    def shard_ok(
+        self, shard: Shard, index: int, object_id: bytes | None = None, *, checksums: bool = True
+    ) -> bool:
+        """True when ``shard`` is intact, from this codec, at ``index`` and (if given) of
+        ``object_id``. ``checksums=False`` skips the payload hash, for shards the caller has
+        already checked with ``shard_ok``."""
+        h, cfg = shard.header, self.config
+        if (h.codec, h.k, h.m, h.index) != (self.code, cfg.k, cfg.m, index):
+            return False
+        if object_id is not None and h.object_id != object_id:
+            return False
+        if not checksums:
+            return len(shard.payload) == h.payload_len
+        try:
+            shard.check()
+        except ShardFormatError:
+            return False
+        return True
+
+    def valid(
+        self, shards: Sequence[Shard | None], object_id: bytes | None = None, *, checksums: bool = True
+    ) -> dict[int, Shard]:
+        """The shards that pass their checksums and agree with this codec and each other.
+
+        A shard that fails is dropped (treated as missing). Raises ShardCountMismatch for a
+        list of the wrong length and ShardSizeMismatch when valid shards disagree on lengths.
+        """
+        cfg = self.config
+        if len(shards) != cfg.n:
+            raise ShardCountMismatch(f"expected {cfg.n} shard slots, got {len(shards)}")
+        good = {
+            pos: shard
+            for pos, shard in enumerate(shards)
+            if shard is not None and self.shard_ok(shard, pos, object_id, checksums=checksums)
+        }
+        lengths = {
+            (s.header.object_id, s.header.object_len, s.header.payload_len, s.header.stripes)
+            for s in good.values()
+        }
+        if len(lengths) > 1:
+            raise ShardSizeMismatch(f"valid shards disagree on (object id, lengths): {sorted(lengths)}")
+        return good
+
+    def verify(self, shards: Sequence[Shard | None]) -> bool:
+        """True when all k+m shards are present, valid, and the parity matches the data."""
+        good = self.valid(shards)
+        if len(good) != self.config.n:
+            return False
+        h = good[0].header
+        again = self.encode(h.object_id, self.decode(shards), h.traffic_class)
+        return all(again[i].payload == good[i].payload for i in range(self.config.n))
+
+    def decode(
+        self, shards: Sequence[Shard | None], object_id: bytes | None = None, *, checksums: bool = True
+    ) -> bytes:
+        """The object, from any k valid shards; raises TooFewShards otherwise.
+        ``checksums=False``: every given shard already passed ``shard_ok`` (the read path)."""
+        good = self.valid(shards, object_id, checksums=checksums)
+        if len(good) < self.config.k:
+            raise TooFewShards(len(good), self.config.k)
+        ref = next(iter(good.values())).header
+        use = dict(sorted(good.items())[: self.config.k])
+        if ref.stripes == 1:
+            data = self._backend.decode({i: s.payload for i, s in use.items()}, ref.object_len)
+        else:
+            per = -(-ref.object_len // ref.stripes)
+            parts = [self._backend.decode(payloads, per) for payloads in _stripe_payloads(use, ref.stripes)]
+            parts[-1] = parts[-1][: ref.object_len - per * (ref.stripes - 1)]
+            data = b"".join(parts)
+        if len(data) != ref.object_len:
+            raise ShardSizeMismatch(f"decoded {len(data)} bytes, header says {ref.object_len}")
+        return data
+
+    def reconstruct(self, shards: Sequence[Shard | None], object_id: bytes | None = None) -> list[Shard]:
+        """All k+m shards: valid ones as given, missing or corrupt ones rebuilt."""
+        good = self.valid(shards, object_id)
+        if len(good) < self.config.k:
+            raise TooFewShards(len(good), self.config.k)
+        missing = [i for i in range(self.config.n) if i not in good]
+        if not missing:
+            return [good[i] for i in range(self.config.n)]
+        ref = next(iter(good.values())).header
+        use = dict(sorted(good.items())[: self.config.k])
+        if ref.stripes == 1:
+            rebuilt = self._backend.rebuild({i: s.payload for i, s in use.items()}, missing, ref.object_len)
+        else:
+            per = -(-ref.object_len // ref.stripes)
+            pieces = [self._backend.rebuild(p, missing, per) for p in _stripe_payloads(use, ref.stripes)]
+            rebuilt = {i: b"".join(p[i] for p in pieces) for i in missing}
+        out = dict(good)
+        for i, payload in rebuilt.items():
+            header = ShardHeader(
+                ref.codec, ref.k, ref.m, i, ref.traffic_class, ref.object_id, ref.object_len,
+                len(payload), checksum(payload), ref.stripes,
+            )  # fmt: skip
+            out[i] = Shard(header, payload)
+        return [out[i] for i in range(self.config.n)]

@@ -1,0 +1,225 @@
+"""Object-level writes and reads over k+m shard transports, batched per node (no gRPC here).
+
+``write_objects`` sends the shards of a batch of objects with one stream per node and
+reports, per object, which shards are durable. ``read_objects`` fans out to every shard of
+every object (one stream per node) and decodes each object from the first k shards that
+pass their checksums; the other m requests are the hedge against slow or dead nodes, and
+their outcomes (missing, corrupt) are reported for repair once every reply is in.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Executor, wait
+from dataclasses import dataclass, field
+
+from kvstore.codec import Codec, TooFewShards
+from kvstore.shardfmt import Shard
+from kvstore.transport import (
+    Cancel,
+    NodeError,
+    NodeUnavailable,
+    Progress,
+    ShardCorruptOnNode,
+    ShardMissing,
+    ShardResult,
+    ShardTransport,
+)
+
+
+class StoreError(Exception):
+    """Base class of the store client's errors."""
+
+
+class WriteFailed(StoreError):
+    """Too few shards became durable; the object was not committed (it is absent)."""
+
+
+class ObjectUnavailable(StoreError):
+    """Fewer than k valid shards could be read right now (nodes down or slow)."""
+
+
+class ObjectLost(StoreError):
+    """More than m nodes answered that their shard is gone (evicted, expired, deleted)."""
+
+
+@dataclass(frozen=True)
+class ObjectRef:
+    """One object to read: its id and the node id holding each shard index."""
+
+    object_id: bytes
+    nodes: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class WriteOutcome:
+    mask: int  # shards durable
+    errors: dict[int, str]
+
+
+def write_objects(
+    pool: Executor,
+    transports: Mapping[str, ShardTransport],
+    objects: Sequence[tuple[tuple[str, ...], Sequence[Shard]]],
+    timeout_s: float,
+    progress: Progress | None = None,
+) -> list[WriteOutcome]:
+    """Put shard i of each object on node ``nodes[i]``: one stream per node, all in parallel.
+    Never raises for a node failure; the outcome says which shards are durable."""
+    per_node: dict[str, list[tuple[int, Shard]]] = {}
+    for obj, (nodes, shards) in enumerate(objects):
+        for node, shard in zip(nodes, shards):
+            per_node.setdefault(node, []).append((obj, shard))
+    futs = {
+        pool.submit(transports[node].put_shards, [s for _, s in items], timeout_s, progress): items
+        for node, items in per_node.items()
+    }
+    wait(futs, timeout=timeout_s + 1.0)
+    masks = [0] * len(objects)
+    errors: list[dict[int, str]] = [{} for _ in objects]
+    for fut, items in futs.items():
+        results: list[NodeError | None]
+        if fut.done() and fut.exception() is None:
+            results = fut.result()
+        else:
+            results = [NodeError("?", "timed out")] * len(items)
+        for (obj, shard), err in zip(items, results):
+            if err is None:
+                masks[obj] |= 1 << shard.index
+            else:
+                errors[obj][shard.index] = str(err)
+    return [WriteOutcome(m, e) for m, e in zip(masks, errors)]
+
+
+@dataclass
+class _Gather:
+    """Replies for one object, until k valid ones (or until no more can arrive)."""
+
+    object_id: bytes
+    n: int
+    shards: list[Shard | None] = field(default_factory=list)
+    valid: int = 0
+    pending: int = 0
+    missing: set[int] = field(default_factory=set)
+    corrupt: set[int] = field(default_factory=set)
+    errors: dict[int, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.shards = [None] * self.n
+        self.pending = self.n
+
+    def ready(self, k: int, m: int) -> bool:
+        return self.valid >= k or self.pending == 0 or len(self.missing) > m
+
+
+class _ReadBatch:
+    def __init__(self, codec: Codec, objects: Sequence[ObjectRef]) -> None:
+        self.codec = codec
+        self.k, self.m = codec.config.k, codec.config.m
+        self.gathers = [_Gather(o.object_id, len(o.nodes)) for o in objects]
+        self.cond = threading.Condition()
+        self.outstanding = sum(g.n for g in self.gathers)
+        self.unready = len(self.gathers)  # the waiter wakes once, when this reaches 0
+
+    def on_reply(self, obj: int, index: int, result: ShardResult) -> bool:
+        """Record one reply; True when it was the last reply of the whole batch."""
+        g = self.gathers[obj]
+        shard = result if isinstance(result, Shard) else None
+        ok = shard is not None and self.codec.shard_ok(shard, index, g.object_id)
+        with self.cond:
+            was_ready = g.ready(self.k, self.m)
+            g.pending -= 1
+            self.outstanding -= 1
+            if ok:
+                g.shards[index] = shard
+                g.valid += 1
+            elif shard is not None:
+                g.corrupt.add(index)
+                g.errors[index] = "failed checksum at the client"
+            else:
+                g.errors[index] = str(result)
+                if isinstance(result, ShardMissing):
+                    g.missing.add(index)
+                elif isinstance(result, ShardCorruptOnNode):
+                    g.corrupt.add(index)
+            if not was_ready and g.ready(self.k, self.m):
+                self.unready -= 1
+                if self.unready == 0:
+                    self.cond.notify_all()
+            return self.outstanding == 0
+
+    def result(self, obj: int, timeout_s: float) -> bytes | StoreError:
+        with self.cond:
+            g = self.gathers[obj]
+            shards, valid, missing, errors = list(g.shards), g.valid, len(g.missing), dict(g.errors)
+        if valid >= self.k:
+            return self.codec.decode(shards, g.object_id, checksums=False)  # checked on arrival
+        detail = "; ".join(f"shard {i} {e}" for i, e in sorted(errors.items())) or "no replies in time"
+        if missing > self.m:
+            return ObjectLost(f"object {g.object_id.hex()}: {missing} shards gone ({detail})")
+        return ObjectUnavailable(
+            f"object {g.object_id.hex()}: {TooFewShards(valid, self.k)} within {timeout_s:.2f}s ({detail})"
+        )
+
+
+def read_objects(
+    pool: Executor,
+    codec: Codec,
+    transports: Mapping[str, ShardTransport],
+    objects: Sequence[ObjectRef],
+    timeout_s: float,
+    on_settled: Callable[[int, set[int]], None] | None = None,
+) -> list[bytes | StoreError]:
+    """Decode each object from the first k valid shards of its group.
+
+    One result per object: its bytes, ObjectLost (more than m live nodes report the shard
+    gone) or ObjectUnavailable (fewer than k valid shards within ``timeout_s``). Stragglers
+    are not cancelled: once every reply is in, ``on_settled(object position, bad indices)``
+    is called for each object with shards missing or corrupt on a live node.
+    """
+    batch = _ReadBatch(codec, objects)
+    per_node: dict[str, list[tuple[int, int]]] = {}
+    for obj, ref in enumerate(objects):
+        for index, node in enumerate(ref.nodes):
+            per_node.setdefault(node, []).append((obj, index))
+    cancel = Cancel()
+    for node, items in per_node.items():
+        if node in transports:
+            pool.submit(_read_node, batch, transports[node], items, timeout_s, cancel, on_settled)
+        else:  # a node no longer in the client's membership: its shards are unavailable
+            for obj, index in items:
+                batch.on_reply(obj, index, NodeUnavailable(node, "not a known node"))
+    deadline = time.monotonic() + timeout_s
+    with batch.cond:
+        while batch.unready > 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            batch.cond.wait(left)
+    results = [batch.result(i, timeout_s) for i in range(len(objects))]
+    if any(not isinstance(r, bytes) for r in results):
+        cancel.cancel()
+    return results
+
+
+def _read_node(
+    batch: _ReadBatch,
+    transport: ShardTransport,
+    items: list[tuple[int, int]],
+    timeout_s: float,
+    cancel: Cancel,
+    on_settled: Callable[[int, set[int]], None] | None,
+) -> None:
+    """One node's stream of a read batch; the last reply of the batch reports bad shards."""
+
+    def on_shard(pos: int, result: ShardResult) -> None:
+        obj, index = items[pos]
+        if batch.on_reply(obj, index, result) and on_settled is not None:
+            for o, g in enumerate(batch.gathers):
+                if g.missing or g.corrupt:
+                    on_settled(o, g.missing | g.corrupt)
+
+    refs = [(batch.gathers[obj].object_id, index) for obj, index in items]
+    transport.get_shards(refs, timeout_s, on_shard, cancel)

@@ -1,0 +1,374 @@
+"""The storage node: a thin gRPC adapter over ``kvstore.shardstore.ShardStore``.
+
+Run as its own process (``python -m kvstore.node`` or ``sluice store node``) so it can be
+killed and restarted. When serving, it writes ``<data-dir>/node.addr`` (host:port) so a
+launcher that asked for port 0 learns the bound port. Prometheus metrics are served on
+``--metrics-port`` when given; a background thread sweeps TTL and LRU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import threading
+from collections.abc import Iterator
+from concurrent import futures
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
+from sluice_proto import common_pb2, store_pb2, store_pb2_grpc
+
+from kvstore.pieces import Packer, shard_pieces
+from kvstore.retention import RetentionConfig
+from kvstore.shardfmt import HEADER_LEN, OBJECT_ID_LEN, ShardFormatError, ShardHeader
+from kvstore.shardstore import (
+    CapacityExceeded,
+    ShardCorrupt,
+    ShardNotFound,
+    ShardRejected,
+    ShardStore,
+    ShardWriter,
+)
+
+log = logging.getLogger(__name__)
+MiB = 1 << 20
+MAX_BATCH = 4096  # shards per batched stream
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    node_id: str
+    data_dir: Path
+    capacity_bytes: int
+    host: str = "127.0.0.1"
+    port: int = 0
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
+    max_shard_bytes: int = 64 * MiB
+    chunk_bytes: int = 1 * MiB
+    fsync: bool = True
+    sweep_interval_s: float = 5.0
+    metrics_port: int | None = None
+    workers: int = 16
+
+    def __post_init__(self) -> None:
+        if self.capacity_bytes <= 0:
+            raise ValueError(f"--capacity must be positive, got {self.capacity_bytes}")
+        if not 64 * 1024 <= self.chunk_bytes <= 4 * MiB:
+            raise ValueError(f"chunk size {self.chunk_bytes} must be within [64 KiB, 4 MiB]")
+        if self.max_shard_bytes <= 0 or self.sweep_interval_s <= 0 or self.workers <= 0:
+            raise ValueError("max shard bytes, sweep interval and workers must be positive")
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.chunk_bytes + HEADER_LEN + 64 * 1024
+
+
+def _ref(ref: store_pb2.ShardRef, context: grpc.ServicerContext) -> tuple[bytes, int]:
+    if len(ref.object_id) != OBJECT_ID_LEN or ref.index > 255:
+        context.abort(grpc.StatusCode.INVALID_ARGUMENT, "shard ref needs a 16-byte object id and index < 256")
+    return bytes(ref.object_id), int(ref.index)
+
+
+class _Metrics:
+    def __init__(self, store: ShardStore, node_id: str) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        ops = Counter(
+            "sluice_store_ops", "Shard operations by kind and outcome", ["op", "outcome"], registry=r
+        )
+        moved = Counter("sluice_store_bytes", "Shard bytes moved by direction", ["direction"], registry=r)
+        # Children bound once: a labels() lookup per shard costs more than the increment.
+        self.puts_ok, self.puts_rejected = ops.labels("put", "ok"), ops.labels("put", "rejected")
+        self.puts_too_large = ops.labels("put", "too_large")
+        self.gets_ok, self.gets_not_found = ops.labels("get", "ok"), ops.labels("get", "not_found")
+        self.gets_corrupt = ops.labels("get", "corrupt")
+        self.bytes_in, self.bytes_out = moved.labels("in"), moved.labels("out")
+        used = Gauge("sluice_store_used_bytes", "Bytes of shards on disk", registry=r)
+        used.set_function(lambda: store.index.used)
+        Gauge("sluice_store_capacity_bytes", "Configured capacity", registry=r).set(store.index.capacity)
+        Gauge("sluice_store_shards", "Shards on disk", registry=r).set_function(lambda: len(store.index))
+        Gauge("sluice_store_evicted_shards", "Evicted by LRU since start", registry=r).set_function(
+            lambda: store.evicted
+        )
+        Gauge("sluice_store_expired_shards", "Expired by TTL since start", registry=r).set_function(
+            lambda: store.expired
+        )
+        Gauge("sluice_store_corrupt_shards", "Failed checksum on read since start", registry=r).set_function(
+            lambda: store.corrupt_detected
+        )
+
+
+class _PutBatch:
+    """The shards of one PutShards stream: each checked as it completes, committed together."""
+
+    def __init__(self, servicer: StoreNodeServicer) -> None:
+        self._servicer = servicer
+        self.statuses: list[store_pb2.ShardStatus] = []
+        self.details: list[str] = []
+        self._sealed: list[ShardWriter] = []
+        self._writer: ShardWriter | None = None
+
+    def _result(self, status: store_pb2.ShardStatus, detail: str = "") -> None:
+        self.statuses.append(status)
+        self.details.append(detail)
+
+    def _seal(self) -> None:
+        w, self._writer = self._writer, None
+        if w is None:
+            return
+        try:
+            w.seal()
+        except ShardRejected as exc:
+            self._result(store_pb2.SHARD_REJECTED, str(exc))
+            return
+        self._sealed.append(w)
+        self._result(store_pb2.SHARD_OK)
+
+    def feed(self, piece: store_pb2.ShardPiece) -> bool:
+        """Take one piece; False when the stream holds too many shards."""
+        if piece.header:
+            self._seal()
+            if len(self.statuses) >= MAX_BATCH:
+                return False
+            try:
+                self._writer = self._servicer._begin(ShardHeader.unpack(piece.header))
+            except (ShardFormatError, CapacityExceeded) as exc:
+                self._result(store_pb2.SHARD_REJECTED, str(exc))
+                return True
+        if piece.data and self._writer is not None:
+            try:
+                self._writer.write(piece.data)
+            except ShardRejected as exc:
+                self._writer.abort()
+                self._writer = None
+                self._result(store_pb2.SHARD_REJECTED, str(exc))
+        return True
+
+    def commit(self) -> list[int]:
+        self._seal()
+        sealed, self._sealed = self._sealed, []
+        return self._servicer.store.commit(sealed)  # acknowledged only after this returns
+
+    def abort(self) -> None:
+        if self._writer is not None:
+            self._writer.abort()
+            self._writer = None
+        for w in self._sealed:
+            w.abort()
+        self._sealed = []
+
+
+class StoreNodeServicer(store_pb2_grpc.StoreNodeServicer):
+    def __init__(self, config: NodeConfig, store: ShardStore) -> None:
+        self.config, self.store = config, store
+        self.metrics = _Metrics(store, config.node_id)
+
+    def PutShard(self, request_iterator: Iterator[store_pb2.PutShardChunk], context: grpc.ServicerContext):  # noqa: N802
+        writer = None
+        try:
+            for msg in request_iterator:
+                if writer is None:
+                    writer = self._begin(ShardHeader.unpack(msg.header))
+                elif msg.header:
+                    raise ShardRejected("header sent twice in one PutShard stream")
+                if msg.data:
+                    writer.write(msg.data)
+            if writer is None:
+                raise ShardRejected("empty PutShard stream")
+            stored = writer.commit()
+            writer = None
+        except (ShardFormatError, ShardRejected) as exc:
+            self.metrics.puts_rejected.inc()
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except CapacityExceeded as exc:
+            self.metrics.puts_too_large.inc()
+            context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        finally:
+            if writer is not None:
+                writer.abort()
+        self.metrics.puts_ok.inc()
+        self.metrics.bytes_in.inc(stored)
+        return store_pb2.PutShardReply(stored_bytes=stored)
+
+    def GetShard(self, request: store_pb2.GetShardRequest, context: grpc.ServicerContext):  # noqa: N802
+        oid, idx = _ref(request.ref, context)
+        try:
+            shard = self.store.get(oid, idx)
+        except ShardNotFound:
+            self.metrics.gets_not_found.inc()
+            context.abort(grpc.StatusCode.NOT_FOUND, f"shard {oid.hex()}.{idx} not on {self.config.node_id}")
+        except ShardCorrupt as exc:
+            self.metrics.gets_corrupt.inc()
+            context.abort(grpc.StatusCode.DATA_LOSS, str(exc))
+        chunk = min(request.chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
+        payload = memoryview(shard.payload)
+        self.metrics.gets_ok.inc()
+        self.metrics.bytes_out.inc(HEADER_LEN + len(payload))
+        yield store_pb2.GetShardChunk(header=shard.header.pack(), data=bytes(payload[:chunk]))
+        for start in range(chunk, len(payload), chunk):
+            yield store_pb2.GetShardChunk(data=bytes(payload[start : start + chunk]))
+
+    def PutShards(self, request_iterator: Iterator[store_pb2.ShardPieces], context: grpc.ServicerContext):  # noqa: N802
+        batch = _PutBatch(self)
+        try:
+            for msg in request_iterator:
+                for piece in msg.pieces:
+                    if not batch.feed(piece):
+                        context.abort(
+                            grpc.StatusCode.INVALID_ARGUMENT, f"more than {MAX_BATCH} shards in one stream"
+                        )
+            sizes = batch.commit()
+        finally:
+            batch.abort()  # no-op after a commit; otherwise nothing half-written stays
+        self.metrics.puts_ok.inc(len(sizes))
+        self.metrics.bytes_in.inc(sum(sizes))
+        return store_pb2.PutShardsReply(status=batch.statuses, detail=batch.details)
+
+    def _begin(self, header: ShardHeader) -> ShardWriter:
+        if header.payload_len > self.config.max_shard_bytes:
+            raise CapacityExceeded(
+                f"shard of {header.payload_len} bytes exceeds --max-shard-bytes {self.config.max_shard_bytes}"
+            )
+        return self.store.begin_put(header)
+
+    def GetShards(self, request: store_pb2.GetShardsRequest, context: grpc.ServicerContext):  # noqa: N802
+        if len(request.refs) > MAX_BATCH:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"more than {MAX_BATCH} refs in one request")
+        chunk = min(request.chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
+        refs = [_ref(r, context) for r in request.refs]
+        packer = Packer(chunk)
+        for pos, (oid, idx) in enumerate(refs):
+            for piece in self._pieces_of(pos, oid, idx, chunk):
+                msg = packer.add(piece)
+                if msg is not None:
+                    yield msg
+        msg = packer.flush()
+        if msg is not None:
+            yield msg
+
+    def _pieces_of(self, pos: int, oid: bytes, idx: int, chunk: int) -> Iterator[store_pb2.ShardPiece]:
+        try:
+            shard = self.store.get(oid, idx)
+        except ShardNotFound:
+            self.metrics.gets_not_found.inc()
+            yield store_pb2.ShardPiece(ref=pos, status=store_pb2.SHARD_NOT_FOUND)
+            return
+        except ShardCorrupt as exc:
+            self.metrics.gets_corrupt.inc()
+            yield store_pb2.ShardPiece(ref=pos, status=store_pb2.SHARD_CORRUPT, detail=str(exc))
+            return
+        self.metrics.gets_ok.inc()
+        self.metrics.bytes_out.inc(HEADER_LEN + len(shard.payload))
+        yield from shard_pieces(pos, shard.header.pack(), shard.payload, chunk)
+
+    def DeleteShards(self, request: store_pb2.ShardRefs, context: grpc.ServicerContext):  # noqa: N802
+        refs = [_ref(r, context) for r in request.refs]
+        return store_pb2.CountReply(count=self.store.delete(refs))
+
+    def TouchShards(self, request: store_pb2.ShardRefs, context: grpc.ServicerContext):  # noqa: N802
+        refs = [_ref(r, context) for r in request.refs]
+        return store_pb2.CountReply(count=self.store.touch(refs))
+
+    def StatShard(self, request: store_pb2.ShardRef, context: grpc.ServicerContext):  # noqa: N802
+        st = self.store.stat(*_ref(request, context))
+        if st is None:
+            return store_pb2.StatShardReply(exists=False)
+        size, tclass, last, expires = st
+        return store_pb2.StatShardReply(
+            exists=True, size=size, traffic_class=tclass, last_access_unix=last, expires_unix=expires
+        )
+
+    def NodeStats(self, request: store_pb2.NodeStatsRequest, context: grpc.ServicerContext):  # noqa: N802
+        s = self.store.stats()
+        return store_pb2.NodeStatsReply(
+            node_id=self.config.node_id, used_bytes=s.used_bytes, capacity_bytes=s.capacity_bytes,
+            shard_count=s.shard_count, evicted_shards=s.evicted, expired_shards=s.expired,
+            discarded_at_start=s.discarded_at_start, corrupt_detected=s.corrupt_detected,
+        )  # fmt: skip
+
+    def Health(self, request: common_pb2.HealthRequest, context: grpc.ServicerContext):  # noqa: N802
+        return common_pb2.HealthReply(state=common_pb2.HealthReply.SERVING, version="0.1.0")
+
+
+class StoreNodeServer:
+    """Owns the ShardStore, the gRPC server, the sweeper thread and the metrics endpoint."""
+
+    def __init__(self, config: NodeConfig) -> None:
+        self.config = config
+        self.store = ShardStore(config.data_dir, config.capacity_bytes, config.retention, fsync=config.fsync)
+        self.servicer = StoreNodeServicer(config, self.store)
+        opts = [
+            ("grpc.max_receive_message_length", config.max_message_bytes),
+            ("grpc.max_send_message_length", config.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers), options=opts)
+        store_pb2_grpc.add_StoreNodeServicer_to_server(self.servicer, self.server)
+        self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {config.host}:{config.port}")
+        self._stop = threading.Event()
+        self._sweeper = threading.Thread(target=self._sweep_loop, name="store-sweeper", daemon=True)
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    def start(self) -> StoreNodeServer:
+        self.server.start()
+        self._sweeper.start()
+        if self.config.metrics_port is not None:
+            start_http_server(
+                self.config.metrics_port, addr=self.config.host, registry=self.servicer.metrics.registry
+            )
+        tmp = self.config.data_dir / "node.addr.tmp"
+        tmp.write_text(self.address + "\n")
+        os.replace(tmp, self.config.data_dir / "node.addr")
+        return self
+
+    def _sweep_loop(self) -> None:
+        while not self._stop.wait(self.config.sweep_interval_s):
+            expired, evicted = self.store.sweep()
+            if expired or evicted:
+                log.info("%s: swept %d expired, %d evicted shards", self.config.node_id, expired, evicted)
+
+    def stop(self, grace_s: float = 1.0) -> None:
+        self._stop.set()
+        self.server.stop(grace_s).wait()
+
+    def wait(self) -> None:
+        self.server.wait_for_termination()
+
+
+def serve(config: NodeConfig) -> int:
+    from kvstore.memtune import tune_malloc
+
+    tune_malloc()  # this process is a node: keep shard-sized buffers for reuse
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    node = StoreNodeServer(config).start()
+    log.info("store node %s serving on %s (data %s)", config.node_id, node.address, config.data_dir)
+    print(f"store node {config.node_id} listening on {node.address}", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    node.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvstore.nodecli import add_node_arguments, config_from_args
+
+    parser = argparse.ArgumentParser(prog="python -m kvstore.node", description=__doc__)
+    add_node_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve(config_from_args(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,63 @@
+"""Command-line arguments of a store node (``python -m kvstore.node``, ``sluice store node``)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvstore.retention import DAY_S, RetentionConfig
+
+if TYPE_CHECKING:
+    from kvstore.node import NodeConfig
+
+MiB = 1 << 20
+
+
+def parse_size(text: str) -> int:
+    """``123``, ``64KiB``, ``512MiB``, ``2GiB`` (also K/M/G) -> bytes."""
+    units = {
+        "kib": 1 << 10,
+        "k": 1 << 10,
+        "mib": 1 << 20,
+        "m": 1 << 20,
+        "gib": 1 << 30,
+        "g": 1 << 30,
+        "tib": 1 << 40,
+    }
+    low = text.strip().lower()
+    for suffix in sorted(units, key=len, reverse=True):
+        if low.endswith(suffix):
+            return int(float(low[: -len(suffix)]) * units[suffix])
+    return int(low)
+
+
+def add_node_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--node-id", default=None, help="stable node id used by placement (default: node-<port>)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (loopback by default)")
+    p.add_argument("--port", type=int, default=0, help="port to bind; 0 picks a free one")
+    p.add_argument("--data-dir", type=Path, required=True, help="directory for shard files")
+    p.add_argument("--capacity", type=parse_size, default=parse_size("1GiB"), help="bytes, e.g. 512MiB")
+    p.add_argument("--ttl-agent", type=float, default=3 * DAY_S, help="seconds an agent shard lives unused")
+    p.add_argument("--ttl-chat", type=float, default=7 * DAY_S, help="seconds a chat shard lives unused")
+    p.add_argument("--high-watermark", type=float, default=0.90, help="usage fraction that starts LRU GC")
+    p.add_argument("--low-watermark", type=float, default=0.80, help="usage fraction LRU GC frees down to")
+    p.add_argument("--sweep-interval", type=float, default=5.0, help="seconds between TTL/LRU sweeps")
+    p.add_argument("--max-shard-bytes", type=parse_size, default=64 * MiB, help="largest shard accepted")
+    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument("--no-fsync", action="store_true", help="skip fsync (tests on tmpfs only; unsafe)")
+
+
+def config_from_args(args: argparse.Namespace) -> NodeConfig:
+    from kvstore.node import NodeConfig  # gRPC is imported only when a node is built
+
+    retention = RetentionConfig(
+        ttl_s={"agent": args.ttl_agent, "chat": args.ttl_chat},
+        high_watermark=args.high_watermark,
+        low_watermark=args.low_watermark,
+    )
+    return NodeConfig(
+        node_id=args.node_id or f"node-{args.port}", data_dir=args.data_dir, capacity_bytes=args.capacity,
+        host=args.host, port=args.port, retention=retention, max_shard_bytes=args.max_shard_bytes,
+        fsync=not args.no_fsync, sweep_interval_s=args.sweep_interval, metrics_port=args.metrics_port,
+    )  # fmt: skip

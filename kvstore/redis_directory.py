@@ -1,0 +1,149 @@
+"""The Redis backend of ``kvstore.directory.Directory`` (metadata only, native TTL).
+
+Schema: one hash per block, ``{prefix}blk:{block-hash-hex}`` with fields
+
+    oid    object id (16 raw bytes)
+    nodes  node ids of shards 0..n-1, comma-separated
+    size   object bytes (decimal)
+    cls    traffic class name
+    mask   bitmask of shards known to be on disk (decimal)
+    at     last access, unix milliseconds
+
+and a ``PEXPIRE`` of the class TTL, refreshed by ``touch`` (a Lua script, so an entry that expires
+meanwhile is not resurrected without a TTL). A commit is one MULTI/EXEC
+(DEL, HSET, PEXPIRE), so readers see the old entry or the new one, never a mix. A prefix
+lookup pipelines one HGETALL per block: one round trip for the whole chain.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import redis
+
+from kvstore.directory import BlockMeta, Directory, check_chain
+
+_SET_PRESENT = """
+if redis.call('HGET', KEYS[1], 'oid') == ARGV[1] then
+  redis.call('HSET', KEYS[1], 'mask', ARGV[2])
+  return 1
+end
+return 0
+"""
+
+# KEYS: block keys. ARGV: now_ms, then (class, ttl_ms) pairs. Touches only live entries.
+_TOUCH = """
+local ttl = {}
+for i = 2, #ARGV, 2 do ttl[ARGV[i]] = tonumber(ARGV[i + 1]) end
+local n = 0
+for _, key in ipairs(KEYS) do
+  local cls = redis.call('HGET', key, 'cls')
+  if cls then
+    redis.call('HSET', key, 'at', ARGV[1])
+    redis.call('PEXPIRE', key, ttl[cls] or 1)
+    n = n + 1
+  end
+end
+return n
+"""
+
+
+class RedisDirectory:
+    def __init__(self, url: str, prefix: str = "sluice:kv:", timeout_s: float = 2.0) -> None:
+        self.prefix = prefix
+        self._r = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+        self._set_present = self._r.register_script(_SET_PRESENT)
+        self._touch = self._r.register_script(_TOUCH)
+
+    def _key(self, key: bytes) -> str:
+        return f"{self.prefix}blk:{key.hex()}"
+
+    @staticmethod
+    def _decode(key: bytes, raw: Mapping[Any, Any]) -> BlockMeta | None:
+        if not raw or b"oid" not in raw:
+            return None
+        return BlockMeta(
+            key=key,
+            object_id=raw[b"oid"],
+            nodes=tuple(raw[b"nodes"].decode().split(",")),
+            size=int(raw[b"size"]),
+            traffic_class=raw[b"cls"].decode(),
+            present=int(raw[b"mask"]),
+            last_access_ms=int(raw[b"at"]),
+        )
+
+    def commit(self, meta: BlockMeta, ttl_s: float) -> None:
+        self.commit_many([(meta, ttl_s)])
+
+    def commit_many(self, items: Sequence[tuple[BlockMeta, float]]) -> None:
+        if not items:
+            return
+        pipe = self._r.pipeline(transaction=True)  # one MULTI/EXEC: every entry whole
+        for meta, ttl_s in items:
+            name = self._key(meta.key)
+            pipe.delete(name)
+            pipe.hset(
+                name,
+                mapping={
+                    "oid": meta.object_id,
+                    "nodes": ",".join(meta.nodes),
+                    "size": meta.size,
+                    "cls": meta.traffic_class,
+                    "mask": meta.present,
+                    "at": meta.last_access_ms,
+                },
+            )
+            pipe.pexpire(name, max(1, int(ttl_s * 1000)))
+        pipe.execute()
+
+    def get(self, key: bytes) -> BlockMeta | None:
+        return self._decode(key, self._r.hgetall(self._key(key)))
+
+    def lookup_prefix(self, keys: Sequence[bytes]) -> list[BlockMeta]:
+        check_chain(keys)
+        if not keys:
+            return []
+        pipe = self._r.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(self._key(key))
+        out = []
+        for key, raw in zip(keys, pipe.execute()):
+            meta = self._decode(key, raw)
+            if meta is None:
+                break
+            out.append(meta)
+        return out
+
+    def lookup_many(self, keys: Sequence[bytes]) -> list[BlockMeta | None]:
+        check_chain(keys)
+        if not keys:
+            return []
+        pipe = self._r.pipeline(transaction=False)
+        for key in keys:
+            pipe.hgetall(self._key(key))
+        return [self._decode(k, raw) for k, raw in zip(keys, pipe.execute())]
+
+    def touch(self, keys: Sequence[bytes], ttl_s: Mapping[str, float]) -> int:
+        if not keys:
+            return 0
+        now_ms = int(self._r.time()[0] * 1000)
+        args: list[str | int] = [now_ms]
+        for cls, ttl in ttl_s.items():
+            args += [cls, max(1, int(ttl * 1000))]
+        return int(self._touch(keys=[self._key(k) for k in keys], args=args))
+
+    def set_present(self, key: bytes, object_id: bytes, present: int) -> bool:
+        return bool(self._set_present(keys=[self._key(key)], args=[object_id, present]))
+
+    def delete(self, keys: Sequence[bytes]) -> int:
+        if not keys:
+            return 0
+        return int(self._r.delete(*(self._key(k) for k in keys)))
+
+    def close(self) -> None:
+        self._r.close()
+
+
+def _conforms(d: RedisDirectory) -> Directory:
+    return d  # mypy checks that RedisDirectory implements the Directory protocol

@@ -1,0 +1,119 @@
+"""Codec part of ``sluice bench kvstore``: our codec against zfec, every pyeclib backend
+that loads here, and a plain memory copy, on the same payloads in the same run."""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from kvstore.codec import Codec, CodecConfig, new_object_id
+from kvstore.shardfmt import Shard
+
+PYECLIB_TYPES = (
+    "isa_l_rs_cauchy",
+    "isa_l_rs_vand",
+    "isa_l_rs_vand_inv",
+    "liberasurecode_rs_vand",
+    "jerasure_rs_vand",
+    "jerasure_rs_cauchy",
+)
+
+
+def _pyeclib_pair(ec_type: str, k: int, m: int, data: bytes) -> tuple[Callable, Callable] | None:
+    try:
+        from pyeclib.ec_iface import ECDriver
+
+        with warnings.catch_warnings():  # jerasure is deprecated in pyeclib; still a peer
+            warnings.simplefilter("ignore", FutureWarning)
+            driver = ECDriver(k=k, m=m, ec_type=ec_type)
+        frags = driver.encode(data)
+    except Exception:  # noqa: BLE001 - a backend that does not load here is skipped
+        return None
+    survivors = frags[2:]  # data shards 0 and 1 lost: a real decode
+    if driver.decode(survivors) != data:
+        raise RuntimeError(f"pyeclib {ec_type} decoded wrong bytes")
+    return (lambda: driver.encode(data)), (lambda: driver.decode(survivors))
+
+
+def _zfec_pair(k: int, m: int, data: bytes) -> tuple[Callable, Callable]:
+    import zfec
+
+    n = k + m
+    enc, dec = zfec.Encoder(k, n), zfec.Decoder(k, n)
+    size = -(-len(data) // k)
+    padded = data + bytes(size * k - len(data))
+    blocks = [padded[i * size : (i + 1) * size] for i in range(k)]
+    coded = enc.encode(blocks, list(range(n)))
+    nums = list(range(2, n))[:k]
+    have = [coded[i] for i in nums]
+    if b"".join(dec.decode(have, nums))[: len(data)] != data:
+        raise RuntimeError("zfec decoded wrong bytes")
+    return (lambda: enc.encode(blocks, list(range(n)))), (lambda: dec.decode(have, nums))
+
+
+def _ours_pair(k: int, m: int, data: bytes) -> tuple[Callable, Callable]:
+    codec = Codec(CodecConfig(k=k, m=m))
+    oid = new_object_id()
+    shards: list[Shard | None] = list(codec.encode(oid, data))
+    shards[0] = shards[1] = None
+    if codec.decode(shards) != data:
+        raise RuntimeError("sluice codec decoded wrong bytes")
+    return (lambda: codec.encode(oid, data)), (lambda: codec.decode(shards, oid))
+
+
+def _rate_once(nbytes: int, fn: Callable[[], object], min_time_s: float) -> float:
+    reps, start = 0, time.perf_counter()
+    while True:
+        fn()
+        reps += 1
+        elapsed = time.perf_counter() - start
+        if elapsed >= min_time_s:
+            return reps * nbytes / elapsed / 1e9
+
+
+def _copier(data: bytes) -> Callable[[], object]:
+    src = np.frombuffer(data, dtype=np.uint8)
+    dst = np.empty_like(src)
+    return lambda: np.copyto(dst, src)
+
+
+def run_codec(
+    sizes: list[int], k: int, m: int, min_time_s: float, rounds: int, log: Callable[[str], None]
+) -> dict[str, Any]:
+    """{size: {impl: {"encode_GBps", "decode2_GBps"}, "memcpy_GBps"}}.
+
+    Rounds are interleaved across implementations (round r of every one, then round r+1),
+    and the best round of each is kept, so a noisy moment on a shared machine does not
+    favour whichever implementation happened to run in a quiet one.
+    """
+    out: dict[str, Any] = {}
+    for size in sizes:
+        data = os.urandom(size)
+        pairs: dict[str, tuple[Callable, Callable]] = {
+            "sluice": _ours_pair(k, m, data),
+            "zfec": _zfec_pair(k, m, data),
+        }
+        for ec_type in PYECLIB_TYPES:
+            pair = _pyeclib_pair(ec_type, k, m, data)
+            if pair is not None:
+                pairs[f"pyeclib:{ec_type}"] = pair
+        copy = _copier(data)
+        row: dict[str, Any] = {name: {"encode_GBps": 0.0, "decode2_GBps": 0.0} for name in pairs}
+        row["memcpy_GBps"] = 0.0
+        for _ in range(rounds):
+            for name, (enc, dec) in pairs.items():
+                fig = row[name]
+                fig["encode_GBps"] = max(fig["encode_GBps"], _rate_once(size, enc, min_time_s))
+                fig["decode2_GBps"] = max(fig["decode2_GBps"], _rate_once(size, dec, min_time_s))
+            row["memcpy_GBps"] = max(row["memcpy_GBps"], _rate_once(size, copy, min_time_s))
+        for name in pairs:
+            log(
+                f"codec {size >> 10} KiB {name}: enc {row[name]['encode_GBps']:.2f} dec2 {row[name]['decode2_GBps']:.2f} GB/s"
+            )
+        out[str(size)] = row
+    return out

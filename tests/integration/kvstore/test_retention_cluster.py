@@ -1,0 +1,89 @@
+"""Storage-side TTL per traffic class and the LRU collector, on 12 real nodes with short
+TTLs and small capacities, metadata in a real Redis."""
+
+from __future__ import annotations
+
+import os
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvstore.client import StoreClient, StoreClientConfig
+from kvstore.cluster import LocalClusterConfig, LocalStoreCluster
+from kvstore.redis_directory import RedisDirectory
+
+pytestmark = pytest.mark.integration
+TTL = {"agent": 1.0, "chat": 3.0}
+CAPACITY = 2 << 20
+
+
+@pytest.fixture(scope="module")
+def small_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStoreCluster]:
+    cfg = LocalClusterConfig(
+        nodes=12, capacity_bytes=CAPACITY, ttl_s=TTL, high_watermark=0.9, low_watermark=0.7,
+        sweep_interval_s=0.2, metrics=True,
+    )  # fmt: skip
+    with LocalStoreCluster(cfg, root=Path(tmp_path_factory.mktemp("small"))) as cluster:
+        yield cluster
+
+
+@pytest.fixture()
+def client(small_cluster: LocalStoreCluster, redis_url: str) -> Iterator[StoreClient]:
+    cfg = StoreClientConfig(nodes=small_cluster.nodes, ttl_s=TTL, background_repair=False)
+    c = StoreClient(cfg, RedisDirectory(redis_url))
+    yield c
+    c.close()
+
+
+def _node_stats(client: StoreClient) -> list:
+    return [t.stats(2.0) for t in client.transports.values()]
+
+
+def test_ttl_expires_agent_before_chat_on_nodes_and_directory(client: StoreClient) -> None:
+    agent = [os.urandom(32) for _ in range(3)]
+    chat = [os.urandom(32) for _ in range(3)]
+    pa, pc = [os.urandom(5000) for _ in agent], [os.urandom(5000) for _ in chat]
+    client.put_blocks(agent, pa, "agent")
+    client.put_blocks(chat, pc, "chat")
+    expired_before = sum(s.expired_shards for s in _node_stats(client))
+    metas = [client.directory.get(k) for k in agent]
+    time.sleep(1.6)
+    assert client.get_prefix(agent, touch=False) == []
+    assert client.get_prefix(chat, touch=False) == pc
+    # Expired on the storage side too, not only in the directory.
+    assert sum(s.expired_shards for s in _node_stats(client)) - expired_before == 36
+    for meta in metas:
+        assert meta is not None
+        for i, node in enumerate(meta.nodes):
+            with pytest.raises(Exception, match="NOT_FOUND"):
+                client.transports[node].get_shard(meta.object_id, i, 2.0)
+    time.sleep(1.8)
+    assert client.get_prefix(chat, touch=False) == []
+
+
+def test_lru_keeps_usage_under_capacity_and_hot_objects_survive(
+    small_cluster: LocalStoreCluster, client: StoreClient
+) -> None:
+    hot = [os.urandom(32) for _ in range(3)]
+    hot_data = [os.urandom(1 << 20) for _ in hot]
+    client.put_blocks(hot, hot_data, "chat")
+    cold = []
+    for _ in range(50):  # 50 MiB of objects over 12 x 2 MiB of capacity
+        key = os.urandom(32)
+        client.put_object(key, os.urandom(1 << 20), "chat")
+        cold.append(key)
+        assert client.get_prefix(hot) == hot_data  # hot: read (and touched) all along
+        assert all(s.used_bytes <= CAPACITY for s in _node_stats(client))
+    stats = _node_stats(client)
+    assert all(s.evicted_shards > 0 for s in stats)
+    readable = sum(len(client.get_prefix([k], touch=False)) for k in cold)
+    assert 0 < readable < len(cold)
+    assert client.get_prefix(hot) == hot_data
+    port = small_cluster.metrics_ports[0]
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    evicted = [ln for ln in text.splitlines() if ln.startswith("sluice_store_evicted_shards ")]
+    assert evicted and float(evicted[0].split()[1]) > 0
+    assert "sluice_store_used_bytes" in text and 'sluice_store_ops_total{op="put",outcome="ok"}' in text
