@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from router import cache_aware, sluice  # noqa: F401  (registers policies)
-from router.policy import DECODE_POLICIES, PREFILL_POLICIES, Policy, PolicyContext
+from router.policy import DECODE_POLICIES, PREFILL_POLICIES, Policy, PolicyContext, RequestView
 from router.prefix_index import PrefixIndex, PrefixIndexConfig
 from router.sim import SimConfig, SimResult, Simulator
 from router.trace import Trace, infinite_cache_blocks, reference_work
@@ -135,3 +135,35 @@ def evaluate(
         if progress:
             progress(f"{trace.name} {name}: {results[name]}")
     return ref, results
+
+
+class Replay(Policy):
+    """Replays choices another router made (e.g. the SGLang router over HTTP), by request id.
+
+    Raises ValueError for a request without a recorded choice or a choice outside
+    ``candidates``: a replay must never silently substitute its own decision.
+    """
+
+    name = "replay"
+
+    def __init__(self, ctx: PolicyContext, choices: dict[int, int]) -> None:
+        super().__init__(ctx)
+        self.choices = choices
+
+    def select(self, candidates: Sequence[int], request: RequestView) -> int:
+        e = self.choices.get(int(request.request_id))  # type: ignore[call-overload]
+        if e is None or e not in candidates:
+            raise ValueError(f"replay has no valid choice for request {request.request_id!r} (got {e!r})")
+        return self._charge(e, request, request.input_len)
+
+
+def replay_builder(prefill_choices: dict[int, int], decode_choices: dict[int, int]) -> Builder:
+    def make(cfg: SimConfig) -> tuple[Policy, Policy, PrefixIndex]:
+        index = PrefixIndex(PrefixIndexConfig(cfg.num_prefill))
+        return (
+            Replay(PolicyContext(cfg.num_prefill, index=index), prefill_choices),
+            Replay(PolicyContext(cfg.num_decode), decode_choices),
+            index,
+        )
+
+    return make

@@ -35,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-sglang", action="store_true", help="skip the sglang-router peer")
     p.add_argument("--peer-requests", type=int, default=1500,
                    help="rows replayed through the sglang-router binary (and compared on that subset)")  # fmt: skip
-    p.add_argument("--peer-seconds", type=float, default=60.0, help="wall-clock budget per peer replay")
+    p.add_argument("--peer-seconds", type=float, default=45.0, help="wall-clock budget per peer replay")
 
 
 def run(args: argparse.Namespace) -> Report:
