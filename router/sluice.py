@@ -54,11 +54,16 @@ from router.tiers import TierConfig, TierPlanner
 class SluicePrefillConfig:
     tiers: TierConfig = field(default_factory=TierConfig)
     cross_tier_factor: float = 0.5
-    recompute_weight: float = 32.0  # tuned on both Mooncake traces, see docs/router.md
+    recompute_weight: float = 20.0  # tuned on both Mooncake traces, see docs/router.md
     recompute_gain: float = 0.0  # > 0: rho = clip(gain * mean requests in flight, 1, recompute_weight)
     use_tiers: bool = True
+    wait_estimate: str = "virtual_clock"  # or "outstanding": sum of unfinished predicted work
 
     def __post_init__(self) -> None:
+        if self.wait_estimate not in ("virtual_clock", "outstanding"):
+            raise ValueError(
+                f"wait_estimate must be 'virtual_clock' or 'outstanding', got {self.wait_estimate!r}"
+            )
         if self.cross_tier_factor < 0 or self.recompute_weight < 0:
             raise ValueError(
                 f"cross_tier_factor and recompute_weight must be >= 0, got "
@@ -75,6 +80,9 @@ class SluicePrefill(Policy):
         self.config = config or SluicePrefillConfig()
         self.index = ctx.shared_index()
         self.planner = TierPlanner(self.config.tiers, ctx.num_engines)
+        # virtual clock per engine: when its queue of routed prefill work drains (FIFO)
+        self.busy_until = np.zeros(ctx.num_engines, dtype=np.float64)
+        self.now = 0.0
 
     def scores(self, cands: np.ndarray, request: RequestView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(score seconds, predicted prefill seconds, matched blocks) per candidate; no side effects."""
@@ -88,11 +96,28 @@ class SluicePrefill(Policy):
             pred_list.append(memo[m])
         pred = np.asarray(pred_list)
         # recomputing what another engine holds costs the pool capacity, not just this request
-        score = self.outstanding_work[cands] + pred + self._rho() * (pred - pred.min())
+        wait = self.wait(cands)
+        score = wait + pred + self._rho() * (pred - pred.min())
         if self.config.use_tiers:
             in_tier = self.planner.serving_mask(self.planner.tier_of(request.input_len))[cands]
             score = np.where(in_tier, score, score * (1.0 + self.config.cross_tier_factor))
         return score, pred, matched
+
+    def wait(self, cands: np.ndarray) -> np.ndarray:
+        """Predicted seconds until each candidate has drained the work routed to it.
+
+        Unlike the outstanding-work sum this does not count the elapsed part of the
+        request an engine is running. Engine reports (``queued_work_s``) re-anchor it.
+        """
+        if self.config.wait_estimate == "outstanding":
+            return self.outstanding_work[cands]
+        return np.maximum(self.busy_until[cands] - self.now, 0.0)
+
+    def update_loads(self, loads: Sequence[EngineLoad]) -> None:
+        super().update_loads(loads)
+        for load in loads:
+            if load.queued_work_s is not None:
+                self.busy_until[load.engine] = self.now + load.queued_work_s
 
     def _rho(self) -> float:
         cfg = self.config
@@ -102,6 +127,7 @@ class SluicePrefill(Policy):
 
     def select(self, candidates: Sequence[int], request: RequestView) -> int:
         cands = candidates_array(candidates)
+        self.now = max(self.now, request.arrival_s)
         if self.config.use_tiers:
             self.planner.maybe_rebalance(request.arrival_s, self.outstanding_work)
         score, pred, matched = self.scores(cands, request)
@@ -109,6 +135,7 @@ class SluicePrefill(Policy):
         pos = int(np.flatnonzero(cands == e)[0])
         work = float(pred[pos])
         self.planner.record(self.planner.tier_of(request.input_len), work)
+        self.busy_until[e] = max(self.busy_until[e], self.now) + work
         self.index.apply_stored(e, request.blocks, known_held=int(matched[pos]))
         return self._charge(e, request, request.input_len, work)
 

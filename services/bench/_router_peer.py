@@ -143,7 +143,10 @@ async def _replay(trace: Trace, cfg: SimConfig, scale: float, budget_s: float) -
     router_ports = [free_port(), free_port()]
     procs = [
         subprocess.Popen(_router_cmd(group, rp, cfg), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        for group, rp in ((ports[: cfg.num_prefill], router_ports[0]), (ports[cfg.num_prefill :], router_ports[1]))
+        for group, rp in (
+            (ports[: cfg.num_prefill], router_ports[0]),
+            (ports[cfg.num_prefill :], router_ports[1]),
+        )
     ]
     errors: list[str] = []
     try:
@@ -153,7 +156,9 @@ async def _replay(trace: Trace, cfg: SimConfig, scale: float, budget_s: float) -
             world.t0 = time.monotonic()
 
             async def one(i: int) -> None:
-                await asyncio.sleep(max((arrivals[i] - arrivals[0]) / speedup - (time.monotonic() - world.t0), 0))
+                await asyncio.sleep(
+                    max((arrivals[i] - arrivals[0]) / speedup - (time.monotonic() - world.t0), 0)
+                )
                 body = {"text": block_text(trace.blocks[i]), "rid": str(i),
                         "sampling_params": {"max_new_tokens": int(trace.output_len[i])}}  # fmt: skip
                 try:
@@ -166,7 +171,9 @@ async def _replay(trace: Trace, cfg: SimConfig, scale: float, budget_s: float) -
                     errors.append(f"{i}: {type(exc).__name__}: {exc}")
 
             wall0 = time.monotonic()
-            await asyncio.wait_for(asyncio.gather(*(one(i) for i in range(len(trace)))), timeout=budget_s * 2 + 120)
+            await asyncio.wait_for(
+                asyncio.gather(*(one(i) for i in range(len(trace)))), timeout=budget_s * 2 + 120
+            )
             wall = time.monotonic() - wall0
     finally:
         for proc in procs:
@@ -200,7 +207,12 @@ async def _wait_healthy(s: Any, url: str, proc: subprocess.Popen[bytes]) -> None
 
 
 def compare_with_sglang(
-    subset: Trace, cfg: SimConfig, load: float, offline_load: float, budget_s: float, progress: Callable[[str], None]
+    subset: Trace,
+    cfg: SimConfig,
+    load: float,
+    offline_load: float,
+    budget_s: float,
+    progress: Callable[[str], None],
 ) -> dict[str, Any]:
     """All Sluice policies and the SGLang router on ``subset``, scored by the same simulator."""
     try:
@@ -223,8 +235,12 @@ def compare_with_sglang(
     return {
         "reference": ref.__dict__ | {"rows": len(subset)},
         "policies": results,
-        "sglang_router": {"version": sglang_version, "mode": "two regular-mode routers (prefill pool, decode pool), --policy cache_aware",
-                          "http_online": runs["online_http"], "http_offline": runs["offline_http"]},  # fmt: skip
+        "sglang_router": {
+            "version": sglang_version,
+            "mode": "two regular-mode routers (prefill pool, decode pool), --policy cache_aware",
+            "http_online": runs["online_http"],
+            "http_offline": runs["offline_http"],
+        },  # fmt: skip
     }
 
 

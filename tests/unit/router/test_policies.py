@@ -76,7 +76,7 @@ def test_sluice_prefers_cached_engine_but_not_at_any_queue():
     shared = [("s", k) for k in range(30)]
     c.index.apply_stored(1, shared)
     assert p.select([0, 1], req(0, 32, shared)) == 1  # 30 of 32 blocks cached on engine 1
-    p.outstanding_work[1] = 100.0  # engine 1 swamped: recompute elsewhere is cheaper than waiting
+    p.busy_until[1] = 100.0  # engine 1 swamped: recompute elsewhere is cheaper than waiting
     assert p.select([0, 1], req(1, 32, shared)) == 0
     # its blocks were inserted optimistically: the next turn of that conversation follows it
     assert c.index.match(list(shared) + [("r", 1, k) for k in range(2)]).tolist() == [32, 30]
@@ -91,16 +91,32 @@ def test_sluice_keeps_short_requests_off_the_long_tier():
     p.planner.record(1, 1.0)
     p.select([0, 1], req(1, 4, arrival=1.5))  # closes round 0: one engine per tier
     short_e, long_e = int(p.planner.engines_of(0)[0]), int(p.planner.engines_of(1)[0])
-    p.outstanding_work[:] = 0.0
-    p.outstanding_work[short_e] = 0.01  # slightly busier, yet still the short tier's engine
+    # busy_until is each engine's predicted drain time (seconds on the arrival clock)
+    p.busy_until[:] = 0.0
+    p.busy_until[short_e] = 1.6 + 0.01  # slightly busier, yet still the short tier's engine
     assert p.select([0, 1], req(2, 4, arrival=1.6)) == short_e
-    p.outstanding_work[:] = 0.0
-    p.outstanding_work[long_e] = 0.1
+    p.busy_until[:] = 0.0
+    p.busy_until[long_e] = 1.7 + 0.1
     assert p.select([0, 1], req(3, 60, arrival=1.7)) == long_e  # 30K tokens: tier 1
     # but an idle engine of the other tier beats a long queue in one's own (work conserving)
-    p.outstanding_work[short_e] = 5.0
-    p.outstanding_work[long_e] = 0.0
+    p.busy_until[short_e] = 1.8 + 5.0
+    p.busy_until[long_e] = 0.0
     assert p.select([0, 1], req(4, 4, arrival=1.8)) == long_e
+
+
+def test_sluice_wait_is_a_virtual_clock_reanchored_by_engine_reports():
+    c = ctx(2)
+    p = SluicePrefill(c, SluicePrefillConfig(use_tiers=False))
+    a = req(0, 64, arrival=0.0)  # 32K tokens, ~0.6 s of prefill
+    e = p.select([0, 1], a)
+    work = c.cost.prefill_time(a.input_len)
+    assert p.wait(np.array([e]))[0] == pytest.approx(work)
+    # half of it has elapsed by the next arrival: only the rest is waiting time
+    p.select([0, 1], req(1, 1, arrival=work / 2))
+    assert p.wait(np.array([e]))[0] == pytest.approx(work / 2)
+    # the engine reports 3 s of queued work: the clock re-anchors on it
+    p.update_loads([EngineLoad(e, queued_work_s=3.0)])
+    assert p.wait(np.array([e]))[0] == pytest.approx(3.0)
 
 
 def test_decode_2d_short_to_low_concurrency_long_to_small_cache():
