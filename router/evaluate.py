@@ -17,6 +17,7 @@ Definitions (also in docs/router.md):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from router import cache_aware, sluice  # noqa: F401  (registers policies)
+from router.costmodel import CostModel
 from router.policy import DECODE_POLICIES, PREFILL_POLICIES, Policy, PolicyContext, RequestView
 from router.prefix_index import PrefixIndex, PrefixIndexConfig
 from router.sim import SimConfig, SimResult, Simulator
@@ -167,3 +169,32 @@ def replay_builder(prefill_choices: dict[int, int], decode_choices: dict[int, in
         )
 
     return make
+
+
+def decode_stress(
+    trace: Trace, cfg: SimConfig, policies: tuple[str, ...] = POLICY_NAMES, running_per_engine: float = 192.0
+) -> dict[str, dict[str, float]]:
+    """Decode balancers alone: prefill made ~free, arrivals scaled so decode engines run
+    ``running_per_engine`` sequences on average (Little's law on the default step model).
+
+    Reports TPOT percentiles and decode balance; prefill policies are irrelevant here.
+    """
+    dcfg = dataclasses.replace(cfg, cost=CostModel(a=0.0, b=1e-12, c=0.0))
+    mean_ctx = float(trace.input_len.mean() + trace.output_len.mean() / 2)
+    step = cfg.decode_cost.step_time(int(running_per_engine), running_per_engine * mean_ctx)
+    t_dec = float(trace.output_len.mean()) * step
+    span = max(float(trace.arrival_s[-1] - trace.arrival_s[0]), 1e-9)
+    scale = len(trace) * t_dec / (cfg.num_decode * running_per_engine * span)
+    out: dict[str, dict[str, float]] = {}
+    for name in policies:
+        pre, dec, idx = build(name, dcfg)
+        res, _ = simulate(trace, PREFILL_POLICIES.create("round_robin", pre.ctx), dec, idx, dcfg, scale)
+        tpot = res.tpot_s[np.isfinite(res.tpot_s)] * 1e3
+        out[name] = {
+            "tpot_p50_ms": float(np.percentile(tpot, 50)),
+            "tpot_p99_ms": float(np.percentile(tpot, 99)),
+            "decode_kv_balance_max_over_mean": balance(res.decode_kv_area),
+            "decode_req_balance_max_over_mean": balance(res.decode_req_area),
+            "decode_makespan_s": res.makespan_s,
+        }
+    return out

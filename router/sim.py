@@ -181,6 +181,8 @@ class Simulator:
             t, _, kind, a, b = heapq.heappop(self._events)
             handlers[kind](t, a, b)
         res = self.res
+        res.decode_kv_area[:] = [e.kv_area for e in self.d_eng]
+        res.decode_req_area[:] = [e.req_area for e in self.d_eng]
         res.prefill_makespan_s = float(np.nanmax(self.arrival + res.ttft_s) - self.arrival[0])
         return res
 

@@ -68,7 +68,7 @@ def _traces(args: argparse.Namespace) -> list[Path]:
 
 
 def _run_traces(args: argparse.Namespace) -> Report:
-    from router.evaluate import POLICY_NAMES, evaluate
+    from router.evaluate import POLICY_NAMES, decode_stress, evaluate
     from router.sim import SimConfig
     from router.trace import load_trace
 
@@ -84,9 +84,15 @@ def _run_traces(args: argparse.Namespace) -> Report:
         trace = load_trace(path, limit=args.limit)
         config["traces"].append(str(path))
         ref, res = evaluate(trace, cfg, POLICY_NAMES, args.load, args.offline_load, progress=progress)
-        report.results[trace.name] = {"reference": ref.__dict__ | {"rows": len(trace)}, "policies": res}
+        stress = decode_stress(trace, cfg)
+        progress(f"{trace.name} decode stress: {stress}")
+        report.results[trace.name] = {
+            "reference": ref.__dict__ | {"rows": len(trace)}, "policies": res, "decode_stress": stress,
+        }  # fmt: skip
         for name, r in res.items():
             report.rows.append({"trace": trace.name, "policy": name, **_row(r)})
+        for name, r in stress.items():
+            report.rows.append({"trace": f"{trace.name} (decode stress)", "policy": name, **r})
         _targets(report, trace.name, res)
         if not args.no_sglang:
             _run_peer(args, report, trace.head(min(args.peer_requests, len(trace))), cfg)

@@ -115,3 +115,14 @@ def test_load_trace_validates_rows(tmp_path):
         load_trace(bad)
     with pytest.raises(ValueError, match="--trace"):
         load_trace(tmp_path / "missing.jsonl")
+
+
+def test_decode_balance_integrals_are_recorded():
+    # two long-context requests and two short ones, decode round robin: KV piles on one engine
+    rows = [(0.0, 100, 400, range(k * 100, k * 100 + 100)) if k % 2 == 0 else (0.0, 1, 400, [10_000 + k])
+            for k in range(4)]  # fmt: skip
+    res = run(
+        make_trace(rows), "round_robin", SimConfig(num_prefill=1, num_decode=2)
+    )  # FIFO: long, short, ...
+    assert (res.decode_req_area > 0).all()
+    assert res.decode_kv_area.max() > 10 * res.decode_kv_area.min()
