@@ -109,6 +109,8 @@ class PrefixIndex:
         holders = self._holders
         for i, b in enumerate(blocks):
             nxt = alive & holders.get(b, 0)
+            if nxt == alive:  # fast path: inside a run every live engine still matches
+                continue
             dropped = alive ^ nxt
             while dropped:
                 low = dropped & -dropped

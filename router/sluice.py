@@ -41,6 +41,7 @@ from router.policy import (
     DECODE_POLICIES,
     PREFILL_POLICIES,
     EngineLoad,
+    NoCandidates,
     Policy,
     PolicyContext,
     RequestView,
@@ -86,21 +87,37 @@ class SluicePrefill(Policy):
 
     def scores(self, cands: np.ndarray, request: RequestView) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(score seconds, predicted prefill seconds, matched blocks) per candidate; no side effects."""
-        matched = self.index.match(request.blocks)[cands]
-        cost = self.ctx.cost
+        cl = [int(c) for c in cands]
+        score, pred, matched = self._score_lists(cl, request)
+        return np.asarray(score), np.asarray(pred), np.asarray(matched, dtype=np.int64)
+
+    def _score_lists(
+        self, cands: list[int], request: RequestView
+    ) -> tuple[list[float], list[float], list[int]]:
+        """The rule of the module docstring, in plain Python: pools have few engines and
+        numpy's per-call overhead would dominate a decision."""
+        all_matched = self.index.match(request.blocks).tolist()
+        matched = [all_matched[c] for c in cands]
+        cost, n, bs = self.ctx.cost, request.input_len, request.block_size
         memo: dict[int, float] = {}
-        pred_list = []
-        for m in matched.tolist():
-            if m not in memo:
-                memo[m] = cost.prefill_time(request.input_len, request.cached_tokens(m))
-            pred_list.append(memo[m])
-        pred = np.asarray(pred_list)
+        pred = []
+        for m in matched:
+            p = memo.get(m)
+            if p is None:
+                p = memo[m] = cost.prefill_time(n, min(m * bs, n))
+            pred.append(p)
+        rho, pmin = self._rho(), min(pred)
+        if self.config.wait_estimate == "outstanding":
+            wait = [float(self.outstanding_work[c]) for c in cands]
+        else:
+            busy, now = self.busy_until, self.now
+            wait = [max(float(busy[c]) - now, 0.0) for c in cands]
         # recomputing what another engine holds costs the pool capacity, not just this request
-        wait = self.wait(cands)
-        score = wait + pred + self._rho() * (pred - pred.min())
+        score = [w + p + rho * (p - pmin) for w, p in zip(wait, pred)]
         if self.config.use_tiers:
-            in_tier = self.planner.serving_mask(self.planner.tier_of(request.input_len))[cands]
-            score = np.where(in_tier, score, score * (1.0 + self.config.cross_tier_factor))
+            mask = self.planner.serving_mask(self.planner.tier_of(n))
+            factor = 1.0 + self.config.cross_tier_factor
+            score = [sc if mask[c] else sc * factor for sc, c in zip(score, cands)]
         return score, pred, matched
 
     def wait(self, cands: np.ndarray) -> np.ndarray:
@@ -126,17 +143,18 @@ class SluicePrefill(Policy):
         return float(min(max(cfg.recompute_gain * self.outstanding.mean(), 1.0), cfg.recompute_weight))
 
     def select(self, candidates: Sequence[int], request: RequestView) -> int:
-        cands = candidates_array(candidates)
+        cands = [int(c) for c in candidates]
+        if not cands:
+            raise NoCandidates("no candidate engine to route to (empty pool or all engines excluded)")
         self.now = max(self.now, request.arrival_s)
         if self.config.use_tiers:
             self.planner.maybe_rebalance(request.arrival_s, self.outstanding_work)
-        score, pred, matched = self.scores(cands, request)
-        e = _argmin_tiebreak(score, cands)
-        pos = int(np.flatnonzero(cands == e)[0])
-        work = float(pred[pos])
+        score, pred, matched = self._score_lists(cands, request)
+        _, _, pos = min((sc, c, i) for i, (sc, c) in enumerate(zip(score, cands)))  # ties: lowest index
+        e, work = cands[pos], pred[pos]
         self.planner.record(self.planner.tier_of(request.input_len), work)
-        self.busy_until[e] = max(self.busy_until[e], self.now) + work
-        self.index.apply_stored(e, request.blocks, known_held=int(matched[pos]))
+        self.busy_until[e] = max(float(self.busy_until[e]), self.now) + work
+        self.index.apply_stored(e, request.blocks, known_held=matched[pos])
         return self._charge(e, request, request.input_len, work)
 
 
