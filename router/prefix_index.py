@@ -64,7 +64,8 @@ class PrefixIndex:
         lru = self._lru[engine]
         holders = self._holders
         cap = self.config.capacity_blocks
-        for b in blocks[known_held:] if cap is None else blocks:
+        # tail first, so with self-eviction a chain loses its leaves before its root
+        for b in blocks[known_held:] if cap is None else reversed(blocks):
             if b not in lru:
                 lru[b] = None
                 holders[b] = holders.get(b, 0) | bit

@@ -74,17 +74,21 @@ class _PrefillEngine:
         self.queue: deque[int] = deque()
         self.busy = False
 
+    # Recency is refreshed tail block first, so a prefix's root ends up most recent and
+    # eviction takes leaves before the blocks they extend (vLLM frees blocks in reverse
+    # order for the same reason): an evicted root would strand its whole chain.
     def lookup(self, blocks: Sequence[Hashable]) -> int:
         n = 0
         for b in blocks:
             if b not in self.lru:
                 break
-            self.lru.move_to_end(b)
             n += 1
+        for b in reversed(blocks[:n]):
+            self.lru.move_to_end(b)
         return n
 
     def insert(self, blocks: Sequence[Hashable]) -> list[Hashable]:
-        for b in blocks:
+        for b in reversed(blocks):
             if b in self.lru:
                 self.lru.move_to_end(b)
             else:

@@ -8,8 +8,9 @@ Prefill, for request r with L input tokens on candidate engine e::
                                                                 the recompute it causes)
     score_e  = score_e * (1 + cross_tier_factor)               if e is not in r's tier
 
-and r goes to ``argmin score_e``. ``wait_e`` is the predicted work already sent to e and not
-completed. Cached tokens and queued work trade off in one unit (seconds). ``rho``
+and r goes to ``argmin score_e``. ``wait_e = max(busy_until_e - now, 0)``, a virtual clock
+per engine advanced by ``pred`` of every request routed to it (FIFO) and re-anchored by
+engine reports. Cached tokens and queued work trade off in one unit (seconds). ``rho``
 (``recompute_weight``) charges tokens recomputed although another engine holds them: that
 compute is taken from the whole pool and its later requests, not only from r; with
 ``rho = 0`` the rule is greedy earliest-TTFT and gives up hits too easily. The tier penalty

@@ -42,14 +42,16 @@ def test_removed_events_and_clear_engine():
     assert len(idx) == 2  # blocks 1 and 3 still on engine 0
 
 
-def test_capacity_evicts_least_recently_stored():
-    idx = PrefixIndex(PrefixIndexConfig(1, capacity_blocks=3))
-    idx.apply_stored(0, [1, 2, 3])
-    idx.apply_stored(0, [1])  # refresh 1
-    assert idx.apply_stored(0, [4]) == [2]
-    assert idx.match([1]).tolist() == [1]
-    assert idx.match([2]).tolist() == [0]
-    assert idx.engine_blocks(0) == 3
+def test_capacity_evicts_least_recent_chain_leaf_first():
+    idx = PrefixIndex(PrefixIndexConfig(1, capacity_blocks=4))
+    idx.apply_stored(0, [1, 2, 3])  # one chain
+    idx.apply_stored(0, [9])  # another, more recent
+    # over capacity: the old chain loses its leaf, never its root, so a prefix survives
+    assert idx.apply_stored(0, [7]) == [3]
+    assert idx.match([1, 2, 3]).tolist() == [2]
+    assert idx.apply_stored(0, [8]) == [2]
+    assert idx.match([1, 2, 3]).tolist() == [1]
+    assert idx.engine_blocks(0) == 4
 
 
 def test_store_directory_match():

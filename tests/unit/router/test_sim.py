@@ -126,3 +126,11 @@ def test_decode_balance_integrals_are_recorded():
     )  # FIFO: long, short, ...
     assert (res.decode_req_area > 0).all()
     assert res.decode_kv_area.max() > 10 * res.decode_kv_area.min()
+
+
+def test_engine_cache_evicts_leaves_before_roots():
+    # chain A (8 blocks) then unrelated traffic that overflows the cache by 2 blocks:
+    # A keeps its first 6 blocks rather than losing its root and with it every hit
+    rows = [(0.0, 8, 2, range(8)), (1.0, 4, 2, range(100, 104)), (2.0, 8, 2, range(8))]
+    res = run(make_trace(rows), "round_robin", SimConfig(num_prefill=1, num_decode=1, cache_blocks=10))
+    assert res.cached_tokens[-1] == 6 * 512
