@@ -29,7 +29,7 @@ from router.policy import (
     Policy,
     PolicyContext,
     RequestView,
-    _argmin_tiebreak,
+    argmin_tiebreak,
     candidates_array,
 )
 from router.prefix_index import PrefixIndex, PrefixIndexConfig
@@ -71,7 +71,7 @@ class CacheAware(Policy):
             max_load - min_load > cfg.balance_abs_threshold
             and max_load > cfg.balance_rel_threshold * min_load
         ):
-            e = _argmin_tiebreak(loads.astype(np.float64), cands)
+            e = argmin_tiebreak(loads.astype(np.float64), cands)
         else:
             matched = self.tree.match(request.blocks)[cands]
             best = int(matched.max())
@@ -80,7 +80,7 @@ class CacheAware(Policy):
                 e = int(cands[np.flatnonzero(matched == best)].min())
             else:
                 sizes = np.array([self.tree.engine_blocks(int(c)) for c in cands], dtype=np.float64)
-                e = _argmin_tiebreak(sizes, cands)
+                e = argmin_tiebreak(sizes, cands)
         self.tree.apply_stored(e, request.blocks)
         return self._charge(e, request, request.input_len)
 
@@ -93,5 +93,5 @@ class FewestRequests(Policy):
 
     def select(self, candidates: Sequence[int], request: RequestView) -> int:
         cands = candidates_array(candidates)
-        e = _argmin_tiebreak(self.outstanding[cands].astype(np.float64), cands)
+        e = argmin_tiebreak(self.outstanding[cands].astype(np.float64), cands)
         return self._charge(e, request, request.input_len)

@@ -165,7 +165,7 @@ PREFILL_POLICIES: Registry[Policy] = Registry("prefill")
 DECODE_POLICIES: Registry[Policy] = Registry("decode")
 
 
-def _argmin_tiebreak(scores: np.ndarray, cands: np.ndarray) -> int:
+def argmin_tiebreak(scores: np.ndarray, cands: np.ndarray) -> int:
     """The candidate with the lowest score; ties go to the lowest engine index."""
     return int(min(zip(scores.tolist(), cands.tolist()))[1])
 
@@ -202,7 +202,7 @@ class LeastLoad(Policy):
     def select(self, candidates: Sequence[int], request: RequestView) -> int:
         cands = candidates_array(candidates)
         scores = self.outstanding_tokens[cands] * 1e6 + self.outstanding[cands]
-        return self._charge(_argmin_tiebreak(scores, cands), request, request.input_len)
+        return self._charge(argmin_tiebreak(scores, cands), request, request.input_len)
 
     def update_loads(self, loads: Sequence[EngineLoad]) -> None:
         super().update_loads(loads)

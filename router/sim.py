@@ -67,7 +67,7 @@ class SimResult:
     makespan_s: float
 
 
-class _PrefillEngine:
+class PrefillEngineState:
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
         self.lru: OrderedDict[Hashable, None] = OrderedDict()
@@ -152,7 +152,7 @@ class Simulator:
             )
             for i in range(r)
         ]
-        self.p_eng = [_PrefillEngine(config.cache_blocks) for _ in range(config.num_prefill)]
+        self.p_eng = [PrefillEngineState(config.cache_blocks) for _ in range(config.num_prefill)]
         self.d_eng = [_DecodeEngine() for _ in range(config.num_decode)]
         self._events: list[tuple[float, int, int, int, int]] = []
         self._seq = 0

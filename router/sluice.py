@@ -46,7 +46,7 @@ from router.policy import (
     Policy,
     PolicyContext,
     RequestView,
-    _argmin_tiebreak,
+    argmin_tiebreak,
     candidates_array,
 )
 from router.tiers import TierConfig, TierPlanner
@@ -205,7 +205,7 @@ class TwoDimDecode(Policy):
         fits = self.outstanding_tokens[cands] + ctx_len <= self.kv_capacity[cands]
         if fits.any():
             cands = cands[fits]
-        e = _argmin_tiebreak(self.scores(cands, ctx_len), cands)
+        e = argmin_tiebreak(self.scores(cands, ctx_len), cands)
         a = self.config.ema_alpha
         self.len_ref = (1 - a) * self.len_ref + a * ctx_len
         return self._charge(e, request, ctx_len)
@@ -232,7 +232,7 @@ class LeastOutstandingWork:
 
     def select(self, candidates: Sequence[int], request: VisionRequest) -> int:
         cands = candidates_array(candidates)
-        e = _argmin_tiebreak(self.work[cands], cands)
+        e = argmin_tiebreak(self.work[cands], cands)
         self.work[e] += request.image_tokens
         self._charged[request.request_id] = (e, request.image_tokens)
         return e

@@ -34,8 +34,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.evaluate import POLICY_NAMES, evaluate, reference, replay_builder, score, simulate
-from router.sim import SimConfig, _PrefillEngine
+from router.evaluate import POLICY_NAMES, evaluate, replay_builder, score, simulate
+from router.sim import PrefillEngineState, SimConfig
 from router.trace import Trace
 from services.procs import free_port
 
@@ -64,7 +64,7 @@ class _World:
     prefill_choice: dict[int, int] = field(default_factory=dict)
     decode_choice: dict[int, int] = field(default_factory=dict)
     busy: list[float] = field(default_factory=list)
-    engines: list[_PrefillEngine] = field(default_factory=list)
+    engines: list[PrefillEngineState] = field(default_factory=list)
     decode_running: list[int] = field(default_factory=list)
 
     def now(self) -> float:
@@ -136,7 +136,7 @@ async def _replay(trace: Trace, cfg: SimConfig, scale: float, budget_s: float) -
     span = float(arrivals[-1] - arrivals[0])
     speedup = max(1.0, span / budget_s)
     world = _World(trace, cfg, speedup, busy=[0.0] * cfg.num_prefill, decode_running=[0] * cfg.num_decode)
-    world.engines = [_PrefillEngine(cfg.cache_blocks) for _ in range(cfg.num_prefill)]
+    world.engines = [PrefillEngineState(cfg.cache_blocks) for _ in range(cfg.num_prefill)]
     servers = [await _serve(world, "prefill", e) for e in range(cfg.num_prefill)]
     servers += [await _serve(world, "decode", d) for d in range(cfg.num_decode)]
     ports = [p for _, p in servers]
@@ -244,4 +244,4 @@ def compare_with_sglang(
     }
 
 
-__all__ = ["PeerUnavailable", "compare_with_sglang", "block_text", "reference"]
+__all__ = ["PeerUnavailable", "block_text", "compare_with_sglang"]
