@@ -104,8 +104,12 @@ class PrefixIndex:
     # -- queries ------------------------------------------------------------------------
     def match(self, blocks: Sequence[Hashable]) -> np.ndarray:
         """Matched prefix length in blocks for every engine, as int64 ``[num_engines]``."""
+        return np.asarray(self.match_list(blocks), dtype=np.int64)
+
+    def match_list(self, blocks: Sequence[Hashable]) -> list[int]:
+        """``match`` as a plain list (the router's hot path avoids numpy per-call costs)."""
         n = self.config.num_engines
-        out = np.zeros(n, dtype=np.int64)
+        out = [0] * n
         alive = (1 << n) - 1
         holders = self._holders
         for i, b in enumerate(blocks):

@@ -97,7 +97,7 @@ class SluicePrefill(Policy):
     ) -> tuple[list[float], list[float], list[int]]:
         """The rule of the module docstring, in plain Python: pools have few engines and
         numpy's per-call overhead would dominate a decision."""
-        all_matched = self.index.match(request.blocks).tolist()
+        all_matched = self.index.match_list(request.blocks)
         matched = [all_matched[c] for c in cands]
         cost, n, bs = self.ctx.cost, request.input_len, request.block_size
         memo: dict[int, float] = {}
@@ -111,12 +111,12 @@ class SluicePrefill(Policy):
         if self.config.wait_estimate == "outstanding":
             wait = [float(self.outstanding_work[c]) for c in cands]
         else:
-            busy, now = self.busy_until, self.now
-            wait = [max(float(busy[c]) - now, 0.0) for c in cands]
+            busy, now = self.busy_until.tolist(), self.now
+            wait = [max(busy[c] - now, 0.0) for c in cands]
         # recomputing what another engine holds costs the pool capacity, not just this request
         score = [w + p + rho * (p - pmin) for w, p in zip(wait, pred)]
         if self.config.use_tiers:
-            mask = self.planner.serving_mask(self.planner.tier_of(n))
+            mask = self.planner.serving_list(self.planner.tier_of(n))
             factor = 1.0 + self.config.cross_tier_factor
             score = [sc if mask[c] else sc * factor for sc, c in zip(score, cands)]
         return score, pred, matched

@@ -97,6 +97,7 @@ class TierPlanner:
         self.last_demand = np.zeros(config.num_tiers, dtype=np.float64)
         self.moves = 0  # engines re-assigned so far (thrash indicator)
         self._masks: list[np.ndarray] | None = None
+        self._mask_lists: list[list[bool]] | None = None
 
     def tier_of(self, input_len: int) -> int:
         return bisect.bisect_right(self.config.boundaries, input_len)
@@ -119,6 +120,7 @@ class TierPlanner:
             return False
         self.last_demand = demand
         self._masks = None
+        self._mask_lists = None
         return self._replan(demand, np.asarray(engine_work, dtype=np.float64))
 
     def engines_of(self, tier: int) -> np.ndarray:
@@ -135,6 +137,12 @@ class TierPlanner:
                 m[self.serving_engines(t)] = True
                 self._masks.append(m)
         return self._masks[tier]
+
+    def serving_list(self, tier: int) -> list[bool]:
+        """``serving_mask`` as a plain list, for per-decision hot paths."""
+        if self._mask_lists is None:
+            self._mask_lists = [self.serving_mask(t).tolist() for t in range(self.config.num_tiers)]
+        return self._mask_lists[tier]
 
     def serving_engines(self, tier: int) -> np.ndarray:
         """Engines for ``tier``, else the nearest tier that has engines (longer tiers first)."""
