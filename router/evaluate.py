@@ -74,6 +74,10 @@ def build(name: str, cfg: SimConfig) -> tuple[Policy, Policy, PrefixIndex]:
         pre: Policy = cache_aware.CacheAware(
             pctx, cache_aware.CacheAwareConfig(max_tree_blocks=cfg.cache_blocks)
         )
+    elif name == "sluice" and cfg.store_blocks:  # the store's directory feeds the index
+        pre = sluice.SluicePrefill(
+            pctx, sluice.SluicePrefillConfig(store_fetch_s_per_block=cfg.store_fetch_s_per_block)
+        )
     else:
         pre = PREFILL_POLICIES.create(name, pctx)
     return pre, DECODE_POLICIES.create(name, dctx), index
@@ -95,10 +99,12 @@ def balance(x: np.ndarray) -> float:
 
 def score(trace: Trace, ref: Reference, online: SimResult, offline: SimResult | None) -> dict[str, Any]:
     hit = float(online.cached_tokens.sum() / trace.input_len.sum())
+    store_share = float(online.store_tokens.sum() / max(online.cached_tokens.sum(), 1))
     tpot = online.tpot_s[np.isfinite(online.tpot_s)]
     out: dict[str, Any] = {
         "hit_rate": hit,
         "hit_rate / hit_rate_inf": hit / ref.hit_rate_inf if ref.hit_rate_inf > 0 else 1.0,
+        "store_share_of_hits": store_share,
         "ttft_p50_s": float(np.percentile(online.ttft_s, 50)),
         "ttft_p99_s": float(np.percentile(online.ttft_s, 99)),
         "tpot_p50_ms": float(np.percentile(tpot, 50) * 1e3) if len(tpot) else 0.0,

@@ -12,6 +12,10 @@ Model (docs/router.md has the full statement):
   leave and at least every ``max_step_gap_s``. At most ``decode_max_batch`` sequences and
   ``decode_kv_capacity`` KV tokens; others wait FIFO. Decode produces ``output_len - 1``
   tokens (the first comes from prefill).
+* **Global KV store** (optional, ``store_blocks > 0``): one LRU over blocks behind every
+  prefill engine; every computed block is written to it (``store_add`` to the index). A
+  prefill fetches the store's longer prefix at ``store_fetch_s_per_block`` per block when
+  that beats recomputing.
 * **Router**: prefill policy at arrival, decode policy at prefill completion; both get
   ``on_complete``; decode engines report ``EngineLoad`` every ``stats_interval_s``.
 """
@@ -38,6 +42,8 @@ class SimConfig:
     num_prefill: int = 8
     num_decode: int = 8
     cache_blocks: int = 32_768  # per prefill engine (16.8M tokens at 512 tokens per block)
+    store_blocks: int = 0  # global KV store (LRU) behind every prefill engine; 0 = none
+    store_fetch_s_per_block: float = 0.25e-3  # ~1.5 MB block at ~6 GB/s per GPU
     decode_max_batch: int = 256
     decode_kv_capacity: int = 8_000_000  # tokens per decode engine
     stats_interval_s: float = 0.5
@@ -49,6 +55,8 @@ class SimConfig:
         for name in ("num_prefill", "num_decode", "cache_blocks", "decode_max_batch", "decode_kv_capacity"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SimConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.store_blocks < 0 or self.store_fetch_s_per_block < 0:
+            raise ValueError("SimConfig.store_blocks and store_fetch_s_per_block must be >= 0")
         if self.stats_interval_s <= 0 or self.max_step_gap_s <= 0:
             raise ValueError("SimConfig.stats_interval_s and max_step_gap_s must be > 0 seconds")
 
@@ -57,7 +65,8 @@ class SimConfig:
 class SimResult:
     prefill_engine: np.ndarray  # [R] chosen prefill engine
     decode_engine: np.ndarray  # [R]
-    cached_tokens: np.ndarray  # [R] tokens served from cache
+    cached_tokens: np.ndarray  # [R] tokens served from cache (local or store)
+    store_tokens: np.ndarray  # [R] of which fetched from the global store
     ttft_s: np.ndarray  # [R]
     tpot_s: np.ndarray  # [R] NaN for requests with output_len <= 1
     prefill_busy_s: np.ndarray  # [N] seconds each prefill engine computed
@@ -153,12 +162,14 @@ class Simulator:
             for i in range(r)
         ]
         self.p_eng = [PrefillEngineState(config.cache_blocks) for _ in range(config.num_prefill)]
+        self.store = PrefillEngineState(config.store_blocks) if config.store_blocks else None
         self.d_eng = [_DecodeEngine() for _ in range(config.num_decode)]
         self._events: list[tuple[float, int, int, int, int]] = []
         self._seq = 0
         nan = np.full(r, np.nan)
         self.res = SimResult(
-            np.full(r, -1), np.full(r, -1), np.zeros(r, dtype=np.int64), nan.copy(), nan.copy(),
+            np.full(r, -1), np.full(r, -1), np.zeros(r, dtype=np.int64), np.zeros(r, dtype=np.int64),
+            nan.copy(), nan.copy(),
             np.zeros(config.num_prefill), np.zeros(config.num_decode), np.zeros(config.num_decode), 0.0, 0.0,
         )  # fmt: skip
         self._prefill_all = list(range(config.num_prefill))
@@ -203,9 +214,18 @@ class Simulator:
         eng = self.p_eng[e]
         i = eng.queue.popleft()
         view = self.views[i]
-        cached = view.cached_tokens(eng.lookup(view.blocks))
+        local = eng.lookup(view.blocks)
+        cost = self.cfg.cost
+        dur = cost.prefill_time(view.input_len, view.cached_tokens(local))
+        cached = view.cached_tokens(local)
+        if self.store is not None:  # fetch the store's longer prefix when that is cheaper
+            remote = self.store.lookup(view.blocks)
+            fetch = (remote - local) * self.cfg.store_fetch_s_per_block
+            with_store = cost.prefill_time(view.input_len, view.cached_tokens(remote)) + fetch
+            if remote > local and with_store < dur:
+                dur, cached = with_store, view.cached_tokens(remote)
+                self.res.store_tokens[i] = cached - view.cached_tokens(local)
         self.res.cached_tokens[i] = cached
-        dur = self.cfg.cost.prefill_time(view.input_len, cached)
         self.res.prefill_busy_s[e] += dur
         eng.busy = True
         self._push(t + dur, _PREFILL_DONE, e, i)
@@ -218,6 +238,11 @@ class Simulator:
             self.index.apply_stored(e, view.blocks)
             if evicted:
                 self.index.apply_removed(e, evicted)
+        if self.store is not None:  # every computed block is written to the store
+            dropped = self.store.insert(view.blocks)
+            if self.index is not None:
+                self.index.store_add(view.blocks)
+                self.index.store_remove(dropped)
         self.prefill.on_complete(e, view)
         self.res.ttft_s[i] = t - self.arrival[i]
         eng.busy = False

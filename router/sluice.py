@@ -60,6 +60,7 @@ class SluicePrefillConfig:
     recompute_gain: float = 0.0  # > 0: rho = clip(gain * mean requests in flight, 1, recompute_weight)
     use_tiers: bool = True
     wait_estimate: str = "virtual_clock"  # or "outstanding": sum of unfinished predicted work
+    store_fetch_s_per_block: float | None = None  # None: ignore the KV store's directory
 
     def __post_init__(self) -> None:
         if self.wait_estimate not in ("virtual_clock", "outstanding"):
@@ -101,11 +102,16 @@ class SluicePrefill(Policy):
         matched = [all_matched[c] for c in cands]
         cost, n, bs = self.ctx.cost, request.input_len, request.block_size
         memo: dict[int, float] = {}
+        fetch_s = self.config.store_fetch_s_per_block
+        remote = self.index.store_match(request.blocks) if fetch_s is not None else 0
         pred = []
         for m in matched:
             p = memo.get(m)
             if p is None:
-                p = memo[m] = cost.prefill_time(n, min(m * bs, n))
+                p = cost.prefill_time(n, min(m * bs, n))
+                if remote > m:  # the engine may fetch the store's longer prefix instead
+                    p = min(p, cost.prefill_time(n, min(remote * bs, n)) + (remote - m) * (fetch_s or 0.0))
+                memo[m] = p
             pred.append(p)
         rho, pmin = self._rho(), min(pred)
         if self.config.wait_estimate == "outstanding":

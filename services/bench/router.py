@@ -28,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=8, help="simulated prefill engines")
     p.add_argument("--decode", type=int, default=8, help="simulated decode engines")
     p.add_argument("--cache-blocks", type=int, default=32_768, help="LRU blocks per prefill engine")
+    p.add_argument(
+        "--store-blocks", type=int, default=0, help="global KV store blocks behind all engines (0: none)"
+    )
     p.add_argument("--load", type=float, default=0.7, help="online run: reference work / pool capacity")
     p.add_argument("--offline-load", type=float, default=1.5, help="offline (throughput) run load")
     p.add_argument("--limit", type=int, default=None, help="use only the first N rows of each trace")
@@ -72,10 +75,15 @@ def _run_traces(args: argparse.Namespace) -> Report:
     from router.sim import SimConfig
     from router.trace import load_trace
 
-    cfg = SimConfig(num_prefill=args.prefill, num_decode=args.decode, cache_blocks=args.cache_blocks)
+    cfg = SimConfig(
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        cache_blocks=args.cache_blocks,
+        store_blocks=args.store_blocks,
+    )
     config: dict[str, Any] = {
         "mode": "trace", "prefill_engines": cfg.num_prefill, "decode_engines": cfg.num_decode,
-        "cache_blocks_per_engine": cfg.cache_blocks, "load": args.load, "offline_load": args.offline_load,
+        "cache_blocks_per_engine": cfg.cache_blocks, "store_blocks": cfg.store_blocks, "load": args.load, "offline_load": args.offline_load,
         "limit": args.limit, "cost_model": cfg.cost.to_json(), "decode_cost_model": cfg.decode_cost.to_json(),
         "traces": [], "sglang_peer": not args.no_sglang, "peer_requests": args.peer_requests,
     }  # fmt: skip

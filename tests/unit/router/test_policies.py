@@ -162,3 +162,22 @@ def test_vision_least_outstanding_work():
 def test_request_view_rejects_empty_prompt():
     with pytest.raises(ValueError, match="empty prompt"):
         RequestView("x", 0)
+
+
+def test_sluice_counts_store_hits_with_their_fetch_cost():
+    c = ctx(2)
+    shared = [("s", k) for k in range(60)]
+    c.index.store_add(shared)
+    c.index.apply_stored(1, shared[:10])
+    blind = SluicePrefill(c, SluicePrefillConfig(use_tiers=False))
+    aware = SluicePrefill(c, SluicePrefillConfig(use_tiers=False, store_fetch_s_per_block=1e-3))
+    r = req(0, 64, shared)
+    _, pred_blind, _ = blind.scores(np.array([0, 1]), r)
+    _, pred_aware, _ = aware.scores(np.array([0, 1]), r)
+    n = r.input_len
+    assert pred_blind[0] == pytest.approx(c.cost.prefill_time(n))
+    assert pred_aware[0] == pytest.approx(c.cost.prefill_time(n, 60 * 512) + 60e-3)
+    assert pred_aware[1] == pytest.approx(c.cost.prefill_time(n, 60 * 512) + 50e-3)
+    # with everything in the store, affinity matters only by the fetch it saves
+    aware.busy_until[1] = 1.0
+    assert aware.select([0, 1], r) == 0

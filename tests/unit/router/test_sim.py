@@ -134,3 +134,15 @@ def test_engine_cache_evicts_leaves_before_roots():
     rows = [(0.0, 8, 2, range(8)), (1.0, 4, 2, range(100, 104)), (2.0, 8, 2, range(8))]
     res = run(make_trace(rows), "round_robin", SimConfig(num_prefill=1, num_decode=1, cache_blocks=10))
     assert res.cached_tokens[-1] == 6 * 512
+
+
+def test_global_store_serves_prefixes_computed_on_other_engines():
+    rows = [(0.0, 20, 2, range(20)), (5.0, 22, 2, list(range(20)) + [50, 51])]
+    base = dict(num_prefill=2, num_decode=1)
+    no_store = run(make_trace(rows), "round_robin", SimConfig(**base))
+    store = run(make_trace(rows), "round_robin", SimConfig(**base, store_blocks=1000))
+    assert no_store.cached_tokens[1] == 0  # round robin sent turn 2 to the other engine
+    assert store.cached_tokens[1] == 20 * 512 and store.store_tokens[1] == 20 * 512
+    cfg = SimConfig(**base)
+    fetch = 20 * cfg.store_fetch_s_per_block
+    assert store.ttft_s[1] == pytest.approx(cfg.cost.prefill_time(22 * 512, 20 * 512) + fetch)
