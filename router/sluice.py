@@ -4,7 +4,8 @@ Prefill, for request r with L input tokens on candidate engine e::
 
     cached_e = min(matched_blocks_e * block_size, L)          (global prefix index)
     pred_e   = cost.prefill_time(L, cached_e)                  (quadratic cost model)
-    score_e  = wait_e + pred_e + rho * (pred_e - min_f pred_f) (estimated TTFT on e, plus
+    comp_e   = pred_e minus any KV-store fetch time in it      (= pred_e without a store)
+    score_e  = wait_e + pred_e + rho * (comp_e - min_f comp_f) (estimated TTFT on e, plus
                                                                 the recompute it causes)
     score_e  = score_e * (1 + cross_tier_factor)               if e is not in r's tier
 
@@ -101,26 +102,31 @@ class SluicePrefill(Policy):
         all_matched = self.index.match_list(request.blocks)
         matched = [all_matched[c] for c in cands]
         cost, n, bs = self.ctx.cost, request.input_len, request.block_size
-        memo: dict[int, float] = {}
+        memo: dict[int, tuple[float, float]] = {}
         fetch_s = self.config.store_fetch_s_per_block
         remote = self.index.store_match(request.blocks) if fetch_s is not None else 0
-        pred = []
+        pred, compute = [], []
         for m in matched:
-            p = memo.get(m)
-            if p is None:
-                p = cost.prefill_time(n, min(m * bs, n))
+            pc = memo.get(m)
+            if pc is None:
+                c = cost.prefill_time(n, min(m * bs, n))
+                pc = (c, c)
                 if remote > m:  # the engine may fetch the store's longer prefix instead
-                    p = min(p, cost.prefill_time(n, min(remote * bs, n)) + (remote - m) * (fetch_s or 0.0))
-                memo[m] = p
-            pred.append(p)
-        rho, pmin = self._rho(), min(pred)
+                    c_store = cost.prefill_time(n, min(remote * bs, n))
+                    if c_store + (remote - m) * (fetch_s or 0.0) < c:
+                        pc = (c_store + (remote - m) * (fetch_s or 0.0), c_store)
+                memo[m] = pc
+            pred.append(pc[0])
+            compute.append(pc[1])
+        # rho weighs recomputed tokens only: a fetch uses the engine's link, not pool compute
+        rho, cmin = self._rho(), min(compute)
         if self.config.wait_estimate == "outstanding":
             wait = [float(self.outstanding_work[c]) for c in cands]
         else:
             busy, now = self.busy_until.tolist(), self.now
             wait = [max(busy[c] - now, 0.0) for c in cands]
         # recomputing what another engine holds costs the pool capacity, not just this request
-        score = [w + p + rho * (p - pmin) for w, p in zip(wait, pred)]
+        score = [w + p + rho * (c - cmin) for w, p, c in zip(wait, pred, compute)]
         if self.config.use_tiers:
             mask = self.planner.serving_list(self.planner.tier_of(n))
             factor = 1.0 + self.config.cross_tier_factor
