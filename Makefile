@@ -7,6 +7,9 @@ STAMP := $(VENV)/.sluice-installed
 PYTEST_ARGS ?=
 # Fast suite: everything but slow and GPU tests.
 TEST_MARKERS ?= not slow and not gpu
+# The pure cores (CONVENTIONS 1) are type-checked.
+MYPY_TARGETS ?= router kvstore services/envs.py services/cluster_config.py services/bench/__init__.py \
+	engine/eplb.py services/eplb_controller.py services/eplb_rank.py
 
 .PHONY: install proto test test-slow test-gpu lint run clean redis-server
 
@@ -37,8 +40,8 @@ $(STAMP)-proto-tools:
 
 lint: install
 	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check engine router kvstore services tests examples
-	$(VENV)/bin/mypy router kvstore/codec.py services/envs.py services/cluster_config.py
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy $(MYPY_TARGETS)
 
 # pytest exits 5 when it collects nothing; that is not a failure of the suite.
 define run_pytest

@@ -75,13 +75,20 @@ def _register(name: str, parse: Callable[[str], T], default: T, help: str) -> En
     return var
 
 
-HOME = _register("SLUICE_HOME", _parse_path, Path("var"), "Directory for generated checkpoints, data and logs.")
+HOME = _register(
+    "SLUICE_HOME", _parse_path, Path("var"), "Directory for generated checkpoints, data and logs."
+)
 MODEL_DIR: EnvVar[Path | None] = _register(
-    "SLUICE_MODEL_DIR", _parse_optional_path, None, "Checkpoint directory; unset means the generated tiny preset."
+    "SLUICE_MODEL_DIR",
+    _parse_optional_path,
+    None,
+    "Checkpoint directory; unset means the generated tiny preset.",
 )
 HOST = _register("SLUICE_HOST", str, "127.0.0.1", "Address the API server binds to.")
 PORT = _register("SLUICE_PORT", _parse_int, 8000, "Port the API server listens on.")
-API_KEYS = _register("SLUICE_API_KEYS", _parse_list, (), "Comma-separated API keys; empty disables auth.")
+API_KEYS: EnvVar[tuple[str, ...]] = _register(
+    "SLUICE_API_KEYS", _parse_list, (), "Comma-separated API keys; empty disables auth."
+)
 API_KEYS_FILE: EnvVar[Path | None] = _register(
     "SLUICE_API_KEYS_FILE", _parse_optional_path, None, "File with one API key per line."
 )

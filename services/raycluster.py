@@ -22,10 +22,14 @@ def init_local_ray(
     namespace: str = "sluice",
 ) -> Any:
     """Start (or join) a local Ray instance bound to 127.0.0.1; returns ray's context."""
-    import ray  # imported lazily: nothing starts at import time
-
-    # Ray reads this in its child processes, so it must be in our environment before init.
+    # Ray reads this when `ray` is imported, here and in every worker it starts; workers
+    # inherit it from our environment.
     envs.export_to_children(LOOPBACK_ENV)
+    import ray  # imported lazily: nothing starts at import time
+    from ray._private import ray_constants
+
+    # If `ray` was imported before the variable was set, the constant is already stale.
+    ray_constants.ENABLE_RAY_CLUSTER = False
     if ray.is_initialized():
         return ray.get_runtime_context()
     return ray.init(

@@ -15,7 +15,6 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Any
@@ -121,5 +120,3 @@ def emit(report: Report, as_json: bool) -> None:
 def progress(message: str) -> None:
     """Progress for long runs goes to stderr so --json stdout stays one object."""
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
-
-

@@ -1,0 +1,35 @@
+import subprocess
+import sys
+
+import pytest
+
+from services.cli import build_parser, main
+
+
+def test_every_subcommand_has_help(capsys):
+    parser = build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert {"env", "gen-checkpoint", "bench"} <= set(sub.choices)
+    for name in sub.choices:
+        with pytest.raises(SystemExit) as exc:
+            main([name, "--help"])
+        assert exc.value.code == 0
+    assert "usage:" in capsys.readouterr().out
+
+
+def test_env_command_rejects_a_malformed_value(monkeypatch, capsys):
+    monkeypatch.setenv("SLUICE_PORT", "not-a-port")
+    assert main(["env"]) == 2
+    assert "SLUICE_PORT" in capsys.readouterr().err
+
+
+def test_console_script_runs():
+    out = subprocess.run(
+        [sys.executable, "-m", "services.cli", "env"], capture_output=True, text=True, check=True
+    ).stdout
+    assert "SLUICE_MODEL_DIR" in out
+
+
+def test_gen_checkpoint_rejects_bad_override(tmp_path, capsys):
+    assert main(["gen-checkpoint", "--out", str(tmp_path), "--set", "novalue"]) == 2
+    assert "KEY=JSON" in capsys.readouterr().err
