@@ -68,10 +68,14 @@ class SluicePrefillConfig:
             raise ValueError(
                 f"wait_estimate must be 'virtual_clock' or 'outstanding', got {self.wait_estimate!r}"
             )
-        if self.cross_tier_factor < 0 or self.recompute_weight < 0:
+        if self.store_fetch_s_per_block is not None and self.store_fetch_s_per_block < 0:
             raise ValueError(
-                f"cross_tier_factor and recompute_weight must be >= 0, got "
-                f"{self.cross_tier_factor}, {self.recompute_weight}"
+                f"store_fetch_s_per_block must be >= 0 or None, got {self.store_fetch_s_per_block}"
+            )
+        if self.cross_tier_factor < 0 or self.recompute_weight < 0 or self.recompute_gain < 0:
+            raise ValueError(
+                f"cross_tier_factor, recompute_weight and recompute_gain must be >= 0, got "
+                f"{self.cross_tier_factor}, {self.recompute_weight}, {self.recompute_gain}"
             )
 
 

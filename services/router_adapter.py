@@ -28,6 +28,8 @@ class RouterAdapterConfig:
     num_decode: int = 1
     cost: CostModel = CostModel()
     decode_cost: DecodeCostModel = DecodeCostModel()
+    # seconds to fetch one block from the KV store; None: the sluice policy ignores the store
+    store_fetch_s_per_block: float | None = None
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -55,7 +57,11 @@ class RouterAdapter:
         self.index = PrefixIndex(PrefixIndexConfig(config.num_prefill))
         pctx = PolicyContext(config.num_prefill, self.index, config.cost, config.decode_cost)
         dctx = PolicyContext(config.num_decode, cost=config.cost, decode_cost=config.decode_cost)
-        self.prefill: Policy = PREFILL_POLICIES.create(config.policy, pctx)
+        if config.policy == "sluice":
+            sconf = sluice.SluicePrefillConfig(store_fetch_s_per_block=config.store_fetch_s_per_block)
+            self.prefill: Policy = sluice.SluicePrefill(pctx, sconf)
+        else:
+            self.prefill = PREFILL_POLICIES.create(config.policy, pctx)
         self.decode: Policy = DECODE_POLICIES.create(config.policy, dctx)
         self._lock = asyncio.Lock()
 

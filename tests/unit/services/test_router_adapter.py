@@ -62,3 +62,22 @@ def test_bad_stats_and_names_are_rejected():
         asyncio.run(r.on_engine_stats("vision", []))
     with pytest.raises(ValueError, match="not hex"):
         asyncio.run(r.on_cache_event(0, stored=["zz"]))
+
+
+def test_store_directory_lowers_predicted_prefill_when_enabled():
+    async def go():
+        cfg = RouterAdapterConfig("sluice", num_prefill=2, num_decode=1, store_fetch_s_per_block=1e-4)
+        r = RouterAdapter(cfg)
+        blocks = chain(64)
+        view = r.request("a", 64 * 256, blocks, arrival_s=0.0)
+        import numpy as np
+
+        _, before, _ = r.prefill.scores(np.array([0, 1]), view)
+        await r.on_store_directory(added=[b.hex() for b in blocks[:60]])
+        _, after, _ = r.prefill.scores(np.array([0, 1]), view)
+        assert (after < 0.5 * before).all()  # 60 of 64 blocks fetched instead of computed
+        await r.on_store_directory(removed=blocks[:60])
+        _, again, _ = r.prefill.scores(np.array([0, 1]), view)
+        assert np.allclose(again, before)
+
+    asyncio.run(go())
