@@ -1,31 +1,45 @@
 """Step-time cost models for prefill chunks and decode steps (pure numpy).
 
-Prefill (vLLM ``ProfilingChunkScheduler`` form, SEED_FACTS "Chunk cost models")::
+Prefill, the vLLM ``ProfilingChunkScheduler`` form (SEED_FACTS "Chunk cost models") plus
+one term::
 
-    step_time(C, H) = a * C * (C + H) + b * (C + H) + c        [seconds]
+    step_time(C, H) = a * C * (C + H) + b * (C + H) + d * C + c        [seconds]
 
-where ``C`` is the number of new tokens computed in the step (the chunk) and ``H`` the
-tokens already in the sequence's KV cache (cached prefix plus earlier chunks). ``a`` is the
-attention term (each new token attends to ``C + H`` keys), ``b`` the per-token term that
-also grows with context (KV reads, compressor/indexer work), ``c`` the fixed launch cost.
+* ``C`` is the number of new tokens computed in the step (the chunk).
+* ``H`` is the number of tokens already in the sequence's KV cache: the cached prefix
+  plus earlier chunks.
+* ``a`` is the attention term: each new token attends to ``C + H`` keys.
+* ``b`` is the per-context-token term: KV reads, compressor and indexer work.
+* ``d`` is the per-new-token term: projections and MoE, independent of context.
+* ``c`` is the fixed launch cost.
 
-Decode (one continuous-batching step over ``B`` running sequences holding ``K`` KV tokens
-in total)::
+With ``d = 0`` this is exactly the vLLM form. Without ``d``, the dense per-token work
+would have to sit in ``b``. A step of a few new tokens after a long cached prefix would
+then cost as much as computing the prefix: a 94 % prefix hit would save only ~28 % of the
+prefill time.
+
+Decode is one continuous-batching step over ``B`` running sequences holding ``K`` KV
+tokens in total::
 
     step_time(B, K) = d0 + d1 * B + d2 * K                       [seconds]
 
-Default coefficients (H200-class GPU, DeepSeek-V4.1-Flash; SEED_FACTS section 1):
+Default coefficients are for an H200-class GPU serving DeepSeek-V4.1-Flash (SEED_FACTS
+section 1).
 
-* prefill: DeepInfer reports ~60,000 prefill tok/s/GPU at 4,096 tokens per rank, so one
-  4,096-token chunk with no prefix takes 4096 / 60000 = 68.3 ms. We split it as
-  c = 2 ms launch, an attention share of 10 % at that size (a = 6.83 ms / 4096^2) and the
-  rest linear (b = 59.5 ms / 4096). The split is an assumption until Engine II's fit from
-  measurements replaces it (``CostModel.from_json``).
-* decode: ~100 tok/s per user at 256 requests per rank, i.e. a ~10 ms step at B = 256. We
-  take d0 = 5 ms, d1 = 10 us per sequence and d2 = 1.5 ns per KV token (256 sequences of
-  8K context add ~3 ms), which gives 10.6 ms at (256, 2M).
+* **Prefill.** DeepInfer reports ~60,000 prefill tok/s/GPU at 4,096 tokens per rank, so
+  one 4,096-token chunk with no prefix takes 4096 / 60000 = 68.3 ms. We split it as:
+  * c = 2 ms of launch;
+  * an attention share of 10 % at that size, a = 6.83 ms / 4096^2;
+  * a KV-read term b = 0.2 us per context token (0.8 ms at 4K);
+  * the rest per new token, d = 14.3 us.
 
-The API is deliberately small: ``predict``, ``prefill_time``, ``fit``, ``to_json`` /
+  The split is an assumption until Engine II's fit from measurements replaces it
+  (``CostModel.fit`` / ``from_json``).
+* **Decode.** ~100 tok/s per user at 256 requests per rank means a ~10 ms step at
+  B = 256. We take d0 = 5 ms, d1 = 10 us per sequence and d2 = 1.5 ns per KV token
+  (256 sequences of 8K context add ~3 ms), which gives 10.6 ms at (256, 2M).
+
+The API is deliberately small: ``predict``, ``prefill_time``, ``fit``, ``to_json`` and
 ``from_json``. Engine II imports it to save fitted coefficients.
 """
 
@@ -42,32 +56,34 @@ DEFAULT_CHUNK_BUDGET = 32_768  # tokens per prefill step (SEED_FACTS section 4, 
 _PREFILL_4K_S = 4096 / 60_000.0
 _C_DEFAULT = 0.002
 _A_DEFAULT = 0.10 * _PREFILL_4K_S / 4096**2
-_B_DEFAULT = (_PREFILL_4K_S - _C_DEFAULT - 0.10 * _PREFILL_4K_S) / 4096
+_B_DEFAULT = 0.2e-6
+_D_DEFAULT = (_PREFILL_4K_S - _C_DEFAULT - 0.10 * _PREFILL_4K_S - _B_DEFAULT * 4096) / 4096
 
 
 @dataclass(frozen=True)
 class CostModel:
-    """Prefill step time ``a*C*(C+H) + b*(C+H) + c`` in seconds; see the module docstring."""
+    """Prefill step time ``a*C*(C+H) + b*(C+H) + d*C + c`` in seconds (module docstring)."""
 
     a: float = _A_DEFAULT
     b: float = _B_DEFAULT
     c: float = _C_DEFAULT
+    d: float = _D_DEFAULT
     chunk_budget: int = DEFAULT_CHUNK_BUDGET
 
     def __post_init__(self) -> None:
-        for name in ("a", "b", "c"):
+        for name in ("a", "b", "c", "d"):
             v = getattr(self, name)
             if not np.isfinite(v) or v < 0:
                 raise ValueError(f"CostModel.{name} must be a finite number >= 0, got {v!r}")
-        if self.a == 0 and self.b == 0:
-            raise ValueError("CostModel needs a > 0 or b > 0: a model with a = b = 0 predicts free prefill")
+        if self.a == 0 and self.b == 0 and self.d == 0:
+            raise ValueError("CostModel needs a, b or d > 0: with all three 0 prefill would be free")
         if self.chunk_budget < 1:
             raise ValueError(f"CostModel.chunk_budget must be >= 1 token, got {self.chunk_budget}")
 
     def predict(self, chunk: float, prefix: float) -> float:
         """Seconds for one step computing ``chunk`` new tokens after ``prefix`` cached ones."""
         total = chunk + prefix
-        return self.a * chunk * total + self.b * total + self.c
+        return self.a * chunk * total + self.b * total + self.d * chunk + self.c
 
     def prefill_time(self, input_len: int, cached: int = 0) -> float:
         """Seconds to prefill ``input_len`` tokens of which the first ``cached`` are cached.
@@ -87,23 +103,29 @@ class CostModel:
 
     @classmethod
     def fit(
-        cls, samples: Iterable[tuple[float, float, float]], chunk_budget: int = DEFAULT_CHUNK_BUDGET
+        cls,
+        samples: Iterable[tuple[float, float, float]],
+        chunk_budget: int = DEFAULT_CHUNK_BUDGET,
+        with_d: bool = True,
     ) -> CostModel:
         """Least-squares fit from ``(chunk, prefix, seconds)`` samples; coefficients clipped at 0.
 
-        Raises ValueError with fewer than 3 samples or when the design is rank-deficient
-        (e.g. every sample has the same chunk and prefix).
+        ``with_d=False`` fits the plain vLLM form (d = 0). Raises ValueError with too few
+        samples or when the samples do not vary enough (e.g. every prefix is 0, which
+        cannot separate ``b`` from ``d``: pass ``with_d=False`` or add prefixed samples).
         """
         arr = np.asarray(list(samples), dtype=np.float64)
-        if arr.ndim != 2 or arr.shape[0] < 3 or arr.shape[1] != 3:
-            raise ValueError("CostModel.fit needs >= 3 samples of (chunk, prefix, seconds)")
+        cols = 4 if with_d else 3
+        if arr.ndim != 2 or arr.shape[0] < cols or arr.shape[1] != 3:
+            raise ValueError(f"CostModel.fit needs >= {cols} samples of (chunk, prefix, seconds)")
         chunk, prefix, y = arr[:, 0], arr[:, 1], arr[:, 2]
-        x = np.stack([chunk * (chunk + prefix), chunk + prefix, np.ones_like(chunk)], axis=1)  # [S, 3]
-        if np.linalg.matrix_rank(x) < 3:
-            raise ValueError("CostModel.fit: samples do not vary enough in chunk and prefix to fit a, b, c")
+        feats = [chunk * (chunk + prefix), chunk + prefix, np.ones_like(chunk)] + ([chunk] if with_d else [])
+        x = np.stack(feats, axis=1)  # [S, cols]
+        if np.linalg.matrix_rank(x) < cols:
+            raise ValueError("CostModel.fit: samples do not vary enough in chunk and prefix to fit the terms")
         coef, *_ = np.linalg.lstsq(x, y, rcond=None)
-        a, b, c = (max(float(v), 0.0) for v in coef)
-        return cls(a=a, b=b, c=c, chunk_budget=chunk_budget)
+        v = [max(float(k), 0.0) for k in coef] + ([] if with_d else [0.0])
+        return cls(a=v[0], b=v[1], c=v[2], d=v[3], chunk_budget=chunk_budget)
 
     def to_json(self) -> str:
         return json.dumps({"kind": "prefill_quadratic", **asdict(self)})
@@ -113,9 +135,10 @@ class CostModel:
         raw = json.loads(text)
         if raw.pop("kind", "prefill_quadratic") != "prefill_quadratic":
             raise ValueError("not a prefill cost model JSON (kind != 'prefill_quadratic')")
-        unknown = set(raw) - {"a", "b", "c", "chunk_budget"}
+        unknown = set(raw) - {"a", "b", "c", "d", "chunk_budget"}
         if unknown:
-            raise ValueError(f"unknown CostModel fields {sorted(unknown)}; expected a, b, c, chunk_budget")
+            raise ValueError(f"unknown CostModel fields {sorted(unknown)}; expected a, b, c, d, chunk_budget")
+        raw.setdefault("d", 0.0)  # a plain vLLM-form fit
         return cls(**raw)
 
 

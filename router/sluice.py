@@ -56,7 +56,7 @@ from router.tiers import TierConfig, TierPlanner
 @dataclass(frozen=True)
 class SluicePrefillConfig:
     tiers: TierConfig = field(default_factory=TierConfig)
-    cross_tier_factor: float = 0.5
+    cross_tier_factor: float = 0.1  # soft: see the tier ablation in docs/router.md
     recompute_weight: float = 20.0  # tuned on both Mooncake traces, see docs/router.md
     recompute_gain: float = 0.0  # > 0: rho = clip(gain * mean requests in flight, 1, recompute_weight)
     use_tiers: bool = True

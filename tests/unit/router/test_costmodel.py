@@ -14,7 +14,7 @@ def test_default_matches_seed_prefill_rate():
 
 def test_prefix_makes_steps_slower_and_quadratic_in_context():
     m = CostModel()
-    assert m.predict(4096, 100_000) > 10 * m.predict(4096, 0)
+    assert m.predict(4096, 100_000) > 3 * m.predict(4096, 0)
     # prefill of 2L costs more than twice prefill of L (attention term)
     assert m.prefill_time(64_000) > 2.2 * m.prefill_time(32_000)
 
@@ -44,14 +44,14 @@ def test_fit_recovers_coefficients_and_roundtrips_json():
 
 
 def test_fit_and_config_validation():
-    with pytest.raises(ValueError, match=">= 3 samples"):
+    with pytest.raises(ValueError, match=">= 4 samples"):
         CostModel.fit([(1, 0, 1.0)])
     with pytest.raises(ValueError, match="do not vary"):
         CostModel.fit([(100, 0, 1.0)] * 5)
     with pytest.raises(ValueError, match="a >= 0|must be a finite"):
         CostModel(a=-1.0)
     with pytest.raises(ValueError, match="unknown CostModel fields"):
-        CostModel.from_json('{"a": 1e-9, "b": 1e-5, "c": 0.0, "d": 1}')
+        CostModel.from_json('{"a": 1e-9, "b": 1e-5, "c": 0.0, "e": 1}')
 
 
 def test_decode_model_fit_and_default_step():
