@@ -185,7 +185,7 @@ def decode_stress(
 
     Reports TPOT percentiles and decode balance; prefill policies are irrelevant here.
     """
-    dcfg = dataclasses.replace(cfg, cost=CostModel(a=0.0, b=1e-12, c=0.0))
+    dcfg = dataclasses.replace(cfg, cost=CostModel(a=0.0, b=1e-12, c=0.0, d=0.0))
     mean_ctx = float(trace.input_len.mean() + trace.output_len.mean() / 2)
     step = cfg.decode_cost.step_time(int(running_per_engine), running_per_engine * mean_ctx)
     t_dec = float(trace.output_len.mean()) * step
