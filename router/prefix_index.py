@@ -1,0 +1,160 @@
+"""Global prefix index: which engines (and whether the KV store) hold which KV blocks.
+
+Block ids are chained prefix hashes (the trace's ``hash_ids``; in live traffic the engine's
+chained SHA-256 block hash as ``bytes`` or hex ``str``). Because each id already commits to
+its whole prefix, the longest cached prefix of a request on an engine is the longest run of
+its block ids, from the first, that the engine holds: a radix tree over blocks collapses to
+a map ``block id -> holders``. Ids are only used as dict keys inside this process; nothing
+derived from Python's ``hash()`` ever leaves it.
+
+Holders are an ``int`` bitmask over engine indices ``0..num_engines-1``, so one walk over a
+request's blocks yields the match length on every engine at once: O(prefix blocks +
+engines) per lookup, independent of how many blocks are indexed.
+
+Feeding: engines publish ``stored`` / ``removed`` events (``apply_stored`` /
+``apply_removed``); the KV store's directory publishes ``store_add`` / ``store_remove``.
+With ``capacity_blocks`` set, the index also evicts per engine in LRU order on its own
+(an approximate index, for engines that do not publish removals).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class PrefixIndexConfig:
+    num_engines: int
+    capacity_blocks: int | None = None  # per engine; None: trust removal events only
+
+    def __post_init__(self) -> None:
+        if self.num_engines < 1:
+            raise ValueError(f"PrefixIndexConfig.num_engines must be >= 1, got {self.num_engines}")
+        if self.capacity_blocks is not None and self.capacity_blocks < 1:
+            raise ValueError(
+                f"PrefixIndexConfig.capacity_blocks must be >= 1 or None (no self-eviction), "
+                f"got {self.capacity_blocks}"
+            )
+
+
+class PrefixIndex:
+    """Block -> holder-bitmask map with per-engine LRU order and a store directory view."""
+
+    def __init__(self, config: PrefixIndexConfig) -> None:
+        self.config = config
+        self._holders: dict[Hashable, int] = {}
+        # per engine, blocks in recency order (a plain dict keeps insertion order and is faster)
+        self._lru: list[dict[Hashable, None]] = [{} for _ in range(config.num_engines)]
+        self._store: set[Hashable] = set()
+
+    # -- events -------------------------------------------------------------------------
+    def apply_stored(self, engine: int, blocks: Sequence[Hashable], known_held: int = 0) -> list[Hashable]:
+        """Record that ``engine`` holds ``blocks`` (refreshing their recency).
+
+        ``known_held``: the caller knows the first ``known_held`` blocks are already held
+        (from ``match``); they are skipped when this index does not evict by itself.
+        Returns the blocks evicted from this engine's view to respect ``capacity_blocks``.
+        Raises ValueError for an engine index out of range.
+        """
+        self._check(engine)
+        bit = 1 << engine
+        lru = self._lru[engine]
+        holders = self._holders
+        cap = self.config.capacity_blocks
+        # tail first, so with self-eviction a chain loses its leaves before its root
+        for b in blocks[known_held:] if cap is None else reversed(blocks):
+            if b not in lru:
+                lru[b] = None
+                holders[b] = holders.get(b, 0) | bit
+            elif cap is not None:  # recency matters only when this index evicts by itself
+                del lru[b]
+                lru[b] = None
+        evicted: list[Hashable] = []
+        if cap is not None:
+            while len(lru) > cap:
+                b = next(iter(lru))
+                del lru[b]
+                self._drop(b, bit)
+                evicted.append(b)
+        return evicted
+
+    def apply_removed(self, engine: int, blocks: Iterable[Hashable]) -> None:
+        """Record that ``engine`` evicted ``blocks``; unknown blocks are ignored."""
+        self._check(engine)
+        bit = 1 << engine
+        lru = self._lru[engine]
+        for b in blocks:
+            if b in lru:
+                del lru[b]
+                self._drop(b, bit)
+
+    def clear_engine(self, engine: int) -> None:
+        """Forget everything ``engine`` held (it restarted or left the pool)."""
+        self.apply_removed(engine, list(self._lru[engine]))
+
+    def store_add(self, blocks: Iterable[Hashable]) -> None:
+        self._store.update(blocks)
+
+    def store_remove(self, blocks: Iterable[Hashable]) -> None:
+        self._store.difference_update(blocks)
+
+    # -- queries ------------------------------------------------------------------------
+    def match(self, blocks: Sequence[Hashable]) -> np.ndarray:
+        """Matched prefix length in blocks for every engine, as int64 ``[num_engines]``."""
+        return np.asarray(self.match_list(blocks), dtype=np.int64)
+
+    def match_list(self, blocks: Sequence[Hashable]) -> list[int]:
+        """``match`` as a plain list (the router's hot path avoids numpy per-call costs)."""
+        n = self.config.num_engines
+        out = [0] * n
+        alive = (1 << n) - 1
+        holders = self._holders
+        for i, b in enumerate(blocks):
+            nxt = alive & holders.get(b, 0)
+            if nxt == alive:  # fast path: inside a run every live engine still matches
+                continue
+            dropped = alive ^ nxt
+            while dropped:
+                low = dropped & -dropped
+                out[low.bit_length() - 1] = i
+                dropped ^= low
+            alive = nxt
+            if not alive:
+                return out
+        while alive:
+            low = alive & -alive
+            out[low.bit_length() - 1] = len(blocks)
+            alive ^= low
+        return out
+
+    def store_match(self, blocks: Sequence[Hashable]) -> int:
+        """Length in blocks of the longest prefix of ``blocks`` the KV store holds."""
+        n = 0
+        for b in blocks:
+            if b not in self._store:
+                break
+            n += 1
+        return n
+
+    def engine_blocks(self, engine: int) -> int:
+        self._check(engine)
+        return len(self._lru[engine])
+
+    def __len__(self) -> int:
+        """Distinct blocks held by at least one engine."""
+        return len(self._holders)
+
+    # -- internals ----------------------------------------------------------------------
+    def _drop(self, block: Hashable, bit: int) -> None:
+        h = self._holders.get(block, 0) & ~bit
+        if h:
+            self._holders[block] = h
+        else:
+            self._holders.pop(block, None)
+
+    def _check(self, engine: int) -> None:
+        if not 0 <= engine < self.config.num_engines:
+            raise ValueError(f"engine index {engine} out of range 0..{self.config.num_engines - 1}")

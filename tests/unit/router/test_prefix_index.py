@@ -1,0 +1,68 @@
+import hashlib
+
+import pytest
+
+from router.prefix_index import PrefixIndex, PrefixIndexConfig
+
+
+def sha_chain(tokens_blocks):
+    """Chained SHA-256 block ids as bytes, like the engine's."""
+    parent, out = b"", []
+    for blk in tokens_blocks:
+        parent = hashlib.sha256(parent + repr(blk).encode()).digest()
+        out.append(parent)
+    return out
+
+
+def test_match_gives_longest_prefix_per_engine():
+    idx = PrefixIndex(PrefixIndexConfig(3))
+    idx.apply_stored(0, [1, 2, 3, 4])
+    idx.apply_stored(1, [1, 2])
+    idx.apply_stored(2, [9])
+    assert idx.match([1, 2, 3, 5]).tolist() == [3, 2, 0]
+    assert idx.match([1, 2, 3, 4]).tolist() == [4, 2, 0]
+    assert idx.match([7]).tolist() == [0, 0, 0]
+
+
+def test_bytes_block_ids_are_deterministic_across_processes():
+    blocks = sha_chain([[1, 2], [3, 4], [5, 6]])
+    idx = PrefixIndex(PrefixIndexConfig(2))
+    idx.apply_stored(1, blocks[:2])
+    assert idx.match(sha_chain([[1, 2], [3, 4], [7, 7]])).tolist() == [0, 2]
+
+
+def test_removed_events_and_clear_engine():
+    idx = PrefixIndex(PrefixIndexConfig(2))
+    idx.apply_stored(0, [1, 2, 3])
+    idx.apply_stored(1, [1, 2, 3])
+    idx.apply_removed(0, [2, 99])  # unknown ids are ignored
+    assert idx.match([1, 2, 3]).tolist() == [1, 3]
+    idx.clear_engine(1)
+    assert idx.match([1, 2, 3]).tolist() == [1, 0]
+    assert len(idx) == 2  # blocks 1 and 3 still on engine 0
+
+
+def test_capacity_evicts_least_recent_chain_leaf_first():
+    idx = PrefixIndex(PrefixIndexConfig(1, capacity_blocks=4))
+    idx.apply_stored(0, [1, 2, 3])  # one chain
+    idx.apply_stored(0, [9])  # another, more recent
+    # over capacity: the old chain loses its leaf, never its root, so a prefix survives
+    assert idx.apply_stored(0, [7]) == [3]
+    assert idx.match([1, 2, 3]).tolist() == [2]
+    assert idx.apply_stored(0, [8]) == [2]
+    assert idx.match([1, 2, 3]).tolist() == [1]
+    assert idx.engine_blocks(0) == 4
+
+
+def test_store_directory_match():
+    idx = PrefixIndex(PrefixIndexConfig(1))
+    idx.store_add([1, 2, 3])
+    idx.store_remove([3])
+    assert idx.store_match([1, 2, 3]) == 2
+
+
+def test_validation():
+    with pytest.raises(ValueError, match="num_engines"):
+        PrefixIndexConfig(0)
+    with pytest.raises(ValueError, match="out of range"):
+        PrefixIndex(PrefixIndexConfig(2)).apply_stored(2, [1])
