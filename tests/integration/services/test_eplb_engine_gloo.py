@@ -7,6 +7,7 @@ The recorded loads then go through the EPLB bench's ``--loads`` pipeline."""
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 from pathlib import Path
@@ -98,6 +99,7 @@ def ep_run(checkpoint_factory, tmp_path_factory) -> tuple[Path, Path, list[dict]
     return path, out_dir, [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
+@functools.cache
 def _single_rank(path: Path, rank: int) -> tuple[list[int], torch.Tensor]:
     """The same generation on one rank, no EP, no redundant slots, no EPLB."""
     runner = ModelRunner(path, RunnerConfig(num_blocks=1, num_slots=1, with_mtp=False))
@@ -160,3 +162,24 @@ def test_recorded_engine_loads_flow_into_the_eplb_bench(ep_run) -> None:
     assert report.config["loads"]["shape"] == [NEW_TOKENS, 4, EXPERTS]
     assert res["eval_steps_per_run"] > 0 and res["placements_per_run"] >= 2
     assert all(v >= 1.0 for v in res["imbalance_mean_over_seeds"].values())
+
+
+def _hf_greedy(path: Path, prompt: list[int], n: int) -> list[int]:
+    """transformers' greedy decode, recomputing the whole sequence each token (no cache)."""
+    from transformers import DeepseekV4ForCausalLM
+
+    model = DeepseekV4ForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model.config._experts_implementation = "eager"
+    model.eval()
+    ids = list(prompt)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(model(torch.tensor([ids]), use_cache=False).logits[0, -1].argmax()))
+    return ids[len(prompt) :]
+
+
+@pytest.mark.slow  # ~15 s: transformers recomputes the whole sequence per token
+def test_ep2_eplb_tokens_equal_the_transformers_greedy(ep_run) -> None:
+    path, _, ranks = ep_run
+    for rank in range(WORLD):
+        assert ranks[rank]["eplb"]["tokens"] == _hf_greedy(path, _prompt(rank), NEW_TOKENS)
