@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -67,3 +68,18 @@ def test_validation() -> None:
     assert blocks_needed(256) == 1 and blocks_needed(257) == 2
     with pytest.raises(ValueError, match="new_tokens"):
         greedy_generate(None, [[1]], 0)  # type: ignore[arg-type]
+
+
+def test_record_expert_loads_command_writes_a_bench_load_file(checkpoint_factory, tmp_path, capsys) -> None:
+    from router.eplb.simulate import RecordedLoads
+    from services.cli import main
+
+    out = tmp_path / "loads.npz"
+    model = checkpoint_factory("tiny", seed=3)
+    argv = ["record-expert-loads", "--model", str(model), "--out", str(out), "--seqs", "3", "--tokens", "4"]
+    assert main(argv) == 0
+    loads = RecordedLoads.load(str(out))
+    assert (loads.num_steps, loads.num_layers, loads.num_experts) == (4, 4, 8)
+    counts = loads.counts(np.arange(4))
+    assert (counts[0].sum(-1) == 3 * 32 * 2).all() and (counts[1:].sum(-1) == 3 * 2).all()
+    assert '"shape": [4, 4, 8]' in capsys.readouterr().out
