@@ -30,7 +30,8 @@ class ExpertWeightStore(Protocol):
 
     ``expert_weights(layer)`` returns name -> tensor [slots_per_rank, ...] (the same names,
     shapes and dtypes on every rank); ``swap_expert_weights(layer, new)`` replaces them by
-    ``new`` (same names and shapes) between forward passes. Nothing else may change.
+    ``new`` (same names and shapes) between forward passes; when it is called, the runner's
+    ``ReplicaMap`` already holds the layer's new row. Nothing else may change.
     """
 
     def expert_weights(self, layer: int) -> dict[str, torch.Tensor]: ...
@@ -78,8 +79,10 @@ class EplbRankRunner:
 
     def _move(self, lr: LayerRemap) -> None:
         new, stats = remap_expert_weights(lr.plan, self.store.expert_weights(lr.layer), self.rank, self.group)
-        self.store.swap_expert_weights(lr.layer, new)
+        # tables first, so a store may derive its own routing state from the updated map;
+        # both change before the next forward pass
         self.replica_map.update_layer(lr.layer, lr.new_phy2log)
+        self.store.swap_expert_weights(lr.layer, new)
         self.controller.commit_layer(lr.layer)
         self._account(stats)
 
