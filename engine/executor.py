@@ -8,12 +8,14 @@ never reads the scheduler's mutable ``Request`` objects.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import RowInput, TokenLogprobs, sample_row
 from engine.scheduler.output import PENDING_TOKEN, RunnerOutput, SchedulerOutput
+from engine.structured.grammar import GrammarError
 from engine.structured.matcher import GrammarState
 
 
@@ -49,6 +51,7 @@ class ModelExecutor:
         self.runner = runner
         self.device = device
         self.states: dict[str, SamplingState] = {}
+        self._failed: dict[str, str] = {}  # request id -> why its grammar failed
 
     def add(self, request_id: str, state: SamplingState) -> None:
         self.states[request_id] = state
@@ -56,6 +59,7 @@ class ModelExecutor:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         for rid in out.finished_ids:
             self.states.pop(rid, None)
+            self._failed.pop(rid, None)
         for src, dst in out.block_copies:  # forks made by the previous step
             self.runner.pool.copy_block(src, dst)
         for src, dst in out.slot_copies:
@@ -86,7 +90,8 @@ class ModelExecutor:
                 sampled[rid] = tok
                 logprobs[rid] = lp
             row += 1
-        return RunnerOutput(out.step, sampled, dict(logprobs))
+        failed = {rid: self._failed[rid] for rid in sampled if rid in self._failed}
+        return RunnerOutput(out.step, sampled, dict(logprobs), failed)
 
     def _resolve(self, request_id: str, token: int) -> int:
         if token != PENDING_TOKEN:
@@ -99,12 +104,24 @@ class ModelExecutor:
             return st.output_token_ids[-1], None
         if output_index != len(st.output_token_ids):
             raise RuntimeError(f"{rid}: sampling output {output_index}, have {len(st.output_token_ids)}")
-        mask = st.grammar.allowed_mask() if st.grammar is not None else None
+        mask = self._grammar_step(rid, lambda g: g.allowed_mask())
         res = sample_row(
             row_logits,
             RowInput(st.params, st.seed, output_index, st.prompt_token_ids, st.output_token_ids, mask),
         )
         if st.grammar is not None and not st.grammar.is_finished:
-            st.grammar.accept(res.token_id)
+            self._grammar_step(rid, lambda g: g.accept(res.token_id))
         st.output_token_ids.append(res.token_id)
         return res.token_id, res.logprobs
+
+    def _grammar_step(self, rid: str, op: Callable[[GrammarState], Any]) -> Any:
+        """Run a grammar operation; a GrammarError fails this request only (recorded in
+        ``self._failed`` for the step's RunnerOutput), never the batch or the engine."""
+        grammar = self.states[rid].grammar
+        if grammar is None or rid in self._failed:
+            return None
+        try:
+            return op(grammar)
+        except GrammarError as exc:
+            self._failed[rid] = str(exc)
+            return None

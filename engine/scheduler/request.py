@@ -25,6 +25,7 @@ class RequestStatus(enum.Enum):
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
+    FINISHED_ERROR = "error"  # this request's own input failed mid-run (e.g. its grammar)
 
     @property
     def finished(self) -> bool:
@@ -32,6 +33,7 @@ class RequestStatus(enum.Enum):
             RequestStatus.FINISHED_STOPPED,
             RequestStatus.FINISHED_LENGTH,
             RequestStatus.FINISHED_ABORTED,
+            RequestStatus.FINISHED_ERROR,
         )
 
 
@@ -58,6 +60,7 @@ class Request:
     window_from: int = 0  # the slot was rebuilt from here: raw-window positions below are absent
     num_cached_tokens: int = -1  # prefix tokens not computed at first admission
     num_preemptions: int = 0
+    error: str | None = None  # why it finished with FINISHED_ERROR
     hasher: BlockHasher | None = None
     num_registered: int = 0  # leading blocks already published in the prefix table
 

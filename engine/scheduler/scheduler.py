@@ -281,7 +281,10 @@ class Scheduler:
             if rid in result.logprobs:
                 upd.logprobs[rid] = result.logprobs[rid]
             status = None
-            if token in req.stop_token_ids:
+            if rid in result.failed:
+                req.error = result.failed[rid]
+                status = RequestStatus.FINISHED_ERROR
+            elif token in req.stop_token_ids:
                 status = RequestStatus.FINISHED_STOPPED
             elif len(req.output_token_ids) >= req.max_tokens:
                 status = RequestStatus.FINISHED_LENGTH

@@ -254,6 +254,11 @@ class InProcessEngineClient:
             new = list(req.output_token_ids[item.sent_tokens :])
             item.sent_tokens += len(new)
             reason = req.status.value if rid in finished else None
+            if reason == "error":  # this request's own input failed mid-run: a 4xx, not an outage
+                live.pop(rid, None)
+                self._deliver(item.sink, EngineRequestError(req.error or "request failed"))
+                self._counters.finished_total += 1
+                continue
             if reason == "stop" and new and new[-1] in req.stop_token_ids:
                 new.pop()  # the terminating EOS/stop token is counted, not sent as text
             lps = None

@@ -83,3 +83,23 @@ def test_chat_messages_are_rendered_by_deepseek_recipe(llm):
     assert ids and all(0 <= t < FULL_VOCAB for t in ids)
     out = llm.chat(msgs, SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
     assert out[0].prompt_token_ids == ids and len(out[0].outputs[0].token_ids) == 4
+
+
+def test_a_grammar_failing_mid_run_fails_only_its_request(tmp_path):
+    """llguidance accepts ((a{100}){100}){100} at compile time but its lexer gives up on the
+    first token: that request ends with finish_reason "error"; its batch-mate and later
+    requests are served (before the fix the exception killed the engine loop)."""
+    path = tmp_path / "v4"
+    build_reference(path, "mixed_hc2", vocab_size=FULL_VOCAB)
+    # a generous compile limit, so the failure happens mid-run whatever the machine's load
+    engine = LLM(path, num_blocks=16, num_swa_slots=8, max_num_seqs=8, grammar_compile_timeout_s=60.0)
+    try:
+        bad = constrained(regex="((a{100}){100}){100}")
+        good = SamplingParams(temperature=0.0, max_tokens=6)
+        outs = engine.generate(["bad grammar", "plain"], [bad, good])
+        assert outs[0].outputs[0].finish_reason == "error"
+        assert outs[1].outputs[0].finish_reason == "length" and len(outs[1].outputs[0].token_ids) == 6
+        again = engine.generate(["still serving"], good)[0].outputs[0]
+        assert again.finish_reason == "length"
+    finally:
+        engine.close()
