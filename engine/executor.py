@@ -7,8 +7,8 @@ never reads the scheduler's mutable ``Request`` objects.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.forward_batch import ForwardBatch, SequenceInput
