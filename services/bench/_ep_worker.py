@@ -9,7 +9,6 @@ Weights are seeded random values drawn on the device (`ModelRunner.random`).
 from __future__ import annotations
 
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -285,7 +284,6 @@ def worker(rank: int, world: int, port: int, args: dict[str, Any], out_dir: str)
     r = Rank(rank, world, a.device)
     group = None
     if a.device == "cuda":
-        os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # never NVLink multicast
         torch.cuda.set_device(r.device)
     else:
         torch.set_num_threads(1)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -73,7 +72,6 @@ def _spawn(world: int, wargs: dict[str, Any], out: Path, timeout: float) -> dict
     from services.bench._ep_worker import worker
     from services.procs import free_port
 
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     ctx = mp.get_context("spawn")
     port = free_port()
     procs = [ctx.Process(target=worker, args=(r, world, port, wargs, str(out))) for r in range(world)]
