@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -11,6 +12,7 @@ from engine.cache.pool import CompressedPool
 from engine.cache.spec import CacheSpec
 from engine.cache.swa import SWASlots
 from engine.checkpoint.loader import load_weights
+from engine.checkpoint.random_init import randomize_
 from engine.config import ModelConfig
 from engine.distributed.ep import select_dispatch
 from engine.forward_batch import ForwardBatch
@@ -74,15 +76,54 @@ class ModelRunner:
     ) -> None:
         """Load ``model_dir``; ``placement`` (default: identity over ``cfg.ep_size`` ranks) sets the
         initial physical expert slots of every MoE layer (EPLB replicas)."""
-        self.cfg = cfg
-        self.model_cfg = ModelConfig.from_dir(model_dir)
-        placement = placement or ExpertPlacement.identity(self.model_cfg.n_routed_experts, cfg.ep_size)
-        if placement.ep_size != cfg.ep_size or placement.num_logical != self.model_cfg.n_routed_experts:
-            raise ValueError("placement must cover the model's routed experts over cfg.ep_size ranks")
-        model = DeepseekV4(self.model_cfg, placement, cfg.ep_rank, with_mtp=cfg.with_mtp)
-        cast_parameters(model, cfg.torch_dtype)
+        model_cfg = ModelConfig.from_dir(model_dir)
+        model = self._build(model_cfg, cfg, [placement], torch.device("cpu"))
         self.unused_keys = load_weights(model, model_dir, keep_quantized=cfg.keep_quantized)
-        self.model = model.to(device=cfg.device).eval()
+        self._finish(model_cfg, cfg, model.to(device=cfg.device), ep_group)
+
+    @classmethod
+    def random(
+        cls,
+        model_cfg: ModelConfig,
+        cfg: RunnerConfig,
+        ep_group: object | None = None,
+        placements: Sequence[ExpertPlacement | None] = (None,),
+        seed: int = 0,
+    ) -> ModelRunner:
+        """Seeded random weights built directly on ``cfg.device`` (`engine.checkpoint.random_init`):
+        real widths without writing or reading a checkpoint. ``placements``: one for every MoE
+        layer, or one for all."""
+        self = cls.__new__(cls)
+        model = self._build(model_cfg, cfg, placements, torch.device(cfg.device))
+        randomize_(model, seed)
+        self.unused_keys = []
+        self._finish(model_cfg, cfg, model, ep_group)
+        return self
+
+    @staticmethod
+    def _build(
+        model_cfg: ModelConfig,
+        cfg: RunnerConfig,
+        placements: Sequence[ExpertPlacement | None],
+        device: torch.device,
+    ) -> DeepseekV4:
+        first = placements[0] or ExpertPlacement.identity(model_cfg.n_routed_experts, cfg.ep_size)
+        with torch.device(device):
+            model = DeepseekV4(model_cfg, first, cfg.ep_rank, with_mtp=cfg.with_mtp)
+        moes = model.moe_layers()
+        if len(placements) not in (1, len(moes)):
+            raise ValueError(f"give one placement or one per MoE layer ({len(moes)}), not {len(placements)}")
+        for moe, pl in zip(moes, placements if len(placements) > 1 else [first] * len(moes)):
+            pl = pl or first
+            if pl.ep_size != cfg.ep_size or pl.num_logical != model_cfg.n_routed_experts:
+                raise ValueError("placement must cover the model's routed experts over cfg.ep_size ranks")
+            moe.set_placement(pl)
+        cast_parameters(model, cfg.torch_dtype)
+        return model
+
+    def _finish(self, model_cfg: ModelConfig, cfg: RunnerConfig, model: DeepseekV4, ep_group: object) -> None:
+        self.cfg, self.model_cfg = cfg, model_cfg
+        self.model = model.eval()
         dispatch = select_dispatch(ep_group, cfg.ep_size, torch.device(cfg.device))
         for moe in self.model.moe_layers():
             moe.dispatch = dispatch

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -33,7 +33,9 @@ from router.eplb.placement import (
     identity_placement,
 )
 from router.eplb.transfer import RemapPlan, plan_remap
-from services.cluster_config import EplbSpec
+
+if TYPE_CHECKING:  # pydantic stays out of the engine ranks' imports (GPU hosts may lack it)
+    from services.cluster_config import EplbSpec
 
 _POOL_DEFAULTS: dict[str, dict[str, int]] = {
     # DeepSeek's settings (SEED_FACTS section 4)

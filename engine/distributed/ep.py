@@ -6,7 +6,8 @@ rows so each physical expert sees the rows routed to it, and sends the results b
 1. each (token, choice) pair goes to rank ``physical_id // experts_per_rank``;
 2. counts, rows and expert ids travel with ``all_to_all_single`` (gloo on CPU, NCCL on GPU);
 3. the owner runs its local experts (unweighted) and returns rows in the order received;
-4. the origin multiplies by the routing weight and sums per token.
+4. the origin puts the rows back in token order and sums them with the routing weights in a
+   fixed order (`combine`), exactly as one rank does.
 
 Every rank must enter every MoE layer of a step (a rank with no tokens still calls in with an
 empty batch), because the collectives are matched by order. DeepEP's low-latency kernels are
@@ -20,7 +21,7 @@ import importlib.util
 import torch
 import torch.distributed as dist
 
-from engine.model.moe import Dispatch, Experts, local_dispatch
+from engine.model.moe import Dispatch, Experts, combine, local_dispatch
 
 
 class AllToAllDispatch:
@@ -53,8 +54,9 @@ class AllToAllDispatch:
         recv_e = self._exchange(flat[order], send_splits, recv_splits)  # [M]
         y = experts.run_rows(recv_x, recv_e - experts.first) if recv_x.shape[0] else recv_x
         back = self._exchange(y, recv_splits, send_splits)  # [N*k, D] in `order`
-        w = weights.reshape(-1)[order].to(back.dtype).unsqueeze(1)
-        return torch.zeros_like(x).index_add_(0, rows[order], back * w)
+        y_rows = torch.empty_like(back)
+        y_rows[order] = back  # token-major again
+        return combine(y_rows, weights, x.dtype)
 
 
 def deep_ep_available() -> bool:

@@ -195,6 +195,15 @@ class SharedExpert(nn.Module):
 Dispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Experts], torch.Tensor]
 
 
+def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Weighted sum of each token's expert outputs: y [N*k, D] token-major, weights [N, k] -> [N, D].
+
+    A fixed-order fp32 sum (no atomics), so one rank and EP ranks combine bit for bit alike and
+    repeated runs agree."""
+    n, k = weights.shape
+    return (y.view(n, k, -1).float() * weights.float().unsqueeze(-1)).sum(1).to(dtype)
+
+
 def local_dispatch(
     x: torch.Tensor, phys: torch.Tensor, weights: torch.Tensor, experts: Experts
 ) -> torch.Tensor:
@@ -202,8 +211,7 @@ def local_dispatch(
     n, k = phys.shape
     rows = torch.arange(n, device=x.device).repeat_interleave(k)
     y = experts.run_rows(x[rows], phys.reshape(-1) - experts.first)  # [N*k, D]
-    y = y * weights.reshape(-1, 1).to(y.dtype)
-    return torch.zeros_like(x).index_add_(0, rows, y)
+    return combine(y, weights, x.dtype)
 
 
 class MoE(nn.Module):
