@@ -94,12 +94,13 @@ class EngineEplb:
         if any(m.placement.num_physical != first.num_physical for m in self.moes):
             raise ValueError("every MoE layer must have the same number of physical experts")
         phy2log = torch.stack([m.placement.phy2log.long().cpu() for m in self.moes])  # [L, P]
-        self.replica_map = ReplicaMap(phy2log, first.num_logical, first.ep_size)
+        device = self.moes[0].last_load.device  # routing tables live where the MoE runs
+        self.replica_map = ReplicaMap(phy2log, first.num_logical, first.ep_size, device=device)
         self.recorder = ExpertLoadRecorder(
             len(self.moes),
             first.num_logical,
             config.window_steps,
-            device=self.moes[0].last_load.device,
+            device=device,
             keep_history=keep_history,
         )
         self.store = store_type(self.moes, self.replica_map, first.offset)

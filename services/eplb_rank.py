@@ -15,14 +15,12 @@ Every rank of an EP group owns one :class:`EplbRankRunner` and calls
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 import torch.distributed as dist
 
 from engine.eplb import ExpertLoadRecorder, RemapStats, ReplicaMap, remap_expert_weights
-from engine.model.moe import ExpertPlacement, MoE
 from router.eplb.placement import Placement
 from services.eplb_controller import EplbConfig, EplbController, LayerRemap
 
@@ -92,29 +90,3 @@ class EplbRankRunner:
         self.bytes_sent += stats.bytes_sent
         self.bytes_received += stats.bytes_received
         self.layers_moved += 1
-
-
-class MoEModelStore:
-    """`ExpertWeightStore` over an engine model's MoE layers (``model.moe_layers()``, in EPLB
-    layer order), plus :meth:`sync_placements`, which points every layer's logical -> physical
-    lookup at the replica map once its weights are in place. Call ``sync_placements`` after
-    each :meth:`EplbRankRunner.after_step` and before the next forward pass."""
-
-    def __init__(self, moe_layers: Sequence[MoE], rank: int) -> None:
-        self.moes, self.rank = list(moe_layers), rank
-
-    def expert_weights(self, layer: int) -> dict[str, torch.Tensor]:
-        return self.moes[layer].expert_weights()
-
-    def swap_expert_weights(self, layer: int, new: dict[str, torch.Tensor]) -> None:
-        self.moes[layer].load_expert_weights(new)
-
-    def sync_placements(self, replica_map: ReplicaMap) -> int:
-        """Adopt the replica map's row for every layer whose placement differs; returns how many."""
-        changed = 0
-        for layer, moe in enumerate(self.moes):
-            row = replica_map.phy2log[layer].detach().cpu()
-            if not torch.equal(row, moe.placement.phy2log.cpu()):
-                moe.set_placement(ExpertPlacement.from_replica_map(replica_map, layer, offset=self.rank))
-                changed += 1
-        return changed

@@ -21,16 +21,15 @@ import torch.distributed as dist
 
 from engine.checkpoint.presets import preset_config
 from engine.config import BLOCK_TOKENS, ModelConfig
-from engine.eplb import ExpertLoadRecorder, ReplicaMap
 from engine.forward_batch import ForwardBatch, SequenceInput
-from engine.model.moe import ExpertPlacement
 from engine.runner import ModelRunner, RunnerConfig
 from router.eplb.metric import imbalance_matrix
 from router.eplb.placement import Placement
 from router.eplb.split import rank_loads
 from services.bench import progress
-from services.eplb_controller import EplbConfig, EplbController
-from services.eplb_rank import EplbRankRunner, MoEModelStore
+from services.eplb_controller import EplbConfig
+from services.eplb_engine import EngineEplb, initial_placement
+from services.eplb_rank import EplbRankRunner
 
 
 @dataclass(frozen=True)
@@ -211,17 +210,14 @@ def eplb_live(mcfg: ModelConfig, a: WorkerArgs, r: Rank, group: Any) -> dict[str
         period_steps=a.eplb_period, layers_per_step=a.layers,
     )  # fmt: skip
     n_layers, n_exp = a.layers, mcfg.n_routed_experts
-    initial = EplbController(cfg, n_layers, n_exp, r.world).placement.phy2log
-    rmap = ReplicaMap(initial, n_exp, r.world, device=r.device)
-    placements = [ExpertPlacement.from_replica_map(rmap, layer, offset=r.rank) for layer in range(n_layers)]
+    placements = [initial_placement(cfg, n_exp, r.world, r.rank)] * n_layers
     rcfg = RunnerConfig(
         num_blocks=a.prefill_seqs * _blocks(a.prefill_tokens // a.prefill_seqs), num_slots=a.prefill_seqs,
         dtype=a.dtype, device=str(r.device), with_mtp=False, ep_size=r.world, ep_rank=r.rank,
     )  # fmt: skip
     runner = ModelRunner.random(mcfg, rcfg, group, placements=placements, seed=a.seed)
-    store = MoEModelStore(runner.model.moe_layers(), r.rank)
-    recorder = ExpertLoadRecorder(n_layers, n_exp, cfg.window_steps, device=r.device)
-    eplb = EplbRankRunner(cfg, store, recorder, rmap, r.rank, group)
+    eplb = EngineEplb(cfg, runner.model.moe_layers(), r.rank, group)
+    rmap, ranks = eplb.replica_map, eplb.runner
     toks = Tokens(mcfg.vocab_size, a.zipf, a.seed + 1)
     steps: list[dict[str, Any]] = []
     for step in range(a.eplb_steps):
@@ -229,17 +225,13 @@ def eplb_live(mcfg: ModelConfig, a: WorkerArgs, r: Rank, group: Any) -> dict[str
         batch = prefill_batch(a, toks, r, step, r.device)
         t = r.timed(runner.execute, batch)
         imb = _step_imbalance(runner, placement, r)
-        for layer, moe in enumerate(runner.model.moe_layers()):
-            recorder.record_counts(layer, moe.last_load)
-        recorder.end_step()
-        moved = eplb.layers_moved
-        remap_s = r.timed(eplb.after_step, step)
-        store.sync_placements(rmap)
-        moved = eplb.layers_moved - moved
+        moved = ranks.layers_moved
+        remap_s = r.timed(eplb.after_step, step)  # record the loads, decide, move weights + routing
+        moved = ranks.layers_moved - moved
         steps.append({"step": step, "step_ms": t * 1e3, "imbalance": float(imb.mean()), "layers_moved": moved,
                       "after_step_ms": remap_s * 1e3})  # fmt: skip
         r.log(f"eplb step {step}: {t * 1e3:.1f} ms, imbalance {imb.mean():.4f}, moved {moved} layers")
-    return _eplb_summary(steps, eplb, r, cfg)
+    return _eplb_summary(steps, ranks, r, cfg)
 
 
 def _eplb_summary(
