@@ -32,10 +32,13 @@ class LocalClusterConfig:
     fsync: bool = True
     metrics: bool = False
     start_timeout_s: float = 30.0
+    cache_bytes: int = 256 << 20  # each node's hot cache of recently read shards; 0 is off
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= 256:
             raise ValueError(f"--nodes must be within [1, 256], got {self.nodes}")
+        if self.cache_bytes < 0:
+            raise ValueError(f"cache_bytes must be >= 0 (0 turns the cache off), got {self.cache_bytes}")
 
 
 # Runs a module with this checkout's packages first on sys.path: argv is
@@ -87,7 +90,7 @@ class LocalStoreCluster:
             "--capacity", str(c.capacity_bytes),
             "--ttl-agent", str(c.ttl_s["agent"]), "--ttl-chat", str(c.ttl_s["chat"]),
             "--high-watermark", str(c.high_watermark), "--low-watermark", str(c.low_watermark),
-            "--sweep-interval", str(c.sweep_interval_s),
+            "--sweep-interval", str(c.sweep_interval_s), "--cache-bytes", str(c.cache_bytes),
         ]  # fmt: skip
         if not c.fsync:
             args.append("--no-fsync")

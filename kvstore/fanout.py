@@ -105,6 +105,7 @@ class _Gather:
     missing: set[int] = field(default_factory=set)
     corrupt: set[int] = field(default_factory=set)
     errors: dict[int, str] = field(default_factory=dict)
+    state: int = 0  # _WAITING, then _CLAIMED by the one thread that makes its result, _DONE
 
     def __post_init__(self) -> None:
         self.shards = [None] * self.n
@@ -114,14 +115,23 @@ class _Gather:
         return self.valid >= k or self.pending == 0 or len(self.missing) > m
 
 
+_WAITING, _CLAIMED, _DONE = 0, 1, 2
+
+
 class _ReadBatch:
-    def __init__(self, codec: Codec, objects: Sequence[ObjectRef]) -> None:
+    """The replies of one read batch. Each object is decoded as soon as it is ready, by the
+    thread whose reply made it ready (outside the lock), so decoding overlaps the transfer
+    of the rest of the batch instead of following it."""
+
+    def __init__(self, codec: Codec, objects: Sequence[ObjectRef], timeout_s: float) -> None:
         self.codec = codec
         self.k, self.m = codec.config.k, codec.config.m
+        self.timeout_s = timeout_s
         self.gathers = [_Gather(o.object_id, len(o.nodes)) for o in objects]
+        self.results: list[bytes | StoreError | None] = [None] * len(objects)
         self.cond = threading.Condition()
         self.outstanding = sum(g.n for g in self.gathers)
-        self.unready = len(self.gathers)  # the waiter wakes once, when this reaches 0
+        self.unfinished = len(self.gathers)  # the waiter wakes once, when this reaches 0
 
     def on_reply(self, obj: int, index: int, result: ShardResult) -> bool:
         """Record one reply; True when it was the last reply of the whole batch."""
@@ -129,12 +139,12 @@ class _ReadBatch:
         shard = result if isinstance(result, Shard) else None
         ok = shard is not None and self.codec.shard_ok(shard, index, g.object_id)
         with self.cond:
-            was_ready = g.ready(self.k, self.m)
             g.pending -= 1
             self.outstanding -= 1
             if ok:
-                g.shards[index] = shard
                 g.valid += 1
+                if g.state == _WAITING:  # a finished object needs no more shards
+                    g.shards[index] = shard
             elif shard is not None:
                 g.corrupt.add(index)
                 g.errors[index] = "failed checksum at the client"
@@ -144,24 +154,58 @@ class _ReadBatch:
                     g.missing.add(index)
                 elif isinstance(result, ShardCorruptOnNode):
                     g.corrupt.add(index)
-            if not was_ready and g.ready(self.k, self.m):
-                self.unready -= 1
-                if self.unready == 0:
-                    self.cond.notify_all()
-            return self.outstanding == 0
+            claim = g.state == _WAITING and g.ready(self.k, self.m)
+            if claim:
+                g.state = _CLAIMED
+            last = self.outstanding == 0
+        if claim:
+            self._finish(obj)
+        return last
 
-    def result(self, obj: int, timeout_s: float) -> bytes | StoreError:
+    def _finish(self, obj: int) -> None:
+        """Make the result of a claimed object (decoding outside the lock) and publish it."""
         with self.cond:
             g = self.gathers[obj]
             shards, valid, missing, errors = list(g.shards), g.valid, len(g.missing), dict(g.errors)
+            g.shards = [None] * g.n  # the decoded object is all that is kept
+        result = self._result(g.object_id, shards, valid, missing, errors)
+        with self.cond:
+            self.results[obj] = result
+            g.state = _DONE
+            self.unfinished -= 1
+            if self.unfinished == 0:
+                self.cond.notify_all()
+
+    def _result(
+        self, oid: bytes, shards: list[Shard | None], valid: int, missing: int, errors: dict[int, str]
+    ) -> bytes | StoreError:
         if valid >= self.k:
-            return self.codec.decode(shards, g.object_id, checksums=False)  # checked on arrival
+            return self.codec.decode(shards, oid, checksums=False)  # checked on arrival
         detail = "; ".join(f"shard {i} {e}" for i, e in sorted(errors.items())) or "no replies in time"
         if missing > self.m:
-            return ObjectLost(f"object {g.object_id.hex()}: {missing} shards gone ({detail})")
+            return ObjectLost(f"object {oid.hex()}: {missing} shards gone ({detail})")
         return ObjectUnavailable(
-            f"object {g.object_id.hex()}: {TooFewShards(valid, self.k)} within {timeout_s:.2f}s ({detail})"
+            f"object {oid.hex()}: {TooFewShards(valid, self.k)} within {self.timeout_s:.2f}s ({detail})"
         )
+
+    def wait(self, deadline: float) -> list[bytes | StoreError]:
+        """Every object's result: waits until all are made or the deadline passes; objects
+        still short of shards then get their error here."""
+        with self.cond:
+            while self.unfinished > 0:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self.cond.wait(left)
+            late = [o for o, g in enumerate(self.gathers) if g.state == _WAITING]
+            for o in late:
+                self.gathers[o].state = _CLAIMED
+        for o in late:
+            self._finish(o)
+        with self.cond:  # objects another thread is decoding right now
+            while self.unfinished > 0:
+                self.cond.wait()
+        return [r for r in self.results if r is not None]
 
 
 def read_objects(
@@ -179,26 +223,20 @@ def read_objects(
     are not cancelled: once every reply is in, ``on_settled(object position, bad indices)``
     is called for each object with shards missing or corrupt on a live node.
     """
-    batch = _ReadBatch(codec, objects)
+    batch = _ReadBatch(codec, objects, timeout_s)
     per_node: dict[str, list[tuple[int, int]]] = {}
     for obj, ref in enumerate(objects):
         for index, node in enumerate(ref.nodes):
             per_node.setdefault(node, []).append((obj, index))
     cancel = Cancel()
+    deadline = time.monotonic() + timeout_s
     for node, items in per_node.items():
         if node in transports:
             pool.submit(_read_node, batch, transports[node], items, timeout_s, cancel, on_settled)
         else:  # a node no longer in the client's membership: its shards are unavailable
             for obj, index in items:
                 batch.on_reply(obj, index, NodeUnavailable(node, "not a known node"))
-    deadline = time.monotonic() + timeout_s
-    with batch.cond:
-        while batch.unready > 0:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            batch.cond.wait(left)
-    results = [batch.result(i, timeout_s) for i in range(len(objects))]
+    results = batch.wait(deadline)
     if any(not isinstance(r, bytes) for r in results):
         cancel.cancel()
     return results

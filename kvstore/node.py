@@ -22,7 +22,7 @@ import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, start_http_server
 from sluice_proto import common_pb2, store_pb2, store_pb2_grpc
 
-from kvstore.pieces import Packer, shard_pieces
+from kvstore.pieces import WirePacker
 from kvstore.retention import RetentionConfig
 from kvstore.shardfmt import HEADER_LEN, OBJECT_ID_LEN, ShardFormatError, ShardHeader
 from kvstore.shardstore import (
@@ -37,6 +37,7 @@ from kvstore.shardstore import (
 log = logging.getLogger(__name__)
 MiB = 1 << 20
 MAX_BATCH = 4096  # shards per batched stream
+SERVICE = "sluice.v1.StoreNode"
 
 
 @dataclass(frozen=True)
@@ -53,10 +54,13 @@ class NodeConfig:
     sweep_interval_s: float = 5.0
     metrics_port: int | None = None
     workers: int = 16
+    cache_bytes: int = 256 * MiB  # hot cache of recently read shards; 0 turns it off
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
             raise ValueError(f"--capacity must be positive, got {self.capacity_bytes}")
+        if self.cache_bytes < 0:
+            raise ValueError(f"--cache-bytes must be >= 0 (0 turns the cache off), got {self.cache_bytes}")
         if not 64 * 1024 <= self.chunk_bytes <= 4 * MiB:
             raise ValueError(f"chunk size {self.chunk_bytes} must be within [64 KiB, 4 MiB]")
         if self.max_shard_bytes <= 0 or self.sweep_interval_s <= 0 or self.workers <= 0:
@@ -236,34 +240,32 @@ class StoreNodeServicer(store_pb2_grpc.StoreNodeServicer):
         return self.store.begin_put(header)
 
     def GetShards(self, request: store_pb2.GetShardsRequest, context: grpc.ServicerContext):  # noqa: N802
+        """Replies are ``ShardPieces`` messages written as bytes (``WirePacker``): one copy
+        of each shard's stored bytes per reply, instead of three through protobuf objects."""
         if len(request.refs) > MAX_BATCH:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"more than {MAX_BATCH} refs in one request")
         chunk = min(request.chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
         refs = [_ref(r, context) for r in request.refs]
-        packer = Packer(chunk)
+        packer = WirePacker(chunk)
         for pos, (oid, idx) in enumerate(refs):
-            for piece in self._pieces_of(pos, oid, idx, chunk):
-                msg = packer.add(piece)
-                if msg is not None:
-                    yield msg
-        msg = packer.flush()
-        if msg is not None:
-            yield msg
+            self._pack_shard(packer, pos, oid, idx)
+            yield from packer.take()
+        yield from packer.take(final=True)
 
-    def _pieces_of(self, pos: int, oid: bytes, idx: int, chunk: int) -> Iterator[store_pb2.ShardPiece]:
+    def _pack_shard(self, packer: WirePacker, pos: int, oid: bytes, idx: int) -> None:
         try:
-            shard = self.store.get(oid, idx)
+            raw = self.store.get_raw(oid, idx)
         except ShardNotFound:
             self.metrics.gets_not_found.inc()
-            yield store_pb2.ShardPiece(ref=pos, status=store_pb2.SHARD_NOT_FOUND)
+            packer.add_status(pos, store_pb2.SHARD_NOT_FOUND)
             return
         except ShardCorrupt as exc:
             self.metrics.gets_corrupt.inc()
-            yield store_pb2.ShardPiece(ref=pos, status=store_pb2.SHARD_CORRUPT, detail=str(exc))
+            packer.add_status(pos, store_pb2.SHARD_CORRUPT, str(exc))
             return
         self.metrics.gets_ok.inc()
-        self.metrics.bytes_out.inc(HEADER_LEN + len(shard.payload))
-        yield from shard_pieces(pos, shard.header.pack(), shard.payload, chunk)
+        self.metrics.bytes_out.inc(len(raw))
+        packer.add_shard(pos, raw, HEADER_LEN)
 
     def DeleteShards(self, request: store_pb2.ShardRefs, context: grpc.ServicerContext):  # noqa: N802
         refs = [_ref(r, context) for r in request.refs]
@@ -288,10 +290,40 @@ class StoreNodeServicer(store_pb2_grpc.StoreNodeServicer):
             node_id=self.config.node_id, used_bytes=s.used_bytes, capacity_bytes=s.capacity_bytes,
             shard_count=s.shard_count, evicted_shards=s.evicted, expired_shards=s.expired,
             discarded_at_start=s.discarded_at_start, corrupt_detected=s.corrupt_detected,
+            cache_used_bytes=s.cache_used_bytes, cache_hits=s.cache_hits, cache_misses=s.cache_misses,
         )  # fmt: skip
 
     def Health(self, request: common_pb2.HealthRequest, context: grpc.ServicerContext):  # noqa: N802
         return common_pb2.HealthReply(state=common_pb2.HealthReply.SERVING, version="0.1.0")
+
+
+class _HandlerCapture:
+    """Stands in for a server to capture the generated method handlers."""
+
+    handlers: dict[str, grpc.RpcMethodHandler]
+
+    def add_generic_rpc_handlers(self, handlers: object) -> None:
+        pass
+
+    def add_registered_method_handlers(
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+    ) -> None:
+        self.handlers = dict(handlers)
+
+
+def _add_servicer(servicer: StoreNodeServicer, server: grpc.Server) -> None:
+    """The generated handlers, except that GetShards yields already serialized
+    ``ShardPieces`` bytes (``kvstore.pieces.WirePacker``), so gRPC passes them through."""
+    capture = _HandlerCapture()
+    store_pb2_grpc.add_StoreNodeServicer_to_server(servicer, capture)
+    handlers = capture.handlers
+    handlers["GetShards"] = grpc.unary_stream_rpc_method_handler(
+        servicer.GetShards,
+        request_deserializer=store_pb2.GetShardsRequest.FromString,
+        response_serializer=None,
+    )
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+    server.add_registered_method_handlers(SERVICE, handlers)
 
 
 class StoreNodeServer:
@@ -299,7 +331,10 @@ class StoreNodeServer:
 
     def __init__(self, config: NodeConfig) -> None:
         self.config = config
-        self.store = ShardStore(config.data_dir, config.capacity_bytes, config.retention, fsync=config.fsync)
+        self.store = ShardStore(
+            config.data_dir, config.capacity_bytes, config.retention, fsync=config.fsync,
+            cache_bytes=config.cache_bytes,
+        )  # fmt: skip
         self.servicer = StoreNodeServicer(config, self.store)
         opts = [
             ("grpc.max_receive_message_length", config.max_message_bytes),
@@ -307,7 +342,7 @@ class StoreNodeServer:
             ("grpc.so_reuseport", 0),
         ]
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers), options=opts)
-        store_pb2_grpc.add_StoreNodeServicer_to_server(self.servicer, self.server)
+        _add_servicer(self.servicer, self.server)
         self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
         if self.port == 0:
             raise OSError(f"could not bind {config.host}:{config.port}")

@@ -45,6 +45,10 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sweep-interval", type=float, default=5.0, help="seconds between TTL/LRU sweeps")
     p.add_argument("--max-shard-bytes", type=parse_size, default=64 * MiB, help="largest shard accepted")
     p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port")
+    p.add_argument(
+        "--cache-bytes", type=parse_size, default=256 * MiB,
+        help="in-memory cache of recently read shards, e.g. 256MiB; 0 turns it off",
+    )  # fmt: skip
     p.add_argument("--no-fsync", action="store_true", help="skip fsync (tests on tmpfs only; unsafe)")
 
 
@@ -60,4 +64,5 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         node_id=args.node_id or f"node-{args.port}", data_dir=args.data_dir, capacity_bytes=args.capacity,
         host=args.host, port=args.port, retention=retention, max_shard_bytes=args.max_shard_bytes,
         fsync=not args.no_fsync, sweep_interval_s=args.sweep_interval, metrics_port=args.metrics_port,
+        cache_bytes=args.cache_bytes,
     )  # fmt: skip

@@ -13,6 +13,10 @@ instead of ~6 ms one at a time. At start the index is rebuilt from the files; a 
 size or header does not match (torn by a crash, truncated, extended) is discarded. The
 last access time is the file's mtime (set by writes and explicit touches; reads update
 only the in-memory index), so LRU order and TTL survive a restart approximately.
+
+Reads go through a bounded in-memory cache of recently read shards (``kvstore.hotcache``,
+off unless ``cache_bytes`` > 0): a shard enters it only after a disk read passed every
+check, and leaves it when it is deleted, expired, evicted or rewritten.
 No sockets here: the gRPC adapter is ``kvstore.node``.
 """
 
@@ -28,8 +32,9 @@ from pathlib import Path
 
 import xxhash
 
+from kvstore.hotcache import HotCache
 from kvstore.retention import RetentionConfig, ShardIndex
-from kvstore.shardfmt import HEADER_LEN, Shard, ShardFormatError, ShardHeader
+from kvstore.shardfmt import HEADER_LEN, Shard, ShardFormatError, ShardHeader, checksum
 
 
 class ShardNotFound(KeyError):
@@ -61,6 +66,9 @@ class StoreStats:
     expired: int
     discarded_at_start: int
     corrupt_detected: int
+    cache_used_bytes: int = 0
+    cache_hits: int = 0
+    cache_misses: int = 0
 
 
 class ShardWriter:
@@ -105,22 +113,36 @@ class ShardWriter:
         self.tmp.unlink(missing_ok=True)
 
 
-def _read_shard_file(path: Path, size: int) -> tuple[bytes, bytes]:
-    """(header, payload) of a shard file whose indexed size is ``size``; a file that is now
-    longer or shorter yields a payload that fails its length check."""
+def _read_shard_file(path: Path, size: int) -> bytes:
+    """The stored bytes (``header || payload``) of a shard file whose indexed size is
+    ``size``, in one buffer, unbuffered; one byte more is asked for, so a file that is now
+    longer or shorter comes back with the wrong length."""
     fd = os.open(path, os.O_RDONLY)
     try:
-        head = os.read(fd, HEADER_LEN)
-        want = size - HEADER_LEN + 1  # one byte more than indexed: detects extra bytes
-        payload = os.read(fd, want)
-        while 0 < len(payload) < want:  # a short read is not the end of the file
-            more = os.read(fd, want - len(payload))
+        want = size + 1
+        raw = os.read(fd, want)
+        while 0 < len(raw) < want:  # a short read is not the end of the file
+            more = os.read(fd, want - len(raw))
             if not more:
                 break
-            payload += more
-        return head, payload
+            raw += more
+        return raw
     finally:
         os.close(fd)
+
+
+def check_stored(raw: bytes, object_id: bytes, index: int) -> ShardHeader:
+    """The header of a shard's stored bytes, after every check a read makes (header
+    checksum and format, payload length and xxh3, object id and index); raises
+    ShardFormatError."""
+    header = ShardHeader.unpack(raw[:HEADER_LEN])
+    if len(raw) - HEADER_LEN != header.payload_len:
+        raise ShardFormatError(f"payload is {len(raw) - HEADER_LEN} bytes, header says {header.payload_len}")
+    if checksum(memoryview(raw)[HEADER_LEN:]) != header.payload_xxh3:
+        raise ShardFormatError("payload checksum mismatch")
+    if header.object_id != object_id or header.index != index:
+        raise ShardFormatError("shard file holds another shard")
+    return header
 
 
 def _fsync_path(path: Path) -> None:
@@ -142,6 +164,7 @@ class ShardStore:
         *,
         fsync: bool = True,
         clock: Callable[[], float] = time.time,
+        cache_bytes: int = 0,
     ) -> None:
         self.data_dir = Path(data_dir)
         self.shard_dir = self.data_dir / "shards"
@@ -149,6 +172,7 @@ class ShardStore:
         self.fsync = fsync
         self.clock = clock
         self.index = ShardIndex(capacity_bytes, retention or RetentionConfig())
+        self.cache = HotCache(cache_bytes)  # recently read shards; coherent under self._lock
         self._lock = threading.Lock()
         self._sync_pool = ThreadPoolExecutor(8, thread_name_prefix="shard-fsync")
         self.evicted = self.expired = self.discarded_at_start = self.corrupt_detected = 0
@@ -208,6 +232,7 @@ class ShardStore:
                     for victim in self._make_room(size, exclude=name):
                         self.path_of(victim).unlink(missing_ok=True)
                     os.replace(w.tmp, final)
+                    self.cache.discard(name)  # a rewrite (repair) replaces what was cached
                     self.index.add(name, size, w.header.traffic_class, self.clock())
                 sizes.append(size)
                 parents.add(final.parent)
@@ -227,7 +252,7 @@ class ShardStore:
             )
         victims = [v for v in self.index.eviction_candidates(incoming) if v != exclude]
         for victim in victims:
-            self.index.remove(victim)
+            self._forget(victim)
         self.evicted += len(victims)
         return victims
 
@@ -244,6 +269,13 @@ class ShardStore:
 
     def get(self, object_id: bytes, index: int) -> Shard:
         """The verified shard; raises ShardNotFound or ShardCorrupt (after dropping it)."""
+        raw = self.get_raw(object_id, index)
+        return Shard(ShardHeader.unpack(raw[:HEADER_LEN]), raw[HEADER_LEN:])
+
+    def get_raw(self, object_id: bytes, index: int) -> bytes:
+        """The verified stored bytes (``header || payload``) of a shard, from the hot cache
+        or from its file; raises ShardNotFound or ShardCorrupt (after dropping it). A file
+        read is checked completely (``check_stored``) before it is returned or cached."""
         name = shard_name(object_id, index)
         now = self.clock()
         with self._lock:
@@ -253,26 +285,29 @@ class ShardStore:
             if self.index.is_expired(name, now):
                 self._drop(name, expired=True)
                 raise ShardNotFound(name)
-            size = entry.size
-        path = self.path_of(name)
-        try:  # header and payload read apart (no slicing copy), unbuffered (fewer syscalls)
-            head, payload = _read_shard_file(path, size)
+            self.index.touch(name, now)  # in memory only: a read must not cost a metadata write
+            raw = self.cache.get(name)
+            if raw is not None:
+                return raw
+        try:
+            raw = _read_shard_file(self.path_of(name), entry.size)
         except FileNotFoundError:
             with self._lock:
-                self.index.remove(name)
+                if self.index.get(name) is entry:
+                    self._forget(name)
             raise ShardNotFound(name) from None
         try:
-            shard = Shard.from_parts(head, payload)
-            if shard.header.object_id != object_id or shard.index != index:
-                raise ShardFormatError("shard file holds another shard")
+            check_stored(raw, object_id, index)
         except ShardFormatError as exc:
             with self._lock:
                 self.corrupt_detected += 1
-                self._drop(name)
+                if self.index.get(name) is entry:  # not if a rewrite replaced it meanwhile
+                    self._drop(name)
             raise ShardCorrupt(f"{name}: {exc}") from exc
-        with self._lock:  # in memory only: a read must not cost a metadata write
-            self.index.touch(name, now)
-        return shard
+        with self._lock:
+            if self.index.get(name) is entry:  # still the shard that was read: not deleted,
+                self.cache.put(name, raw)  # expired, evicted or rewritten meanwhile
+        return raw
 
     def touch(self, refs: list[tuple[bytes, int]], now: float | None = None) -> int:
         now = self.clock() if now is None else now
@@ -321,15 +356,22 @@ class ShardStore:
             self.evicted += len(victims)
         return len(gone), len(victims)
 
+    def _forget(self, name: str) -> None:
+        # Called with the lock held: the index and the cache never disagree.
+        self.index.remove(name)
+        self.cache.discard(name)
+
     def _drop(self, name: str, *, expired: bool = False) -> None:
         # Called with the lock held.
         if self.index.remove(name) is not None and expired:
             self.expired += 1
+        self.cache.discard(name)
         self.path_of(name).unlink(missing_ok=True)
 
     def stats(self) -> StoreStats:
         with self._lock:
             return StoreStats(
                 self.index.used, self.index.capacity, len(self.index), self.evicted, self.expired,
-                self.discarded_at_start, self.corrupt_detected,
+                self.discarded_at_start, self.corrupt_detected, self.cache.used, self.cache.hits,
+                self.cache.misses,
             )  # fmt: skip

@@ -15,7 +15,7 @@ from typing import Protocol
 import grpc
 from sluice_proto import common_pb2, store_pb2, store_pb2_grpc
 
-from kvstore.pieces import Packer, shard_pieces
+from kvstore.pieces import Packer, WireError, WirePiece, iter_pieces, shard_pieces
 from kvstore.placement import NodeAddress
 from kvstore.shardfmt import HEADER_LEN, Shard, ShardFormatError, ShardHeader
 
@@ -126,32 +126,46 @@ def _report(
 
 
 class _Assembler:
-    """Turns a GetShards reply stream back into one result per ref."""
+    """Turns a GetShards reply stream back into one result per ref. Payload bytes are
+    copied once, out of the received message (a shard split over several pieces is joined
+    from views of each)."""
 
     def __init__(self, node_id: str, on_shard: OnShard) -> None:
         self.node_id, self.on_shard = node_id, on_shard
         self.delivered: set[int] = set()
-        self.pos, self.header, self.parts, self.need = -1, b"", [b""], 0
+        self.pos, self.need = -1, 0
+        self.header: ShardHeader | None = None
+        self.parts: list[memoryview] = []
 
     def _deliver(self, pos: int, result: ShardResult) -> None:
-        self.delivered.add(pos)
-        self.on_shard(pos, result)
+        if pos not in self.delivered:
+            self.delivered.add(pos)
+            self.on_shard(pos, result)
 
-    def feed(self, msg: store_pb2.ShardPiece) -> None:
+    def feed(self, msg: WirePiece) -> None:
         if msg.status == store_pb2.SHARD_NOT_FOUND:
             self._deliver(msg.ref, ShardMissing(self.node_id, "NOT_FOUND"))
             return
         if msg.status != store_pb2.SHARD_OK:
             self._deliver(msg.ref, ShardCorruptOnNode(self.node_id, f"DATA_LOSS: {msg.detail}"))
             return
-        if msg.header:
-            self.pos, self.header, self.parts = msg.ref, msg.header, []
-            self.need = ShardHeader.unpack(msg.header).payload_len
+        if len(msg.header):
+            self.pos, self.parts = msg.ref, []
+            try:
+                self.header = ShardHeader.unpack(msg.header)
+            except ShardFormatError as exc:  # this shard only; the rest of the stream is fine
+                self.pos, self.header = -1, None
+                self._deliver(msg.ref, ShardCorruptOnNode(self.node_id, f"bad header in reply: {exc}"))
+                return
+            self.need = self.header.payload_len
+        elif msg.ref != self.pos or self.header is None:
+            return  # the rest of a shard whose header was bad
         self.parts.append(msg.data)
         self.need -= len(msg.data)
-        if self.need <= 0 and self.pos not in self.delivered:
-            payload = self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
-            self._deliver(self.pos, Shard.from_parts(self.header, payload, verify=False))
+        if self.need <= 0:
+            payload = bytes(self.parts[0]) if len(self.parts) == 1 else b"".join(self.parts)
+            self._deliver(self.pos, Shard(self.header, payload))
+            self.pos, self.header, self.parts = -1, None, []
 
     def fail_rest(self, n: int, err: NodeError) -> None:
         for pos in range(n):
@@ -175,6 +189,14 @@ class GrpcShardTransport:
         ]
         self._channel = grpc.insecure_channel(node.address, options=opts)
         self._stub = store_pb2_grpc.StoreNodeStub(self._channel)
+        # GetShards replies are taken as bytes and read in place (kvstore.pieces.iter_pieces):
+        # parsing them into protobuf objects would copy every payload byte twice more.
+        self._get_shards_raw = self._channel.unary_stream(
+            "/sluice.v1.StoreNode/GetShards",
+            request_serializer=store_pb2.GetShardsRequest.SerializeToString,
+            response_deserializer=None,
+            _registered_method=True,
+        )
 
     def _error(self, exc: grpc.RpcError) -> NodeError:
         code = exc.code() if isinstance(exc, grpc.Call) else None
@@ -272,16 +294,17 @@ class GrpcShardTransport:
         )
         asm = _Assembler(self.node_id, on_shard)
         try:
-            call = self._stub.GetShards(req, timeout=timeout_s)
+            call = self._get_shards_raw(req, timeout=timeout_s)
             if cancel is not None:
                 cancel.attach(call)
             for msg in call:
-                for piece in msg.pieces:
+                for piece in iter_pieces(msg):
                     asm.feed(piece)
         except grpc.RpcError as exc:
             asm.fail_rest(len(refs), self._error(exc))
-        except ShardFormatError as exc:
-            asm.fail_rest(len(refs), ShardCorruptOnNode(self.node_id, f"bad header in reply: {exc}"))
+        except WireError as exc:
+            call.cancel()
+            asm.fail_rest(len(refs), ShardCorruptOnNode(self.node_id, f"malformed reply: {exc}"))
         asm.fail_rest(len(refs), ShardMissing(self.node_id, "not in the reply"))
 
     def delete(self, refs: Sequence[tuple[bytes, int]], timeout_s: float) -> int:

@@ -124,7 +124,7 @@ class NodeStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeStatsReply(_message.Message):
-    __slots__ = ("node_id", "used_bytes", "capacity_bytes", "shard_count", "evicted_shards", "expired_shards", "discarded_at_start", "corrupt_detected")
+    __slots__ = ("node_id", "used_bytes", "capacity_bytes", "shard_count", "evicted_shards", "expired_shards", "discarded_at_start", "corrupt_detected", "cache_used_bytes", "cache_hits", "cache_misses")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +133,9 @@ class NodeStatsReply(_message.Message):
     EXPIRED_SHARDS_FIELD_NUMBER: _ClassVar[int]
     DISCARDED_AT_START_FIELD_NUMBER: _ClassVar[int]
     CORRUPT_DETECTED_FIELD_NUMBER: _ClassVar[int]
+    CACHE_USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_MISSES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     used_bytes: int
     capacity_bytes: int
@@ -141,4 +144,7 @@ class NodeStatsReply(_message.Message):
     expired_shards: int
     discarded_at_start: int
     corrupt_detected: int
-    def __init__(self, node_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., shard_count: _Optional[int] = ..., evicted_shards: _Optional[int] = ..., expired_shards: _Optional[int] = ..., discarded_at_start: _Optional[int] = ..., corrupt_detected: _Optional[int] = ...) -> None: ...
+    cache_used_bytes: int
+    cache_hits: int
+    cache_misses: int
+    def __init__(self, node_id: _Optional[str] = ..., used_bytes: _Optional[int] = ..., capacity_bytes: _Optional[int] = ..., shard_count: _Optional[int] = ..., evicted_shards: _Optional[int] = ..., expired_shards: _Optional[int] = ..., discarded_at_start: _Optional[int] = ..., corrupt_detected: _Optional[int] = ..., cache_used_bytes: _Optional[int] = ..., cache_hits: _Optional[int] = ..., cache_misses: _Optional[int] = ...) -> None: ...
