@@ -133,34 +133,46 @@ class _ReadBatch:
         self.outstanding = sum(g.n for g in self.gathers)
         self.unfinished = len(self.gathers)  # the waiter wakes once, when this reaches 0
 
-    def on_reply(self, obj: int, index: int, result: ShardResult) -> bool:
-        """Record one reply; True when it was the last reply of the whole batch."""
-        g = self.gathers[obj]
-        shard = result if isinstance(result, Shard) else None
-        ok = shard is not None and self.codec.shard_ok(shard, index, g.object_id)
+    def on_replies(self, replies: Sequence[tuple[int, int, ShardResult]]) -> bool:
+        """Record replies (object, shard index, result), checking shards before taking the
+        lock, once for all of them; True when they included the last reply of the batch."""
+        valid = self.codec.shard_ok
+        checked = [
+            (obj, i, r, isinstance(r, Shard) and valid(r, i, self.gathers[obj].object_id))
+            for obj, i, r in replies
+        ]
+        claimed = []
         with self.cond:
-            g.pending -= 1
-            self.outstanding -= 1
-            if ok:
-                g.valid += 1
-                if g.state == _WAITING:  # a finished object needs no more shards
-                    g.shards[index] = shard
-            elif shard is not None:
-                g.corrupt.add(index)
-                g.errors[index] = "failed checksum at the client"
-            else:
-                g.errors[index] = str(result)
-                if isinstance(result, ShardMissing):
-                    g.missing.add(index)
-                elif isinstance(result, ShardCorruptOnNode):
-                    g.corrupt.add(index)
-            claim = g.state == _WAITING and g.ready(self.k, self.m)
-            if claim:
-                g.state = _CLAIMED
+            for obj, index, result, ok in checked:
+                if self._record(self.gathers[obj], index, result, ok):
+                    claimed.append(obj)
+            self.outstanding -= len(checked)
             last = self.outstanding == 0
-        if claim:
+        for obj in claimed:
             self._finish(obj)
         return last
+
+    def _record(self, g: _Gather, index: int, result: ShardResult, ok: bool) -> bool:
+        """Count one reply (lock held); True when it made the object ready and this caller
+        now owns making its result."""
+        g.pending -= 1
+        if ok:
+            g.valid += 1
+            if g.state == _WAITING:  # a finished object needs no more shards
+                g.shards[index] = result  # type: ignore[assignment]
+        elif isinstance(result, Shard):
+            g.corrupt.add(index)
+            g.errors[index] = "failed checksum at the client"
+        else:
+            g.errors[index] = str(result)
+            if isinstance(result, ShardMissing):
+                g.missing.add(index)
+            elif isinstance(result, ShardCorruptOnNode):
+                g.corrupt.add(index)
+        if g.state == _WAITING and g.ready(self.k, self.m):
+            g.state = _CLAIMED
+            return True
+        return False
 
     def _finish(self, obj: int) -> None:
         """Make the result of a claimed object (decoding outside the lock) and publish it."""
@@ -234,8 +246,9 @@ def read_objects(
         if node in transports:
             pool.submit(_read_node, batch, transports[node], items, timeout_s, cancel, on_settled)
         else:  # a node no longer in the client's membership: its shards are unavailable
-            for obj, index in items:
-                batch.on_reply(obj, index, NodeUnavailable(node, "not a known node"))
+            batch.on_replies(
+                [(obj, index, NodeUnavailable(node, "not a known node")) for obj, index in items]
+            )
     results = batch.wait(deadline)
     if any(not isinstance(r, bytes) for r in results):
         cancel.cancel()
@@ -252,12 +265,12 @@ def _read_node(
 ) -> None:
     """One node's stream of a read batch; the last reply of the batch reports bad shards."""
 
-    def on_shard(pos: int, result: ShardResult) -> None:
-        obj, index = items[pos]
-        if batch.on_reply(obj, index, result) and on_settled is not None:
+    def on_shards(results: list[tuple[int, ShardResult]]) -> None:
+        replies = [(*items[pos], result) for pos, result in results]
+        if batch.on_replies(replies) and on_settled is not None:
             for o, g in enumerate(batch.gathers):
                 if g.missing or g.corrupt:
                     on_settled(o, g.missing | g.corrupt)
 
     refs = [(batch.gathers[obj].object_id, index) for obj, index in items]
-    transport.get_shards(refs, timeout_s, on_shard, cancel)
+    transport.get_shards(refs, timeout_s, on_shards, cancel)

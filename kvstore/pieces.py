@@ -19,7 +19,7 @@ Two ways to build the same message:
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from sluice_proto import store_pb2
 
@@ -153,8 +153,7 @@ _PIECES_KEY_B, _REF_KEY_B, _STATUS_KEY_B = bytes([_PIECES_KEY]), bytes([_REF_KEY
 _HEADER_KEY_B, _DATA_KEY_B, _DETAIL_KEY_B = bytes([_HEADER_KEY]), bytes([_DATA_KEY]), bytes([_DETAIL_KEY])
 
 
-@dataclass(frozen=True)
-class WirePiece:
+class WirePiece(NamedTuple):
     """One decoded ``ShardPiece``; ``header`` and ``data`` are views into the message."""
 
     ref: int
@@ -195,30 +194,53 @@ def _skip(buf: bytes, pos: int, end: int, wire_type: int) -> int:
     return pos
 
 
+_LEN_FIELDS = frozenset((_HEADER_KEY, _DATA_KEY, _DETAIL_KEY))
+
+
 def _decode_piece(buf: bytes, view: memoryview, pos: int, end: int) -> WirePiece:
+    # One-byte varints (every key here, and most values) are read inline: this runs once
+    # per shard on the read path.
     ref = status = 0
-    header = data = view[0:0]
+    header = data = _EMPTY
     detail = ""
     while pos < end:
-        key, pos = _read_varint(buf, pos, end)
-        if key in (_HEADER_KEY, _DATA_KEY, _DETAIL_KEY):
-            n, pos = _read_varint(buf, pos, end)
-            if pos + n > end:
-                raise WireError("field runs past the end of its piece")
-            if key == _HEADER_KEY:
-                header = view[pos : pos + n]
-            elif key == _DATA_KEY:
-                data = view[pos : pos + n]
+        key = buf[pos]
+        if key < 0x80:
+            pos += 1
+        else:
+            key, pos = _read_varint(buf, pos, end)
+        if key in _LEN_FIELDS:
+            n = buf[pos] if pos < end else 0x80
+            if n < 0x80:
+                pos += 1
             else:
-                detail = bytes(view[pos : pos + n]).decode(errors="replace")
-            pos += n
-        elif key == _REF_KEY:
-            ref, pos = _read_varint(buf, pos, end)
-        elif key == _STATUS_KEY:
-            status, pos = _read_varint(buf, pos, end)
+                n, pos = _read_varint(buf, pos, end)
+            stop = pos + n
+            if stop > end:
+                raise WireError("field runs past the end of its piece")
+            if key == _DATA_KEY:
+                data = view[pos:stop]
+            elif key == _HEADER_KEY:
+                header = view[pos:stop]
+            else:
+                detail = bytes(view[pos:stop]).decode(errors="replace")
+            pos = stop
+        elif key in (_REF_KEY, _STATUS_KEY):
+            value = buf[pos] if pos < end else 0x80
+            if value < 0x80:
+                pos += 1
+            else:
+                value, pos = _read_varint(buf, pos, end)
+            if key == _REF_KEY:
+                ref = value
+            else:
+                status = value
         else:  # an unknown field: skipped, as protobuf does
             pos = _skip(buf, pos, end, key & 7)
     return WirePiece(ref, status, header, data, detail)
+
+
+_EMPTY = memoryview(b"")
 
 
 def iter_pieces(message: bytes) -> Iterator[WirePiece]:

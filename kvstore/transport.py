@@ -67,7 +67,9 @@ class Cancel:
 
 Progress = Callable[[int, int], None]  # (shard index, payload bytes sent so far)
 ShardResult = Shard | NodeError
-OnShard = Callable[[int, ShardResult], None]  # (position in the request, shard or error)
+# Called with the results completed by one received message: (position in the request,
+# shard or error) pairs, so a consumer takes its lock once per message, not once per shard.
+OnShards = Callable[[list[tuple[int, ShardResult]]], None]
 
 
 class ShardTransport(Protocol):
@@ -92,12 +94,13 @@ class ShardTransport(Protocol):
         self,
         refs: Sequence[tuple[bytes, int]],
         timeout_s: float,
-        on_shard: OnShard,
+        on_shards: OnShards,
         cancel: Cancel | None = None,
     ) -> None:
-        """Read many shards in one stream, calling ``on_shard`` once per ref as each completes
-        (with the Shard, unverified, or a NodeError). Never raises: a broken stream reports
-        NodeUnavailable for every ref not yet delivered."""
+        """Read many shards in one stream. Every ref gets exactly one result (the Shard,
+        unverified, or a NodeError), handed to ``on_shards`` in batches as they complete.
+        Never raises: a broken stream reports NodeUnavailable for every ref not yet
+        delivered."""
         ...
 
     def delete(self, refs: Sequence[tuple[bytes, int]], timeout_s: float) -> int: ...
@@ -130,9 +133,10 @@ class _Assembler:
     copied once, out of the received message (a shard split over several pieces is joined
     from views of each)."""
 
-    def __init__(self, node_id: str, on_shard: OnShard) -> None:
-        self.node_id, self.on_shard = node_id, on_shard
+    def __init__(self, node_id: str) -> None:
+        self.node_id = node_id
         self.delivered: set[int] = set()
+        self.ready: list[tuple[int, ShardResult]] = []  # completed since the last take()
         self.pos, self.need = -1, 0
         self.header: ShardHeader | None = None
         self.parts: list[memoryview] = []
@@ -140,7 +144,11 @@ class _Assembler:
     def _deliver(self, pos: int, result: ShardResult) -> None:
         if pos not in self.delivered:
             self.delivered.add(pos)
-            self.on_shard(pos, result)
+            self.ready.append((pos, result))
+
+    def take(self) -> list[tuple[int, ShardResult]]:
+        ready, self.ready = self.ready, []
+        return ready
 
     def feed(self, msg: WirePiece) -> None:
         if msg.status == store_pb2.SHARD_NOT_FOUND:
@@ -286,13 +294,13 @@ class GrpcShardTransport:
         self,
         refs: Sequence[tuple[bytes, int]],
         timeout_s: float,
-        on_shard: OnShard,
+        on_shards: OnShards,
         cancel: Cancel | None = None,
     ) -> None:
         req = store_pb2.GetShardsRequest(
             refs=[store_pb2.ShardRef(object_id=o, index=i) for o, i in refs], chunk_bytes=self.chunk_bytes
         )
-        asm = _Assembler(self.node_id, on_shard)
+        asm = _Assembler(self.node_id)
         try:
             call = self._get_shards_raw(req, timeout=timeout_s)
             if cancel is not None:
@@ -300,12 +308,16 @@ class GrpcShardTransport:
             for msg in call:
                 for piece in iter_pieces(msg):
                     asm.feed(piece)
+                if asm.ready:
+                    on_shards(asm.take())
         except grpc.RpcError as exc:
             asm.fail_rest(len(refs), self._error(exc))
         except WireError as exc:
             call.cancel()
             asm.fail_rest(len(refs), ShardCorruptOnNode(self.node_id, f"malformed reply: {exc}"))
         asm.fail_rest(len(refs), ShardMissing(self.node_id, "not in the reply"))
+        if asm.ready:
+            on_shards(asm.take())
 
     def delete(self, refs: Sequence[tuple[bytes, int]], timeout_s: float) -> int:
         try:

@@ -257,7 +257,7 @@ def test_batched_rpcs_report_each_shard(live_cluster: LocalStoreCluster, store_c
     assert isinstance(results[1], ShardRejectedByNode) and "checksum" in str(results[1])
     replies: dict[int, object] = {}
     refs = [(s.header.object_id, 3) for s in good]
-    node.get_shards(refs, 5.0, replies.__setitem__)
+    node.get_shards(refs, 5.0, replies.update)
     assert replies[0].to_bytes() == good[0].to_bytes()  # type: ignore[attr-defined]
     assert isinstance(replies[1], ShardMissing)
     assert replies[2].to_bytes() == good[2].to_bytes()  # type: ignore[attr-defined]
