@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import grpc
+import grpc.experimental
 from sluice_proto import common_pb2, store_pb2, store_pb2_grpc
 
 from kvstore.pieces import Packer, WireError, WirePiece, iter_pieces, shard_pieces
@@ -194,6 +195,11 @@ class GrpcShardTransport:
             ("grpc.initial_reconnect_backoff_ms", 100),
             ("grpc.max_reconnect_backoff_ms", 500),
             ("grpc.enable_retries", 0),
+            # Server-streaming reads (GetShards) are consumed by the calling thread straight
+            # from the call's completion queue. The default hands every message over from a
+            # per-channel "spin" thread, which is also started and stopped with each read
+            # when no other call is open: measured here, ~10% of the client's CPU.
+            (grpc.experimental.ChannelOptions.SingleThreadedUnaryStream, 1),
         ]
         self._channel = grpc.insecure_channel(node.address, options=opts)
         self._stub = store_pb2_grpc.StoreNodeStub(self._channel)
