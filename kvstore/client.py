@@ -56,6 +56,12 @@ class StoreClientConfig:
     shard_threads: int = 48
     batch_bytes: int = 64 << 20  # object bytes per batched put/get round
     background_repair: bool = True
+    # Reads: None asks every node of the group at once (k+m shards, the m extra being the
+    # hedge). A number asks the k data shards first and the parity shards of objects not yet
+    # decoded when a data shard fails or the read has run this many times as long as the
+    # fastest node took (kvstore.fanout.read_objects).
+    hedge_factor: float | None = None
+    hedge_min_s: float = 0.002
 
     def __post_init__(self) -> None:
         n = self.codec.n
@@ -71,6 +77,11 @@ class StoreClientConfig:
             )
         if min(self.write_timeout_s, self.read_timeout_s, self.admin_timeout_s) <= 0:
             raise ValueError("timeouts must be positive seconds")
+        if self.hedge_factor is not None and self.hedge_factor < 1.0 or self.hedge_min_s < 0:
+            raise ValueError(
+                f"hedge_factor must be None (ask all k+m shards at once) or >= 1, and hedge_min_s >= 0; "
+                f"got {self.hedge_factor} and {self.hedge_min_s}"
+            )
         if self.shard_threads < n or self.batch_bytes < 1:
             raise ValueError(f"shard_threads must be >= k+m ({n}) and batch_bytes positive")
 
@@ -189,9 +200,11 @@ class StoreClient:
             self.repair.enqueue(metas[pos].key)
 
         refs = [ObjectRef(m.object_id, m.nodes) for m in metas]
+        cfg = self.config
         return read_objects(
-            self._shard_pool, self.codec, self.transports, refs, self.config.read_timeout_s, settled
-        )
+            self._shard_pool, self.codec, self.transports, refs, cfg.read_timeout_s, settled,
+            cfg.hedge_factor, cfg.hedge_min_s,
+        )  # fmt: skip
 
     # -- prefix-cache API ----------------------------------------------------------------
     def put_blocks(

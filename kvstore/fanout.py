@@ -106,13 +106,13 @@ class _Gather:
     corrupt: set[int] = field(default_factory=set)
     errors: dict[int, str] = field(default_factory=dict)
     state: int = 0  # _WAITING, then _CLAIMED by the one thread that makes its result, _DONE
+    hedged: bool = True  # all its shards have been asked for (else only the data shards)
 
     def __post_init__(self) -> None:
         self.shards = [None] * self.n
-        self.pending = self.n
 
     def ready(self, k: int, m: int) -> bool:
-        return self.valid >= k or self.pending == 0 or len(self.missing) > m
+        return self.valid >= k or len(self.missing) > m or (self.pending == 0 and self.hedged)
 
 
 _WAITING, _CLAIMED, _DONE = 0, 1, 2
@@ -123,15 +123,18 @@ class _ReadBatch:
     thread whose reply made it ready (outside the lock), so decoding overlaps the transfer
     of the rest of the batch instead of following it."""
 
-    def __init__(self, codec: Codec, objects: Sequence[ObjectRef], timeout_s: float) -> None:
+    def __init__(self, codec: Codec, objects: Sequence[ObjectRef], timeout_s: float, eager: bool) -> None:
         self.codec = codec
         self.k, self.m = codec.config.k, codec.config.m
         self.timeout_s = timeout_s
-        self.gathers = [_Gather(o.object_id, len(o.nodes)) for o in objects]
+        first = codec.config.n if eager else codec.config.k  # shards asked for at first
+        self.gathers = [_Gather(o.object_id, len(o.nodes), pending=first, hedged=eager) for o in objects]
         self.results: list[bytes | StoreError | None] = [None] * len(objects)
         self.cond = threading.Condition()
-        self.outstanding = sum(g.n for g in self.gathers)
-        self.unfinished = len(self.gathers)  # the waiter wakes once, when this reaches 0
+        self.outstanding = sum(g.pending for g in self.gathers)
+        self.unfinished = len(self.gathers)
+        self.need_hedge = False  # a data shard failed before its parity was asked for
+        self.first_stream_s: float | None = None  # how long the fastest node took for its share
 
     def on_replies(self, replies: Sequence[tuple[int, int, ShardResult]]) -> bool:
         """Record replies (object, shard index, result), checking shards before taking the
@@ -143,11 +146,14 @@ class _ReadBatch:
         ]
         claimed = []
         with self.cond:
+            hedge = self.need_hedge
             for obj, index, result, ok in checked:
                 if self._record(self.gathers[obj], index, result, ok):
                     claimed.append(obj)
             self.outstanding -= len(checked)
             last = self.outstanding == 0
+            if self.need_hedge and not hedge:
+                self.cond.notify_all()
         for obj in claimed:
             self._finish(obj)
         return last
@@ -163,7 +169,9 @@ class _ReadBatch:
         elif isinstance(result, Shard):
             g.corrupt.add(index)
             g.errors[index] = "failed checksum at the client"
+            self.need_hedge |= not g.hedged
         else:
+            self.need_hedge |= not g.hedged
             g.errors[index] = str(result)
             if isinstance(result, ShardMissing):
                 g.missing.add(index)
@@ -200,6 +208,37 @@ class _ReadBatch:
             f"object {oid.hex()}: {TooFewShards(valid, self.k)} within {self.timeout_s:.2f}s ({detail})"
         )
 
+    def stream_done(self, seconds: float) -> None:
+        with self.cond:
+            if self.first_stream_s is None:
+                self.first_stream_s = seconds
+                self.cond.notify_all()
+
+    def wait_for_hedge(self, start: float, deadline: float, factor: float, min_s: float) -> None:
+        """Until every object is finished, a data shard failed, or the read has run
+        ``factor`` times as long as the fastest node took for its whole share."""
+        with self.cond:
+            while self.unfinished > 0 and not self.need_hedge:
+                now = time.monotonic()
+                at = deadline
+                if self.first_stream_s is not None:
+                    at = min(deadline, start + max(min_s, factor * self.first_stream_s))
+                if now >= at:
+                    return
+                self.cond.wait(at - now)
+
+    def hedge(self) -> list[tuple[int, int]]:
+        """Ask for the parity shards of every object not finished yet: (object, index)."""
+        refs = []
+        with self.cond:
+            for obj, g in enumerate(self.gathers):
+                if g.state == _WAITING and not g.hedged:
+                    g.hedged = True
+                    g.pending += g.n - self.k
+                    refs += [(obj, index) for index in range(self.k, g.n)]
+            self.outstanding += len(refs)
+        return refs
+
     def wait(self, deadline: float) -> list[bytes | StoreError]:
         """Every object's result: waits until all are made or the deadline passes; objects
         still short of shards then get their error here."""
@@ -227,6 +266,8 @@ def read_objects(
     objects: Sequence[ObjectRef],
     timeout_s: float,
     on_settled: Callable[[int, set[int]], None] | None = None,
+    hedge_factor: float | None = None,
+    hedge_min_s: float = 0.002,
 ) -> list[bytes | StoreError]:
     """Decode each object from the first k valid shards of its group.
 
@@ -234,14 +275,48 @@ def read_objects(
     gone) or ObjectUnavailable (fewer than k valid shards within ``timeout_s``). Stragglers
     are not cancelled: once every reply is in, ``on_settled(object position, bad indices)``
     is called for each object with shards missing or corrupt on a live node.
+
+    ``hedge_factor`` None asks for all k+m shards at once (the m extra are the hedge).
+    Otherwise only the k data shards are asked for first, and the parity shards of every
+    object not yet decoded follow as soon as a data shard fails, or once the read has run
+    ``hedge_factor`` times as long as the fastest node took for its whole share (and at
+    least ``hedge_min_s``): a slow node is hedged against, but a healthy read moves
+    k/(k+m) of the bytes.
     """
-    batch = _ReadBatch(codec, objects, timeout_s)
-    per_node: dict[str, list[tuple[int, int]]] = {}
-    for obj, ref in enumerate(objects):
-        for index, node in enumerate(ref.nodes):
-            per_node.setdefault(node, []).append((obj, index))
+    eager = hedge_factor is None or codec.config.m == 0
+    batch = _ReadBatch(codec, objects, timeout_s, eager)
+    start = time.monotonic()
+    deadline = start + timeout_s
     cancel = Cancel()
-    deadline = time.monotonic() + timeout_s
+    first = codec.config.n if eager else codec.config.k
+    _submit(pool, batch, transports, objects, [(o, i) for o in range(len(objects)) for i in range(first)],
+            timeout_s, cancel, on_settled)  # fmt: skip
+    if hedge_factor is not None and not eager:
+        batch.wait_for_hedge(start, deadline, hedge_factor, hedge_min_s)
+        late = batch.hedge()
+        if late:
+            left = max(0.001, deadline - time.monotonic())
+            _submit(pool, batch, transports, objects, late, left, cancel, on_settled)
+    results = batch.wait(deadline)
+    if any(not isinstance(r, bytes) for r in results):
+        cancel.cancel()
+    return results
+
+
+def _submit(
+    pool: Executor,
+    batch: _ReadBatch,
+    transports: Mapping[str, ShardTransport],
+    objects: Sequence[ObjectRef],
+    refs: Sequence[tuple[int, int]],
+    timeout_s: float,
+    cancel: Cancel,
+    on_settled: Callable[[int, set[int]], None] | None,
+) -> None:
+    """One stream per node for ``refs`` (object, shard index)."""
+    per_node: dict[str, list[tuple[int, int]]] = {}
+    for obj, index in refs:
+        per_node.setdefault(objects[obj].nodes[index], []).append((obj, index))
     for node, items in per_node.items():
         if node in transports:
             pool.submit(_read_node, batch, transports[node], items, timeout_s, cancel, on_settled)
@@ -249,10 +324,6 @@ def read_objects(
             batch.on_replies(
                 [(obj, index, NodeUnavailable(node, "not a known node")) for obj, index in items]
             )
-    results = batch.wait(deadline)
-    if any(not isinstance(r, bytes) for r in results):
-        cancel.cancel()
-    return results
 
 
 def _read_node(
@@ -273,4 +344,6 @@ def _read_node(
                     on_settled(o, g.missing | g.corrupt)
 
     refs = [(batch.gathers[obj].object_id, index) for obj, index in items]
+    start = time.monotonic()
     transport.get_shards(refs, timeout_s, on_shards, cancel)
+    batch.stream_done(time.monotonic() - start)

@@ -104,6 +104,15 @@ class _Metrics:
         Gauge("sluice_store_corrupt_shards", "Failed checksum on read since start", registry=r).set_function(
             lambda: store.corrupt_detected
         )
+        Gauge("sluice_store_cache_bytes", "Bytes in the hot cache of read shards", registry=r).set_function(
+            lambda: store.cache.used
+        )
+        Gauge("sluice_store_cache_hits", "Reads served by the hot cache", registry=r).set_function(
+            lambda: store.cache.hits
+        )
+        Gauge("sluice_store_cache_misses", "Reads that went to a shard file", registry=r).set_function(
+            lambda: store.cache.misses
+        )
 
 
 class _PutBatch:

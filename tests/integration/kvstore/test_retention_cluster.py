@@ -79,6 +79,9 @@ def test_lru_keeps_usage_under_capacity_and_hot_objects_survive(
         assert all(s.used_bytes <= CAPACITY for s in _node_stats(client))
     stats = _node_stats(client)
     assert all(s.evicted_shards > 0 for s in stats)
+    # The hot objects were read 50 times: served from the nodes' hot caches after the first
+    # read, and the caches hold nothing the nodes have evicted.
+    assert all(s.cache_hits > 0 and s.cache_used_bytes <= s.used_bytes for s in stats)
     readable = sum(len(client.get_prefix([k], touch=False)) for k in cold)
     assert 0 < readable < len(cold)
     assert client.get_prefix(hot) == hot_data
@@ -87,3 +90,5 @@ def test_lru_keeps_usage_under_capacity_and_hot_objects_survive(
     evicted = [ln for ln in text.splitlines() if ln.startswith("sluice_store_evicted_shards ")]
     assert evicted and float(evicted[0].split()[1]) > 0
     assert "sluice_store_used_bytes" in text and 'sluice_store_ops_total{op="put",outcome="ok"}' in text
+    hits = [ln for ln in text.splitlines() if ln.startswith("sluice_store_cache_hits ")]
+    assert hits and float(hits[0].split()[1]) > 0
