@@ -256,24 +256,31 @@ class StoreNodeServicer(store_pb2_grpc.StoreNodeServicer):
         chunk = min(request.chunk_bytes or self.config.chunk_bytes, self.config.chunk_bytes)
         refs = [_ref(r, context) for r in request.refs]
         packer = WirePacker(chunk)
-        for pos, (oid, idx) in enumerate(refs):
-            self._pack_shard(packer, pos, oid, idx)
-            yield from packer.take()
-        yield from packer.take(final=True)
+        counts = [0, 0, 0, 0]  # ok, not found, corrupt, bytes out: metrics once per request
+        try:
+            for pos, (oid, idx) in enumerate(refs):
+                self._pack_shard(packer, pos, oid, idx, counts)
+                yield from packer.take()
+            yield from packer.take(final=True)
+        finally:
+            m = self.metrics
+            for counter, n in zip((m.gets_ok, m.gets_not_found, m.gets_corrupt, m.bytes_out), counts):
+                if n:
+                    counter.inc(n)
 
-    def _pack_shard(self, packer: WirePacker, pos: int, oid: bytes, idx: int) -> None:
+    def _pack_shard(self, packer: WirePacker, pos: int, oid: bytes, idx: int, counts: list[int]) -> None:
         try:
             raw = self.store.get_raw(oid, idx)
         except ShardNotFound:
-            self.metrics.gets_not_found.inc()
+            counts[1] += 1
             packer.add_status(pos, store_pb2.SHARD_NOT_FOUND)
             return
         except ShardCorrupt as exc:
-            self.metrics.gets_corrupt.inc()
+            counts[2] += 1
             packer.add_status(pos, store_pb2.SHARD_CORRUPT, str(exc))
             return
-        self.metrics.gets_ok.inc()
-        self.metrics.bytes_out.inc(len(raw))
+        counts[0] += 1
+        counts[3] += len(raw)
         packer.add_shard(pos, raw, HEADER_LEN)
 
     def DeleteShards(self, request: store_pb2.ShardRefs, context: grpc.ServicerContext):  # noqa: N802

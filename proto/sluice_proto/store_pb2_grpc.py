@@ -117,7 +117,9 @@ class StoreNodeServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetShards(self, request, context):
-        """GetShards: one status per ref, in request order; payload follows an OK header.
+        """GetShards: one status per ref, in request order; payload follows an OK header. Nodes
+        write these replies as wire bytes (kvstore/pieces.py WirePacker) and clients read them
+        in place; the bytes are plain ShardPieces, so any protobuf parser reads them too.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
