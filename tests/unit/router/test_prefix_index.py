@@ -66,3 +66,55 @@ def test_validation():
         PrefixIndexConfig(0)
     with pytest.raises(ValueError, match="out of range"):
         PrefixIndex(PrefixIndexConfig(2)).apply_stored(2, [1])
+
+
+@pytest.mark.parametrize("capacity", [None, 40])
+def test_index_agrees_with_a_plain_reference_under_random_events(capacity):
+    """match/engine_blocks equal a set-per-engine model through random stores and removals."""
+    import random
+
+    rng = random.Random(7)
+    n = 5
+    idx = PrefixIndex(PrefixIndexConfig(n, capacity_blocks=capacity))
+    held: list[set[int]] = [set() for _ in range(n)]
+    for _ in range(400):
+        e = rng.randrange(n)
+        chain = [rng.randrange(30) for _ in range(rng.randrange(12))]
+        if rng.random() < 0.7:
+            evicted = idx.apply_stored(e, chain)
+            held[e].update(chain)
+            held[e].difference_update(evicted)
+        else:
+            idx.apply_removed(e, chain)
+            held[e].difference_update(chain)
+        if capacity is not None:
+            assert len(held[e]) <= capacity
+        query = [rng.randrange(30) for _ in range(rng.randrange(15))]
+        want = []
+        for s in held:
+            k = 0
+            while k < len(query) and query[k] in s:
+                k += 1
+            want.append(k)
+        assert idx.match_list(query) == want
+        assert [idx.engine_blocks(i) for i in range(n)] == [len(s) for s in held]
+        assert len(idx) == len(set().union(*held))
+
+
+def test_gc_tuning_is_undone_by_restore():
+    import gc
+
+    from router import gctune
+
+    before = gc.get_threshold()
+    previous = gctune.tune_for_latency(gctune.GcSettings(gen0=12_345))
+    try:
+        assert previous == before
+        assert gc.get_threshold()[0] == 12_345
+        assert gc.get_freeze_count() > 0
+    finally:
+        gctune.restore(previous)
+    assert gc.get_threshold() == before
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(ValueError, match="thresholds"):
+        gctune.GcSettings(gen0=0)
