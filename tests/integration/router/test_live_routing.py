@@ -251,3 +251,58 @@ def test_a_replica_that_is_down_is_skipped_and_none_up_is_503(pair_server):
         complete(pair_server, [2, 3, 4])
     assert err.value.status_code == 503
     assert httpx.get(f"{pair_server.url}/ready", timeout=30).status_code == 503
+
+
+def test_sluice_serve_with_replicas_routes_and_reports_them(tiny, tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from services.procs import free_port
+
+    env = {**os.environ, "SLUICE_HOME": str(tmp_path), "SLUICE_LOG_LEVEL": "WARNING"}
+    bad = subprocess.run(
+        [sys.executable, "-m", "services.cli", "serve", "--model", str(tiny), "--replicas", "0"],
+        env=env, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert bad.returncode != 0 and "replicas must be >= 1" in bad.stderr + bad.stdout
+    port = free_port()
+    args = [
+        "serve",
+        "--port",
+        str(port),
+        "--model",
+        str(tiny),
+        "--replicas",
+        "2",
+        "--router-policy",
+        "cache_aware",
+    ]
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", *args], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read().decode()[-2000:] if proc.stdout else ""
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "sluice serve --replicas 2 did not come up in 90s"
+            time.sleep(0.1)
+        body = {"model": "deepseek-chat", "prompt": [2, 3, 4], "max_tokens": 2}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        text = httpx.get(f"{url}/metrics", timeout=10).text
+        routed = re.findall(
+            r'sluice_router_routed_requests_total{policy="cache_aware",replica="(\d)"} (\S+)', text
+        )
+        assert sorted(r for r, _ in routed) == ["0", "1"] and sum(float(v) for _, v in routed) == 1.0
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
