@@ -4,7 +4,7 @@ The same shared-prefix workload is served twice, each time by a fresh server wit
 in-process replicas of the checkpoint: once routed by ``round_robin`` (the baseline that
 ignores caches) and once by ``P`` (default ``sluice``). ``groups`` prefixes of
 ``prefix_blocks`` full blocks each are shared by ``per_group`` requests (a unique suffix
-each); the requests are interleaved across groups and sent by ``streams`` concurrent
+each); the requests are shuffled (seeded) and sent by ``streams`` concurrent
 ``openai`` SDK clients on ``/v1/completions`` (token-id prompts, so the shared prefix is
 exact). Reported per policy: prompt tokens the replicas served from their prefix caches
 (the API's ``prompt_cache_hit_tokens``), requests and generated tokens per second, latency.
@@ -39,7 +39,7 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--router-policy", default="sluice", help="with --replicas: the policy compared to round_robin"
     )
-    p.add_argument("--groups", type=int, default=6, help="with --replicas: distinct shared prefixes")
+    p.add_argument("--groups", type=int, default=8, help="with --replicas: distinct shared prefixes")
     p.add_argument("--per-group", type=int, default=4, help="with --replicas: requests sharing each prefix")
     p.add_argument(
         "--prefix-blocks", type=int, default=3, help="with --replicas: 256-token blocks per prefix"
@@ -47,14 +47,17 @@ def add_routing_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def workload(groups: int, per_group: int, prefix_blocks: int, suffix: int, seed: int = 0) -> list[list[int]]:
-    """Token-id prompts, interleaved across groups (g0 r0, g1 r0, ..., g0 r1, ...)."""
+    """Token-id prompts in a seeded random order (a fixed interleave would let round_robin
+    send each group to one replica by accident whenever ``groups`` is a multiple of N)."""
     rng = random.Random(seed)
     prefixes = [[rng.randrange(2, 1000) for _ in range(prefix_blocks * BLOCK)] for _ in range(groups)]
-    return [
+    prompts = [
         prefixes[g] + [rng.randrange(2, 1000) for _ in range(suffix)]
         for _ in range(per_group)
         for g in range(groups)
     ]
+    rng.shuffle(prompts)
+    return prompts
 
 
 def _fit_cost_model(model: Path, out: Path) -> dict[str, Any]:
@@ -121,8 +124,11 @@ def _serve_workload(
 
 
 def run_routing(args: argparse.Namespace, model: Path) -> Report:
+    import logging
+
     from services.routed_client import RoutingConfig
 
+    logging.getLogger("httpx2").setLevel(logging.WARNING)  # the openai SDK's client: a line per request
     policy = RoutingConfig(args.replicas, args.router_policy).resolve().policy  # validates both
     config: dict[str, Any] = {
         "model": str(model), "replicas": args.replicas, "policies": ["round_robin", policy],
