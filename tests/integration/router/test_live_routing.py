@@ -207,6 +207,39 @@ def test_stream_disconnect_aborts_on_the_replica_that_ran_it(sluice_server):
     assert engine.router.prefill.outstanding[target] == 0
 
 
+def test_abort_by_id_reaches_the_replica_that_holds_the_request(sluice_server):
+    import asyncio
+
+    engine = sluice_server.engine
+    replicas = engine.replicas
+    for r in replicas:
+        wait_for(lambda r=r: _idle(r), what="idle replicas")
+    before_aborts = [r.stats().aborted_total for r in replicas]
+    body = {
+        "model": "deepseek-chat",
+        "prompt": [2, 3, 4, 5],
+        "max_tokens": 3000,
+        "stream": True,
+        "temperature": 0,
+    }
+    client = httpx.Client(base_url=sluice_server.url, timeout=60)
+    with client, client.stream("POST", "/v1/completions", json=body) as resp:
+        data = [ln for _, ln in zip(range(50), resp.iter_lines()) if ln.startswith("data: ")][:3]
+        assert len(data) == 3
+        ((rid, target),) = list(engine._where.items())
+        asyncio.run_coroutine_threadsafe(engine.abort(rid), replicas[0]._loop).result(10)
+        wait_for(
+            lambda: replicas[target].stats().aborted_total == before_aborts[target] + 1, what="the abort"
+        )
+        assert [r.stats().aborted_total - b for r, b in zip(replicas, before_aborts)] == [
+            int(i == target) for i in range(3)
+        ]
+        asyncio.run_coroutine_threadsafe(engine.abort("no-such-request"), replicas[0]._loop).result(
+            10
+        )  # no-op
+    wait_for(lambda: _idle(replicas[target]), what="the aborted request's slot back")
+
+
 def test_the_index_mirrors_each_replicas_cache_from_its_events(rr_server):
     """round_robin never inserts blocks itself: what the index holds came from cache events,
     including blocks the engine filled with generated tokens (no router could guess them)."""
