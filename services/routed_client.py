@@ -6,7 +6,10 @@ the 2D balancer, decides only when prefill and decode pools are split). Per requ
 
 1. ``_sync``: drain every replica's prefix-cache events (``take_cache_events``) into the
    router's global ``PrefixIndex`` (a snapshot first when the replica lost events), and
-   report each replica's load (requests in it, KV tokens held) with ``update_loads``;
+   report each replica's load with ``update_loads``: requests in it and KV tokens held
+   (its stats), and queued prefill work: the predicted prefill seconds of the requests
+   routed to it whose first output has not come back yet (closed loop: work leaves the
+   queue when the engine has really prefilled it, not when a clock says it should have);
 2. hash the prompt ids exactly as the engines do (``engine.scheduler.hashing.chain_hashes``
    with the replicas' block size and extra keys) into a ``RequestView``;
 3. ``route_prefill`` over the replicas that are up; the chosen replica's ``generate``
@@ -133,6 +136,9 @@ class RoutedEngineClient:
         self.failovers = 0
         self._info = min(infos, key=lambda i: i.context_limit)
         self._where: dict[str, int] = {}
+        # per replica: predicted prefill seconds of requests routed there whose first output
+        # has not come back yet (their prefill is queued or running): the queued work report
+        self._prefilling: list[dict[str, float]] = [{} for _ in range(n)]
         self._down: set[int] = set()
         self._identity: tuple[int, ExtraKeys] | None = None
         self._t0 = time.monotonic()
@@ -207,7 +213,9 @@ class RoutedEngineClient:
             outputs = self.replicas[engine].generate(request)
             try:
                 async for out in outputs:
-                    produced = True
+                    if not produced:
+                        produced = True
+                        self._prefilling[engine].pop(request.request_id, None)  # prefill done
                     if out.finish_reason is not None:
                         self.prompt_tokens[engine] += out.prompt_tokens
                         self.hit_tokens[engine] += out.cached_tokens
@@ -224,6 +232,7 @@ class RoutedEngineClient:
                 if aclose is not None:  # the replica aborts the request and frees its blocks now
                     await aclose()
                 self._where.pop(request.request_id, None)
+                self._prefilling[engine].pop(request.request_id, None)
                 await self.router.prefill_done(engine, view)
 
     # -- routing ---------------------------------------------------------------------------
@@ -240,8 +249,13 @@ class RoutedEngineClient:
         candidates = [i for i, r in enumerate(self.replicas) if r.alive and i not in tried]
         if not candidates:
             raise EngineUnavailable(f"no engine replica is up ({len(self.replicas)} configured)")
+        matched = self.router.index.match_list(view.blocks)  # before select inserts the blocks
         engine = await self.router.route_prefill(view, candidates)
         self.routed[engine] += 1
+        cached = min(matched[engine] * view.block_size, view.input_len)
+        self._prefilling[engine][str(view.request_id)] = self.router.config.cost.prefill_time(
+            view.input_len, cached
+        )
         return engine
 
     async def _sync(self) -> None:
@@ -266,7 +280,10 @@ class RoutedEngineClient:
                     await self.router.on_cache_event(i, removed=ev.hashes)
             s = r.stats()
             used = max(s.total_blocks - s.free_blocks, 0) * block_size
-            loads.append({"engine": i, "running": s.running + s.waiting, "kv_tokens": used})
+            queued = sum(self._prefilling[i].values())
+            loads.append(
+                {"engine": i, "running": s.running + s.waiting, "kv_tokens": used, "queued_work_s": queued}
+            )
         if loads:
             await self.router.on_engine_stats("prefill", loads)
 
