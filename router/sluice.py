@@ -167,7 +167,9 @@ class SluicePrefill(Policy):
         if self.config.use_tiers:
             self.planner.maybe_rebalance(request.arrival_s, self.outstanding_work)
         score, pred, matched = self._score_lists(cands, request)
-        _, _, pos = min((sc, c, i) for i, (sc, c) in enumerate(zip(score, cands)))  # ties: lowest index
+        # ties (idle engines, no hits): fewest requests in flight, then the lowest index
+        running = self.outstanding.tolist()
+        pos = min(range(len(cands)), key=lambda i: (score[i], running[cands[i]], cands[i]))
         e, work = cands[pos], pred[pos]
         self.planner.record(self.planner.tier_of(request.input_len), work)
         self.busy_until[e] = max(float(self.busy_until[e]), self.now) + work
