@@ -110,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
     )
     if routing.routed:
         log.info("routing over %d replicas with the %s policy", routing.replicas, routing.policy)
+        from router import gctune
+
+        gctune.tune_for_latency()  # the decision-latency tail is mostly GC passes (docs/router.md)
     app = create_app(cfg, engine)  # type: ignore[arg-type]
     if host not in ("127.0.0.1", "::1", "localhost") and not app.state.sluice.config.api_keys:
         log.warning("serving on %s without API keys: set SLUICE_API_KEYS or SLUICE_API_KEYS_FILE", host)
