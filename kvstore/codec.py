@@ -5,19 +5,27 @@ a full set, ``reconstruct`` the missing ones (given as ``None``), ``decode`` the
 Every shard carries a ``kvstore.shardfmt`` header; a shard that fails its checksum or does
 not belong to the same object is treated as missing, so a wrong shard is never decoded.
 
-The Galois-field work is done by a registered backend: ISA-L through pyeclib by default
-(``isa_l_rs_cauchy``: always invertible, fastest measured here), or zfec. Pure: no
-sockets, no torch.
+The Galois-field work is done by a registered backend. ``backend="auto"`` (the default)
+resolves to the first that loads of ``isal_cauchy`` (ISA-L called through ctypes, zero-copy,
+``kvstore.isal``; fastest measured here), ``isa_l_rs_cauchy`` (the same library through
+pyeclib) and ``zfec``. Pure: no sockets, no torch.
+
+Buffer ownership: payloads are read-only buffers (``bytes`` or ``memoryview``). With
+``isal_cauchy`` the data shards of ``encode`` are views of the object passed in, so that
+object must not be mutated while its shards are in use (``bytes`` never is).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
-from kvstore.shardfmt import OBJECT_ID_LEN, Shard, ShardFormatError, ShardHeader, checksum
+from kvstore.shardfmt import OBJECT_ID_LEN, Payload, Shard, ShardFormatError, ShardHeader, checksum
+
+log = logging.getLogger(__name__)
 
 
 class CodecError(Exception):
@@ -43,19 +51,21 @@ class ShardCountMismatch(CodecError):
 class ErasureBackend(Protocol):
     """The Galois-field engine behind a Codec.
 
-    ``encode`` returns k+m payloads of equal length. ``decode`` receives at least k payloads
-    keyed by shard index and returns the first ``object_len`` bytes of the object.
-    ``rebuild`` returns the payloads of ``missing`` indices. Inputs are never modified.
-    Callers guarantee that every payload passed in is an untampered encoder output.
+    ``encode`` returns k+m payloads of equal length (they may be views of ``data``).
+    ``decode`` receives at least k payloads keyed by shard index and returns the first
+    ``object_len`` bytes of the object as new ``bytes``. ``rebuild`` returns the payloads
+    of ``missing`` indices. Inputs are never modified. Callers guarantee that every payload
+    passed in is an untampered encoder output. A factory raises (ImportError, OSError or
+    RuntimeError) when its library is not available in this process.
     """
 
-    def encode(self, data: bytes) -> list[bytes]: ...
+    def encode(self, data: Payload) -> list[Payload]: ...
 
-    def decode(self, payloads: dict[int, bytes], object_len: int) -> bytes: ...
+    def decode(self, payloads: dict[int, Payload], object_len: int) -> bytes: ...
 
     def rebuild(
-        self, payloads: dict[int, bytes], missing: list[int], object_len: int
-    ) -> dict[int, bytes]: ...
+        self, payloads: dict[int, Payload], missing: list[int], object_len: int
+    ) -> dict[int, Payload]: ...
 
 
 BackendFactory = Callable[[int, int], ErasureBackend]
@@ -84,15 +94,17 @@ class _PyECLib:
 
         self._driver = ECDriver(k=k, m=m, ec_type=ec_type)
 
-    def encode(self, data: bytes) -> list[bytes]:
+    def encode(self, data: Payload) -> list[Payload]:
         return list(self._driver.encode(bytes(data)))
 
-    def decode(self, payloads: dict[int, bytes], object_len: int) -> bytes:
-        # pyeclib aborts the process on memoryviews; every payload here is bytes.
-        return bytes(self._driver.decode([payloads[i] for i in sorted(payloads)]))
+    def decode(self, payloads: dict[int, Payload], object_len: int) -> bytes:
+        # pyeclib aborts the process on memoryviews: hand it bytes only.
+        return bytes(self._driver.decode([bytes(payloads[i]) for i in sorted(payloads)]))
 
-    def rebuild(self, payloads: dict[int, bytes], missing: list[int], object_len: int) -> dict[int, bytes]:
-        frags = [payloads[i] for i in sorted(payloads)]
+    def rebuild(
+        self, payloads: dict[int, Payload], missing: list[int], object_len: int
+    ) -> dict[int, Payload]:
+        frags = [bytes(payloads[i]) for i in sorted(payloads)]
         return dict(zip(missing, self._driver.reconstruct(frags, list(missing))))
 
 
@@ -104,6 +116,18 @@ for _code, _name in enumerate(("isa_l_rs_cauchy", "isa_l_rs_vand", "liberasureco
     register_backend(_name, _code)(_pyeclib_factory(_name))
 
 
+@register_backend("isal_cauchy", 4)
+def _isal_cauchy(k: int, m: int) -> ErasureBackend:
+    from kvstore.isal import IsalCauchyBackend
+
+    return IsalCauchyBackend(k, m)
+
+
+AUTO = "auto"
+# What ``backend="auto"`` tries, in order (fastest first, as measured in docs/kvstore.md).
+AUTO_ORDER = ("isal_cauchy", "isa_l_rs_cauchy", "zfec")
+
+
 @register_backend("zfec", 16)
 class _Zfec:
     def __init__(self, k: int, m: int) -> None:
@@ -113,29 +137,32 @@ class _Zfec:
         self._enc = zfec.Encoder(k, self.n)
         self._dec = zfec.Decoder(k, self.n)
 
-    def encode(self, data: bytes) -> list[bytes]:
+    def encode(self, data: Payload) -> list[Payload]:
         size = max(1, -(-len(data) // self.k))
         padded = bytes(data) + bytes(size * self.k - len(data))
         blocks = [padded[i * size : (i + 1) * size] for i in range(self.k)]
         return [bytes(b) for b in self._enc.encode(blocks, list(range(self.n)))]
 
-    def decode(self, payloads: dict[int, bytes], object_len: int) -> bytes:
+    def decode(self, payloads: dict[int, Payload], object_len: int) -> bytes:
         nums = sorted(payloads)[: self.k]
         blocks = self._dec.decode([payloads[i] for i in nums], nums)
         return b"".join(bytes(b) for b in blocks)[:object_len]
 
-    def rebuild(self, payloads: dict[int, bytes], missing: list[int], object_len: int) -> dict[int, bytes]:
+    def rebuild(
+        self, payloads: dict[int, Payload], missing: list[int], object_len: int
+    ) -> dict[int, Payload]:
         full = self.encode(self.decode(payloads, object_len))
         return {i: full[i] for i in missing}
 
 
 @dataclass(frozen=True)
 class CodecConfig:
-    """Erasure-code geometry and backend. Default 10+2 on ISA-L (Cauchy)."""
+    """Erasure-code geometry and backend. Default 10+2 on ISA-L (Cauchy); ``"auto"`` is
+    settled by ``resolve()``."""
 
     k: int = 10
     m: int = 2
-    backend: str = "isa_l_rs_cauchy"
+    backend: str = AUTO
     # Objects larger than this are coded in stripes of about this size, each shard holding
     # its fragment of every stripe. Off by default: measured here, striping helps large
     # objects only in a process whose allocator returns big buffers to the kernel (then
@@ -148,15 +175,32 @@ class CodecConfig:
             raise ValueError(f"erasure code {self.k}+{self.m}: need 1 <= k <= 32 and 1 <= m <= 16")
         if self.stripe_bytes != 0 and self.stripe_bytes < 4096:
             raise ValueError(f"stripe_bytes must be 0 (off) or at least 4096, got {self.stripe_bytes}")
-        if self.backend not in _BACKENDS:
-            raise ValueError(f"unknown codec backend {self.backend!r}; known: {backend_names()}")
+        if self.backend != AUTO and self.backend not in _BACKENDS:
+            raise ValueError(f"unknown codec backend {self.backend!r}; known: {[AUTO, *backend_names()]}")
+
+    def resolve(self) -> CodecConfig:
+        """This config with ``backend`` settled: "auto" becomes the first of AUTO_ORDER whose
+        library loads here (a fallback is logged). Raises CodecError when none loads."""
+        if self.backend != AUTO:
+            return self
+        errors = []
+        for name in AUTO_ORDER:
+            try:
+                _BACKENDS[name][1](self.k, self.m)
+            except (ImportError, OSError, RuntimeError) as exc:
+                errors.append(f"{name}: {exc}")
+                continue
+            if errors:
+                log.warning("codec backend auto -> %s (unavailable here: %s)", name, "; ".join(errors))
+            return replace(self, backend=name)
+        raise CodecError("no erasure backend loads here: " + "; ".join(errors))
 
     @property
     def n(self) -> int:
         return self.k + self.m
 
 
-def _stripe_payloads(use: dict[int, Shard], stripes: int) -> Iterator[dict[int, bytes]]:
+def _stripe_payloads(use: dict[int, Shard], stripes: int) -> Iterator[dict[int, Payload]]:
     """Per stripe, the fragment of each shard in ``use`` (payload = stripes equal fragments);
     made one stripe at a time so the slices stay in cache."""
     size = next(iter(use.values())).header.payload_len // stripes
@@ -173,7 +217,7 @@ class Codec:
     """Encode objects into k+m checksummed shards and decode them back."""
 
     def __init__(self, config: CodecConfig | None = None) -> None:
-        self.config = config or CodecConfig()
+        self.config = (config or CodecConfig()).resolve()
         code, factory = _BACKENDS[self.config.backend]
         self.code = code
         self._backend = factory(self.config.k, self.config.m)
@@ -182,8 +226,10 @@ class Codec:
         s = self.config.stripe_bytes
         return 1 if s == 0 or length <= s else min(65535, -(-length // s))
 
-    def encode(self, object_id: bytes, data: bytes, traffic_class: int = 0) -> list[Shard]:
-        """Split ``data`` into k data and m parity shards, each with its header."""
+    def encode(self, object_id: bytes, data: Payload, traffic_class: int = 0) -> list[Shard]:
+        """Split ``data`` into k data and m parity shards, each with its header. The header
+        is kept apart from the payload (``Shard.header``/``Shard.payload``); nothing here
+        concatenates them."""
         if len(object_id) != OBJECT_ID_LEN:
             raise ValueError(f"object id must be {OBJECT_ID_LEN} bytes, got {len(object_id)}")
         cfg = self.config

@@ -36,6 +36,10 @@ OBJECT_ID_LEN = 16
 _STRUCT = struct.Struct("<4sHHBBBBBBH16sQQQ")  # 56 bytes: everything but the header checksum
 _CHECK = struct.Struct("<Q")
 
+# A shard payload: read-only bytes, or a view of them (the data shards of an encode are
+# views of the object; see kvstore.codec).
+Payload = bytes | memoryview
+
 # Traffic classes: name -> code stored in the header. Codes are part of the format.
 TRAFFIC_CLASSES: dict[str, int] = {"agent": 1, "chat": 2}
 CLASS_NAMES: dict[int, str] = {code: name for name, code in TRAFFIC_CLASSES.items()}
@@ -118,13 +122,15 @@ class Shard:
     """One shard: its parsed header and its payload (the bytes after the header)."""
 
     header: ShardHeader
-    payload: bytes
+    payload: Payload
 
     @property
     def index(self) -> int:
         return self.header.index
 
     def to_bytes(self) -> bytes:
+        """``header || payload`` in one new object (a copy; writers that can should send
+        ``header.pack()`` then ``payload`` instead)."""
         return self.header.pack() + self.payload
 
     def check(self) -> None:
@@ -146,7 +152,7 @@ class Shard:
         return shard
 
     @classmethod
-    def from_parts(cls, header: bytes, payload: bytes, *, verify: bool = True) -> Shard:
+    def from_parts(cls, header: bytes, payload: Payload, *, verify: bool = True) -> Shard:
         shard = cls(ShardHeader.unpack(header), payload)
         if verify:
             shard.check()

@@ -88,7 +88,7 @@ def test_truncated_or_extended_payload_is_missing() -> None:
     shards = codec.encode(new_object_id(), data)
     damaged: list[Shard | None] = list(shards)
     damaged[2] = Shard(shards[2].header, shards[2].payload[:-1])
-    damaged[7] = Shard(shards[7].header, shards[7].payload + b"\0")
+    damaged[7] = Shard(shards[7].header, bytes(shards[7].payload) + b"\0")
     assert set(codec.valid(damaged)) == set(range(12)) - {2, 7}
     assert codec.decode(damaged) == data
 
