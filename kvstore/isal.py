@@ -264,10 +264,13 @@ class IsalCauchyBackend:
                 out.append(view[start : start + size])
                 src.append(base + start)
             else:  # runs past the end of the object: a zero-padded copy
-                piece = view[start:length] if start < length else b""
-                padded = bytes(piece) + bytes(size - len(piece))
+                take = max(0, length - start)
+                padded, at = new_bytes(size)
+                if take:
+                    ctypes.memmove(at, base + start, take)
+                ctypes.memset(at + take, 0, size - take)
                 out.append(padded)
-                src.append(address(padded))
+                src.append(at)
         parity = [new_bytes(size) for _ in range(self.m)]
         self.code.encode(size, src, [a for _, a in parity])
         return out + [p for p, _ in parity]
