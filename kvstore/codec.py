@@ -304,6 +304,11 @@ class Codec:
         }
         if len(lengths) > 1:
             raise ShardSizeMismatch(f"valid shards disagree on (object id, lengths): {sorted(lengths)}")
+        for _oid, object_len, payload_len, _stripes in lengths:
+            if object_len > cfg.k * payload_len:
+                raise ShardSizeMismatch(
+                    f"{object_len}-byte object cannot fit {cfg.k} shards of {payload_len}"
+                )
         return good
 
     def verify(self, shards: Sequence[Shard | None]) -> bool:

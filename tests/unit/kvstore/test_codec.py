@@ -161,7 +161,7 @@ def test_config_validation_is_actionable() -> None:
         Codec().encode(b"short", b"x")
 
 
-@pytest.mark.parametrize("backend", ["isa_l_rs_cauchy", "zfec"])
+@pytest.mark.parametrize("backend", ["isal_cauchy", "isa_l_rs_cauchy", "zfec"])
 @pytest.mark.parametrize("size", [4095, 4096, 4097, 8192, 8193, 3 * 4096 + 7, 40_961])
 def test_striped_objects_round_trip_lose_two_and_rebuild_identically(backend: str, size: int) -> None:
     codec = Codec(CodecConfig(backend=backend, stripe_bytes=4096))

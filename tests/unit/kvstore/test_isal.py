@@ -171,3 +171,13 @@ def test_addresses_of_every_buffer_kind_agree_with_the_buffer_protocol() -> None
     assert out == b"0123456789abcdef"
     with pytest.raises(BufferError, match="not C-contiguous"):
         isal.address(memoryview(raw)[::2])
+
+
+def test_a_header_claiming_more_bytes_than_the_shards_hold_is_a_size_mismatch() -> None:
+    from kvstore.codec import ShardSizeMismatch
+
+    codec = Codec(CodecConfig(backend="isal_cauchy"))
+    shards = codec.encode(new_object_id(), os.urandom(1000))
+    lying = [Shard(s.header._replace(object_len=K * s.header.payload_len + 1), s.payload) for s in shards]
+    with pytest.raises(ShardSizeMismatch, match="cannot fit"):
+        codec.decode(lying)
