@@ -213,14 +213,36 @@ def new_object_id() -> bytes:
     return os.urandom(OBJECT_ID_LEN)
 
 
+_NAMES_BY_CODE = {code: name for name, (code, _) in _BACKENDS.items()}
+
+
 class Codec:
-    """Encode objects into k+m checksummed shards and decode them back."""
+    """Encode objects into k+m checksummed shards and decode them back.
+
+    Encoding uses the configured backend. Decoding uses the backend named by the shards'
+    header code, when that backend loads here: shards written by another backend of the
+    same k+m (say, before the default changed) stay readable."""
 
     def __init__(self, config: CodecConfig | None = None) -> None:
         self.config = (config or CodecConfig()).resolve()
         code, factory = _BACKENDS[self.config.backend]
         self.code = code
         self._backend = factory(self.config.k, self.config.m)
+        self._by_code: dict[int, ErasureBackend | None] = {code: self._backend}
+
+    def backend_for(self, code: int) -> ErasureBackend | None:
+        """The backend for shards of header code ``code``; None when it is unknown or its
+        library does not load here (such shards count as missing)."""
+        if code not in self._by_code:
+            backend = None
+            name = _NAMES_BY_CODE.get(code)
+            if name is not None:
+                try:
+                    backend = _BACKENDS[name][1](self.config.k, self.config.m)
+                except (ImportError, OSError, RuntimeError) as exc:
+                    log.warning("shards of codec backend %s cannot be decoded here: %s", name, exc)
+            self._by_code[code] = backend
+        return self._by_code[code]
 
     def stripes_for(self, length: int) -> int:
         s = self.config.stripe_bytes
@@ -230,24 +252,29 @@ class Codec:
         """Split ``data`` into k data and m parity shards, each with its header. The header
         is kept apart from the payload (``Shard.header``/``Shard.payload``); nothing here
         concatenates them."""
+        return self._encode(self._backend, self.code, object_id, data, traffic_class)
+
+    def _encode(
+        self, backend: ErasureBackend, code: int, object_id: bytes, data: Payload, traffic_class: int
+    ) -> list[Shard]:
         if len(object_id) != OBJECT_ID_LEN:
             raise ValueError(f"object id must be {OBJECT_ID_LEN} bytes, got {len(object_id)}")
         cfg = self.config
         stripes = self.stripes_for(len(data))
         if stripes == 1:
-            payloads = self._backend.encode(data)
+            payloads = backend.encode(data)
         else:
             per = -(-len(data) // stripes)  # every stripe this long; the last one zero-padded
             view = memoryview(data)
             coded = []
             for i in range(stripes):
                 piece = bytes(view[i * per : (i + 1) * per])
-                coded.append(self._backend.encode(piece + bytes(per - len(piece))))
+                coded.append(backend.encode(piece + bytes(per - len(piece))))
             payloads = [b"".join(c[j] for c in coded) for j in range(cfg.n)]
         return [
             Shard(
                 ShardHeader(
-                    self.code,
+                    code,
                     cfg.k,
                     cfg.m,
                     i,
@@ -266,11 +293,13 @@ class Codec:
     def shard_ok(
         self, shard: Shard, index: int, object_id: bytes | None = None, *, checksums: bool = True
     ) -> bool:
-        """True when ``shard`` is intact, from this codec, at ``index`` and (if given) of
-        ``object_id``. ``checksums=False`` skips the payload hash, for shards the caller has
-        already checked with ``shard_ok``."""
+        """True when ``shard`` is intact, of this k+m and of a backend that decodes here, at
+        ``index`` and (if given) of ``object_id``. ``checksums=False`` skips the payload hash,
+        for shards the caller has already checked with ``shard_ok``."""
         h, cfg = shard.header, self.config
-        if (h.codec, h.k, h.m, h.index) != (self.code, cfg.k, cfg.m, index):
+        if (h.k, h.m, h.index) != (cfg.k, cfg.m, index):
+            return False
+        if h.codec != self.code and self.backend_for(h.codec) is None:
             return False
         if object_id is not None and h.object_id != object_id:
             return False
@@ -299,17 +328,25 @@ class Codec:
             if shard is not None and self.shard_ok(shard, pos, object_id, checksums=checksums)
         }
         lengths = {
-            (s.header.object_id, s.header.object_len, s.header.payload_len, s.header.stripes)
+            (s.header.object_id, s.header.codec, s.header.object_len, s.header.payload_len, s.header.stripes)
             for s in good.values()
         }
         if len(lengths) > 1:
-            raise ShardSizeMismatch(f"valid shards disagree on (object id, lengths): {sorted(lengths)}")
-        for _oid, object_len, payload_len, _stripes in lengths:
+            raise ShardSizeMismatch(
+                f"valid shards disagree on (object id, codec, lengths): {sorted(lengths)}"
+            )
+        for _oid, _code, object_len, payload_len, _stripes in lengths:
             if object_len > cfg.k * payload_len:
                 raise ShardSizeMismatch(
                     f"{object_len}-byte object cannot fit {cfg.k} shards of {payload_len}"
                 )
         return good
+
+    def _decoder(self, header: ShardHeader) -> ErasureBackend:
+        backend = self.backend_for(header.codec)
+        if backend is None:  # shard_ok admits no shard of such a code
+            raise CodecError(f"no backend for codec code {header.codec}")
+        return backend
 
     def verify(self, shards: Sequence[Shard | None]) -> bool:
         """True when all k+m shards are present, valid, and the parity matches the data."""
@@ -317,7 +354,7 @@ class Codec:
         if len(good) != self.config.n:
             return False
         h = good[0].header
-        again = self.encode(h.object_id, self.decode(shards), h.traffic_class)
+        again = self._encode(self._decoder(h), h.codec, h.object_id, self.decode(shards), h.traffic_class)
         return all(again[i].payload == good[i].payload for i in range(self.config.n))
 
     def decode(
@@ -329,12 +366,13 @@ class Codec:
         if len(good) < self.config.k:
             raise TooFewShards(len(good), self.config.k)
         ref = next(iter(good.values())).header
+        backend = self._decoder(ref)
         use = dict(sorted(good.items())[: self.config.k])
         if ref.stripes == 1:
-            data = self._backend.decode({i: s.payload for i, s in use.items()}, ref.object_len)
+            data = backend.decode({i: s.payload for i, s in use.items()}, ref.object_len)
         else:
             per = -(-ref.object_len // ref.stripes)
-            parts = [self._backend.decode(payloads, per) for payloads in _stripe_payloads(use, ref.stripes)]
+            parts = [backend.decode(payloads, per) for payloads in _stripe_payloads(use, ref.stripes)]
             parts[-1] = parts[-1][: ref.object_len - per * (ref.stripes - 1)]
             data = b"".join(parts)
         if len(data) != ref.object_len:
@@ -350,12 +388,13 @@ class Codec:
         if not missing:
             return [good[i] for i in range(self.config.n)]
         ref = next(iter(good.values())).header
+        backend = self._decoder(ref)
         use = dict(sorted(good.items())[: self.config.k])
         if ref.stripes == 1:
-            rebuilt = self._backend.rebuild({i: s.payload for i, s in use.items()}, missing, ref.object_len)
+            rebuilt = backend.rebuild({i: s.payload for i, s in use.items()}, missing, ref.object_len)
         else:
             per = -(-ref.object_len // ref.stripes)
-            pieces = [self._backend.rebuild(p, missing, per) for p in _stripe_payloads(use, ref.stripes)]
+            pieces = [backend.rebuild(p, missing, per) for p in _stripe_payloads(use, ref.stripes)]
             rebuilt = {i: b"".join(p[i] for p in pieces) for i in missing}
         out = dict(good)
         for i, payload in rebuilt.items():

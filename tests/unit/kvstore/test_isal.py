@@ -181,3 +181,33 @@ def test_a_header_claiming_more_bytes_than_the_shards_hold_is_a_size_mismatch() 
     lying = [Shard(s.header._replace(object_len=K * s.header.payload_len + 1), s.payload) for s in shards]
     with pytest.raises(ShardSizeMismatch, match="cannot fit"):
         codec.decode(lying)
+
+
+@pytest.mark.parametrize("writer", ["isa_l_rs_cauchy", "zfec"])
+def test_shards_of_another_backend_stay_readable(writer: str) -> None:
+    """A store written before the default became isal_cauchy is still decoded, by the
+    backend its headers name; rebuilt shards keep that backend's code and bytes."""
+    old, new = Codec(CodecConfig(backend=writer)), Codec()
+    assert new.config.backend == "isal_cauchy"
+    data, oid = os.urandom(77_777), new_object_id()
+    shards = old.encode(oid, data)
+    have: list[Shard | None] = list(shards)
+    have[0] = have[10] = None
+    assert new.decode(have, oid) == data
+    rebuilt = new.reconstruct(have, oid)
+    assert [s.header for s in rebuilt] == [s.header for s in shards]
+    assert [bytes(s.payload) for s in rebuilt] == [bytes(s.payload) for s in shards]
+    assert new.verify(shards)
+
+
+def test_mixed_or_unknown_backend_codes_are_not_decoded_together() -> None:
+    from kvstore.codec import ShardSizeMismatch
+
+    oid, data = new_object_id(), os.urandom(5000)
+    a = Codec(CodecConfig(backend="isal_cauchy")).encode(oid, data)
+    b = Codec(CodecConfig(backend="zfec")).encode(oid, data)
+    codec = Codec()
+    with pytest.raises(ShardSizeMismatch, match="codec"):
+        codec.decode(a[:6] + b[6:])
+    unknown = Shard(a[3].header._replace(codec=99), a[3].payload)
+    assert not codec.shard_ok(unknown, 3) and codec.shard_ok(a[3], 3)
