@@ -119,7 +119,7 @@ _api.PyBuffer_Release.argtypes = [ctypes.POINTER(_PyBuffer)]
 _api.PyBuffer_Release.restype = None
 _api.PyBytes_FromStringAndSize.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t]
 _api.PyBytes_FromStringAndSize.restype = ctypes.py_object
-_PYBUF_C_CONTIGUOUS = 0x0020 | 0x0008  # PyBUF_C_CONTIGUOUS (with PyBUF_STRIDES)
+_PYBUF_SIMPLE = 0  # a plain pointer: exporters refuse it unless the buffer is contiguous
 # In CPython a bytes object's data sits at a fixed offset from the object (ob_sval); checked
 # once here against the buffer protocol, else every address goes through the protocol.
 _BYTES_DATA = bytes.__basicsize__ - 1
@@ -128,7 +128,7 @@ _probe = b"probe-of-the-bytes-layout"
 
 def _buffer_address(buf: Any) -> int:
     view = _PyBuffer()
-    _api.PyObject_GetBuffer(buf, ctypes.byref(view), _PYBUF_C_CONTIGUOUS)  # raises BufferError
+    _api.PyObject_GetBuffer(buf, ctypes.byref(view), _PYBUF_SIMPLE)  # raises BufferError
     try:
         return int(view.buf)
     finally:
@@ -152,6 +152,9 @@ def new_bytes(n: int) -> tuple[bytes, int]:
     it is handed to anyone."""
     out = _api.PyBytes_FromStringAndSize(None, n)
     return out, address(out)
+
+
+_MAX_CALL_BYTES = 1 << 30
 
 
 class CauchyCode:
@@ -199,9 +202,11 @@ class CauchyCode:
             raise ValueError(f"need {self.k} source shards, got {len(src)}")
         if length <= 0 or not dst:
             return
-        srcs = (ctypes.c_void_p * self.k)(*src)
-        dsts = (ctypes.c_void_p * len(dst))(*dst)
-        self._lib.ec_encode_data(length, self.k, len(dst), tables, srcs, dsts)
+        # ec_encode_data takes an int length: shards past 2 GiB go in slices.
+        for off in range(0, length, _MAX_CALL_BYTES):
+            srcs = (ctypes.c_void_p * self.k)(*(a + off for a in src))
+            dsts = (ctypes.c_void_p * len(dst))(*(a + off for a in dst))
+            self._lib.ec_encode_data(min(_MAX_CALL_BYTES, length - off), self.k, len(dst), tables, srcs, dsts)
 
     def decode_tables(self, present: tuple[int, ...], want: tuple[int, ...]) -> Any:
         """ISA-L tables that map shards ``present`` to shards ``want`` (cached per pattern)."""

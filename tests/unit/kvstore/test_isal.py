@@ -211,3 +211,18 @@ def test_mixed_or_unknown_backend_codes_are_not_decoded_together() -> None:
         codec.decode(a[:6] + b[6:])
     unknown = Shard(a[3].header._replace(codec=99), a[3].payload)
     assert not codec.shard_ok(unknown, 3) and codec.shard_ok(a[3], 3)
+
+
+def test_shards_longer_than_one_isal_call_are_coded_in_slices(monkeypatch: pytest.MonkeyPatch) -> None:
+    """ec_encode_data takes an int length; long shards go through it in slices."""
+    data = os.urandom(100_003)
+    whole = [bytes(p) for p in isal.IsalCauchyBackend(K, M).encode(data)]
+    monkeypatch.setattr(isal, "_MAX_CALL_BYTES", 999)
+    backend = isal.IsalCauchyBackend(K, M)
+    sliced = backend.encode(data)
+    assert [bytes(p) for p in sliced] == whole
+    assert backend.decode({i: whole[i] for i in range(2, K + M)}, len(data)) == data
+    assert backend.rebuild({i: whole[i] for i in range(2, K + M)}, [0, 1], len(data)) == {
+        0: whole[0],
+        1: whole[1],
+    }
