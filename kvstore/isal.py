@@ -204,8 +204,8 @@ class CauchyCode:
             return
         # ec_encode_data takes an int length: shards past 2 GiB go in slices.
         for off in range(0, length, _MAX_CALL_BYTES):
-            srcs = (ctypes.c_void_p * self.k)(*(a + off for a in src))
-            dsts = (ctypes.c_void_p * len(dst))(*(a + off for a in dst))
+            srcs = (ctypes.c_void_p * self.k)(*(src if off == 0 else [a + off for a in src]))
+            dsts = (ctypes.c_void_p * len(dst))(*(dst if off == 0 else [a + off for a in dst]))
             self._lib.ec_encode_data(min(_MAX_CALL_BYTES, length - off), self.k, len(dst), tables, srcs, dsts)
 
     def decode_tables(self, present: tuple[int, ...], want: tuple[int, ...]) -> Any:
@@ -288,15 +288,15 @@ class IsalCauchyBackend:
         if object_len > self.k * size:
             raise ValueError(f"object of {object_len} bytes does not fit {self.k} shards of {size}")
         out, base = new_bytes(object_len)
-        src = [address(payloads[i]) for i in use]
+        src = {i: address(payloads[i]) for i in use}
         want, dst, partial = [], [], []  # partial: (scratch, its address, bytes it holds, offset)
         for j in range(self.k):
             start = j * size
             if start >= object_len:
                 break
             take = min(size, object_len - start)
-            if j in payloads:
-                ctypes.memmove(base + start, address(payloads[j]), take)
+            if j in src:  # present data shards are all among the k used
+                ctypes.memmove(base + start, src[j], take)
             elif take == size:
                 want.append(j)
                 dst.append(base + start)
@@ -306,7 +306,7 @@ class IsalCauchyBackend:
                 dst.append(at)
                 partial.append((scratch, at, take, start))
         if want:
-            self.code.decode(size, use, src, want, dst)
+            self.code.decode(size, use, list(src.values()), want, dst)
         for _scratch, at, take, start in partial:
             ctypes.memmove(base + start, at, take)
         return out
