@@ -149,8 +149,10 @@ def address(buf: Any) -> int:
 
 def new_bytes(n: int) -> tuple[bytes, int]:
     """A new, uninitialised ``bytes`` of length ``n`` and its address, to be filled before
-    it is handed to anyone."""
-    out = _api.PyBytes_FromStringAndSize(None, n)
+    it is handed to anyone. ``n == 0`` gives the shared empty ``bytes`` (nothing to fill)."""
+    if n == 0:
+        return b"", 0
+    out = _api.PyBytes_FromStringAndSize(None, n)  # n >= 1 with NULL: always a new object
     return out, address(out)
 
 
