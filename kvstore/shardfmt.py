@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import xxhash
 
@@ -35,6 +36,10 @@ HEADER_LEN = 64
 OBJECT_ID_LEN = 16
 _STRUCT = struct.Struct("<4sHHBBBBBBH16sQQQ")  # 56 bytes: everything but the header checksum
 _CHECK = struct.Struct("<Q")
+
+# A shard payload: read-only bytes, or a view of them (the data shards of an encode are
+# views of the object; see kvstore.codec).
+Payload = bytes | memoryview
 
 # Traffic classes: name -> code stored in the header. Codes are part of the format.
 TRAFFIC_CLASSES: dict[str, int] = {"agent": 1, "chat": 2}
@@ -58,12 +63,14 @@ def checksum(data: bytes | memoryview) -> int:
     return int(xxhash.xxh3_64_intdigest(data))
 
 
-@dataclass(frozen=True)
-class ShardHeader:
+class ShardHeader(NamedTuple):
+    """The parsed header (immutable). A NamedTuple rather than a frozen dataclass: an
+    encode builds k+m of them, and this is ~4x cheaper to construct (0.45 vs 1.9 us here)."""
+
     codec: int
     k: int
     m: int
-    index: int
+    index: int  # type: ignore[assignment]  # shadows tuple.index on purpose (field name is the format)
     traffic_class: int
     object_id: bytes
     object_len: int
@@ -118,13 +125,15 @@ class Shard:
     """One shard: its parsed header and its payload (the bytes after the header)."""
 
     header: ShardHeader
-    payload: bytes
+    payload: Payload
 
     @property
     def index(self) -> int:
         return self.header.index
 
     def to_bytes(self) -> bytes:
+        """``header || payload`` in one new object (a copy; writers that can should send
+        ``header.pack()`` then ``payload`` instead)."""
         return self.header.pack() + self.payload
 
     def check(self) -> None:
@@ -146,7 +155,7 @@ class Shard:
         return shard
 
     @classmethod
-    def from_parts(cls, header: bytes, payload: bytes, *, verify: bool = True) -> Shard:
+    def from_parts(cls, header: bytes, payload: Payload, *, verify: bool = True) -> Shard:
         shard = cls(ShardHeader.unpack(header), payload)
         if verify:
             shard.check()

@@ -83,7 +83,7 @@ class ShardWriter:
         self._hash = xxhash.xxh3_64()
         self.received = 0
 
-    def write(self, data: bytes) -> None:
+    def write(self, data: bytes | memoryview) -> None:
         self.received += len(data)
         if self.received > self.header.payload_len:
             raise ShardRejected(f"payload exceeds the {self.header.payload_len} bytes its header declares")

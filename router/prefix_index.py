@@ -15,12 +15,29 @@ Feeding: engines publish ``stored`` / ``removed`` events (``apply_stored`` /
 ``apply_removed``); the KV store's directory publishes ``store_add`` / ``store_remove``.
 With ``capacity_blocks`` set, the index also evicts per engine in LRU order on its own
 (an approximate index, for engines that do not publish removals).
+
+Two tiers, as NVIDIA Dynamo's approximate indexer keeps predictions apart from events:
+
+* **held**: what engines reported (events). Large (every cached block of the pool) and
+  churned by evictions.
+* **predicted**: what routing expects an engine to hold once it has run a request it was
+  sent (``predict``), so a burst sharing a new prefix follows its first request before any
+  event arrives. An engine's ``stored`` or ``removed`` event for a block ends its
+  prediction; unconfirmed predictions expire (``predicted_requests``, ``predicted_ttl_s``),
+  so an aborted request's blocks do not stay in the index. This tier holds only the blocks
+  of requests in flight, so it stays small and cache resident: a routing decision's writes
+  (up to a whole request of fresh blocks) never probe the large held tier.
+
+``match`` sees the union of both tiers.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
+from itertools import compress, repeat
+from operator import and_, not_, or_
 
 import numpy as np
 
@@ -29,10 +46,17 @@ import numpy as np
 class PrefixIndexConfig:
     num_engines: int
     capacity_blocks: int | None = None  # per engine; None: trust removal events only
+    predicted_requests: int = 65_536  # unconfirmed routing predictions kept (oldest expire first)
+    predicted_ttl_s: float = 600.0  # ... and for at most this long on the caller's clock
 
     def __post_init__(self) -> None:
         if self.num_engines < 1:
             raise ValueError(f"PrefixIndexConfig.num_engines must be >= 1, got {self.num_engines}")
+        if self.predicted_requests < 1 or self.predicted_ttl_s <= 0:
+            raise ValueError(
+                f"PrefixIndexConfig.predicted_requests must be >= 1 and predicted_ttl_s > 0, got "
+                f"{self.predicted_requests} and {self.predicted_ttl_s}"
+            )
         if self.capacity_blocks is not None and self.capacity_blocks < 1:
             raise ValueError(
                 f"PrefixIndexConfig.capacity_blocks must be >= 1 or None (no self-eviction), "
@@ -41,13 +65,23 @@ class PrefixIndexConfig:
 
 
 class PrefixIndex:
-    """Block -> holder-bitmask map with per-engine LRU order and a store directory view."""
+    """Block -> holder-bitmask maps (held, predicted), per-engine counts and a store view.
+
+    Per-block work on write paths runs inside C builtins (``map``, ``dict.update``): an
+    event or a prediction covers up to a whole request's blocks.
+    """
 
     def __init__(self, config: PrefixIndexConfig) -> None:
         self.config = config
         self._holders: dict[Hashable, int] = {}
-        # per engine, blocks in recency order (a plain dict keeps insertion order and is faster)
-        self._lru: list[dict[Hashable, None]] = [{} for _ in range(config.num_engines)]
+        self._count = [0] * config.num_engines  # blocks held per engine
+        # per engine, blocks in recency order; kept only when this index evicts by itself
+        # (a plain dict keeps insertion order and is faster than an OrderedDict)
+        self._lru: list[dict[Hashable, None]] | None = (
+            None if config.capacity_blocks is None else [{} for _ in range(config.num_engines)]
+        )
+        self._predicted: dict[Hashable, int] = {}
+        self._pending: deque[tuple[float, int, Sequence[Hashable]]] = deque()  # (at, engine, blocks)
         self._store: set[Hashable] = set()
 
     # -- events -------------------------------------------------------------------------
@@ -60,40 +94,107 @@ class PrefixIndex:
         Raises ValueError for an engine index out of range.
         """
         self._check(engine)
-        bit = 1 << engine
-        lru = self._lru[engine]
-        holders = self._holders
-        cap = self.config.capacity_blocks
-        # tail first, so with self-eviction a chain loses its leaves before its root
-        for b in blocks[known_held:] if cap is None else reversed(blocks):
-            if b not in lru:
-                lru[b] = None
+        if self._lru is not None and self.config.capacity_blocks is not None:
+            return self._stored_with_lru(engine, blocks, self._lru[engine], self.config.capacity_blocks)
+        tail = blocks[known_held:]
+        if tail:
+            bit, holders = 1 << engine, self._holders
+            before = len(holders)
+            # one probe per block: absent blocks are inserted holding ``bit`` right here,
+            # present ones return their old mask (absent lookups in a large dict with
+            # evictions are the costly part of a decision: each probe is a cache miss)
+            olds = list(map(holders.setdefault, tail, repeat(bit)))
+            lacking = list(map(not_, map(and_, olds, repeat(bit))))
+            fixes = dict(zip(compress(tail, lacking), map(or_, compress(olds, lacking), repeat(bit))))
+            holders.update(fixes)
+            self._count[engine] += len(holders) - before + len(fixes)
+            if self._predicted:
+                self._unpredict(bit, tail)
+        return []
+
+    def _stored_with_lru(
+        self, engine: int, blocks: Sequence[Hashable], lru: dict[Hashable, None], capacity: int
+    ) -> list[Hashable]:
+        bit, holders = 1 << engine, self._holders
+        # tail first, so a chain loses its leaves before its root
+        for b in reversed(blocks):
+            if b in lru:
+                del lru[b]
+            else:
                 holders[b] = holders.get(b, 0) | bit
-            elif cap is not None:  # recency matters only when this index evicts by itself
-                del lru[b]
-                lru[b] = None
+            lru[b] = None
         evicted: list[Hashable] = []
-        if cap is not None:
-            while len(lru) > cap:
-                b = next(iter(lru))
-                del lru[b]
-                self._drop(b, bit)
-                evicted.append(b)
+        while len(lru) > capacity:
+            b = next(iter(lru))
+            del lru[b]
+            self._drop(b, bit)
+            evicted.append(b)
+        self._count[engine] = len(lru)
         return evicted
 
     def apply_removed(self, engine: int, blocks: Iterable[Hashable]) -> None:
         """Record that ``engine`` evicted ``blocks``; unknown blocks are ignored."""
         self._check(engine)
         bit = 1 << engine
-        lru = self._lru[engine]
+        lru = None if self._lru is None else self._lru[engine]
+        holders = self._holders
+        blocks = list(blocks)
         for b in blocks:
-            if b in lru:
-                del lru[b]
+            if holders.get(b, 0) & bit:
+                if lru is not None:
+                    del lru[b]
                 self._drop(b, bit)
+                self._count[engine] -= 1
+        if self._predicted:
+            self._unpredict(bit, blocks)
 
     def clear_engine(self, engine: int) -> None:
-        """Forget everything ``engine`` held (it restarted or left the pool)."""
-        self.apply_removed(engine, list(self._lru[engine]))
+        """Forget everything ``engine`` held or was predicted to hold (it restarted or left)."""
+        self._check(engine)
+        bit = 1 << engine
+        self.apply_removed(engine, [b for b, h in self._holders.items() if h & bit])
+        self._unpredict(bit, [b for b, h in self._predicted.items() if h & bit])
+
+    def predict(
+        self, engine: int, blocks: Sequence[Hashable], known_held: int = 0, now_s: float = 0.0
+    ) -> None:
+        """Routing sent a request with ``blocks`` to ``engine``: expect it to hold them.
+
+        ``known_held`` leading blocks are skipped (``match`` found them). ``now_s`` is the
+        caller's clock, for ``predicted_ttl_s``. An index that evicts by itself
+        (``capacity_blocks``) has no events to confirm predictions: it stores them.
+        """
+        self._check(engine)
+        if self._lru is not None:
+            self.apply_stored(engine, blocks, known_held)
+            return
+        tail = blocks[known_held:]
+        if tail:
+            bit, predicted = 1 << engine, self._predicted
+            olds = list(map(predicted.get, tail, repeat(0)))
+            predicted.update(zip(tail, map(or_, olds, repeat(bit))))
+            self._pending.append((now_s, engine, tail))
+        self._expire(now_s)
+
+    def _expire(self, now_s: float) -> None:
+        pending, cfg = self._pending, self.config
+        while pending and (
+            len(pending) > cfg.predicted_requests or pending[0][0] < now_s - cfg.predicted_ttl_s
+        ):
+            _, engine, blocks = pending.popleft()
+            self._unpredict(1 << engine, blocks)
+
+    def _unpredict(self, bit: int, blocks: Iterable[Hashable]) -> None:
+        """End ``bit``'s predictions on ``blocks`` (a later prediction of the same block for
+        the same engine ends too: the two are not told apart)."""
+        predicted = self._predicted
+        for b in blocks:
+            h = predicted.get(b, 0)
+            if h & bit:
+                if h == bit:
+                    del predicted[b]
+                else:
+                    predicted[b] = h & ~bit
 
     def store_add(self, blocks: Iterable[Hashable]) -> None:
         self._store.update(blocks)
@@ -111,9 +212,9 @@ class PrefixIndex:
         n = self.config.num_engines
         out = [0] * n
         alive = (1 << n) - 1
-        holders = self._holders
+        held, predicted = self._holders.get, self._predicted.get
         for i, b in enumerate(blocks):
-            nxt = alive & holders.get(b, 0)
+            nxt = alive & (held(b, 0) | predicted(b, 0))
             if nxt == alive:  # fast path: inside a run every live engine still matches
                 continue
             dropped = alive ^ nxt
@@ -141,11 +242,15 @@ class PrefixIndex:
 
     def engine_blocks(self, engine: int) -> int:
         self._check(engine)
-        return len(self._lru[engine])
+        return self._count[engine]
 
     def __len__(self) -> int:
-        """Distinct blocks held by at least one engine."""
+        """Distinct blocks held by at least one engine (events; predictions not counted)."""
         return len(self._holders)
+
+    def predicted_blocks(self) -> int:
+        """Distinct blocks with an unconfirmed prediction."""
+        return len(self._predicted)
 
     # -- internals ----------------------------------------------------------------------
     def _drop(self, block: Hashable, bit: int) -> None:

@@ -17,8 +17,9 @@ compute is taken from the whole pool and its later requests, not only from r; wi
 ``rho = 0`` the rule is greedy earliest-TTFT and gives up hits too easily. The tier penalty
 keeps tiers apart (short requests never queue behind a 200K prefill on their own tier)
 but lets a long cached prefix pull a request across a tier boundary when that is cheaper.
-After choosing, the request's blocks are inserted into the index for e at once (the engine
-will hold them when it finishes), so a burst of requests sharing a prefix follows the first.
+After choosing, the request's blocks are predicted in the index for e at once (the engine
+will hold them when it finishes; its events confirm or end the prediction), so a burst of
+requests sharing a prefix follows the first.
 
 Decode, for a request with L context tokens, over engines with (running r_e, KV tokens k_e)::
 
@@ -167,11 +168,16 @@ class SluicePrefill(Policy):
         if self.config.use_tiers:
             self.planner.maybe_rebalance(request.arrival_s, self.outstanding_work)
         score, pred, matched = self._score_lists(cands, request)
-        _, _, pos = min((sc, c, i) for i, (sc, c) in enumerate(zip(score, cands)))  # ties: lowest index
+        best = min(score)
+        if score.count(best) == 1:
+            pos = score.index(best)
+        else:  # ties (idle engines, no hits): fewest requests in flight, then the lowest index
+            running = self.outstanding.tolist()
+            pos = min(range(len(cands)), key=lambda i: (score[i], running[cands[i]], cands[i]))
         e, work = cands[pos], pred[pos]
         self.planner.record(self.planner.tier_of(request.input_len), work)
         self.busy_until[e] = max(float(self.busy_until[e]), self.now) + work
-        self.index.apply_stored(e, request.blocks, known_held=matched[pos])
+        self.index.predict(e, request.blocks, known_held=matched[pos], now_s=self.now)
         return self._charge(e, request, request.input_len, work)
 
 

@@ -112,6 +112,17 @@ class RouterAdapter:
             if removed:
                 self.index.apply_removed(engine, [_block_id(b) for b in removed])
 
+    async def on_cache_snapshot(self, engine: int, blocks: Sequence[bytes | str]) -> None:
+        """Replace everything known about ``engine``'s cache with ``blocks`` (it lost events)."""
+        async with self._lock:
+            self.index.clear_engine(engine)
+            self.index.apply_stored(engine, [_block_id(b) for b in blocks])
+
+    async def on_engine_down(self, engine: int) -> None:
+        """``engine`` left the pool or restarted: it holds nothing the router can count on."""
+        async with self._lock:
+            self.index.clear_engine(engine)
+
     async def on_store_directory(
         self, added: Sequence[bytes | str] = (), removed: Sequence[bytes | str] = ()
     ) -> None:

@@ -18,6 +18,7 @@ from collections import OrderedDict, deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from engine.scheduler.cache_events import CacheEventBuffer
 from engine.scheduler.hashing import BlockHash
 
 
@@ -44,9 +45,13 @@ class PrefixCacheStats:
 class BlockManager:
     """Ref-counted blocks, a free list, the prefix-hash table and an LRU of cached blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, event_capacity: int = 0
+    ) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks}, {block_size}")
+        if event_capacity < 0:
+            raise ValueError(f"event_capacity must be >= 0 (0 = no cache events), got {event_capacity}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -56,6 +61,8 @@ class BlockManager:
         self._lru: OrderedDict[int, None] = OrderedDict()  # oldest first
         self._by_hash: dict[BlockHash, int] = {}
         self.stats = PrefixCacheStats()
+        # ``stored`` / ``removed`` per published / evicted hash, for a router (cache_events.py)
+        self.events = CacheEventBuffer(event_capacity) if event_capacity and enable_prefix_caching else None
 
     # -- queries -------------------------------------------------------------------------
     @property
@@ -68,6 +75,10 @@ class BlockManager:
 
     def is_cached(self, block: int) -> bool:
         return self._hash[block] is not None
+
+    def cached_hashes(self) -> list[BlockHash]:
+        """Every published hash (referenced or idle): what a router's index should hold."""
+        return list(self._by_hash)
 
     def lookup(self, hashes: Sequence[BlockHash], count: bool = True) -> list[int]:
         """Blocks of the longest cached run of ``hashes`` from the start. Takes no reference."""
@@ -109,6 +120,8 @@ class BlockManager:
                 del self._by_hash[h]
                 self._hash[b] = None
                 self.stats.evictions += 1
+                if self.events is not None:
+                    self.events.removed(h)
             self._ref[b] = 1
             out.append(b)
         return out
@@ -122,6 +135,8 @@ class BlockManager:
             return
         self._hash[block] = h
         self._by_hash[h] = block
+        if self.events is not None:
+            self.events.stored(h)
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference on each block. Pass a sequence's blocks in order: they are
@@ -143,6 +158,8 @@ class BlockManager:
             h = self._hash[b]
             if h is not None:
                 del self._by_hash[h]
+                if self.events is not None:
+                    self.events.removed(h)
             self._hash[b] = None
             self._free.append(b)
         self._lru.clear()

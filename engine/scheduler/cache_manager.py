@@ -32,7 +32,9 @@ class CacheManager:
     def __init__(self, config: SchedulerConfig) -> None:
         self.config = config
         self.bs = config.block_size
-        self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.blocks = BlockManager(
+            config.num_blocks, config.block_size, config.enable_prefix_caching, config.cache_event_capacity
+        )
         self.slots = SwaSlotManager(config.num_swa_slots)
 
     def hasher_for(self, req: Request) -> BlockHasher:

@@ -25,11 +25,18 @@ class SchedulerConfig:
     # rows) to rebuild the window exactly; "recompute" drops such a hit entirely.
     swa_miss_policy: Literal["replay", "recompute"] = "replay"
     swa_replay_tokens: int = 256
+    # > 0: the block manager buffers this many stored/removed block events for a router
+    # (drop-oldest past it; engine/scheduler/cache_events.py); 0: no events are recorded
+    cache_event_capacity: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "num_swa_slots", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.cache_event_capacity < 0:
+            raise ValueError(
+                f"SchedulerConfig.cache_event_capacity must be >= 0 (0 = off), got {self.cache_event_capacity}"
+            )
         if self.swa_replay_tokens < 0:
             raise ValueError(f"SchedulerConfig.swa_replay_tokens must be >= 0, got {self.swa_replay_tokens}")
         if self.swa_miss_policy not in ("replay", "recompute"):

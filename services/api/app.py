@@ -24,7 +24,7 @@ from services.api.convert import Converter
 from services.api.engine_client import EngineClient
 from services.api.errors import ApiError, error_response
 from services.api.handler import ServerState
-from services.api.metrics import ApiMetrics
+from services.api.metrics import ApiMetrics, MetricsSource
 from services.api.middleware import GuardMiddleware
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 def create_app(config: ApiConfig, engine: EngineClient) -> FastAPI:
     info = engine.model_info()
     cfg = config.resolve(info.model_id, info.context_limit)
-    metrics = ApiMetrics(engine.stats)
+    metrics = ApiMetrics(engine.stats, [engine] if isinstance(engine, MetricsSource) else [])
     admission = AdmissionController(
         cfg.max_concurrency, cfg.max_queue, cfg.queue_timeout_s, cfg.retry_after_s
     )

@@ -9,6 +9,10 @@ step, so ``stats()`` never reads engine state across threads.
 
 Grammar compilation (which may take up to the compiler's time limit) runs on the caller's
 worker thread, not the engine thread: a slow schema delays only its own request.
+
+With ``cache_event_capacity > 0`` the engine records prefix-cache events; after every step
+the engine thread moves them into a bounded outbox (``CacheEventOutbox``, under a lock held
+for microseconds) that a router drains with ``take_cache_events``.
 """
 
 from __future__ import annotations
@@ -71,6 +75,8 @@ class InProcessEngineClient:
         self._dead: BaseException | None = None
         self._counters = _Counters()
         self._stats = EngineStats(0, 0, 0, 0, 0, 0, 0, 0)
+        self._events_lock = threading.Lock()
+        self._outbox: Any = None  # CacheEventOutbox when the engine records cache events
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -80,6 +86,11 @@ class InProcessEngineClient:
 
         self._loop = asyncio.get_running_loop()
         self._llm = await asyncio.to_thread(LLM, str(self.model_dir), **self.engine_kwargs)
+        capacity = self._llm.config.cache_event_capacity
+        if capacity and self._llm.scheduler.cache.blocks.events is not None:
+            from engine.scheduler.cache_events import CacheEventOutbox
+
+            self._outbox = CacheEventOutbox(capacity)
         self._publish_stats()
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
         self._thread.start()
@@ -100,6 +111,27 @@ class InProcessEngineClient:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    @property
+    def alive(self) -> bool:
+        """Started and its engine thread has not stopped or died (cheap; no round trip)."""
+        return self._thread is not None and self._dead is None
+
+    def cache_identity(self) -> tuple[int, Any]:
+        """(block size, ``ExtraKeys``): how this engine names cached blocks. After ``start``."""
+        if self._llm is None:
+            raise EngineUnavailable("engine is not started")
+        return self._llm.scheduler.config.block_size, self._llm.extra_keys
+
+    def take_cache_events(self) -> Any:
+        """Prefix-cache events since the last call, as a ``CacheEventBatch`` (empty when the
+        engine records none). Safe from the event loop; never blocks on the engine."""
+        from engine.scheduler.cache_events import CacheEventBatch
+
+        if self._outbox is None:
+            return CacheEventBatch()
+        with self._events_lock:
+            return self._outbox.take()
 
     async def ready(self, timeout_s: float = 5.0) -> bool:
         if self._thread is None or self._dead is not None or self._loop is None:
@@ -187,6 +219,7 @@ class InProcessEngineClient:
                     continue
                 self._apply(self._llm.loop.step(), live)
                 self._publish_stats()
+                self._publish_cache_events()
             err = EngineUnavailable("engine stopped")
             self._dead = err
         except BaseException as exc:  # the engine died: fail everything, refuse what follows
@@ -213,6 +246,7 @@ class InProcessEngineClient:
                     self._counters.aborted_total += 1
                 live.pop(payload, None)
                 self._publish_stats()
+                self._publish_cache_events()  # freeing registers its computed full blocks
             elif kind == "probe":
                 self._resolve(payload, True)
 
@@ -302,6 +336,15 @@ class InProcessEngineClient:
                 self._resolve(payload[3], err)
             elif kind == "probe":
                 self._resolve(payload, False)
+
+    def _publish_cache_events(self) -> None:
+        if self._outbox is None:
+            return
+        blocks = self._llm.scheduler.cache.blocks
+        batch = blocks.events.drain()
+        if batch:
+            with self._events_lock:
+                self._outbox.publish(batch, blocks.cached_hashes)
 
     def _publish_stats(self) -> None:
         llm = self._llm

@@ -7,10 +7,11 @@ scrape time, so they are never stale.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import GaugeMetricFamily, Metric
 
 from services.api.engine_client import EngineStats
 
@@ -38,8 +39,29 @@ class _EngineCollector:
             yield g
 
 
+@runtime_checkable
+class MetricsSource(Protocol):
+    """An engine client with metrics of its own (e.g. the router's per-replica counters).
+
+    ``metric_families`` is called at scrape time on the event loop's worker thread; it only
+    reads counters (no I/O, no engine round trip) and must not raise.
+    """
+
+    def metric_families(self) -> Iterable[Metric]: ...
+
+
+class _SourceCollector:
+    def __init__(self, source: MetricsSource) -> None:
+        self._source = source
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._source.metric_families()
+
+
 class ApiMetrics:
-    def __init__(self, engine_stats: Callable[[], EngineStats] | None = None) -> None:
+    def __init__(
+        self, engine_stats: Callable[[], EngineStats] | None = None, sources: Sequence[MetricsSource] = ()
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -79,6 +101,8 @@ class ApiMetrics:
         self.queued = Gauge("sluice_api_queued", "Requests waiting for an admission slot.", registry=r)
         if engine_stats is not None:
             r.register(_EngineCollector(engine_stats))
+        for source in sources:
+            r.register(_SourceCollector(source))
 
     def reject(self, reason: str) -> None:
         self.rejections.labels(reason=reason).inc()

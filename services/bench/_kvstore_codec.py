@@ -1,5 +1,14 @@
 """Codec part of ``sluice bench kvstore``: our codec against zfec, every pyeclib backend
-that loads here, and a plain memory copy, on the same payloads in the same run."""
+that loads here, and a plain memory copy, on the same payloads in the same run.
+
+Rows: ``sluice`` is ``kvstore.codec.Codec`` with its default (auto) backend, complete:
+64-byte headers and an xxh3 checksum per shard on encode, every shard's header and
+checksum checked on decode. ``sluice:<backend>`` are the same codec on other backends (the
+previous default, for before/after). ``sluice_raw:isal_cauchy`` is the bare ctypes ISA-L
+backend (no headers, no checksums), to show the cost of the shard format. The peers, the
+only rows the target compares against, are ``zfec`` and ``pyeclib:<type>``: the libraries'
+own encode/decode, which produce and check nothing of the kind.
+"""
 
 from __future__ import annotations
 
@@ -56,14 +65,50 @@ def _zfec_pair(k: int, m: int, data: bytes) -> tuple[Callable, Callable]:
     return (lambda: enc.encode(blocks, list(range(n)))), (lambda: dec.decode(have, nums))
 
 
-def _ours_pair(k: int, m: int, data: bytes) -> tuple[Callable, Callable]:
-    codec = Codec(CodecConfig(k=k, m=m))
+def _ours_pair(k: int, m: int, data: bytes, backend: str = "auto") -> tuple[Callable, Callable]:
+    codec = Codec(CodecConfig(k=k, m=m, backend=backend))
     oid = new_object_id()
-    shards: list[Shard | None] = list(codec.encode(oid, data))
+    # Decode gets what the read path hands it: one ``bytes`` per shard, as received.
+    shards: list[Shard | None] = [Shard(s.header, bytes(s.payload)) for s in codec.encode(oid, data)]
     shards[0] = shards[1] = None
     if codec.decode(shards) != data:
         raise RuntimeError("sluice codec decoded wrong bytes")
     return (lambda: codec.encode(oid, data)), (lambda: codec.decode(shards, oid))
+
+
+def _raw_isal_pair(k: int, m: int, data: bytes) -> tuple[Callable, Callable] | None:
+    try:
+        from kvstore.isal import IsalCauchyBackend
+
+        backend = IsalCauchyBackend(k, m)
+    except (ImportError, OSError, RuntimeError):
+        return None
+    payloads = backend.encode(data)
+    survivors = {i: bytes(payloads[i]) for i in range(2, k + m)}
+    if backend.decode(survivors, len(data)) != data:
+        raise RuntimeError("raw ISA-L decoded wrong bytes")
+    return (lambda: backend.encode(data)), (lambda: backend.decode(survivors, len(data)))
+
+
+def peer_names(row: dict[str, Any]) -> list[str]:
+    """The rows of one size that are peers (the libraries), not ours or the memcpy figure."""
+    return [name for name in row if name == "zfec" or name.startswith("pyeclib:")]
+
+
+def _pairs(k: int, m: int, data: bytes) -> dict[str, tuple[Callable, Callable]]:
+    ours = _ours_pair(k, m, data)
+    pairs: dict[str, tuple[Callable, Callable]] = {"sluice": ours}
+    if Codec(CodecConfig(k=k, m=m)).config.backend != "isa_l_rs_cauchy":
+        pairs["sluice:isa_l_rs_cauchy"] = _ours_pair(k, m, data, "isa_l_rs_cauchy")
+    raw = _raw_isal_pair(k, m, data)
+    if raw is not None:
+        pairs["sluice_raw:isal_cauchy"] = raw
+    pairs["zfec"] = _zfec_pair(k, m, data)
+    for ec_type in PYECLIB_TYPES:
+        pair = _pyeclib_pair(ec_type, k, m, data)
+        if pair is not None:
+            pairs[f"pyeclib:{ec_type}"] = pair
+    return pairs
 
 
 def _rate_once(nbytes: int, fn: Callable[[], object], min_time_s: float) -> float:
@@ -94,17 +139,11 @@ def run_codec(
     out: dict[str, Any] = {}
     for size in sizes:
         data = os.urandom(size)
-        pairs: dict[str, tuple[Callable, Callable]] = {
-            "sluice": _ours_pair(k, m, data),
-            "zfec": _zfec_pair(k, m, data),
-        }
-        for ec_type in PYECLIB_TYPES:
-            pair = _pyeclib_pair(ec_type, k, m, data)
-            if pair is not None:
-                pairs[f"pyeclib:{ec_type}"] = pair
+        pairs = _pairs(k, m, data)
         copy = _copier(data)
         row: dict[str, Any] = {name: {"encode_GBps": 0.0, "decode2_GBps": 0.0} for name in pairs}
         row["memcpy_GBps"] = 0.0
+        row["sluice_backend"] = Codec(CodecConfig(k=k, m=m)).config.backend
         for _ in range(rounds):
             for name, (enc, dec) in pairs.items():
                 fig = row[name]

@@ -10,6 +10,9 @@ step is cheapest, so the API's share of the time is largest):
    server is idle, p50 / p99;
 3. overload: ``4 x streams`` simultaneous requests against ``streams`` slots and
    ``streams`` queue places: how many are refused, and how fast.
+
+With ``--replicas N`` (N > 1) the run compares routing policies over N in-process replicas
+on a shared-prefix workload instead (``services/bench/_api_routing.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from services.bench import Report, progress
+from services.bench._api_routing import add_routing_arguments, run_routing
 
 KEY = "sk-bench"
 PROMPT = [{"role": "user", "content": "Write a short poem about rivers and sluices."}]
@@ -47,6 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--streams", type=int, default=4, help="concurrent requests in the throughput phase")
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--rejects", type=int, default=300, help="bad requests in the refusal phase")
+    add_routing_arguments(p)
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -170,6 +175,12 @@ def run(args: argparse.Namespace) -> Report:
         model = Path(tmp.name) / "tiny"
         progress("generating the tiny checkpoint")
         generate_checkpoint("tiny", model, seed=0)
+    if args.replicas > 1:
+        try:
+            return run_routing(args, model)
+        finally:
+            if tmp is not None:
+                tmp.cleanup()
     config: dict[str, Any] = {"model": str(model), "streams": args.streams, "max_tokens": args.max_tokens,
                               "rejects": args.rejects}  # fmt: skip
     report = Report("api", config)

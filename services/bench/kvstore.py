@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from services.bench import Report, progress
-from services.bench._kvstore_codec import run_codec
+from services.bench._kvstore_codec import peer_names, run_codec
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> Report:
 def _targets(report: Report, sizes: list[int]) -> None:
     res = report.results
     for size_key, row in res.get("codec", {}).items():
-        peers = {k: v for k, v in row.items() if k not in ("sluice", "memcpy_GBps")}
+        peers = {k: v for k, v in row.items() if k in peer_names(row)}
         best_enc = max(v["encode_GBps"] for v in peers.values())
         best_dec = max(v["decode2_GBps"] for v in peers.values())
         mib = int(size_key) >> 20

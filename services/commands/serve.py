@@ -4,7 +4,9 @@ Default (embedded): an in-process engine on the tiny checkpoint, generated under
 ``$SLUICE_HOME/checkpoints/tiny`` on first use. ``--model DIR`` serves another checkpoint;
 ``--config cluster.yaml`` takes host, port, admission limits and model from the cluster
 spec (only ``mode: embedded`` is served here so far). Flags beat the file, the file beats
-``SLUICE_HOST`` / ``SLUICE_PORT``.
+``SLUICE_HOST`` / ``SLUICE_PORT``. ``--replicas N --router-policy P`` serves N in-process
+engine replicas behind the router (``services/routed_client.py``; docs/router.md, "Live
+routing"); the default is one engine and no router.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("sluice.serve")
+ROUTER_POLICIES = ("round_robin", "least_load", "cache_aware", "sluice")  # = services.routed_client's
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -33,6 +36,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=[],
         metavar="HOST",
         help="enable remote image URLs from this host name (repeatable; private addresses stay refused)",
+    )
+    p.add_argument(
+        "--replicas", type=int, default=1, help="in-process engine replicas behind the router (default 1)"
+    )
+    p.add_argument(
+        "--router-policy",
+        default="",
+        choices=ROUTER_POLICIES,
+        help="prefill routing policy over the replicas (default: none for 1 replica, sluice for more)",
     )
     p.set_defaults(func=run)
 
@@ -89,9 +101,18 @@ def run(args: argparse.Namespace) -> int:
     from services.api.app import create_app
     from services.api.inprocess import InProcessEngineClient
     from services.api.server import uvicorn_config
+    from services.routed_client import RoutedEngineClient, RoutingConfig
 
     cfg, host, port, model = api_config_from(args)
-    engine = InProcessEngineClient(model)
+    routing = RoutingConfig(replicas=args.replicas, policy=args.router_policy).resolve()
+    engine: Any = (
+        RoutedEngineClient.in_process(model, routing) if routing.routed else InProcessEngineClient(model)
+    )
+    if routing.routed:
+        log.info("routing over %d replicas with the %s policy", routing.replicas, routing.policy)
+        from router import gctune
+
+        gctune.tune_for_latency()  # the decision-latency tail is mostly GC passes (docs/router.md)
     app = create_app(cfg, engine)  # type: ignore[arg-type]
     if host not in ("127.0.0.1", "::1", "localhost") and not app.state.sluice.config.api_keys:
         log.warning("serving on %s without API keys: set SLUICE_API_KEYS or SLUICE_API_KEYS_FILE", host)

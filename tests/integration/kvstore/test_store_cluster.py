@@ -251,7 +251,7 @@ def test_batched_rpcs_report_each_shard(live_cluster: LocalStoreCluster, store_c
 
     node = store_client.transports["n04"]
     good = [store_client.codec.encode(new_object_id(), os.urandom(n))[3] for n in (10, 300_000, 5)]
-    bad = Shard(good[1].header, good[1].payload[:-1] + bytes([good[1].payload[-1] ^ 1]))
+    bad = Shard(good[1].header, bytes(good[1].payload[:-1]) + bytes([good[1].payload[-1] ^ 1]))
     results = node.put_shards([good[0], bad, good[2]], 5.0)
     assert results[0] is None and results[2] is None
     assert isinstance(results[1], ShardRejectedByNode) and "checksum" in str(results[1])

@@ -45,7 +45,7 @@ def test_writer_rejects_short_long_and_wrong_payloads(tmp_path: Path) -> None:
         w.commit()
     w = store.begin_put(s.header)
     with pytest.raises(ShardRejected, match="exceeds"):
-        w.write(s.payload + b"x")
+        w.write(bytes(s.payload) + b"x")
     w.abort()
     w = store.begin_put(s.header)
     w.write(bytes(len(s.payload)))

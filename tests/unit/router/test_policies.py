@@ -119,6 +119,16 @@ def test_sluice_wait_is_a_virtual_clock_reanchored_by_engine_reports():
     assert p.wait(np.array([e]))[0] == pytest.approx(3.0)
 
 
+def test_sluice_breaks_score_ties_on_requests_in_flight():
+    """Idle engines with no hits score alike; the one running fewer requests wins, not index 0."""
+    c = ctx(3)
+    p = SluicePrefill(c, SluicePrefillConfig(use_tiers=False))
+    p.update_loads([EngineLoad(0, running=2), EngineLoad(1, running=1), EngineLoad(2, running=1)])
+    assert p.select([0, 1, 2], req(0, 1, arrival=0.0)) == 1  # 1 and 2 tie; lower index
+    # later, with every clock drained, the scores tie again: engine 1 now runs 2 requests, 2 runs 1
+    assert p.select([0, 1, 2], req(1, 1, arrival=100.0)) == 2
+
+
 def test_decode_2d_short_to_low_concurrency_long_to_small_cache():
     d = TwoDimDecode(PolicyContext(2))
     # engine 0: few requests holding long caches; engine 1: many short requests

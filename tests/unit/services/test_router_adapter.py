@@ -81,3 +81,17 @@ def test_store_directory_lowers_predicted_prefill_when_enabled():
         assert np.allclose(again, before)
 
     asyncio.run(go())
+
+
+def test_snapshot_replaces_an_engines_view_and_engine_down_forgets_it():
+    async def go():
+        r = RouterAdapter(RouterAdapterConfig("round_robin", num_prefill=2))
+        old, new = chain(4), chain(3, salt=b"new")
+        await r.on_cache_event(0, stored=old)
+        await r.on_cache_event(1, stored=old[:2])
+        await r.on_cache_snapshot(0, [b.hex() for b in new])  # events were lost: rebuild
+        assert r.index.match(old).tolist() == [0, 2] and r.index.match(new).tolist() == [3, 0]
+        await r.on_engine_down(1)
+        assert r.index.match(old).tolist() == [0, 0] and r.index.engine_blocks(1) == 0
+
+    asyncio.run(go())
