@@ -130,9 +130,9 @@ def _report(
 
 
 class _Assembler:
-    """Turns a GetShards reply stream back into one result per ref. Payload bytes are
-    copied once, out of the received message (a shard split over several pieces is joined
-    from views of each)."""
+    """Turns a GetShards reply stream back into one result per ref. A payload that came in
+    one piece is a view of the received message, not a copy (the message stays alive until
+    the shard is dropped); one split over several pieces is joined once."""
 
     def __init__(self, node_id: str) -> None:
         self.node_id = node_id
@@ -171,8 +171,8 @@ class _Assembler:
             return  # the rest of a shard whose header was bad
         self.parts.append(msg.data)
         self.need -= len(msg.data)
-        if self.need <= 0:
-            payload = bytes(self.parts[0]) if len(self.parts) == 1 else b"".join(self.parts)
+        if self.need <= 0:  # a view of the message when whole (the codec takes views)
+            payload = self.parts[0] if len(self.parts) == 1 else b"".join(self.parts)
             self._deliver(self.pos, Shard(self.header, payload))
             self.pos, self.header, self.parts = -1, None, []
 
