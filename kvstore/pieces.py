@@ -18,7 +18,7 @@ Two ways to build the same message:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import NamedTuple
 
 from sluice_proto import store_pb2
@@ -149,6 +149,19 @@ class WirePacker:
 
 def _ref_field(ref: int) -> list[bytes | memoryview]:
     return [_REF_KEY_B, varint(ref)] if ref else []
+
+
+def get_shards_request(refs: Sequence[tuple[bytes, int]], chunk_bytes: int) -> bytes:
+    """The wire bytes of ``GetShardsRequest(refs=[ShardRef(object_id, index)...],
+    chunk_bytes)``, as protobuf writes them: building one protobuf object per ref cost the
+    client ~8% of its GIL time on a read of 3,072 shards."""
+    parts: list[bytes] = []
+    for oid, index in refs:
+        body = b"\x0a" + varint(len(oid)) + oid + (b"\x10" + varint(index) if index else b"")
+        parts += (b"\x0a", varint(len(body)), body)
+    if chunk_bytes:
+        parts += (b"\x10", varint(chunk_bytes))
+    return b"".join(parts)
 
 
 _PIECES_KEY_B, _REF_KEY_B, _STATUS_KEY_B = bytes([_PIECES_KEY]), bytes([_REF_KEY]), bytes([_STATUS_KEY])

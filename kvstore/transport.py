@@ -16,7 +16,7 @@ import grpc
 import grpc.experimental
 from sluice_proto import common_pb2, store_pb2, store_pb2_grpc
 
-from kvstore.pieces import Packer, WireError, WirePiece, iter_pieces, shard_pieces
+from kvstore.pieces import Packer, WireError, WirePiece, get_shards_request, iter_pieces, shard_pieces
 from kvstore.placement import NodeAddress
 from kvstore.shardfmt import HEADER_LEN, Shard, ShardFormatError, ShardHeader
 
@@ -207,7 +207,7 @@ class GrpcShardTransport:
         # parsing them into protobuf objects would copy every payload byte twice more.
         self._get_shards_raw = self._channel.unary_stream(
             "/sluice.v1.StoreNode/GetShards",
-            request_serializer=store_pb2.GetShardsRequest.SerializeToString,
+            request_serializer=None,  # kvstore.pieces.get_shards_request writes the bytes
             response_deserializer=None,
             _registered_method=True,
         )
@@ -303,9 +303,7 @@ class GrpcShardTransport:
         on_shards: OnShards,
         cancel: Cancel | None = None,
     ) -> None:
-        req = store_pb2.GetShardsRequest(
-            refs=[store_pb2.ShardRef(object_id=o, index=i) for o, i in refs], chunk_bytes=self.chunk_bytes
-        )
+        req = get_shards_request(refs, self.chunk_bytes)
         asm = _Assembler(self.node_id)
         try:
             call = self._get_shards_raw(req, timeout=timeout_s)

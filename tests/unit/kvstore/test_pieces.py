@@ -7,7 +7,16 @@ import os
 import pytest
 from sluice_proto import store_pb2
 
-from kvstore.pieces import PIECE_OVERHEAD, Packer, WireError, WirePacker, iter_pieces, shard_pieces, varint
+from kvstore.pieces import (
+    PIECE_OVERHEAD,
+    Packer,
+    WireError,
+    WirePacker,
+    get_shards_request,
+    iter_pieces,
+    shard_pieces,
+    varint,
+)
 
 
 @pytest.mark.parametrize("sizes", [[10] * 50, [1000, 70_000, 5, 65_536, 65_537], [300_000]])
@@ -122,3 +131,13 @@ def test_varint_matches_protobuf(n: int) -> None:
     assert store_pb2.NodeStatsReply(used_bytes=n).SerializeToString() == b"\x10" + varint(n)
     wire = b"\x0a" + varint(len(varint(n)) + 1) + b"\x08" + varint(n)
     assert next(iter_pieces(wire)).ref == n
+
+
+@pytest.mark.parametrize("chunk", [0, 1 << 20, 4 << 20])
+def test_get_shards_request_is_what_protobuf_writes(chunk: int) -> None:
+    refs = [(os.urandom(16), i) for i in (0, 1, 11, 200, 255)] + [(os.urandom(16), 0)] * 3
+    want = store_pb2.GetShardsRequest(
+        refs=[store_pb2.ShardRef(object_id=o, index=i) for o, i in refs], chunk_bytes=chunk
+    ).SerializeToString()
+    assert get_shards_request(refs, chunk) == want
+    assert get_shards_request([], chunk) == store_pb2.GetShardsRequest(chunk_bytes=chunk).SerializeToString()
