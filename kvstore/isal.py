@@ -290,6 +290,8 @@ class IsalCauchyBackend:
         if object_len > self.k * size:
             raise ValueError(f"object of {object_len} bytes does not fit {self.k} shards of {size}")
         out, base = new_bytes(object_len)
+        # a writable view of the new bytes: slice assignment copies without a ctypes call
+        fill = memoryview((ctypes.c_char * object_len).from_address(base)).cast("B")
         src = {i: address(payloads[i]) for i in use}
         want, dst, partial = [], [], []  # partial: (scratch, its address, bytes it holds, offset)
         for j in range(self.k):
@@ -298,7 +300,7 @@ class IsalCauchyBackend:
                 break
             take = min(size, object_len - start)
             if j in src:  # present data shards are all among the k used
-                ctypes.memmove(base + start, src[j], take)
+                fill[start : start + take] = payloads[j] if take == size else memoryview(payloads[j])[:take]
             elif take == size:
                 want.append(j)
                 dst.append(base + start)

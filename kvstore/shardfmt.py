@@ -25,6 +25,7 @@ corrupt; readers treat it as missing. The module is pure: no sockets, no codec l
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -58,9 +59,9 @@ def class_code(name: str) -> int:
         raise ValueError(f"unknown traffic class {name!r}; known: {sorted(TRAFFIC_CLASSES)}") from None
 
 
-def checksum(data: bytes | memoryview) -> int:
-    """The payload checksum (xxh3-64; ~48 GB/s here, against 3.7 GB/s for zlib.crc32)."""
-    return int(xxhash.xxh3_64_intdigest(data))
+checksum: Callable[[bytes | memoryview], int] = xxhash.xxh3_64_intdigest
+"""The payload checksum (xxh3-64; ~48 GB/s here, against 3.7 GB/s for zlib.crc32). The
+C function itself, not a wrapper: it runs for every shard of every read."""
 
 
 class ShardHeader(NamedTuple):
