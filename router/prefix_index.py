@@ -214,8 +214,11 @@ class PrefixIndex:
         alive = (1 << n) - 1
         held, predicted = self._holders.get, self._predicted.get
         for i, b in enumerate(blocks):
-            nxt = alive & (held(b, 0) | predicted(b, 0))
-            if nxt == alive:  # fast path: inside a run every live engine still matches
+            nxt = alive & held(b, 0)
+            if nxt == alive:  # fast path: inside a run every live engine still holds it
+                continue
+            nxt = alive & (nxt | predicted(b, 0))
+            if nxt == alive:
                 continue
             dropped = alive ^ nxt
             while dropped:
