@@ -5,12 +5,12 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 
 import httpx
 import pytest
 
 from services.procs import free_port
+from tests.integration.serve_proc import wait_until_ready
 
 pytestmark = pytest.mark.integration
 
@@ -29,16 +29,7 @@ def test_sluice_serve_starts_answers_and_stops(tiny_model, tmp_path):
     )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()[-2000:] if proc.stdout else ""
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "sluice serve did not come up in 90s"
-            time.sleep(0.1)
+        wait_until_ready(proc, url, "/health")
         headers = {"authorization": "Bearer sk-serve-test"}
         body = {"model": "deepseek-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 401

@@ -25,6 +25,7 @@ from services.api.config import ApiConfig
 from services.api.inprocess import InProcessEngineClient
 from services.api.server import ServerThread
 from services.routed_client import RoutedEngineClient, RoutingConfig
+from tests.integration.serve_proc import wait_until_ready
 
 pytestmark = pytest.mark.integration
 
@@ -215,6 +216,7 @@ def test_abort_by_id_reaches_the_replica_that_holds_the_request(sluice_server):
     replicas = engine.replicas
     for r in replicas:
         wait_for(lambda r=r: _idle(r), what="idle replicas")
+    wait_for(lambda: not engine._where, what="earlier tests' requests to leave the router")
     before_aborts = [r.stats().aborted_total for r in replicas]
     body = {
         "model": "deepseek-chat",
@@ -324,16 +326,7 @@ def test_sluice_serve_with_replicas_routes_and_reports_them(tiny, tmp_path):
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read().decode()[-2000:] if proc.stdout else ""
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "sluice serve --replicas 2 did not come up in 90s"
-            time.sleep(0.1)
+        wait_until_ready(proc, url, "/ready")
         body = {"model": "deepseek-chat", "prompt": [2, 3, 4], "max_tokens": 2}
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
         text = httpx.get(f"{url}/metrics", timeout=10).text
