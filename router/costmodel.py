@@ -94,6 +94,8 @@ class CostModel:
         if input_len <= 0:
             return 0.0
         done = min(max(cached, 0), input_len - 1)
+        if input_len - done <= self.chunk_budget:  # one step (most requests): no loop
+            return self.predict(input_len - done, done)
         t = 0.0
         while done < input_len:
             step = min(self.chunk_budget, input_len - done)

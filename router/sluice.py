@@ -106,37 +106,44 @@ class SluicePrefill(Policy):
         numpy's per-call overhead would dominate a decision."""
         all_matched = self.index.match_list(request.blocks)
         matched = [all_matched[c] for c in cands]
-        cost, n, bs = self.ctx.cost, request.input_len, request.block_size
-        memo: dict[int, tuple[float, float]] = {}
+        n = request.input_len
         fetch_s = self.config.store_fetch_s_per_block
         remote = self.index.store_match(request.blocks) if fetch_s is not None else 0
-        pred, compute = [], []
-        for m in matched:
-            pc = memo.get(m)
-            if pc is None:
-                c = cost.prefill_time(n, min(m * bs, n))
-                pc = (c, c)
-                if remote > m:  # the engine may fetch the store's longer prefix instead
-                    c_store = cost.prefill_time(n, min(remote * bs, n))
-                    if c_store + (remote - m) * (fetch_s or 0.0) < c:
-                        pc = (c_store + (remote - m) * (fetch_s or 0.0), c_store)
-                memo[m] = pc
-            pred.append(pc[0])
-            compute.append(pc[1])
+        # (predicted seconds, seconds of compute) per distinct match length: few distinct
+        times = {m: self._prefill(n, m, request.block_size, remote, fetch_s or 0.0) for m in set(matched)}
+        pred = [times[m][0] for m in matched]
+        compute = [times[m][1] for m in matched]
         # rho weighs recomputed tokens only: a fetch uses the engine's link, not pool compute
         rho, cmin = self._rho(), min(compute)
         if self.config.wait_estimate == "outstanding":
             wait = [float(self.outstanding_work[c]) for c in cands]
         else:
             busy, now = self.busy_until.tolist(), self.now
-            wait = [max(busy[c] - now, 0.0) for c in cands]
+            wait = [busy[c] - now if busy[c] > now else 0.0 for c in cands]
         # recomputing what another engine holds costs the pool capacity, not just this request
-        score = [w + p + rho * (c - cmin) for w, p, c in zip(wait, pred, compute)]
         if self.config.use_tiers:
             mask = self.planner.serving_list(self.planner.tier_of(n))
             factor = 1.0 + self.config.cross_tier_factor
-            score = [sc if mask[c] else sc * factor for sc, c in zip(score, cands)]
+            score = [
+                (w + p + rho * (c - cmin)) * (1.0 if mask[e] else factor)
+                for w, p, c, e in zip(wait, pred, compute, cands)
+            ]
+        else:
+            score = [w + p + rho * (c - cmin) for w, p, c in zip(wait, pred, compute)]
         return score, pred, matched
+
+    def _prefill(
+        self, n: int, matched: int, block_size: int, remote: int, fetch_s: float
+    ) -> tuple[float, float]:
+        """(predicted seconds, compute seconds) of a prefill with ``matched`` blocks cached on
+        the engine and ``remote`` in the KV store, whose fetch costs ``fetch_s`` per block."""
+        cost = self.ctx.cost
+        c = cost.prefill_time(n, min(matched * block_size, n))
+        if remote > matched:  # the engine may fetch the store's longer prefix instead
+            c_store = cost.prefill_time(n, min(remote * block_size, n))
+            if c_store + (remote - matched) * fetch_s < c:
+                return c_store + (remote - matched) * fetch_s, c_store
+        return c, c
 
     def wait(self, cands: np.ndarray) -> np.ndarray:
         """Predicted seconds until each candidate has drained the work routed to it.
@@ -161,7 +168,7 @@ class SluicePrefill(Policy):
         return float(min(max(cfg.recompute_gain * self.outstanding.mean(), 1.0), cfg.recompute_weight))
 
     def select(self, candidates: Sequence[int], request: RequestView) -> int:
-        cands = [int(c) for c in candidates]
+        cands = list(map(int, candidates))
         if not cands:
             raise NoCandidates("no candidate engine to route to (empty pool or all engines excluded)")
         self.now = max(self.now, request.arrival_s)
