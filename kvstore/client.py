@@ -1,8 +1,10 @@
 """The store client: prefix-cache semantics over erasure-coded objects on storage nodes.
 
-``put_blocks(hashes, payloads, cls)`` stores one object per block; ``get_prefix(hashes)``
-returns the payloads of the longest contiguous cached run from the first block; ``touch``
-refreshes LRU and TTL; ``delete`` removes blocks. Placement is rendezvous hashing of the
+``put_blocks(hashes, payloads, cls)`` stores the new blocks of a call, consecutive small
+ones packed together into one object of up to ``group_bytes`` (a block group,
+``kvstore.groups``); ``get_prefix(hashes)`` returns the payloads of the longest contiguous
+cached run from the first block, reading each object once; ``touch`` refreshes LRU and TTL;
+``delete`` removes blocks (an object goes with the last block that points at it). Placement is rendezvous hashing of the
 block hash over the node ids, so every client agrees on a block's group of k+m nodes.
 
 Write protocol (whole or absent): encode with a fresh object id, put all k+m shards in
@@ -33,6 +35,7 @@ from kvstore.fanout import (
     read_objects,
     write_objects,
 )
+from kvstore.groups import pack_groups
 from kvstore.placement import NodeAddress, place
 from kvstore.repair import RepairWorker
 from kvstore.retention import DEFAULT_TTL_S
@@ -62,9 +65,16 @@ class StoreClientConfig:
     # fastest node took (kvstore.fanout.read_objects).
     hedge_factor: float | None = None
     hedge_min_s: float = 0.002
+    # put_blocks codes consecutive new blocks of a call together, up to this many bytes per
+    # object (a block larger than this is an object of its own); 0 stores every block alone.
+    group_bytes: int = 1 << 20
 
     def __post_init__(self) -> None:
         n = self.codec.n
+        if self.group_bytes < 0:
+            raise ValueError(
+                f"group_bytes must be >= 0 bytes (0 disables block groups), got {self.group_bytes}"
+            )
         if len({nd.node_id for nd in self.nodes}) != len(self.nodes):
             raise ValueError("node ids must be unique")
         if len(self.nodes) < n:
@@ -109,6 +119,26 @@ def _batches(items: Sequence[T], max_bytes: int, size: Callable[[T], int] | None
         yield batch
 
 
+# One object to write: the key it is placed by, its bytes, and its blocks as (key, offset,
+# length) when it is a group of several blocks (None: the object is the block ``key``).
+_Obj = tuple[bytes, bytes, "list[tuple[bytes, int, int]] | None"]
+
+
+def _objects(todo: Sequence[tuple[bytes, bytes]], group_bytes: int) -> list[_Obj]:
+    objs: list[_Obj] = []
+    for run in pack_groups([len(p) for _, p in todo], group_bytes):
+        if len(run) == 1:
+            key, payload = todo[run[0]]
+            objs.append((key, payload, None))
+            continue
+        members, offset = [], 0
+        for i in run:
+            members.append((todo[i][0], offset, len(todo[i][1])))
+            offset += len(todo[i][1])
+        objs.append((todo[run[0]][0], b"".join(todo[i][1] for i in run), members))
+    return objs
+
+
 TransportFactory = Callable[[NodeAddress, int], ShardTransport]
 
 
@@ -142,29 +172,37 @@ class StoreClient:
     ) -> BlockMeta:
         """Store ``data`` under ``key`` (replacing an older object); whole or absent.
         Raises WriteFailed when fewer than the write quorum of shards became durable."""
-        result = self._put_batch([(key, data)], traffic_class, progress)[0]
+        result = self._put_batch([(key, data, None)], traffic_class, progress)[0]
         if isinstance(result, WriteFailed):
             raise result
-        return result
+        return result[0]
 
     def _put_batch(
-        self, items: Sequence[tuple[bytes, bytes]], traffic_class: str, progress: Progress | None = None
-    ) -> list[BlockMeta | WriteFailed]:
+        self, items: Sequence[_Obj], traffic_class: str, progress: Progress | None = None
+    ) -> list[list[BlockMeta] | WriteFailed]:
+        """Write each object and commit the rows of its blocks; per object, its rows or why not."""
         code = class_code(traffic_class)
         plans = []
-        for key, data in items:
+        for key, data, members in items:
             oid = new_object_id()
-            plans.append((key, oid, self.group(key), self.codec.encode(oid, data, code), len(data)))
+            blocks = members or [(key, 0, len(data))]
+            plans.append(
+                (key, oid, self.group(key), self.codec.encode(oid, data, code), blocks, members is not None)
+            )
         outcomes = write_objects(
-            self._shard_pool, self.transports, [(nodes, shards) for _, _, nodes, shards, _ in plans],
-            self.config.write_timeout_s, progress,
-        )  # fmt: skip
-        results: list[BlockMeta | WriteFailed] = []
-        olds = self.directory.lookup_many([p[0] for p in plans])
+            self._shard_pool,
+            self.transports,
+            [(p[2], p[3]) for p in plans],
+            self.config.write_timeout_s,
+            progress,
+        )
+        results: list[list[BlockMeta] | WriteFailed] = []
+        olds = iter(self.directory.lookup_many([k for p in plans for k, _, _ in p[4]]))
         commits: list[tuple[BlockMeta, float]] = []
         stale: list[tuple[str, bytes, int]] = []
         now_ms = int(time.time() * 1000)
-        for (key, oid, nodes, _, size), out, old in zip(plans, outcomes, olds):
+        ttl = self.config.ttl_s[traffic_class]
+        for (key, oid, nodes, _, blocks, grouped), out in zip(plans, outcomes):
             durable = bin(out.mask).count("1")
             if durable < self.config.write_quorum:
                 self._delete_shards([(nodes[i], oid, i) for i in range(len(nodes)) if out.mask >> i & 1])
@@ -175,16 +213,27 @@ class StoreClient:
                         f"{self.config.write_quorum}; nothing committed ({detail})"
                     )
                 )
+                for _ in blocks:
+                    next(olds)
                 continue
-            meta = BlockMeta(key, oid, nodes, size, traffic_class, out.mask, now_ms)
-            commits.append((meta, self.config.ttl_s[traffic_class]))
-            if old is not None and old.object_id != oid:
-                stale += [(n, old.object_id, i) for i, n in enumerate(old.nodes)]
-            results.append(meta)
+            size = sum(length for _, _, length in blocks)
+            metas = [
+                BlockMeta(
+                    k, oid, nodes, size, traffic_class, out.mask, now_ms, off, length if grouped else None
+                )
+                for k, off, length in blocks
+            ]
+            for meta in metas:
+                old = next(olds)
+                # an old ungrouped object goes now; an old group's shards age out (TTL, LRU)
+                if old is not None and old.object_id != oid and not old.grouped:
+                    stale += [(n, old.object_id, i) for i, n in enumerate(old.nodes)]
+                commits.append((meta, ttl))
+            results.append(metas)
         self.directory.commit_many(commits)  # the objects become visible here, not before
-        for meta, _ in commits:
-            if meta.present != (1 << len(meta.nodes)) - 1:
-                self.repair.enqueue(meta.key)
+        for result in results:
+            if not isinstance(result, WriteFailed) and result[0].present != (1 << len(result[0].nodes)) - 1:
+                self.repair.enqueue(result[0].key)
         self._delete_shards(stale)
         return results
 
@@ -210,9 +259,10 @@ class StoreClient:
     def put_blocks(
         self, hashes: Sequence[bytes], payloads: Sequence[bytes], traffic_class: str = "chat"
     ) -> list[BlockMeta]:
-        """Store the blocks not already cached, in batches with one stream per node; returns
-        the metadata of every block stored. Raises WriteFailed (after committing the blocks
-        that did succeed) when any block could not be written."""
+        """Store the blocks not already cached, consecutive ones in groups of up to
+        ``group_bytes`` per object, in batches with one stream per node; returns the
+        metadata of every block stored. Raises WriteFailed (after committing the blocks that
+        did succeed) when any block could not be written."""
         if len(hashes) != len(payloads):
             raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
         class_code(traffic_class)
@@ -220,28 +270,46 @@ class StoreClient:
         todo = [(h, p) for h, p, m in zip(hashes, payloads, known) if m is None]
         stored: list[BlockMeta] = []
         failures: list[WriteFailed] = []
-        for batch in _batches(todo, self.config.batch_bytes):
-            for r in self._put_batch(batch, traffic_class):
-                (failures if isinstance(r, WriteFailed) else stored).append(r)  # type: ignore[arg-type]
+        lost = 0
+        for batch in _batches(_objects(todo, self.config.group_bytes), self.config.batch_bytes):
+            for obj, r in zip(batch, self._put_batch(batch, traffic_class)):
+                if isinstance(r, WriteFailed):
+                    failures.append(r)
+                    lost += len(obj[2] or [0])
+                else:
+                    stored += r
         if failures:
-            raise WriteFailed(f"{len(failures)} of {len(todo)} blocks not stored; first: {failures[0]}")
+            raise WriteFailed(f"{lost} of {len(todo)} blocks not stored; first: {failures[0]}")
         return stored
 
     def get_prefix(self, hashes: Sequence[bytes], touch: bool = True) -> list[bytes]:
         """Payloads of the longest run of ``hashes`` (from the first) that is cached and
-        readable. A block whose shards are gone (evicted, expired) ends the run and its
-        entry is dropped. Raises ObjectUnavailable when a block of the run cannot be read
-        because nodes are down: an explicit error, never a silent truncation."""
+        readable; each object (a block, or a group of blocks) is read once. A block whose
+        shards are gone (evicted, expired) ends the run and the entries of its object are
+        dropped. Raises ObjectUnavailable when a block of the run cannot be read because
+        nodes are down: an explicit error, never a silent truncation."""
         metas = self.directory.lookup_prefix(hashes)
+        objs: dict[bytes, BlockMeta] = {}  # first row of each object, in chain order
+        for m in metas:
+            objs.setdefault(m.object_id, m)
+        got: dict[bytes, bytes | StoreError] = {}
+        for batch in _batches(list(objs.values()), self.config.batch_bytes, size=lambda m: m.size):
+            results = self._read(batch)
+            got.update((m.object_id, r) for m, r in zip(batch, results))
+            if any(isinstance(r, StoreError) for r in results):
+                break  # the run ends in this batch
         out: list[bytes] = []
-        for batch in _batches(metas, self.config.batch_bytes, size=lambda m: m.size):
-            for meta, result in zip(batch, self._read(batch)):
-                if isinstance(result, ObjectLost):
-                    self.directory.delete([meta.key])
-                    return self._done(hashes, out, touch)
-                if isinstance(result, StoreError):
-                    raise result
-                out.append(result)
+        for meta in metas:
+            result = got.get(meta.object_id)
+            if result is None:
+                break
+            if isinstance(result, ObjectLost):
+                self.directory.delete([m.key for m in metas if m.object_id == meta.object_id])
+                break
+            if isinstance(result, StoreError):
+                raise result
+            start, end = meta.span()
+            out.append(result if meta.length is None else result[start:end])
         return self._done(hashes, out, touch)
 
     def _done(self, hashes: Sequence[bytes], out: list[bytes], touch: bool) -> list[bytes]:
@@ -259,7 +327,7 @@ class StoreClient:
     def touch(self, hashes: Sequence[bytes]) -> int:
         metas = [m for m in self.directory.lookup_many(hashes) if m is not None]
         by_node: dict[str, list[tuple[bytes, int]]] = {}
-        for meta in metas:
+        for meta in {m.object_id: m for m in metas}.values():  # each object once
             for i, node in enumerate(meta.nodes):
                 by_node.setdefault(node, []).append((meta.object_id, i))
         for node, refs in by_node.items():
@@ -270,9 +338,9 @@ class StoreClient:
         return self.directory.touch([m.key for m in metas], self.config.ttl_s)
 
     def delete(self, hashes: Sequence[bytes]) -> int:
-        metas = [m for m in self.directory.lookup_many(hashes) if m is not None]
-        count = self.directory.delete([m.key for m in metas])
-        self._delete_shards([(n, m.object_id, i) for m in metas for i, n in enumerate(m.nodes)])
+        """Remove the blocks' entries; an object's shards go with the last entry naming it."""
+        count, freed = self.directory.release(hashes)
+        self._delete_shards([(n, m.object_id, i) for m in freed for i, n in enumerate(m.nodes)])
         return count
 
     def _delete_shards(self, refs: Sequence[tuple[str, bytes, int]]) -> None:

@@ -20,7 +20,11 @@ MAX_CHAIN = 4096  # longest hash chain one lookup accepts
 
 @dataclass(frozen=True)
 class BlockMeta:
-    """Where one block's object lives. ``present`` is a bitmask of shard indices on disk."""
+    """Where one block's object lives. ``present`` is a bitmask of shard indices on disk.
+
+    A block of a group (``length`` not None) is ``length`` bytes at ``offset`` of an object
+    that holds several blocks; an ungrouped block (``length`` None, rows written before
+    groups existed too) is the whole object."""
 
     key: bytes  # block hash
     object_id: bytes  # 16 bytes, one per write
@@ -29,6 +33,17 @@ class BlockMeta:
     traffic_class: str
     present: int
     last_access_ms: int
+    offset: int = 0
+    length: int | None = None
+
+    @property
+    def grouped(self) -> bool:
+        return self.length is not None
+
+    def span(self) -> tuple[int, int]:
+        """``(start, end)`` of the block's bytes in its object."""
+        end = self.size if self.length is None else self.offset + self.length
+        return self.offset, end
 
     def missing(self) -> list[int]:
         return [i for i in range(len(self.nodes)) if not self.present >> i & 1]
@@ -51,6 +66,13 @@ class Directory(Protocol):
     ``set_present`` updates the shard mask only if the entry still names ``object_id``
     (a concurrent rewrite wins). ``delete`` removes entries. None of them raise for absent
     keys; backends raise their own connection errors.
+
+    Groups: ``commit_many`` also sets, for every object that grouped rows of the call name,
+    a count of the rows pointing at it, with the same TTL (``touch`` refreshes it with its
+    rows). ``release`` removes rows like ``delete`` and, atomically with that, decrements
+    those counts; it returns the number of rows removed and one row per object that no row
+    points at anymore (every ungrouped row removed, and a grouped row whose count reached
+    zero), so the caller can delete that object's shards.
     """
 
     def commit(self, meta: BlockMeta, ttl_s: float) -> None: ...
@@ -69,6 +91,8 @@ class Directory(Protocol):
 
     def delete(self, keys: Sequence[bytes]) -> int: ...
 
+    def release(self, keys: Sequence[bytes]) -> tuple[int, list[BlockMeta]]: ...
+
     def close(self) -> None: ...
 
 
@@ -78,6 +102,7 @@ class InMemoryDirectory:
     def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self._clock = clock
         self._entries: dict[bytes, tuple[BlockMeta, float]] = {}
+        self._refs: dict[bytes, list[float]] = {}  # grouped object id -> [rows, expiry]
         self._lock = threading.Lock()
 
     def _live(self, key: bytes, now: float) -> BlockMeta | None:
@@ -98,6 +123,8 @@ class InMemoryDirectory:
             now = self._clock()
             for meta, ttl_s in items:
                 self._entries[meta.key] = (meta, now + ttl_s)
+            for oid, (rows, ttl_s) in group_counts(items).items():
+                self._refs[oid] = [rows, now + ttl_s]
 
     def get(self, key: bytes) -> BlockMeta | None:
         with self._lock:
@@ -131,6 +158,9 @@ class InMemoryDirectory:
                     continue
                 fresh = replace(meta, last_access_ms=int(now * 1000))
                 self._entries[key] = (fresh, now + ttl_s[meta.traffic_class])
+                ref = self._refs.get(meta.object_id)
+                if meta.grouped and ref is not None:
+                    ref[1] = now + ttl_s[meta.traffic_class]
                 count += 1
         return count
 
@@ -146,8 +176,39 @@ class InMemoryDirectory:
         with self._lock:
             return sum(self._entries.pop(k, None) is not None for k in keys)
 
+    def release(self, keys: Sequence[bytes]) -> tuple[int, list[BlockMeta]]:
+        removed, free = 0, []
+        with self._lock:
+            now = self._clock()
+            for key in keys:
+                meta = self._live(key, now)
+                if meta is None:
+                    continue
+                del self._entries[key]
+                removed += 1
+                if not meta.grouped:
+                    free.append(meta)
+                    continue
+                ref = self._refs.get(meta.object_id)
+                if ref is None or ref[1] <= now or ref[0] <= 1:  # like DECR of an absent key
+                    self._refs.pop(meta.object_id, None)
+                    free.append(meta)
+                else:
+                    ref[0] -= 1
+        return removed, free
+
     def close(self) -> None:
         pass
+
+
+def group_counts(items: Sequence[tuple[BlockMeta, float]]) -> dict[bytes, tuple[int, float]]:
+    """Object id -> (grouped rows in ``items`` naming it, the longest TTL among them)."""
+    out: dict[bytes, tuple[int, float]] = {}
+    for meta, ttl_s in items:
+        if meta.grouped:
+            rows, ttl = out.get(meta.object_id, (0, 0.0))
+            out[meta.object_id] = (rows + 1, max(ttl, ttl_s))
+    return out
 
 
 def _conforms(d: InMemoryDirectory) -> Directory:

@@ -50,6 +50,7 @@ def check_directory_contract(d: Directory, advance: Callable[[float], None]) -> 
     with pytest.raises(ValueError, match="exceeds the limit"):
         d.lookup_prefix([b"k"] * (MAX_CHAIN + 1))
     check_lookup_many(d)
+    check_groups(d, advance)
 
 
 def check_lookup_many(d: Directory) -> None:
@@ -57,3 +58,28 @@ def check_lookup_many(d: Directory) -> None:
     d.commit_many([])
     assert d.lookup_many([meta(40).key, meta(41).key, meta(42).key]) == [meta(40), None, meta(42)]
     assert d.lookup_many([]) == []
+
+
+def check_groups(d: Directory, advance: Callable[[float], None]) -> None:
+    """Rows of a block group keep their span; an object is freed with its last row."""
+    oid = b"\x55" * 16
+    group = [
+        BlockMeta(bytes([60 + i]) * 32, oid, NODES, 3000, "chat", 0xFFF, 5, offset=1000 * i, length=1000)
+        for i in range(3)
+    ]
+    alone = meta(70)
+    d.commit_many([(m, TTL["chat"]) for m in group] + [(alone, TTL["chat"])])
+    keys = [m.key for m in group]
+    assert d.lookup_prefix(keys) == group and d.lookup_many(keys) == group
+    assert d.get(keys[2]) == group[2] and group[2].span() == (2000, 3000)
+    assert alone.span() == (0, alone.size) and not alone.grouped  # a row without a span
+    assert d.release([keys[1], b"\xee" * 32]) == (1, [])  # two rows still name the object
+    assert d.lookup_prefix(keys) == group[:1] and d.get(keys[2]) == group[2]
+    assert d.release([alone.key]) == (1, [alone])  # an ungrouped row frees its object at once
+    advance(2.0)
+    assert d.touch([keys[0], keys[2]], TTL) == 2  # refreshes the object's row count with its rows
+    advance(1.5)  # past the first TTL: without the touch the count would be gone (and free all)
+    assert d.release([keys[0]]) == (1, [])
+    removed, freed = d.release([keys[2], keys[0]])
+    assert removed == 1 and [(m.object_id, m.nodes) for m in freed] == [(oid, NODES)]
+    assert d.release(keys) == (0, [])

@@ -18,4 +18,7 @@ def test_client_config_validation_is_actionable() -> None:
         StoreClientConfig(nodes=nodes, ttl_s={"agent": 1.0})
     with pytest.raises(ValueError, match="unique"):
         StoreClientConfig(nodes=(*nodes[:11], nodes[0]))
+    with pytest.raises(ValueError, match="group_bytes must be >= 0"):
+        StoreClientConfig(nodes=nodes, group_bytes=-1)
     assert StoreClientConfig(nodes=nodes).write_quorum == 11
+    assert StoreClientConfig(nodes=nodes).group_bytes == 1 << 20
