@@ -43,6 +43,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="read the k data shards first, parity after a failure or this many times the fastest "
         "node's time (default: ask all k+m shards at once)",
     )  # fmt: skip
+    p.add_argument(
+        "--group-bytes", type=int, default=1 * MiB,
+        help="put_blocks codes consecutive blocks together up to this many bytes per object (0: one "
+        "object per block)",
+    )  # fmt: skip
     p.add_argument("--node-cache", type=int, default=256 * MiB, help="each node's hot cache, bytes (0: off)")
     p.add_argument(
         "--only",
@@ -98,9 +103,14 @@ def _store_figures(client: Any, size: int, count: int, rounds: int) -> tuple[dic
     payloads = [os.urandom(size) for _ in range(count)]
     t_put = []
     keys: list[bytes] = []
+    metas: list[Any] = []
+
+    def put(keys: list[bytes]) -> None:
+        metas[:] = client.put_blocks(keys, payloads, "chat")
+
     for _ in range(rounds):  # every round writes fresh blocks (put_blocks skips cached ones)
         keys = [os.urandom(32) for _ in range(count)]
-        t_put.append(_timed(lambda keys=keys: client.put_blocks(keys, payloads, "chat")))
+        t_put.append(_timed(lambda keys=keys: put(keys)))
     got: list[bytes] = []
 
     def get() -> None:
@@ -113,6 +123,7 @@ def _store_figures(client: Any, size: int, count: int, rounds: int) -> tuple[dic
         "put_GBps": _rate(size * count, min(t_put)),
         "get_GBps": _rate(size * count, min(t_get)),
         "get_first_round_GBps": _rate(size * count, t_get[0]),
+        "objects": len({m.object_id for m in metas}),  # erasure-coded objects the blocks became
     }, keys
 
 
@@ -169,8 +180,9 @@ def run(args: argparse.Namespace) -> Report:
     with RedisProcess(port=free_port()) as redis_srv, LocalStoreCluster(cluster_cfg) as cluster:
         progress(f"{args.nodes} store nodes up; redis on {redis_srv.url}")
         ccfg = StoreClientConfig(
-            nodes=cluster.nodes, codec=CodecConfig(k=args.k, m=args.m), hedge_factor=args.hedge_factor
-        )
+            nodes=cluster.nodes, codec=CodecConfig(k=args.k, m=args.m), hedge_factor=args.hedge_factor,
+            group_bytes=args.group_bytes,
+        )  # fmt: skip
         with StoreClient(ccfg, RedisDirectory(redis_srv.url)) as client:
             keys_by_size = {}
             for size in sizes:
