@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kvstore.client import StoreClient
+from kvstore.client import StoreClient, WriteFailed
 from kvstore.cluster import LocalStoreCluster
 from kvstore.directory import BlockMeta
 from tests.integration.kvstore.conftest import make_client
@@ -86,3 +86,14 @@ def test_grouped_chain_reads_with_two_nodes_of_each_group_killed(
     assert touched >= 1
     assert store_client.get_prefix(chain, touch=False) == payloads
     assert store_client.get_prefix(chain[3:6], touch=False) == payloads[3:6]
+
+
+def test_a_group_short_of_its_write_quorum_commits_none_of_its_blocks(
+    live_cluster: LocalStoreCluster, store_client: StoreClient
+) -> None:
+    chain, payloads = chain_of(6)
+    live_cluster.kill(3)
+    live_cluster.kill(9)  # 10 of 12 shards durable, the quorum is 11
+    with pytest.raises(WriteFailed, match="6 of 6 blocks not stored"):
+        store_client.put_blocks(chain, payloads, "chat")
+    assert store_client.directory.lookup_many(chain) == [None] * 6
