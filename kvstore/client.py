@@ -4,8 +4,9 @@
 ones packed together into one object of up to ``group_bytes`` (a block group,
 ``kvstore.groups``); ``get_prefix(hashes)`` returns the payloads of the longest contiguous
 cached run from the first block, reading each object once; ``touch`` refreshes LRU and TTL;
-``delete`` removes blocks (an object goes with the last block that points at it). Placement is rendezvous hashing of the
-block hash over the node ids, so every client agrees on a block's group of k+m nodes.
+``delete`` removes blocks (an object goes with the last block that points at it).
+Placement is rendezvous hashing of the block hash (a group's first block) over the node
+ids, so every client agrees on an object's group of k+m nodes.
 
 Write protocol (whole or absent): encode with a fresh object id, put all k+m shards in
 parallel (each node writes atomically), and only if at least ``min_write_shards`` are
