@@ -268,7 +268,8 @@ class StoreClient:
             raise ValueError(f"{len(hashes)} hashes but {len(payloads)} payloads")
         class_code(traffic_class)
         known = self.directory.lookup_many(hashes) if hashes else []
-        todo = [(h, p) for h, p, m in zip(hashes, payloads, known) if m is None]
+        new = {h: p for h, p, m in reversed(list(zip(hashes, payloads, known))) if m is None}
+        todo = [(h, new.pop(h)) for h in hashes if h in new]  # the first of repeated hashes
         stored: list[BlockMeta] = []
         failures: list[WriteFailed] = []
         lost = 0

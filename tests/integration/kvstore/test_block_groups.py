@@ -71,6 +71,10 @@ def test_deleting_blocks_of_a_group_frees_the_object_with_the_last(
     assert store_client.get_prefix(chain[2:3]) == payloads[2:3] and on_disk(live_cluster, metas[0]) == 12
     assert store_client.delete(chain) == 1
     assert store_client.get_prefix(chain[2:]) == [] and on_disk(live_cluster, metas[0]) == 0
+    # A hash repeated in one call is one row, so the object still goes with its last row.
+    metas = store_client.put_blocks([chain[0], chain[1], chain[0]], [payloads[0], payloads[1], b"x"], "chat")
+    assert [m.key for m in metas] == chain[:2] and store_client.get_prefix(chain[:2]) == payloads[:2]
+    assert store_client.delete(chain[:2]) == 2 and on_disk(live_cluster, metas[0]) == 0
 
 
 def test_grouped_chain_reads_with_two_nodes_of_each_group_killed(
