@@ -21,3 +21,13 @@ def wait_until_ready(proc: subprocess.Popen[bytes], url: str, path: str, timeout
             pass
         assert time.monotonic() < deadline, f"sluice serve did not answer {path} within {timeout_s:.0f} s"
         time.sleep(0.1)
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """Terminate the server, killing it if it does not exit within 20 s."""
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from services.procs import free_port
-from tests.integration.serve_proc import wait_until_ready
+from tests.integration.serve_proc import stop, wait_until_ready
 
 pytestmark = pytest.mark.integration
 
@@ -37,12 +37,7 @@ def test_sluice_serve_starts_answers_and_stops(tiny_model, tmp_path):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
         assert httpx.get(f"{url}/ready", headers=headers, timeout=10).status_code == 200
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop(proc)
     assert proc.returncode in (0, -15)
 
 

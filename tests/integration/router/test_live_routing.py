@@ -25,7 +25,7 @@ from services.api.config import ApiConfig
 from services.api.inprocess import InProcessEngineClient
 from services.api.server import ServerThread
 from services.routed_client import RoutedEngineClient, RoutingConfig
-from tests.integration.serve_proc import wait_until_ready
+from tests.integration.serve_proc import stop, wait_until_ready
 
 pytestmark = pytest.mark.integration
 
@@ -335,9 +335,4 @@ def test_sluice_serve_with_replicas_routes_and_reports_them(tiny, tmp_path):
         )
         assert sorted(r for r, _ in routed) == ["0", "1"] and sum(float(v) for _, v in routed) == 1.0
     finally:
-        proc.terminate()
-        try:
-            proc.wait(20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+        stop(proc)
