@@ -1,21 +1,24 @@
 """Object-level writes and reads over k+m shard transports, batched per node (no gRPC here).
 
 ``write_objects`` sends the shards of a batch of objects with one stream per node and
-reports, per object, which shards are durable. ``read_objects`` fans out to every shard of
-every object (one stream per node) and decodes each object from the first k shards that
-pass their checksums; the other m requests are the hedge against slow or dead nodes, and
-their outcomes (missing, corrupt) are reported for repair once every reply is in.
+reports, per object, which shards are durable. ``read_objects`` asks, with one stream per
+node, for k shards of every object (the data shards, a parity shard standing in for each
+one on a node the client avoids) and decodes each object from the first k shards that pass
+their checksums; the other m shards are the hedge against slow or failing nodes, asked for
+when a shard fails or a node is late (or at once, in the eager mode). Outcomes (missing,
+corrupt) are reported for repair once every reply is in.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from concurrent.futures import Executor, wait
 from dataclasses import dataclass, field
 
 from kvstore.codec import Codec, TooFewShards
+from kvstore.health import NodeHealth
 from kvstore.shardfmt import Shard
 from kvstore.transport import (
     Cancel,
@@ -106,10 +109,15 @@ class _Gather:
     corrupt: set[int] = field(default_factory=set)
     errors: dict[int, str] = field(default_factory=dict)
     state: int = 0  # _WAITING, then _CLAIMED by the one thread that makes its result, _DONE
-    hedged: bool = True  # all its shards have been asked for (else only the data shards)
+    asked: int = 0  # bit i: shard i has been asked for
 
     def __post_init__(self) -> None:
         self.shards = [None] * self.n
+
+    @property
+    def hedged(self) -> bool:
+        """Every shard has been asked for: no more can be."""
+        return self.asked == (1 << self.n) - 1
 
     def ready(self, k: int, m: int) -> bool:
         return self.valid >= k or len(self.missing) > m or (self.pending == 0 and self.hedged)
@@ -123,12 +131,17 @@ class _ReadBatch:
     thread whose reply made it ready (outside the lock), so decoding overlaps the transfer
     of the rest of the batch instead of following it."""
 
-    def __init__(self, codec: Codec, objects: Sequence[ObjectRef], timeout_s: float, eager: bool) -> None:
+    def __init__(
+        self, codec: Codec, objects: Sequence[ObjectRef], timeout_s: float, first: Sequence[Sequence[int]]
+    ) -> None:
+        """``first[o]``: the shard indices of object o asked for at first."""
         self.codec = codec
         self.k, self.m = codec.config.k, codec.config.m
         self.timeout_s = timeout_s
-        first = codec.config.n if eager else codec.config.k  # shards asked for at first
-        self.gathers = [_Gather(o.object_id, len(o.nodes), pending=first, hedged=eager) for o in objects]
+        self.gathers = [
+            _Gather(o.object_id, len(o.nodes), pending=len(ask), asked=sum(1 << i for i in ask))
+            for o, ask in zip(objects, first)
+        ]
         self.results: list[bytes | StoreError | None] = [None] * len(objects)
         self.cond = threading.Condition()
         self.outstanding = sum(g.pending for g in self.gathers)
@@ -228,14 +241,15 @@ class _ReadBatch:
                 self.cond.wait(at - now)
 
     def hedge(self) -> list[tuple[int, int]]:
-        """Ask for the parity shards of every object not finished yet: (object, index)."""
+        """Ask for the shards not asked for yet of every object not finished: (object, index)."""
         refs = []
         with self.cond:
             for obj, g in enumerate(self.gathers):
                 if g.state == _WAITING and not g.hedged:
-                    g.hedged = True
-                    g.pending += g.n - self.k
-                    refs += [(obj, index) for index in range(self.k, g.n)]
+                    rest = [i for i in range(g.n) if not g.asked >> i & 1]
+                    g.asked |= sum(1 << i for i in rest)
+                    g.pending += len(rest)
+                    refs += [(obj, index) for index in rest]
             self.outstanding += len(refs)
         return refs
 
@@ -259,6 +273,16 @@ class _ReadBatch:
         return [r for r in self.results if r is not None]
 
 
+def first_shards(nodes: Sequence[str], k: int, avoid: Collection[str]) -> list[int]:
+    """The k shard indices a data-first read asks for at first: the data shards, each one
+    held by a node in ``avoid`` replaced by the first parity shard on a node not avoided
+    (nodes avoided still fill the k when too few others are left)."""
+    order = [i for i, node in enumerate(nodes) if node not in avoid]
+    if len(order) < k:
+        order += [i for i, node in enumerate(nodes) if node in avoid]
+    return sorted(order[:k])
+
+
 def read_objects(
     pool: Executor,
     codec: Codec,
@@ -268,6 +292,7 @@ def read_objects(
     on_settled: Callable[[int, set[int]], None] | None = None,
     hedge_factor: float | None = None,
     hedge_min_s: float = 0.002,
+    health: NodeHealth | None = None,
 ) -> list[bytes | StoreError]:
     """Decode each object from the first k valid shards of its group.
 
@@ -277,26 +302,33 @@ def read_objects(
     is called for each object with shards missing or corrupt on a live node.
 
     ``hedge_factor`` None asks for all k+m shards at once (the m extra are the hedge).
-    Otherwise only the k data shards are asked for first, and the parity shards of every
-    object not yet decoded follow as soon as a data shard fails, or once the read has run
-    ``hedge_factor`` times as long as the fastest node took for its whole share (and at
-    least ``hedge_min_s``): a slow node is hedged against, but a healthy read moves
-    k/(k+m) of the bytes.
+    Otherwise k shards are asked for first (``first_shards``: the data shards, with parity
+    in place of those on nodes ``health`` avoids), and the other shards of every object not
+    yet decoded follow as soon as a shard fails, or once the read has run ``hedge_factor``
+    times as long as the fastest node took for its whole share (and at least
+    ``hedge_min_s``): a slow node is hedged against, but a read moves k/(k+m) of the bytes.
+    ``health`` is told which nodes failed and which answered.
     """
+    k, n = codec.config.k, codec.config.n
     eager = hedge_factor is None or codec.config.m == 0
-    batch = _ReadBatch(codec, objects, timeout_s, eager)
+    first: list[Sequence[int]]
+    if eager:
+        first = [range(n)] * len(objects)
+    else:
+        avoid = health.avoided() if health is not None else frozenset()
+        first = [first_shards(o.nodes, k, avoid) for o in objects]
+    batch = _ReadBatch(codec, objects, timeout_s, first)
     start = time.monotonic()
     deadline = start + timeout_s
     cancel = Cancel()
-    first = codec.config.n if eager else codec.config.k
-    _submit(pool, batch, transports, objects, [(o, i) for o in range(len(objects)) for i in range(first)],
-            timeout_s, cancel, on_settled)  # fmt: skip
+    _submit(pool, batch, transports, objects, [(o, i) for o, ask in enumerate(first) for i in ask],
+            timeout_s, cancel, on_settled, health)  # fmt: skip
     if hedge_factor is not None and not eager:
         batch.wait_for_hedge(start, deadline, hedge_factor, hedge_min_s)
         late = batch.hedge()
         if late:
             left = max(0.001, deadline - time.monotonic())
-            _submit(pool, batch, transports, objects, late, left, cancel, on_settled)
+            _submit(pool, batch, transports, objects, late, left, cancel, on_settled, health)
     results = batch.wait(deadline)
     if any(not isinstance(r, bytes) for r in results):
         cancel.cancel()
@@ -312,6 +344,7 @@ def _submit(
     timeout_s: float,
     cancel: Cancel,
     on_settled: Callable[[int, set[int]], None] | None,
+    health: NodeHealth | None,
 ) -> None:
     """One stream per node for ``refs`` (object, shard index)."""
     per_node: dict[str, list[tuple[int, int]]] = {}
@@ -319,7 +352,7 @@ def _submit(
         per_node.setdefault(objects[obj].nodes[index], []).append((obj, index))
     for node, items in per_node.items():
         if node in transports:
-            pool.submit(_read_node, batch, transports[node], items, timeout_s, cancel, on_settled)
+            pool.submit(_read_node, batch, transports[node], items, timeout_s, cancel, on_settled, health)
         else:  # a node no longer in the client's membership: its shards are unavailable
             batch.on_replies(
                 [(obj, index, NodeUnavailable(node, "not a known node")) for obj, index in items]
@@ -333,10 +366,14 @@ def _read_node(
     timeout_s: float,
     cancel: Cancel,
     on_settled: Callable[[int, set[int]], None] | None,
+    health: NodeHealth | None,
 ) -> None:
     """One node's stream of a read batch; the last reply of the batch reports bad shards."""
+    answered = False
 
     def on_shards(results: list[tuple[int, ShardResult]]) -> None:
+        nonlocal answered
+        answered = answered or any(not isinstance(r, NodeUnavailable) for _, r in results)
         replies = [(*items[pos], result) for pos, result in results]
         if batch.on_replies(replies) and on_settled is not None:
             for o, g in enumerate(batch.gathers):
@@ -347,3 +384,8 @@ def _read_node(
     start = time.monotonic()
     transport.get_shards(refs, timeout_s, on_shards, cancel)
     batch.stream_done(time.monotonic() - start)
+    if health is not None:
+        if answered:
+            health.answered(transport.node_id)
+        elif not cancel.cancelled:  # its own read gave up on it: no verdict on the node
+            health.failed(transport.node_id)

@@ -37,7 +37,7 @@ def make_client(cluster: LocalStoreCluster, redis_url: str, **overrides: object)
     settings: dict[str, object] = {"background_repair": False, **overrides}
     cfg = StoreClientConfig(nodes=cluster.nodes, **settings)  # type: ignore[arg-type]
     client = StoreClient(cfg, RedisDirectory(redis_url))
-    assert all(client.health(5.0).values())
+    assert all(client.health_check(5.0).values())
     return client
 
 

@@ -88,7 +88,7 @@ def test_all_66_pairs_of_nodes_killed_under_load(live_cluster: LocalStoreCluster
             _kill_pair_under_load(live_cluster, client, pair, seed=n)
             for i in pair:
                 live_cluster.restart(i)
-            assert all(client.health(5.0).values())
+            assert all(client.health_check(5.0).values())
     finally:
         client.close()
 
@@ -183,7 +183,7 @@ def test_node_killed_mid_write_leaves_object_whole_or_absent(
         assert killed and killed[0] < 210_000  # killed after the first chunk of ~210 KB
         live_cluster.restart(victim)
         if not short:
-            client.health(5.0)
+            client.health_check(5.0)
             assert client.repair.run_pending() == 1
             assert shard_path(live_cluster, client.directory.get(key), index).exists()  # type: ignore[arg-type]
     finally:
@@ -202,7 +202,7 @@ def test_restarted_node_serves_its_shards_again(
     torn.write_bytes(b"SLKV" + bytes(30))  # a write torn by a crash
     live_cluster.restart(0)
     live_cluster.restart(1)
-    assert all(store_client.health(5.0).values())
+    assert all(store_client.health_check(5.0).values())
     stats = store_client.transports["n00"].stats(2.0)
     assert stats.discarded_at_start == 1 and not torn.exists()
     assert stats.shard_count >= 5

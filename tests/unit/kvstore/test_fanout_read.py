@@ -12,7 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from kvstore.codec import Codec, new_object_id
-from kvstore.fanout import ObjectLost, ObjectRef, ObjectUnavailable, read_objects
+from kvstore.fanout import ObjectLost, ObjectRef, ObjectUnavailable, first_shards, read_objects
+from kvstore.health import NodeHealth
 from kvstore.shardfmt import Shard
 from kvstore.transport import Cancel, NodeUnavailable, OnShards, ShardMissing, ShardResult
 
@@ -165,3 +166,49 @@ def test_a_hung_node_ends_in_unavailable_at_the_deadline_not_a_hang(pool: Thread
     got = read_objects(pool, codec, nodes, refs, 0.3, hedge_factor=2.0)  # type: ignore[arg-type]
     assert all(isinstance(r, ObjectUnavailable) for r in got)
     assert time.monotonic() - start < 0.6
+
+
+def test_reads_route_around_a_node_that_failed(pool: ThreadPoolExecutor) -> None:
+    """A failed stream marks its node avoided; the next read asks a parity shard in place of
+    each shard it holds, from the start, and does not ask it at all."""
+    codec, nodes, refs, datas = _store()
+    health = NodeHealth(base_s=60.0, max_s=60.0)
+    nodes["n04"].down = True
+    opts = {"hedge_factor": 50.0, "hedge_min_s": 1.0, "health": health}
+    assert read_objects(pool, codec, nodes, refs, 2.0, **opts) == datas  # type: ignore[arg-type]
+    assert health.avoided() == {"n04"} and health.failures("n04") == 1
+    for node in nodes.values():
+        node.asked.clear()
+    start = time.monotonic()
+    assert read_objects(pool, codec, nodes, refs, 2.0, **opts) == datas  # type: ignore[arg-type]
+    assert time.monotonic() - start < 0.5
+    assert nodes["n04"].asked == []
+    asked = sum(len(n.asked) for n in nodes.values())
+    assert asked == len(refs) * K  # k shards per object, no hedge round
+    nodes["n04"].down = False  # back: once its back-off has passed, a read tries it again
+    health = NodeHealth(base_s=0.01)
+    health.failed("n04")
+    time.sleep(0.02)
+    opts["health"] = health
+    assert read_objects(pool, codec, nodes, refs, 2.0, **opts) == datas  # type: ignore[arg-type]
+    assert nodes["n04"].asked and health.failures("n04") == 0
+
+
+def test_first_shards_prefers_data_then_parity_on_nodes_not_avoided() -> None:
+    group = tuple(f"n{i:02d}" for i in range(K + M))
+    assert first_shards(group, K, frozenset()) == list(range(K))
+    assert first_shards(group, K, {"n03", "n07"}) == [0, 1, 2, 4, 5, 6, 8, 9, 10, 11]
+    assert first_shards(group, K, {"n00", "n01", "n02"}) == [0, *range(3, K + M)]  # too few others
+
+
+def test_a_read_that_fails_marks_only_the_nodes_that_failed_it(pool: ThreadPoolExecutor) -> None:
+    codec, nodes, refs, _ = _store(count=1)
+    health = NodeHealth()
+    for node in refs[0].nodes[:3]:
+        nodes[node].down = True
+    (got,) = read_objects(pool, codec, nodes, refs, 1.0, hedge_factor=2.0, health=health)  # type: ignore[arg-type]
+    assert isinstance(got, ObjectUnavailable)
+    deadline = time.monotonic() + 2.0  # the answering streams may still be finishing
+    while health.avoided() != set(refs[0].nodes[:3]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert health.avoided() == set(refs[0].nodes[:3])
