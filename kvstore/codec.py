@@ -5,10 +5,11 @@ a full set, ``reconstruct`` the missing ones (given as ``None``), ``decode`` the
 Every shard carries a ``kvstore.shardfmt`` header; a shard that fails its checksum or does
 not belong to the same object is treated as missing, so a wrong shard is never decoded.
 
-The Galois-field work is done by a registered backend. ``backend="auto"`` (the default)
-resolves to the first that loads of ``isal_cauchy`` (ISA-L called through ctypes, zero-copy,
-``kvstore.isal``; fastest measured here), ``isa_l_rs_cauchy`` (the same library through
-pyeclib) and ``zfec``. Pure: no sockets, no torch.
+The Galois-field work is done by a registered backend (``kvstore.backends``).
+``backend="auto"`` (the default) resolves to the first that loads of ``isal_cauchy`` (ISA-L
+called through ctypes, zero-copy, ``kvstore.isal``; fastest measured here),
+``isa_l_rs_cauchy`` (the same library through pyeclib) and ``zfec``. Pure: no sockets, no
+torch.
 
 Buffer ownership: payloads are read-only buffers (``bytes`` or ``memoryview``). With
 ``isal_cauchy`` the data shards of ``encode`` are views of the object passed in, so that
@@ -19,11 +20,16 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
-from typing import Protocol
 
+from kvstore.backends import AUTO, AUTO_ORDER, BACKENDS, ErasureBackend, backend_names, name_for_code
 from kvstore.shardfmt import OBJECT_ID_LEN, Payload, Shard, ShardHeader, checksum
+
+__all__ = [
+    "Codec", "CodecConfig", "CodecError", "TooFewShards", "ShardSizeMismatch", "ShardCountMismatch",
+    "backend_names", "new_object_id",
+]  # fmt: skip
 
 log = logging.getLogger(__name__)
 
@@ -48,113 +54,6 @@ class ShardCountMismatch(CodecError):
     """The shard list does not have exactly k+m entries."""
 
 
-class ErasureBackend(Protocol):
-    """The Galois-field engine behind a Codec.
-
-    ``encode`` returns k+m payloads of equal length (they may be views of ``data``).
-    ``decode`` receives at least k payloads keyed by shard index and returns the first
-    ``object_len`` bytes of the object as new ``bytes``. ``rebuild`` returns the payloads
-    of ``missing`` indices. Inputs are never modified. Callers guarantee that every payload
-    passed in is an untampered encoder output. A factory raises (ImportError, OSError or
-    RuntimeError) when its library is not available in this process.
-    """
-
-    def encode(self, data: Payload) -> list[Payload]: ...
-
-    def decode(self, payloads: dict[int, Payload], object_len: int) -> bytes: ...
-
-    def rebuild(
-        self, payloads: dict[int, Payload], missing: list[int], object_len: int
-    ) -> dict[int, Payload]: ...
-
-
-BackendFactory = Callable[[int, int], ErasureBackend]
-_BACKENDS: dict[str, tuple[int, BackendFactory]] = {}
-
-
-def register_backend(name: str, code: int) -> Callable[[BackendFactory], BackendFactory]:
-    """Register a backend factory under ``name``; ``code`` is stored in every shard header."""
-
-    def deco(factory: BackendFactory) -> BackendFactory:
-        if name in _BACKENDS or any(c == code for c, _ in _BACKENDS.values()):
-            raise ValueError(f"codec backend {name!r} or code {code} registered twice")
-        _BACKENDS[name] = (code, factory)
-        return factory
-
-    return deco
-
-
-def backend_names() -> list[str]:
-    return sorted(_BACKENDS)
-
-
-class _PyECLib:
-    def __init__(self, k: int, m: int, ec_type: str) -> None:
-        from pyeclib.ec_iface import ECDriver
-
-        self._driver = ECDriver(k=k, m=m, ec_type=ec_type)
-
-    def encode(self, data: Payload) -> list[Payload]:
-        return list(self._driver.encode(bytes(data)))
-
-    def decode(self, payloads: dict[int, Payload], object_len: int) -> bytes:
-        # pyeclib aborts the process on memoryviews: hand it bytes only.
-        return bytes(self._driver.decode([bytes(payloads[i]) for i in sorted(payloads)]))
-
-    def rebuild(
-        self, payloads: dict[int, Payload], missing: list[int], object_len: int
-    ) -> dict[int, Payload]:
-        frags = [bytes(payloads[i]) for i in sorted(payloads)]
-        return dict(zip(missing, self._driver.reconstruct(frags, list(missing))))
-
-
-def _pyeclib_factory(ec_type: str) -> BackendFactory:
-    return lambda k, m: _PyECLib(k, m, ec_type)
-
-
-for _code, _name in enumerate(("isa_l_rs_cauchy", "isa_l_rs_vand", "liberasurecode_rs_vand"), start=1):
-    register_backend(_name, _code)(_pyeclib_factory(_name))
-
-
-@register_backend("isal_cauchy", 4)
-def _isal_cauchy(k: int, m: int) -> ErasureBackend:
-    from kvstore.isal import IsalCauchyBackend
-
-    return IsalCauchyBackend(k, m)
-
-
-AUTO = "auto"
-# What ``backend="auto"`` tries, in order (fastest first, as measured in docs/kvstore.md).
-AUTO_ORDER = ("isal_cauchy", "isa_l_rs_cauchy", "zfec")
-
-
-@register_backend("zfec", 16)
-class _Zfec:
-    def __init__(self, k: int, m: int) -> None:
-        import zfec
-
-        self.k, self.n = k, k + m
-        self._enc = zfec.Encoder(k, self.n)
-        self._dec = zfec.Decoder(k, self.n)
-
-    def encode(self, data: Payload) -> list[Payload]:
-        size = max(1, -(-len(data) // self.k))
-        padded = bytes(data) + bytes(size * self.k - len(data))
-        blocks = [padded[i * size : (i + 1) * size] for i in range(self.k)]
-        return [bytes(b) for b in self._enc.encode(blocks, list(range(self.n)))]
-
-    def decode(self, payloads: dict[int, Payload], object_len: int) -> bytes:
-        nums = sorted(payloads)[: self.k]
-        blocks = self._dec.decode([payloads[i] for i in nums], nums)
-        return b"".join(bytes(b) for b in blocks)[:object_len]
-
-    def rebuild(
-        self, payloads: dict[int, Payload], missing: list[int], object_len: int
-    ) -> dict[int, Payload]:
-        full = self.encode(self.decode(payloads, object_len))
-        return {i: full[i] for i in missing}
-
-
 @dataclass(frozen=True)
 class CodecConfig:
     """Erasure-code geometry and backend. Default 10+2 on ISA-L (Cauchy); ``"auto"`` is
@@ -175,7 +74,7 @@ class CodecConfig:
             raise ValueError(f"erasure code {self.k}+{self.m}: need 1 <= k <= 32 and 1 <= m <= 16")
         if self.stripe_bytes != 0 and self.stripe_bytes < 4096:
             raise ValueError(f"stripe_bytes must be 0 (off) or at least 4096, got {self.stripe_bytes}")
-        if self.backend != AUTO and self.backend not in _BACKENDS:
+        if self.backend != AUTO and self.backend not in BACKENDS:
             raise ValueError(f"unknown codec backend {self.backend!r}; known: {[AUTO, *backend_names()]}")
 
     def resolve(self) -> CodecConfig:
@@ -186,7 +85,7 @@ class CodecConfig:
         errors = []
         for name in AUTO_ORDER:
             try:
-                _BACKENDS[name][1](self.k, self.m)
+                BACKENDS[name][1](self.k, self.m)
             except (ImportError, OSError, RuntimeError) as exc:
                 errors.append(f"{name}: {exc}")
                 continue
@@ -213,9 +112,6 @@ def new_object_id() -> bytes:
     return os.urandom(OBJECT_ID_LEN)
 
 
-_NAMES_BY_CODE = {code: name for name, (code, _) in _BACKENDS.items()}
-
-
 class Codec:
     """Encode objects into k+m checksummed shards and decode them back.
 
@@ -225,7 +121,7 @@ class Codec:
 
     def __init__(self, config: CodecConfig | None = None) -> None:
         self.config = (config or CodecConfig()).resolve()
-        code, factory = _BACKENDS[self.config.backend]
+        code, factory = BACKENDS[self.config.backend]
         self.code = code
         self._backend = factory(self.config.k, self.config.m)
         self._by_code: dict[int, ErasureBackend | None] = {code: self._backend}
@@ -235,10 +131,10 @@ class Codec:
         library does not load here (such shards count as missing)."""
         if code not in self._by_code:
             backend = None
-            name = _NAMES_BY_CODE.get(code)
+            name = name_for_code(code)
             if name is not None:
                 try:
-                    backend = _BACKENDS[name][1](self.config.k, self.config.m)
+                    backend = BACKENDS[name][1](self.config.k, self.config.m)
                 except (ImportError, OSError, RuntimeError) as exc:
                     log.warning("shards of codec backend %s cannot be decoded here: %s", name, exc)
             self._by_code[code] = backend
