@@ -69,6 +69,10 @@ class StoreClientConfig:
     # cores), data-first moves k/(k+m) of the bytes and gets ~1.2x the eager reads' GB/s;
     # at 2-3x the timer fires on ordinary scheduling noise and the gain is gone.
     hedge_factor: float | None = 5.0
+    # Data-first reads leave parity unread, so a rotted parity shard would wait for a degraded
+    # read to be found. This fraction of objects (chosen at random per read) is read whole,
+    # which checks and, through repair, heals its parity: ~0.2% more bytes per read at 0.01.
+    check_all_fraction: float = 0.01
     hedge_min_s: float = 0.002
     # put_blocks codes consecutive new blocks of a call together, up to this many bytes per
     # object (a block larger than this is an object of its own); 0 stores every block alone.
@@ -97,6 +101,8 @@ class StoreClientConfig:
                 f"hedge_factor must be None (ask all k+m shards at once) or >= 1, and hedge_min_s >= 0; "
                 f"got {self.hedge_factor} and {self.hedge_min_s}"
             )
+        if not 0.0 <= self.check_all_fraction <= 1.0:
+            raise ValueError(f"check_all_fraction must be within [0, 1], got {self.check_all_fraction}")
         if self.shard_threads < n or self.batch_bytes < 1:
             raise ValueError(f"shard_threads must be >= k+m ({n}) and batch_bytes positive")
 
@@ -258,7 +264,7 @@ class StoreClient:
         cfg = self.config
         return read_objects(
             self._shard_pool, self.codec, self.transports, refs, cfg.read_timeout_s, settled,
-            cfg.hedge_factor, cfg.hedge_min_s, self.health,
+            cfg.hedge_factor, cfg.hedge_min_s, self.health, cfg.check_all_fraction,
         )  # fmt: skip
 
     # -- prefix-cache API ----------------------------------------------------------------

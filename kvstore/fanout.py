@@ -11,6 +11,7 @@ corrupt) are reported for repair once every reply is in.
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
@@ -293,6 +294,7 @@ def read_objects(
     hedge_factor: float | None = None,
     hedge_min_s: float = 0.002,
     health: NodeHealth | None = None,
+    check_all_fraction: float = 0.0,
 ) -> list[bytes | StoreError]:
     """Decode each object from the first k valid shards of its group.
 
@@ -307,7 +309,9 @@ def read_objects(
     yet decoded follow as soon as a shard fails, or once the read has run ``hedge_factor``
     times as long as the fastest node took for its whole share (and at least
     ``hedge_min_s``): a slow node is hedged against, but a read moves k/(k+m) of the bytes.
-    ``health`` is told which nodes failed and which answered.
+    ``health`` is told which nodes failed and which answered. A random
+    ``check_all_fraction`` of the objects of a data-first read ask for every shard anyway,
+    so parity that rotted on a node is found (and repaired) by reads too.
     """
     k, n = codec.config.k, codec.config.n
     eager = hedge_factor is None or codec.config.m == 0
@@ -316,7 +320,13 @@ def read_objects(
         first = [range(n)] * len(objects)
     else:
         avoid = health.avoided() if health is not None else frozenset()
-        first = [first_shards(o.nodes, k, avoid) for o in objects]
+        every = range(n)
+        first = [
+            every
+            if check_all_fraction and random.random() < check_all_fraction
+            else first_shards(o.nodes, k, avoid)
+            for o in objects
+        ]
     batch = _ReadBatch(codec, objects, timeout_s, first)
     start = time.monotonic()
     deadline = start + timeout_s

@@ -289,12 +289,17 @@ def test_hung_nodes_are_hedged_and_a_third_times_out_explicitly(
         client.close()
 
 
-def test_background_repair_restores_a_corrupt_shard(live_cluster: LocalStoreCluster, redis_url: str) -> None:
-    client = make_client(live_cluster, redis_url, background_repair=True)
+@pytest.mark.parametrize(("index", "check_all"), [(6, 0.01), (11, 1.0)])
+def test_background_repair_restores_a_corrupt_shard(
+    live_cluster: LocalStoreCluster, redis_url: str, index: int, check_all: float
+) -> None:
+    """A data shard that fails its checksum is found by any read; a parity shard by the
+    reads that check every shard (``check_all_fraction``)."""
+    client = make_client(live_cluster, redis_url, background_repair=True, check_all_fraction=check_all)
     try:
         key, data = os.urandom(32), os.urandom(123_457)
         meta = client.put_object(key, data)
-        path = shard_path(live_cluster, meta, 6)
+        path = shard_path(live_cluster, meta, index)
         good = path.read_bytes()
         path.write_bytes(good[:HEADER_LEN] + bytes([good[HEADER_LEN] ^ 0xFF]) + good[HEADER_LEN + 1 :])
         assert client.get_prefix([key], touch=False) == [data]

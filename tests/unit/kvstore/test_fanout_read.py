@@ -212,3 +212,20 @@ def test_a_read_that_fails_marks_only_the_nodes_that_failed_it(pool: ThreadPoolE
     while health.avoided() != set(refs[0].nodes[:3]) and time.monotonic() < deadline:
         time.sleep(0.01)
     assert health.avoided() == set(refs[0].nodes[:3])
+
+
+def test_a_check_all_fraction_of_one_reads_every_shard_and_reports_bad_parity(
+    pool: ThreadPoolExecutor,
+) -> None:
+    codec, nodes, refs, datas = _store()
+    settled: dict[int, set[int]] = {}
+    parity_node = refs[0].nodes[K + 1]
+    nodes[parity_node].corrupt = {(refs[0].object_id, K + 1)}
+    got = read_objects(pool, codec, nodes, refs, 2.0, settled.__setitem__, hedge_factor=50.0,
+                       hedge_min_s=1.0, check_all_fraction=1.0)  # type: ignore[arg-type]  # fmt: skip
+    assert got == datas
+    deadline = time.monotonic() + 2.0
+    while 0 not in settled and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert settled[0] == {K + 1}  # the rotted parity shard, queued for repair
+    assert sum(len(n.asked) for n in nodes.values()) == len(refs) * (K + M)
