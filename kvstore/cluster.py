@@ -33,6 +33,9 @@ class LocalClusterConfig:
     metrics: bool = False
     start_timeout_s: float = 30.0
     cache_bytes: int = 256 << 20  # each node's hot cache of recently read shards; 0 is off
+    scrub_bytes_per_s: int = 16 << 20  # each node's scrubber (kvstore.scrub); 0 is off
+    scrub_period_s: float = 86400.0
+    scrub_first_after_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.nodes <= 256:
@@ -91,6 +94,8 @@ class LocalStoreCluster:
             "--ttl-agent", str(c.ttl_s["agent"]), "--ttl-chat", str(c.ttl_s["chat"]),
             "--high-watermark", str(c.high_watermark), "--low-watermark", str(c.low_watermark),
             "--sweep-interval", str(c.sweep_interval_s), "--cache-bytes", str(c.cache_bytes),
+            "--scrub-rate", str(c.scrub_bytes_per_s), "--scrub-period", str(c.scrub_period_s),
+            "--scrub-first-after", str(c.scrub_first_after_s),
         ]  # fmt: skip
         if not c.fsync:
             args.append("--no-fsync")

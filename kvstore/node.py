@@ -24,6 +24,7 @@ from sluice_proto import common_pb2, store_pb2, store_pb2_grpc
 
 from kvstore.pieces import WirePacker
 from kvstore.retention import RetentionConfig
+from kvstore.scrub import Scrubber
 from kvstore.shardfmt import HEADER_LEN, OBJECT_ID_LEN, ShardFormatError, ShardHeader
 from kvstore.shardstore import (
     CapacityExceeded,
@@ -55,6 +56,9 @@ class NodeConfig:
     metrics_port: int | None = None
     workers: int = 16
     cache_bytes: int = 256 * MiB  # hot cache of recently read shards; 0 turns it off
+    scrub_bytes_per_s: int = 16 * MiB  # every shard file re-read and checked at this rate; 0: off
+    scrub_period_s: float = 86400.0  # a scrub pass starts this often (the first after 10 min)
+    scrub_first_after_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.capacity_bytes <= 0:
@@ -65,6 +69,8 @@ class NodeConfig:
             raise ValueError(f"chunk size {self.chunk_bytes} must be within [64 KiB, 4 MiB]")
         if self.max_shard_bytes <= 0 or self.sweep_interval_s <= 0 or self.workers <= 0:
             raise ValueError("max shard bytes, sweep interval and workers must be positive")
+        if self.scrub_bytes_per_s < 0 or self.scrub_period_s <= 0 or self.scrub_first_after_s < 0:
+            raise ValueError("--scrub-rate must be >= 0 (0 turns scrubbing off), --scrub-period positive")
 
     @property
     def max_message_bytes(self) -> int:
@@ -113,6 +119,18 @@ class _Metrics:
         Gauge("sluice_store_cache_misses", "Reads that went to a shard file", registry=r).set_function(
             lambda: store.cache.misses
         )
+
+    def watch_scrubber(self, scrubber: Scrubber) -> None:
+        r, st = self.registry, scrubber.stats
+        Gauge("sluice_store_scrub_passes", "Scrub passes completed", registry=r).set_function(
+            lambda: st.passes
+        )
+        Gauge(
+            "sluice_store_scrub_bytes", "Shard file bytes re-read by the scrubber", registry=r
+        ).set_function(lambda: st.bytes)
+        Gauge(
+            "sluice_store_scrub_corrupt_shards", "Shards the scrubber found bad and dropped", registry=r
+        ).set_function(lambda: st.corrupt)
 
 
 class _PutBatch:
@@ -364,6 +382,13 @@ class StoreNodeServer:
             raise OSError(f"could not bind {config.host}:{config.port}")
         self._stop = threading.Event()
         self._sweeper = threading.Thread(target=self._sweep_loop, name="store-sweeper", daemon=True)
+        self.scrubber: Scrubber | None = None
+        if config.scrub_bytes_per_s > 0:
+            self.scrubber = Scrubber(
+                self.store, config.scrub_bytes_per_s, config.scrub_period_s, self._stop.wait,
+                first_after_s=config.scrub_first_after_s,
+            )  # fmt: skip
+            self.servicer.metrics.watch_scrubber(self.scrubber)
 
     @property
     def address(self) -> str:
@@ -372,6 +397,8 @@ class StoreNodeServer:
     def start(self) -> StoreNodeServer:
         self.server.start()
         self._sweeper.start()
+        if self.scrubber is not None:
+            threading.Thread(target=self.scrubber.loop, name="store-scrubber", daemon=True).start()
         if self.config.metrics_port is not None:
             start_http_server(
                 self.config.metrics_port, addr=self.config.host, registry=self.servicer.metrics.registry

@@ -49,6 +49,14 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
         "--cache-bytes", type=parse_size, default=256 * MiB,
         help="in-memory cache of recently read shards, e.g. 256MiB; 0 turns it off",
     )  # fmt: skip
+    p.add_argument(
+        "--scrub-rate", type=parse_size, default=16 * MiB,
+        help="bytes per second the scrubber re-reads and checks shard files, e.g. 16MiB; 0 turns it off",
+    )  # fmt: skip
+    p.add_argument("--scrub-period", type=float, default=86400.0, help="seconds between scrub pass starts")
+    p.add_argument(
+        "--scrub-first-after", type=float, default=600.0, help="seconds from start to the first scrub pass"
+    )
     p.add_argument("--no-fsync", action="store_true", help="skip fsync (tests on tmpfs only; unsafe)")
 
 
@@ -64,5 +72,6 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         node_id=args.node_id or f"node-{args.port}", data_dir=args.data_dir, capacity_bytes=args.capacity,
         host=args.host, port=args.port, retention=retention, max_shard_bytes=args.max_shard_bytes,
         fsync=not args.no_fsync, sweep_interval_s=args.sweep_interval, metrics_port=args.metrics_port,
-        cache_bytes=args.cache_bytes,
+        cache_bytes=args.cache_bytes, scrub_bytes_per_s=args.scrub_rate, scrub_period_s=args.scrub_period,
+        scrub_first_after_s=args.scrub_first_after,
     )  # fmt: skip

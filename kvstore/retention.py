@@ -77,6 +77,10 @@ class ShardIndex:
     def get(self, name: str) -> IndexEntry | None:
         return self._entries.get(name)
 
+    def names(self) -> list[str]:
+        """Every shard's name, least recently used first."""
+        return list(self._entries)
+
     def add(self, name: str, size: int, traffic_class: int, now: float) -> None:
         """Insert or replace ``name`` as the most recently used entry."""
         self.remove(name)

@@ -16,7 +16,8 @@ only the in-memory index), so LRU order and TTL survive a restart approximately.
 
 Reads go through a bounded in-memory cache of recently read shards (``kvstore.hotcache``,
 off unless ``cache_bytes`` > 0): a shard enters it only after a disk read passed every
-check, and leaves it when it is deleted, expired, evicted or rewritten.
+check, and leaves it when it is deleted, expired, evicted or rewritten. ``scrub_one``
+re-reads a shard's file behind the cache's back (``kvstore.scrub`` walks them all).
 No sockets here: the gRPC adapter is ``kvstore.node``.
 """
 
@@ -308,6 +309,35 @@ class ShardStore:
             if self.index.get(name) is entry:  # still the shard that was read: not deleted,
                 self.cache.put(name, raw)  # expired, evicted or rewritten meanwhile
         return raw
+
+    def names(self) -> list[str]:
+        """The names of the shards held now (a snapshot)."""
+        with self._lock:
+            return self.index.names()
+
+    def scrub_one(self, name: str) -> tuple[int, bool] | None:
+        """Re-read shard ``name``'s file (not the hot cache) and check it as a read does:
+        ``(bytes read, passed)``, None when the shard is gone. A shard that fails is
+        dropped, with its cache entry, and counted in ``corrupt_detected``."""
+        with self._lock:
+            entry = self.index.get(name)
+        if entry is None:
+            return None
+        try:
+            raw = _read_shard_file(self.path_of(name), entry.size)
+        except FileNotFoundError:
+            return None
+        oid_hex, _, index = name.partition(".")
+        try:
+            check_stored(raw, bytes.fromhex(oid_hex), int(index))
+        except ShardFormatError:
+            with self._lock:
+                if self.index.get(name) is not entry:  # rewritten, deleted or evicted meanwhile
+                    return None
+                self.corrupt_detected += 1
+                self._drop(name)
+            return len(raw), False
+        return len(raw), True
 
     def touch(self, refs: list[tuple[bytes, int]], now: float | None = None) -> int:
         now = self.clock() if now is None else now

@@ -1,5 +1,5 @@
-"""Storage-side TTL per traffic class and the LRU collector, on 12 real nodes with short
-TTLs and small capacities, metadata in a real Redis."""
+"""Storage-side TTL per traffic class, the LRU collector and the scrubber, on 12 real nodes
+with short TTLs, small capacities and a scrub pass every 0.3 s, metadata in a real Redis."""
 
 from __future__ import annotations
 
@@ -14,6 +14,8 @@ import pytest
 from kvstore.client import StoreClient, StoreClientConfig
 from kvstore.cluster import LocalClusterConfig, LocalStoreCluster
 from kvstore.redis_directory import RedisDirectory
+from kvstore.shardfmt import HEADER_LEN
+from tests.integration.kvstore.helpers import node_index, shard_path
 
 pytestmark = pytest.mark.integration
 TTL = {"agent": 1.0, "chat": 3.0}
@@ -24,7 +26,8 @@ CAPACITY = 2 << 20
 def small_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStoreCluster]:
     cfg = LocalClusterConfig(
         nodes=12, capacity_bytes=CAPACITY, ttl_s=TTL, high_watermark=0.9, low_watermark=0.7,
-        sweep_interval_s=0.2, metrics=True,
+        sweep_interval_s=0.2, metrics=True, scrub_bytes_per_s=64 << 20, scrub_period_s=0.3,
+        scrub_first_after_s=0.0,
     )  # fmt: skip
     with LocalStoreCluster(cfg, root=Path(tmp_path_factory.mktemp("small"))) as cluster:
         yield cluster
@@ -94,3 +97,26 @@ def test_lru_keeps_usage_under_capacity_and_hot_objects_survive(
     assert "sluice_store_used_bytes" in text and 'sluice_store_ops_total{op="put",outcome="ok"}' in text
     hits = [ln for ln in text.splitlines() if ln.startswith("sluice_store_cache_hits ")]
     assert hits and float(hits[0].split()[1]) > 0
+
+
+def test_the_scrubber_drops_a_rotted_shard_nobody_read_and_a_read_repairs_it(
+    small_cluster: LocalStoreCluster, redis_url: str
+) -> None:
+    cfg = StoreClientConfig(nodes=small_cluster.nodes, ttl_s=TTL, background_repair=True)
+    with StoreClient(cfg, RedisDirectory(redis_url)) as c:
+        key, data = os.urandom(32), os.urandom(50_000)
+        meta = c.put_object(key, data)
+        path = shard_path(small_cluster, meta, 6)
+        good = path.read_bytes()
+        path.write_bytes(good[:HEADER_LEN] + bytes([good[HEADER_LEN] ^ 1]) + good[HEADER_LEN + 1 :])
+        deadline = time.monotonic() + 10
+        while path.exists() and time.monotonic() < deadline:  # never read: only the scrubber looks
+            time.sleep(0.05)
+        assert not path.exists()
+        port = small_cluster.metrics_ports[node_index(meta.nodes[6])]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+        assert "sluice_store_scrub_corrupt_shards 1.0" in text
+        assert c.get_prefix([key], touch=False) == [data]  # NOT_FOUND there: parity steps in
+        while not (path.exists() and path.read_bytes() == good) and time.monotonic() < deadline + 10:
+            time.sleep(0.05)
+        assert path.read_bytes() == good  # the client's repair wrote it back
