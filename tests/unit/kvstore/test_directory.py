@@ -5,18 +5,11 @@ from __future__ import annotations
 
 from kvstore.directory import InMemoryDirectory
 from tests.unit.kvstore.directory_contract import check_directory_contract
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 100.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.unit.kvstore.fakes import Clock
 
 
 def test_in_memory_directory_contract() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
 
     def advance(seconds: float) -> None:
         clock.t += seconds

@@ -5,39 +5,32 @@ from __future__ import annotations
 import pytest
 
 from kvstore.health import NodeHealth
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
+from tests.unit.kvstore.fakes import Clock
 
 
 def test_a_failed_node_is_avoided_for_a_back_off_that_doubles_up_to_the_cap() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     health = NodeHealth(base_s=1.0, max_s=4.0, clock=clock)
     assert health.avoided() == frozenset()
     for expected in (1.0, 2.0, 4.0, 4.0):
         health.failed("n01")
         assert health.avoided() == {"n01"}
-        clock.now += expected - 0.01
+        clock.t += expected - 0.01
         assert health.avoided() == {"n01"}
-        clock.now += 0.02  # past the back-off: the next read tries it again
+        clock.t += 0.02  # past the back-off: the next read tries it again
         assert health.avoided() == frozenset()
     assert health.failures("n01") == 4
 
 
 def test_an_answer_makes_a_node_healthy_again() -> None:
-    clock = Clock()
+    clock = Clock(100.0)
     health = NodeHealth(clock=clock)
     health.failed("a")
     health.failed("b")
     health.answered("a")
     assert health.avoided() == {"b"} and health.failures("a") == 0
     health.failed("a")  # the back-off starts over after an answer
-    clock.now += 1.01
+    clock.t += 1.01
     assert health.avoided() == frozenset()
 
 

@@ -12,14 +12,7 @@ from kvstore.hotcache import HotCache
 from kvstore.retention import RetentionConfig
 from kvstore.shardfmt import HEADER_LEN, Shard
 from kvstore.shardstore import ShardCorrupt, ShardNotFound, ShardStore, shard_name
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.unit.kvstore.fakes import Clock
 
 
 def test_bounded_by_bytes_and_evicts_least_recently_used() -> None:

@@ -11,14 +11,7 @@ from kvstore.codec import Codec, new_object_id
 from kvstore.retention import RetentionConfig
 from kvstore.shardfmt import HEADER_LEN, Shard
 from kvstore.shardstore import CapacityExceeded, ShardCorrupt, ShardNotFound, ShardRejected, ShardStore
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.t
+from tests.unit.kvstore.fakes import Clock
 
 
 def _shards(size: int = 10_000, cls: int = 2) -> list[Shard]:
