@@ -70,6 +70,8 @@ def _check_fields(body: dict[str, Any]) -> None:
         raise ApiError(400, "stop must be a string or a list of non-empty strings", param="stop")
     if not isinstance(body.get("stream", False), bool):
         raise ApiError(400, "stream must be a boolean", param="stream")
+    if not isinstance(body.get("ignore_eos", False), bool):
+        raise ApiError(400, "ignore_eos must be a boolean", param="ignore_eos")
 
 
 def prepare_completion(conv: Converter, raw: bytes, body: dict[str, Any]) -> Prepared:
@@ -108,6 +110,7 @@ def prepare_completion(conv: Converter, raw: bytes, body: dict[str, Any]) -> Pre
         top_p=float(body.get("top_p", 1.0)) or 1.0,
         seed=body.get("seed"),
         top_logprobs=logprobs if isinstance(logprobs, int) else None,
+        ignore_eos=bool(body.get("ignore_eos", False)),  # vLLM's extension: fixed-length outputs
     )
     return Prepared(
         "completions", rid, model, bool(body.get("stream", False)), prompt_ids, engine_req,

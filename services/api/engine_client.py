@@ -41,6 +41,7 @@ class EngineRequest:
     seed: int | None = None
     top_logprobs: int | None = None  # None: no logprobs; 0: the sampled token's only
     stop_token_ids: tuple[int, ...] = ()  # added to the model's EOS ids
+    ignore_eos: bool = False  # the model's EOS does not end the request (stop_token_ids still do)
     structured: StructuredSpec | None = None
     priority: int = 0
 

@@ -202,6 +202,7 @@ class InProcessEngineClient:
                 seed=request.seed,
                 logprobs=request.top_logprobs,
                 stop_token_ids=request.stop_token_ids,
+                ignore_eos=request.ignore_eos,
                 structured=structured,
             )
         except ValueError as exc:
@@ -258,7 +259,9 @@ class InProcessEngineClient:
 
         llm = self._llm
         rid = request.request_id
-        stop_ids = frozenset(request.stop_token_ids) | {llm.eos_token_id}
+        stop_ids = frozenset(request.stop_token_ids) | (
+            frozenset() if request.ignore_eos else {llm.eos_token_id}
+        )
         try:
             params = self._sampling_params(request)
             seed = request.seed if request.seed is not None else _seed_for(rid)

@@ -210,6 +210,18 @@ def test_completions_non_streaming_and_streaming(oai):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == r.choices[0].text
 
 
+def test_ignore_eos_runs_a_completion_to_max_tokens(oai):
+    """vLLM's ``ignore_eos`` extension (what load generators send for fixed-length outputs):
+    greedy, this prompt ends at the model's EOS well before 400 tokens; with it, it does not."""
+    kwargs = {"model": "deepseek-chat", "prompt": [2, 3, 4, 5], "max_tokens": 400, "temperature": 0}
+    free = oai.completions.create(**kwargs)
+    assert free.choices[0].finish_reason == "stop" and free.usage.completion_tokens < 400
+    full = oai.completions.create(extra_body={"ignore_eos": True}, **kwargs)
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 400
+    with pytest.raises(openai.BadRequestError, match="ignore_eos must be a boolean"):
+        oai.completions.create(extra_body={"ignore_eos": "yes"}, **kwargs)
+
+
 def test_responses_non_streaming_and_streaming(oai):
     r = oai.responses.create(model="deepseek-chat", input="Describe the weather.", max_output_tokens=8)
     assert r.status in ("completed", "incomplete") and r.usage.output_tokens <= 8
