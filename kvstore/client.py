@@ -39,6 +39,7 @@ from kvstore.fanout import (
 from kvstore.groups import pack_groups
 from kvstore.health import NodeHealth
 from kvstore.placement import NodeAddress, place
+from kvstore.refresh import ParityRefresher
 from kvstore.repair import RepairWorker
 from kvstore.retention import DEFAULT_TTL_S
 from kvstore.shardfmt import TRAFFIC_CLASSES, class_code
@@ -173,6 +174,7 @@ class StoreClient:
         self._node_ids = [nd.node_id for nd in config.nodes]
         self._shard_pool = ThreadPoolExecutor(config.shard_threads, thread_name_prefix="kv-shard")
         self.health = NodeHealth()  # nodes whose streams failed: reads route around them
+        self.parity_refresh = ParityRefresher(config.codec.k)  # parity that data-first reads skip
         self.repair = RepairWorker(self, background=config.background_repair)
 
     # -- objects -------------------------------------------------------------------------
@@ -328,19 +330,25 @@ class StoreClient:
             start, end = meta.span()
             view = memoryview(result)
             out.append(view if meta.length is None else view[start:end])
-        return self._done(hashes, out, touch)
-
-    def _done(self, hashes: Sequence[bytes], out: list[memoryview], touch: bool) -> list[memoryview]:
-        if touch and out:  # the nodes refreshed their shards when serving them; the directory
-            # TTL is refreshed off the read's critical path
-            self._shard_pool.submit(self._touch_directory, list(hashes[: len(out)]))
+        if touch and out:  # off the read's critical path
+            self._shard_pool.submit(self._refresh, list(hashes[: len(out)]), metas[: len(out)])
         return out
 
-    def _touch_directory(self, keys: list[bytes]) -> None:
+    def _refresh(self, keys: list[bytes], metas: list[BlockMeta]) -> None:
+        """After a read: the directory rows' TTL, and the parity shards the read did not ask
+        for (the nodes refreshed the shards they served; ``kvstore.refresh``)."""
         try:
             self.directory.touch(keys, self.config.ttl_s)
         except Exception as exc:  # noqa: BLE001 - a missed refresh only shortens a TTL
             log.warning("directory touch of %d blocks failed: %s", len(keys), exc)
+        if self.config.hedge_factor is None:  # every shard was asked for
+            return
+        for node, refs in self.parity_refresh.due(metas).items():
+            if node not in self.health.avoided():
+                try:
+                    self.transports[node].touch(refs, self.config.admin_timeout_s)
+                except NodeError as exc:
+                    log.debug("parity touch on %s failed: %s", node, exc)
 
     def touch(self, hashes: Sequence[bytes]) -> int:
         metas = [m for m in self.directory.lookup_many(hashes) if m is not None]

@@ -337,3 +337,21 @@ def test_redis_down_is_an_error_and_an_empty_redis_is_a_miss(live_cluster: Local
     finally:
         client.close()
         server.stop()
+
+
+def test_a_data_first_read_refreshes_the_parity_shards_it_did_not_ask_for(
+    live_cluster: LocalStoreCluster, store_client: StoreClient
+) -> None:
+    """Else the parity of a hot object would age out under LRU or TTL while its data lives."""
+    key = os.urandom(32)
+    meta = store_client.put_object(key, os.urandom(200_000))
+    parity = [shard_path(live_cluster, meta, i) for i in (10, 11)]
+    data = shard_path(live_cluster, meta, 3)
+    written = [p.stat().st_mtime_ns for p in (*parity, data)]
+    time.sleep(0.05)
+    assert store_client.get_prefix([key])[0] is not None
+    deadline = time.monotonic() + 5
+    while any(p.stat().st_mtime_ns == w for p, w in zip(parity, written)) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert all(p.stat().st_mtime_ns > w for p, w in zip(parity, written))  # touched (TouchShards)
+    assert data.stat().st_mtime_ns == written[2]  # served: refreshed in the node's memory only
