@@ -36,7 +36,7 @@ from kvstore.fanout import (
     read_objects,
     write_objects,
 )
-from kvstore.groups import pack_groups
+from kvstore.groups import GroupedObject, group_objects
 from kvstore.health import NodeHealth
 from kvstore.placement import NodeAddress, place
 from kvstore.refresh import ParityRefresher
@@ -131,26 +131,6 @@ def _batches(items: Sequence[T], max_bytes: int, size: Callable[[T], int] | None
         yield batch
 
 
-# One object to write: the key it is placed by, its bytes, and its blocks as (key, offset,
-# length) when it is a group of several blocks (None: the object is the block ``key``).
-_Obj = tuple[bytes, bytes, "list[tuple[bytes, int, int]] | None"]
-
-
-def _objects(todo: Sequence[tuple[bytes, bytes]], group_bytes: int) -> list[_Obj]:
-    objs: list[_Obj] = []
-    for run in pack_groups([len(p) for _, p in todo], group_bytes):
-        if len(run) == 1:
-            key, payload = todo[run[0]]
-            objs.append((key, payload, None))
-            continue
-        members, offset = [], 0
-        for i in run:
-            members.append((todo[i][0], offset, len(todo[i][1])))
-            offset += len(todo[i][1])
-        objs.append((todo[run[0]][0], b"".join(todo[i][1] for i in run), members))
-    return objs
-
-
 TransportFactory = Callable[[NodeAddress, int], ShardTransport]
 
 
@@ -192,7 +172,7 @@ class StoreClient:
         return result[0]
 
     def _put_batch(
-        self, items: Sequence[_Obj], traffic_class: str, progress: Progress | None = None
+        self, items: Sequence[GroupedObject], traffic_class: str, progress: Progress | None = None
     ) -> list[list[BlockMeta] | WriteFailed]:
         """Write each object and commit the rows of its blocks; per object, its rows or why not."""
         code = class_code(traffic_class)
@@ -286,7 +266,7 @@ class StoreClient:
         stored: list[BlockMeta] = []
         failures: list[WriteFailed] = []
         lost = 0
-        for batch in _batches(_objects(todo, self.config.group_bytes), self.config.batch_bytes):
+        for batch in _batches(group_objects(todo, self.config.group_bytes), self.config.batch_bytes):
             for obj, r in zip(batch, self._put_batch(batch, traffic_class)):
                 if isinstance(r, WriteFailed):
                     failures.append(r)

@@ -32,3 +32,25 @@ def pack_groups(sizes: Sequence[int], group_bytes: int) -> list[range]:
     if sizes:
         runs.append(range(start, len(sizes)))
     return runs
+
+
+# One object to write: the key it is placed by, its bytes, and its blocks as (key, offset,
+# length) when it is a group of several blocks (None: the object is the block ``key``).
+GroupedObject = tuple[bytes, bytes, "list[tuple[bytes, int, int]] | None"]
+
+
+def group_objects(todo: Sequence[tuple[bytes, bytes]], group_bytes: int) -> list[GroupedObject]:
+    """The objects to write for blocks ``todo`` ((key, payload) in chain order): each run of
+    ``pack_groups`` is one object, its payloads joined (a run of one is the block itself)."""
+    objs: list[GroupedObject] = []
+    for run in pack_groups([len(p) for _, p in todo], group_bytes):
+        if len(run) == 1:
+            key, payload = todo[run[0]]
+            objs.append((key, payload, None))
+            continue
+        members, offset = [], 0
+        for i in run:
+            members.append((todo[i][0], offset, len(todo[i][1])))
+            offset += len(todo[i][1])
+        objs.append((todo[run[0]][0], b"".join(todo[i][1] for i in run), members))
+    return objs

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvstore.client import _objects
-from kvstore.groups import pack_groups
+from kvstore.groups import group_objects, pack_groups
 
 KiB, MiB = 1 << 10, 1 << 20
 
@@ -49,6 +48,6 @@ def test_bad_arguments() -> None:
 
 def test_objects_concatenate_a_group_and_record_each_span() -> None:
     todo = [(b"a", b"xx"), (b"b", b"yyy"), (b"c", b"z" * 10)]
-    objs = _objects(todo, 5)
+    objs = group_objects(todo, 5)
     assert objs == [(b"a", b"xxyyy", [(b"a", 0, 2), (b"b", 2, 3)]), (b"c", b"z" * 10, None)]
-    assert _objects(todo, 0) == [(k, p, None) for k, p in todo]
+    assert group_objects(todo, 0) == [(k, p, None) for k, p in todo]
