@@ -133,10 +133,20 @@ class _ReadBatch:
     of the rest of the batch instead of following it."""
 
     def __init__(
-        self, codec: Codec, objects: Sequence[ObjectRef], timeout_s: float, first: Sequence[Sequence[int]]
+        self,
+        codec: Codec,
+        objects: Sequence[ObjectRef],
+        timeout_s: float,
+        first: Sequence[Sequence[int]],
+        on_settled: Callable[[int, set[int]], None] | None = None,
+        health: NodeHealth | None = None,
     ) -> None:
-        """``first[o]``: the shard indices of object o asked for at first."""
+        """``first[o]``: the shard indices of object o asked for at first. ``on_settled`` and
+        ``health`` as in ``read_objects``; ``cancel`` ends the batch's streams."""
         self.codec = codec
+        self.objects = objects
+        self.on_settled, self.health = on_settled, health
+        self.cancel = Cancel()
         self.k, self.m = codec.config.k, codec.config.m
         self.timeout_s = timeout_s
         self.gathers = [
@@ -327,21 +337,19 @@ def read_objects(
             else first_shards(o.nodes, k, avoid)
             for o in objects
         ]
-    batch = _ReadBatch(codec, objects, timeout_s, first)
+    batch = _ReadBatch(codec, objects, timeout_s, first, on_settled, health)
     start = time.monotonic()
     deadline = start + timeout_s
-    cancel = Cancel()
-    _submit(pool, batch, transports, objects, [(o, i) for o, ask in enumerate(first) for i in ask],
-            timeout_s, cancel, on_settled, health)  # fmt: skip
+    _submit(pool, batch, transports, [(o, i) for o, ask in enumerate(first) for i in ask], timeout_s)
     if hedge_factor is not None and not eager:
         batch.wait_for_hedge(start, deadline, hedge_factor, hedge_min_s)
         late = batch.hedge()
         if late:
             left = max(0.001, deadline - time.monotonic())
-            _submit(pool, batch, transports, objects, late, left, cancel, on_settled, health)
+            _submit(pool, batch, transports, late, left)
     results = batch.wait(deadline)
     if any(not isinstance(r, bytes) for r in results):
-        cancel.cancel()
+        batch.cancel.cancel()
     return results
 
 
@@ -349,20 +357,16 @@ def _submit(
     pool: Executor,
     batch: _ReadBatch,
     transports: Mapping[str, ShardTransport],
-    objects: Sequence[ObjectRef],
     refs: Sequence[tuple[int, int]],
     timeout_s: float,
-    cancel: Cancel,
-    on_settled: Callable[[int, set[int]], None] | None,
-    health: NodeHealth | None,
 ) -> None:
     """One stream per node for ``refs`` (object, shard index)."""
     per_node: dict[str, list[tuple[int, int]]] = {}
     for obj, index in refs:
-        per_node.setdefault(objects[obj].nodes[index], []).append((obj, index))
+        per_node.setdefault(batch.objects[obj].nodes[index], []).append((obj, index))
     for node, items in per_node.items():
         if node in transports:
-            pool.submit(_read_node, batch, transports[node], items, timeout_s, cancel, on_settled, health)
+            pool.submit(_read_node, batch, transports[node], items, timeout_s)
         else:  # a node no longer in the client's membership: its shards are unavailable
             batch.on_replies(
                 [(obj, index, NodeUnavailable(node, "not a known node")) for obj, index in items]
@@ -370,16 +374,11 @@ def _submit(
 
 
 def _read_node(
-    batch: _ReadBatch,
-    transport: ShardTransport,
-    items: list[tuple[int, int]],
-    timeout_s: float,
-    cancel: Cancel,
-    on_settled: Callable[[int, set[int]], None] | None,
-    health: NodeHealth | None,
+    batch: _ReadBatch, transport: ShardTransport, items: list[tuple[int, int]], timeout_s: float
 ) -> None:
     """One node's stream of a read batch; the last reply of the batch reports bad shards."""
     answered = False
+    on_settled, health = batch.on_settled, batch.health
 
     def on_shards(results: list[tuple[int, ShardResult]]) -> None:
         nonlocal answered
@@ -392,10 +391,10 @@ def _read_node(
 
     refs = [(batch.gathers[obj].object_id, index) for obj, index in items]
     start = time.monotonic()
-    transport.get_shards(refs, timeout_s, on_shards, cancel)
+    transport.get_shards(refs, timeout_s, on_shards, batch.cancel)
     batch.stream_done(time.monotonic() - start)
     if health is not None:
         if answered:
             health.answered(transport.node_id)
-        elif not cancel.cancelled:  # its own read gave up on it: no verdict on the node
+        elif not batch.cancel.cancelled:  # its own read gave up on it: no verdict on the node
             health.failed(transport.node_id)
