@@ -323,12 +323,10 @@ class StoreClient:
             log.warning("directory touch of %d blocks failed: %s", len(keys), exc)
         if self.config.hedge_factor is None:  # every shard was asked for
             return
-        for node, refs in self.parity_refresh.due(metas).items():
-            if node not in self.health.avoided():
-                try:
-                    self.transports[node].touch(refs, self.config.admin_timeout_s)
-                except NodeError as exc:
-                    log.debug("parity touch on %s failed: %s", node, exc)
+        avoided = self.health.avoided()
+        self._touch_shards(
+            {n: refs for n, refs in self.parity_refresh.due(metas).items() if n not in avoided}
+        )
 
     def touch(self, hashes: Sequence[bytes]) -> int:
         metas = [m for m in self.directory.lookup_many(hashes) if m is not None]
@@ -336,12 +334,17 @@ class StoreClient:
         for meta in {m.object_id: m for m in metas}.values():  # each object once
             for i, node in enumerate(meta.nodes):
                 by_node.setdefault(node, []).append((meta.object_id, i))
+        self._touch_shards(by_node)
+        return self.directory.touch([m.key for m in metas], self.config.ttl_s)
+
+    def _touch_shards(self, by_node: Mapping[str, list[tuple[bytes, int]]]) -> None:
+        """Refresh shards' LRU and TTL on their nodes (node id -> (object id, index) refs);
+        a node that fails only misses the refresh."""
         for node, refs in by_node.items():
             try:
                 self.transports[node].touch(refs, self.config.admin_timeout_s)
             except NodeError as exc:
                 log.debug("touch on %s failed: %s", node, exc)
-        return self.directory.touch([m.key for m in metas], self.config.ttl_s)
 
     def delete(self, hashes: Sequence[bytes]) -> int:
         """Remove the blocks' entries; an object's shards go with the last entry naming it."""
