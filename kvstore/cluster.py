@@ -1,7 +1,8 @@
 """``LocalStoreCluster``: N storage node processes on loopback, started and torn down reliably.
 
 Used by ``sluice store cluster``, the integration tests and the benchmark. Nodes start in
-parallel (each binds port 0 and reports it through ``<data-dir>/node.addr``); readiness is
+parallel (each binds port 0 and reports it through ``<data-dir>/node.addr``, its metrics port through
+``metrics.addr``); readiness is
 the Health RPC. ``kill(i)`` is a real SIGKILL; ``restart(i)`` brings the node back on the
 same port and data directory, so it serves its shards again.
 """
@@ -64,6 +65,10 @@ def module_command(module: str, *args: str) -> list[str]:
     return [sys.executable, "-c", _BOOT, *checkout_paths(), module, *args]
 
 
+def _port_in(addr_file: Path) -> int:
+    return int(addr_file.read_text().strip().rpartition(":")[2])
+
+
 class LocalStoreCluster:
     """Context manager owning the node processes and (unless given) a temporary data root."""
 
@@ -87,7 +92,8 @@ class LocalStoreCluster:
         c = self.config
         d = self.data_dir(i)
         d.mkdir(parents=True, exist_ok=True)
-        (d / "node.addr").unlink(missing_ok=True)
+        for name in ("node.addr", "metrics.addr"):
+            (d / name).unlink(missing_ok=True)
         args = [
             "--node-id", self.node_ids[i], "--port", str(port), "--data-dir", str(d),
             "--capacity", str(c.capacity_bytes),
@@ -99,11 +105,8 @@ class LocalStoreCluster:
         ]  # fmt: skip
         if not c.fsync:
             args.append("--no-fsync")
-        if c.metrics:
-            from services.procs import free_port
-
-            self.metrics_ports[i] = self.metrics_ports[i] or free_port()
-            args += ["--metrics-port", str(self.metrics_ports[i])]
+        if c.metrics:  # the node binds it (0 the first time) and reports it: no port race
+            args += ["--metrics-port", str(self.metrics_ports[i] or 0)]
         log = open(d / "node.log", "ab")  # noqa: SIM115 - handed to the child
         try:
             return subprocess.Popen(
@@ -128,7 +131,9 @@ class LocalStoreCluster:
                     raise RuntimeError(f"store node {self.node_ids[i]} exited with {proc.returncode}:\n{log}")
                 addr = self.data_dir(i) / "node.addr"
                 if addr.exists():
-                    self.ports[i] = int(addr.read_text().strip().rpartition(":")[2])
+                    self.ports[i] = _port_in(addr)
+                    if self.config.metrics:
+                        self.metrics_ports[i] = _port_in(self.data_dir(i) / "metrics.addr")
                     waiting.discard(i)
             if waiting and time.monotonic() > deadline:
                 raise TimeoutError(

@@ -3,7 +3,8 @@
 Run as its own process (``python -m kvstore.node`` or ``sluice store node``) so it can be
 killed and restarted. When serving, it writes ``<data-dir>/node.addr`` (host:port) so a
 launcher that asked for port 0 learns the bound port. Prometheus metrics are served on
-``--metrics-port`` when given; a background thread sweeps TTL and LRU.
+``--metrics-port`` when given (0: any free port, written to ``<data-dir>/metrics.addr`` before
+``node.addr``); a background thread sweeps TTL and LRU.
 """
 
 from __future__ import annotations
@@ -329,6 +330,7 @@ class StoreNodeServer:
         self.server = grpc.server(futures.ThreadPoolExecutor(max_workers=config.workers), options=opts)
         _add_servicer(self.servicer, self.server)
         self.port = self.server.add_insecure_port(f"{config.host}:{config.port}")
+        self.metrics_port: int | None = None
         if self.port == 0:
             raise OSError(f"could not bind {config.host}:{config.port}")
         self._stop = threading.Event()
@@ -351,13 +353,19 @@ class StoreNodeServer:
         if self.scrubber is not None:
             threading.Thread(target=self.scrubber.loop, name="store-scrubber", daemon=True).start()
         if self.config.metrics_port is not None:
-            start_http_server(
+            httpd, _ = start_http_server(
                 self.config.metrics_port, addr=self.config.host, registry=self.servicer.metrics.registry
             )
-        tmp = self.config.data_dir / "node.addr.tmp"
-        tmp.write_text(self.address + "\n")
-        os.replace(tmp, self.config.data_dir / "node.addr")
+            self.metrics_port = httpd.server_address[1]
+            self._publish("metrics.addr", f"{self.config.host}:{self.metrics_port}")
+        self._publish("node.addr", self.address)  # last: its presence means "ready"
         return self
+
+    def _publish(self, name: str, address: str) -> None:
+        """Write ``address`` to ``<data-dir>/name`` atomically, for a launcher that asked for port 0."""
+        tmp = self.config.data_dir / f"{name}.tmp"
+        tmp.write_text(address + "\n")
+        os.replace(tmp, self.config.data_dir / name)
 
     def _sweep_loop(self) -> None:
         while not self._stop.wait(self.config.sweep_interval_s):
