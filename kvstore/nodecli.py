@@ -44,7 +44,12 @@ def add_node_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--low-watermark", type=float, default=0.80, help="usage fraction LRU GC frees down to")
     p.add_argument("--sweep-interval", type=float, default=5.0, help="seconds between TTL/LRU sweeps")
     p.add_argument("--max-shard-bytes", type=parse_size, default=64 * MiB, help="largest shard accepted")
-    p.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus metrics on this port (0: any free port)")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="serve Prometheus metrics on this port (0: any free port)",
+    )
     p.add_argument(
         "--cache-bytes", type=parse_size, default=256 * MiB,
         help="in-memory cache of recently read shards, e.g. 256MiB; 0 turns it off",

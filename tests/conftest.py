@@ -8,13 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from services.procs import RedisProcess, free_port
+from services.procs import RedisProcess
 
 
 @pytest.fixture(scope="session")
 def redis_server() -> Iterator[RedisProcess]:
     """A real redis-server on a free loopback port, for the whole session."""
-    with RedisProcess(port=free_port()) as server:
+    with RedisProcess() as server:
         yield server
 
 

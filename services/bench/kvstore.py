@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> Report:
     from kvstore.codec import CodecConfig
     from kvstore.memtune import tune_malloc
     from kvstore.redis_directory import RedisDirectory
-    from services.procs import RedisProcess, free_port
+    from services.procs import RedisProcess
 
     sizes = [int(s) for s in args.sizes.split(",")]
     config = {k: v for k, v in vars(args).items() if k != "func"}
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> Report:
     )
     hedge = StoreClientConfig.hedge_factor if args.hedge_factor is None else args.hedge_factor or None
     report.results["hedge_factor"] = hedge  # None: every read asks all k+m shards at once
-    with RedisProcess(port=free_port()) as redis_srv, LocalStoreCluster(cluster_cfg) as cluster:
+    with RedisProcess() as redis_srv, LocalStoreCluster(cluster_cfg) as cluster:
         progress(f"{args.nodes} store nodes up; redis on {redis_srv.url}")
         ccfg = StoreClientConfig(
             nodes=cluster.nodes, codec=CodecConfig(k=args.k, m=args.m), hedge_factor=hedge,

@@ -317,10 +317,10 @@ def test_redis_down_is_an_error_and_an_empty_redis_is_a_miss(live_cluster: Local
 
     from kvstore.client import StoreClientConfig
     from kvstore.redis_directory import RedisDirectory
-    from services.procs import RedisProcess, free_port
+    from services.procs import RedisProcess
 
-    port = free_port()
-    server = RedisProcess(port=port).start()
+    server = RedisProcess().start()
+    port = server.port
     client = StoreClient(
         StoreClientConfig(nodes=live_cluster.nodes), RedisDirectory(server.url, timeout_s=0.5)
     )

@@ -1,0 +1,42 @@
+"""``RedisProcess`` against real redis-server processes: a taken port is an error that says
+so (never a silent connection to somebody else's server), and ``port=0`` gets past a pick
+that another process took first."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+import redis
+
+from services import procs
+from services.procs import RedisProcess
+
+
+def test_a_fixed_port_held_by_another_redis_is_a_clear_error(redis_server: RedisProcess) -> None:
+    with pytest.raises(RuntimeError, match=f"port {redis_server.port} is taken by another redis-server"):
+        RedisProcess(port=redis_server.port).start()
+
+
+def test_a_fixed_port_held_by_another_listener_is_a_clear_error() -> None:
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        with pytest.raises(RuntimeError, match=f"Failed listening on port {port}"):
+            RedisProcess(port=port).start(timeout_s=5)
+
+
+def test_port_zero_tries_again_when_its_pick_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        lost = taken.getsockname()[1]
+        picks = iter([lost])  # the first pick loses the race; later ones are real
+        real_free_port = procs.free_port
+        monkeypatch.setattr(
+            procs, "free_port", lambda host="127.0.0.1": next(picks, 0) or real_free_port(host)
+        )
+        with RedisProcess() as server:
+            assert server.port != lost
+            assert redis.Redis.from_url(server.url).ping()
