@@ -39,8 +39,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--cycles", type=int, default=2,
         help="cycles of healthy rounds, 2 nodes killed, degraded rounds, nodes restarted",
     )  # fmt: skip
-    p.add_argument("--codec-rounds", type=int, default=5, help="interleaved timed rounds per codec figure")
-    p.add_argument("--codec-min-time", type=float, default=0.2, help="seconds per codec timing round")
+    p.add_argument(
+        "--codec-seconds", type=float, default=20.0,
+        help="seconds per object size of interleaved codec batches (all implementations in turn)",
+    )  # fmt: skip
+    p.add_argument("--codec-batch-ms", type=float, default=2.0, help="length of one timed codec batch")
     p.add_argument("--latency-samples", type=int, default=200, help="single-block reads for p50/p99")
     p.add_argument("--latency-size", type=int, default=1 * MiB, help="object size for the latency figures")
     p.add_argument("--no-fsync", action="store_true", help="nodes skip fsync (not the default)")
@@ -79,7 +82,7 @@ def run(args: argparse.Namespace) -> Report:
     if args.only in ("all", "codec"):
         progress("codec: ours vs zfec, pyeclib backends, memcpy")
         codec = run_codec(
-            [1 * MiB, 16 * MiB], args.k, args.m, args.codec_min_time, args.codec_rounds, progress
+            [1 * MiB, 16 * MiB], args.k, args.m, args.codec_seconds, args.codec_batch_ms / 1e3, progress
         )
         report.results["codec"] = codec
     if args.only == "codec":
