@@ -290,27 +290,29 @@ class IsalCauchyBackend:
         if object_len > self.k * size:
             raise ValueError(f"object of {object_len} bytes does not fit {self.k} shards of {size}")
         out, base = new_bytes(object_len)
-        # a writable view of the new bytes: slice assignment copies without a ctypes call
-        fill = memoryview((ctypes.c_char * object_len).from_address(base)).cast("B")
-        src = {i: address(payloads[i]) for i in use}
         want, dst, partial = [], [], []  # partial: (scratch, its address, bytes it holds, offset)
-        for j in range(self.k):
+        for j in range(min(self.k, -(-object_len // size))):  # the data shards the object spans
+            if j in payloads:
+                continue
             start = j * size
-            if start >= object_len:
-                break
-            take = min(size, object_len - start)
-            if j in src:  # present data shards are all among the k used
-                fill[start : start + take] = payloads[j] if take == size else memoryview(payloads[j])[:take]
-            elif take == size:
+            if start + size <= object_len:
                 want.append(j)
                 dst.append(base + start)
             else:  # the object ends inside this shard: recover it aside, copy its head
                 scratch, at = new_bytes(size)
                 want.append(j)
                 dst.append(at)
-                partial.append((scratch, at, take, start))
-        if want:
-            self.code.decode(size, use, list(src.values()), want, dst)
+                partial.append((scratch, at, object_len - start, start))
+        if want:  # first: it reads every source, and the copies below then find them in cache
+            self.code.decode(size, use, [address(payloads[i]) for i in use], want, dst)
+        # a writable view of the new bytes: slice assignment copies without a ctypes call
+        fill = memoryview((ctypes.c_char * object_len).from_address(base)).cast("B")
+        for j in use:
+            start = j * size
+            if j >= self.k or start >= object_len:
+                break  # sorted: parity and past-the-end shards follow
+            take = min(size, object_len - start)
+            fill[start : start + take] = payloads[j] if take == size else memoryview(payloads[j])[:take]
         for _scratch, at, take, start in partial:
             ctypes.memmove(base + start, at, take)
         return out

@@ -193,3 +193,55 @@ def test_skipping_checksums_still_checks_identity_and_length() -> None:
     assert 0 not in codec.valid([short, *shards[1:]], oid, checksums=False)
     other = codec.encode(new_object_id(), data)
     assert 0 not in codec.valid([other[0], *shards[1:]], oid, checksums=False)
+
+
+def _mutations(codec: Codec, rng: random.Random) -> list[Shard | None]:
+    """One object's shards with a few random faults: shards missing, moved to another slot,
+    from another object, with a payload flipped, cut or extended, or a header field off."""
+    data = os.urandom(rng.choice([1, 999, 10_000, 65_537]))
+    shards: list[Shard | None] = list(codec.encode(new_object_id(), data))
+    other = codec.encode(new_object_id(), data)
+    for _ in range(rng.randint(0, 3)):
+        i = rng.randrange(len(shards))
+        s = shards[i]
+        if s is None:
+            continue
+        fault = rng.choice(["missing", "swap", "foreign", "flip", "cut", "extend", "header"])
+        if fault == "missing":
+            shards[i] = None
+        elif fault == "swap":
+            j = rng.randrange(len(shards))
+            shards[i], shards[j] = shards[j], shards[i]
+        elif fault == "foreign":
+            shards[i] = other[i]
+        elif fault == "flip" and s.payload:
+            shards[i] = _flip(s, rng.randrange(len(s.payload)))
+        elif fault == "cut":
+            shards[i] = Shard(s.header, bytes(s.payload)[:-1])
+        elif fault == "extend":
+            shards[i] = Shard(s.header, bytes(s.payload) + b"\0")
+        else:
+            field = rng.choice(["codec", "k", "m", "object_len", "payload_len", "stripes"])
+            shards[i] = Shard(s.header._replace(**{field: getattr(s.header, field) + 1}), s.payload)
+    return shards
+
+
+def test_the_one_pass_check_agrees_with_the_shard_by_shard_check() -> None:
+    """``valid`` takes a one-pass path when every shard is good; whatever it accepts must be
+    exactly what the shard-by-shard check accepts, on intact and on faulty shard sets."""
+    codec, rng, fast_taken = Codec(CodecConfig()), random.Random(6), 0
+    for _ in range(400):
+        shards = _mutations(codec, rng)
+        oid = next((s.header.object_id for s in shards if s is not None), None)
+        for object_id in (None, oid, b"x" * 16):
+            try:
+                each = codec._valid_each(shards, object_id, True)
+            except ShardSizeMismatch:
+                assert codec._valid_fast(shards, object_id, True) is None
+                continue
+            fast = codec._valid_fast(shards, object_id, True)
+            if fast is not None:
+                fast_taken += 1
+                assert fast == each
+            assert codec.valid(shards, object_id) == each
+    assert fast_taken > 100  # the intact sets (and those with shards only missing) take it
