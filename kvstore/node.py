@@ -9,10 +9,8 @@ launcher that asked for port 0 learns the bound port. Prometheus metrics are ser
 
 from __future__ import annotations
 
-import argparse
 import logging
 import os
-import signal
 import threading
 from collections.abc import Iterator
 from concurrent import futures
@@ -381,31 +379,7 @@ class StoreNodeServer:
         self.server.wait_for_termination()
 
 
-def serve(config: NodeConfig) -> int:
-    from kvstore.memtune import tune_malloc
+if __name__ == "__main__":  # the launcher's entry point: ``python -m kvstore.node ARGS``
+    from kvstore.nodecli import main
 
-    tune_malloc()  # this process is a node: keep shard-sized buffers for reuse
-    config.data_dir.mkdir(parents=True, exist_ok=True)
-    node = StoreNodeServer(config).start()
-    log.info("store node %s serving on %s (data %s)", config.node_id, node.address, config.data_dir)
-    print(f"store node {config.node_id} listening on {node.address}", flush=True)
-    done = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: done.set())
-    done.wait()
-    node.stop()
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    from kvstore.nodecli import add_node_arguments, config_from_args
-
-    parser = argparse.ArgumentParser(prog="python -m kvstore.node", description=__doc__)
-    add_node_arguments(parser)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return serve(config_from_args(args))
-
-
-if __name__ == "__main__":
     raise SystemExit(main())

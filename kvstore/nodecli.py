@@ -1,8 +1,12 @@
-"""Command-line arguments of a store node (``python -m kvstore.node``, ``sluice store node``)."""
+"""A store node's command line (``python -m kvstore.node``, ``sluice store node``): its
+arguments, and ``serve``, which runs a node until SIGTERM or SIGINT."""
 
 from __future__ import annotations
 
 import argparse
+import logging
+import signal
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -80,3 +84,32 @@ def config_from_args(args: argparse.Namespace) -> NodeConfig:
         cache_bytes=args.cache_bytes, scrub_bytes_per_s=args.scrub_rate, scrub_period_s=args.scrub_period,
         scrub_first_after_s=args.scrub_first_after,
     )  # fmt: skip
+
+
+def serve(config: NodeConfig) -> int:
+    from kvstore.memtune import tune_malloc
+    from kvstore.node import StoreNodeServer
+
+    tune_malloc()  # this process is a node: keep shard-sized buffers for reuse
+    config.data_dir.mkdir(parents=True, exist_ok=True)
+    node = StoreNodeServer(config).start()
+    logging.getLogger("kvstore.node").info(
+        "store node %s serving on %s (data %s)", config.node_id, node.address, config.data_dir
+    )
+    print(f"store node {config.node_id} listening on {node.address}", flush=True)
+    done = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: done.set())
+    done.wait()
+    node.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvstore import node
+
+    parser = argparse.ArgumentParser(prog="python -m kvstore.node", description=node.__doc__)
+    add_node_arguments(parser)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return serve(config_from_args(args))

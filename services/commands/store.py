@@ -33,7 +33,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run_node(args: argparse.Namespace) -> int:
-    from kvstore.node import serve  # gRPC and the stubs load only for this command
+    from kvstore.nodecli import serve  # gRPC and the stubs load only in serve()
 
     return serve(config_from_args(args))
 
