@@ -1,10 +1,10 @@
 """``LocalStoreCluster``: N storage node processes on loopback, started and torn down reliably.
 
 Used by ``sluice store cluster``, the integration tests and the benchmark. Nodes start in
-parallel (each binds port 0 and reports it through ``<data-dir>/node.addr``, its metrics port through
-``metrics.addr``); readiness is
-the Health RPC. ``kill(i)`` is a real SIGKILL; ``restart(i)`` brings the node back on the
-same port and data directory, so it serves its shards again.
+parallel: each binds port 0 and reports it through ``<data-dir>/node.addr`` (its metrics
+port, if any, through ``metrics.addr``); readiness is the Health RPC. ``kill(i)`` is a real
+SIGKILL; ``restart(i)`` brings the node back on the same ports and data directory, so it
+serves its shards again.
 """
 
 from __future__ import annotations

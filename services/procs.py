@@ -76,8 +76,8 @@ class RedisProcess:
             if taken is None:
                 self.proc, self.port, self._log = proc, port, log
                 return self
-            why = taken or _end(proc, log)
-            _end(proc, log)
+            last_line = _end(proc, log)
+            why = taken or last_line
         raise RuntimeError(f"redis-server did not start on {self.host}:{port}: {why}")
 
     def stop(self) -> None:
