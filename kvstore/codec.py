@@ -256,7 +256,7 @@ class Codec:
     ) -> dict[int, Shard] | None:
         """``valid`` for the usual case, in one pass: every given shard is intact, in its
         slot and of one write. None as soon as any is not; ``_valid_each`` then sorts the
-        shards out one by one. This runs on every decode: a 1 MiB decode (2 missing) is ~5.5%
+        shards out one by one. This runs on every decode: a 1 MiB decode (2 missing) is ~6%
         faster with it (``scripts/ab_codec_decode.py``, docs/benchmarks.md)."""
         good: dict[int, Shard] = {}
         common = None
