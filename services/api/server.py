@@ -8,6 +8,7 @@ limit). httptools, if installed, has no such bound.
 
 from __future__ import annotations
 
+import socket
 import threading
 import time
 from typing import Any
@@ -17,6 +18,20 @@ import uvicorn
 from services.api.config import ApiConfig
 
 HEADER_PARSER_FACTOR = 2  # h11's hard bound = factor x max_header_bytes
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port) as uvicorn binds one (IPv6 for a host with ``:``);
+    port 0 takes a free port, which ``getsockname()`` then names. Raises OSError."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
 
 
 def uvicorn_config(app: Any, cfg: ApiConfig, host: str, port: int, log_level: str = "info") -> uvicorn.Config:

@@ -23,7 +23,9 @@ ROUTER_POLICIES = ("round_robin", "least_load", "cache_aware", "sluice")  # = se
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("serve", help="serve the OpenAI/Anthropic-compatible HTTP API")
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1, or SLUICE_HOST)")
-    p.add_argument("--port", type=int, default=None, help="port (default 8000, or SLUICE_PORT)")
+    p.add_argument(
+        "--port", type=int, default=None, help="port (default 8000, or SLUICE_PORT; 0: any free port)"
+    )
     p.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: generated tiny)")
     p.add_argument("--config", type=Path, default=None, help="cluster.yaml")
     p.add_argument(
@@ -100,11 +102,18 @@ def run(args: argparse.Namespace) -> int:
 
     from services.api.app import create_app
     from services.api.inprocess import InProcessEngineClient
-    from services.api.server import uvicorn_config
+    from services.api.server import bind_socket, uvicorn_config
     from services.routed_client import RoutedEngineClient, RoutingConfig
 
     cfg, host, port, model = api_config_from(args)
     routing = RoutingConfig(replicas=args.replicas, policy=args.router_policy).resolve()
+    try:  # before the model loads: the port is ours from here on, and port 0 names one
+        sock = bind_socket(host, port)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", host, port, exc)
+        return 2
+    port = sock.getsockname()[1]
+    print(f"sluice: listening on http://{host}:{port}", flush=True)  # launchers read this line
     engine: Any = (
         RoutedEngineClient.in_process(model, routing) if routing.routed else InProcessEngineClient(model)
     )
@@ -117,5 +126,5 @@ def run(args: argparse.Namespace) -> int:
     if host not in ("127.0.0.1", "::1", "localhost") and not app.state.sluice.config.api_keys:
         log.warning("serving on %s without API keys: set SLUICE_API_KEYS or SLUICE_API_KEYS_FILE", host)
     log.info("serving %s on http://%s:%d", model, host, port)
-    uvicorn.Server(uvicorn_config(app, cfg, host, port)).run()  # type: ignore[arg-type]
+    uvicorn.Server(uvicorn_config(app, cfg, host, port)).run(sockets=[sock])  # type: ignore[arg-type]
     return 0

@@ -3,33 +3,25 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 
 import httpx
 import pytest
 
-from services.procs import free_port
-from tests.integration.serve_proc import stop, wait_until_ready
+from tests.integration.serve_proc import ServeProcess
 
 pytestmark = pytest.mark.integration
 
 
 def test_sluice_serve_starts_answers_and_stops(tiny_model, tmp_path):
-    port = free_port()
-    env = {
-        **os.environ,
-        "SLUICE_HOME": str(tmp_path),
-        "SLUICE_API_KEYS": "sk-serve-test",
-        "SLUICE_LOG_LEVEL": "WARNING",
-    }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "services.cli", "serve", "--port", str(port), "--model", str(tiny_model)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-    )  # fmt: skip
+    env = {"SLUICE_HOME": str(tmp_path), "SLUICE_API_KEYS": "sk-serve-test", "SLUICE_LOG_LEVEL": "WARNING"}
+    server = ServeProcess(["--model", str(tiny_model)], env)
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_until_ready(proc, url, "/health")
+        url = server.url
+        assert url.startswith("http://127.0.0.1:") and not url.endswith(":0")
+        server.wait_until_ready("/health")
         headers = {"authorization": "Bearer sk-serve-test"}
         body = {"model": "deepseek-chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
         assert httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60).status_code == 401
@@ -37,8 +29,22 @@ def test_sluice_serve_starts_answers_and_stops(tiny_model, tmp_path):
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 4
         assert httpx.get(f"{url}/ready", headers=headers, timeout=10).status_code == 200
     finally:
-        stop(proc)
-    assert proc.returncode in (0, -15)
+        server.stop()
+    assert server.returncode in (0, -15)
+
+
+def test_a_taken_port_is_a_clear_error_before_the_model_loads(tmp_path):
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        out = subprocess.run(
+            [sys.executable, "-m", "services.cli", "serve", "--port", str(port), "--model", str(tmp_path / "none")],
+            env={**os.environ, "SLUICE_HOME": str(tmp_path)},
+            capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert out.returncode == 2
+    assert f"cannot listen on 127.0.0.1:{port}" in out.stderr + out.stdout
 
 
 @pytest.mark.slow

@@ -25,7 +25,7 @@ from services.api.config import ApiConfig
 from services.api.inprocess import InProcessEngineClient
 from services.api.server import ServerThread
 from services.routed_client import RoutedEngineClient, RoutingConfig
-from tests.integration.serve_proc import stop, wait_until_ready
+from tests.integration.serve_proc import ServeProcess
 
 pytestmark = pytest.mark.integration
 
@@ -304,31 +304,19 @@ def test_sluice_serve_with_replicas_routes_and_reports_them(tiny, tmp_path):
     import subprocess
     import sys
 
-    from services.procs import free_port
-
     env = {**os.environ, "SLUICE_HOME": str(tmp_path), "SLUICE_LOG_LEVEL": "WARNING"}
     bad = subprocess.run(
-        [sys.executable, "-m", "services.cli", "serve", "--model", str(tiny), "--replicas", "0"],
+        [sys.executable, "-m", "services.cli", "serve", "--port", "0", "--model", str(tiny), "--replicas", "0"],
         env=env, capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert bad.returncode != 0 and "replicas must be >= 1" in bad.stderr + bad.stdout
-    port = free_port()
-    args = [
-        "serve",
-        "--port",
-        str(port),
-        "--model",
-        str(tiny),
-        "--replicas",
-        "2",
-        "--router-policy",
-        "cache_aware",
-    ]
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    server = ServeProcess(
+        ["--model", str(tiny), "--replicas", "2", "--router-policy", "cache_aware"],
+        {"SLUICE_HOME": str(tmp_path), "SLUICE_LOG_LEVEL": "WARNING"},
+    )
+    url = server.url
     try:
-        wait_until_ready(proc, url, "/ready")
+        server.wait_until_ready("/ready")
         body = {"model": "deepseek-chat", "prompt": [2, 3, 4], "max_tokens": 2}
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
         text = httpx.get(f"{url}/metrics", timeout=10).text
@@ -337,4 +325,4 @@ def test_sluice_serve_with_replicas_routes_and_reports_them(tiny, tmp_path):
         )
         assert sorted(r for r, _ in routed) == ["0", "1"] and sum(float(v) for _, v in routed) == 1.0
     finally:
-        stop(proc)
+        server.stop()
