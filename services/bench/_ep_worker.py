@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from engine.checkpoint.presets import preset_config
 from engine.config import BLOCK_TOKENS, ModelConfig
+from engine.distributed.rendezvous import join_group
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.runner import ModelRunner, RunnerConfig
 from router.eplb.metric import imbalance_matrix
@@ -281,7 +282,7 @@ def worker(rank: int, world: int, port: int, args: dict[str, Any], out_dir: str)
         torch.set_num_threads(1)
     if world > 1:
         backend = "nccl" if a.device == "cuda" else "gloo"
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        join_group(backend, port, rank, world)
         dist.all_reduce(torch.zeros(1, device=r.device))  # p2p must not be the group's first collective
     try:
         mcfg = model_config(a)

@@ -10,9 +10,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from engine.distributed.rendezvous import join_group, serve_store
 from engine.eplb import ExpertLoadRecorder, ReplicaMap, remap_expert_weights
 from router.eplb.transfer import plan_remap
-from services.procs import free_port
 
 pytestmark = pytest.mark.gpu
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
@@ -30,7 +30,7 @@ def _worker(rank: int, port: int) -> None:
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # no NVLink multicast
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=R)
+    join_group("nccl", port, rank, R)
     try:
         dist.all_reduce(torch.zeros(1, device=dev))  # p2p must not be the group's first collective
         rng = np.random.default_rng(7)
@@ -47,7 +47,8 @@ def _worker(rank: int, port: int) -> None:
 
 @two_gpus
 def test_nccl_remap_moves_every_slot() -> None:
-    mp.spawn(_worker, args=(free_port(),), nprocs=R, join=True)
+    store = serve_store()  # the ranks' rendezvous, held until they are done
+    mp.spawn(_worker, args=(store.port,), nprocs=R, join=True)
 
 
 @one_gpu

@@ -27,9 +27,9 @@ from safetensors.torch import load_file, save_file
 from engine.checkpoint.generate import generate_checkpoint
 from engine.checkpoint.presets import preset_config
 from engine.config import ModelConfig
+from engine.distributed.rendezvous import join_group, serve_store
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.runner import ModelRunner, RunnerConfig
-from services.procs import free_port
 
 pytestmark = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
 
@@ -75,7 +75,7 @@ def _worker(rank: int, port: int, case: str, path: str, out_dir: str) -> None:
 
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # no NVLink multicast
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    join_group("nccl", port, rank, WORLD)
     try:
         dist.all_reduce(torch.zeros(1, device=f"cuda:{rank}"))
         runner = _runner(case, path, WORLD, rank, f"cuda:{rank}")
@@ -90,7 +90,8 @@ def _worker(rank: int, port: int, case: str, path: str, out_dir: str) -> None:
 @pytest.mark.parametrize("case", ["tiny_fp32", "flash_bf16"])
 def test_ep2_nccl_matches_one_gpu(case: str, tmp_path: Path) -> None:
     path = str(generate_checkpoint("tiny", tmp_path / "tiny").path) if case == "tiny_fp32" else ""
-    mp.spawn(_worker, args=(free_port(), case, path, str(tmp_path)), nprocs=WORLD, join=True)
+    store = serve_store()  # the ranks' rendezvous, held until they are done
+    mp.spawn(_worker, args=(store.port, case, path, str(tmp_path)), nprocs=WORLD, join=True)
     single = _runner(case, path, 1, 0, "cuda:0")
     errs, same_routing = [], []
     for rank in range(WORLD):

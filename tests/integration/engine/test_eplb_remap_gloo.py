@@ -12,9 +12,9 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from engine.distributed.rendezvous import join_group, serve_store
 from engine.eplb import remap_expert_weights
 from router.eplb.transfer import plan_remap
-from services.procs import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -37,7 +37,7 @@ def _expert_weights(logical: np.ndarray) -> dict[str, torch.Tensor]:
 
 def _worker(rank: int, world: int, port: int, redundant: int, out_dir: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # keep gloo's sockets on loopback
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    join_group("gloo", port, rank, world)
     try:
         rng = np.random.default_rng(1234)  # the same placements on every rank
         s = NUM_LOGICAL // world + redundant
@@ -63,9 +63,10 @@ def _worker(rank: int, world: int, port: int, redundant: int, out_dir: str) -> N
 def test_remap_puts_every_logical_expert_in_every_slot(tmp_path: Path, world: int, redundant: int) -> None:
     torch.set_num_threads(1)
     # fork: the children inherit the imported torch instead of re-importing it (seconds each)
+    store = serve_store()  # the ranks' rendezvous, held until they are done
     mp.start_processes(
         _worker,
-        args=(world, free_port(), redundant, str(tmp_path)),
+        args=(world, store.port, redundant, str(tmp_path)),
         nprocs=world,
         join=True,
         start_method="fork",

@@ -17,10 +17,10 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from engine.distributed.rendezvous import join_group, serve_store
 from engine.runner import ModelRunner, RunnerConfig
 from services.eplb_controller import EplbConfig
 from services.eplb_engine import EngineEplb, MoEExpertStore, greedy_generate, initial_placement
-from services.procs import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -69,7 +69,7 @@ def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    join_group("gloo", port, rank, WORLD)
     try:
         torch.set_num_threads(1)
         out = {mode: _generate(path, rank, mode, Path(out_dir)) for mode in MODES}
@@ -84,8 +84,8 @@ def ep_run(checkpoint_factory, tmp_path_factory) -> tuple[Path, Path, list[dict]
     path = checkpoint_factory("tiny", seed=3)
     out_dir = tmp_path_factory.mktemp("eplb-engine")
     ctx = mp.get_context("spawn")
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, str(path), str(out_dir))) for r in range(WORLD)]
+    store = serve_store()  # the ranks' rendezvous, held until they are done
+    procs = [ctx.Process(target=_worker, args=(r, store.port, str(path), str(out_dir))) for r in range(WORLD)]
     for p in procs:
         p.start()
     for p in procs:

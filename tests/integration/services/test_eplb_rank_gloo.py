@@ -13,10 +13,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from engine.distributed.rendezvous import join_group, serve_store
 from engine.eplb import ExpertLoadRecorder, ReplicaMap
 from services.eplb_controller import EplbConfig, EplbController
 from services.eplb_rank import EplbRankRunner
-from services.procs import free_port
 
 pytestmark = pytest.mark.integration
 
@@ -54,7 +54,7 @@ def _route(rng: np.random.Generator, step: int) -> torch.Tensor:
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    join_group("gloo", port, rank, world)
     try:
         cfg = EplbConfig.for_pool("prefill", num_redundant_per_rank=2, window_steps=5, period_steps=15)
         initial = EplbController(cfg, LAYERS, EXPERTS, world).placement.phy2log
@@ -91,9 +91,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 def test_ep2_remaps_during_serving_and_outputs_stay_identical(tmp_path: Path) -> None:
-    mp.start_processes(
-        _worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True, start_method="fork"
-    )
+    store = serve_store()  # the ranks' rendezvous, held until they are done
+    mp.start_processes(_worker, args=(2, store.port, str(tmp_path)), nprocs=2, join=True, start_method="fork")
     out = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     assert out[0]["moved"] >= LAYERS  # at least one full remap happened while serving
     assert out[0]["sent"] + out[1]["sent"] > 0

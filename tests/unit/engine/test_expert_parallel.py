@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -10,10 +9,10 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from engine.distributed.rendezvous import join_group, serve_store
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.model.moe import ExpertPlacement
 from engine.runner import ModelRunner, RunnerConfig
-from services.procs import free_port
 
 NAME = "mixed_hc2"
 
@@ -46,8 +45,7 @@ def _placement(world: int, replicated: bool, rank: int) -> ExpertPlacement | Non
 def _worker(rank: int, world: int, port: int, path: str, out_dir: str, replicated: bool = False) -> None:
     import torch.distributed as dist
 
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_group("gloo", port, rank, world)
     try:
         torch.set_num_threads(1)
         cfg = RunnerConfig(num_blocks=2, num_slots=1, ep_size=world, ep_rank=rank)
@@ -73,9 +71,9 @@ def test_expert_parallel_matches_single_rank(reference, tmp_path: Path, world: i
     path, _ = reference(NAME)
     single = ModelRunner(path, RunnerConfig(num_blocks=2, num_slots=1))
     ctx = mp.get_context("spawn")
-    port = free_port()
+    store = serve_store()  # the ranks' rendezvous, held until they are done
     procs = [
-        ctx.Process(target=_worker, args=(r, world, port, str(path), str(tmp_path), replicated))
+        ctx.Process(target=_worker, args=(r, world, store.port, str(path), str(tmp_path), replicated))
         for r in range(world)
     ]
     for p in procs:
