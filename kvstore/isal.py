@@ -21,13 +21,13 @@ them, the documented way C code builds a bytes object; it saves zeroing the buff
 from __future__ import annotations
 
 import ctypes
+import functools
 import glob
 import importlib.util
 import os
 import sys
 import threading
-from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 _U8P = ctypes.POINTER(ctypes.c_ubyte)
@@ -161,7 +161,7 @@ _MAX_CALL_BYTES = 1 << 30
 
 class CauchyCode:
     """A systematic k+m Reed-Solomon code on ISA-L. Thread-safe: tables are immutable once
-    built and the decode-table cache is guarded by a lock.
+    built, and the decode tables are cached per erasure pattern by ``functools.lru_cache``.
 
     ``encode``/``decode`` take raw addresses; callers keep the buffers alive and make every
     buffer at least ``length`` bytes long. Sources are only read, destinations only written.
@@ -178,8 +178,10 @@ class CauchyCode:
         self._lib.gf_gen_cauchy1_matrix(matrix, self.n, k)
         self.matrix = bytes(matrix)  # n rows of k coefficients; the first k rows are identity
         self._encode_tables = self._tables(self.matrix[k * k :], m)
-        self._decode_cache: OrderedDict[tuple[tuple[int, ...], tuple[int, ...]], Any] = OrderedDict()
-        self._lock = threading.Lock()
+        # ISA-L tables that map shards ``present`` to shards ``want``, most recent patterns kept.
+        self.decode_tables: Callable[[tuple[int, ...], tuple[int, ...]], Any] = functools.lru_cache(
+            maxsize=self.MAX_PATTERNS
+        )(lambda present, want: self._tables(self.decode_rows(present, want), len(want)))
 
     def _tables(self, rows: bytes, nrows: int) -> Any:
         tables = (ctypes.c_ubyte * (32 * self.k * nrows))()
@@ -209,21 +211,6 @@ class CauchyCode:
             srcs = (ctypes.c_void_p * self.k)(*(src if off == 0 else [a + off for a in src]))
             dsts = (ctypes.c_void_p * len(dst))(*(dst if off == 0 else [a + off for a in dst]))
             self._lib.ec_encode_data(min(_MAX_CALL_BYTES, length - off), self.k, len(dst), tables, srcs, dsts)
-
-    def decode_tables(self, present: tuple[int, ...], want: tuple[int, ...]) -> Any:
-        """ISA-L tables that map shards ``present`` to shards ``want`` (cached per pattern)."""
-        key = (present, want)
-        with self._lock:
-            hit = self._decode_cache.get(key)
-            if hit is not None:
-                self._decode_cache.move_to_end(key)
-                return hit
-        tables = self._tables(self.decode_rows(present, want), len(want))
-        with self._lock:
-            self._decode_cache[key] = tables
-            while len(self._decode_cache) > self.MAX_PATTERNS:
-                self._decode_cache.popitem(last=False)
-        return tables
 
     def decode_rows(self, present: tuple[int, ...], want: tuple[int, ...]) -> bytes:
         """Coefficient rows expressing each wanted shard as a combination of ``present``."""
