@@ -44,7 +44,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="seconds per object size of interleaved codec batches (all implementations in turn)",
     )  # fmt: skip
     p.add_argument("--codec-batch-ms", type=float, default=2.0, help="length of one timed codec batch")
-    p.add_argument("--latency-samples", type=int, default=200, help="single-block reads for p50/p99")
+    p.add_argument("--latency-samples", type=int, default=1000, help="single-block reads for p50/p99")
     p.add_argument("--latency-size", type=int, default=1 * MiB, help="object size for the latency figures")
     p.add_argument("--no-fsync", action="store_true", help="nodes skip fsync (not the default)")
     p.add_argument(
