@@ -36,7 +36,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--bytes-per-size", type=int, default=64 * MiB, help="bytes moved per size and direction")
     p.add_argument("--rounds", type=int, default=5, help="timed rounds per figure and cycle (best is kept)")
     p.add_argument(
-        "--cycles", type=int, default=2,
+        "--cycles", type=int, default=4,
         help="cycles of healthy rounds, 2 nodes killed, degraded rounds, nodes restarted",
     )  # fmt: skip
     p.add_argument(
