@@ -113,7 +113,8 @@ def run(args: argparse.Namespace) -> int:
         log.error("cannot listen on %s:%d: %s", host, port, exc)
         return 2
     port = sock.getsockname()[1]
-    print(f"sluice: listening on http://{host}:{port}", flush=True)  # launchers read this line
+    url_host = f"[{host}]" if ":" in host else host
+    print(f"sluice: listening on http://{url_host}:{port}", flush=True)  # launchers read this line
     engine: Any = (
         RoutedEngineClient.in_process(model, routing) if routing.routed else InProcessEngineClient(model)
     )
@@ -125,6 +126,6 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(cfg, engine)  # type: ignore[arg-type]
     if host not in ("127.0.0.1", "::1", "localhost") and not app.state.sluice.config.api_keys:
         log.warning("serving on %s without API keys: set SLUICE_API_KEYS or SLUICE_API_KEYS_FILE", host)
-    log.info("serving %s on http://%s:%d", model, host, port)
+    log.info("serving %s on http://%s:%d", model, url_host, port)
     uvicorn.Server(uvicorn_config(app, cfg, host, port)).run(sockets=[sock])  # type: ignore[arg-type]
     return 0
