@@ -231,7 +231,9 @@ def test_abort_by_id_reaches_the_replica_that_holds_the_request(sluice_server):
     with client, client.stream("POST", "/v1/completions", json=body) as resp:
         data = [ln for _, ln in zip(range(50), resp.iter_lines()) if ln.startswith("data: ")][:3]
         assert len(data) == 3
-        ((rid, target),) = list(engine._where.items())
+        in_flight = list(engine._where.items())
+        assert len(in_flight) == 1, f"not in flight after 3 chunks: {data}; {[r.stats() for r in replicas]}"
+        ((rid, target),) = in_flight
         asyncio.run_coroutine_threadsafe(engine.abort(rid), replicas[0]._loop).result(10)
         wait_for(
             lambda: replicas[target].stats().aborted_total == before_aborts[target] + 1, what="the abort"
