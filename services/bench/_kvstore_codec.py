@@ -45,7 +45,7 @@ PYECLIB_TYPES = (
 )
 
 
-def _pyeclib_pair(ec_type: str, k: int, m: int, data: bytes) -> tuple[Callable, Callable] | None:
+def pyeclib_pair(ec_type: str, k: int, m: int, data: bytes) -> tuple[Callable, Callable] | None:
     try:
         from pyeclib.ec_iface import ECDriver
 
@@ -120,7 +120,7 @@ def _pairs(k: int, m: int, data: bytes) -> dict[str, tuple[Callable, Callable]]:
         pairs["sluice_raw:isal_cauchy"] = raw
     pairs["zfec"] = _zfec_pair(k, m, data)
     for ec_type in PYECLIB_TYPES:
-        pair = _pyeclib_pair(ec_type, k, m, data)
+        pair = pyeclib_pair(ec_type, k, m, data)
         if pair is not None:
             pairs[f"pyeclib:{ec_type}"] = pair
     return pairs
@@ -158,7 +158,7 @@ def _copier(data: bytes) -> Callable[[], object]:
     return lambda: np.copyto(dst, src)
 
 
-def _sweeps(
+def interleaved_sweeps(
     fns: dict[tuple[str, str], Callable[[], object]], seconds: float, batch_s: float
 ) -> tuple[dict[tuple[str, str], list[float]], int]:
     """Per figure, the seconds per call of each batch. A sweep times one batch of every
@@ -196,7 +196,7 @@ def run_codec(
             fns[(name, "encode")], fns[(name, "decode2")] = enc, dec
         fns[("memcpy", "")], fns[("xxh3", "")] = _copier(data), _hasher(data, k)
         log(f"codec {size >> 10} KiB: {len(fns)} figures, {seconds:.0f} s of interleaved batches")
-        times, sweeps = _sweeps(fns, seconds, batch_s)
+        times, sweeps = interleaved_sweeps(fns, seconds, batch_s)
         row: dict[str, Any] = {
             "sweeps": sweeps,
             "sluice_backend": Codec(CodecConfig(k=k, m=m)).config.backend,
