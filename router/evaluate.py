@@ -26,8 +26,8 @@ from typing import Any
 
 import numpy as np
 
+from costmodel import CostModel
 from router import cache_aware, sluice  # noqa: F401  (registers policies)
-from router.costmodel import CostModel
 from router.policy import DECODE_POLICIES, PREFILL_POLICIES, Policy, PolicyContext, RequestView
 from router.prefix_index import PrefixIndex, PrefixIndexConfig
 from router.sim import SimConfig, SimResult, Simulator

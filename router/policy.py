@@ -25,7 +25,7 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
-from router.costmodel import CostModel, DecodeCostModel
+from costmodel import CostModel, DecodeCostModel
 from router.prefix_index import PrefixIndex, PrefixIndexConfig
 
 T = TypeVar("T")

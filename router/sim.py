@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from router.costmodel import CostModel, DecodeCostModel
+from costmodel import CostModel, DecodeCostModel
 from router.policy import EngineLoad, Policy, RequestView
 from router.prefix_index import PrefixIndex
 from router.trace import Trace

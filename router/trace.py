@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 
-from router.costmodel import CostModel
+from costmodel import CostModel
 
 
 @dataclass(frozen=True)

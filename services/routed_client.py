@@ -34,9 +34,9 @@ from typing import Any, Protocol, runtime_checkable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from costmodel import CostModel
 from engine.scheduler.cache_events import CacheEventBatch
 from engine.scheduler.hashing import ExtraKeys, chain_hashes
-from router.costmodel import CostModel
 from router.policy import RequestView
 from services.api.engine_client import (
     EngineClient,

@@ -13,8 +13,8 @@ import asyncio
 from collections.abc import Hashable, Mapping, Sequence
 from dataclasses import dataclass
 
+from costmodel import CostModel, DecodeCostModel
 from router import cache_aware, sluice  # noqa: F401  (registers policies)
-from router.costmodel import CostModel, DecodeCostModel
 from router.policy import DECODE_POLICIES, PREFILL_POLICIES, EngineLoad, Policy, PolicyContext, RequestView
 from router.prefix_index import PrefixIndex, PrefixIndexConfig
 

@@ -13,7 +13,7 @@ from typing import Protocol
 
 
 class StepCostModel(Protocol):
-    """``router.costmodel.CostModel``: step_time(C, H) = a*C*(C+H) + b*(C+H) + c."""
+    """``costmodel.CostModel``: step_time(C, H) = a*C*(C+H) + b*(C+H) + c."""
 
     @property
     def a(self) -> float: ...

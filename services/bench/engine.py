@@ -1,6 +1,6 @@
 """Engine throughput and the chunk cost model: prefill and decode tokens/s through
 ``LLM.generate``, step times over a (chunk, prefix) grid fitted to
-``t(C, H) = a*C*(C+H) + b*(C+H) + c`` (``router.costmodel.CostModel``). ``--profile`` saves
+``t(C, H) = a*C*(C+H) + b*(C+H) + c`` (``costmodel.CostModel``). ``--profile`` saves
 the fit as ``<checkpoint>/sluice_cost_model.json`` (or ``--out``), which ``LLM`` loads."""
 
 from __future__ import annotations
@@ -104,7 +104,7 @@ def _fit(samples: list[tuple[int, int, float]]) -> dict[str, Any]:
     as a 1 s step mispredicted by 1 s. ``CostModel.fit`` (absolute error) is reported too."""
     import numpy as np
 
-    from router.costmodel import CostModel
+    from costmodel import CostModel
 
     arr = np.asarray(samples, dtype=np.float64)
     c, h, t = arr[:, 0], arr[:, 1], arr[:, 2]

@@ -20,7 +20,7 @@ import httpx
 import openai
 import pytest
 
-from router.costmodel import CostModel
+from costmodel import CostModel
 from services.api.config import ApiConfig
 from services.api.inprocess import InProcessEngineClient
 from services.api.server import ServerThread

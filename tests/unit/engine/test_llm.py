@@ -189,7 +189,7 @@ def test_n_seeds_logprobs_priority_and_bad_requests(mixed):
 
 
 def test_saved_cost_model_drives_chunking_without_changing_outputs(mixed, tmp_path):
-    from router.costmodel import CostModel
+    from costmodel import CostModel
 
     path, ref = mixed
     model = CostModel(a=2e-6, b=1e-4, c=1e-3)

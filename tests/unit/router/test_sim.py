@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from router.costmodel import CostModel, DecodeCostModel
+from costmodel import CostModel, DecodeCostModel
 from router.evaluate import build, evaluate, reference
 from router.sim import SimConfig, Simulator
 from router.trace import Trace, infinite_cache_blocks, load_trace

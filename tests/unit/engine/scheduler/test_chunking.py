@@ -2,11 +2,11 @@ from __future__ import annotations
 
 import pytest
 
+from costmodel import CostModel
 from engine.scheduler.chunking import largest_chunk, seq_cost
 from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.request import Request
 from engine.scheduler.scheduler import Scheduler
-from router.costmodel import CostModel
 
 
 @pytest.mark.parametrize("a,b", [(1e-8, 1e-5), (0.0, 2e-5), (5e-8, 0.0)])

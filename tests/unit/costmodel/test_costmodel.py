@@ -3,7 +3,7 @@ import json
 import numpy as np
 import pytest
 
-from router.costmodel import CostModel, DecodeCostModel
+from costmodel import CostModel, DecodeCostModel
 
 
 def test_default_matches_seed_prefill_rate():
@@ -62,3 +62,17 @@ def test_decode_model_fit_and_default_step():
     fit = DecodeCostModel.fit(pts)
     assert fit.d1 == pytest.approx(2e-5, rel=1e-3) and fit.d2 == pytest.approx(1e-9, rel=1e-3)
     assert DecodeCostModel.from_json(fit.to_json()) == fit
+
+
+def test_costmodel_is_a_leaf_package():
+    """The engine and the router both import it, so it must import neither (nor services, kvstore)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, costmodel\n"
+        "bad = sorted({m.split('.')[0] for m in sys.modules} & {'engine', 'router', 'services', 'kvstore'})\n"
+        "print(','.join(bad))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == ""
