@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TypeVar
 
@@ -38,6 +38,7 @@ from kvstore.fanout import (
 )
 from kvstore.groups import GroupedObject, group_objects
 from kvstore.health import NodeHealth
+from kvstore.lazypool import LazyPool
 from kvstore.placement import NodeAddress, place
 from kvstore.refresh import ParityRefresher
 from kvstore.repair import RepairWorker
@@ -156,6 +157,7 @@ class StoreClient:
         self.health = NodeHealth()  # nodes whose streams failed: reads route around them
         self.parity_refresh = ParityRefresher(config.codec.k)  # parity that data-first reads skip
         self.repair = RepairWorker(self, background=config.background_repair)
+        self._get_pool = LazyPool(2, "kv-get")  # get_prefix_async, started on first use
 
     # -- objects -------------------------------------------------------------------------
     def group(self, key: bytes) -> tuple[str, ...]:
@@ -314,6 +316,12 @@ class StoreClient:
             self._shard_pool.submit(self._refresh, list(hashes[: len(out)]), metas[: len(out)])
         return out
 
+    def get_prefix_async(self, hashes: Sequence[bytes], touch: bool = True) -> Future[list[memoryview]]:
+        """``get_prefix`` on a small pool of the client's own: returns at once, and the
+        future carries the payloads or get_prefix's exception (ObjectUnavailable, a Redis
+        error). A read not yet started when the client closes is cancelled."""
+        return self._get_pool.submit(self.get_prefix, list(hashes), touch)
+
     def _refresh(self, keys: list[bytes], metas: list[BlockMeta]) -> None:
         """After a read: the directory rows' TTL, and the parity shards the read did not ask
         for (the nodes refreshed the shards they served; ``kvstore.refresh``)."""
@@ -376,6 +384,7 @@ class StoreClient:
         return serving
 
     def close(self) -> None:
+        self._get_pool.shutdown()  # before the shard pool its reads run on
         self.repair.stop()
         self._shard_pool.shutdown(wait=True, cancel_futures=True)
         for t in self.transports.values():
