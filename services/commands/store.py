@@ -2,7 +2,10 @@
 
 ``sluice store node --port 7000 --data-dir var/store/n00 --capacity 8GiB`` serves one node.
 ``sluice store cluster --nodes 12`` starts twelve nodes on loopback in the foreground,
-prints their addresses and stops them all on Ctrl-C.
+prints their addresses and stops them all on Ctrl-C or SIGTERM. ``--redis`` also starts a
+redis-server on loopback as the block directory; ``--spec-out FILE`` (which needs
+``--redis``) writes the store spec (``kvstore.spec``) once every node is up, for other
+processes (``sluice serve --store FILE``, the engine's KV connector), and removes it on exit.
 """
 
 from __future__ import annotations
@@ -29,6 +32,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     cluster.add_argument("--capacity", type=parse_size, default=parse_size("1GiB"), help="bytes per node")
     cluster.add_argument("--metrics", action="store_true", help="serve Prometheus metrics on free ports")
+    cluster.add_argument(
+        "--redis", action="store_true", help="also start a redis-server on loopback as the block directory"
+    )
+    cluster.add_argument(
+        "--spec-out",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="write the store spec (JSON: nodes and directory) here once the nodes are up; needs --redis",
+    )
     cluster.set_defaults(func=run_cluster)
 
 
@@ -39,16 +52,31 @@ def run_node(args: argparse.Namespace) -> int:
 
 
 def run_cluster(args: argparse.Namespace) -> int:
-    from kvstore.cluster import LocalClusterConfig, LocalStoreCluster
+    from kvstore.cluster import LocalClusterConfig
+    from services.storeproc import LocalStore
 
+    spec_out: Path | None = args.spec_out
+    if spec_out is not None:
+        if not args.redis:
+            raise ValueError(
+                "--spec-out needs --redis: the spec names the block directory, and other processes "
+                "cannot share this process's in-memory one"
+            )
+        if not spec_out.parent.is_dir():
+            raise ValueError(f"--spec-out {spec_out}: directory {spec_out.parent} does not exist")
     cfg = LocalClusterConfig(nodes=args.nodes, capacity_bytes=args.capacity, metrics=args.metrics)
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
-    with LocalStoreCluster(cfg, root=args.data_dir) as cluster:
+    with LocalStore(cfg, spec_path=spec_out, root=args.data_dir, redis=args.redis) as store:
+        cluster = store.cluster
         for i, node in enumerate(cluster.nodes):
             extra = f" metrics http://127.0.0.1:{cluster.metrics_ports[i]}/metrics" if args.metrics else ""
             print(f"{node.node_id} {node.address} data {cluster.data_dir(i)}{extra}", flush=True)
+        if store.redis is not None:
+            print(f"directory {store.redis.url}", flush=True)
+        if spec_out is not None:
+            print(f"spec {spec_out}", flush=True)
         print(f"{len(cluster.nodes)} store nodes up; Ctrl-C stops them", flush=True)
         done.wait()
     return 0
