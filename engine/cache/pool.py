@@ -61,6 +61,19 @@ class CompressedPool:
             return store.new_zeros(0, store.shape[-1])
         return store[table[:nb]].reshape(-1, store.shape[-1])[:count]
 
+    def block_tensors(self, block: int) -> list[torch.Tensor]:
+        """Views of physical block ``block`` in the fixed payload order: for each compressed
+        layer in layer order, ``rows[l][block]`` ([rpb_l, head_dim]), then for CSA layers
+        ``index_rows[l][block]`` ([rpb_l, index_head_dim]). Raises IndexError out of range."""
+        if not 0 <= block < self.num_blocks:
+            raise IndexError(f"block {block} out of range [0, {self.num_blocks})")
+        out: list[torch.Tensor] = []
+        for layer, store in self.rows.items():  # dict insertion order is layer order
+            out.append(store[block])
+            if layer in self.index_rows:
+                out.append(self.index_rows[layer][block])
+        return out
+
     def copy_block(self, src: int, dst: int) -> None:
         for store in list(self.rows.values()) + list(self.index_rows.values()):
             store[dst].copy_(store[src])

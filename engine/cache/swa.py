@@ -71,6 +71,13 @@ class SWASlots:
             + list(self.index_gate.values())
         )
 
+    def slot_tensors(self, slot: int) -> list[torch.Tensor]:
+        """Views of one slot in ``_all()`` order (every window, then state_kv, state_gate,
+        index_kv, index_gate, each in layer order). Raises IndexError out of range."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
+        return [t[slot] for t in self._all()]
+
     def copy_slot(self, src: int, dst: int) -> None:
         """Make slot ``dst`` an exact copy of slot ``src`` (prefix hit on another sequence's state, n>1 forks)."""
         for t in self._all():
