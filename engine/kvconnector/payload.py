@@ -167,8 +167,8 @@ def _dtype_code(dtype: torch.dtype) -> int:
 def _fingerprint16(fingerprint: bytes) -> bytes:
     if not isinstance(fingerprint, bytes | bytearray) or len(fingerprint) < FINGERPRINT_LEN:
         raise PayloadError(
-            f"model fingerprint must be >= {FINGERPRINT_LEN} bytes (the engine's sha256 digest), "
-            f"got {fingerprint!r:.40}"
+            f"model fingerprint must be >= {FINGERPRINT_LEN} bytes (the engine's sha256 digest: "
+            f"bytes.fromhex(model_fingerprint(...))), got {fingerprint!r:.40}"
         )
     return bytes(fingerprint[:FINGERPRINT_LEN])
 
