@@ -87,10 +87,13 @@ MODEL_DIR: EnvVar[Path | None] = _register(
 HOST = _register("SLUICE_HOST", str, "127.0.0.1", "Address the API server binds to.")
 PORT = _register("SLUICE_PORT", _parse_int, 8000, "Port the API server listens on.")
 API_KEYS: EnvVar[tuple[str, ...]] = _register(
-    "SLUICE_API_KEYS", _parse_list, (), "Comma-separated API keys; empty disables auth."
+    "SLUICE_API_KEYS",
+    _parse_list,
+    (),
+    "Comma-separated API keys, each KEY or KEY:CLASS (agent|chat); empty disables auth.",
 )
 API_KEYS_FILE: EnvVar[Path | None] = _register(
-    "SLUICE_API_KEYS_FILE", _parse_optional_path, None, "File with one API key per line."
+    "SLUICE_API_KEYS_FILE", _parse_optional_path, None, "File with one API key (KEY or KEY:CLASS) per line."
 )
 REDIS_URL = _register("SLUICE_REDIS_URL", str, "", "Redis URL for store metadata; empty means in-process.")
 LOG_LEVEL = _register("SLUICE_LOG_LEVEL", str, "INFO", "Python logging level name.")

@@ -5,6 +5,9 @@ OpenAI clients send ``Authorization: Bearer <key>``; Anthropic clients send
 with *every* configured key through ``hmac.compare_digest`` and the results are OR-ed, so
 the time taken does not reveal which key (or how much of one) matched
 (GHSA-wr9h-g72x-mwhm was an early-exit ``==``).
+
+A configured key may carry a traffic class (``KEY:agent``, ``services.api.traffic_class``);
+``check`` returns the matched key's class, which the guard middleware hands to the route.
 """
 
 from __future__ import annotations
@@ -13,29 +16,40 @@ import hmac
 from collections.abc import Mapping, Sequence
 
 from services.api.errors import ApiError
+from services.api.traffic_class import parse_api_keys
 
 OPEN_PATHS = frozenset({"/health"})
 
 
 class KeyChecker:
     def __init__(self, keys: Sequence[str]) -> None:
-        self._keys = tuple(k.encode() for k in keys)
+        """``keys``: configured entries, ``KEY`` or ``KEY:CLASS`` (ValueError when malformed)."""
+        self._keys = tuple((k.key.encode(), k.traffic_class) for k in parse_api_keys(keys))
 
     @property
     def enabled(self) -> bool:
         return bool(self._keys)
 
-    def matches(self, presented: str) -> bool:
+    def _match(self, presented: str) -> tuple[bool, str | None]:
         given = presented.encode()
         ok = False
-        for key in self._keys:  # no early exit: every key is compared
-            ok |= hmac.compare_digest(given, key)
-        return ok
+        cls: str | None = None
+        for key, key_class in self._keys:  # no early exit: every key is compared
+            hit = hmac.compare_digest(given, key)
+            ok |= hit
+            cls = key_class if hit else cls
+        return ok, cls
 
-    def check(self, path: str, headers: Mapping[str, str]) -> None:
-        """Raise ``ApiError(401)`` unless auth is off, the path is open, or a key matches."""
+    def matches(self, presented: str) -> bool:
+        return self._match(presented)[0]
+
+    def check(self, path: str, headers: Mapping[str, str]) -> str | None:
+        """Raise ``ApiError(401)`` unless auth is off, the path is open, or a key matches.
+
+        Returns the matched key's traffic class (None: no class on the key, or no key needed).
+        """
         if not self._keys or path in OPEN_PATHS:
-            return
+            return None
         presented = presented_key(headers)
         if presented is None:
             raise ApiError(
@@ -44,8 +58,10 @@ class KeyChecker:
                 param="api_key",
                 code="missing_api_key",
             )
-        if not self.matches(presented):
+        ok, key_class = self._match(presented)
+        if not ok:
             raise ApiError(401, "invalid API key", param="api_key", code="invalid_api_key")
+        return key_class
 
 
 def presented_key(headers: Mapping[str, str]) -> str | None:

@@ -74,7 +74,9 @@ def _check_fields(body: dict[str, Any]) -> None:
         raise ApiError(400, "ignore_eos must be a boolean", param="ignore_eos")
 
 
-def prepare_completion(conv: Converter, raw: bytes, body: dict[str, Any]) -> Prepared:
+def prepare_completion(
+    conv: Converter, raw: bytes, body: dict[str, Any], traffic_class: str = "chat"
+) -> Prepared:
     from services.api.convert import Prepared
 
     _check_fields(body)
@@ -111,6 +113,7 @@ def prepare_completion(conv: Converter, raw: bytes, body: dict[str, Any]) -> Pre
         seed=body.get("seed"),
         top_logprobs=logprobs if isinstance(logprobs, int) else None,
         ignore_eos=bool(body.get("ignore_eos", False)),  # vLLM's extension: fixed-length outputs
+        traffic_class=traffic_class,
     )
     return Prepared(
         "completions", rid, model, bool(body.get("stream", False)), prompt_ids, engine_req,

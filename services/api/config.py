@@ -12,6 +12,8 @@ import ipaddress
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 
+from services.api.traffic_class import parse_api_keys
+
 # Names clients may send as ``model``. Each maps to the DeepSeek V4.1-Flash prompt format;
 # ``deepseek-chat`` defaults to non-thinking and ``deepseek-reasoner`` to thinking, as on
 # DeepSeek's own API; every other name uses recipe's default (thinking on).
@@ -59,6 +61,8 @@ class ApiConfig:
     # -- time --
     request_timeout_s: float = 600.0  # wall clock for one generation
     # -- auth --
+    # entries "KEY" or "KEY:CLASS" (CLASS: the key's traffic class, agent or chat; see
+    # services/api/traffic_class.py); a key's class beats the X-Sluice-Traffic-Class header
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     api_keys_file: Path | None = None
 
@@ -90,6 +94,10 @@ class ApiConfig:
             raise ValueError("ApiConfig.queue_timeout_s and request_timeout_s must be > 0")
         if any(not k for k in self.api_keys):
             raise ValueError("ApiConfig.api_keys must not contain empty keys")
+        try:
+            parse_api_keys(self.api_keys)
+        except ValueError as exc:
+            raise ValueError(f"ApiConfig.api_keys: {exc}") from None
         for host in self.image_url_allow_hosts:
             _reject_ip_literal(host)
 
@@ -119,7 +127,7 @@ class ApiConfig:
 
 
 def load_key_file(path: Path) -> tuple[str, ...]:
-    """One key per line; blank lines and ``#`` comments ignored."""
+    """One key per line (``KEY`` or ``KEY:CLASS``); blank lines and ``#`` comments ignored."""
     try:
         text = path.read_text()
     except OSError as exc:

@@ -27,6 +27,7 @@ from services.api.config import ApiConfig
 from services.api.engine_client import EngineRequest, ModelInfo, StructuredSpec
 from services.api.errors import ApiError, from_recipe, limit_error
 from services.api.tool_grammar import tool_call_grammar
+from services.api.traffic_class import DEFAULT_TRAFFIC_CLASS
 
 Kind = Literal["chat", "completions", "responses", "messages"]
 
@@ -89,11 +90,13 @@ class Converter:
     def options_for(self, model: str) -> dr.ConversionOptions:
         return self.options_plain if model in self.cfg.non_thinking_aliases else self.options_thinking
 
-    def prepare(self, kind: Kind, raw: bytes, body: dict[str, Any]) -> Prepared:
+    def prepare(
+        self, kind: Kind, raw: bytes, body: dict[str, Any], traffic_class: str = DEFAULT_TRAFFIC_CLASS
+    ) -> Prepared:
         if kind == "completions":
             from services.api.completions import prepare_completion
 
-            return prepare_completion(self, raw, body)
+            return prepare_completion(self, raw, body, traffic_class)
         try:
             req = _REQUEST_TYPES[kind](raw)
         except ValueError as exc:  # recipe's serde errors: wrong types, overflows, missing fields
@@ -111,7 +114,9 @@ class Converter:
             raise ApiError(400, f"cannot encode the prompt: {exc}", param="messages") from None
         rid = f"{_ID_PREFIX[kind]}-{uuid.uuid4().hex}"
         max_tokens = self.resolve_max_tokens(conv, len(prompt_ids))
-        engine_req = self.engine_request(rid, prompt_ids, max_tokens, conv, _single_tool_call(body))
+        engine_req = self.engine_request(
+            rid, prompt_ids, max_tokens, conv, _single_tool_call(body), traffic_class=traffic_class
+        )
         gen_type = _REQUEST_TYPES[kind]
 
         def make_generator() -> Any:
@@ -160,6 +165,8 @@ class Converter:
         max_tokens: int,
         conv: dr.ConversationRequest,
         single_tool_call: bool = False,
+        *,
+        traffic_class: str = DEFAULT_TRAFFIC_CLASS,
     ) -> EngineRequest:
         io = conv.inference_options
         top = (io.top_logprobs or 0) if io.logprobs else None
@@ -174,6 +181,7 @@ class Converter:
             seed=io.seed,
             top_logprobs=top,
             structured=self.structured(io.output_constraint, conv, single_tool_call),
+            traffic_class=traffic_class,
         )
 
     def structured(

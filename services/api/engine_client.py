@@ -12,6 +12,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, runtime_checkable
 
+from kvstore.shardfmt import TRAFFIC_CLASSES
+
 FinishReason = Literal["stop", "length", "abort", "error"]
 
 
@@ -44,12 +46,20 @@ class EngineRequest:
     ignore_eos: bool = False  # the model's EOS does not end the request (stop_token_ids still do)
     structured: StructuredSpec | None = None
     priority: int = 0
+    # The KV store's TTL class for every block this request writes ("agent" or "chat"; the
+    # API takes it from the API key, else the X-Sluice-Traffic-Class header, else "chat").
+    traffic_class: str = "chat"
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("EngineRequest: the prompt is empty")
         if self.max_tokens < 1:
             raise ValueError(f"EngineRequest: max_tokens must be >= 1, got {self.max_tokens}")
+        if self.traffic_class not in TRAFFIC_CLASSES:
+            raise ValueError(
+                f"EngineRequest: traffic_class must be one of {', '.join(sorted(TRAFFIC_CLASSES))}, "
+                f"got {self.traffic_class!r}"
+            )
 
 
 # One sampled token's logprob and its top alternatives: (logprob, [(token_id, logprob), ...]).

@@ -1,6 +1,7 @@
 """The request path shared by every generation endpoint.
 
-1. parse the JSON body and run the cheap limit checks (``limits.check_body``);
+1. settle the traffic class (API key, ``X-Sluice-Traffic-Class``, else chat; a bad header
+   is a 400), parse the JSON body and run the cheap limit checks (``limits.check_body``);
 2. take an admission slot (429 + Retry-After when full);
 3. convert and tokenise with recipe (in a worker thread: tokenising is CPU work);
 4. generate: SSE through ``StreamingResponse`` once the first token is out (Starlette
@@ -30,6 +31,7 @@ from services.api.errors import ApiError
 from services.api.limits import check_body, parse_json_object
 from services.api.metrics import ApiMetrics
 from services.api.streaming import Generation
+from services.api.traffic_class import STATE_KEY, TRAFFIC_CLASS_HEADER, resolve_traffic_class
 
 T = TypeVar("T")
 
@@ -84,6 +86,9 @@ async def _until_disconnect(request: Request, work: Coroutine[Any, Any, T], stat
 async def handle_generation(request: Request, kind: Kind, endpoint: str) -> Response:
     state: ServerState = request.app.state.sluice
     state.admission.reject_if_full()  # overload is refused before any parsing
+    traffic_class = resolve_traffic_class(
+        request.headers.get(TRAFFIC_CLASS_HEADER), getattr(request.state, STATE_KEY, None)
+    )
     raw = await request.body()
     body = parse_json_object(raw)
     await asyncio.to_thread(check_body, body, kind, state.config)
@@ -98,7 +103,7 @@ async def handle_generation(request: Request, kind: Kind, endpoint: str) -> Resp
 
     streaming = False
     try:
-        prep = await asyncio.to_thread(state.converter.prepare, kind, raw, body)
+        prep = await asyncio.to_thread(state.converter.prepare, kind, raw, body, traffic_class)
         gen = Generation(
             prep,
             state.engine,

@@ -3,7 +3,8 @@
 Runs before routing and before any body byte is parsed, in the cheapest order:
 1. total header bytes > ``max_header_bytes`` -> 431 (uvicorn's h11 parser refuses
    anything past twice that before the app sees it, with a plain 400);
-2. API key (every path but /health) -> 401;
+2. API key (every path but /health) -> 401; the matched key's traffic class, if it has
+   one, goes into the scope's ``state`` for the route (``traffic_class.STATE_KEY``);
 3. ``Content-Length`` > ``max_body_bytes`` -> 413 without reading the body;
 4. the body is read with a running count (chunked uploads have no Content-Length) and
    a read deadline; past the limit -> 413, past the deadline -> 408.
@@ -19,6 +20,7 @@ from typing import Any
 
 from services.api.auth import KeyChecker
 from services.api.errors import ApiError, error_bytes, limit_error
+from services.api.traffic_class import STATE_KEY
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -55,7 +57,9 @@ class GuardMiddleware:
         path = scope.get("path", "")
         try:
             headers = self._check_headers(scope)
-            self.keys.check(path, headers)
+            key_class = self.keys.check(path, headers)
+            if key_class is not None:  # the route reads it as request.state.<STATE_KEY>
+                scope.setdefault("state", {})[STATE_KEY] = key_class
             if scope.get("method") in ("POST", "PUT", "PATCH"):
                 body = await self._read_body(headers, receive)
                 receive = _replay(body, receive)
