@@ -7,17 +7,30 @@ spec (only ``mode: embedded`` is served here so far). Flags beat the file, the f
 ``SLUICE_HOST`` / ``SLUICE_PORT``. ``--replicas N --router-policy P`` serves N in-process
 engine replicas behind the router (``services/routed_client.py``; docs/router.md, "Live
 routing"); the default is one engine and no router.
+
+``--store FILE`` gives the engine a KV store for its prefix blocks: FILE is a store spec
+(``kvstore.spec``; ``sluice store cluster --redis --spec-out FILE`` writes one), validated
+before anything starts (exit 2 when missing or invalid). ``--store local`` starts 12 store
+nodes and a redis-server on loopback (``services.storeproc.LocalStore``) for the server's
+lifetime and stops them on exit, SIGTERM, Ctrl-C or a failed start. The engine receives the
+spec's path as ``engine_kwargs["kv_store"]``. ``--device`` and ``--dtype`` reach the engine
+the same way (``EngineConfig.device`` / ``.dtype``), for every replica. Without these flags
+the engine gets no extra keyword arguments.
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("sluice.serve")
 ROUTER_POLICIES = ("round_robin", "least_load", "cache_aware", "sluice")  # = services.routed_client's
+LOCAL_STORE = "local"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -47,6 +60,17 @@ def register(sub: argparse._SubParsersAction) -> None:
         default="",
         choices=ROUTER_POLICIES,
         help="prefill routing policy over the replicas (default: none for 1 replica, sluice for more)",
+    )
+    p.add_argument(
+        "--store",
+        default=None,
+        metavar="FILE|local",
+        help="KV store for the engine's prefix blocks: a store spec JSON (sluice store cluster --redis "
+        "--spec-out FILE), or 'local' to run 12 store nodes and Redis on loopback while serving",
+    )
+    p.add_argument("--device", default=None, choices=("cpu", "cuda"), help="engine device (default cpu)")
+    p.add_argument(
+        "--dtype", default=None, choices=("float32", "bfloat16"), help="engine dtype (default float32)"
     )
     p.set_defaults(func=run)
 
@@ -97,26 +121,140 @@ def api_config_from(args: argparse.Namespace) -> tuple[object, str, int, Path]:
     return cfg, host, port, model or default_model_dir()
 
 
-def run(args: argparse.Namespace) -> int:
-    import uvicorn
+def engine_kwargs_from(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments for every engine (``EngineConfig`` fields) from the flags given;
+    empty without them. ValueError for a device this host lacks."""
+    kwargs: dict[str, Any] = {}
+    if args.device == "cuda":
+        import torch
 
-    from services.api.app import create_app
-    from services.api.inprocess import InProcessEngineClient
-    from services.api.server import bind_socket, uvicorn_config
-    from services.routed_client import RoutedEngineClient, RoutingConfig
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"--device cuda: no CUDA device is available here (torch {torch.__version__}, "
+                f"built for CUDA {torch.version.cuda or 'none'}); use --device cpu"
+            )
+    if args.device is not None:
+        kwargs["device"] = args.device
+    if args.dtype is not None:
+        kwargs["dtype"] = args.dtype
+    return kwargs
+
+
+class _Terminated(BaseException):
+    """SIGTERM while a store this server started is up: unwinds so the store stops."""
+
+
+@contextmanager
+def _sigterm_unwinds() -> Iterator[None]:
+    """SIGTERM raises ``_Terminated`` (once) instead of ending the process on the spot, so
+    ``finally`` blocks run. uvicorn handles SIGTERM itself while it serves, then raises it
+    again with the handler it found: this one."""
+    fired = False
+
+    def handler(_sig: int, _frame: object) -> None:
+        nonlocal fired
+        if not fired:
+            fired = True
+            raise _Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _StoreFailed(Exception):
+    """The local store did not start."""
+
+
+@contextmanager
+def _store(arg: str) -> Iterator[tuple[Path, Any]]:
+    """(spec path, StoreSpec) of ``--store``; a local store runs until the block exits."""
+    from kvstore.spec import StoreSpec
+
+    if arg != LOCAL_STORE:
+        path = Path(arg).resolve()
+        yield path, StoreSpec.load(path)
+        return
+    from services.storeproc import LocalStore
+
+    log.info("starting the local KV store: 12 nodes and redis-server on loopback")
+    local = LocalStore()
+    try:
+        local.start()
+    except (OSError, RuntimeError) as exc:  # TimeoutError is an OSError
+        raise _StoreFailed(f"the local KV store did not start: {exc}") from exc
+    try:
+        assert local.spec_path is not None and local.spec is not None
+        yield local.spec_path, local.spec
+    finally:
+        local.stop()
+
+
+def run(args: argparse.Namespace) -> int:
+    from services.api.server import bind_socket
+    from services.routed_client import RoutingConfig
 
     cfg, host, port, model = api_config_from(args)
     routing = RoutingConfig(replicas=args.replicas, policy=args.router_policy).resolve()
+    engine_kwargs = engine_kwargs_from(args)
+    if args.store not in (None, LOCAL_STORE):
+        from kvstore.spec import StoreSpec
+
+        StoreSpec.load(args.store)  # a bad or missing spec: exit 2 before anything starts
     try:  # before the model loads: the port is ours from here on, and port 0 names one
         sock = bind_socket(host, port)
     except OSError as exc:
         log.error("cannot listen on %s:%d: %s", host, port, exc)
         return 2
+    if args.store is None:
+        return _serve(cfg, routing, sock, host, model, engine_kwargs)
+    try:
+        with _sigterm_unwinds(), _store(args.store) as (spec_path, spec):
+            if not spec.shared:
+                log.warning(
+                    "store spec %s: directory 'memory' is private to each engine (replica); "
+                    "blocks are not shared between replicas or processes",
+                    spec_path,
+                )
+            engine_kwargs["kv_store"] = str(spec_path)
+            note = f" with KV store {spec_path} ({spec.describe()})"
+            return _serve(cfg, routing, sock, host, model, engine_kwargs, note)
+    except _Terminated:  # the store is stopped: end as SIGTERM ends a server without one
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+        return 143  # not reached
+    except _StoreFailed as exc:
+        log.error("%s", exc)
+        return 1
+    finally:
+        sock.close()
+
+
+def _serve(
+    cfg: object,
+    routing: Any,
+    sock: Any,
+    host: str,
+    model: Path,
+    engine_kwargs: dict[str, Any],
+    store_note: str = "",
+) -> int:
+    import uvicorn
+
+    from services.api.app import create_app
+    from services.api.inprocess import InProcessEngineClient
+    from services.api.server import uvicorn_config
+    from services.routed_client import RoutedEngineClient
+
     port = sock.getsockname()[1]
     url_host = f"[{host}]" if ":" in host else host
     print(f"sluice: listening on http://{url_host}:{port}", flush=True)  # launchers read this line
     engine: Any = (
-        RoutedEngineClient.in_process(model, routing) if routing.routed else InProcessEngineClient(model)
+        RoutedEngineClient.in_process(model, routing, **engine_kwargs)
+        if routing.routed
+        else InProcessEngineClient(model, **engine_kwargs)
     )
     if routing.routed:
         log.info("routing over %d replicas with the %s policy", routing.replicas, routing.policy)
@@ -126,6 +264,6 @@ def run(args: argparse.Namespace) -> int:
     app = create_app(cfg, engine)  # type: ignore[arg-type]
     if host not in ("127.0.0.1", "::1", "localhost") and not app.state.sluice.config.api_keys:
         log.warning("serving on %s without API keys: set SLUICE_API_KEYS or SLUICE_API_KEYS_FILE", host)
-    log.info("serving %s on http://%s:%d", model, url_host, port)
+    log.info("serving %s on http://%s:%d%s", model, url_host, port, store_note)
     uvicorn.Server(uvicorn_config(app, cfg, host, port)).run(sockets=[sock])  # type: ignore[arg-type]
     return 0

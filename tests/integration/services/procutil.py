@@ -46,13 +46,14 @@ def wait_gone(pids: set[int], timeout_s: float = 10.0) -> set[int]:
         time.sleep(0.05)
 
 
+def command_line(pid: int) -> str:
+    """``pid``'s command line ("" when gone, or forked and not yet exec'd into its program)."""
+    try:
+        raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return ""
+    return raw.replace(b"\0", b" ").decode(errors="replace").strip()
+
+
 def command_lines(pids: set[int]) -> list[str]:
-    out = []
-    for pid in sorted(pids):
-        try:
-            out.append(
-                Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            )
-        except OSError:
-            continue
-    return out
+    return [c for c in map(command_line, sorted(pids)) if c]
