@@ -25,6 +25,7 @@ class LogitsRunner(Protocol):
     compressed block and an SWA slot (for n > 1 forks)."""
 
     pool: Any
+    swa: Any
 
     def execute(self, batch: ForwardBatch) -> Any: ...
 
@@ -47,9 +48,10 @@ class SamplingState:
 
 
 class ModelExecutor:
-    def __init__(self, runner: LogitsRunner, device: str = "cpu") -> None:
+    def __init__(self, runner: LogitsRunner, device: str = "cpu", kv: Any = None) -> None:
         self.runner = runner
         self.device = device
+        self.kv = kv  # engine.kvconnector.worker.KVWorker: loads and write-through snapshots
         self.states: dict[str, SamplingState] = {}
         self._failed: dict[str, str] = {}  # request id -> why its grammar failed
 
@@ -64,6 +66,10 @@ class ModelExecutor:
             self.runner.pool.copy_block(src, dst)
         for src, dst in out.slot_copies:
             self.runner.copy_slot(src, dst)
+        for block, payload in out.kv_loads:  # verified when queued; checked again on write
+            self.kv.load_block(self.runner.pool, block, payload)
+        for slot, payload in out.slot_loads:
+            self.kv.load_slot(self.runner.swa, slot, payload)
         seqs = []
         for s in out.seqs:
             tokens = [self._resolve(s.request_id, t) for t in s.token_ids]
@@ -79,6 +85,8 @@ class ModelExecutor:
                 )
             )
         logits = self.runner.execute(ForwardBatch.from_sequences(seqs, device=self.device)).logits  # [R, V]
+        if out.kv_saves and self.kv is not None:
+            self.kv.save(self.runner.pool, out.kv_saves)
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs | None] = {}
         row = 0

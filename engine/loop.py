@@ -74,7 +74,7 @@ class EngineLoop:
             if not out.is_empty:
                 self._submit(out)
         if not self._inflight:
-            if self.scheduler.has_unfinished():
+            if self.scheduler.has_ready():
                 raise RuntimeError(
                     "the scheduler has unfinished requests but scheduled nothing: "
                     "the cache is too small for the head request"
@@ -82,6 +82,19 @@ class EngineLoop:
             return StepUpdate()
         out, fut = self._inflight.popleft()
         return self.scheduler.update(out, fut.result())
+
+    def drain(self) -> list[StepUpdate]:
+        """Apply every step in flight without scheduling another: afterwards no request has
+        a pending token and the executor is idle (export, idle snapshots)."""
+        updates = []
+        while self._inflight:
+            out, fut = self._inflight.popleft()
+            updates.append(self.scheduler.update(out, fut.result()))
+        return updates
+
+    @property
+    def idle(self) -> bool:
+        return not self._inflight
 
     def close(self) -> None:
         while self._inflight:

@@ -126,17 +126,19 @@ class BlockManager:
             out.append(b)
         return out
 
-    def register(self, block: int, h: BlockHash) -> None:
-        """Publish a full, computed block under its hash. A hash already present keeps its
-        first block (the duplicate stays private and returns to the free list when released)."""
+    def register(self, block: int, h: BlockHash) -> bool:
+        """Publish a full, computed block under its hash; True if it was newly published. A
+        hash already present keeps its first block (the duplicate stays private and returns
+        to the free list when released)."""
         if not self.enable_prefix_caching or self._hash[block] is not None:
-            return
+            return False
         if h in self._by_hash:
-            return
+            return False
         self._hash[block] = h
         self._by_hash[h] = block
         if self.events is not None:
             self.events.stored(h)
+        return True
 
     def release(self, blocks: Sequence[int]) -> None:
         """Drop one reference on each block. Pass a sequence's blocks in order: they are

@@ -36,6 +36,9 @@ class CacheManager:
             config.num_blocks, config.block_size, config.enable_prefix_caching, config.cache_event_capacity
         )
         self.slots = SwaSlotManager(config.num_swa_slots)
+        # Newly published blocks to snapshot for the store (KV connector write-through), each
+        # pinned with one reference until the step that carries it has run.
+        self.pending_saves: list[tuple[int, bytes, str]] = []
 
     def hasher_for(self, req: Request) -> BlockHasher:
         if req.hasher is None:
@@ -74,7 +77,19 @@ class CacheManager:
         return has_slot and need <= self.blocks.num_available - idle_hits + releasable
 
     def admit(self, req: Request, m: PrefixMatch) -> bool:
-        """Give ``req`` its slot and hit blocks; False (nothing changed) when no slot is left."""
+        """Give ``req`` its slot and hit blocks; False (nothing changed) when no slot is left.
+        The blocks pinned for it while it waited are released once its own references hold."""
+        try:
+            return self._admit(req, m)
+        finally:
+            self.unpin(req)
+
+    def unpin(self, req: Request) -> None:
+        """Release the references ``req`` held on its prefix while waiting."""
+        pinned, req.pinned_blocks = req.pinned_blocks, []
+        self.blocks.release(pinned)
+
+    def _admit(self, req: Request, m: PrefixMatch) -> bool:
         if m.slot_entry is not None:
             req.swa_slot = self.slots.take(m.slot_entry)
             shared = m.blocks[:-1] if m.slot_entry.partial_block is not None else m.blocks
@@ -157,7 +172,10 @@ class CacheManager:
             return
         hashes = self.hasher_for(req).update(req.all_token_ids)
         for i in range(req.num_registered, full):
-            self.blocks.register(req.block_table[i], hashes[i])
+            block = req.block_table[i]
+            if self.blocks.register(block, hashes[i]) and self.config.save_new_blocks:
+                self.blocks.acquire([block])  # pinned until its snapshot is taken
+                self.pending_saves.append((block, hashes[i], req.traffic_class))
         req.num_registered = full
 
     def free(self, req: Request, retain_slot: bool) -> None:

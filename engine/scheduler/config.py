@@ -28,6 +28,9 @@ class SchedulerConfig:
     # > 0: the block manager buffers this many stored/removed block events for a router
     # (drop-oldest past it; engine/scheduler/cache_events.py); 0: no events are recorded
     cache_event_capacity: int = 0
+    # KV connector write-through: every newly published block is listed in the step's
+    # ``kv_saves`` (and pinned until that step ran) for the worker to snapshot for the store.
+    save_new_blocks: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "num_swa_slots", "block_size", "max_num_seqs", "max_num_batched_tokens"):

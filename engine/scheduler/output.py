@@ -43,6 +43,14 @@ class SchedulerOutput:
     # copies (a parent's partial block) and SWA slot copies (the parent's window state).
     block_copies: tuple[tuple[int, int], ...] = ()
     slot_copies: tuple[tuple[int, int], ...] = ()
+    # KV connector, worker side. Applied before the forward: verified payloads written into a
+    # physical block (a store hit, an imported sequence's blocks) or an SWA slot (an import).
+    kv_loads: tuple[tuple[int, bytes], ...] = ()
+    slot_loads: tuple[tuple[int, bytes], ...] = ()
+    # After the forward: blocks published in the prefix table since the previous step, as
+    # (block, hash, traffic class), to snapshot for the store. Each is pinned (one reference)
+    # until this step's ``update``, so it cannot be reused before its bytes are out.
+    kv_saves: tuple[tuple[int, bytes, str], ...] = ()
 
     @property
     def num_tokens(self) -> int:

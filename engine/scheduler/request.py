@@ -6,6 +6,10 @@ State machine::
        ^                  |
        +----preempt-------+   (recompute: blocks released, computed length reset)
     WAITING --abort--> FINISHED_ABORTED
+    WAITING_FOR_REMOTE_KV --loaded (or failed: recompute)--> WAITING
+
+``WAITING_FOR_REMOTE_KV``: the KV connector is fetching blocks of its prefix from the store;
+the scheduler leaves it queued without blocking the requests behind it.
 
 ``num_pending`` counts tokens sampled by steps that are still in flight (asynchronous
 scheduling): they are inputs of the next step before their values are known.
@@ -21,6 +25,7 @@ from engine.scheduler.hashing import BlockHasher, ExtraKeys
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"  # its prefix is being fetched (KV connector)
     RUNNING = "running"
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
@@ -48,6 +53,7 @@ class Request:
     priority: int = 0
     extra_keys: ExtraKeys = field(default_factory=ExtraKeys)
     fork_of: str | None = None  # n > 1: share this request's prompt computation, then diverge
+    traffic_class: str = "chat"  # the store's TTL class of the blocks it writes ("agent" | "chat")
     # -- state, owned by the scheduler --
     arrival: int = -1
     status: RequestStatus = RequestStatus.WAITING
@@ -63,6 +69,9 @@ class Request:
     error: str | None = None  # why it finished with FINISHED_ERROR
     hasher: BlockHasher | None = None
     num_registered: int = 0  # leading blocks already published in the prefix table
+    # Blocks of its prefix held for it while it waits (local hits, blocks loaded from the
+    # store): one reference each, released at admission (which takes its own) or at finish.
+    pinned_blocks: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

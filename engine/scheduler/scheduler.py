@@ -59,9 +59,14 @@ class Scheduler:
         self._forked: list[Request] = []  # children forked in this schedule() call
         self._block_copies: list[tuple[int, int]] = []  # for the next non-empty step
         self._slot_copies: list[tuple[int, int]] = []
+        self._kv_loads: list[tuple[int, bytes]] = []  # KV connector loads, likewise
+        self._slot_loads: list[tuple[int, bytes]] = []
 
     # -- requests --------------------------------------------------------------------------
-    def add_request(self, req: Request) -> None:
+    def add_request(self, req: Request, remote_kv: bool = False) -> None:
+        """Queue ``req``. ``remote_kv``: the KV connector is fetching its prefix; it is not
+        admitted before ``remote_kv_ready`` (blocks the caller pinned stay in
+        ``req.pinned_blocks`` and are released at admission or finish)."""
         if req.request_id in self.requests:
             raise ValueError(f"request id {req.request_id!r} is already in the scheduler")
         if len(req.prompt_token_ids) + req.max_tokens > self.config.num_blocks * self.config.block_size:
@@ -70,13 +75,44 @@ class Scheduler:
                 f"tokens but the cache holds {self.config.num_blocks * self.config.block_size}"
             )
         req.arrival = next(self._arrivals)
-        req.status = RequestStatus.WAITING
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV if remote_kv else RequestStatus.WAITING
         self.requests[req.request_id] = req
         parent = self.requests.get(req.fork_of) if req.fork_of else None
         if parent is not None and parent is not req and parent.num_outputs_with_pending == 0:
             self._forks.setdefault(parent.request_id, []).append(req)  # forked after its prefill
         else:
             self._enqueue(req)
+
+    def remote_kv_ready(self, request_id: str) -> None:
+        """The connector's fetch for a waiting request ended (loaded, or failed: recompute)."""
+        req = self.requests.get(request_id)
+        if req is not None and req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
+            req.status = RequestStatus.WAITING
+
+    def add_running(self, req: Request) -> None:
+        """Adopt a sequence imported from another engine: its block table, slot, computed
+        length and outputs are set, and the loads of its state are already queued."""
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in the scheduler")
+        if len(self.running) >= self.config.max_num_seqs:
+            raise ValueError(f"engine runs its maximum of {self.config.max_num_seqs} sequences")
+        req.arrival = next(self._arrivals)
+        req.status = RequestStatus.RUNNING
+        self.requests[req.request_id] = req
+        self.running.append(req)
+
+    def queue_kv_load(self, block: int, payload: bytes) -> None:
+        """Write a verified block payload into ``block`` before the next executed step."""
+        self._kv_loads.append((block, payload))
+
+    def queue_slot_load(self, slot: int, payload: bytes) -> None:
+        self._slot_loads.append((slot, payload))
+
+    def take_idle_saves(self) -> list[tuple[int, bytes, str]]:
+        """Blocks published while no step runs (a finish after the last step): the caller
+        snapshots them itself, with nothing in flight, then releases each pin."""
+        saves, self.cache.pending_saves = self.cache.pending_saves, []
+        return saves
 
     def abort(self, request_id: str) -> bool:
         """Abort a waiting or running request; False if unknown or already finished."""
@@ -90,7 +126,8 @@ class Scheduler:
         if req.status == RequestStatus.RUNNING:
             self.running.remove(req)
             self.cache.free(req, retain_slot=True)
-        elif req.status == RequestStatus.WAITING:
+        elif req.status in (RequestStatus.WAITING, RequestStatus.WAITING_FOR_REMOTE_KV):
+            self.cache.unpin(req)
             if req in self.waiting:
                 self.waiting.remove(req)
             else:
@@ -108,6 +145,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._forks)
 
+    def has_ready(self) -> bool:
+        """Unfinished work a step can make progress on (not only requests awaiting remote KV)."""
+        waiting = any(r.status == RequestStatus.WAITING for r in self.waiting)
+        return bool(self.running or self._forks or waiting)
+
     # -- step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         cfg = self.config
@@ -118,8 +160,11 @@ class Scheduler:
         seqs: list[ScheduledSeq] = []
         # Copies for forks made by earlier steps; forks made now are copied before the next.
         block_copies, slot_copies = tuple(self._block_copies), tuple(self._slot_copies)
+        kv_loads, slot_loads = tuple(self._kv_loads), tuple(self._slot_loads)
         self._block_copies.clear()
         self._slot_copies.clear()
+        self._kv_loads.clear()
+        self._slot_loads.clear()
         preempted = self._schedule_running(budget, seqs)
         if not preempted:
             self._admit_waiting(budget, seqs)
@@ -137,12 +182,18 @@ class Scheduler:
             predicted,
             block_copies,
             slot_copies,
+            kv_loads,
+            slot_loads,
+            tuple(self.cache.pending_saves) if seqs else (),
         )
-        if seqs:  # an empty step is not executed: keep the ids and copies for the next one
+        if seqs:  # an empty step is not executed: keep the ids, copies and loads for the next one
             self._finished_ids.clear()
+            self.cache.pending_saves.clear()
         else:
             self._block_copies[:0] = block_copies
             self._slot_copies[:0] = slot_copies
+            self._kv_loads[:0] = kv_loads
+            self._slot_loads[:0] = slot_loads
         return out
 
     def _schedule_running(self, budget: _Budget, seqs: list[ScheduledSeq]) -> set[str]:
@@ -171,7 +222,7 @@ class Scheduler:
         for req in list(self.waiting):
             if len(self.running) >= self.config.max_num_seqs or budget.tokens <= 0:
                 return
-            if req.num_pending:
+            if req.num_pending or req.status == RequestStatus.WAITING_FOR_REMOTE_KV:
                 continue
             m: PrefixMatch = self.cache.match(req)
             n = self._num_new(req, m.start, req.num_tokens - m.start, budget, not seqs)
@@ -270,6 +321,7 @@ class Scheduler:
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> StepUpdate:
         """Apply step ``out``'s sampled tokens. Tokens of requests finished meanwhile are dropped."""
         upd = StepUpdate()
+        self.cache.blocks.release([block for block, _, _ in out.kv_saves])  # snapshots taken
         for rid in (r for seq in out.seqs if seq.sample for r in (seq.request_id, *seq.fork_children)):
             req = self.requests.get(rid)
             if req is None or req.status.finished:

@@ -1,7 +1,6 @@
-"""``InProcessEngineClient``: Engine II's engine core on a background thread, bridged to asyncio.
+"""``InProcessEngineClient``: the engine core (``engine/core.py``) on a background thread, bridged to asyncio.
 
-One thread owns the engine (scheduler, executor, step loop) and is the only code that
-touches it. The event loop talks to it through a FIFO command queue (add, abort, probe);
+One thread owns the ``EngineCore`` and is the only code that calls it. The event loop talks to it through a FIFO command queue (add, abort, probe);
 the thread answers through ``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per
 request. Commands are applied between steps, in order, so an abort queued after an add
 always finds the request. Counters are published as an immutable snapshot after every
@@ -11,7 +10,7 @@ Grammar compilation (which may take up to the compiler's time limit) runs on the
 worker thread, not the engine thread: a slow schema delays only its own request.
 
 With ``cache_event_capacity > 0`` the engine records prefix-cache events; after every step
-the engine thread moves them into a bounded outbox (``CacheEventOutbox``, under a lock held
+the engine thread moves them (``EngineCore.drain_events``) into a bounded outbox (``CacheEventOutbox``, under a lock held
 for microseconds) that a router drains with ``take_cache_events``.
 """
 
@@ -59,7 +58,7 @@ class _Counters:
 
 
 class InProcessEngineClient:
-    """Serve ``model_dir`` with ``engine.llm.LLM(model_dir, **engine_kwargs)`` in this process."""
+    """Serve ``model_dir`` with ``EngineCore(EngineConfig(model_dir, **engine_kwargs))`` in this process."""
 
     def __init__(self, model_dir: str | Path, **engine_kwargs: Any) -> None:
         self.model_dir = Path(model_dir)
@@ -70,8 +69,7 @@ class InProcessEngineClient:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._llm: Any = None
-        self._grammar_lock = threading.Lock()
+        self._core: Any = None  # engine.core.EngineCore, owned by the engine thread
         self._dead: BaseException | None = None
         self._counters = _Counters()
         self._stats = EngineStats(0, 0, 0, 0, 0, 0, 0, 0)
@@ -82,15 +80,15 @@ class InProcessEngineClient:
     async def start(self) -> None:
         if self._thread is not None:
             return
-        from engine.llm import LLM
+        from engine.core import EngineConfig, EngineCore
 
         self._loop = asyncio.get_running_loop()
-        self._llm = await asyncio.to_thread(LLM, str(self.model_dir), **self.engine_kwargs)
-        capacity = self._llm.config.cache_event_capacity
-        if capacity and self._llm.scheduler.cache.blocks.events is not None:
+        config = EngineConfig(model=str(self.model_dir), **self.engine_kwargs)
+        self._core = await asyncio.to_thread(EngineCore, config)
+        if config.cache_event_capacity and self._core.records_events():
             from engine.scheduler.cache_events import CacheEventOutbox
 
-            self._outbox = CacheEventOutbox(capacity)
+            self._outbox = CacheEventOutbox(config.cache_event_capacity)
         self._publish_stats()
         self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
         self._thread.start()
@@ -101,9 +99,9 @@ class InProcessEngineClient:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, 30.0)
             self._thread = None
-        if self._llm is not None:
-            self._llm.close()
-            self._llm = None
+        if self._core is not None:
+            self._core.close()
+            self._core = None
 
     # -- EngineClient ----------------------------------------------------------------------
     def model_info(self) -> ModelInfo:
@@ -119,9 +117,9 @@ class InProcessEngineClient:
 
     def cache_identity(self) -> tuple[int, Any]:
         """(block size, ``ExtraKeys``): how this engine names cached blocks. After ``start``."""
-        if self._llm is None:
+        if self._core is None:
             raise EngineUnavailable("engine is not started")
-        return self._llm.scheduler.config.block_size, self._llm.extra_keys
+        return self._core.block_size, self._core.extra_keys
 
     def take_cache_events(self) -> Any:
         """Prefix-cache events since the last call, as a ``CacheEventBatch`` (empty when the
@@ -176,36 +174,14 @@ class InProcessEngineClient:
         self._wake.set()
 
     def _grammar_state(self, request: EngineRequest) -> Any:
-        params = self._sampling_params(request)
-        if params.structured is None:
+        structured = _sampling_params(request).structured
+        if structured is None:
             return None
         from engine.structured.grammar import GrammarError
 
         try:
-            with self._grammar_lock:
-                return self._llm._grammar_state(params)
+            return self._core.compile_grammar(structured)
         except GrammarError as exc:
-            raise EngineRequestError(str(exc)) from None
-
-    @staticmethod
-    def _sampling_params(request: EngineRequest) -> Any:
-        from engine.sampling.params import SamplingParams, StructuredOutput
-
-        structured = None
-        if request.structured is not None:
-            structured = StructuredOutput(**{request.structured.kind: request.structured.source})
-        try:
-            return SamplingParams(
-                max_tokens=request.max_tokens,
-                temperature=request.temperature,
-                top_p=request.top_p,
-                seed=request.seed,
-                logprobs=request.top_logprobs,
-                stop_token_ids=request.stop_token_ids,
-                ignore_eos=request.ignore_eos,
-                structured=structured,
-            )
-        except ValueError as exc:
             raise EngineRequestError(str(exc)) from None
 
     # -- engine thread ---------------------------------------------------------------------
@@ -214,11 +190,11 @@ class InProcessEngineClient:
         try:
             while not self._stop.is_set():
                 self._drain(live)
-                if not self._llm.loop.has_work():
+                if not self._core.has_work():
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
                     continue
-                self._apply(self._llm.loop.step(), live)
+                self._apply(self._core.step(), live)
                 self._publish_stats()
                 self._publish_cache_events()
             err = EngineUnavailable("engine stopped")
@@ -243,7 +219,7 @@ class InProcessEngineClient:
                 # Scheduler side only: a step already in flight on the executor thread may still
                 # read this request's sampling state; the executor drops it itself when the
                 # next step lists the request among ``finished_ids``.
-                if self._llm.scheduler.abort(payload):
+                if self._core.abort(payload):
                     self._counters.aborted_total += 1
                 live.pop(payload, None)
                 self._publish_stats()
@@ -254,62 +230,47 @@ class InProcessEngineClient:
     def _add(
         self, live: dict[str, _Live], request: EngineRequest, grammar: Any, sink: Any, added: Any
     ) -> None:
-        from engine.executor import SamplingState
-        from engine.scheduler.request import Request
+        from engine.core import CoreRequest
 
-        llm = self._llm
-        rid = request.request_id
-        stop_ids = frozenset(request.stop_token_ids) | (
-            frozenset() if request.ignore_eos else {llm.eos_token_id}
-        )
         try:
-            params = self._sampling_params(request)
-            seed = request.seed if request.seed is not None else _seed_for(rid)
-            llm.scheduler.add_request(
-                Request(rid, list(request.prompt_token_ids), request.max_tokens, stop_ids,
-                        priority=request.priority, extra_keys=llm._extra)
+            core_req = CoreRequest(
+                request.request_id, tuple(request.prompt_token_ids), _sampling_params(request),
+                request.priority, request.traffic_class,
             )  # fmt: skip
+            self._core.add(core_req, grammar)
         except ValueError as exc:
             self._resolve(added, EngineRequestError(str(exc)))
             return
-        llm.executor.add(
-            rid, SamplingState(params, seed, list(request.prompt_token_ids), stop_ids, grammar=grammar)
-        )
-        live[rid] = _Live(request, sink)
+        live[request.request_id] = _Live(request, sink)
         self._counters.requests_total += 1
         self._resolve(added, None)
 
-    def _apply(self, upd: Any, live: dict[str, _Live]) -> None:
-        finished = {req.request_id: req for req in upd.finished}
-        for rid in set(upd.new_tokens) | set(finished):
-            item = live.get(rid)
+    def _apply(self, outputs: list[Any], live: dict[str, _Live]) -> None:
+        for out in outputs:  # engine.core.SeqOutput
+            item = live.get(out.request_id)
             if item is None:
                 continue
-            req = finished.get(rid) or self._llm.scheduler.requests.get(rid)
-            if req is None:
-                continue
-            new = list(req.output_token_ids[item.sent_tokens :])
-            item.sent_tokens += len(new)
-            reason = req.status.value if rid in finished else None
-            if reason == "error":  # this request's own input failed mid-run: a 4xx, not an outage
-                live.pop(rid, None)
-                self._deliver(item.sink, EngineRequestError(req.error or "request failed"))
-                self._counters.finished_total += 1
-                continue
-            if reason == "stop" and new and new[-1] in req.stop_token_ids:
-                new.pop()  # the terminating EOS/stop token is counted, not sent as text
-            lps = None
-            if item.request.top_logprobs is not None and rid in upd.logprobs and len(new) == 1:
-                tl = upd.logprobs[rid]
-                lps = ((float(tl.logprob), [(int(t), float(lp)) for t, lp in tl.top]),)
-            out = EngineOutput(
-                rid, tuple(new), lps, reason, len(req.prompt_token_ids), max(req.num_cached_tokens, 0),
-                len(req.output_token_ids),
-            )  # fmt: skip
-            self._deliver(item.sink, out)
+            reason = out.finish_reason
             if reason is not None:
-                live.pop(rid, None)
+                live.pop(out.request_id, None)
                 self._counters.finished_total += 1
+            if reason == "error":  # this request's own input failed mid-run: a 4xx, not an outage
+                self._deliver(item.sink, EngineRequestError(out.error or "request failed"))
+                continue
+            new = out.new_token_ids
+            if out.stop_token is not None and new and new[-1] == out.stop_token:
+                new = new[:-1]  # the terminating EOS/stop token is counted, not sent as text
+            lps = None
+            if item.request.top_logprobs is not None and len(out.new_token_ids) == 1 and out.new_logprobs[0]:
+                tl = out.new_logprobs[0]
+                lps = ((float(tl.logprob), [(int(t), float(lp)) for t, lp in tl.top]),)
+            self._deliver(
+                item.sink,
+                EngineOutput(
+                    out.request_id, tuple(new), lps, reason, out.prompt_tokens, out.cached_tokens,
+                    out.output_tokens,
+                ),
+            )  # fmt: skip
 
     def _deliver(self, sink: asyncio.Queue[Any], item: Any) -> None:
         assert self._loop is not None
@@ -343,39 +304,46 @@ class InProcessEngineClient:
     def _publish_cache_events(self) -> None:
         if self._outbox is None:
             return
-        blocks = self._llm.scheduler.cache.blocks
-        batch = blocks.events.drain()
+        batch = self._core.drain_events()
         if batch:
             with self._events_lock:
-                self._outbox.publish(batch, blocks.cached_hashes)
+                self._outbox.publish(batch, self._core.cached_hashes)
 
     def _publish_stats(self) -> None:
-        llm = self._llm
-        sched = llm.scheduler
-        blocks = sched.cache.blocks
+        st = self._core.stats()
         c = self._counters
         self._stats = EngineStats(
-            running=len(sched.running),
-            waiting=len(sched.waiting),
-            free_blocks=blocks.num_available,
-            total_blocks=blocks.num_blocks,
+            running=st.running,
+            waiting=st.waiting,
+            free_blocks=st.free_blocks,
+            total_blocks=st.total_blocks,
             requests_total=c.requests_total,
             aborted_total=c.aborted_total,
             finished_total=c.finished_total,
-            steps=llm.loop.steps,
-            extra={
-                "free_swa_slots": float(sched.cache.slots.num_available),
-                "total_swa_slots": float(sched.cache.slots.num_slots),
-                "retained_swa_slots": float(sched.cache.slots.num_retained),
-                "preemptions": float(sched.num_preemptions),
-            },
+            steps=st.steps,
+            extra={**st.extra, "kv_tokens": float(st.kv_tokens)},
         )
 
 
-def _seed_for(request_id: str) -> int:
-    import hashlib
+def _sampling_params(request: EngineRequest) -> Any:
+    from engine.sampling.params import SamplingParams, StructuredOutput
 
-    return int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little") & (2**63 - 1)
+    structured = None
+    if request.structured is not None:
+        structured = StructuredOutput(**{request.structured.kind: request.structured.source})
+    try:
+        return SamplingParams(
+            max_tokens=request.max_tokens,
+            temperature=request.temperature,
+            top_p=request.top_p,
+            seed=request.seed,
+            logprobs=request.top_logprobs,
+            stop_token_ids=request.stop_token_ids,
+            ignore_eos=request.ignore_eos,
+            structured=structured,
+        )
+    except ValueError as exc:
+        raise EngineRequestError(str(exc)) from None
 
 
 def _read_model_info(model_dir: Path, engine_kwargs: dict[str, Any]) -> ModelInfo:

