@@ -365,6 +365,11 @@ class EngineCore:
     def cached_hashes(self) -> list[BlockHash]:
         return self.scheduler.cache.blocks.cached_hashes()
 
+    def take_store_events(self) -> list[BlockHash]:
+        """Block hashes this engine saw in the KV store (written or fetched) since the last
+        call, for a router's index; empty without a store. Thread-safe."""
+        return self.store.take_stored() if self.store is not None else []
+
     # -- handoff ---------------------------------------------------------------------------
     def export_sequence(self, request_id: str) -> bytes:
         """Hand a running sequence over: its state as a versioned payload, after which it is

@@ -22,7 +22,7 @@ import logging
 import queue
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -44,6 +44,9 @@ class ConnectorConfig:
     # store's own read timeout; a read slower than that is a failing store, not a slow hit.
     fetch_deadline_s: float = 2.5
     known_hashes: int = 1 << 16  # hashes remembered as stored (dedupe before the directory)
+    # Hashes of blocks seen in the store (written or fetched) kept for a router to drain
+    # (``take_stored``); past this many the oldest are dropped (a router's hint, not a record).
+    stored_events: int = 1 << 16
 
     def __post_init__(self) -> None:
         if self.save_queue_bytes < 1 or self.save_batch_blocks < 1 or self.known_hashes < 1:
@@ -63,6 +66,7 @@ class ConnectorStats:
     dropped_blocks: int = 0  # not queued: the queue was full
     deduplicated_blocks: int = 0
     queued_bytes: int = 0
+    fetch_s_per_block: float = 0.0  # running mean of answered fetches (0 before the first)
 
     def as_dict(self) -> dict[str, float]:
         return {f"kv_store_{k}": float(v) for k, v in self.__dict__.items()}
@@ -76,6 +80,7 @@ class PendingFetch:
     future: Future[Any]
     deadline: float
     _connector: StoreConnector = field(repr=False)
+    started: float = 0.0
 
     def done(self) -> bool:
         return self.future.done() or time.monotonic() >= self.deadline
@@ -99,6 +104,8 @@ class StoreConnector:
         self._lock = threading.Lock()  # stats and the known-hash LRU (both threads)
         self._known: OrderedDict[bytes, None] = OrderedDict()
         self._queue: queue.Queue[SaveItem | None] = queue.Queue()
+        self._stored: deque[bytes] = deque(maxlen=self.config.stored_events)
+        self._fetch_time = (0.0, 0)  # seconds and blocks of answered fetches
         self._worker = threading.Thread(target=self._write_loop, name="sluice-kv-save", daemon=True)
         self._worker.start()
 
@@ -106,7 +113,8 @@ class StoreConnector:
     def fetch(self, hashes: Sequence[bytes]) -> PendingFetch:
         self.stats.fetches += 1
         fut = self.client.get_prefix_async(list(hashes))
-        return PendingFetch(tuple(hashes), fut, time.monotonic() + self.config.fetch_deadline_s, self)
+        now = time.monotonic()
+        return PendingFetch(tuple(hashes), fut, now + self.config.fetch_deadline_s, self, now)
 
     def _settle(self, p: PendingFetch) -> list[bytes]:
         if not p.future.done():
@@ -118,6 +126,8 @@ class StoreConnector:
         except Exception as exc:  # noqa: BLE001 - any store failure means recompute
             self._fetch_failed(f"{type(exc).__name__}: {exc}")
             return []
+        if views:
+            self._time_fetch(time.monotonic() - p.started, len(views))
         good: list[bytes] = []
         for h, view in zip(p.hashes, views):
             payload = bytes(view)
@@ -133,6 +143,20 @@ class StoreConnector:
         with self._lock:
             self.stats.fetched_blocks += len(good)
         return good
+
+    def _time_fetch(self, seconds: float, blocks: int) -> None:
+        """Fetch seconds per block, over every answered fetch: what a router charges a store hit."""
+        with self._lock:
+            total_s, total_blocks = self._fetch_time
+            self._fetch_time = (total_s + seconds, total_blocks + blocks)
+            self.stats.fetch_s_per_block = self._fetch_time[0] / self._fetch_time[1]
+
+    def take_stored(self) -> list[bytes]:
+        """Hashes seen in the store since the last call (thread-safe; for a router's index)."""
+        with self._lock:
+            out = list(self._stored)
+            self._stored.clear()
+        return out
 
     def _fetch_failed(self, why: str) -> None:
         with self._lock:
@@ -205,6 +229,7 @@ class StoreConnector:
 
     def _remember(self, hashes: Sequence[bytes]) -> None:
         with self._lock:
+            self._stored.extend(hashes)
             for h in hashes:
                 self._known[h] = None
                 self._known.move_to_end(h)

@@ -131,6 +131,10 @@ class InProcessEngineClient:
         with self._events_lock:
             return self._outbox.take()
 
+    def take_store_events(self) -> list[bytes]:
+        """Block hashes the engine saw in the KV store since the last call (thread-safe)."""
+        return self._core.take_store_events() if self._core is not None else []
+
     async def ready(self, timeout_s: float = 5.0) -> bool:
         if self._thread is None or self._dead is not None or self._loop is None:
             return False
