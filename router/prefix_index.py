@@ -14,7 +14,10 @@ engines) per lookup, independent of how many blocks are indexed.
 Feeding: engines publish ``stored`` / ``removed`` events (``apply_stored`` /
 ``apply_removed``); the KV store's directory publishes ``store_add`` / ``store_remove``.
 With ``capacity_blocks`` set, the index also evicts per engine in LRU order on its own
-(an approximate index, for engines that do not publish removals).
+(an approximate index, for engines that do not publish removals). With
+``store_capacity_blocks`` set, the store view is likewise an LRU of that many blocks
+(a live store drops blocks by its own GC and TTLs without telling anyone, so the view is
+a bounded hint there; the simulator's store publishes every drop and needs no bound).
 
 Two tiers, as NVIDIA Dynamo's approximate indexer keeps predictions apart from events:
 
@@ -33,7 +36,7 @@ Two tiers, as NVIDIA Dynamo's approximate indexer keeps predictions apart from e
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Hashable, Iterable, Sequence
 from dataclasses import dataclass
 from itertools import compress, repeat
@@ -48,6 +51,9 @@ class PrefixIndexConfig:
     capacity_blocks: int | None = None  # per engine; None: trust removal events only
     predicted_requests: int = 65_536  # unconfirmed routing predictions kept (oldest expire first)
     predicted_ttl_s: float = 600.0  # ... and for at most this long on the caller's clock
+    # blocks the store view keeps (least recently added dropped first); None: trust
+    # ``store_remove`` only (a directory that publishes every drop)
+    store_capacity_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_engines < 1:
@@ -61,6 +67,11 @@ class PrefixIndexConfig:
             raise ValueError(
                 f"PrefixIndexConfig.capacity_blocks must be >= 1 or None (no self-eviction), "
                 f"got {self.capacity_blocks}"
+            )
+        if self.store_capacity_blocks is not None and self.store_capacity_blocks < 1:
+            raise ValueError(
+                f"PrefixIndexConfig.store_capacity_blocks must be >= 1 or None (no bound), "
+                f"got {self.store_capacity_blocks}"
             )
 
 
@@ -82,7 +93,9 @@ class PrefixIndex:
         )
         self._predicted: dict[Hashable, int] = {}
         self._pending: deque[tuple[float, int, Sequence[Hashable]]] = deque()  # (at, engine, blocks)
-        self._store: set[Hashable] = set()
+        # blocks the KV store holds; with a bound, least recently added first (an OrderedDict:
+        # O(1) refresh and eviction from the front, which a plain dict does not have)
+        self._store: dict[Hashable, None] = {} if config.store_capacity_blocks is None else OrderedDict()
 
     # -- events -------------------------------------------------------------------------
     def apply_stored(self, engine: int, blocks: Sequence[Hashable], known_held: int = 0) -> list[Hashable]:
@@ -196,11 +209,30 @@ class PrefixIndex:
                 else:
                     predicted[b] = h & ~bit
 
-    def store_add(self, blocks: Iterable[Hashable]) -> None:
-        self._store.update(blocks)
+    def store_add(self, blocks: Iterable[Hashable]) -> list[Hashable]:
+        """Record that the KV store holds ``blocks`` (refreshing the recency of known ones).
+
+        With ``store_capacity_blocks``, the least recently added blocks beyond it are
+        forgotten and returned (tail first, so a chain loses its leaves before its root).
+        """
+        store, cap = self._store, self.config.store_capacity_blocks
+        if cap is None:  # nothing is ever evicted here, so recency is moot
+            store.update(dict.fromkeys(blocks))
+            return []
+        assert isinstance(store, OrderedDict)  # internal invariant: built so when bounded
+        # tail first, so the root ends most recent; a known block is popped and re-added, so
+        # it moves to the most recent end (per-block work in C builtins)
+        fresh = list(blocks)[::-1]
+        deque(map(store.pop, fresh, repeat(None)), maxlen=0)
+        store.update(dict.fromkeys(fresh))
+        if len(store) <= cap:
+            return []
+        popitem = store.popitem
+        return [popitem(False)[0] for _ in range(len(store) - cap)]
 
     def store_remove(self, blocks: Iterable[Hashable]) -> None:
-        self._store.difference_update(blocks)
+        """Record that the KV store dropped ``blocks``; unknown blocks are ignored."""
+        deque(map(self._store.pop, blocks, repeat(None)), maxlen=0)  # pop each, in C
 
     # -- queries ------------------------------------------------------------------------
     def match(self, blocks: Sequence[Hashable]) -> np.ndarray:
@@ -242,6 +274,10 @@ class PrefixIndex:
                 break
             n += 1
         return n
+
+    def store_blocks(self) -> int:
+        """Blocks the store view holds."""
+        return len(self._store)
 
     def engine_blocks(self, engine: int) -> int:
         self._check(engine)

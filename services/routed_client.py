@@ -9,7 +9,11 @@ the 2D balancer, decides only when prefill and decode pools are split). Per requ
    report each replica's load with ``update_loads``: requests in it and KV tokens held
    (its stats), and queued prefill work: the predicted prefill seconds of the requests
    routed to it whose first output has not come back yet (closed loop: work leaves the
-   queue when the engine has really prefilled it, not when a clock says it should have);
+   queue when the engine has really prefilled it, not when a clock says it should have).
+   With a KV store, the blocks each replica saw in the store (``take_store_events``) go
+   to the index's store view (``on_store_directory``), and the replicas' measured fetch
+   seconds per block (stat ``kv_store_fetch_s_per_block``, mean over those that measured
+   one) become the policy's store fetch cost; until one is measured the store is ignored;
 2. hash the prompt ids exactly as the engines do (``engine.scheduler.hashing.chain_hashes``
    with the replicas' block size and extra keys) into a ``RequestView``;
 3. ``route_prefill`` over the replicas that are up; the chosen replica's ``generate``
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -35,6 +39,7 @@ from typing import Any, Protocol, runtime_checkable
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from costmodel import CostModel
+from engine.kvconnector.connector import ConnectorConfig
 from engine.scheduler.cache_events import CacheEventBatch
 from engine.scheduler.hashing import ExtraKeys, chain_hashes
 from router.policy import RequestView
@@ -49,6 +54,9 @@ from services.api.engine_client import (
 from services.router_adapter import RouterAdapter, RouterAdapterConfig
 
 ROUTER_POLICIES = ("round_robin", "least_load", "cache_aware", "sluice")
+# Engine stats that are per-replica means, not counters: ``stats()`` averages them over the
+# replicas that measured one (> 0) instead of summing them.
+MEAN_EXTRA_STATS = frozenset({"kv_store_fetch_s_per_block"})
 
 
 @dataclass(frozen=True)
@@ -65,6 +73,9 @@ class RoutingConfig:
     # prefill cost model of one replica (CostModel JSON); None: the checkpoint's
     # sluice_cost_model.json when present (as the engine's scheduler), else the H200 default
     cost_model_path: Path | None = None
+    # blocks the router's view of the KV store keeps (LRU); None: replicas x the blocks one
+    # engine keeps for the router to drain (ConnectorConfig.stored_events, 65,536)
+    store_capacity_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -81,6 +92,11 @@ class RoutingConfig:
             raise ValueError(
                 f"RoutingConfig.cache_event_capacity must be >= 1 block event, got {self.cache_event_capacity}"
             )
+        if self.store_capacity_blocks is not None and self.store_capacity_blocks < 1:
+            raise ValueError(
+                f"RoutingConfig.store_capacity_blocks must be >= 1 or None (default bound), "
+                f"got {self.store_capacity_blocks}"
+            )
 
     def resolve(self) -> RoutingConfig:
         if self.replicas > 1 and not self.policy:
@@ -92,6 +108,13 @@ class RoutingConfig:
         return bool(self.policy) or self.replicas > 1
 
 
+def _mean_measured(values: Iterable[float]) -> float | None:
+    """Mean of the values > 0 (a replica reports 0.0 until it measured something); None
+    when none is."""
+    measured = [v for v in values if v > 0]
+    return sum(measured) / len(measured) if measured else None
+
+
 @runtime_checkable
 class ReplicaEngine(EngineClient, Protocol):
     """An ``EngineClient`` that also says how it names cached blocks and what it cached.
@@ -101,6 +124,11 @@ class ReplicaEngine(EngineClient, Protocol):
       ``start``; raises ``EngineUnavailable`` before.
     - ``take_cache_events()``: the ``CacheEventBatch`` recorded since the previous call;
       never blocks; an empty batch when the engine records no events.
+
+    Optional (looked up with ``getattr``; a replica without a KV store may omit it):
+    ``take_store_events() -> list[bytes]``, the block hashes the engine saw in the KV
+    store (written or fetched) since the previous call; never blocks. Its stats may carry
+    ``kv_store_fetch_s_per_block`` (measured mean; 0.0 before the first answered fetch).
     """
 
     @property
@@ -115,7 +143,11 @@ class RoutedEngineClient:
     """Route every request to one of ``replicas`` with the router policy ``policy``."""
 
     def __init__(
-        self, replicas: Sequence[ReplicaEngine], policy: str = "sluice", cost: CostModel | None = None
+        self,
+        replicas: Sequence[ReplicaEngine],
+        policy: str = "sluice",
+        cost: CostModel | None = None,
+        store_capacity_blocks: int | None = None,
     ) -> None:
         if not replicas:
             raise ValueError("RoutedEngineClient needs at least one replica")
@@ -125,14 +157,21 @@ class RoutedEngineClient:
         self.replicas = list(replicas)
         self.policy = policy
         n = len(replicas)
+        # The store drops blocks silently (node LRU, TTLs), so the router's view of it is a
+        # bounded hint: by default as many blocks as the replicas keep for it to drain.
+        store_cap = store_capacity_blocks
+        if store_cap is None:
+            store_cap = n * ConnectorConfig().stored_events
         adapter_cfg = RouterAdapterConfig(
-            policy=policy, num_prefill=n, num_decode=1, cost=cost or CostModel()
-        )
+            policy=policy, num_prefill=n, num_decode=1, cost=cost or CostModel(),
+            store_capacity_blocks=store_cap,
+        )  # fmt: skip
         self.router = RouterAdapter(adapter_cfg)
         self.routed = [0] * n  # requests routed to each replica
         self.prompt_tokens = [0] * n  # prompt tokens of finished requests, per replica
         self.hit_tokens = [0] * n  # of which served from the replica's prefix cache
         self.events_lost = [0] * n
+        self.store_events = [0] * n  # store block hashes each replica reported
         self.failovers = 0
         self._info = min(infos, key=lambda i: i.context_limit)
         self._where: dict[str, int] = {}
@@ -156,7 +195,7 @@ class RoutedEngineClient:
         replicas = [InProcessEngineClient(model_dir, **kwargs) for _ in range(cfg.replicas)]
         path = cfg.cost_model_path or Path(model_dir) / COST_MODEL_FILE
         cost = CostModel.from_json(path.read_text()) if path.is_file() else None
-        return cls(replicas, cfg.policy, cost)
+        return cls(replicas, cfg.policy, cost, cfg.store_capacity_blocks)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -191,6 +230,8 @@ class RoutedEngineClient:
         for s in per:
             for k, v in s.extra.items():
                 extra[k] = extra.get(k, 0.0) + v
+        for k in MEAN_EXTRA_STATS & extra.keys():
+            extra[k] = _mean_measured(s.extra.get(k, 0.0) for s in per) or 0.0
         extra["replicas_up"] = float(sum(1 for r in self.replicas if r.alive))
 
         def total(name: str) -> int:
@@ -263,6 +304,8 @@ class RoutedEngineClient:
         assert self._identity is not None  # internal invariant: _view checked start
         block_size = self._identity[0]
         loads: list[dict[str, object]] = []
+        in_store: list[bytes] = []
+        fetch_costs: list[float] = []
         for i, r in enumerate(self.replicas):
             if not r.alive:
                 if i not in self._down:
@@ -278,7 +321,13 @@ class RoutedEngineClient:
                     await self.router.on_cache_event(i, stored=ev.hashes)
                 else:
                     await self.router.on_cache_event(i, removed=ev.hashes)
+            take_store = getattr(r, "take_store_events", None)
+            if take_store is not None:
+                seen = take_store()
+                self.store_events[i] += len(seen)
+                in_store.extend(seen)
             s = r.stats()
+            fetch_costs.append(s.extra.get("kv_store_fetch_s_per_block", 0.0))
             used = max(s.total_blocks - s.free_blocks, 0) * block_size
             queued = sum(self._prefilling[i].values())
             loads.append(
@@ -286,6 +335,11 @@ class RoutedEngineClient:
             )
         if loads:
             await self.router.on_engine_stats("prefill", loads)
+        if in_store:
+            await self.router.on_store_directory(added=in_store)
+        fetch_s = _mean_measured(fetch_costs)
+        if fetch_s is not None and fetch_s != self.router.config.store_fetch_s_per_block:
+            await self.router.set_store_fetch_cost(fetch_s)
 
     async def _mark_down(self, engine: int) -> None:
         self._down.add(engine)
@@ -300,6 +354,8 @@ class RoutedEngineClient:
              self.hit_tokens),
             ("sluice_router_cache_events_lost", "Cache events a replica dropped (then resnapshotted).",
              self.events_lost),
+            ("sluice_router_store_events", "KV-store block hashes a replica reported to the router.",
+             self.store_events),
         )  # fmt: skip
         for name, doc, values in per_replica:
             c = CounterMetricFamily(name, doc, labels=["replica", "policy"])
@@ -319,6 +375,16 @@ class RoutedEngineClient:
             blocks.add_metric([str(i)], float(self.router.index.engine_blocks(i)))
         yield up
         yield blocks
+        yield GaugeMetricFamily(
+            "sluice_router_store_blocks",
+            "Blocks the router's view of the KV store holds (a bounded hint, see docs/router.md).",
+            value=float(self.router.index.store_blocks()),
+        )
+        yield GaugeMetricFamily(
+            "sluice_router_store_fetch_seconds_per_block",
+            "Store fetch cost the router prices store hits at (engines' measured mean; 0: unmeasured, store ignored).",
+            value=float(self.router.config.store_fetch_s_per_block or 0.0),
+        )
         yield CounterMetricFamily(
             "sluice_router_failovers",
             "Requests re-routed after a replica refused them.",

@@ -2,8 +2,9 @@
 
 The API server awaits ``route_prefill`` / ``route_decode`` per request; engine actors push
 ``on_engine_stats`` (their periodic load report) and ``on_cache_event`` (blocks stored /
-evicted, as chained SHA-256 block hashes in bytes or hex); the KV store directory pushes
-``on_store_directory``. Policies are synchronous and take microseconds, so one
+evicted, as chained SHA-256 block hashes in bytes or hex); what the engines saw in the KV
+store arrives as ``on_store_directory`` and its measured fetch cost as
+``set_store_fetch_cost``. Policies are synchronous and take microseconds, so one
 ``asyncio.Lock`` serialises them on the event loop; nothing here blocks or does I/O.
 """
 
@@ -11,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Hashable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from costmodel import CostModel, DecodeCostModel
 from router import cache_aware, sluice  # noqa: F401  (registers policies)
@@ -29,7 +30,11 @@ class RouterAdapterConfig:
     cost: CostModel = CostModel()
     decode_cost: DecodeCostModel = DecodeCostModel()
     # seconds to fetch one block from the KV store; None: the sluice policy ignores the store
+    # (live serving sets it from the engines' measurement: ``set_store_fetch_cost``)
     store_fetch_s_per_block: float | None = None
+    # blocks the index's store view keeps, least recently added dropped first; None: no
+    # bound (only for a directory that publishes every drop, see PrefixIndexConfig)
+    store_capacity_blocks: int | None = None
 
     def __post_init__(self) -> None:
         if self.num_prefill < 1 or self.num_decode < 1:
@@ -39,6 +44,7 @@ class RouterAdapterConfig:
         known = sorted(set(PREFILL_POLICIES.names()) & set(DECODE_POLICIES.names()))
         if self.policy not in known:
             raise ValueError(f"unknown router policy {self.policy!r}; known: {', '.join(known)}")
+        _check_fetch_cost(self.store_fetch_s_per_block)
 
 
 def _block_id(b: bytes | str | int) -> Hashable:
@@ -51,10 +57,17 @@ def _block_id(b: bytes | str | int) -> Hashable:
     return b
 
 
+def _check_fetch_cost(seconds_per_block: float | None) -> None:
+    if seconds_per_block is not None and not seconds_per_block >= 0:  # NaN too
+        raise ValueError(f"store fetch cost must be >= 0 s per block or None, got {seconds_per_block!r}")
+
+
 class RouterAdapter:
     def __init__(self, config: RouterAdapterConfig) -> None:
         self.config = config
-        self.index = PrefixIndex(PrefixIndexConfig(config.num_prefill))
+        self.index = PrefixIndex(
+            PrefixIndexConfig(config.num_prefill, store_capacity_blocks=config.store_capacity_blocks)
+        )
         pctx = PolicyContext(config.num_prefill, self.index, config.cost, config.decode_cost)
         dctx = PolicyContext(config.num_decode, cost=config.cost, decode_cost=config.decode_cost)
         if config.policy == "sluice":
@@ -129,6 +142,16 @@ class RouterAdapter:
         async with self._lock:
             self.index.store_add(_block_id(b) for b in added)
             self.index.store_remove(_block_id(b) for b in removed)
+
+    async def set_store_fetch_cost(self, seconds_per_block: float | None) -> None:
+        """Seconds to fetch one block from the KV store, as measured by the engines; None:
+        ignore the store (nothing measured yet). Only ``sluice`` prices store hits; the other
+        policies ignore it. Raises ValueError for a negative or NaN cost."""
+        _check_fetch_cost(seconds_per_block)
+        async with self._lock:
+            self.config = replace(self.config, store_fetch_s_per_block=seconds_per_block)
+            if isinstance(self.prefill, sluice.SluicePrefill):
+                self.prefill.config = replace(self.prefill.config, store_fetch_s_per_block=seconds_per_block)
 
     @staticmethod
     def _load(raw: Mapping[str, object], num_engines: int) -> EngineLoad:
