@@ -26,7 +26,7 @@ from typing import Any
 
 from engine.engine_config import COST_MODEL_FILE, EngineConfig
 from engine.executor import ModelExecutor, SamplingState
-from engine.kvconnector.connector import PendingFetch, StoreConnector
+from engine.kvconnector.connector import ConnectorConfig, PendingFetch, StoreConnector
 from engine.kvconnector.transfer import export_sequence, import_sequence
 from engine.kvconnector.worker import KVWorker
 from engine.loop import EngineLoop
@@ -88,7 +88,12 @@ class _Track:
 
 
 class EngineCore:
-    def __init__(self, config: EngineConfig) -> None:
+    """``store_client``: a store client to use instead of opening ``config.kv_store`` (an
+    embedder sharing one client, or a test); ``connector``: the connector's settings."""
+
+    def __init__(
+        self, config: EngineConfig, store_client: Any = None, connector: ConnectorConfig | None = None
+    ) -> None:
         from engine.checkpoint.fingerprint import model_fingerprint
         from engine.kvconnector import payload as fmt
         from engine.runner import ModelRunner, RunnerConfig
@@ -106,7 +111,11 @@ class EngineCore:
         self.fingerprint = model_fingerprint(cfg.model, cfg.dtype, fmt.LAYOUT_VERSION)
         self.extra_keys = ExtraKeys(model_id=self.fingerprint)
         dtype = self.runner.cfg.torch_dtype
-        self.store = self._open_store(fmt) if cfg.kv_store else None
+        if store_client is None and cfg.kv_store:
+            store_client = self._open_store_client()
+        self.store = (
+            StoreConnector(store_client, self._verify_block, connector) if store_client is not None else None
+        )
         self.kv = KVWorker(
             bytes.fromhex(self.fingerprint), fmt.layout_digest(self.runner.spec, dtype), dtype, self.store
         )
@@ -120,11 +129,10 @@ class EngineCore:
         self._grammar_lock = threading.Lock()
         self.eos_token_id = _eos(self.tokenizer_path)
 
-    def _open_store(self, fmt: Any) -> StoreConnector:
+    def _open_store_client(self) -> Any:
         from kvstore.spec import StoreSpec, open_store_client
 
-        client = open_store_client(StoreSpec.load(Path(self.config.kv_store or "")))
-        return StoreConnector(client, self._verify_block)
+        return open_store_client(StoreSpec.load(Path(self.config.kv_store or "")))
 
     def _verify_block(self, payload: bytes) -> None:
         self.kv.verify_block(payload)
