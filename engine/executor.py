@@ -57,6 +57,7 @@ class ModelExecutor:
 
     def add(self, request_id: str, state: SamplingState) -> None:
         self.states[request_id] = state
+        self._failed.pop(request_id, None)  # a reused id starts clean
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         for rid in out.finished_ids:

@@ -109,8 +109,15 @@ class SequenceState:
         tokens = self.prompt_token_ids + self.output_token_ids
         if not self.prompt_token_ids or any(not 0 <= t < vocab_size for t in tokens):
             raise ValueError(f"tokens must be non-empty and within [0, {vocab_size})")
-        if not 0 < self.num_computed <= len(tokens):
-            raise ValueError(f"num_computed {self.num_computed} outside (0, {len(tokens)}]")
+        # At least the last token is left to compute (a sequence with nothing to compute never
+        # steps again), and the replay markers lie within the computed length.
+        if not 0 < self.num_computed < len(tokens):
+            raise ValueError(f"num_computed {self.num_computed} outside (0, {len(tokens)})")
+        for name in ("replay_until", "window_from"):
+            if not 0 <= getattr(self, name) <= self.num_computed:
+                raise ValueError(
+                    f"{name} {getattr(self, name)} outside [0, num_computed {self.num_computed}]"
+                )
         if len(self.output_token_ids) >= self.params.max_tokens:
             raise ValueError("the sequence has already produced max_tokens tokens")
         if len(self.block_hashes) != self.num_computed // block_size:

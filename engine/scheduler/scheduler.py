@@ -77,6 +77,7 @@ class Scheduler:
         req.arrival = next(self._arrivals)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV if remote_kv else RequestStatus.WAITING
         self.requests[req.request_id] = req
+        self._finished_ids.discard(req.request_id)  # an id reused before the next step: not finished
         parent = self.requests.get(req.fork_of) if req.fork_of else None
         if parent is not None and parent is not req and parent.num_outputs_with_pending == 0:
             self._forks.setdefault(parent.request_id, []).append(req)  # forked after its prefill
@@ -99,6 +100,7 @@ class Scheduler:
         req.arrival = next(self._arrivals)
         req.status = RequestStatus.RUNNING
         self.requests[req.request_id] = req
+        self._finished_ids.discard(req.request_id)  # e.g. handed back to the engine that exported it
         self.running.append(req)
 
     def queue_kv_load(self, block: int, payload: bytes) -> None:
