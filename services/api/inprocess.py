@@ -197,6 +197,9 @@ class InProcessEngineClient:
                 if not self._core.has_work():
                     self._wake.wait(_IDLE_WAIT_S)
                     self._wake.clear()
+                    # The KV store connector's counters move on its writer thread after the
+                    # last step (the write-through of that step's blocks): republish them.
+                    self._publish_stats()
                     continue
                 self._apply(self._core.step(), live)
                 self._publish_stats()

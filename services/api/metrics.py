@@ -2,7 +2,9 @@
 
 Names follow Prometheus conventions (``_total`` counters, ``_seconds`` histograms).
 Engine gauges (running, waiting, free blocks) are read from ``EngineClient.stats()`` at
-scrape time, so they are never stale.
+scrape time, so they are never stale. So are the engine's KV-store connector counters
+(``EngineStats.extra["kv_store_*"]``, present when the engine has a store): each becomes
+``sluice_kv_store_<name>_total`` (a counter) or, for the levels, a gauge.
 """
 
 from __future__ import annotations
@@ -11,11 +13,48 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Protocol, runtime_checkable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from services.api.engine_client import EngineStats
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+
+_KV_STORE = "kv_store_"
+# The connector's counters (engine.kvconnector.connector.ConnectorStats): only ever rise.
+_KV_STORE_COUNTERS = {
+    "fetches": "Prefix fetches asked of the KV store.",
+    "fetched_blocks": "Blocks loaded from the KV store (verified).",
+    "fetch_failures": "KV store fetches that failed or missed their deadline; the prefix was recomputed.",
+    "corrupt_blocks": "KV store blocks refused by verification; recomputed from there.",
+    "saved_blocks": "Blocks written to the KV store.",
+    "save_failures": "Blocks whose KV store write failed.",
+    "dropped_blocks": "Blocks not written to the KV store: the write-through queue was full.",
+    "deduplicated_blocks": "Blocks not written to the KV store: known to be there already.",
+}
+# Levels, and their Prometheus names where the engine's key carries no unit word.
+_KV_STORE_GAUGES = {
+    "queued_bytes": ("sluice_kv_store_queued_bytes", "Bytes waiting in the write-through queue."),
+    "fetch_s_per_block": (
+        "sluice_kv_store_fetch_seconds_per_block",
+        "Mean seconds per block of answered KV store fetches.",
+    ),
+}
+
+
+def _kv_store_families(extra: dict[str, float]) -> Iterator[Metric]:
+    """The ``kv_store_*`` entries of ``EngineStats.extra``; unknown ones as gauges."""
+    for key, value in sorted(extra.items()):
+        if not key.startswith(_KV_STORE):
+            continue
+        name = key[len(_KV_STORE) :]
+        family: Metric
+        if name in _KV_STORE_COUNTERS:
+            family = CounterMetricFamily(f"sluice_kv_store_{name}", _KV_STORE_COUNTERS[name])
+        else:
+            metric, doc = _KV_STORE_GAUGES.get(name, (f"sluice_kv_store_{name}", f"Engine KV store {name}."))
+            family = GaugeMetricFamily(metric, doc)
+        family.add_metric([], float(value))
+        yield family
 
 
 class _EngineCollector:
@@ -37,6 +76,7 @@ class _EngineCollector:
             g = GaugeMetricFamily(name, doc)
             g.add_metric([], float(value))
             yield g
+        yield from _kv_store_families(s.extra)
 
 
 @runtime_checkable
