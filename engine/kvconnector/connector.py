@@ -34,6 +34,16 @@ SaveItem = tuple[bytes, bytes, str]  # (block hash, payload, traffic class)
 
 
 @dataclass(frozen=True)
+class _Drop:
+    """A write-queue entry: delete this block from the store (it failed verification)."""
+
+    block: bytes
+
+
+_NOTHING = _Drop(b"")  # the write loop's "no pending entry" marker (never queued)
+
+
+@dataclass(frozen=True)
 class ConnectorConfig:
     # Write-through queue bound. Principle: one full batched put of the store client
     # (``StoreClientConfig.batch_bytes``, 64 MiB) may wait while another is in flight; more
@@ -103,7 +113,7 @@ class StoreConnector:
         self.stats = ConnectorStats()
         self._lock = threading.Lock()  # stats and the known-hash LRU (both threads)
         self._known: OrderedDict[bytes, None] = OrderedDict()
-        self._queue: queue.Queue[SaveItem | None] = queue.Queue()
+        self._queue: queue.Queue[SaveItem | _Drop | None] = queue.Queue()
         self._stored: deque[bytes] = deque(maxlen=self.config.stored_events)
         self._fetch_time = (0.0, 0)  # seconds and blocks of answered fetches
         self._worker = threading.Thread(target=self._write_loop, name="sluice-kv-save", daemon=True)
@@ -137,6 +147,7 @@ class StoreConnector:
                 with self._lock:
                     self.stats.corrupt_blocks += 1
                 log.warning("store block %s refused (%s); recomputing from there", h.hex()[:12], exc)
+                self._drop_corrupt(h)
                 break
             good.append(payload)
             self._remember([h])
@@ -157,6 +168,13 @@ class StoreConnector:
             out = list(self._stored)
             self._stored.clear()
         return out
+
+    def _drop_corrupt(self, h: bytes) -> None:
+        """Delete a refused block from the store so that the engine's write-through of the
+        recomputed block replaces it (the write skips hashes the directory still names):
+        heal on read, instead of every engine refusing it until its TTL ends. The delete
+        goes through the write queue, so it lands before that write."""
+        self._queue.put(_Drop(h))
 
     def _fetch_failed(self, why: str) -> None:
         with self._lock:
@@ -191,21 +209,32 @@ class StoreConnector:
             self.stats.dropped_blocks += n
 
     def _write_loop(self) -> None:
+        """One writer, in queue order: batches of saves, and deletes where they were queued."""
         while True:
             item = self._queue.get()
+            batch: list[SaveItem] = []
+            while item is not None and not isinstance(item, _Drop):
+                batch.append(item)
+                if len(batch) >= self.config.save_batch_blocks:
+                    item = _NOTHING
+                    break
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    item = _NOTHING
+                    break
+            if batch:
+                self._write(batch)
             if item is None:
                 return
-            batch = [item]
-            while len(batch) < self.config.save_batch_blocks:
-                try:
-                    nxt = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if nxt is None:
-                    self._write(batch)
-                    return
-                batch.append(nxt)
-            self._write(batch)
+            if isinstance(item, _Drop) and item is not _NOTHING:
+                self._delete(item.block)
+
+    def _delete(self, h: bytes) -> None:
+        try:
+            self.client.delete([h])
+        except Exception as exc:  # noqa: BLE001 - a failed delete leaves only a refusal
+            log.warning("deleting refused block %s from the store failed: %s", h.hex()[:12], exc)
 
     def _write(self, batch: list[SaveItem]) -> None:
         by_class: dict[str, list[SaveItem]] = {}

@@ -63,6 +63,9 @@ class MemStore:
             self.blocks.setdefault(h, bytes(p))
         return []
 
+    def delete(self, hashes) -> int:
+        return sum(self.blocks.pop(h, None) is not None for h in hashes)
+
     def close(self) -> None:
         self.hold_gets.set()
         self.hold_puts.set()
@@ -182,6 +185,11 @@ def test_a_failed_fetch_recomputes_with_exact_output(tiny, cold, fault):
         assert extra["kv_store_corrupt_blocks"] == 1 and extra["kv_store_fetched_blocks"] == 2
         replay = b.runner.model_cfg.num_hidden_layers * (b.runner.model_cfg.sliding_window - 1)
         assert cached == 2 * 256 - replay
+        # healed on read: the bad block was deleted, and B's write-through stored it again
+        assert b.store is not None and b.store.flush(10.0)
+        c = EngineCore(EngineConfig(model=tiny), store_client=store)
+        assert run(c, "healed", prompt)[1] == 4 * 256 - replay
+        c.close()
     else:
         assert extra["kv_store_fetch_failures"] == 1 and cached == 0
     store.close()
