@@ -26,7 +26,7 @@ def test_parse_lengths_and_rounds() -> None:
     assert prefix.parse_lengths("1024, 4096,16384") == [1024, 4096, 16384]
     with pytest.raises(ValueError, match="at least 256"):
         prefix.parse_lengths("100")
-    assert prefix.parse_rounds(None, [1024, 4096, 16384]) == [5, 5, 3]
+    assert prefix.parse_rounds(None, [1024, 4096, 16384]) == [25, 5, 3]
     assert prefix.parse_rounds("4", [1024, 4096]) == [4, 4]
     assert prefix.parse_rounds("7,5,2", [1024, 4096, 16384]) == [7, 5, 2]
     with pytest.raises(ValueError, match="one per length"):
