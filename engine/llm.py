@@ -65,6 +65,7 @@ class LLM:
         self.core = EngineCore(self.config)
         self.vocab_size = self.core.vocab_size
         self._tokenizer: Any = None
+        self._controls: frozenset[int] | None = None
         self._ids = itertools.count()
 
     @property
@@ -213,8 +214,7 @@ class LLM:
         tr.logprobs.extend(out.new_logprobs)
         tr.cached = out.cached_tokens
         if out.finish_reason is None and tr.params.stop and out.new_token_ids:
-            text = self.tokenizer.decode(tr.token_ids, skip_special_tokens=True)
-            _, match = tr.stops.feed(text)
+            _, match = tr.stops.feed(self._text(tr))
             if match is not None:
                 self.core.abort(out.request_id, reason="stop")
                 self._finish(tr, "stop", text=match.text, stop_reason=match.stop)
@@ -222,9 +222,19 @@ class LLM:
         if out.finish_reason is not None:
             self._finish(tr, out.finish_reason, stop_reason=out.stop_token)
 
+    def _text(self, tr: _Track) -> str:
+        """The completion's text: without control tokens unless its params keep them."""
+        if not tr.params.skip_special_tokens:
+            return self.tokenizer.decode(tr.token_ids, skip_special_tokens=False)
+        if self._controls is None:
+            from engine.structured.tokenizer import control_tokens
+
+            self._controls = frozenset(control_tokens(self.core.tokenizer_path).values())
+        return self.tokenizer.decode([t for t in tr.token_ids if t not in self._controls])
+
     def _finish(self, tr: _Track, reason: str, text: str | None = None, stop_reason=None) -> None:
         if text is None:
-            text = self.tokenizer.decode(tr.token_ids, skip_special_tokens=True)
+            text = self._text(tr)
         tr.output = CompletionOutput(
             index=tr.index,
             text=text,

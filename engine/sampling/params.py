@@ -58,6 +58,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # control tokens (every added token) stay out of the text
     logprobs: int | None = None  # number of top logprobs per sampled token (0: just the token's)
     structured: StructuredOutput | None = field(default=None)
 

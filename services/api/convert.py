@@ -58,6 +58,21 @@ class Prepared:
     make_generator: Callable[[], Any]  # a fresh recipe chunk generator (consumed by StreamProcessor)
     parsing_options: dr.ParsingOptions
     reasoning_end_id: int | None = None  # output starts in reasoning, which ends at this token
+    # Control tokens kept out of the text (see ``control_token_ids``); empty when the client
+    # sent ``skip_special_tokens: false``.
+    hidden_ids: frozenset[int] = frozenset()
+
+
+def control_token_ids(tokenizer_json: str) -> dict[str, int]:
+    """The tokenizer's control tokens, spelling -> id (``engine.structured.tokenizer``)."""
+    from engine.structured.tokenizer import control_tokens
+
+    return control_tokens(tokenizer_json)
+
+
+def is_tool_call_markup(spelling: str) -> bool:
+    """DSML, the V4.1 tool-call syntax recipe's parser reads."""
+    return dr.SpecialToken.Dsml.default_str() in spelling or "dsml:" in spelling.lower()
 
 
 class Converter:
@@ -78,6 +93,29 @@ class Converter:
         self.options_plain = base.with_default_thinking_mode(False)
         self.bos_id = self._special_id(dr.SpecialToken.Bos)
         self.think_end_id = self._special_id(dr.SpecialToken.ThinkingEnd)
+        controls = control_token_ids(info.tokenizer_path)
+        self.control_ids = frozenset(controls.values())
+        thinking = (dr.SpecialToken.ThinkingStart.default_str(), dr.SpecialToken.ThinkingEnd.default_str())
+        self.thinking_ids = frozenset(controls[s] for s in thinking if s in controls)
+        self.tool_call_ids = frozenset(i for s, i in controls.items() if is_tool_call_markup(s))
+
+    def hidden_ids(self, body: dict[str, Any], options: dr.ParsingOptions | None = None) -> frozenset[int]:
+        """Control tokens kept out of this request's text: all of them, except those recipe's
+        parser reads for it (the thinking delimiters when it thinks, the DSML markup when it
+        parses tool calls), unless the client set ``skip_special_tokens`` (vLLM's extension)
+        to false. A model emits the others only by mistake (random weights do all the time);
+        they are dropped before the stream processor, and still counted in usage."""
+        skip = body.get("skip_special_tokens", True)
+        if not isinstance(skip, bool):
+            raise ApiError(400, "skip_special_tokens must be a boolean", param="skip_special_tokens")
+        if not skip:
+            return frozenset()
+        keep: frozenset[int] = frozenset()
+        if options is not None and options.thinking_initial_stage is not None:
+            keep |= self.thinking_ids
+        if options is not None and options.parse_tool_calls:
+            keep |= self.tool_call_ids
+        return self.control_ids - keep
 
     def _special_id(self, token: dr.SpecialToken) -> int:
         ids = self.tokenizer.encode(token.default_str())
@@ -139,6 +177,7 @@ class Converter:
             make_generator,
             conv.parsing_options,
             end_id,
+            self.hidden_ids(body, conv.parsing_options),
         )
 
     def resolve_max_tokens(self, conv: dr.ConversationRequest, prompt_tokens: int) -> int:

@@ -86,13 +86,9 @@ class Generation:
                         chunks += sp.push(dr.InferenceChunk.ready(prompt_usage=usage))
                         ready = True
                     self._account(out)
-                    if out.token_ids:
-                        lps = (
-                            [(lp, list(top)) for lp, top in out.logprobs]
-                            if want_lp and out.logprobs
-                            else None
-                        )
-                        chunks += sp.push(dr.InferenceChunk.tokens(list(out.token_ids), lps))
+                    ids, lps = self._visible(out, want_lp)
+                    if ids:
+                        chunks += sp.push(dr.InferenceChunk.tokens(ids, lps))
                     if not sp.finished and out.finish_reason is not None:
                         if out.finish_reason not in _FINISH:
                             raise EngineUnavailable(f"the engine ended the request ({out.finish_reason})")
@@ -106,6 +102,15 @@ class Generation:
             if not sp.finished:
                 sp.close()
             self._record()
+
+    def _visible(self, out: EngineOutput, want_lp: bool) -> tuple[list[int], list | None]:
+        """The output's tokens (and logprobs) without the hidden control tokens."""
+        hidden = self.prep.hidden_ids
+        keep = [i for i, t in enumerate(out.token_ids) if t not in hidden]
+        ids = [out.token_ids[i] for i in keep]
+        if not (want_lp and out.logprobs):
+            return ids, None
+        return ids, [(out.logprobs[i][0], list(out.logprobs[i][1])) for i in keep]
 
     async def _next(self, outs: AsyncIterator[EngineOutput]) -> EngineOutput | None:
         left = self.deadline - time.monotonic()
