@@ -1,6 +1,6 @@
 """Step-time cost models for prefill chunks and decode steps (pure numpy).
 
-Prefill, the vLLM ``ProfilingChunkScheduler`` form (SEED_FACTS "Chunk cost models") plus
+Prefill, the vLLM ``ProfilingChunkScheduler`` form (DeepSeek's published chunking design) plus
 one term::
 
     step_time(C, H) = a * C * (C + H) + b * (C + H) + d * C + c        [seconds]
@@ -23,8 +23,8 @@ tokens in total::
 
     step_time(B, K) = d0 + d1 * B + d2 * K                       [seconds]
 
-Default coefficients are for an H200-class GPU serving DeepSeek-V4.1-Flash (SEED_FACTS
-section 1).
+Default coefficients are for an H200-class GPU serving DeepSeek-V4.1-Flash, from DeepInfer's
+published figures.
 
 * **Prefill.** DeepInfer reports ~60,000 prefill tok/s/GPU at 4,096 tokens per rank, so
   one 4,096-token chunk with no prefix takes 4096 / 60000 = 68.3 ms. We split it as:
@@ -53,7 +53,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-DEFAULT_CHUNK_BUDGET = 32_768  # tokens per prefill step (SEED_FACTS section 4, chunking)
+DEFAULT_CHUNK_BUDGET = 32_768  # tokens per prefill step (DeepSeek's published chunk budget)
 
 _PREFILL_4K_S = 4096 / 60_000.0
 _C_DEFAULT = 0.002

@@ -2,7 +2,7 @@
 
 DeepSeek groups prefill requests by total context length into four tiers (<16K, 16-64K,
 64-256K, >=256K) and gives each tier a share of the prefill engines proportional to that
-tier's share of compute demand in the previous round (SEED_FACTS section 4).
+tier's share of compute demand in the previous round (DeepSeek's published design; docs/router.md).
 
 Rules, in order:
 

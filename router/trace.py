@@ -45,7 +45,7 @@ def load_trace(path: str | Path, block_size: int = 512, limit: int | None = None
     p = Path(path)
     if not p.is_file():
         raise ValueError(
-            f"trace file {p} not found; pass --trace PATH (Mooncake JSONL, see shared/data/traces/SOURCE.md)"
+            f"trace file {p} not found; pass --trace PATH (Mooncake JSONL, see data/traces/SOURCE.md)"
         )
     ts: list[float] = []
     lin: list[int] = []

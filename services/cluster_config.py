@@ -98,7 +98,7 @@ class ApiSpec(_Strict):
 
 
 class ClusterSpec(_Strict):
-    """The whole deployment. ``mode`` picks the shape (ARCHITECTURE.md, deployment shapes)."""
+    """The whole deployment. ``mode`` picks the shape (docs/architecture.md, deployment shapes)."""
 
     mode: Literal["embedded", "local-cluster", "ray-cluster", "two-datacenters"] = "embedded"
     model: str = ""

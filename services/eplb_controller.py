@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # pydantic stays out of the engine ranks' imports (GPU hosts 
     from services.cluster_config import EplbSpec
 
 _POOL_DEFAULTS: dict[str, dict[str, int]] = {
-    # DeepSeek's settings (SEED_FACTS section 4)
+    # DeepSeek's published settings (docs/eplb.md)
     "prefill": {"num_redundant_per_rank": 4, "window_steps": 100, "period_steps": 1000},
     "decode": {"num_redundant_per_rank": 1, "window_steps": 1000, "period_steps": 10000},
 }

@@ -1,7 +1,7 @@
 """Baseline: our reimplementation of the published deepseek-ai/EPLB algorithm.
 
-Written from the algorithm's description (README of deepseek-ai/EPLB and
-SEED_FACTS.md section "EPLB"), not from its code:
+Written from the algorithm's description (the README of deepseek-ai/EPLB and DeepSeek's
+published EPLB settings, docs/eplb.md), not from its code:
 
 - *Replication*: every logical expert starts with one slot; each extra slot goes to the
   expert with the largest ``load / replica_count`` (ties: lowest expert id).

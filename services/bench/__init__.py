@@ -1,8 +1,7 @@
 """Benchmark harness shared by every ``sluice bench <area>``.
 
 An area is a module ``services/bench/<area>.py`` with ``add_arguments(parser)`` and
-``run(args) -> Report``. The output contract (CONVENTIONS.md, "Benchmark output
-contract"): one JSON object with ``bench``, ``machine``, ``config``, ``results`` and
+``run(args) -> Report``. The output contract (docs/development.md, benchmarks): one JSON object with ``bench``, ``machine``, ``config``, ``results`` and
 ``targets`` (each ``{"name", "value", "op", "target", "met"}``), or a table for people.
 Targets are computed in the run that reports them; an unmet target stays in the list.
 """

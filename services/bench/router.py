@@ -16,15 +16,15 @@ from services.bench import Report, progress
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TRACES = (
-    REPO.parent / "shared/data/traces/conversation_trace.jsonl",
-    REPO.parent / "shared/data/traces/synthetic_trace.jsonl",
+    REPO / "data/traces/conversation_trace.jsonl",
+    REPO / "data/traces/synthetic_trace.jsonl",
 )
 BASELINES = ("round_robin", "least_load", "cache_aware")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--trace", action="append", type=Path, help="Mooncake JSONL trace (repeatable); "
-                   "default: both traces under ../shared/data/traces relative to the repo root")  # fmt: skip
+                   "default: both traces in the repo's data/traces/")  # fmt: skip
     p.add_argument("--prefill", type=int, default=8, help="simulated prefill engines")
     p.add_argument("--decode", type=int, default=8, help="simulated decode engines")
     p.add_argument("--cache-blocks", type=int, default=32_768, help="LRU blocks per prefill engine")
@@ -68,7 +68,7 @@ def _traces(args: argparse.Namespace) -> list[Path]:
         if not p.is_file():
             raise ValueError(
                 f"trace {p} not found. Pass --trace PATH to a Mooncake JSONL trace "
-                f"(the repo expects ../shared/data/traces/ beside it; see its SOURCE.md)"
+                f"(the repo ships two in data/traces/; see its SOURCE.md)"
             )
     return paths
 

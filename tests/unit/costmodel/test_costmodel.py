@@ -7,7 +7,7 @@ from costmodel import CostModel, DecodeCostModel
 
 
 def test_default_matches_seed_prefill_rate():
-    # SEED_FACTS: ~60,000 prefill tok/s/GPU at 4,096 tokens per rank
+    # DeepInfer reports ~60,000 prefill tok/s/GPU at 4,096 tokens per rank
     m = CostModel()
     assert 4096 / m.predict(4096, 0) == pytest.approx(60_000, rel=1e-6)
 
@@ -56,7 +56,7 @@ def test_fit_and_config_validation():
 
 def test_decode_model_fit_and_default_step():
     d = DecodeCostModel()
-    # ~100 tok/s per user at 256 requests per rank (SEED_FACTS), with 8K contexts
+    # ~100 tok/s per user at 256 requests per rank (DeepInfer's figure), with 8K contexts
     assert 0.008 < d.step_time(256, 256 * 8192) < 0.012
     pts = [(b, k, 0.003 + 2e-5 * b + 1e-9 * k) for b in (1, 8, 64, 256) for k in (1e4, 1e6, 4e6)]
     fit = DecodeCostModel.fit(pts)
