@@ -40,17 +40,15 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import random
 import statistics
-import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from services.bench import Report, progress
+from services.bench import _prefix_measure as measure
 
 SUFFIX_TOKENS = 32
 BLOCK_TOKENS = 256  # engine.config.BLOCK_TOKENS (checked at run time)
@@ -149,163 +147,6 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-# ------------------------------------------------------------------ measurement
-@dataclass
-class Served:
-    """One request from ``add`` to its first (only) token, and until the engine is idle."""
-
-    ttft_s: float
-    idle_s: float  # first token plus the write-through snapshot of its blocks
-    token: int
-    cached_tokens: int
-    step_s: float  # executed steps (executor thread): block loads and the forward
-    steps: int
-    fetch_s: float | None = None  # add -> the store's answer (hit arm)
-    verify_s: float = 0.0
-    load_s: float = 0.0
-    snapshot_s: float = 0.0  # packing the new blocks' payloads (write arm; on the step path)
-
-
-@dataclass
-class _Probe:
-    """Timers around the connector of one engine (store reads, verification, block loads)
-    and a record of what it wrote; bench instrumentation, the engine is unchanged."""
-
-    fetch_done: list[float] = field(default_factory=list)
-    verify_s: float = 0.0
-    load_s: float = 0.0
-    snapshot_s: float = 0.0
-    put_s: float = 0.0  # wall time of put_blocks calls (the connector's writer thread)
-    payload_sizes: list[int] = field(default_factory=list)
-    stored_spans: list[int] = field(default_factory=list)  # bytes of each block the store reports stored
-    objects: dict[bytes, int] = field(default_factory=dict)  # object id -> object bytes
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-
-def _instrument(core: Any) -> _Probe:
-    probe = _Probe()
-    conn, kv = core.store, core.kv
-
-    fetch = conn.fetch
-
-    def timed_fetch(hashes: Sequence[bytes]) -> Any:
-        pending = fetch(hashes)
-        pending.future.add_done_callback(lambda _f: probe.fetch_done.append(time.perf_counter()))
-        return pending
-
-    verify = conn.verify
-
-    def timed_verify(payload: bytes) -> None:
-        t0 = time.perf_counter()
-        try:
-            verify(payload)
-        finally:
-            probe.verify_s += time.perf_counter() - t0
-
-    load = kv.load_block
-
-    def timed_load(pool: Any, block: int, payload: bytes) -> None:
-        t0 = time.perf_counter()
-        load(pool, block, payload)
-        probe.load_s += time.perf_counter() - t0
-
-    save = kv.save
-
-    def timed_save(pool: Any, saves: Any) -> None:
-        t0 = time.perf_counter()
-        save(pool, saves)
-        probe.snapshot_s += time.perf_counter() - t0
-
-    put = conn.client.put_blocks
-
-    def recorded_put(hashes: Sequence[bytes], payloads: Sequence[bytes], traffic_class: str = "chat") -> Any:
-        t0 = time.perf_counter()
-        metas = put(hashes, payloads, traffic_class)
-        with probe.lock:
-            probe.put_s += time.perf_counter() - t0
-            probe.payload_sizes += [len(p) for p in payloads]
-            for meta in metas:
-                start, end = meta.span()
-                probe.stored_spans.append(end - start)
-                probe.objects[meta.object_id] = meta.size
-        return metas
-
-    conn.fetch, conn.verify, kv.load_block, kv.save, conn.client.put_blocks = (
-        timed_fetch, timed_verify, timed_load, timed_save, recorded_put,
-    )  # fmt: skip
-    return probe
-
-
-def _serve(core: Any, rid: str, prompt: Sequence[int], probe: _Probe | None = None) -> Served:
-    from engine.core import CoreRequest
-    from engine.sampling.params import SamplingParams
-
-    params = SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True)
-    if probe is not None:
-        probe.fetch_done.clear()
-        probe.verify_s = probe.load_s = probe.snapshot_s = 0.0
-    steps0 = core.loop.steps
-    t0 = time.perf_counter()
-    core.add(CoreRequest(rid, tuple(prompt), params))
-    first = None
-    while first is None:
-        for out in core.step():
-            if out.request_id == rid and out.finish_reason is not None:
-                if out.finish_reason != "length" or len(out.new_token_ids) != 1:
-                    raise RuntimeError(f"{rid}: finished {out.finish_reason!r} ({out.error})")
-                first = out
-    ttft = time.perf_counter() - t0
-    # The blocks published by the last step are snapshotted when the engine goes idle (on
-    # the step path, not the store's): that is part of the write-through cost, so it is in.
-    while core.has_work() or core.scheduler.cache.pending_saves:
-        core.step()
-    idle = time.perf_counter() - t0
-    n = core.loop.steps - steps0
-    stats = list(core.loop.stats)[-n:] if n else []
-    served = Served(
-        ttft, idle, first.new_token_ids[0], first.cached_tokens, sum(s.seconds for s in stats), n
-    )  # fmt: skip
-    if probe is not None:
-        served.fetch_s = probe.fetch_done[0] - t0 if probe.fetch_done else None
-        served.verify_s, served.load_s, served.snapshot_s = probe.verify_s, probe.load_s, probe.snapshot_s
-    return served
-
-
-def _reset_local(core: Any) -> None:
-    """Forget the engine's local prefix cache: retained SWA slots (and their partial blocks),
-    then every idle cached block. Nothing runs, so nothing is referenced."""
-    cache = core.scheduler.cache
-    while (entry := cache.slots.evict_oldest()) is not None:
-        if entry.partial_block is not None:
-            cache.blocks.release([entry.partial_block])
-        cache.slots.free(entry.slot)
-    cache.blocks.reset_prefix_cache()
-    if cache.blocks.num_available != cache.blocks.num_blocks:
-        raise RuntimeError("local cache reset left blocks referenced")
-
-
-def _node_usage(core: Any) -> tuple[int, int]:
-    """(used bytes, shards) summed over the store's nodes (their NodeStats RPC)."""
-    used = shards = 0
-    for transport in core.store.client.transports.values():
-        st = transport.stats(5.0)
-        used, shards = used + st.used_bytes, shards + st.shard_count
-    return used, shards
-
-
-def _cpu_s(pids: Sequence[int]) -> float:
-    """CPU seconds (user + system) the processes ``pids`` have used so far (Linux /proc)."""
-    tick = os.sysconf("SC_CLK_TCK")
-    total = 0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-        except OSError:
-            continue
-        total += int(fields[11]) + int(fields[12])  # utime, stime (fields 14 and 15 of stat)
-    return total / tick
-
-
 def _model_dir(args: argparse.Namespace) -> Path:
     if args.model:
         return Path(args.model)
@@ -385,7 +226,7 @@ def run(args: argparse.Namespace) -> Report:
         cores = {"write": engine(True), "hit": engine(True), "recompute": engine(False)}
         try:
             report.results.update(_measure(cores, lengths, rounds, args.seed, report, store.pids()))
-            probe_w: _Probe = report.results.pop("_probe_write")
+            probe_w: measure.Probe = report.results.pop("_probe_write")
             spec, dtype = cores["write"].runner.spec, cores["write"].runner.cfg.torch_dtype
             bytes_res = _bytes(probe_w, spec, dtype, fmt, report.results.pop("_physical"), HEADER_LEN)
             report.results["bytes"] = bytes_res
@@ -411,7 +252,7 @@ def _measure(
     a, b, c = cores["write"], cores["hit"], cores["recompute"]
     mc = a.runner.model_cfg
     replay = mc.num_hidden_layers * (mc.sliding_window - 1)
-    probe_w, probe_h = _instrument(a), _instrument(b)
+    probe_w, probe_h = measure.instrument(a), measure.instrument(b)
     res: dict[str, Any] = {
         "replay_tokens": replay,
         "replay_rule": "a store hit recomputes num_hidden_layers * (sliding_window - 1) = "
@@ -419,44 +260,44 @@ def _measure(
     }
     # Warm-up (untimed): first steps allocate; the first store read starts the client's pool.
     wp, ws, ws2 = _prompts(seed, 2 * BLOCK_TOKENS, -1, a.vocab_size)
-    _serve(c, "warm-c", wp + ws)
-    _serve(a, "warm-a", wp + ws2, probe_w)
+    measure.serve(c, "warm-c", wp + ws)
+    measure.serve(a, "warm-a", wp + ws2, probe_w)
     a.store.flush()
-    _serve(b, "warm-b", wp + ws, probe_h)
+    measure.serve(b, "warm-b", wp + ws, probe_h)
     for core in cores.values():
-        _reset_local(core)
+        measure.reset_local(core)
     probe_w.payload_sizes.clear()
     probe_w.stored_spans.clear()
     probe_w.objects.clear()
-    used0, shards0 = _node_usage(a)
+    used0, shards0 = measure.node_usage(a)
     physical = {"used_bytes": 0, "shards": 0}
     for length, n_rounds in zip(lengths, rounds):
         pairs = []
         for r in range(n_rounds):
             prefix, s, s2 = _prompts(seed, length, r, a.vocab_size)
-            got: dict[str, Served] = {}
+            got: dict[str, measure.Served] = {}
             flush_s = 0.0
             for arm in round_order(r):
                 rid = f"{arm}-{length}-{r}"
                 if arm == "write":
-                    before = _node_usage(a)
-                    cpu0, put0 = _cpu_s(store_pids), probe_w.put_s
-                    got[arm] = _serve(a, rid, prefix + s2, probe_w)
+                    before = measure.node_usage(a)
+                    cpu0, put0 = measure.cpu_s(store_pids), probe_w.put_s
+                    got[arm] = measure.serve(a, rid, prefix + s2, probe_w)
                     t0 = time.perf_counter()
                     if not a.store.flush(120.0):
                         raise RuntimeError("engine A's write-through queue did not drain in 120 s")
                     flush_s = time.perf_counter() - t0
-                    store_cpu_s, put_s = _cpu_s(store_pids) - cpu0, probe_w.put_s - put0
-                    after = _node_usage(a)
+                    store_cpu_s, put_s = measure.cpu_s(store_pids) - cpu0, probe_w.put_s - put0
+                    after = measure.node_usage(a)
                     physical["used_bytes"] += after[0] - before[0]
                     physical["shards"] += after[1] - before[1]
                 elif arm == "hit":
-                    got[arm] = _serve(b, rid, prefix + s, probe_h)
+                    got[arm] = measure.serve(b, rid, prefix + s, probe_h)
                     b.store.flush(120.0)
                 else:
-                    got[arm] = _serve(c, rid, prefix + s)
+                    got[arm] = measure.serve(c, rid, prefix + s)
             for core in cores.values():
-                _reset_local(core)
+                measure.reset_local(core)
             pairs.append(_pair(r, length, got, flush_s, store_cpu_s, put_s))
             p = pairs[-1]
             progress(
@@ -477,7 +318,7 @@ def _measure(
             "tok_s_off": row["write_through"]["prefill_tok_s_off"]["median"],
             "on/off": row["write_through"]["on_over_off_median_of_pairs"],
         })  # fmt: skip
-    used1, shards1 = _node_usage(a)
+    used1, shards1 = measure.node_usage(a)
     physical.update(
         {"nodes_used_bytes_total": used1, "nodes_used_bytes_before": used0, "nodes_shards_total": shards1}
     )
@@ -487,7 +328,7 @@ def _measure(
 
 
 def _pair(
-    r: int, length: int, got: dict[str, Served], flush_s: float, store_cpu_s: float, put_s: float
+    r: int, length: int, got: dict[str, measure.Served], flush_s: float, store_cpu_s: float, put_s: float
 ) -> dict[str, Any]:
     hit, rec, wr = got["hit"], got["recompute"], got["write"]
     tokens = length + SUFFIX_TOKENS
@@ -556,7 +397,7 @@ def _length_summary(length: int, pairs: list[dict[str, Any]], replay: int) -> di
 
 
 def _bytes(
-    probe: _Probe, spec: Any, dtype: Any, fmt: Any, physical: dict[str, int], shard_header: int
+    probe: measure.Probe, spec: Any, dtype: Any, fmt: Any, physical: dict[str, int], shard_header: int
 ) -> dict[str, Any]:
     sizes, spans = probe.payload_sizes, probe.stored_spans
     block_payload = fmt.block_payload_bytes(spec, dtype)
