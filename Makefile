@@ -10,7 +10,7 @@ TEST_MARKERS ?= not slow and not gpu
 # The pure cores (CONVENTIONS 1) are type-checked.
 MYPY_TARGETS ?= costmodel router kvstore services/envs.py services/cluster_config.py services/bench/__init__.py \
 	engine/eplb.py services/eplb_controller.py services/eplb_rank.py services/api \
-	engine/scheduler engine/loop.py engine/executor.py engine/llm.py engine/core.py engine/engine_config.py \
+	engine/scheduler engine/loop.py engine/executor.py engine/llm.py engine/core.py engine/messages.py engine/engine_config.py \
 	engine/kvconnector engine/sampling engine/structured \
 	services/routed_client.py services/router_adapter.py
 
