@@ -143,8 +143,9 @@ def _place(
     local = mgr.lookup(state.block_hashes, count=False)
     mgr.acquire(local)
     need = len(blocks) - len(local) + int(tail is not None)
+    # Blocks that retained slots hold for prefix reuse are given back if the import needs them.
     if (
-        need > mgr.num_available
+        need > mgr.num_available + slots.num_retained_partials
         or slots.num_available == 0
         or len(sched.running) >= sched.config.max_num_seqs
     ):
@@ -154,6 +155,7 @@ def _place(
             f"{mgr.num_available} blocks, {slots.num_available} slots free, "
             f"{len(sched.running)}/{sched.config.max_num_seqs} running"
         )
+    sched.cache.make_room(need)
     slot, evicted = slots.allocate()
     if evicted is not None and evicted.partial_block is not None:
         mgr.release([evicted.partial_block])

@@ -116,7 +116,7 @@ class CacheManager:
     def blocks_needed(self, end_pos: int) -> int:
         return -(-end_pos // self.bs)
 
-    def _make_room(self, need: int) -> bool:
+    def make_room(self, need: int) -> bool:
         """Drop retained slots (oldest first) until ``need`` blocks are available."""
         while need > self.blocks.num_available:
             evicted = self.slots.evict_oldest()
@@ -132,11 +132,11 @@ class CacheManager:
         need = self.blocks_needed(end_pos) - len(req.block_table)
         if need <= 0:
             return True
-        if not self._make_room(need):
+        if not self.make_room(need):
             return False
         try:
             req.block_table.extend(self.blocks.allocate(need))
-        except OutOfBlocks:  # pragma: no cover - guarded by _make_room
+        except OutOfBlocks:  # pragma: no cover - guarded by make_room
             return False
         return True
 
@@ -146,7 +146,7 @@ class CacheManager:
         runner, or None (nothing changed) when no slot or block is left."""
         pos, full = parent.num_computed, parent.num_computed // self.bs
         partial = pos % self.bs != 0
-        if self.slots.num_available == 0 or not self._make_room(int(partial)):
+        if self.slots.num_available == 0 or not self.make_room(int(partial)):
             return None
         slot, evicted = self.slots.allocate()
         if evicted is not None and evicted.partial_block is not None:
