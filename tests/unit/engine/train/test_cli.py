@@ -1,0 +1,64 @@
+"""``sluice train data`` end to end on a tiny tree, and against a manifest."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from engine.train.corpus import Manifest
+from engine.train.data import read_array
+from services.cli import main
+
+
+def test_data_stage_writes_everything(built):
+    names = {p.name for p in built.iterdir()}
+    assert names >= {
+        "manifest.json",
+        "split.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "train.bin",
+        "heldout.bin",
+        "data.json",
+    }
+    header = json.loads((built / "data.json").read_text())
+    assert header["split"] == "heldout-v1" and header["dtype"] == "<u2"
+    manifest = Manifest.read(built / "manifest.json")
+    assert header["corpus"]["digest"] == manifest.digest
+    split = json.loads((built / "split.json").read_text())
+    assert set(split["train"]).isdisjoint(split["heldout"])
+    train = read_array(built, "train")
+    files = header["arrays"]["train"]["files"]
+    assert [f["path"] for f in files] == split["train"]
+    assert sum(f["n_tokens"] for f in files) == len(train) == header["arrays"]["train"]["n_tokens"]
+    eos = header["tokenizer"]["eos"]
+    assert all(train[f["offset"] + f["n_tokens"] - 1] == eos for f in files)
+    assert set(header["heldout_tokens_per_byte"]) == {"full", "1024", "2048", "4096", "8192"}
+
+
+def test_data_stage_refuses_a_tree_that_differs_from_the_manifest(built, subset_tree, tmp_path, capsys):
+    import shutil
+
+    tree = tmp_path / "tree"
+    shutil.copytree(subset_tree, tree)
+    (tree / "bisect.py").write_text("changed\n")
+    rc = main(
+        [
+            "train",
+            "data",
+            "--out",
+            str(tmp_path / "o"),
+            "--root",
+            str(tree),
+            "--manifest",
+            str(built / "manifest.json"),
+        ]
+    )
+    assert rc == 2
+    assert "differ: bisect.py" in capsys.readouterr().err
+
+
+def test_no_model_stage_yet():
+    with pytest.raises(SystemExit):
+        main(["train", "model"])
