@@ -11,7 +11,7 @@ TEST_MARKERS ?= not slow and not gpu
 MYPY_TARGETS ?= costmodel router kvstore services/envs.py services/cluster_config.py services/bench/__init__.py \
 	engine/eplb.py services/eplb_controller.py services/eplb_rank.py services/api \
 	engine/scheduler engine/loop.py engine/executor.py engine/llm.py engine/core.py engine/messages.py engine/engine_config.py \
-	engine/kvconnector engine/sampling engine/structured \
+	engine/kvconnector engine/train engine/sampling engine/structured services/commands/train.py \
 	services/routed_client.py services/router_adapter.py
 
 .PHONY: install proto test test-slow test-gpu lint run clean redis-server
