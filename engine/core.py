@@ -70,7 +70,9 @@ class EngineCore:
         mc = self.runner.model_cfg
         self.vocab_size = mc.vocab_size
         self.fingerprint = model_fingerprint(cfg.model, cfg.dtype, fmt.LAYOUT_VERSION)
-        self.extra_keys = ExtraKeys(model_id=self.fingerprint)
+        # Block keys also name the kind of device: KV computed on another kind differs in its
+        # last bits, and a hit must never change output ("for a given dtype and device").
+        self.extra_keys = ExtraKeys(model_id=f"{self.fingerprint}@{cfg.device.split(':')[0]}")
         dtype = self.runner.cfg.torch_dtype
         if store_client is None and cfg.kv_store:
             store_client = self._open_store_client()
