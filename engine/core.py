@@ -38,7 +38,7 @@ from engine.scheduler.hashing import BlockHash, ExtraKeys
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.scheduler import Scheduler, StepUpdate
 
-__all__ = ["CoreRequest", "CoreStats", "EngineConfig", "EngineCore", "SeqOutput"]
+__all__ = ["CoreRequest", "CoreStats", "EngineConfig", "EngineCore", "SeqOutput", "block_keys"]
 _FETCH_POLL_S = 0.002  # how long an otherwise idle step waits for a store fetch
 
 
@@ -70,9 +70,7 @@ class EngineCore:
         mc = self.runner.model_cfg
         self.vocab_size = mc.vocab_size
         self.fingerprint = model_fingerprint(cfg.model, cfg.dtype, fmt.LAYOUT_VERSION)
-        # Block keys also name the kind of device: KV computed on another kind differs in its
-        # last bits, and a hit must never change output ("for a given dtype and device").
-        self.extra_keys = ExtraKeys(model_id=f"{self.fingerprint}@{cfg.device.split(':')[0]}")
+        self.extra_keys = block_keys(self.fingerprint, cfg.device)
         dtype = self.runner.cfg.torch_dtype
         if store_client is None and cfg.kv_store:
             store_client = self._open_store_client()
@@ -366,6 +364,13 @@ class EngineCore:
             self._grammar.close()
         if self.store is not None:
             self.store.close()
+
+
+def block_keys(fingerprint: str, device: str) -> ExtraKeys:
+    """What besides token ids names an engine's cached blocks: the model fingerprint and the
+    kind of device (``cpu``, ``cuda``). KV computed on another kind of device differs in its
+    last bits, and a hit must never change output, so the two never share blocks."""
+    return ExtraKeys(model_id=f"{fingerprint}@{device.split(':')[0]}")
 
 
 def _eos(tokenizer_json: Path) -> int:

@@ -96,7 +96,9 @@ def _parse(core: EngineCore, payload: bytes) -> tuple[SequenceState, bytes, byte
     if chain_hashes(tokens[: full * core.block_size], core.block_size, core.extra_keys) != list(
         state.block_hashes
     ):
-        raise fmt.PayloadError("block hashes do not match this engine's (another model, device kind, cache salt or image)")
+        raise fmt.PayloadError(
+            "block hashes do not match this engine's (another model, device kind, cache salt or image)"
+        )
     return state, slot, tail, blocks
 
 

@@ -181,9 +181,10 @@ def check_served(model: Path, device: str, dtype: str, home: Path) -> dict[str, 
     import openai
 
     from engine.checkpoint.fingerprint import model_fingerprint
+    from engine.core import block_keys
     from engine.kvconnector.payload import LAYOUT_VERSION
     from engine.llm import LLM
-    from engine.scheduler.hashing import ExtraKeys, chain_hashes
+    from engine.scheduler.hashing import chain_hashes
     from kvstore.spec import StoreSpec, open_store_client
     from tests.integration.serve_proc import ServeProcess
 
@@ -213,7 +214,7 @@ def check_served(model: Path, device: str, dtype: str, home: Path) -> dict[str, 
 
         # Write-through: P's full blocks reach the store, under the hashes a router would compute.
         fp = model_fingerprint(model, dtype, LAYOUT_VERSION)
-        hashes = chain_hashes(p, BLOCK, ExtraKeys(model_id=fp))[:shared_blocks]
+        hashes = chain_hashes(p, BLOCK, block_keys(fp, "cuda"))[:shared_blocks]
         deadline = time.monotonic() + 60
         while len(store.get_prefix(hashes, touch=False)) < shared_blocks:
             assert time.monotonic() < deadline, "P's blocks did not reach the store within 60 s"
