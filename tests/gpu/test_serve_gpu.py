@@ -157,7 +157,8 @@ def _complete(oai: Any, prompt: list[int], max_tokens: int) -> tuple[Any, float]
     t0 = time.perf_counter()
     raw = oai.completions.with_raw_response.create(
         model="deepseek-chat", prompt=prompt, max_tokens=max_tokens, temperature=0, logprobs=1,
-        extra_body={"ignore_eos": True},
+        # every token visible: the served ids are read back from the logprobs entries
+        extra_body={"ignore_eos": True, "skip_special_tokens": False},
     )  # fmt: skip
     seconds = time.perf_counter() - t0
     assert raw.status_code == 200
