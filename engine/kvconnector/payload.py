@@ -29,8 +29,9 @@ Reserved metadata keys (extensible fields; v1 readers ignore keys they do not kn
 `decode` refuses, with a `PayloadError` naming what was expected and what was found: a
 wrong magic, another format version, a truncated header or body, trailing bytes, a header
 or section checksum mismatch, another kind, dtype, model fingerprint or cache layout, and
-malformed metadata. The ``unpack_*_into`` helpers verify all of that, and the body size,
-before writing a single byte into the destination.
+malformed metadata. ``engine/kvconnector/caches.py`` packs pool blocks and SWA slots into
+this format, and verifies all of that, and the body size, before writing a single byte into
+a cache.
 """
 
 from __future__ import annotations
@@ -45,9 +46,7 @@ from typing import Any, NamedTuple
 import torch
 import xxhash
 
-from engine.cache.pool import CompressedPool
 from engine.cache.spec import CacheSpec
-from engine.cache.swa import SWASlots
 from engine.config import BLOCK_TOKENS, CSA
 
 MAGIC = b"SLKV"
@@ -351,103 +350,3 @@ def decode(
     _check_identity(h, kind, fingerprint, digest, dtype)
     sections = _split_sections(mv, h)
     return Decoded(_decode_meta(h.meta), sections)
-
-
-# ------------------------------------------------------------------ pool blocks, SWA slots
-def _dtype_of(tensors: list[torch.Tensor], what: str) -> torch.dtype:
-    if not tensors:
-        raise PayloadError(f"nothing to (un)pack: the {what} holds no tensors")
-    dtypes = {t.dtype for t in tensors}
-    if len(dtypes) != 1:
-        raise PayloadError(f"the {what}'s tensors mix dtypes {sorted(map(str, dtypes))}")
-    return tensors[0].dtype
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _concat(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """The tensors' raw bytes back to back, on their device: [sum of nbytes] uint8."""
-    return torch.cat([t.contiguous().reshape(-1).view(torch.uint8) for t in tensors])
-
-
-def _pack(
-    tensors: list[torch.Tensor],
-    kind: int,
-    fingerprint: bytes,
-    digest: bytes,
-    meta: Mapping[str, Any] | None,
-    what: str,
-) -> bytes:
-    dtype = _dtype_of(tensors, what)
-    return encode(kind, fingerprint, digest, dtype, [_concat(tensors)], meta)
-
-
-def _unpack_into(
-    payload: bytes | bytearray | memoryview,
-    tensors: list[torch.Tensor],
-    kind: int,
-    fingerprint: bytes,
-    digest: bytes,
-    what: str,
-) -> dict[str, Any]:
-    """Verify everything, then copy the single body into ``tensors`` in order."""
-    dtype = _dtype_of(tensors, what)
-    dec = decode(payload, kind=kind, fingerprint=fingerprint, digest=digest, dtype=dtype)
-    if len(dec.sections) != 1:
-        raise PayloadError(f"a {what} payload has 1 section, found {len(dec.sections)}")
-    body = dec.sections[0]
-    sizes = [_nbytes(t) for t in tensors]
-    if len(body) != sum(sizes):
-        raise PayloadError(
-            f"{what} body is {len(body)} bytes, this engine's {what} is {sum(sizes)} bytes "
-            f"({len(tensors)} tensors); the layout digest passed does not describe this {what}"
-        )
-    if not body:
-        return dec.meta
-    src = torch.frombuffer(bytearray(body), dtype=torch.uint8)  # [sum(sizes)] CPU, writable copy
-    off = 0
-    for t, n in zip(tensors, sizes):
-        t.copy_(src[off : off + n].view(t.dtype).view(t.shape))  # host -> t's device
-        off += n
-    return dec.meta
-
-
-def pack_block(pool: CompressedPool, block: int, fingerprint: bytes, digest: bytes) -> bytes:
-    """One physical block as a KIND_BLOCK payload: one section, the ``block_tensors`` bytes
-    back to back, no metadata (header = HEADER_BYTES_BLOCK). IndexError out of range."""
-    return _pack(pool.block_tensors(block), KIND_BLOCK, fingerprint, digest, None, "block")
-
-
-def unpack_block_into(
-    payload: bytes | bytearray | memoryview,
-    pool: CompressedPool,
-    block: int,
-    fingerprint: bytes,
-    digest: bytes,
-) -> None:
-    """Verify a KIND_BLOCK payload (all of `decode`'s checks plus the body size against this
-    pool's block) and only then overwrite physical block ``block``. Raises PayloadError
-    (block untouched) or IndexError (block out of range)."""
-    _unpack_into(payload, pool.block_tensors(block), KIND_BLOCK, fingerprint, digest, "block")
-
-
-def pack_slot(
-    swa: SWASlots, slot: int, fingerprint: bytes, digest: bytes, meta: Mapping[str, Any] | None = None
-) -> bytes:
-    """One SWA slot as a KIND_SLOT payload: one section, the ``slot_tensors`` bytes back to
-    back, plus optional metadata (see the reserved keys). IndexError out of range."""
-    return _pack(swa.slot_tensors(slot), KIND_SLOT, fingerprint, digest, meta, "slot")
-
-
-def unpack_slot_into(
-    payload: bytes | bytearray | memoryview,
-    swa: SWASlots,
-    slot: int,
-    fingerprint: bytes,
-    digest: bytes,
-) -> dict[str, Any]:
-    """Verify a KIND_SLOT payload, then overwrite slot ``slot``; returns its metadata.
-    Raises PayloadError (slot untouched) or IndexError (slot out of range)."""
-    return _unpack_into(payload, swa.slot_tensors(slot), KIND_SLOT, fingerprint, digest, "slot")

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+from engine.kvconnector import caches
 from engine.kvconnector import payload as fmt
 from engine.kvconnector.connector import SaveItem, StoreConnector
 
@@ -30,16 +31,16 @@ class KVWorker:
         )
 
     def load_block(self, pool: Any, block: int, payload: bytes) -> None:
-        fmt.unpack_block_into(payload, pool, block, self.fingerprint, self.digest)
+        caches.unpack_block_into(payload, pool, block, self.fingerprint, self.digest)
 
     def load_slot(self, swa: Any, slot: int, payload: bytes) -> None:
-        fmt.unpack_slot_into(payload, swa, slot, self.fingerprint, self.digest)
+        caches.unpack_slot_into(payload, swa, slot, self.fingerprint, self.digest)
 
     def pack_block(self, pool: Any, block: int) -> bytes:
-        return fmt.pack_block(pool, block, self.fingerprint, self.digest)
+        return caches.pack_block(pool, block, self.fingerprint, self.digest)
 
     def pack_slot(self, swa: Any, slot: int) -> bytes:
-        return fmt.pack_slot(swa, slot, self.fingerprint, self.digest)
+        return caches.pack_slot(swa, slot, self.fingerprint, self.digest)
 
     def save(self, pool: Any, saves: Sequence[tuple[int, bytes, str]]) -> None:
         """Snapshot newly published blocks for the store (no-op without one). A block the store

@@ -16,6 +16,7 @@ from engine.cache.spec import CacheSpec
 from engine.cache.swa import SWASlots
 from engine.checkpoint.presets import preset_config
 from engine.config import ModelConfig
+from engine.kvconnector.caches import pack_block, pack_slot, unpack_block_into, unpack_slot_into
 from engine.kvconnector.payload import (
     FORMAT_VERSION,
     HEADER_BYTES_BLOCK,
@@ -29,10 +30,6 @@ from engine.kvconnector.payload import (
     decode,
     encode,
     layout_digest,
-    pack_block,
-    pack_slot,
-    unpack_block_into,
-    unpack_slot_into,
 )
 
 SPEC = CacheSpec.from_model(ModelConfig.from_dict(preset_config("tiny")))
