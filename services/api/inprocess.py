@@ -151,12 +151,12 @@ class InProcessEngineClient:
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         if self._dead is not None or self._thread is None or self._loop is None:
             raise EngineUnavailable(f"engine is not running: {self._dead or 'not started'}")
-        grammar = await asyncio.to_thread(self._grammar_state, request)
+        core_req, grammar = await asyncio.to_thread(self._prepare, request)
         sink: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
         added: asyncio.Future[None] = self._loop.create_future()
         finished = False
         try:
-            self._send("add", (request, grammar, sink, added))
+            self._send("add", (request, core_req, grammar, sink, added))
             if self._dead is not None and not added.done():  # the thread stopped before reading it
                 added.set_exception(EngineUnavailable(f"engine is not running: {self._dead}"))
             await added  # raises EngineRequestError if the scheduler refuses it
@@ -177,14 +177,24 @@ class InProcessEngineClient:
         self._commands.put((kind, payload))
         self._wake.set()
 
-    def _grammar_state(self, request: EngineRequest) -> Any:
-        structured = _sampling_params(request).structured
-        if structured is None:
-            return None
+    def _prepare(self, request: EngineRequest) -> tuple[Any, Any]:
+        """The engine's request and its compiled grammar (on the caller's worker thread, so a
+        slow schema delays only its own request); EngineRequestError for bad params or schema."""
+        from engine.core import CoreRequest
         from engine.structured.grammar import GrammarError
 
+        params = _sampling_params(request)
+        core_req = CoreRequest(
+            request.request_id,
+            tuple(request.prompt_token_ids),
+            params,
+            request.priority,
+            request.traffic_class,
+        )
+        if params.structured is None:
+            return core_req, None
         try:
-            return self._core.compile_grammar(structured)
+            return core_req, self._core.compile_grammar(params.structured)
         except GrammarError as exc:
             raise EngineRequestError(str(exc)) from None
 
@@ -235,15 +245,15 @@ class InProcessEngineClient:
                 self._resolve(payload, True)
 
     def _add(
-        self, live: dict[str, _Live], request: EngineRequest, grammar: Any, sink: Any, added: Any
+        self,
+        live: dict[str, _Live],
+        request: EngineRequest,
+        core_req: Any,
+        grammar: Any,
+        sink: Any,
+        added: Any,
     ) -> None:
-        from engine.core import CoreRequest
-
         try:
-            core_req = CoreRequest(
-                request.request_id, tuple(request.prompt_token_ids), _sampling_params(request),
-                request.priority, request.traffic_class,
-            )  # fmt: skip
             self._core.add(core_req, grammar)
         except ValueError as exc:
             self._resolve(added, EngineRequestError(str(exc)))
@@ -304,7 +314,7 @@ class InProcessEngineClient:
             except queue.Empty:
                 return
             if kind == "add":
-                self._resolve(payload[3], err)
+                self._resolve(payload[4], err)
             elif kind == "probe":
                 self._resolve(payload, False)
 
