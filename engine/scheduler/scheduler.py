@@ -59,7 +59,8 @@ class Scheduler:
         self._forked: list[Request] = []  # children forked in this schedule() call
         self._block_copies: list[tuple[int, int]] = []  # for the next non-empty step
         self._slot_copies: list[tuple[int, int]] = []
-        self._kv_loads: list[tuple[int, bytes]] = []  # KV connector loads, likewise
+        # KV connector loads, for the next non-empty step (nothing adds to them while scheduling)
+        self._kv_loads: list[tuple[int, bytes]] = []
         self._slot_loads: list[tuple[int, bytes]] = []
 
     # -- requests --------------------------------------------------------------------------
@@ -162,11 +163,8 @@ class Scheduler:
         seqs: list[ScheduledSeq] = []
         # Copies for forks made by earlier steps; forks made now are copied before the next.
         block_copies, slot_copies = tuple(self._block_copies), tuple(self._slot_copies)
-        kv_loads, slot_loads = tuple(self._kv_loads), tuple(self._slot_loads)
         self._block_copies.clear()
         self._slot_copies.clear()
-        self._kv_loads.clear()
-        self._slot_loads.clear()
         preempted = self._schedule_running(budget, seqs)
         if not preempted:
             self._admit_waiting(budget, seqs)
@@ -184,18 +182,18 @@ class Scheduler:
             predicted,
             block_copies,
             slot_copies,
-            kv_loads,
-            slot_loads,
+            tuple(self._kv_loads) if seqs else (),
+            tuple(self._slot_loads) if seqs else (),
             tuple(self.cache.pending_saves) if seqs else (),
         )
         if seqs:  # an empty step is not executed: keep the ids, copies and loads for the next one
             self._finished_ids.clear()
             self.cache.pending_saves.clear()
+            self._kv_loads.clear()
+            self._slot_loads.clear()
         else:
             self._block_copies[:0] = block_copies
             self._slot_copies[:0] = slot_copies
-            self._kv_loads[:0] = kv_loads
-            self._slot_loads[:0] = slot_loads
         return out
 
     def _schedule_running(self, budget: _Budget, seqs: list[ScheduledSeq]) -> set[str]:
