@@ -23,6 +23,7 @@ from typing import Any, Literal
 
 import deepseek_recipe as dr
 
+from engine.structured.tokenizer import control_tokens
 from services.api.config import ApiConfig
 from services.api.engine_client import EngineRequest, ModelInfo, StructuredSpec
 from services.api.errors import ApiError, from_recipe, limit_error
@@ -58,16 +59,9 @@ class Prepared:
     make_generator: Callable[[], Any]  # a fresh recipe chunk generator (consumed by StreamProcessor)
     parsing_options: dr.ParsingOptions
     reasoning_end_id: int | None = None  # output starts in reasoning, which ends at this token
-    # Control tokens kept out of the text (see ``control_token_ids``); empty when the client
+    # Control tokens kept out of the text (see ``Converter.hidden_ids``); empty when the client
     # sent ``skip_special_tokens: false``.
     hidden_ids: frozenset[int] = frozenset()
-
-
-def control_token_ids(tokenizer_json: str) -> dict[str, int]:
-    """The tokenizer's control tokens, spelling -> id (``engine.structured.tokenizer``)."""
-    from engine.structured.tokenizer import control_tokens
-
-    return control_tokens(tokenizer_json)
 
 
 def is_tool_call_markup(spelling: str) -> bool:
@@ -93,7 +87,7 @@ class Converter:
         self.options_plain = base.with_default_thinking_mode(False)
         self.bos_id = self._special_id(dr.SpecialToken.Bos)
         self.think_end_id = self._special_id(dr.SpecialToken.ThinkingEnd)
-        controls = control_token_ids(info.tokenizer_path)
+        controls = control_tokens(info.tokenizer_path)
         self.control_ids = frozenset(controls.values())
         thinking = (dr.SpecialToken.ThinkingStart.default_str(), dr.SpecialToken.ThinkingEnd.default_str())
         self.thinking_ids = frozenset(controls[s] for s in thinking if s in controls)

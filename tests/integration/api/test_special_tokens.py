@@ -12,7 +12,7 @@ import anthropic
 import openai
 import pytest
 
-from services.api.convert import control_token_ids
+from engine.structured.tokenizer import control_tokens
 
 pytestmark = pytest.mark.integration
 USER = [{"role": "user", "content": "Hello there"}]
@@ -28,7 +28,7 @@ def oai(api_server):
 def controls(api_server) -> list[str]:
     """The spellings of every control token of the served tokenizer (none is parsed in a
     non-thinking chat without tools, or in a legacy completion)."""
-    return list(control_token_ids(api_server.engine.model_info().tokenizer_path))
+    return list(control_tokens(api_server.engine.model_info().tokenizer_path))
 
 
 def leaked(text: str | None, controls: list[str]) -> list[str]:
@@ -47,7 +47,7 @@ def test_only_what_the_parser_reads_for_the_request_stays(api_server):
     from services.api.convert import Converter
 
     conv = Converter(api_server.config, api_server.engine.model_info())
-    ids = control_token_ids(api_server.engine.model_info().tokenizer_path)
+    ids = control_tokens(api_server.engine.model_info().tokenizer_path)
     plain = dr.ParsingOptions(parse_tool_calls=False, thinking_initial_stage=None, stop_sequences=[])
     tools = dr.ParsingOptions(parse_tool_calls=True, thinking_initial_stage=None, stop_sequences=[])
     hidden, with_tools = conv.hidden_ids({}, plain), conv.hidden_ids({}, tools)
