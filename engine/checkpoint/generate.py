@@ -58,14 +58,14 @@ def _plan_shapes(config: dict[str, Any]) -> list[TensorPlan]:
         model = DeepseekV4ForCausalLM(hf_config)
     state = model.state_dict()
     dtype = getattr(torch, config["dtype"])
-    plans = [TensorPlan(n, tuple(t.shape), _dtype_for(n, t.dtype, dtype)) for n, t in state.items()]
+    plans = [TensorPlan(n, tuple(t.shape), stored_dtype(n, t.dtype, dtype)) for n, t in state.items()]
     # One MTP layer: the keys of a decoder layer (the last one's shapes: top-k MoE) plus its projections.
     last = hf_config.num_hidden_layers - 1
     prefix = f"model.layers.{last}."
     for name, t in state.items():
         if name.startswith(prefix):
             mtp_name = "mtp.0." + name[len(prefix) :]
-            plans.append(TensorPlan(mtp_name, tuple(t.shape), _dtype_for(mtp_name, t.dtype, dtype)))
+            plans.append(TensorPlan(mtp_name, tuple(t.shape), stored_dtype(mtp_name, t.dtype, dtype)))
     hidden, hc = hf_config.hidden_size, hf_config.hc_mult
     for name, shape in (
         ("mtp.0.e_proj.weight", (hidden, hidden)),
@@ -77,11 +77,12 @@ def _plan_shapes(config: dict[str, Any]) -> list[TensorPlan]:
         ("mtp.0.hc_head.hc_base", (hc,)),
         ("mtp.0.hc_head.hc_scale", (1,)),
     ):
-        plans.append(TensorPlan(name, shape, _dtype_for(name, torch.float32, dtype)))
+        plans.append(TensorPlan(name, shape, stored_dtype(name, torch.float32, dtype)))
     return plans
 
 
-def _dtype_for(name: str, native: torch.dtype, target: torch.dtype) -> torch.dtype:
+def stored_dtype(name: str, native: torch.dtype, target: torch.dtype) -> torch.dtype:
+    """The dtype a tensor is stored in: integers as they are, transformers' fp32 modules fp32, else ``target``."""
     if not native.is_floating_point:
         return native
     if any(part in name for part in _FP32_PARTS):

@@ -30,13 +30,12 @@ blank line (a line that is empty or whitespace only; lines end at ``\\n``, ``\\r
 ``\\r``, as for the Python tokenizer); with no blank line the whole text is kept. The item
 parses iff ``ast.parse`` accepts the cut.
 
-``python -m engine.train.headers MODEL DATA`` prints the markdown section (``--json``: the
-report).
+``sluice train headers --model DIR --data DIR`` runs it (``--markdown FILE`` writes the
+section that ``docs/training.md`` shows, ``--json`` prints the report).
 """
 
 from __future__ import annotations
 
-import argparse
 import ast
 import hashlib
 import io
@@ -316,7 +315,8 @@ def run_headers(
     }
 
 
-def _continuations(report: dict[str, Any]) -> list[Continuation]:
+def continuations(report: dict[str, Any]) -> list[Continuation]:
+    """The `Continuation`s of a `run_headers` report."""
     return [
         Continuation(
             Header(it["path"], it["name"], it["lineno"], it["header"]),
@@ -328,24 +328,3 @@ def _continuations(report: dict[str, Any]) -> list[Continuation]:
         )
         for it in report["items"]
     ]
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(
-        prog="python -m engine.train.headers",
-        description="Greedy continuations of held-out function headers.",
-    )
-    ap.add_argument("model", help="checkpoint directory")
-    ap.add_argument("data", help="`sluice train data` output directory")
-    ap.add_argument("--n", type=int, default=DEFAULT_N)
-    ap.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--json", action="store_true", help="print the JSON report instead of markdown")
-    args = ap.parse_args(argv)
-    report = run_headers(args.model, args.data, args.n, args.max_tokens, args.device)
-    print(json.dumps(report, indent=1) if args.json else render_markdown(_continuations(report)))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,19 +1,21 @@
-"""``sluice train <stage>``: build the training data (corpus, split, vocabulary, baselines).
+"""``sluice train <stage>``: the trained preset, from data to checkpoint (``docs/training.md``).
 
-Only the ``data`` stage exists. Training the model (``DeepseekV4ForCausalLM`` plus MTP on
-``train.bin``, scored on ``heldout.bin`` against the baselines) is a later stage and is not
-registered until it works.
+* ``data``: corpus manifest, held-out split, cut vocabulary, token arrays, baselines;
+* ``model``: train ``DeepseekV4ForCausalLM`` plus its MTP layer on a data directory, and
+  score it on the held-out split (perplexity beside the baselines, MTP acceptance);
+* ``headers``: greedy continuations of 20 held-out function headers through the engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from pathlib import Path
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="build training data for a small trained model (stage: data)")
+    p = sub.add_parser("train", help="train the small trained preset (stages: data, model, headers)")
     stages = p.add_subparsers(dest="stage", metavar="STAGE")
     stages.required = True
     d = stages.add_parser(
@@ -36,6 +38,38 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     d.add_argument("--json", action="store_true", help="print the data.json header (without file indexes)")
     d.set_defaults(func=run_data)
+
+    from engine.train.trainer import TrainSettings
+
+    m = stages.add_parser(
+        "model", help="train the model plus its MTP layer on a data directory; write a checkpoint"
+    )
+    m.add_argument("--data", type=Path, required=True, help="a `sluice train data` output directory")
+    m.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
+    m.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
+    m.add_argument("--json", action="store_true", help="print training.json")
+    for field in dataclasses.fields(TrainSettings):
+        m.add_argument(
+            "--" + field.name.replace("_", "-"),
+            type=type(field.default),
+            default=field.default,
+            help=f"(default {field.default})",
+        )
+    m.set_defaults(func=run_model)
+
+    h = stages.add_parser(
+        "headers", help="greedy continuations of held-out function headers, parsed with ast"
+    )
+    h.add_argument("--model", type=Path, required=True, help="checkpoint directory")
+    h.add_argument(
+        "--data", type=Path, required=True, help="the `sluice train data` directory it was trained on"
+    )
+    h.add_argument("--n", type=int, default=20)
+    h.add_argument("--max-tokens", type=int, default=96)
+    h.add_argument("--device", default="cpu")
+    h.add_argument("--markdown", type=Path, default=None, help="also write the markdown report here")
+    h.add_argument("--json", action="store_true", help="print the JSON report")
+    h.set_defaults(func=run_headers)
 
 
 def run_data(args: argparse.Namespace) -> int:
@@ -65,4 +99,36 @@ def run_data(args: argparse.Namespace) -> int:
         f"bigram {b['bigram_heldout_ppl']:.2f} (Kneser-Ney d {b['bigram_d']})"
     )
     print(f"wrote {args.out}")
+    return 0
+
+
+def run_model(args: argparse.Namespace) -> int:
+    from engine.train.trainer import TrainSettings, train
+
+    names = [f.name for f in dataclasses.fields(TrainSettings)]
+    settings = TrainSettings(**{n: getattr(args, n) for n in names})
+    info = train(args.data, args.out, settings, device=args.device)
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    held, acc = info["heldout"], info["mtp_acceptance"]
+    print(
+        f"heldout-v1 perplexity {held['ppl']:.2f} (bigram {held['bigram_ppl']:.2f}, "
+        f"ratio {held['ratio_to_bigram']:.3f}; unigram {held['unigram_ppl']:.1f})"
+    )
+    print("MTP acceptance at positions 1-5: " + ", ".join(f"{a:.3f}" for a in acc["conditional"]))
+    print(f"trained in {info['train_seconds']:.0f} s on {info['environment']['device']}; wrote {args.out}")
+    return 0
+
+
+def run_headers(args: argparse.Namespace) -> int:
+    from engine.train.headers import continuations, render_markdown, run_headers
+
+    report = run_headers(args.model, args.data, n=args.n, max_tokens=args.max_tokens, device=args.device)
+    if args.markdown is not None:
+        args.markdown.write_text(render_markdown(continuations(report)))
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    print(f"{report['parsed']} of {report['n']} held-out header continuations parse with ast")
     return 0

@@ -1,0 +1,283 @@
+"""``sluice train model``: train the trained preset on a ``sluice train data`` directory.
+
+The run is a pure function of (data directory, settings, device kind): the model is built
+from the seed, and the batches follow a seeded order. Each epoch cuts the training stream
+into ``seq_len``-token windows from a seeded random offset and visits them in a seeded
+permutation; a window is fed as ``[BOS] + tokens[:-1]`` and predicts ``tokens``. The
+``valid-v1`` files never train: they are the loss curve's validation points (the baselines
+tune their smoothing on the same slice). ``heldout-v1`` is scored once, at the end.
+
+Output directory: a checkpoint in the Hugging Face layout (``config.json``,
+``generation_config.json``, ``model.safetensors``, the data directory's tokenizer), with
+``curve.jsonl`` (one JSON line per step and per validation point) and ``training.json``
+(settings, data digests, timings, the final measures).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import platform
+import shutil
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import torch
+
+from engine.train.data import read_array
+from engine.train.evaluate import mtp_acceptance, score_stream
+from engine.train.model import TrainModel, export_state, model_config
+
+PRESET_NAME = "trained"
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The shipped settings are the defaults; ``docs/training.md`` states why each is what it is."""
+
+    seed: int = 0
+    seq_len: int = 4096
+    batch: int = 16  # sequences per optimizer step (65,536 tokens)
+    micro_batch: int = 8  # sequences per forward/backward
+    steps: int = 288
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 16
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    mtp_weight: float = 0.3
+    bias_rate: float = 1e-2
+    eval_every: int = 32
+    eval_windows: int = 16
+    accept_prompts: int = 64
+
+    def validate(self) -> None:
+        if self.seq_len < 8 or self.batch < 1 or self.micro_batch < 1 or self.steps < 1:
+            raise ValueError("seq_len >= 8, batch >= 1, micro_batch >= 1 and steps >= 1 are required")
+        if self.batch % self.micro_batch:
+            raise ValueError(f"batch ({self.batch}) must be a multiple of micro_batch ({self.micro_batch})")
+        if not 0 <= self.warmup < self.steps:
+            raise ValueError("warmup must be in [0, steps)")
+
+
+class Streams:
+    """The data directory's token streams: training (minus valid-v1), valid-v1 and held-out."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.header = json.loads((data_dir / "data.json").read_text(encoding="utf-8"))
+        train = read_array(data_dir, "train")
+        files = self.header["arrays"]["train"]["files"]
+        fit = [train[f["offset"] : f["offset"] + f["n_tokens"]] for f in files if not f["valid"]]
+        valid = [train[f["offset"] : f["offset"] + f["n_tokens"]] for f in files if f["valid"]]
+        self.train = np.concatenate(fit).astype(np.int64)
+        self.valid = np.concatenate(valid).astype(np.int64) if valid else self.train[:0]
+        self.heldout = read_array(data_dir, "heldout").astype(np.int64)
+        tok = self.header["tokenizer"]
+        self.vocab_size, self.bos, self.eos = int(tok["vocab_size"]), int(tok["bos"]), int(tok["eos"])
+
+
+def batches(stream: np.ndarray, s: TrainSettings) -> Any:
+    """Yield ``s.steps`` batches of (x, y) int64 arrays [batch, seq_len], in the seeded order."""
+    n = len(stream)
+    if n < s.seq_len + 1:
+        raise ValueError(f"the training stream ({n} tokens) is shorter than one window ({s.seq_len})")
+    epoch = 0
+    pending: list[int] = []
+    for _ in range(s.steps):
+        while len(pending) < s.batch:
+            rng = np.random.default_rng([s.seed, epoch])
+            offset = int(rng.integers(0, s.seq_len))
+            starts = np.arange(offset, n - s.seq_len + 1, s.seq_len)
+            if len(starts) == 0:
+                starts = np.array([0])
+            pending.extend(int(v) for v in rng.permutation(starts))
+            epoch += 1
+        take, pending = pending[: s.batch], pending[s.batch :]
+        y = np.stack([stream[a : a + s.seq_len] for a in take])
+        yield y, epoch
+
+
+def lr_at(step: int, s: TrainSettings) -> float:
+    """Linear warmup, then cosine decay to ``min_lr_ratio`` of the peak at the last step."""
+    if step < s.warmup:
+        return s.lr * (step + 1) / s.warmup
+    frac = (step - s.warmup) / max(1, s.steps - 1 - s.warmup)
+    return s.lr * (s.min_lr_ratio + (1 - s.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def _param_groups(model: TrainModel, weight_decay: float) -> list[dict[str, Any]]:
+    """Weight decay on matrices (linears, embeddings, experts); none on norms, sinks, biases, mHC scales."""
+    decay, rest = [], []
+    for _name, p in model.named_parameters():
+        (decay if p.ndim >= 2 else rest).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
+
+
+class Log:
+    def __init__(self, stream: TextIO | None = None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self.t0 = time.monotonic()
+
+    def __call__(self, msg: str) -> None:
+        print(f"[{time.monotonic() - self.t0:7.1f}s] {msg}", file=self.stream, flush=True)
+
+
+def _fmt_eta(seconds: float) -> str:
+    m, sec = divmod(int(seconds), 60)
+    return f"{m}m{sec:02d}s"
+
+
+def train(
+    data_dir: Path,
+    out_dir: Path,
+    settings: TrainSettings,
+    device: str = "cpu",
+    model_overrides: dict[str, Any] | None = None,
+    log: Log | None = None,
+) -> dict[str, Any]:
+    """Train, write the checkpoint into ``out_dir`` and return ``training.json``'s contents."""
+    settings.validate()
+    log = log if log is not None else Log()
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    data = Streams(data_dir)
+    cfg = model_config(data.vocab_size, data.bos, data.eos, **(model_overrides or {}))
+    log(
+        f"data {data_dir}: {len(data.train):,} training tokens (valid-v1 excluded: {len(data.valid):,}), "
+        f"{len(data.heldout):,} held out; vocabulary {data.vocab_size}"
+    )
+    model = TrainModel(cfg, settings.seed, settings.bias_rate).to(dev)
+    model.train()
+    n_params = sum(p.numel() for p in model.parameters())
+    log(f"model: {n_params:,} parameters, {cfg['num_hidden_layers']} layers + 1 MTP layer, on {dev}")
+    opt = torch.optim.AdamW(
+        _param_groups(model, settings.weight_decay), lr=settings.lr, betas=(0.9, 0.95), eps=1e-8
+    )
+    out_dir.mkdir(parents=True, exist_ok=True)
+    curve_path = out_dir / "curve.jsonl"
+    curve = curve_path.open("w", encoding="utf-8")
+    tokens_per_step = settings.batch * settings.seq_len
+    t_start = time.monotonic()
+    last = {}
+    try:
+        for step, (y_np, epoch) in enumerate(batches(data.train, settings)):
+            lr = lr_at(step, settings)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            sums = {"lm": 0.0, "mtp": 0.0, "indexer": 0.0}
+            n_micro = settings.batch // settings.micro_batch
+            for m in range(n_micro):
+                y = torch.from_numpy(y_np[m * settings.micro_batch : (m + 1) * settings.micro_batch]).to(dev)
+                x = torch.cat([torch.full_like(y[:, :1], data.bos), y[:, :-1]], dim=1)
+                losses = model(x, y)
+                loss = losses["lm"] + settings.mtp_weight * losses["mtp"] + losses["indexer"]
+                (loss / n_micro).backward()
+                for k in sums:
+                    sums[k] += float(losses[k].detach()) / n_micro
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), settings.clip))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            max_load = model.balancer.update()
+            elapsed = time.monotonic() - t_start
+            done = step + 1
+            rate = done * tokens_per_step / elapsed
+            last = {
+                "step": done, "epoch": epoch, "lr": lr, **sums, "grad_norm": grad_norm,
+                "max_load": max_load, "tokens": done * tokens_per_step, "elapsed_s": elapsed,
+            }  # fmt: skip
+            curve.write(json.dumps(last) + "\n")
+            if done == 1 or done % 10 == 0 or done == settings.steps:
+                log(
+                    f"step {done}/{settings.steps} loss {sums['lm']:.4f} mtp {sums['mtp']:.4f} "
+                    f"indexer {sums['indexer']:.4f} lr {lr:.2e} max/mean expert load {max_load:.2f} "
+                    f"{rate:,.0f} tok/s eta {_fmt_eta((settings.steps - done) * elapsed / done)}"
+                )
+            if len(data.valid) and (done % settings.eval_every == 0 or done == settings.steps):
+                v = score_stream(
+                    model,
+                    data.valid,
+                    settings.seq_len,
+                    data.bos,
+                    dev,
+                    settings.micro_batch,
+                    settings.eval_windows,
+                )
+                curve.write(json.dumps({"step": done, "valid_nll": v["nll"], "valid_ppl": v["ppl"]}) + "\n")
+                curve.flush()
+                log(f"  valid-v1: nll {v['nll']:.4f} ppl {v['ppl']:.2f} ({v['tokens']:,} tokens)")
+    finally:
+        curve.close()
+    train_s = time.monotonic() - t_start
+    log(f"trained {settings.steps} steps in {_fmt_eta(train_s)}; scoring heldout-v1")
+    held = score_stream(model, data.heldout, settings.seq_len, data.bos, dev, settings.micro_batch)
+    log(f"heldout-v1: ppl {held['ppl']:.2f} over {held['tokens']:,} tokens")
+    accept = mtp_acceptance(model, data.heldout, data.bos, dev, n_prompts=settings.accept_prompts)
+    log(
+        "MTP acceptance (given earlier drafts accepted): "
+        + ", ".join(f"{a:.3f}" for a in accept["conditional"])
+    )
+    base = data.header["baselines"]
+    info = {
+        "preset": PRESET_NAME,
+        "settings": dataclasses.asdict(settings),
+        "model_overrides": model_overrides or {},
+        "data": {
+            "corpus_digest": data.header["corpus"]["digest"],
+            "split": data.header["split"],
+            "tokenizer_sha256": data.header["tokenizer"]["sha256"],
+            "train_sha256": data.header["arrays"]["train"]["sha256"],
+            "heldout_sha256": data.header["arrays"]["heldout"]["sha256"],
+            "train_tokens_used": int(len(data.train)),
+        },
+        "environment": {
+            "device": torch.cuda.get_device_name(dev)
+            if dev.type == "cuda"
+            else platform.processor() or "cpu",
+            "torch": torch.__version__,
+            "python": platform.python_version(),
+            "threads": torch.get_num_threads(),
+            "peak_gpu_memory_gb": round(torch.cuda.max_memory_allocated(dev) / 1e9, 2)
+            if dev.type == "cuda"
+            else None,
+        },
+        "train_seconds": round(train_s, 1),
+        "final_step": last,
+        "heldout": {
+            "ppl": held["ppl"],
+            "nll": held["nll"],
+            "tokens": held["tokens"],
+            "unigram_ppl": base["unigram_heldout_ppl"],
+            "bigram_ppl": base["bigram_heldout_ppl"],
+            "ratio_to_bigram": held["ppl"] / base["bigram_heldout_ppl"],
+        },
+        "mtp_acceptance": accept,
+    }
+    write_checkpoint(model, out_dir, data_dir, info)
+    log(f"wrote {out_dir}")
+    return info
+
+
+def write_checkpoint(model: TrainModel, out_dir: Path, data_dir: Path, info: dict[str, Any]) -> None:
+    from safetensors.torch import save_file
+
+    state = export_state(model)
+    save_file(state, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    cfg = dict(model.cfg)
+    cfg["architectures"] = ["DeepseekV4ForCausalLM"]
+    cfg["sluice"] = {"preset": PRESET_NAME, "seed": info["settings"]["seed"]}
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    gen = {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"], "do_sample": False}
+    (out_dir / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copyfile(data_dir / name, out_dir / name)
+    (out_dir / "training.json").write_text(json.dumps(info, indent=1) + "\n")
