@@ -1,14 +1,30 @@
-"""DeepSeek-V4 checkpoint presets for `sluice gen-checkpoint`.
+"""DeepSeek-V4 checkpoint presets: random ones for `sluice gen-checkpoint`, shipped ones.
 
-Each preset is a set of ``DeepseekV4Config`` keyword arguments. ``tiny`` exercises every
-component on a CPU in well under a second; ``small`` keeps the real 129,280-token
-vocabulary for demos; ``flash-shape`` has DeepSeek-V4-Flash's real widths with few layers,
-for GPU benchmarks.
+A random preset (``PRESETS``) is a set of ``DeepseekV4Config`` keyword arguments. ``tiny``
+exercises every component on a CPU in well under a second; ``small`` keeps the real
+129,280-token vocabulary for demos; ``flash-shape`` has DeepSeek-V4-Flash's real widths
+with few layers, for GPU benchmarks.
+
+A shipped preset (``SHIPPED``) is a trained checkpoint committed to the repository:
+``trained`` (``models/trained``, built by ``sluice train model``) is the default model of
+``sluice serve``, ``make run`` and ``examples/``. It is never generated.
+
+``resolve_preset`` turns any preset name into a checkpoint directory.
 """
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
+
+log = logging.getLogger("sluice.checkpoint")
+
+# The repository root, from this file (engine/checkpoint/presets.py), not the working directory.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+# Shipped presets: name -> checkpoint directory in the repository.
+SHIPPED: dict[str, Path] = {"trained": REPO_ROOT / "models" / "trained"}
+DEFAULT_PRESET = "trained"
 
 SLIDING, CSA, HCA = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
@@ -116,6 +132,8 @@ COMMON: dict[str, Any] = {
 
 def preset_config(name: str, **overrides: Any) -> dict[str, Any]:
     """The config.json dict of a preset, with overrides applied (layers may be resized)."""
+    if name in SHIPPED:
+        raise ValueError(f"preset {name!r} is shipped (trained weights in {SHIPPED[name]}), not generated")
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(sorted(PRESETS))}")
     cfg = {**COMMON, **PRESETS[name], **overrides}
@@ -131,3 +149,34 @@ def preset_config(name: str, **overrides: Any) -> dict[str, Any]:
     mlp += ["moe"] * (n - len(mlp))
     cfg["layer_types"], cfg["mlp_layer_types"] = attn, mlp
     return cfg
+
+
+def preset_names() -> list[str]:
+    """Every preset name, shipped and random."""
+    return sorted({*SHIPPED, *PRESETS})
+
+
+def resolve_preset(name: str, home: Path) -> Path:
+    """The checkpoint directory of preset ``name``.
+
+    A shipped preset is its directory in the repository (ValueError when it is missing). A
+    random preset is generated (seed 0) under ``home/checkpoints/<name>`` on first use and
+    reused afterwards; ``home`` is ``$SLUICE_HOME`` for the CLI and the examples.
+    """
+    if name in SHIPPED:
+        path = SHIPPED[name]
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"shipped preset {name!r} is missing: no config.json in {path} (it ships in the "
+                "repository checkout and is never generated; elsewhere, name a copy by its directory)"
+            )
+        return path
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; known presets: {', '.join(preset_names())}")
+    path = Path(home) / "checkpoints" / name
+    if not (path / "config.json").is_file():
+        from engine.checkpoint.generate import generate_checkpoint
+
+        log.info("generating the %s checkpoint in %s (first use)", name, path)
+        generate_checkpoint(name, path, seed=0)
+    return path

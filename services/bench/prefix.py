@@ -63,7 +63,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="interleaved rounds: one number for every length, or one per length (default: "
         "25 up to 1024 tokens, 5 up to 4096, 3 above; one 16K round of the three arms takes ~2-4 min here)",
     )  # fmt: skip
-    p.add_argument("--preset", default="small", help="gen-checkpoint preset (default small)")
+    p.add_argument(
+        "--preset", default="small", help="checkpoint preset (default small, generated on first use)"
+    )
     p.add_argument("--model", help="use this checkpoint directory instead of the generated preset")
     p.add_argument(
         "--chunk", type=int, default=2048,
@@ -150,15 +152,10 @@ def summarize(values: Sequence[float]) -> dict[str, float]:
 def _model_dir(args: argparse.Namespace) -> Path:
     if args.model:
         return Path(args.model)
+    from engine.checkpoint.presets import resolve_preset
     from services import envs
 
-    path = envs.HOME.get() / "checkpoints" / args.preset
-    if not (path / "config.json").is_file():
-        from engine.checkpoint.generate import generate_checkpoint
-
-        progress(f"generating the {args.preset} checkpoint in {path} (first use)")
-        generate_checkpoint(args.preset, path, seed=0)
-    return path
+    return resolve_preset(args.preset, envs.HOME.get())  # a random one: generated on first use
 
 
 def _prompts(seed: int, length: int, r: int, vocab: int) -> tuple[list[int], list[int], list[int]]:

@@ -7,11 +7,29 @@ import json
 from pathlib import Path
 
 
+def _random_preset(name: str) -> str:
+    """A random preset's name; a shipped one (trained weights) is a usage error saying so."""
+    from engine.checkpoint.presets import SHIPPED
+
+    if name in SHIPPED:
+        raise argparse.ArgumentTypeError(
+            f"{name!r} is a shipped preset (trained weights in {SHIPPED[name]}), not generated; "
+            f"serve it with `sluice serve --preset {name}`"
+        )
+    return name
+
+
 def register(sub: argparse._SubParsersAction) -> None:
     from engine.checkpoint.presets import PRESETS
 
     p = sub.add_parser("gen-checkpoint", help="write a random DeepSeek-V4 checkpoint in the HF layout")
-    p.add_argument("--preset", choices=sorted(PRESETS), default="tiny")
+    p.add_argument(
+        "--preset",
+        type=_random_preset,
+        choices=sorted(PRESETS),
+        default="tiny",
+        help="random preset (the shipped trained one is not generated)",
+    )
     p.add_argument("--out", type=Path, required=True, help="output directory")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--layers", type=int, default=None, help="override the preset's number of layers")
