@@ -82,7 +82,7 @@ MODEL_DIR: EnvVar[Path | None] = _register(
     "SLUICE_MODEL_DIR",
     _parse_optional_path,
     None,
-    "Checkpoint directory; unset means the generated tiny preset.",
+    "Checkpoint directory; unset means the shipped trained preset (models/trained).",
 )
 HOST = _register("SLUICE_HOST", str, "127.0.0.1", "Address the API server binds to.")
 PORT = _register("SLUICE_PORT", _parse_int, 8000, "Port the API server listens on.")

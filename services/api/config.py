@@ -1,6 +1,6 @@
 """``ApiConfig``: every limit a client can run into, in one frozen, validated dataclass.
 
-Defaults are chosen for the embedded deployment (one CPU process, the tiny checkpoint) and
+Defaults are chosen for the embedded deployment (one CPU process, the small trained checkpoint) and
 documented in docs/api.md; each field's comment says what exceeding it returns. The
 context limit is a fact of the served model, so it comes from the engine's ``ModelInfo``
 unless ``context_limit`` overrides it (``resolve`` settles it into a new config).

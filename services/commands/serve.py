@@ -1,10 +1,12 @@
 """``sluice serve``: the OpenAI- and Anthropic-compatible API server.
 
-Default (embedded): an in-process engine on the tiny checkpoint, generated under
-``$SLUICE_HOME/checkpoints/tiny`` on first use. ``--model DIR`` serves another checkpoint;
-``--config cluster.yaml`` takes host, port, admission limits and model from the cluster
-spec (only ``mode: embedded`` is served here so far). Flags beat the file, the file beats
-``SLUICE_HOST`` / ``SLUICE_PORT``. ``--replicas N --router-policy P`` serves N in-process
+Default (embedded): an in-process engine on the shipped ``trained`` preset
+(``models/trained``). ``--model DIR`` serves another checkpoint, ``--preset NAME`` another
+preset (``engine.checkpoint.presets``: a random one is generated under
+``$SLUICE_HOME/checkpoints/NAME`` on first use); ``--config cluster.yaml`` takes host,
+port, admission limits and model from the cluster spec (only ``mode: embedded`` is served
+here so far). Flags beat the file, the file beats ``SLUICE_HOST`` / ``SLUICE_PORT`` /
+``SLUICE_MODEL_DIR``. ``--replicas N --router-policy P`` serves N in-process
 engine replicas behind the router (``services/routed_client.py``; docs/router.md, "Live
 routing"); the default is one engine and no router.
 
@@ -34,12 +36,27 @@ LOCAL_STORE = "local"
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from engine.checkpoint.presets import DEFAULT_PRESET, preset_names
+
     p = sub.add_parser("serve", help="serve the OpenAI/Anthropic-compatible HTTP API")
     p.add_argument("--host", default=None, help="bind address (default 127.0.0.1, or SLUICE_HOST)")
     p.add_argument(
         "--port", type=int, default=None, help="port (default 8000, or SLUICE_PORT; 0: any free port)"
     )
-    p.add_argument("--model", type=Path, default=None, help="checkpoint directory (default: generated tiny)")
+    which = p.add_mutually_exclusive_group()
+    which.add_argument(
+        "--model",
+        type=Path,
+        default=None,
+        help=f"checkpoint directory (default: SLUICE_MODEL_DIR, else the {DEFAULT_PRESET} preset)",
+    )
+    which.add_argument(
+        "--preset",
+        default=None,
+        choices=preset_names(),
+        help=f"serve a preset instead: {DEFAULT_PRESET} is shipped in models/, the random ones are "
+        "generated under $SLUICE_HOME/checkpoints on first use",
+    )
     p.add_argument("--config", type=Path, default=None, help="cluster.yaml")
     p.add_argument(
         "--max-concurrency", type=int, default=None, help="requests generating at once (default 8)"
@@ -75,20 +92,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def preset_dir(name: str) -> Path:
+    """The checkpoint directory of preset ``name`` (a random one generated under SLUICE_HOME)."""
+    from engine.checkpoint.presets import resolve_preset
+    from services import envs
+
+    return resolve_preset(name, envs.HOME.get())
+
+
 def default_model_dir() -> Path:
-    """The tiny checkpoint under SLUICE_HOME, generated the first time it is needed."""
+    """SLUICE_MODEL_DIR when set, else the shipped default preset (``trained``)."""
+    from engine.checkpoint.presets import DEFAULT_PRESET
     from services import envs
 
     configured = envs.MODEL_DIR.get()
     if configured is not None:
         return configured
-    path = envs.HOME.get() / "checkpoints" / "tiny"
-    if not (path / "config.json").is_file():
-        from engine.checkpoint.generate import generate_checkpoint
-
-        log.info("generating the tiny checkpoint in %s (first use)", path)
-        generate_checkpoint("tiny", path, seed=0)
-    return path
+    return preset_dir(DEFAULT_PRESET)
 
 
 def api_config_from(args: argparse.Namespace) -> tuple[object, str, int, Path]:
@@ -107,7 +127,7 @@ def api_config_from(args: argparse.Namespace) -> tuple[object, str, int, Path]:
             )
         host, port = spec.api.host, spec.api.port
         overrides.update(max_concurrency=spec.api.max_concurrency, max_queue=spec.api.max_queue)
-        if model is None and spec.model:
+        if model is None and args.preset is None and spec.model:
             model = Path(spec.model)
     host = args.host or host
     port = args.port if args.port is not None else port
@@ -118,7 +138,9 @@ def api_config_from(args: argparse.Namespace) -> tuple[object, str, int, Path]:
         overrides.update(allow_remote_images=True, image_url_allow_hosts=tuple(args.allow_image_host))
     keys = envs.API_KEYS.get()
     cfg = ApiConfig(host=host, port=port, api_keys=keys, api_keys_file=envs.API_KEYS_FILE.get(), **overrides)
-    return cfg, host, port, model or default_model_dir()
+    if model is None:  # --model, --preset, the file's model, SLUICE_MODEL_DIR, the trained preset
+        model = preset_dir(args.preset) if args.preset else default_model_dir()
+    return cfg, host, port, model
 
 
 def engine_kwargs_from(args: argparse.Namespace) -> dict[str, Any]:

@@ -48,12 +48,14 @@ def test_a_taken_port_is_a_clear_error_before_the_model_loads(tmp_path):
 
 
 @pytest.mark.slow
-def test_default_model_is_generated_on_first_use(tmp_path, monkeypatch):
-    from services.commands.serve import default_model_dir
+def test_default_model_is_the_trained_preset_and_random_ones_are_generated_once(tmp_path, monkeypatch):
+    from engine.checkpoint.presets import SHIPPED
+    from services.commands.serve import default_model_dir, preset_dir
 
     monkeypatch.setenv("SLUICE_HOME", str(tmp_path))
     monkeypatch.delenv("SLUICE_MODEL_DIR", raising=False)
-    path = default_model_dir()
+    assert default_model_dir() == SHIPPED["trained"] and not (tmp_path / "checkpoints").exists()
+    path = preset_dir("tiny")
     assert path == tmp_path / "checkpoints" / "tiny" and (path / "tokenizer.json").is_file()
     mtime = (path / "config.json").stat().st_mtime
-    assert default_model_dir() == path and (path / "config.json").stat().st_mtime == mtime  # not regenerated
+    assert preset_dir("tiny") == path and (path / "config.json").stat().st_mtime == mtime  # not regenerated
