@@ -16,9 +16,8 @@ MYPY_TARGETS ?= costmodel router kvstore services/envs.py services/cluster_confi
 
 .PHONY: install proto test test-slow test-gpu lint run clean redis-server
 
-# `make run`: the OpenAI/Anthropic-compatible API on the generated tiny checkpoint.
+# `make run`: the OpenAI/Anthropic-compatible API on the shipped trained preset (models/trained).
 SLUICE_HOME ?= var
-TINY := $(SLUICE_HOME)/checkpoints/tiny
 HOST ?= 127.0.0.1
 PORT ?= 8000
 
@@ -67,11 +66,10 @@ test-gpu: install
 	$(call run_pytest,-m gpu tests/gpu)
 
 run: install
-	@test -f $(TINY)/config.json || $(PY) -m services.cli gen-checkpoint --preset tiny --out $(TINY)
 	@echo "Sluice API on http://$(HOST):$(PORT). Try:"
 	@echo "  curl -s http://$(HOST):$(PORT)/v1/chat/completions -H 'content-type: application/json' \\"
-	@echo "    -d '{\"model\":\"deepseek-chat\",\"messages\":[{\"role\":\"user\",\"content\":\"Hello\"}],\"max_tokens\":32}'"
-	SLUICE_HOME=$(SLUICE_HOME) exec $(PY) -m services.cli serve --host $(HOST) --port $(PORT) --model $(TINY)
+	@echo "    -d '{\"model\":\"deepseek-chat\",\"messages\":[{\"role\":\"user\",\"content\":\"Write a Python function\"}],\"max_tokens\":64}'"
+	SLUICE_HOME=$(SLUICE_HOME) exec $(PY) -m services.cli serve --host $(HOST) --port $(PORT) --preset trained
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache var
