@@ -79,7 +79,7 @@ def write_streaming(
                         f"{plan.name}: produced {block.dtype} {tuple(block.shape)}, planned {plan}"
                     )
                 if block.numel():
-                    f.write(memoryview(block.contiguous().view(torch.uint8).numpy()))
+                    f.write(block.contiguous().view(torch.uint8).numpy().data)
                 written += block.numel() * block.element_size()
             if written != plan.nbytes:
                 raise ValueError(f"{plan.name}: produced {written} bytes, planned {plan.nbytes}")

@@ -104,7 +104,7 @@ def _mtp_layer_class() -> type[nn.Module]:
         DeepseekV4RMSNorm,
     )
 
-    class MTPLayer(DeepseekV4DecoderLayer):  # type: ignore[misc]
+    class MTPLayer(DeepseekV4DecoderLayer):
         """A decoder layer plus the MTP projections; its state dict is the engine's ``mtp.0.*``."""
 
         def __init__(self, config: Any, layer_idx: int) -> None:
@@ -128,7 +128,7 @@ class IndexerDistillation:
         self._current: dict[int, dict[str, torch.Tensor]] = {}
         self.enabled = True
         for i, layer in enumerate(layers):
-            attn = layer.self_attn
+            attn: Any = layer.self_attn
             if attn.compressor is None or not hasattr(attn.compressor, "indexer"):
                 continue
             indexer = attn.compressor.indexer
@@ -190,7 +190,7 @@ class ExpertBalancer:
     """DeepSeek-V3's auxiliary-loss-free balancing: counts each top-k router's picks over a
     step, then moves its ``e_score_correction_bias`` by ``rate`` towards the mean load."""
 
-    def __init__(self, routers: list[nn.Module], rate: float) -> None:
+    def __init__(self, routers: list[Any], rate: float) -> None:  # transformers' DeepseekV4TopKRouter
         self.rate = rate
         self.routers = routers
         self.counts = [torch.zeros(r.num_experts) for r in routers]
@@ -199,7 +199,7 @@ class ExpertBalancer:
         self.enabled = True
 
     def _count(self, i: int) -> Any:
-        def hook(module: nn.Module, _args: tuple[Any, ...], out: tuple[torch.Tensor, ...]) -> None:
+        def hook(module: Any, _args: tuple[Any, ...], out: tuple[torch.Tensor, ...]) -> None:
             if self.enabled and module.training:
                 idx = out[2].reshape(-1)
                 c = torch.bincount(idx, minlength=module.num_experts).to(torch.float32)
@@ -285,13 +285,13 @@ class TrainModel(nn.Module):
     def mtp_streams(
         self, streams: torch.Tensor, next_ids: torch.Tensor, kwargs: dict[str, Any]
     ) -> torch.Tensor:
-        m = self.mtp
+        m: Any = self.mtp
         emb = self.lm.model.embed_tokens(next_ids)
         x = m.h_proj(m.hnorm(streams)) + m.e_proj(m.enorm(emb)).unsqueeze(2)
         return m(x, input_ids=next_ids, **kwargs)
 
     def mtp_logits(self, mtp_streams: torch.Tensor) -> torch.Tensor:
-        m = self.mtp
+        m: Any = self.mtp
         return self.lm.lm_head(m.norm(m.hc_head(mtp_streams)))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -323,3 +323,29 @@ def export_state(model: TrainModel) -> dict[str, torch.Tensor]:
         name: t.detach().to("cpu", stored_dtype(name, t.dtype, target)).contiguous()
         for name, t in sorted(state.items())
     }
+
+
+def load_trained(model_dir: Any, device: str | torch.device = "cpu") -> TrainModel:
+    """A `TrainModel` holding a written checkpoint's weights (main model and ``mtp.0.*``), in fp32."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    path = Path(model_dir)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.pop("architectures", None)
+    cfg.pop("sluice", None)
+    model = TrainModel(cfg, seed=0)
+    state = load_file(str(path / "model.safetensors"))
+    mtp = {
+        k[len("mtp.0.") :]: v.float() if v.is_floating_point() else v
+        for k, v in state.items()
+        if k.startswith("mtp.0.")
+    }
+    main = {
+        k: v.float() if v.is_floating_point() else v for k, v in state.items() if not k.startswith("mtp.")
+    }
+    model.lm.load_state_dict(main, strict=True)
+    model.mtp.load_state_dict(mtp, strict=True)
+    return model.to(device)

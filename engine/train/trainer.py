@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import platform
 import shutil
 import sys
@@ -113,7 +112,8 @@ def lr_at(step: int, s: TrainSettings) -> float:
 
 def _param_groups(model: TrainModel, weight_decay: float) -> list[dict[str, Any]]:
     """Weight decay on matrices (linears, embeddings, experts); none on norms, sinks, biases, mHC scales."""
-    decay, rest = [], []
+    decay: list[torch.nn.Parameter] = []
+    rest: list[torch.nn.Parameter] = []
     for _name, p in model.named_parameters():
         (decay if p.ndim >= 2 else rest).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": rest, "weight_decay": 0.0}]
@@ -126,6 +126,12 @@ class Log:
 
     def __call__(self, msg: str) -> None:
         print(f"[{time.monotonic() - self.t0:7.1f}s] {msg}", file=self.stream, flush=True)
+
+
+def _eval_batch(dev: torch.device, seq_len: int, micro_batch: int) -> int:
+    """Windows per scoring forward: it keeps no activations for backward, so 32K tokens on a GPU;
+    8K on a CPU, where transformers' eager attention holds [heads, seq, seq] scores per window."""
+    return max(micro_batch, (32768 if dev.type == "cuda" else 8192) // seq_len)
 
 
 def _fmt_eta(seconds: float) -> str:
@@ -145,8 +151,7 @@ def train(
     settings.validate()
     log = log if log is not None else Log()
     dev = torch.device(device)
-    if dev.type == "cuda":
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if dev.type == "cuda":  # bitwise-repeatable cuBLAS also needs CUBLAS_WORKSPACE_CONFIG=:4096:8
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
     torch.use_deterministic_algorithms(True, warn_only=True)
@@ -167,6 +172,7 @@ def train(
     curve_path = out_dir / "curve.jsonl"
     curve = curve_path.open("w", encoding="utf-8")
     tokens_per_step = settings.batch * settings.seq_len
+    eval_batch = _eval_batch(dev, settings.seq_len, settings.micro_batch)
     t_start = time.monotonic()
     last = {}
     try:
@@ -219,14 +225,7 @@ def train(
         curve.close()
     train_s = time.monotonic() - t_start
     log(f"trained {settings.steps} steps in {_fmt_eta(train_s)}; scoring heldout-v1")
-    held = score_stream(model, data.heldout, settings.seq_len, data.bos, dev, settings.micro_batch)
-    log(f"heldout-v1: ppl {held['ppl']:.2f} over {held['tokens']:,} tokens")
-    accept = mtp_acceptance(model, data.heldout, data.bos, dev, n_prompts=settings.accept_prompts)
-    log(
-        "MTP acceptance (given earlier drafts accepted): "
-        + ", ".join(f"{a:.3f}" for a in accept["conditional"])
-    )
-    base = data.header["baselines"]
+    measures = _measure(model, data, dev, settings.seq_len, eval_batch, settings.accept_prompts, log)
     info = {
         "preset": PRESET_NAME,
         "settings": dataclasses.asdict(settings),
@@ -252,19 +251,71 @@ def train(
         },
         "train_seconds": round(train_s, 1),
         "final_step": last,
+        **measures,
+    }
+    write_checkpoint(model, out_dir, data_dir, info)
+    log(f"wrote {out_dir}")
+    return info
+
+
+def _measure(
+    model: TrainModel,
+    data: Streams,
+    dev: torch.device,
+    seq_len: int,
+    eval_batch: int,
+    accept_prompts: int,
+    log: Log,
+) -> dict[str, Any]:
+    """Held-out perplexity beside the baselines, and the MTP layer's draft acceptance."""
+    held = score_stream(model, data.heldout, seq_len, data.bos, dev, eval_batch)
+    log(f"heldout-v1: ppl {held['ppl']:.2f} over {held['tokens']:,} tokens")
+    accept = mtp_acceptance(
+        model, data.heldout, data.bos, dev, n_prompts=accept_prompts, prompt_len=min(256, seq_len)
+    )
+    log(
+        "MTP acceptance (given earlier drafts accepted): "
+        + ", ".join(f"{a:.3f}" for a in accept["conditional"])
+    )
+    base = data.header["baselines"]
+    return {
         "heldout": {
             "ppl": held["ppl"],
             "nll": held["nll"],
             "tokens": held["tokens"],
+            "seq_len": seq_len,
             "unigram_ppl": base["unigram_heldout_ppl"],
             "bigram_ppl": base["bigram_heldout_ppl"],
             "ratio_to_bigram": held["ppl"] / base["bigram_heldout_ppl"],
         },
         "mtp_acceptance": accept,
     }
-    write_checkpoint(model, out_dir, data_dir, info)
-    log(f"wrote {out_dir}")
-    return info
+
+
+def evaluate_checkpoint(
+    model_dir: Path | str,
+    data_dir: Path | str,
+    device: str = "cpu",
+    seq_len: int = 4096,
+    accept_prompts: int = 64,
+    log: Log | None = None,
+) -> dict[str, Any]:
+    """`sluice train eval`: the trained measures of a written checkpoint (its stored weights, in fp32)."""
+    from engine.train.model import load_trained
+
+    log = log if log is not None else Log()
+    data = Streams(Path(data_dir))
+    tok = (
+        json.loads((Path(model_dir) / "training.json").read_text())
+        if (Path(model_dir) / "training.json").is_file()
+        else {}
+    )
+    want = tok.get("data", {}).get("tokenizer_sha256")
+    if want is not None and want != data.header["tokenizer"]["sha256"]:
+        raise ValueError(f"{model_dir} was trained with another tokenizer than {data_dir}'s")
+    dev = torch.device(device)
+    model = load_trained(model_dir, dev)
+    return _measure(model, data, dev, seq_len, _eval_batch(dev, seq_len, 1), accept_prompts, log)
 
 
 def write_checkpoint(model: TrainModel, out_dir: Path, data_dir: Path, info: dict[str, Any]) -> None:

@@ -57,6 +57,21 @@ def register(sub: argparse._SubParsersAction) -> None:
         )
     m.set_defaults(func=run_model)
 
+    e = stages.add_parser(
+        "eval", help="score a checkpoint on heldout-v1: perplexity beside the baselines, MTP acceptance"
+    )
+    e.add_argument("--model", type=Path, required=True, help="checkpoint directory")
+    e.add_argument(
+        "--data", type=Path, required=True, help="the `sluice train data` directory it was trained on"
+    )
+    e.add_argument("--device", default="cpu")
+    e.add_argument(
+        "--seq-len", type=int, default=4096, help="scoring window (default 4096, the training context)"
+    )
+    e.add_argument("--accept-prompts", type=int, default=64)
+    e.add_argument("--json", action="store_true")
+    e.set_defaults(func=run_eval)
+
     h = stages.add_parser(
         "headers", help="greedy continuations of held-out function headers, parsed with ast"
     )
@@ -118,6 +133,24 @@ def run_model(args: argparse.Namespace) -> int:
     )
     print("MTP acceptance at positions 1-5: " + ", ".join(f"{a:.3f}" for a in acc["conditional"]))
     print(f"trained in {info['train_seconds']:.0f} s on {info['environment']['device']}; wrote {args.out}")
+    return 0
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from engine.train.trainer import evaluate_checkpoint
+
+    report = evaluate_checkpoint(
+        args.model, args.data, device=args.device, seq_len=args.seq_len, accept_prompts=args.accept_prompts
+    )
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    held, acc = report["heldout"], report["mtp_acceptance"]
+    print(
+        f"heldout-v1 perplexity {held['ppl']:.2f} (bigram {held['bigram_ppl']:.2f}, "
+        f"ratio {held['ratio_to_bigram']:.3f}; unigram {held['unigram_ppl']:.1f})"
+    )
+    print("MTP acceptance at positions 1-5: " + ", ".join(f"{a:.3f}" for a in acc["conditional"]))
     return 0
 
 

@@ -1,0 +1,199 @@
+"""`sluice train model` on a shrunken shape: the checkpoint it writes is what transformers and the
+engine read (MTP included), training is deterministic, and each loss reaches what it trains."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from engine.checkpoint.presets import CSA, HCA, SLIDING
+from engine.forward_batch import ForwardBatch, SequenceInput
+from engine.runner import ModelRunner, RunnerConfig
+from engine.train.evaluate import prompt_offsets, windows
+from engine.train.model import SHAPE, TrainModel, export_state, load_trained, model_config
+from engine.train.trainer import Streams, TrainSettings, batches, lr_at, train, write_checkpoint
+
+# Every layer and MoE kind at test size; window 16 and CSA top-4 so 64-token contexts exercise both.
+SMALL = dict(
+    hidden_size=64,
+    num_hidden_layers=4,
+    layer_types=[SLIDING, CSA, HCA, CSA],
+    mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
+    head_dim=32,
+    q_lora_rank=32,
+    o_lora_rank=16,
+    moe_intermediate_size=32,
+    sliding_window=16,
+    index_topk=4,
+    index_head_dim=16,
+    compress_rates={CSA: 4, HCA: 16},
+)
+SETTINGS = TrainSettings(
+    seq_len=64, batch=4, micro_batch=2, steps=4, warmup=1, eval_every=2, eval_windows=2, accept_prompts=4
+)
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def trained(built: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("trained")
+    train(built, out, SETTINGS, model_overrides=SMALL)
+    return out
+
+
+def test_shipped_shape_has_every_layer_kind_and_a_selective_indexer() -> None:
+    cfg = model_config(8192, 0, 1)
+    assert {SLIDING, CSA, HCA} <= set(cfg["layer_types"]) and cfg["num_hidden_layers"] >= 8
+    assert cfg["mlp_layer_types"][0] == "hash_moe" and cfg["mlp_layer_types"][-1] == "moe"
+    assert cfg["sliding_window"] == 128
+    assert cfg["index_topk"] < 4096 // cfg.get("compress_rates", {CSA: 4})[CSA]
+    assert cfg["rope_parameters"]["original_max_position_embeddings"] == TrainSettings().seq_len
+    assert SHAPE["num_nextn_predict_layers"] == 1
+
+
+def test_checkpoint_has_the_generators_tensors_and_loads_in_transformers(trained: Path) -> None:
+    from transformers import DeepseekV4ForCausalLM
+
+    from engine.checkpoint.generate import _plan_shapes
+
+    cfg = json.loads((trained / "config.json").read_text())
+    from safetensors import safe_open
+
+    with safe_open(trained / "model.safetensors", "pt") as f:
+        got = {k: (tuple(f.get_slice(k).get_shape()), f.get_slice(k).get_dtype()) for k in f.keys()}  # noqa: SIM118 (safe_open is not iterable)
+    # The generator copies the last layer's keys for the MTP layer, a CSA layer's compressor too,
+    # which the engine's sliding-window MTP layer never reads; the trained export leaves it out.
+    plans = {
+        p.name: (p.shape, p.dtype)
+        for p in _plan_shapes(cfg)
+        if not p.name.startswith("mtp.0.self_attn.compressor.")
+    }
+    assert set(got) == set(plans)
+    for name, (shape, dtype) in plans.items():
+        assert got[name][0] == shape, name
+        assert got[name][1] == {torch.float32: "F32", torch.bfloat16: "BF16", torch.int64: "I64"}[dtype], name
+    model = DeepseekV4ForCausalLM.from_pretrained(trained)
+    logits = model(torch.tensor([[0, 5, 6, 7]])).logits
+    assert torch.isfinite(logits).all()
+    info = json.loads((trained / "training.json").read_text())
+    assert info["settings"]["steps"] == SETTINGS.steps and info["heldout"]["tokens"] > 0
+    assert len((trained / "curve.jsonl").read_text().splitlines()) == SETTINGS.steps + 2  # 2 valid points
+
+
+def test_training_is_deterministic_for_a_seed(built: Path, trained: Path, tmp_path: Path) -> None:
+    again = tmp_path / "again"
+    train(built, again, SETTINGS, model_overrides=SMALL)
+    assert _sha(again / "model.safetensors") == _sha(trained / "model.safetensors")
+    other = tmp_path / "other"
+    train(built, other, TrainSettings(**{**SETTINGS.__dict__, "seed": 1}), model_overrides=SMALL)
+    assert _sha(other / "model.safetensors") != _sha(trained / "model.safetensors")
+
+
+def test_engine_main_and_mtp_logits_equal_the_training_model(built: Path, tmp_path: Path) -> None:
+    """The exported ``mtp.0.*`` is the engine's MTP layer: same draft logits at every position (fp32)."""
+    data = Streams(built)
+    # index_topk covers every entry here: ReLU indexer scores tie at exactly 0, and torch.topk breaks
+    # ties differently in the engine's and transformers' layouts (a reference quirk, not the export's).
+    shape = {**SMALL, "index_topk": 64, "dtype": "float32"}
+    model = TrainModel(model_config(data.vocab_size, data.bos, data.eos, **shape), seed=3)
+    with torch.no_grad():  # move every parameter off its init, so a mis-mapped tensor shows
+        for p in model.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    model.eval()
+    info = {"settings": {"seed": 3}}
+    write_checkpoint(model, tmp_path, built, info)
+    ids = data.heldout[:90].tolist()
+    nxt = ids[1:] + [data.eos]
+    with torch.no_grad():
+        streams, kwargs = model.trunk(torch.tensor([ids]))
+        want_main = model.main_logits(streams)[0]
+        want_mtp = model.mtp_logits(model.mtp_streams(streams, torch.tensor([nxt]), kwargs))[0]
+    runner = ModelRunner(tmp_path, RunnerConfig(num_blocks=2, num_slots=1))
+    pos = 0
+    for chunk in (37, 1, 52):
+        batch = ForwardBatch.from_sequences([SequenceInput(ids[pos : pos + chunk], pos, 0, [0, 1])])
+        out = runner.execute(batch)
+        draft, _ = runner.draft(out.hidden, torch.tensor(nxt[pos : pos + chunk]), batch)
+        pos += chunk
+        assert (out.logits[0] - want_main[pos - 1]).abs().max().item() < 1e-4, ("main", pos)
+        assert (draft[0] - want_mtp[pos - 1]).abs().max().item() < 1e-4, ("mtp", pos)
+
+
+def test_each_loss_trains_its_parts(built: Path) -> None:
+    data = Streams(built)
+    model = TrainModel(model_config(data.vocab_size, data.bos, data.eos, **SMALL), seed=0)
+    y = torch.from_numpy(data.train[:129].reshape(1, -1)[:, :128].copy())
+    x = torch.cat([torch.full_like(y[:, :1], data.bos), y[:, :-1]], dim=1)
+    losses = model(x, y)
+    assert losses["indexer"].item() > 0
+    losses["indexer"].backward()
+    with_grad = {n for n, p in model.named_parameters() if p.grad is not None and p.grad.abs().sum() > 0}
+    assert with_grad and all(".indexer." in n for n in with_grad)  # distillation moves the indexer alone
+    model.zero_grad()
+    losses = model(x, y)
+    (losses["lm"] + losses["mtp"]).backward()
+    idx = [p for n, p in model.named_parameters() if ".indexer." in n]
+    assert all(p.grad is None or p.grad.abs().sum() == 0 for p in idx)  # top-k carries no gradient
+    assert model.mtp.e_proj.weight.grad.abs().sum() > 0
+    before = [r.e_score_correction_bias.clone() for r in model.balancer.routers]
+    worst = model.balancer.update()
+    assert worst >= 1.0
+    assert any(not torch.equal(b, r.e_score_correction_bias) for b, r in zip(before, model.balancer.routers))
+
+
+def test_hash_tables_are_random_distinct_and_seeded() -> None:
+    cfg = model_config(1024, 0, 1, **SMALL)
+    a, b = TrainModel(cfg, seed=0), TrainModel(cfg, seed=1)
+    ta = next(buf for n, buf in a.named_buffers() if n.endswith("tid2eid"))
+    tb = next(buf for n, buf in b.named_buffers() if n.endswith("tid2eid"))
+    assert not torch.equal(ta, tb) and len(set(ta[:, 0].tolist())) == cfg["n_routed_experts"]
+    assert (ta[:, 0] != ta[:, 1]).all()
+
+
+def test_load_trained_round_trips_the_checkpoint(trained: Path) -> None:
+    model = load_trained(trained)
+    state = export_state(model)
+    from safetensors.torch import load_file
+
+    stored = load_file(str(trained / "model.safetensors"))
+    assert set(state) == set(stored)
+    assert all(torch.equal(state[k], stored[k]) for k in stored)
+
+
+@pytest.mark.parametrize("n,seq", [(1, 8), (7, 8), (8, 8), (100, 8), (4097, 4096), (10, 2)])
+def test_windows_score_every_token_once_with_half_a_window_of_context(n: int, seq: int) -> None:
+    scored = np.zeros(n, dtype=int)
+    for start, end, first in windows(n, seq):
+        assert end - start <= seq and start <= first <= end
+        assert first == 0 or first - start >= seq // 2
+        scored[first:end] += 1
+    assert (scored == 1).all()
+
+
+def test_batches_are_seeded_and_cover_each_epoch() -> None:
+    stream = np.arange(1000)
+    s = TrainSettings(seq_len=10, batch=4, micro_batch=2, steps=30, warmup=3)
+    a = [y for y, _ in batches(stream, s)]
+    b = [y for y, _ in batches(stream, s)]
+    assert all(np.array_equal(u, v) for u, v in zip(a, b, strict=True))
+    rows = np.concatenate(a)
+    assert rows.shape == (120, 10) and (np.diff(rows, axis=1) == 1).all()  # contiguous windows
+    first_epoch = {int(r[0]) for r in rows[:99]}
+    assert len(first_epoch) == 99  # one epoch visits its 99 windows once each
+    assert lr_at(0, s) < lr_at(1, s) < lr_at(2, s) == s.lr and lr_at(s.steps - 1, s) == pytest.approx(s.lr * s.min_lr_ratio)
+
+
+def test_settings_are_validated() -> None:
+    with pytest.raises(ValueError, match="multiple of micro_batch"):
+        TrainSettings(batch=5, micro_batch=2).validate()
+    with pytest.raises(ValueError, match="warmup"):
+        TrainSettings(steps=4, warmup=4).validate()
+    assert prompt_offsets(1000, 4, 100) == [0, 224, 449, 674]
