@@ -26,9 +26,12 @@ model's ``tokenizer.json``, no special tokens added), sampled greedily
 (``temperature=0``) for at most ``max_tokens`` tokens; the text leaves control tokens out.
 
 Reading (``cut_at_blank_line``). The header plus continuation is cut before its first
-blank line (a line that is empty or whitespace only; lines end at ``\\n``, ``\\r\\n`` or
-``\\r``, as for the Python tokenizer); with no blank line the whole text is kept. The item
-parses iff ``ast.parse`` accepts the cut.
+blank line outside a string literal (a line that is empty or whitespace only; lines end at
+``\\n``, ``\\r\\n`` or ``\\r``, as for the Python tokenizer, which decides what is inside a
+string). A blank line inside a docstring belongs to the string: PEP 257 docstrings put one
+after their summary line, and cutting there would judge the code by half a string literal.
+With no such blank line the whole text is kept. The item parses iff ``ast.parse`` accepts
+the cut.
 
 ``sluice train headers --model DIR --data DIR`` runs it (``--markdown FILE`` writes the
 section that ``docs/training.md`` shows, ``--json`` prints the report).
@@ -186,13 +189,23 @@ def select_headers(texts: dict[str, str], n: int = DEFAULT_N) -> list[Header]:
 
 # -- reading a continuation --------------------------------------------------------------
 def cut_at_blank_line(text: str) -> str:
-    """``text`` up to (not including) its first empty or whitespace-only line; all of it if none."""
-    kept: list[str] = []
-    for line in _lines(text):
-        if _is_blank(line):
-            break
-        kept.append(line)
-    return "".join(kept)
+    """``text`` up to (not including) its first blank line outside a string literal; all of it if none.
+
+    A blank line inside a string is part of the string, not a break in the code: PEP 257
+    docstrings put one after their summary line. Python's own tokenizer decides which lines are
+    code (it emits a blank-line NL token only outside strings); text it cannot tokenize past (an
+    unterminated string or bracket at the end of a truncated generation) has no further cut.
+    """
+    lines = _lines(text)
+    try:
+        for tok in tokenize.generate_tokens(io.StringIO(text, newline="").readline):
+            if tok.type == tokenize.NL and _is_blank(tok.line):
+                return "".join(lines[: tok.start[0] - 1])
+    except (tokenize.TokenError, SyntaxError):
+        return text
+    if lines and _is_blank(lines[-1]):  # a whitespace-only last line (no NL token at the end of input)
+        return "".join(lines[:-1])
+    return text
 
 
 def parse_error(source: str) -> str | None:

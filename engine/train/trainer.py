@@ -43,16 +43,16 @@ class TrainSettings:
     seed: int = 0
     seq_len: int = 4096
     batch: int = 16  # sequences per optimizer step (65,536 tokens)
-    micro_batch: int = 8  # sequences per forward/backward
-    steps: int = 288
+    micro_batch: int = 16  # sequences per forward/backward
+    steps: int = 480
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
-    warmup: int = 16
+    warmup: int = 24
     weight_decay: float = 0.1
     clip: float = 1.0
     mtp_weight: float = 0.3
     bias_rate: float = 1e-2
-    eval_every: int = 32
+    eval_every: int = 40
     eval_windows: int = 16
     accept_prompts: int = 64
 
@@ -230,6 +230,7 @@ def train(
         "preset": PRESET_NAME,
         "settings": dataclasses.asdict(settings),
         "model_overrides": model_overrides or {},
+        "attention": model.lm.config._attn_implementation,
         "data": {
             "corpus_digest": data.header["corpus"]["digest"],
             "split": data.header["split"],

@@ -149,6 +149,32 @@ def test_each_loss_trains_its_parts(built: Path) -> None:
     assert any(not torch.equal(b, r.e_score_correction_bias) for b, r in zip(before, model.balancer.routers))
 
 
+def test_windowed_attention_equals_transformers_eager(built: Path) -> None:
+    """Chunked queries over their window and the compressed entries: eager's losses and gradients."""
+    import engine.train.model as tm
+
+    data = Streams(built)
+    cfg = model_config(data.vocab_size, data.bos, data.eos, **{**SMALL, "index_topk": 8})
+    eager = TrainModel(cfg, seed=0, attention="eager")
+    windowed = TrainModel(cfg, seed=0)
+    windowed.load_state_dict(eager.state_dict())
+    y = torch.from_numpy(data.train[:300].reshape(1, -1).copy())
+    x = torch.cat([torch.full_like(y[:, :1], data.bos), y[:, :-1]], dim=1)
+    chunk, tm._QUERY_CHUNK = tm._QUERY_CHUNK, 64  # several chunks, each with a window reaching back
+    try:
+        want, got = eager(x, y), windowed(x, y)
+        sum(want.values()).backward()
+        sum(got.values()).backward()
+    finally:
+        tm._QUERY_CHUNK = chunk
+    for k in want:
+        assert abs(want[k].item() - got[k].item()) < 1e-5, k
+    grads = dict(eager.named_parameters())
+    for name, p in windowed.named_parameters():
+        if p.grad is not None:
+            assert torch.allclose(p.grad, grads[name].grad, atol=1e-6, rtol=1e-4), name
+
+
 def test_hash_tables_are_random_distinct_and_seeded() -> None:
     cfg = model_config(1024, 0, 1, **SMALL)
     a, b = TrainModel(cfg, seed=0), TrainModel(cfg, seed=1)
@@ -188,7 +214,9 @@ def test_batches_are_seeded_and_cover_each_epoch() -> None:
     assert rows.shape == (120, 10) and (np.diff(rows, axis=1) == 1).all()  # contiguous windows
     first_epoch = {int(r[0]) for r in rows[:99]}
     assert len(first_epoch) == 99  # one epoch visits its 99 windows once each
-    assert lr_at(0, s) < lr_at(1, s) < lr_at(2, s) == s.lr and lr_at(s.steps - 1, s) == pytest.approx(s.lr * s.min_lr_ratio)
+    assert lr_at(0, s) < lr_at(1, s) < lr_at(2, s) == s.lr and lr_at(s.steps - 1, s) == pytest.approx(
+        s.lr * s.min_lr_ratio
+    )
 
 
 def test_settings_are_validated() -> None:
