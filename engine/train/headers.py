@@ -270,7 +270,7 @@ def render_markdown(conts: Sequence[Continuation]) -> str:
     """A markdown section: the count that parse, then each cut text as a python block."""
     parsed = sum(c.parses for c in conts)
     out = [
-        f"**{parsed} of {len(conts)} parse** with `ast` once cut at the first blank line "
+        f"**{parsed} of {len(conts)} parse** with `ast` once cut at the first blank line outside a string "
         f"(target: at least {TARGET_PARSED} of 20).",
         "",
     ]
