@@ -126,12 +126,7 @@ def run_model(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(info, indent=1))
         return 0
-    held, acc = info["heldout"], info["mtp_acceptance"]
-    print(
-        f"heldout-v1 perplexity {held['ppl']:.2f} (bigram {held['bigram_ppl']:.2f}, "
-        f"ratio {held['ratio_to_bigram']:.3f}; unigram {held['unigram_ppl']:.1f})"
-    )
-    print("MTP acceptance at positions 1-5: " + ", ".join(f"{a:.3f}" for a in acc["conditional"]))
+    _print_measures(info)
     print(f"trained in {info['train_seconds']:.0f} s on {info['environment']['device']}; wrote {args.out}")
     return 0
 
@@ -145,13 +140,17 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(report, indent=1))
         return 0
+    _print_measures(report)
+    return 0
+
+
+def _print_measures(report: dict) -> None:
     held, acc = report["heldout"], report["mtp_acceptance"]
     print(
         f"heldout-v1 perplexity {held['ppl']:.2f} (bigram {held['bigram_ppl']:.2f}, "
         f"ratio {held['ratio_to_bigram']:.3f}; unigram {held['unigram_ppl']:.1f})"
     )
     print("MTP acceptance at positions 1-5: " + ", ".join(f"{a:.3f}" for a in acc["conditional"]))
-    return 0
 
 
 def run_headers(args: argparse.Namespace) -> int:
