@@ -62,3 +62,23 @@ def test_data_stage_refuses_a_tree_that_differs_from_the_manifest(built, subset_
 def test_no_model_stage_yet():
     with pytest.raises(SystemExit):
         main(["train", "model"])
+
+
+def test_model_and_eval_stages_through_the_cli(built, tmp_path, capsys):
+    """The shipped shape, one tiny step on the CPU, then its stored weights scored again."""
+    out = tmp_path / "model"
+    args = ["--data", str(built), "--out", str(out), "--seq-len", "64", "--batch", "2", "--micro-batch", "2"]
+    args += ["--steps", "1", "--warmup", "0", "--eval-windows", "1", "--accept-prompts", "2"]
+    assert main(["train", "model", *args]) == 0
+    printed = capsys.readouterr().out
+    assert "heldout-v1 perplexity" in printed and "MTP acceptance at positions 1-5" in printed
+    info = json.loads((out / "training.json").read_text())
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["num_hidden_layers"] == 8 and cfg["sliding_window"] == 128  # the shipped shape
+    assert info["attention"] == "sluice_windowed" and info["settings"]["steps"] == 1
+    argv = ["train", "eval", "--model", str(out), "--data", str(built), "--seq-len", "64"]
+    assert main([*argv, "--accept-prompts", "2", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # stored bf16 weights score within a hair of the fp32 weights the run ended with
+    assert report["heldout"]["ppl"] == pytest.approx(info["heldout"]["ppl"], rel=0.01)
+    assert report["heldout"]["tokens"] == info["heldout"]["tokens"]
