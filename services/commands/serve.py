@@ -5,7 +5,9 @@ Default (embedded): an in-process engine on the shipped ``trained`` preset
 preset (``engine.checkpoint.presets``: a random one is generated under
 ``$SLUICE_HOME/checkpoints/NAME`` on first use); ``--config cluster.yaml`` takes host,
 port, admission limits and model from the cluster spec (only ``mode: embedded`` is served
-here so far). Flags beat the file, the file beats ``SLUICE_HOST`` / ``SLUICE_PORT`` /
+here so far); ``--config FILE --check`` validates the spec, prints the plan derived from it
+(``services.cluster_config.derive``: pools, engines, router, store, unused fields) and
+exits without starting anything. Flags beat the file, the file beats ``SLUICE_HOST`` / ``SLUICE_PORT`` /
 ``SLUICE_MODEL_DIR``. ``--replicas N --router-policy P`` serves N in-process
 engine replicas behind the router (``services/routed_client.py``; docs/router.md, "Live
 routing"); the default is one engine and no router.
@@ -58,6 +60,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "generated under $SLUICE_HOME/checkpoints on first use",
     )
     p.add_argument("--config", type=Path, default=None, help="cluster.yaml")
+    p.add_argument(
+        "--check",
+        action="store_true",
+        help="with --config: validate the cluster spec, print the plan derived from it and exit "
+        "(starts nothing; exit 2 for a bad spec)",
+    )
     p.add_argument(
         "--max-concurrency", type=int, default=None, help="requests generating at once (default 8)"
     )
@@ -214,10 +222,28 @@ def _store(arg: str) -> Iterator[tuple[Path, Any]]:
         local.stop()
 
 
+def check_config(args: argparse.Namespace) -> int:
+    """``--config FILE --check``: the spec's plan (``services.cluster_config.derive``),
+    printed; starts nothing. A bad spec raises ValueError (exit 2, its message)."""
+    from services.cluster_config import derive, load_cluster_spec
+
+    if args.config is None:
+        raise ValueError("--check validates a cluster spec: give it with --config FILE")
+    spec = load_cluster_spec(args.config)  # its errors name the file
+    try:
+        plan = derive(spec)
+    except ValueError as exc:
+        raise ValueError(f"{args.config}: {exc}") from None
+    print(f"{args.config}: valid", *plan.summary(), sep="\n")
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
     from services.api.server import bind_socket
     from services.routed_client import RoutingConfig
 
+    if args.check:
+        return check_config(args)
     cfg, host, port, model = api_config_from(args)
     routing = RoutingConfig(replicas=args.replicas, policy=args.router_policy).resolve()
     engine_kwargs = engine_kwargs_from(args)

@@ -1,0 +1,200 @@
+"""``sluice serve --config FILE --check`` and ``services.cluster_config.derive``: every example
+spec passes, a broken one exits 2 naming what to fix, and the plan carries each spec field to
+the component that reads it (or lists it as unused)."""
+
+from pathlib import Path
+
+import pytest
+
+from services.cli import main
+from services.cluster_config import UNUSED_FIELDS, ClusterSpec, derive, load_cluster_spec
+
+ROOT = Path(__file__).resolve().parents[3]
+EXAMPLES = [
+    "deploy/examples/one-host.yaml",
+    "deploy/examples/one-gpu-host.yaml",
+    "deploy/examples/deepseek.yaml",
+]
+TRAINED = ROOT / "models" / "trained"
+
+
+def _check(capsys, path):
+    rc = main(["serve", "--config", str(path), "--check"])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+@pytest.mark.parametrize("path", [*EXAMPLES, "deploy/cluster.example.yaml"])
+def test_each_example_spec_passes_check(capsys, monkeypatch, path):
+    import services.api.server
+
+    def no_socket(*_a, **_k):
+        raise AssertionError("--check must not open a socket")
+
+    monkeypatch.setattr(services.api.server, "bind_socket", no_socket)
+    rc, out, err = _check(capsys, ROOT / path)
+    assert rc == 0, err
+    assert f"{ROOT / path}: valid" in out
+    for needle in (
+        "prefill pool",
+        "decode pool",
+        "router: policy sluice",
+        "store: ",
+        "needs: ",
+        "unused spec fields",
+    ):
+        assert needle in out
+
+
+def test_example_shapes():
+    one = derive(load_cluster_spec(ROOT / EXAMPLES[0]))
+    assert one.prefill.layout.gpus == one.decode.layout.gpus == 0
+    assert one.prefill.layout.resources_per_rank == {"CPU": 1, "prefill": 1}
+    assert one.store.directory == "redis://127.0.0.1:6379/0" and len(one.store.node_ids) == 12
+    gpu = derive(load_cluster_spec(ROOT / EXAMPLES[1]))
+    assert gpu.prefill.layout.gpus + gpu.decode.layout.gpus == 8
+    assert 2 <= gpu.prefill.layout.expert_parallel <= 4 and gpu.decode.layout.expert_parallel == 4
+    ds = derive(load_cluster_spec(ROOT / EXAMPLES[2]))
+    assert (ds.prefill.layout.gpus, ds.decode.layout.gpus) == (64, 64)
+    assert 4 <= ds.prefill.layout.expert_parallel <= 8 and ds.decode.layout.expert_parallel == 64
+    assert len(ds.store.node_ids) >= 12
+    assert ds.resources() == {"GPU": 128, "prefill": 64, "decode": 64, "store": 24}
+
+
+@pytest.mark.parametrize(
+    ("text", "needle"),
+    [
+        (
+            "prefill: {gpus_per_replica: 16, expert_parallel: 16}",
+            "prefill expert_parallel must be 1..8 on GPUs",
+        ),
+        ("store: {nodes: 8}", "at least data_shards + parity_shards = 12 nodes, got 8"),
+        (
+            "prefill: {replicas: 1, chunk_budget: 4096}",
+            "prefill.chunk_budget: Extra inputs are not permitted",
+        ),
+        ("decode: {gpus_per_replica: 6, expert_parallel: 4}", "must be a multiple of expert_parallel"),
+        ("router_policy: fastest", "router_policy: unknown router policy 'fastest'; known:"),
+        ("store: {data_shards: 40, parity_shards: 2, nodes: 42}", "store: codec 40+2"),
+        ("store: {ttl_seconds: {batch: 60}}", "unknown traffic classes ['batch']"),
+        ("mode: local-cluster", "set redis_url"),
+        ("decode: {replicas: 0}", "decode.replicas must be >= 1"),
+    ],
+)
+def test_a_broken_spec_exits_2_saying_what_to_fix(capsys, tmp_path, text, needle):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(text + "\n")
+    rc, out, err = _check(capsys, path)
+    assert rc == 2 and out == ""
+    assert err.startswith(f"sluice serve: error: {path}: ")
+    assert needle in err and "Traceback" not in err
+
+
+def test_check_needs_a_config(capsys):
+    assert main(["serve", "--check"]) == 2
+    assert "--config FILE" in capsys.readouterr().err
+
+
+def test_derive_maps_engine_fields_into_engine_config():
+    spec = ClusterSpec.model_validate(
+        {
+            "model": str(TRAINED),
+            "prefill": {
+                "replicas": 2,
+                "gpus_per_replica": 8,
+                "expert_parallel": 4,
+                "chunk_token_budget": 4096,
+            },
+            "decode": {"replicas": 3, "max_running_requests": 100},
+        }
+    )
+    plan = derive(spec)
+    pre = plan.prefill.engine_config()
+    assert (pre.model, pre.device, pre.dtype) == (str(TRAINED), "cuda", "bfloat16")
+    assert pre.max_num_batched_tokens == 4096 and pre.cache_event_capacity > 0  # the router drains events
+    dec = plan.decode.engine_config()
+    assert (dec.device, dec.dtype, dec.max_num_seqs) == ("cpu", "float32", 100)
+    assert dec.num_swa_slots >= 100  # EngineConfig needs a slot per running sequence
+    assert dec.cache_event_capacity == 0
+    lay = plan.prefill.layout
+    assert (lay.instances, lay.expert_parallel, lay.ranks, lay.gpus_per_rank, lay.gpus) == (2, 4, 8, 2, 16)
+    assert lay.resources_per_rank == {"GPU": 2, "prefill": 2}
+    assert plan.decode.layout.resources_per_rank == {"CPU": 1, "decode": 1}
+    assert (plan.router.policy, plan.router.num_prefill, plan.router.num_decode) == ("sluice", 2, 3)
+    assert plan.prefill.eplb.num_redundant_per_rank == 4 and plan.decode.eplb.period_steps == 10000
+
+
+def test_engine_config_takes_a_local_model_and_the_store_spec(tmp_path):
+    plan = derive(load_cluster_spec(ROOT / "deploy/examples/deepseek.yaml"))
+    spec_file = plan.store.store_spec([f"10.0.1.{i}:7000" for i in range(24)]).save(tmp_path / "store.json")
+    cfg = plan.decode.engine_config(model=TRAINED, kv_store=spec_file)
+    assert (cfg.model, cfg.kv_store, cfg.max_num_seqs) == (str(TRAINED), str(spec_file), 256)
+    with pytest.raises(ValueError, match="checkpoint directory"):
+        plan.decode.engine_config()  # /weights/... is not on this host
+
+
+def test_derive_maps_store_router_api_and_datacenters():
+    spec = ClusterSpec.model_validate(
+        {
+            "mode": "two-datacenters",
+            "redis_url": "redis://r:6379/1",
+            "router_policy": "cache_aware",
+            "api": {"host": "0.0.0.0", "port": 9000, "max_concurrency": 40, "max_queue": 80},
+            "vision": {"replicas": 2, "gpus_per_replica": 1, "datacenter": "b"},
+            "prefill": {"datacenter": "a"},
+            "decode": {"datacenter": "b", "gpus_per_replica": 2, "expert_parallel": 2},
+            "store": {
+                "data_shards": 4,
+                "parity_shards": 2,
+                "nodes": 6,
+                "capacity_bytes": 6000,
+                "ttl_seconds": {"chat": 60},
+            },
+        }
+    )
+    plan = derive(spec)
+    st = plan.store
+    assert (st.k, st.m, st.node_ids, st.node_capacity_bytes) == (
+        4,
+        2,
+        tuple(f"n{i:02d}" for i in range(6)),
+        1000,
+    )
+    assert (st.directory, dict(st.ttl_s)) == ("redis://r:6379/1", {"chat": 60.0})
+    kv = st.store_spec([f"h{i}:7000" for i in range(6)])
+    assert (kv.k, kv.m, kv.directory, kv.ttls()["chat"]) == (4, 2, "redis://r:6379/1", 60.0)
+    assert plan.router.policy == "cache_aware"
+    api = plan.api
+    assert (api.host, api.port, api.max_concurrency, api.max_queue) == ("0.0.0.0", 9000, 40, 80)
+    assert plan.decode.layout.resources_per_rank == {"GPU": 1, "decode": 1, "dc:b": 0.001}
+    assert plan.vision.resources() == {"GPU": 2, "ve": 2, "dc:b": 0.002}
+    assert plan.resources() == {"CPU": 1, "prefill": 1, "GPU": 4, "decode": 2, "ve": 2, "store": 6}
+
+
+def test_the_unused_list_is_exactly_what_the_code_says(capsys):
+    assert [name for name, _ in UNUSED_FIELDS] == ["vision.expert_parallel", "interconnect_gbps"]
+    assert all(why for _, why in UNUSED_FIELDS)
+    plan = derive(ClusterSpec())
+    assert plan.unused == UNUSED_FIELDS
+    # changing an unused field changes nothing in the plan
+    base = derive(
+        ClusterSpec.model_validate(
+            {"mode": "two-datacenters", "redis_url": "redis://r:6379/0", "decode": {"datacenter": "b"}}
+        )
+    )
+    other = derive(
+        ClusterSpec.model_validate(
+            {
+                "mode": "two-datacenters",
+                "redis_url": "redis://r:6379/0",
+                "decode": {"datacenter": "b"},
+                "vision": {"replicas": 0, "expert_parallel": 8},
+                "interconnect_gbps": {"a-b": 400},
+            }
+        )
+    )
+    assert base == other
+    rc, out, _ = _check(capsys, ROOT / EXAMPLES[0])
+    assert rc == 0
+    for name, why in UNUSED_FIELDS:
+        assert f"  {name}: {why}" in out
