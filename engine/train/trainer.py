@@ -128,6 +128,72 @@ class Log:
         print(f"[{time.monotonic() - self.t0:7.1f}s] {msg}", file=self.stream, flush=True)
 
 
+STATE_DIR = "state"
+
+
+def _open_curve(path: Path, steps_done: int) -> Any:
+    """The loss curve, keeping the lines of the first ``steps_done`` steps (and their validation points)."""
+    if steps_done == 0:
+        return path.open("w", encoding="utf-8")
+    kept = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        if json.loads(line)["step"] > steps_done:
+            break
+        kept.append(line + "\n")
+    path.write_text("".join(kept), encoding="utf-8")
+    return path.open("a", encoding="utf-8")
+
+
+def save_state(
+    out_dir: Path,
+    model: TrainModel,
+    opt: torch.optim.Optimizer,
+    identity: dict[str, Any],
+    step: int,
+    seconds: float,
+) -> None:
+    """Model tensors (buffers too) and AdamW's moments as safetensors, the rest as JSON: no pickle."""
+    from safetensors.torch import save_file
+
+    state = out_dir / STATE_DIR
+    state.mkdir(exist_ok=True)
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
+        str(state / "model.safetensors"),
+    )
+    moments: dict[str, torch.Tensor] = {}
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for i, p in enumerate(params):
+        for key, value in opt.state.get(p, {}).items():
+            moments[f"{i}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
+    save_file(moments, str(state / "optimizer.safetensors"))
+    info = {"step": step, "seconds": seconds, "identity": identity}
+    (state / "state.json").write_text(json.dumps(info, indent=1) + "\n")
+
+
+def load_state(
+    out_dir: Path, model: TrainModel, opt: torch.optim.Optimizer, identity: dict[str, Any]
+) -> tuple[int, float]:
+    """Restore what ``save_state`` wrote; returns (steps done, training seconds so far)."""
+    from safetensors.torch import load_file
+
+    state = out_dir / STATE_DIR
+    if not (state / "state.json").is_file():
+        raise ValueError(f"nothing to resume: {state / 'state.json'} does not exist")
+    info = json.loads((state / "state.json").read_text())
+    if info["identity"] != identity:
+        raise ValueError(f"{state} was saved by a run with other settings, data or device; start afresh")
+    dev = next(model.parameters()).device
+    model.load_state_dict({k: v.to(dev) for k, v in load_file(str(state / "model.safetensors")).items()})
+    moments = load_file(str(state / "optimizer.safetensors"))
+    params = [p for group in opt.param_groups for p in group["params"]]
+    for i, p in enumerate(params):
+        entry = {k.split(".", 1)[1]: v for k, v in moments.items() if k.split(".", 1)[0] == str(i)}
+        if entry:
+            opt.state[p] = {k: (v if k == "step" else v.to(dev)) for k, v in entry.items()}
+    return int(info["step"]), float(info["seconds"])
+
+
 def _eval_batch(dev: torch.device, seq_len: int, micro_batch: int) -> int:
     """Windows per scoring forward: it keeps no activations for backward, so 32K tokens on a GPU;
     8K on a CPU, where transformers' eager attention holds [heads, seq, seq] scores per window."""
@@ -146,8 +212,15 @@ def train(
     device: str = "cpu",
     model_overrides: dict[str, Any] | None = None,
     log: Log | None = None,
-) -> dict[str, Any]:
-    """Train, write the checkpoint into ``out_dir`` and return ``training.json``'s contents."""
+    stop_after: int | None = None,
+    resume: bool = False,
+) -> dict[str, Any] | None:
+    """Train, write the checkpoint into ``out_dir`` and return ``training.json``'s contents.
+
+    ``stop_after`` ends this call after that many steps in all, saving the full training state
+    in ``out_dir/state`` (and returning None); ``resume`` continues from that state, so a run
+    longer than one sitting is split into calls with bit-identical results on the same device.
+    """
     settings.validate()
     log = log if log is not None else Log()
     dev = torch.device(device)
@@ -169,14 +242,23 @@ def train(
         _param_groups(model, settings.weight_decay), lr=settings.lr, betas=(0.9, 0.95), eps=1e-8
     )
     out_dir.mkdir(parents=True, exist_ok=True)
-    curve_path = out_dir / "curve.jsonl"
-    curve = curve_path.open("w", encoding="utf-8")
+    identity = {"settings": dataclasses.asdict(settings), "model_overrides": model_overrides or {},
+                "train_sha256": data.header["arrays"]["train"]["sha256"], "device": dev.type}  # fmt: skip
+    first, before = load_state(out_dir, model, opt, identity) if resume else (0, 0.0)
+    if resume:
+        log(f"resumed at step {first}/{settings.steps} from {out_dir / STATE_DIR}")
+    curve = _open_curve(out_dir / "curve.jsonl", first)
     tokens_per_step = settings.batch * settings.seq_len
     eval_batch = _eval_batch(dev, settings.seq_len, settings.micro_batch)
-    t_start = time.monotonic()
+    t_start = time.monotonic() - before
     last = {}
+    end = settings.steps if stop_after is None else min(settings.steps, stop_after)
     try:
         for step, (y_np, epoch) in enumerate(batches(data.train, settings)):
+            if step < first:
+                continue
+            if step >= end:
+                break
             lr = lr_at(step, settings)
             for group in opt.param_groups:
                 group["lr"] = lr
@@ -224,6 +306,12 @@ def train(
     finally:
         curve.close()
     train_s = time.monotonic() - t_start
+    if end < settings.steps:
+        save_state(out_dir, model, opt, identity, end, train_s)
+        log(
+            f"stopped after step {end}/{settings.steps}; state saved in {out_dir / STATE_DIR} (--resume continues)"
+        )
+        return None
     log(f"trained {settings.steps} steps in {_fmt_eta(train_s)}; scoring heldout-v1")
     measures = _measure(model, data, dev, settings.seq_len, eval_batch, settings.accept_prompts, log)
     info = {
@@ -255,6 +343,7 @@ def train(
         **measures,
     }
     write_checkpoint(model, out_dir, data_dir, info)
+    shutil.rmtree(out_dir / STATE_DIR, ignore_errors=True)  # a finished run has nothing to resume
     log(f"wrote {out_dir}")
     return info
 

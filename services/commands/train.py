@@ -48,6 +48,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     m.add_argument("--out", type=Path, required=True, help="checkpoint directory to write")
     m.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default cpu)")
     m.add_argument("--json", action="store_true", help="print training.json")
+    m.add_argument(
+        "--stop-after", type=int, default=None, help="end this call after that many steps, saving the state"
+    )
+    m.add_argument("--resume", action="store_true", help="continue from the state a --stop-after call saved")
     for field in dataclasses.fields(TrainSettings):
         m.add_argument(
             "--" + field.name.replace("_", "-"),
@@ -122,7 +126,12 @@ def run_model(args: argparse.Namespace) -> int:
 
     names = [f.name for f in dataclasses.fields(TrainSettings)]
     settings = TrainSettings(**{n: getattr(args, n) for n in names})
-    info = train(args.data, args.out, settings, device=args.device)
+    info = train(
+        args.data, args.out, settings, device=args.device, stop_after=args.stop_after, resume=args.resume
+    )
+    if info is None:
+        print(f"stopped after step {args.stop_after}; continue with the same command and --resume")
+        return 0
     if args.json:
         print(json.dumps(info, indent=1))
         return 0

@@ -225,3 +225,28 @@ def test_settings_are_validated() -> None:
     with pytest.raises(ValueError, match="warmup"):
         TrainSettings(steps=4, warmup=4).validate()
     assert prompt_offsets(1000, 4, 100) == [0, 224, 449, 674]
+
+
+def test_a_run_split_by_stop_and_resume_equals_one_run(built: Path, trained: Path, tmp_path: Path) -> None:
+    out = tmp_path / "split"
+    assert train(built, out, SETTINGS, model_overrides=SMALL, stop_after=2) is None
+    assert not (out / "model.safetensors").exists() and (out / "state" / "state.json").is_file()
+    info = train(built, out, SETTINGS, model_overrides=SMALL, resume=True)
+    assert info is not None and info["final_step"]["step"] == SETTINGS.steps
+    assert not (out / "state").exists()  # nothing left to resume
+    assert _sha(out / "model.safetensors") == _sha(trained / "model.safetensors")
+    strip = [
+        {k: v for k, v in json.loads(line).items() if k != "elapsed_s"}
+        for line in (out / "curve.jsonl").open()
+    ]
+    want = [
+        {k: v for k, v in json.loads(line).items() if k != "elapsed_s"}
+        for line in (trained / "curve.jsonl").open()
+    ]
+    assert strip == want
+    with pytest.raises(ValueError, match="nothing to resume"):
+        train(built, out, SETTINGS, model_overrides=SMALL, resume=True)
+    assert train(built, out, SETTINGS, model_overrides=SMALL, stop_after=1) is None
+    other = TrainSettings(**{**SETTINGS.__dict__, "lr": 1e-3})
+    with pytest.raises(ValueError, match="other settings"):
+        train(built, out, other, model_overrides=SMALL, resume=True)
