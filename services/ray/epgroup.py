@@ -1,0 +1,251 @@
+"""``EPGroup``: one engine instance as an expert-parallel group of Ray actors, one per rank.
+
+The ranks live in one Ray placement group (one bundle per rank, ``STRICT_PACK``: one node).
+The driver serves the rendezvous ``TCPStore`` (`engine.distributed.rendezvous.serve_store`)
+on 127.0.0.1 and hands its port to every rank; each rank joins ``torch.distributed`` through
+it (gloo on CPU, NCCL on CUDA) and builds a ``ModelRunner`` with its ``ep_size``/``ep_rank``
+on the same checkpoint. Attention is data-parallel: ``execute`` takes one batch per rank and
+runs all ranks at once; the MoE layers exchange token rows with all-to-all
+(`engine.distributed.ep`).
+
+Every rank must enter every MoE layer of a step, since the collectives are matched by order.
+A rank with nothing to run (``None`` or an empty list) enters them idle: it calls each
+main-model MoE layer's dispatch with zero rows, so it still serves the rows that the other
+ranks route to its experts (``ForwardBatch`` itself refuses an empty batch).
+
+Timeouts: the group's default collective timeout is ``timeout_s`` (5 s), so no rank waits
+on a dead peer longer than that; the rendezvous (the store clients) has ``init_timeout_s``,
+and the ranks call ``init_process_group`` together only once every actor is up, so a slow
+actor start does not eat into the 5 s. Inputs and outputs are plain data: ``SequenceInput``
+lists in, numpy arrays out.
+
+What this is not (yet): no router or pool integration, no supervision or restart of a dead
+rank (a failure surfaces as an exception from ``execute``; ``shutdown`` and start anew), and
+the NCCL path has not run (no GPU on the development host).
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+DEFAULT_BUNDLE: Mapping[str, float] = {"CPU": 1}
+
+
+class EPRank:
+    """One EP rank (a plain class; ``EPGroup`` wraps it with ``ray.remote``). ``runner_config``:
+    ``RunnerConfig`` fields as a dict, without ``ep_size``/``ep_rank``."""
+
+    def __init__(
+        self,
+        checkpoint: str,
+        rank: int,
+        world_size: int,
+        host: str,
+        port: int,
+        runner_config: Mapping[str, Any] | None = None,
+        timeout_s: float = 5.0,
+        init_timeout_s: float = 60.0,
+        num_threads: int = 1,
+    ) -> None:
+        self.checkpoint, self.rank, self.world_size = str(checkpoint), rank, world_size
+        self.host, self.port = host, port
+        self.runner_config = dict(runner_config or {})
+        self.timeout_s, self.init_timeout_s = timeout_s, init_timeout_s
+        self.num_threads = num_threads
+        self.runner: Any = None
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def join(self) -> dict[str, Any]:
+        """Join the group through the driver's store, then load this rank's runner."""
+        import torch
+        import torch.distributed as dist
+
+        from engine.runner import ModelRunner, RunnerConfig
+
+        if self.num_threads:
+            torch.set_num_threads(self.num_threads)
+        device = str(self.runner_config.get("device", "cpu"))
+        cuda = device.startswith("cuda")
+        if cuda:
+            torch.cuda.set_device(torch.device(device if ":" in device else "cuda:0"))
+        elif self.host.startswith("127."):
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pair sockets on loopback too
+        store = dist.TCPStore(
+            self.host,
+            self.port,
+            None,
+            is_master=False,
+            timeout=datetime.timedelta(seconds=self.init_timeout_s),
+        )
+        dist.init_process_group(
+            "nccl" if cuda else "gloo",
+            store=store,
+            rank=self.rank,
+            world_size=self.world_size,
+            timeout=datetime.timedelta(seconds=self.timeout_s),
+        )
+        cfg = RunnerConfig(**{**self.runner_config, "ep_size": self.world_size, "ep_rank": self.rank})
+        self.runner = ModelRunner(self.checkpoint, cfg, ep_group=dist.group.WORLD)
+        return {"rank": self.rank, "pid": os.getpid(), "backend": dist.get_backend()}
+
+    def execute(self, seqs: Sequence[Any] | None) -> np.ndarray:
+        """Run this rank's part of one step: ``seqs`` (``SequenceInput``s) or nothing (idle).
+        Returns the logits [num_sampled, vocab] as fp32 numpy ([0, vocab] when idle)."""
+        import torch
+
+        from engine.forward_batch import ForwardBatch
+
+        runner = self.runner
+        if runner is None:
+            raise RuntimeError("this rank has not joined its group")
+        if not seqs:
+            self._idle()
+            return np.zeros((0, runner.model_cfg.vocab_size), dtype=np.float32)
+        batch = ForwardBatch.from_sequences(list(seqs), device=runner.cfg.device)
+        out = runner.execute(batch)
+        return out.logits.detach().to(device="cpu", dtype=torch.float32).numpy()
+
+    def _idle(self) -> None:
+        """Enter every main-model MoE layer with zero rows (in layer order, as ``forward`` does),
+        serving the rows the other ranks send to this rank's experts.
+
+        This is ``AllToAllDispatch.__call__`` for zero tokens (the same four all-to-alls in
+        the same order), spelt out because that call cannot be used as is: its final
+        ``combine`` views the empty result as ``[0, k, -1]``, which torch rejects, after the
+        collectives have run. The fix belongs in ``engine.model.moe.combine`` (view with the
+        explicit width); once it is there this can call the dispatch directly."""
+        import torch
+        import torch.distributed as dist
+
+        from engine.distributed.ep import AllToAllDispatch
+
+        runner = self.runner
+        mc, dev, dtype = runner.model_cfg, torch.device(runner.cfg.device), runner.cfg.torch_dtype
+        with torch.inference_mode():
+            for layer in runner.model.model.layers:
+                moe = layer.mlp
+                d, experts = moe.dispatch, moe.experts
+                if not isinstance(d, AllToAllDispatch):
+                    raise RuntimeError(f"an idle rank needs the all-to-all dispatch, not {type(d).__name__}")
+                send_counts = torch.zeros(d.ep_size, dtype=torch.long, device=dev)
+                recv_counts = torch.empty_like(send_counts)
+                dist.all_to_all_single(recv_counts, send_counts, group=d.group)
+                send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
+                recv_x = d._exchange(
+                    torch.zeros((0, mc.hidden_size), dtype=dtype, device=dev), send_splits, recv_splits
+                )
+                recv_e = d._exchange(torch.zeros(0, dtype=torch.long, device=dev), send_splits, recv_splits)
+                y = experts.run_rows(recv_x, recv_e - experts.first) if recv_x.shape[0] else recv_x
+                d._exchange(y, recv_splits, send_splits)  # their rows back; nothing comes to us
+
+    def close(self) -> None:
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        self.runner = None
+
+
+class EPGroup:
+    """``ep_size`` ``EPRank`` actors of one engine instance in one placement group.
+
+    ``bundle``: the resources of one rank (default one CPU; e.g. ``{"CPU": 1, "GPU": 1}``
+    with ``device="cuda"`` in ``runner_config``). ``execute(batches)`` takes one entry per
+    rank and returns each rank's logits; ``shutdown()`` destroys the process group and
+    removes the actors and the placement group."""
+
+    def __init__(
+        self,
+        checkpoint: str,
+        ep_size: int,
+        runner_config: Mapping[str, Any] | None = None,
+        *,
+        bundle: Mapping[str, float] | None = None,
+        timeout_s: float = 5.0,
+        init_timeout_s: float = 60.0,
+        call_timeout_s: float = 120.0,
+        name: str | None = None,
+    ) -> None:
+        import ray
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from engine.distributed.rendezvous import HOST, serve_store
+
+        if ep_size < 2:
+            raise ValueError("an EP group needs ep_size >= 2; use a ModelRunner for one rank")
+        cfg = dict(runner_config or {})
+        if "ep_size" in cfg or "ep_rank" in cfg:
+            raise ValueError("ep_size/ep_rank are the group's, not runner_config's")
+        self.ep_size, self.call_timeout_s = ep_size, call_timeout_s
+        per_rank = dict(bundle or DEFAULT_BUNDLE)
+        self.store = serve_store(init_timeout_s)  # held until shutdown
+        self.pg = placement_group(
+            [dict(per_rank) for _ in range(ep_size)], strategy="STRICT_PACK", name=name or ""
+        )
+        self.actors: list[Any] = []
+        try:
+            try:
+                ray.get(self.pg.ready(), timeout=call_timeout_s)
+            except ray.exceptions.GetTimeoutError:
+                raise RuntimeError(
+                    f"no room for {ep_size} bundles of {per_rank} on one node within {call_timeout_s} s"
+                ) from None
+            gpus = float(per_rank.get("GPU", 0))
+            custom = {k: v for k, v in per_rank.items() if k not in ("CPU", "GPU", "memory")}
+            cls = ray.remote(EPRank)
+            for rank in range(ep_size):
+                strategy = PlacementGroupSchedulingStrategy(self.pg, placement_group_bundle_index=rank)
+                self.actors.append(
+                    cls.options(
+                        num_cpus=float(per_rank.get("CPU", 0)),
+                        num_gpus=gpus,
+                        resources=custom,
+                        scheduling_strategy=strategy,
+                    ).remote(
+                        str(checkpoint), rank, ep_size, HOST, self.store.port, cfg, timeout_s, init_timeout_s
+                    )
+                )
+            ray.get([a.ready.remote() for a in self.actors], timeout=call_timeout_s)  # every process is up
+            self.info = ray.get([a.join.remote() for a in self.actors], timeout=call_timeout_s)
+        except BaseException:
+            for a in self.actors:
+                ray.kill(a)
+            remove_placement_group(self.pg)
+            raise
+
+    def execute(self, batches: Sequence[Sequence[Any] | None]) -> list[np.ndarray]:
+        """One step on every rank at once: ``batches[r]`` is rank r's list of ``SequenceInput``
+        (``None`` / ``[]``: the rank has no tokens and only serves its experts). Returns the
+        logits of each rank, [num_sampled, vocab] fp32 numpy."""
+        import ray
+
+        if len(batches) != self.ep_size:
+            raise ValueError(f"give one batch per rank ({self.ep_size}), not {len(batches)}")
+        refs = [a.execute.remote(list(b) if b else None) for a, b in zip(self.actors, batches)]
+        return list(ray.get(refs, timeout=self.call_timeout_s))
+
+    def shutdown(self) -> None:
+        """Destroy the process group, kill the actors, remove the placement group, drop the store."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        if self.pg is None:
+            return  # already shut down
+        try:
+            ray.get([a.close.remote() for a in self.actors], timeout=self.call_timeout_s)
+        except Exception:  # noqa: BLE001 - a dead rank must not stop the cleanup
+            pass
+        finally:
+            for a in self.actors:
+                ray.kill(a)
+            self.actors = []
+            remove_placement_group(self.pg)
+            self.pg, self.store = None, None
