@@ -116,3 +116,20 @@ def test_shutdown_leaves_no_actor_or_placement_group(group) -> None:
         time.sleep(0.1)
     assert actor_ids and not alive
     assert cpus == 2  # both CPUs of the loopback cluster given back
+
+
+def test_a_rank_left_waiting_gives_up_within_the_collective_timeout(ray_local, model) -> None:
+    """Only rank 0 steps (rank 1 is alive but never enters the MoE layers): rank 0's
+    all-to-all fails after the group's 5 s timeout instead of hanging."""
+    import ray
+
+    from services.ray.epgroup import EPGroup
+
+    g = EPGroup(str(model), 2, RUNNER, timeout_s=5.0)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ray.exceptions.RayTaskError):
+            ray.get(g.actors[0].execute.remote(steps_of(prompt_of(4, 20))[0]), timeout=60)
+        assert 4.0 < time.monotonic() - t0 < 20.0
+    finally:
+        g.shutdown()
