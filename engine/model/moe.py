@@ -201,7 +201,8 @@ def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch
     A fixed-order fp32 sum (no atomics), so one rank and EP ranks combine bit for bit alike and
     repeated runs agree."""
     n, k = weights.shape
-    return (y.view(n, k, -1).float() * weights.float().unsqueeze(-1)).sum(1).to(dtype)
+    # the explicit width keeps an empty batch (an idle EP rank, n == 0) well defined
+    return (y.view(n, k, y.shape[-1]).float() * weights.float().unsqueeze(-1)).sum(1).to(dtype)
 
 
 def local_dispatch(

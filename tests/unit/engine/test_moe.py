@@ -21,3 +21,11 @@ def test_grouped_gemm_equals_expert_loop(dtype: torch.dtype) -> None:
         fast, loop = experts.run_rows(x, ids), experts._run_rows_loop(x, ids)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     assert (fast.float() - loop.float()).abs().max().item() <= tol * loop.float().abs().max().item()
+
+
+def test_combine_of_an_empty_batch_is_empty() -> None:
+    """An idle EP rank still enters every MoE layer: combining zero tokens gives zero rows."""
+    from engine.model.moe import combine
+
+    out = combine(torch.zeros(0, 16), torch.zeros(0, 2), torch.bfloat16)
+    assert out.shape == (0, 16) and out.dtype == torch.bfloat16
