@@ -10,6 +10,11 @@ its request has what the call asks for, so one engine serves one call at a time.
 call ends with the sequence exported and gone from the prefill engine (its blocks stay in
 that engine's prefix cache, unreferenced); a decode call can stop after ``max_new_tokens``
 so that a caller may ``abort`` between calls.
+
+A decode actor can hold *reservations* (``reserve``): room promised to a request before its
+handoff arrives, so that a chosen decode engine either takes the sequence or refuses up
+front (backpressure) instead of failing the import. ``resume`` consumes the request's
+reservation, ``abort`` / ``release`` give it back.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ class EngineActor:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.role = role
         self.core = EngineCore(EngineConfig(**{"model": str(checkpoint), **dict(engine_config or {})}))
+        self._reserved: dict[str, tuple[int, int]] = {}  # request id -> (blocks, tokens) promised
+        self.refused = 0  # reservations refused so far
 
     # -- prefill -----------------------------------------------------------------------------
     def prefill(
@@ -86,8 +93,24 @@ class EngineActor:
         ``decode`` continues it). Returns ``request_id``, ``tokens`` (new in this call),
         ``finish_reason`` (None while it runs). Raises ``PayloadError`` (ValueError) for a
         payload this engine must not use, ``EngineFull`` when it has no room; either way
-        nothing changed."""
-        request_id = self.core.import_sequence(bytes(handoff))
+        nothing changed.
+
+        The request's reservation, if it has one, is consumed (its room is now the
+        sequence's). Without one, the import must leave every other reservation's room free,
+        else it is undone and ``EngineFull`` raised."""
+        from engine.kvconnector.transfer import EngineFull
+
+        core = self.core
+        request_id = core.import_sequence(bytes(handoff))
+        if self._reserved.pop(request_id, None) is None and self._reserved:
+            room = self._room()
+            if room["blocks"] < 0 or room["slots"] < 0 or room["seqs"] < 0:
+                core.abort(request_id)
+                core.take_outputs()
+                raise EngineFull(
+                    f"no room for sequence {request_id!r} beside {len(self._reserved)} reservations "
+                    f"({room['reserved_blocks']} blocks): reserve first, or pick another engine"
+                )
         return self.decode(request_id, max_new_tokens)
 
     def decode(self, request_id: str, max_new_tokens: int | None = None) -> dict[str, Any]:
@@ -109,6 +132,55 @@ class EngineActor:
             raise
         raise RuntimeError(f"decode of {request_id!r} did not finish in {_MAX_STEPS} steps")
 
+    # -- reservations (decode) ---------------------------------------------------------------
+    def reserve(self, request_id: str, n_tokens: int, max_tokens: int = 0) -> bool:
+        """Promise room for a sequence of ``n_tokens`` tokens that may decode ``max_tokens``
+        more: ``ceil((n_tokens + max_tokens) / block_size)`` blocks, an SWA slot and a place
+        among ``max_num_seqs``. True (and held until ``resume``, ``abort`` or ``release``) if
+        the engine has that room now beside what it already promised; False otherwise, and
+        nothing is held. Reserving again for the same request replaces its reservation."""
+        if self.role != "decode":
+            raise ValueError(f"reserve is for the decode role; this actor is {self.role!r}")
+        if n_tokens < 1 or max_tokens < 0:
+            raise ValueError(f"reserve needs n_tokens >= 1 and max_tokens >= 0, got {n_tokens}, {max_tokens}")
+        previous = self._reserved.pop(request_id, None)
+        tokens = int(n_tokens) + int(max_tokens)
+        blocks = -(-tokens // self.core.block_size)
+        room = self._room()
+        if blocks <= room["blocks"] and room["slots"] >= 1 and room["seqs"] >= 1:
+            self._reserved[request_id] = (blocks, tokens)
+            return True
+        if previous is not None:
+            self._reserved[request_id] = previous
+        self.refused += 1
+        return False
+
+    def release(self, request_id: str) -> bool:
+        """Give back the request's reservation; False if it has none."""
+        return self._reserved.pop(request_id, None) is not None
+
+    def _room(self) -> dict[str, int]:
+        """What a new sequence could still have, from the engine's own numbers: blocks it can
+        allocate (free, evictable cached, and retained slots' partial blocks: what an import
+        may take) minus the blocks running sequences still need to reach their ``max_tokens``
+        minus reserved blocks; SWA slots available minus reservations; places among
+        ``max_num_seqs`` minus reservations. Negative when over-promised."""
+        sched = self.core.scheduler
+        cache, bs = sched.cache, self.core.block_size
+        owed = sum(
+            max(-(-(len(r.prompt_token_ids) + r.max_tokens) // bs) - len(r.block_table), 0)
+            for r in sched.requests.values()
+        )
+        reserved_blocks = sum(b for b, _ in self._reserved.values())
+        n = len(self._reserved)
+        return {
+            "blocks": cache.blocks.num_available + cache.slots.num_retained_partials - owed - reserved_blocks,
+            "slots": cache.slots.num_available - n,
+            "seqs": sched.config.max_num_seqs - len(sched.requests) - n,
+            "owed_blocks": owed,
+            "reserved_blocks": reserved_blocks,
+        }
+
     @staticmethod
     def _absorb(acc: dict[str, Any], outputs: list[Any]) -> None:
         for o in outputs:
@@ -122,15 +194,21 @@ class EngineActor:
 
     # -- either role -------------------------------------------------------------------------
     def abort(self, request_id: str) -> bool:
-        """End the request here and free its blocks and slot; False if it is not here."""
+        """End the request here and free its blocks, slot and reservation; False if none of
+        them is here."""
+        reserved = self._reserved.pop(request_id, None) is not None
         found = self.core.abort(request_id)
         self.core.take_outputs()  # its final "abort" message: nobody is waiting for it
-        return found
+        return found or reserved
 
     def stats(self) -> dict[str, Any]:
         """Counters, plain: ``held_blocks`` / ``held_slots`` / ``sequences`` are 0 when no
-        request holds anything (cached blocks and retained slots are reclaimable, not held)."""
+        request holds anything (cached blocks and retained slots are reclaimable, not held).
+        ``reserved`` / ``reserved_blocks`` / ``reserved_tokens``: reservations held;
+        ``owed_blocks``: blocks running sequences still need to reach ``max_tokens``;
+        ``room_blocks``: what a new reservation may take (``reserve``); ``refused``: count."""
         core = self.core
+        room = self._room()
         s = core.stats()
         cache = core.scheduler.cache
         retained_partials = cache.slots.num_retained_partials
@@ -149,6 +227,14 @@ class EngineActor:
             "held_slots": total_slots - free_slots,
             "kv_tokens": s.kv_tokens,
             "steps": s.steps,
+            "block_size": core.block_size,
+            "max_num_seqs": core.scheduler.config.max_num_seqs,
+            "reserved": len(self._reserved),
+            "reserved_blocks": room["reserved_blocks"],
+            "reserved_tokens": sum(t for _, t in self._reserved.values()),
+            "owed_blocks": room["owed_blocks"],
+            "room_blocks": room["blocks"],
+            "refused": self.refused,
         }
 
     def close(self) -> None:
