@@ -251,8 +251,10 @@ def remote_engine_actor(
 ) -> Any:
     """Start an ``EngineActor`` on Ray; returns its handle. With ``pool_resource`` it asks for
     one unit of the role's resource ("prefill" / "decode", as ``init_local_ray`` offers);
-    ``options`` go to ``ray.remote(...).options`` (Ray's default for an actor: one CPU to
-    place it, none held while it lives)."""
+    ``options`` go to ``ray.remote(...).options``. Observed with Ray 2.60 on the local
+    cluster: an actor started with Ray's defaults keeps a CPU of ``available_resources`` while
+    it lives, so pass ``num_cpus=0`` to place engines by their pool resource alone (the decode
+    pool tests do)."""
     import ray
 
     if role not in ROLES:
