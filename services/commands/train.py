@@ -64,11 +64,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     e = stages.add_parser(
         "eval", help="score a checkpoint on heldout-v1: perplexity beside the baselines, MTP acceptance"
     )
-    e.add_argument("--model", type=Path, required=True, help="checkpoint directory")
-    e.add_argument(
-        "--data", type=Path, required=True, help="the `sluice train data` directory it was trained on"
-    )
-    e.add_argument("--device", default="cpu")
+    _checkpoint_args(e)
     e.add_argument(
         "--seq-len", type=int, default=4096, help="scoring window (default 4096, the training context)"
     )
@@ -79,16 +75,21 @@ def register(sub: argparse._SubParsersAction) -> None:
     h = stages.add_parser(
         "headers", help="greedy continuations of held-out function headers, parsed with ast"
     )
-    h.add_argument("--model", type=Path, required=True, help="checkpoint directory")
-    h.add_argument(
-        "--data", type=Path, required=True, help="the `sluice train data` directory it was trained on"
-    )
+    _checkpoint_args(h)
     h.add_argument("--n", type=int, default=20)
     h.add_argument("--max-tokens", type=int, default=96)
-    h.add_argument("--device", default="cpu")
     h.add_argument("--markdown", type=Path, default=None, help="also write the markdown report here")
     h.add_argument("--json", action="store_true", help="print the JSON report")
     h.set_defaults(func=run_headers)
+
+
+def _checkpoint_args(p: argparse.ArgumentParser) -> None:
+    """--model, --data, --device: what scores a written checkpoint."""
+    p.add_argument("--model", type=Path, required=True, help="checkpoint directory")
+    p.add_argument(
+        "--data", type=Path, required=True, help="the `sluice train data` directory it was trained on"
+    )
+    p.add_argument("--device", default="cpu")
 
 
 def run_data(args: argparse.Namespace) -> int:

@@ -26,47 +26,66 @@ class DisaggResult:
     info: dict[str, Any] = field(default_factory=dict)  # the prefill actor's info dict
 
 
+def run_prefill(
+    prefill: Any,
+    request_id: str,
+    prompt_token_ids: list[int],
+    sampling: Mapping[str, Any],
+    timeout_s: float | None,
+    result_type: type[DisaggResult] = DisaggResult,
+) -> tuple[DisaggResult, Any]:
+    """Run the prefill; returns (the result so far, the handoff bytes' ObjectRef, never fetched)."""
+    import ray
+
+    info_ref, handoff_ref = prefill.prefill.options(num_returns=2).remote(
+        request_id, [int(t) for t in prompt_token_ids], dict(sampling)
+    )
+    info = ray.get(info_ref, timeout=timeout_s)
+    tokens = list(info["tokens"])
+    result = result_type(
+        request_id, tokens, info["finish_reason"], info["first_token"], len(tokens), False, info
+    )
+    return result, handoff_ref
+
+
+def resume_on(decode: Any, request_id: str, handoff_ref: Any, timeout_s: float | None) -> dict[str, Any]:
+    """Resume the handed-off sequence on ``decode`` to its end; on any failure abort it there."""
+    import ray
+
+    try:
+        out = ray.get(decode.resume.remote(handoff_ref), timeout=timeout_s)
+    except BaseException:
+        abort_on(decode, request_id, timeout_s)
+        raise
+    if out["request_id"] != request_id:  # the payload names its own request: a mix-up is a bug
+        abort_on(decode, out["request_id"], timeout_s)
+        abort_on(decode, request_id, timeout_s)
+        raise RuntimeError(f"decode actor resumed {out['request_id']!r}, expected {request_id!r}")
+    return out
+
+
+def abort_on(actor: Any, request_id: str, timeout_s: float | None) -> None:
+    import ray
+
+    with contextlib.suppress(Exception):  # best effort: the original error is what the caller sees
+        ray.get(actor.abort.remote(request_id), timeout=timeout_s)
+
+
 class DisaggregatedGenerator:
     """``prefill`` / ``decode``: handles of ``EngineActor``s (``actors.remote_engine_actor``)."""
 
     def __init__(self, prefill: Any, decode: Any, timeout_s: float | None = 120.0) -> None:
         self.prefill, self.decode, self.timeout_s = prefill, decode, timeout_s
 
-    def start(
-        self, request_id: str, prompt_token_ids: list[int], sampling: Mapping[str, Any]
-    ) -> tuple[Any, Any]:
-        """Submit the prefill; returns (info ref, handoff ref)."""
-        return self.prefill.prefill.options(num_returns=2).remote(
-            request_id, [int(t) for t in prompt_token_ids], dict(sampling)
-        )
-
     def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: Mapping[str, Any]
     ) -> DisaggResult:
-        import ray
-
-        info_ref, handoff_ref = self.start(request_id, prompt_token_ids, sampling)
-        info = ray.get(info_ref, timeout=self.timeout_s)
-        tokens = list(info["tokens"])
-        result = DisaggResult(
-            request_id, tokens, info["finish_reason"], info["first_token"], len(tokens), False, info
+        result, handoff_ref = run_prefill(
+            self.prefill, request_id, prompt_token_ids, sampling, self.timeout_s
         )
-        if info["finish_reason"] is not None:
+        if result.finish_reason is not None:
             return result
-        try:
-            out = ray.get(self.decode.resume.remote(handoff_ref), timeout=self.timeout_s)
-        except BaseException:
-            self._abort_decode(request_id)
-            raise
-        if out["request_id"] != request_id:  # the payload names its own request: a mix-up is a bug
-            self._abort_decode(out["request_id"])
-            raise RuntimeError(f"decode actor resumed {out['request_id']!r}, expected {request_id!r}")
+        out = resume_on(self.decode, request_id, handoff_ref, self.timeout_s)
         result.tokens += out["tokens"]
         result.finish_reason, result.handed_off = out["finish_reason"], True
         return result
-
-    def _abort_decode(self, request_id: str) -> None:
-        import ray
-
-        with contextlib.suppress(Exception):  # best effort: the original error is what the caller sees
-            ray.get(self.decode.abort.remote(request_id), timeout=self.timeout_s)

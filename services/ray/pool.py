@@ -21,12 +21,11 @@ actor, which frees its sequence or its reservation.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
-from services.ray.disagg import DisaggResult
+from services.ray.disagg import DisaggResult, resume_on, run_prefill
 
 
 class PoolFull(RuntimeError):
@@ -141,35 +140,23 @@ class PooledGenerator:
     ) -> PooledResult:
         """Prefill, choose+reserve, resume. Raises ``PoolFull`` (nothing held anywhere) when
         no decode actor has room; the prefill's handoff is then dropped."""
-        import ray
 
         from services.ray.actors import sampling_params
 
         max_tokens = sampling_params(sampling).max_tokens
-        info_ref, handoff_ref = self.prefill.prefill.options(num_returns=2).remote(
-            request_id, [int(t) for t in prompt_token_ids], dict(sampling)
+        result, handoff_ref = run_prefill(
+            self.prefill, request_id, prompt_token_ids, sampling, self.timeout_s, PooledResult
         )
-        info = ray.get(info_ref, timeout=self.timeout_s)
-        tokens = list(info["tokens"])
-        result = PooledResult(
-            request_id, tokens, info["finish_reason"], info["first_token"], len(tokens), False, info
-        )
-        if info["finish_reason"] is not None:
-            return result
-        e = self.pool.choose(request_id, info["prompt_tokens"] + len(tokens), max_tokens - len(tokens))
-        actor = self.pool.actors[e]
-        try:
-            out = ray.get(actor.resume.remote(handoff_ref), timeout=self.timeout_s)
-        except BaseException:
-            self._abort_on(actor, request_id)
-            raise
-        if out["request_id"] != request_id:  # the payload names its own request: a mix-up is a bug
-            self._abort_on(actor, out["request_id"])
-            self._abort_on(actor, request_id)
-            raise RuntimeError(f"decode actor resumed {out['request_id']!r}, expected {request_id!r}")
+        if result.finish_reason is not None:
+            return cast(PooledResult, result)
+        n_tokens = int(result.info["prompt_tokens"]) + len(result.tokens)
+        e = self.pool.choose(request_id, n_tokens, max_tokens - len(result.tokens))
+        out = resume_on(self.pool.actors[e], request_id, handoff_ref, self.timeout_s)
         result.tokens += out["tokens"]
-        result.finish_reason, result.handed_off, result.decode_index = out["finish_reason"], True, e
-        return result
+        result.finish_reason, result.handed_off = out["finish_reason"], True
+        pooled = cast(PooledResult, result)
+        pooled.decode_index = e
+        return pooled
 
     def abort(self, request_id: str) -> bool:
         """End the request wherever it is (prefill actor, any decode actor's sequence or
@@ -178,9 +165,3 @@ class PooledGenerator:
 
         actors = [self.prefill, *self.pool.actors]
         return any(ray.get([a.abort.remote(request_id) for a in actors], timeout=self.timeout_s))
-
-    def _abort_on(self, actor: Any, request_id: str) -> None:
-        import ray
-
-        with contextlib.suppress(Exception):  # best effort: the original error is what the caller sees
-            ray.get(actor.abort.remote(request_id), timeout=self.timeout_s)

@@ -10,11 +10,9 @@ against a single ``EngineCore`` are checked with the actors' own counters.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from engine.core import EngineConfig, EngineCore
 from services.ray.pool import DecodePool, PooledGenerator, PoolFull
 from tests.integration.ray.test_disagg_handoff import prompt_of, reference
 
@@ -55,18 +53,6 @@ def router_choice(stats: list[dict], request_id: str, n_tokens: int) -> int:
 
 
 # -- fixtures --------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model(checkpoint_factory) -> Path:
-    return checkpoint_factory("tiny")
-
-
-@pytest.fixture(scope="module")
-def ref(model) -> Iterator[EngineCore]:
-    c = EngineCore(EngineConfig(model=str(model), enable_prefix_caching=False))
-    yield c
-    c.close()
-
-
 @pytest.fixture(scope="module")
 def actors(ray_local, model) -> Iterator[tuple[object, object, object]]:
     """(prefill, small decode, big decode)."""

@@ -12,11 +12,10 @@ from __future__ import annotations
 import os
 import random
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from engine.core import CoreRequest, EngineConfig, EngineCore
+from engine.core import CoreRequest, EngineCore
 from services.ray.actors import sampling_params
 from services.ray.disagg import DisaggregatedGenerator
 from tests.integration.services.test_local_services import LOOPBACK_PREFIXES, _pids_of_tree, _sockets_of
@@ -59,18 +58,6 @@ def assert_nothing_held(*actors) -> None:
 
 
 # -- fixtures --------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def model(checkpoint_factory) -> Path:
-    return checkpoint_factory("tiny")
-
-
-@pytest.fixture(scope="module")
-def ref(model) -> Iterator[EngineCore]:
-    c = EngineCore(EngineConfig(model=str(model), enable_prefix_caching=False))
-    yield c
-    c.close()
-
-
 @pytest.fixture(scope="module")
 def actors(ray_local, model) -> Iterator[tuple[object, object]]:
     import ray
