@@ -76,7 +76,9 @@ class EPRank:
         if cuda:
             torch.cuda.set_device(torch.device(device if ":" in device else "cuda:0"))
         elif self.host.startswith("127."):
-            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # gloo's pair sockets on loopback too
+            from services import envs
+
+            envs.export_to_children({"GLOO_SOCKET_IFNAME": "lo"})  # gloo's pair sockets on loopback too
         store = dist.TCPStore(
             self.host,
             self.port,
