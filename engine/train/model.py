@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.checkpoint.presets import COMMON, CSA, HCA, SLIDING
+from engine.train.attention import WINDOWED_ATTENTION, register_windowed_attention
 
 # The trained preset's shape. Every choice is a stated requirement or principle:
 # * 8 layers holding every attention type (1 sliding, 4 CSA, 3 HCA) and both MoE kinds
@@ -118,59 +119,6 @@ def _mtp_layer_class() -> type[nn.Module]:
             self.hc_head = DeepseekV4HyperHead(config).to(dtype=torch.float32)
 
     return MTPLayer
-
-
-WINDOWED_ATTENTION = "sluice_windowed"
-_QUERY_CHUNK = 512
-
-
-def windowed_attention(
-    module: Any,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    scaling: float,
-    dropout: float = 0.0,
-    sliding_window: int | None = None,
-    **_kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """transformers' eager V4 attention, computed per chunk of queries over only the keys a chunk can
-    see: its sliding window and the compressed entries. Same softmax (sinks included) over the same
-    unmasked entries; the masked ones it skips weigh exactly 0 in eager too, so only the order of the
-    float sums differs (tested against eager). Eager materialises [heads, S, S + T] scores per
-    sequence; this holds [heads, chunk, chunk + window + T], which is what makes 4K-token training
-    affordable. Returns the attention weights over the compressed entries alone ([B, H, S, T]),
-    which is all the indexer distillation reads.
-    """
-    if attention_mask is None or sliding_window is None:
-        raise ValueError("windowed attention needs the model's additive mask and its sliding window")
-    b, h, s, d = query.shape
-    n = key.shape[2]
-    t = n - s  # compressed entries appended after the S window keys
-    sinks = module.sinks.reshape(1, -1, 1, 1)
-    outs, weights = [], []
-    comp = torch.arange(s, n, device=query.device)
-    for a in range(0, s, _QUERY_CHUNK):
-        e = min(s, a + _QUERY_CHUNK)
-        lo = max(0, a - sliding_window + 1)
-        cols = torch.cat([torch.arange(lo, e, device=query.device), comp])
-        k = key.index_select(2, cols)  # [B, 1, K, D]: one KV head, broadcast over H
-        v = value.index_select(2, cols)
-        scores = torch.matmul(query[:, :, a:e], k.transpose(2, 3)) * scaling
-        scores = scores + attention_mask[:, :, a:e].index_select(-1, cols)
-        logits = torch.cat([scores, sinks.expand(b, -1, e - a, -1)], dim=-1)
-        logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(logits, dim=-1)[..., :-1].to(value.dtype)
-        outs.append(torch.matmul(probs, v))
-        weights.append(probs[..., probs.shape[-1] - t :])
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), torch.cat(weights, dim=2)
-
-
-def _register_windowed_attention() -> None:
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(WINDOWED_ATTENTION, windowed_attention)
 
 
 class IndexerDistillation:
@@ -293,7 +241,7 @@ class TrainModel(nn.Module):
         torch.manual_seed(seed)
         self.lm = DeepseekV4ForCausalLM(self.hf_cfg)
         if attention == WINDOWED_ATTENTION:
-            _register_windowed_attention()
+            register_windowed_attention()
         self.lm.config._attn_implementation = attention
         self._mask_cfg = copy.deepcopy(self.hf_cfg)  # both attentions take eager's additive mask
         self._mask_cfg._attn_implementation = "eager"

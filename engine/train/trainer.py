@@ -32,6 +32,7 @@ import torch
 from engine.train.data import read_array
 from engine.train.evaluate import mtp_acceptance, score_stream
 from engine.train.model import TrainModel, export_state, model_config
+from engine.train.state import STATE_DIR, load_state, open_curve, save_state
 
 PRESET_NAME = "trained"
 
@@ -128,72 +129,6 @@ class Log:
         print(f"[{time.monotonic() - self.t0:7.1f}s] {msg}", file=self.stream, flush=True)
 
 
-STATE_DIR = "state"
-
-
-def _open_curve(path: Path, steps_done: int) -> Any:
-    """The loss curve, keeping the lines of the first ``steps_done`` steps (and their validation points)."""
-    if steps_done == 0:
-        return path.open("w", encoding="utf-8")
-    kept = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        if json.loads(line)["step"] > steps_done:
-            break
-        kept.append(line + "\n")
-    path.write_text("".join(kept), encoding="utf-8")
-    return path.open("a", encoding="utf-8")
-
-
-def save_state(
-    out_dir: Path,
-    model: TrainModel,
-    opt: torch.optim.Optimizer,
-    identity: dict[str, Any],
-    step: int,
-    seconds: float,
-) -> None:
-    """Model tensors (buffers too) and AdamW's moments as safetensors, the rest as JSON: no pickle."""
-    from safetensors.torch import save_file
-
-    state = out_dir / STATE_DIR
-    state.mkdir(exist_ok=True)
-    save_file(
-        {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()},
-        str(state / "model.safetensors"),
-    )
-    moments: dict[str, torch.Tensor] = {}
-    params = [p for group in opt.param_groups for p in group["params"]]
-    for i, p in enumerate(params):
-        for key, value in opt.state.get(p, {}).items():
-            moments[f"{i}.{key}"] = torch.as_tensor(value).detach().cpu().contiguous()
-    save_file(moments, str(state / "optimizer.safetensors"))
-    info = {"step": step, "seconds": seconds, "identity": identity}
-    (state / "state.json").write_text(json.dumps(info, indent=1) + "\n")
-
-
-def load_state(
-    out_dir: Path, model: TrainModel, opt: torch.optim.Optimizer, identity: dict[str, Any]
-) -> tuple[int, float]:
-    """Restore what ``save_state`` wrote; returns (steps done, training seconds so far)."""
-    from safetensors.torch import load_file
-
-    state = out_dir / STATE_DIR
-    if not (state / "state.json").is_file():
-        raise ValueError(f"nothing to resume: {state / 'state.json'} does not exist")
-    info = json.loads((state / "state.json").read_text())
-    if info["identity"] != identity:
-        raise ValueError(f"{state} was saved by a run with other settings, data or device; start afresh")
-    dev = next(model.parameters()).device
-    model.load_state_dict({k: v.to(dev) for k, v in load_file(str(state / "model.safetensors")).items()})
-    moments = load_file(str(state / "optimizer.safetensors"))
-    params = [p for group in opt.param_groups for p in group["params"]]
-    for i, p in enumerate(params):
-        entry = {k.split(".", 1)[1]: v for k, v in moments.items() if k.split(".", 1)[0] == str(i)}
-        if entry:
-            opt.state[p] = {k: (v if k == "step" else v.to(dev)) for k, v in entry.items()}
-    return int(info["step"]), float(info["seconds"])
-
-
 def _eval_batch(dev: torch.device, seq_len: int, micro_batch: int) -> int:
     """Windows per scoring forward: it keeps no activations for backward, so 32K tokens on a GPU;
     8K on a CPU, where transformers' eager attention holds [heads, seq, seq] scores per window."""
@@ -247,7 +182,7 @@ def train(
     first, before = load_state(out_dir, model, opt, identity) if resume else (0, 0.0)
     if resume:
         log(f"resumed at step {first}/{settings.steps} from {out_dir / STATE_DIR}")
-    curve = _open_curve(out_dir / "curve.jsonl", first)
+    curve = open_curve(out_dir / "curve.jsonl", first)
     tokens_per_step = settings.batch * settings.seq_len
     eval_batch = _eval_batch(dev, settings.seq_len, settings.micro_batch)
     t_start = time.monotonic() - before

@@ -151,7 +151,7 @@ def test_each_loss_trains_its_parts(built: Path) -> None:
 
 def test_windowed_attention_equals_transformers_eager(built: Path) -> None:
     """Chunked queries over their window and the compressed entries: eager's losses and gradients."""
-    import engine.train.model as tm
+    import engine.train.attention as tm
 
     data = Streams(built)
     cfg = model_config(data.vocab_size, data.bos, data.eos, **{**SMALL, "index_topk": 8})
