@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 # Fast suite: everything but slow and GPU tests.
 TEST_MARKERS ?= not slow and not gpu
 # The pure cores (CONVENTIONS 1) are type-checked.
-MYPY_TARGETS ?= costmodel router kvstore services/envs.py services/cluster_config.py services/bench/__init__.py \
+MYPY_TARGETS ?= costmodel router kvstore services/envs.py services/ray/cluster_spec.py services/bench/__init__.py \
 	engine/eplb.py services/eplb_controller.py services/eplb_rank.py services/api \
 	engine/scheduler engine/loop.py engine/executor.py engine/llm.py engine/core.py engine/messages.py engine/engine_config.py \
 	engine/kvconnector engine/train engine/sampling engine/structured services/commands/train.py \

@@ -35,7 +35,7 @@ from router.eplb.placement import (
 from router.eplb.transfer import RemapPlan, plan_remap
 
 if TYPE_CHECKING:  # pydantic stays out of the engine ranks' imports (GPU hosts may lack it)
-    from services.cluster_config import EplbSpec
+    from services.ray.cluster_spec import EplbSpec
 
 _POOL_DEFAULTS: dict[str, dict[str, int]] = {
     # DeepSeek's published settings (docs/eplb.md)
@@ -106,7 +106,7 @@ class EplbConfig:
 
     @classmethod
     def from_cluster_spec(cls, pool: str, spec: EplbSpec, **extra: Any) -> EplbConfig:
-        """From the cluster spec's ``<pool>.eplb`` section (``services.cluster_config``);
+        """From the cluster spec's ``<pool>.eplb`` section (``services.ray.cluster_spec``);
         ``extra`` overrides any field."""
         fields: dict[str, Any] = {
             "enabled": spec.enabled,

@@ -34,7 +34,7 @@ def ray_local() -> Iterator[object]:
     """A Ray local cluster bound to 127.0.0.1 only, with Sluice's pool resources."""
     import ray
 
-    from services.raycluster import init_local_ray
+    from services.ray.local_cluster import init_local_ray
 
     ctx = init_local_ray(num_cpus=2, resources={"prefill": 2, "decode": 2, "ve": 1, "store": 1})
     yield ctx

@@ -6,7 +6,7 @@ preset (``engine.checkpoint.presets``: a random one is generated under
 ``$SLUICE_HOME/checkpoints/NAME`` on first use); ``--config cluster.yaml`` takes host,
 port, admission limits and model from the cluster spec (only ``mode: embedded`` is served
 here so far); ``--config FILE --check`` validates the spec, prints the plan derived from it
-(``services.cluster_config.derive``: pools, engines, router, store, unused fields) and
+(``services.ray.cluster_spec.derive``: pools, engines, router, store, unused fields) and
 exits without starting anything. Flags beat the file, the file beats ``SLUICE_HOST`` / ``SLUICE_PORT`` /
 ``SLUICE_MODEL_DIR``. ``--replicas N --router-policy P`` serves N in-process
 engine replicas behind the router (``services/routed_client.py``; docs/router.md, "Live
@@ -126,7 +126,7 @@ def api_config_from(args: argparse.Namespace) -> tuple[object, str, int, Path]:
     host, port, model = envs.HOST.get(), envs.PORT.get(), args.model
     overrides: dict[str, Any] = {}
     if args.config is not None:
-        from services.cluster_config import load_cluster_spec
+        from services.ray.cluster_spec import load_cluster_spec
 
         spec = load_cluster_spec(args.config)
         if spec.mode != "embedded":
@@ -223,9 +223,9 @@ def _store(arg: str) -> Iterator[tuple[Path, Any]]:
 
 
 def check_config(args: argparse.Namespace) -> int:
-    """``--config FILE --check``: the spec's plan (``services.cluster_config.derive``),
+    """``--config FILE --check``: the spec's plan (``services.ray.cluster_spec.derive``),
     printed; starts nothing. A bad spec raises ValueError (exit 2, its message)."""
-    from services.cluster_config import derive, load_cluster_spec
+    from services.ray.cluster_spec import derive, load_cluster_spec
 
     if args.config is None:
         raise ValueError("--check validates a cluster spec: give it with --config FILE")

@@ -1,4 +1,4 @@
-"""``sluice serve --config FILE --check`` and ``services.cluster_config.derive``: every example
+"""``sluice serve --config FILE --check`` and ``services.ray.cluster_spec.derive``: every example
 spec passes, a broken one exits 2 naming what to fix, and the plan carries each spec field to
 the component that reads it (or lists it as unused)."""
 
@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from services.cli import main
-from services.cluster_config import UNUSED_FIELDS, ClusterSpec, derive, load_cluster_spec
+from services.ray.cluster_spec import UNUSED_FIELDS, ClusterSpec, derive, load_cluster_spec
 
 ROOT = Path(__file__).resolve().parents[3]
 EXAMPLES = [

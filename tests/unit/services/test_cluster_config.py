@@ -2,7 +2,7 @@ import re
 
 import pytest
 
-from services.cluster_config import ClusterSpec, load_cluster_spec
+from services.ray.cluster_spec import ClusterSpec, load_cluster_spec
 
 
 def _write(tmp_path, text):

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from services.cluster_config import load_cluster_spec
+from services.ray.cluster_spec import load_cluster_spec
 
 ROOT = Path(__file__).resolve().parents[3]
 

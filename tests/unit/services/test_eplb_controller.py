@@ -83,7 +83,7 @@ def test_min_gain_and_disabled_and_shape_checks() -> None:
 def test_config_from_the_cluster_spec_example() -> None:
     from pathlib import Path
 
-    from services.cluster_config import load_cluster_spec
+    from services.ray.cluster_spec import load_cluster_spec
 
     spec = load_cluster_spec(Path(__file__).parents[3] / "deploy" / "cluster.example.yaml")
     pre = EplbConfig.from_cluster_spec("prefill", spec.prefill.eplb)
