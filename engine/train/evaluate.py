@@ -141,14 +141,13 @@ def mtp_acceptance(
             n = chain.shape[1]
             agree = []
             hidden = streams
+            nxt = torch.cat([chain[:, 1:], chain[:, -1:]], dim=1)  # the token after each position
+            t = torch.arange(prompt_len - 1, n - depth - 1, device=device)  # anchors: t + depth + 1 < n
             for j in range(1, depth + 1):
                 if j > 1:  # pass j reads pass j-1's output one position earlier
                     hidden = torch.cat([hidden[:, :1], hidden[:, :-1]], dim=1)
-                nxt = torch.cat([chain[:, 1:], chain[:, -1:]], dim=1)
                 hidden = model.mtp_streams(hidden, nxt, kwargs)
                 draft = model.mtp_logits(hidden).float().argmax(dim=-1)  # at q: predicts chain[q + 2]
-                # anchors t in the generated region with t + depth + 1 < n
-                t = torch.arange(prompt_len - 1, n - depth - 1, device=device)
                 q = t + j - 1
                 agree.append((draft[:, q] == chain[:, t + j + 1]).cpu().numpy())
             all_prev = np.ones_like(agree[0], dtype=bool)

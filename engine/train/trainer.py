@@ -82,14 +82,15 @@ class Streams:
         self.vocab_size, self.bos, self.eos = int(tok["vocab_size"]), int(tok["bos"]), int(tok["eos"])
 
 
-def batches(stream: np.ndarray, s: TrainSettings) -> Any:
-    """Yield ``s.steps`` batches of (x, y) int64 arrays [batch, seq_len], in the seeded order."""
+def batches(stream: np.ndarray, s: TrainSettings, first: int = 0) -> Any:
+    """Yield (windows [batch, seq_len], epochs begun) for steps ``first`` .. ``s.steps - 1`` in
+    the seeded order; the steps before ``first`` (a resumed run's) are drawn but not built."""
     n = len(stream)
     if n < s.seq_len + 1:
         raise ValueError(f"the training stream ({n} tokens) is shorter than one window ({s.seq_len})")
     epoch = 0
     pending: list[int] = []
-    for _ in range(s.steps):
+    for step in range(s.steps):
         while len(pending) < s.batch:
             rng = np.random.default_rng([s.seed, epoch])
             offset = int(rng.integers(0, s.seq_len))
@@ -99,8 +100,8 @@ def batches(stream: np.ndarray, s: TrainSettings) -> Any:
             pending.extend(int(v) for v in rng.permutation(starts))
             epoch += 1
         take, pending = pending[: s.batch], pending[s.batch :]
-        y = np.stack([stream[a : a + s.seq_len] for a in take])
-        yield y, epoch
+        if step >= first:
+            yield np.stack([stream[a : a + s.seq_len] for a in take]), epoch
 
 
 def lr_at(step: int, s: TrainSettings) -> float:
@@ -189,9 +190,7 @@ def train(
     last = {}
     end = settings.steps if stop_after is None else min(settings.steps, stop_after)
     try:
-        for step, (y_np, epoch) in enumerate(batches(data.train, settings)):
-            if step < first:
-                continue
+        for step, (y_np, epoch) in enumerate(batches(data.train, settings, first), start=first):
             if step >= end:
                 break
             lr = lr_at(step, settings)
