@@ -9,6 +9,14 @@ step, so ``stats()`` never reads engine state across threads.
 Grammar compilation (which may take up to the compiler's time limit) runs on the caller's
 worker thread, not the engine thread: a slow schema delays only its own request.
 
+Disaggregated serving uses three more calls (the Ray engine actors wrap this class):
+``prefill(request)`` streams the first output(s) and then a ``Handoff`` with the sequence's
+payload (``EngineCore.export_sequence``, taken between steps right after the step that
+sampled the first token), after which nothing of the request is running here;
+``resume(request, payload)`` imports such a payload and streams the rest as ``generate``
+does; ``reserve`` / ``release`` promise room to a sequence before its payload arrives
+(``Reservations``), so a decode engine takes it or refuses up front.
+
 With ``cache_event_capacity > 0`` the engine records prefix-cache events; after every step
 the engine thread moves them (``EngineCore.drain_events``) into a bounded outbox (``CacheEventOutbox``, under a lock held
 for microseconds) that a router drains with ``take_cache_events``.
@@ -40,13 +48,76 @@ log = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05
 
 
+@dataclass(frozen=True)
+class Handoff:
+    """The last item of a ``prefill`` stream whose request goes on elsewhere: the sequence's
+    payload (the engine's versioned byte format) for ``resume`` on another engine."""
+
+    request_id: str
+    payload: bytes
+
+
 @dataclass
 class _Live:
     """Engine-thread bookkeeping of one request."""
 
     request: EngineRequest
-    sink: asyncio.Queue[EngineOutput | BaseException]
-    sent_tokens: int = 0
+    sink: asyncio.Queue[EngineOutput | Handoff | BaseException]
+    handoff: bool = False  # prefill for another engine: export after the first token
+
+
+class Reservations:
+    """Room promised to sequences that will be imported (decode role), kept by the engine
+    thread: request id -> (blocks, tokens). Room is the engine's own numbers: blocks it can
+    allocate (free, evictable cached, retained slots' partial blocks) minus the blocks
+    running sequences still need to reach their ``max_tokens`` minus reserved blocks; SWA
+    slots minus reservations; places among ``max_num_seqs`` minus reservations."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, tuple[int, int]] = {}
+        self.refused = 0
+
+    def room(self, core: Any) -> dict[str, int]:
+        sched = core.scheduler
+        cache, bs = sched.cache, core.block_size
+        owed = sum(
+            max(-(-(len(r.prompt_token_ids) + r.max_tokens) // bs) - len(r.block_table), 0)
+            for r in sched.requests.values()
+        )
+        reserved_blocks = sum(b for b, _ in self.held.values())
+        n = len(self.held)
+        return {
+            "blocks": cache.blocks.num_available + cache.slots.num_retained_partials - owed - reserved_blocks,
+            "slots": cache.slots.num_available - n,
+            "seqs": sched.config.max_num_seqs - len(sched.requests) - n,
+            "owed_blocks": owed,
+            "reserved_blocks": reserved_blocks,
+        }
+
+    def reserve(self, core: Any, request_id: str, n_tokens: int, max_tokens: int) -> bool:
+        """Hold ``ceil((n_tokens + max_tokens) / block_size)`` blocks, an SWA slot and a
+        sequence place for ``request_id`` if the engine has them beside what it promised;
+        reserving again replaces the request's reservation. False: nothing held."""
+        if n_tokens < 1 or max_tokens < 0:
+            raise ValueError(f"reserve needs n_tokens >= 1 and max_tokens >= 0, got {n_tokens}, {max_tokens}")
+        previous = self.held.pop(request_id, None)
+        tokens = int(n_tokens) + int(max_tokens)
+        blocks = -(-tokens // core.block_size)
+        room = self.room(core)
+        if blocks <= room["blocks"] and room["slots"] >= 1 and room["seqs"] >= 1:
+            self.held[request_id] = (blocks, tokens)
+            return True
+        if previous is not None:
+            self.held[request_id] = previous
+        self.refused += 1
+        return False
+
+    def release(self, request_id: str) -> bool:
+        return self.held.pop(request_id, None) is not None
+
+    def over(self, core: Any) -> bool:
+        room = self.room(core)
+        return room["blocks"] < 0 or room["slots"] < 0 or room["seqs"] < 0
 
 
 @dataclass
@@ -75,6 +146,7 @@ class InProcessEngineClient:
         self._stats = EngineStats(0, 0, 0, 0, 0, 0, 0, 0)
         self._events_lock = threading.Lock()
         self._outbox: Any = None  # CacheEventOutbox when the engine records cache events
+        self.reservations = Reservations()  # engine thread only
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -149,14 +221,57 @@ class InProcessEngineClient:
         self._send("abort", request_id)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        async for item in self._stream("add", request, None):
+            assert isinstance(item, EngineOutput)
+            yield item
+
+    async def prefill(self, request: EngineRequest) -> AsyncIterator[EngineOutput | Handoff]:
+        """Compute the prompt and sample the first token here; yields the outputs, then (if
+        the request has not ended) a ``Handoff``: the sequence is gone from this engine (its
+        blocks stay in the prefix cache). Refusals and failures as ``generate``."""
+        async for item in self._stream("add", request, "handoff"):
+            yield item
+
+    async def resume(self, request: EngineRequest, payload: bytes) -> AsyncIterator[EngineOutput]:
+        """Continue a sequence another engine handed off (``prefill``'s ``Handoff``) and stream
+        the rest, as ``generate``. The request's reservation, if any, becomes the sequence's;
+        without one the import may not take room promised to others. ``EngineRequestError``
+        for a payload this engine must not use; ``EngineFull`` (nothing changed) when there
+        is no room."""
+        async for item in self._stream("import", request, bytes(payload)):
+            assert isinstance(item, EngineOutput)
+            yield item
+
+    async def reserve(self, request_id: str, n_tokens: int, max_tokens: int = 0) -> bool:
+        """Promise room for a sequence of ``n_tokens`` that may decode ``max_tokens`` more
+        (``Reservations.reserve``); held until ``resume``, ``abort`` or ``release``."""
+        return bool(await self._call("reserve", (request_id, int(n_tokens), int(max_tokens))))
+
+    async def release(self, request_id: str) -> bool:
+        return bool(await self._call("release", request_id))
+
+    async def room(self) -> dict[str, int]:
+        """What a new reservation could take now, and what is promised (``Reservations.room``)."""
+        return dict(await self._call("room", None))
+
+    async def _call(self, kind: str, args: Any) -> Any:
+        if self._dead is not None or self._thread is None or self._loop is None:
+            raise EngineUnavailable(f"engine is not running: {self._dead or 'not started'}")
+        fut: asyncio.Future[Any] = self._loop.create_future()
+        self._send(kind, (args, fut))
+        return await fut
+
+    async def _stream(
+        self, kind: str, request: EngineRequest, extra: Any
+    ) -> AsyncIterator[EngineOutput | Handoff]:
         if self._dead is not None or self._thread is None or self._loop is None:
             raise EngineUnavailable(f"engine is not running: {self._dead or 'not started'}")
         core_req, grammar = await asyncio.to_thread(self._prepare, request)
-        sink: asyncio.Queue[EngineOutput | BaseException] = asyncio.Queue()
+        sink: asyncio.Queue[EngineOutput | Handoff | BaseException] = asyncio.Queue()
         added: asyncio.Future[None] = self._loop.create_future()
         finished = False
         try:
-            self._send("add", (request, core_req, grammar, sink, added))
+            self._send(kind, (request, core_req, grammar, sink, added, extra))
             if self._dead is not None and not added.done():  # the thread stopped before reading it
                 added.set_exception(EngineUnavailable(f"engine is not running: {self._dead}"))
             await added  # raises EngineRequestError if the scheduler refuses it
@@ -164,7 +279,7 @@ class InProcessEngineClient:
                 item = await sink.get()
                 if isinstance(item, BaseException):
                     raise item
-                finished = item.finish_reason is not None
+                finished = isinstance(item, Handoff) or item.finish_reason is not None
                 yield item
                 if finished:
                     return
@@ -232,7 +347,21 @@ class InProcessEngineClient:
                 return
             if kind == "add":
                 self._add(live, *payload)
+            elif kind == "import":
+                self._import(live, *payload)
+            elif kind in ("reserve", "release", "room"):
+                args, fut = payload
+                try:
+                    if kind == "reserve":
+                        self._resolve(fut, self.reservations.reserve(self._core, *args))
+                    elif kind == "release":
+                        self._resolve(fut, self.reservations.release(args))
+                    else:
+                        self._resolve(fut, self.reservations.room(self._core))
+                except ValueError as exc:
+                    self._resolve(fut, EngineRequestError(str(exc)))
             elif kind == "abort":
+                self.reservations.release(payload)
                 # Scheduler side only: a step already in flight on the executor thread may still
                 # read this request's sampling state; the executor drops it itself when the
                 # next step lists the request among ``finished_ids``.
@@ -252,21 +381,57 @@ class InProcessEngineClient:
         grammar: Any,
         sink: Any,
         added: Any,
+        mode: str | None,
     ) -> None:
         try:
             self._core.add(core_req, grammar)
         except ValueError as exc:
             self._resolve(added, EngineRequestError(str(exc)))
             return
-        live[request.request_id] = _Live(request, sink)
+        live[request.request_id] = _Live(request, sink, handoff=mode == "handoff")
+        self._counters.requests_total += 1
+        self._resolve(added, None)
+
+    def _import(
+        self, live: dict[str, _Live], request: EngineRequest, _core_req: Any, _grammar: Any, sink: Any, added: Any,
+        payload: bytes,
+    ) -> None:  # fmt: skip
+        from engine.kvconnector.transfer import EngineFull
+
+        core, rid = self._core, request.request_id
+        try:
+            got = core.import_sequence(payload)
+        except EngineFull as exc:
+            self._resolve(added, exc)
+            return
+        except (ValueError, KeyError) as exc:  # PayloadError is a ValueError
+            self._resolve(added, EngineRequestError(f"handoff of {rid!r} refused: {exc}"))
+            return
+        problem: BaseException | None = None
+        if got != rid:  # the payload names its own request: a mix-up is a bug upstream
+            problem = EngineRequestError(f"handoff payload is for {got!r}, not {rid!r}")
+        elif self.reservations.held.pop(rid, None) is None and self.reservations.over(core):
+            problem = EngineFull(
+                f"no room for sequence {rid!r} beside {len(self.reservations.held)} reservations: "
+                "reserve first, or pick another engine"
+            )
+        if problem is not None:
+            core.abort(got)
+            core.take_outputs()
+            self._resolve(added, problem)
+            return
+        live[rid] = _Live(request, sink)
         self._counters.requests_total += 1
         self._resolve(added, None)
 
     def _apply(self, outputs: list[Any], live: dict[str, _Live]) -> None:
+        exports = []
         for out in outputs:  # engine.core.SeqOutput
             item = live.get(out.request_id)
             if item is None:
                 continue
+            if item.handoff and out.finish_reason is None and out.new_token_ids:
+                exports.append(out.request_id)
             reason = out.finish_reason
             if reason is not None:
                 live.pop(out.request_id, None)
@@ -288,6 +453,33 @@ class InProcessEngineClient:
                     out.output_tokens,
                 ),
             )  # fmt: skip
+        for rid in dict.fromkeys(exports):
+            self._export(rid, live)
+
+    def _export(self, rid: str, live: dict[str, _Live]) -> None:
+        """Hand ``rid`` over after the step that sampled its first token. Steps in flight are
+        applied first (``export_sequence`` drains them): their outputs, this request's too,
+        are delivered before the ``Handoff``; a request that ended in them ends here."""
+        item = live.get(rid)
+        if item is None:
+            return
+        item.handoff = False  # the late outputs below are delivered, not exported again
+        try:
+            payload: bytes | None = self._core.export_sequence(rid)
+            problem = None
+        except (KeyError, ValueError) as exc:
+            payload, problem = None, exc
+        self._apply(self._core.take_outputs(), live)
+        if rid not in live:  # it finished in a step that was in flight
+            return
+        live.pop(rid)
+        if payload is None:
+            self._core.abort(rid)
+            self._core.take_outputs()
+            self._deliver(item.sink, EngineUnavailable(f"handoff of {rid!r} failed: {problem!r}"))
+            return
+        self._counters.extra["handoffs_out"] = self._counters.extra.get("handoffs_out", 0) + 1
+        self._deliver(item.sink, Handoff(rid, payload))
 
     def _deliver(self, sink: asyncio.Queue[Any], item: Any) -> None:
         assert self._loop is not None
@@ -313,8 +505,10 @@ class InProcessEngineClient:
                 kind, payload = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if kind == "add":
+            if kind in ("add", "import"):
                 self._resolve(payload[4], err)
+            elif kind in ("reserve", "release", "room"):
+                self._resolve(payload[1], err)
             elif kind == "probe":
                 self._resolve(payload, False)
 
@@ -338,7 +532,14 @@ class InProcessEngineClient:
             aborted_total=c.aborted_total,
             finished_total=c.finished_total,
             steps=st.steps,
-            extra={**st.extra, "kv_tokens": float(st.kv_tokens)},
+            extra={
+                **st.extra,
+                **c.extra,
+                "kv_tokens": float(st.kv_tokens),
+                "reserved": float(len(self.reservations.held)),
+                "reserved_tokens": float(sum(t for _, t in self.reservations.held.values())),
+                "reservations_refused": float(self.reservations.refused),
+            },
         )
 
 
