@@ -12,7 +12,8 @@ MYPY_TARGETS ?= costmodel router kvstore services/envs.py services/ray/cluster_s
 	engine/eplb.py services/eplb_controller.py services/eplb_rank.py services/api \
 	engine/scheduler engine/loop.py engine/executor.py engine/llm.py engine/core.py engine/messages.py engine/engine_config.py \
 	engine/kvconnector engine/train engine/sampling engine/structured services/commands/train.py \
-	services/routed_client.py services/router_adapter.py
+	services/routed_client.py services/router_adapter.py services/ray/wire.py services/ray/replica.py \
+	services/ray/serving.py services/ray/actors.py
 
 .PHONY: install proto test test-slow test-gpu lint run clean redis-server
 

@@ -44,6 +44,7 @@ from engine.scheduler.cache_events import CacheEventBatch
 from engine.scheduler.hashing import ExtraKeys, chain_hashes
 from router.policy import RequestView
 from services.api.engine_client import (
+    EngineBusy,
     EngineClient,
     EngineOutput,
     EngineRequest,
@@ -262,6 +263,8 @@ class RoutedEngineClient:
                         self.hit_tokens[engine] += out.cached_tokens
                     yield out
                 return
+            except EngineBusy:
+                raise  # no room downstream (backpressure): the replica is fine
             except EngineUnavailable:
                 await self._mark_down(engine)
                 if produced:

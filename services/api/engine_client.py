@@ -25,6 +25,12 @@ class EngineUnavailable(RuntimeError):
     """The engine is not running or died: a 503."""
 
 
+class EngineBusy(EngineUnavailable):
+    """The engines are up but none has room for the request now (backpressure): a 503 with
+    Retry-After. Nothing is held for the request; a router does not count it against the
+    engine it chose."""
+
+
 @dataclass(frozen=True)
 class StructuredSpec:
     """At most one output constraint: ``kind`` is json_schema, regex or grammar (Lark)."""

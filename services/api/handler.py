@@ -26,7 +26,7 @@ from starlette.responses import Response, StreamingResponse
 from services.api.admission import AdmissionController
 from services.api.config import ApiConfig
 from services.api.convert import Converter, Kind
-from services.api.engine_client import EngineClient, EngineRequestError, EngineUnavailable
+from services.api.engine_client import EngineBusy, EngineClient, EngineRequestError, EngineUnavailable
 from services.api.errors import ApiError
 from services.api.limits import check_body, parse_json_object
 from services.api.metrics import ApiMetrics
@@ -129,6 +129,8 @@ async def handle_generation(request: Request, kind: Kind, endpoint: str) -> Resp
         return Response(text, media_type="application/json")
     except EngineRequestError as exc:
         raise ApiError(400, str(exc), param="response_format") from None
+    except EngineBusy as exc:
+        raise ApiError(503, str(exc), code="engine_busy", headers={"Retry-After": "1"}) from None
     except EngineUnavailable as exc:
         raise ApiError(503, str(exc), code="engine_unavailable", headers={"Retry-After": "1"}) from None
     finally:

@@ -1,15 +1,15 @@
-"""The Ray deployment of Sluice.
+"""The Ray deployment of Sluice (docs/disaggregation.md).
 
 * ``cluster_spec``: the cluster spec (``cluster.yaml``), validated, and ``derive`` -> the plan
   of every component's config (``sluice serve --config FILE --check`` prints it);
 * ``local_cluster``: a local Ray instance bound to 127.0.0.1 (tests, ``make run``);
-* ``actors``: ``EngineActor``, one ``EngineCore`` per actor in the prefill or decode role,
-  speaking plain data; the handoff travels as the engine's own versioned bytes
-  (``engine/kvconnector/handoff.py``) through Ray's object store;
-* ``disagg``: one request through a prefill actor and a decode actor;
-* ``pool``: ``DecodePool``, decode placement by the router's 2D balancer with reservations;
-* ``epgroup``: ``EPGroup``, one engine instance as one actor per EP rank in a placement group.
+* ``actors``: ``EngineActor``, one engine per asyncio actor (prefill, decode or colocated
+  role), plain data in and out, its state pushed by ``watch``;
+* ``wire``: the plain-data forms of requests, outputs and cache events;
+* ``replica``: the API process's view of an engine actor (``RayEngineReplica``, fed by the
+  pushed state) and the decode engines' placement (``DecodeSet``: 2D balancer, reservation);
+* ``serving``: ``RayServingClient``, the API's ``EngineClient`` over prefill and decode pools;
+* ``epgroup``: ``EPGroup``, one model instance as one actor per EP rank in a placement group.
 
-Nothing here imports Ray at module import time. What does not exist yet (the API and router
-on Ray, supervision, pushed router state): docs/kv-connector.md, "Handoff between Ray actors".
+Nothing here imports Ray at module import time.
 """

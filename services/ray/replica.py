@@ -1,0 +1,330 @@
+"""The API process's view of engine actors: ``RayEngineReplica`` and ``DecodeSet``.
+
+``RayEngineReplica`` is an ``EngineActor`` seen as the router's ``ReplicaEngine`` (what
+``services.routed_client.RoutedEngineClient`` routes over). Its state is **pushed**: on
+``start`` it opens the actor's ``watch`` stream and keeps the latest load counters, the
+prefix-cache events and the store sightings as they arrive, so the router reads local
+memory and never calls an engine per request. A replica whose stream breaks (the actor
+died) is no longer ``alive``.
+
+A prefill replica with a ``DecodeSet`` serves a request disaggregated:
+
+1. ``prefill`` on its actor: the first token comes back and is yielded at once; the
+   handoff payload stays in Ray's object store (its ObjectRef is never fetched here);
+2. ``DecodeSet.choose``: the router's decode policy (the 2D balancer by default) over the
+   decode engines' pushed loads, then a reservation on the chosen one; a refusal tries the
+   next best; all refusing is ``PoolFull`` (backpressure, nothing held);
+3. ``resume`` on the decode actor with the payload's ObjectRef (Ray moves the bytes
+   between the two actors); its outputs stream through.
+
+If the consumer stops (client gone) or anything fails, the request is aborted on whichever
+actor holds it, which frees its blocks, slot and reservation there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+from engine.scheduler.cache_events import CacheEventBatch
+from engine.scheduler.hashing import ExtraKeys
+from services.api.engine_client import (
+    EngineBusy,
+    EngineOutput,
+    EngineRequest,
+    EngineStats,
+    EngineUnavailable,
+    ModelInfo,
+)
+from services.ray.actors import raise_error
+
+log = logging.getLogger(__name__)
+
+
+class PoolFull(EngineBusy):
+    """No decode engine can take the request now (each refused its reservation); nothing is
+    held for it. The API answers 503 with Retry-After: back off and retry."""
+
+
+def _merge(held: CacheEventBatch, new: CacheEventBatch) -> CacheEventBatch:
+    if new.snapshot is not None:  # the engine resnapshotted: what came before is superseded
+        return CacheEventBatch(new.events, held.lost + new.lost, new.snapshot)
+    return CacheEventBatch(held.events + new.events, held.lost + new.lost, held.snapshot)
+
+
+class RayEngineReplica:
+    """One ``EngineActor`` (started: ``info`` is what its ``start`` returned). ``decode``:
+    the decode engines a prefill replica hands its requests to (None: the actor runs each
+    request whole, colocated). ``name`` labels logs and metrics."""
+
+    def __init__(
+        self,
+        actor: Any,
+        info: Mapping[str, Any],
+        decode: DecodeSet | None = None,
+        *,
+        name: str = "",
+        watch_interval_s: float = 0.01,
+        call_timeout_s: float = 60.0,
+    ) -> None:
+        from services.ray.wire import extra_keys_from_wire
+
+        self.actor, self.info, self.decode, self.name = actor, dict(info), decode, name
+        self.watch_interval_s, self.call_timeout_s = watch_interval_s, call_timeout_s
+        self._identity = (int(info["block_size"]), extra_keys_from_wire(info["extra_keys"]))
+        self._model = ModelInfo(
+            **{**info["model_info"], "eos_token_ids": tuple(info["model_info"]["eos_token_ids"])}
+        )
+        self._stats = EngineStats(0, 0, 0, 0, 0, 0, 0, 0)
+        self._events = CacheEventBatch()
+        self._store_seen: list[bytes] = []
+        self._watch: asyncio.Task[None] | None = None
+        self._first_push: asyncio.Event | None = None
+        self._alive = False
+        self.handoff_bytes = 0  # payload bytes of requests this replica handed off
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._watch is not None:
+            return
+        self._first_push = asyncio.Event()
+        self._alive = True
+        self._watch = asyncio.create_task(self._follow(), name=f"sluice-watch-{self.name}")
+        await asyncio.wait_for(self._first_push.wait(), self.call_timeout_s)
+
+    async def close(self) -> None:
+        if self._watch is not None:
+            self._watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._watch
+            self._watch = None
+        self._alive = False
+
+    async def _follow(self) -> None:
+        from services.ray.wire import events_from_wire
+
+        assert self._first_push is not None
+        try:
+            stream = self.actor.watch.options(num_returns="streaming").remote(self.watch_interval_s)
+            async for ref in stream:
+                item = await ref
+                st = dict(item["stats"])
+                self._stats = EngineStats(**st)
+                self._events = _merge(self._events, events_from_wire(item["events"]))
+                self._store_seen.extend(bytes(h) for h in item["store_seen"])
+                self._first_push.set()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - the actor is gone: out of the candidates
+            log.warning("engine %s stopped pushing state: %r", self.name, exc)
+        self._alive = False
+        self._first_push.set()
+
+    # -- ReplicaEngine ---------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._alive
+
+    def model_info(self) -> ModelInfo:
+        return self._model
+
+    def cache_identity(self) -> tuple[int, ExtraKeys]:
+        return self._identity
+
+    def take_cache_events(self) -> CacheEventBatch:
+        out, self._events = self._events, CacheEventBatch()
+        return out
+
+    def take_store_events(self) -> list[bytes]:
+        out, self._store_seen = self._store_seen, []
+        return out
+
+    def stats(self) -> EngineStats:
+        return self._stats
+
+    async def ready(self, timeout_s: float = 5.0) -> bool:
+        if not self._alive:
+            return False
+        try:
+            return bool(await asyncio.wait_for(self.actor.ready.remote(), timeout_s))
+        except Exception:  # noqa: BLE001 - a probe never raises
+            return False
+
+    async def abort(self, request_id: str) -> None:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self.actor.abort.remote(request_id), self.call_timeout_s)
+        if self.decode is not None:
+            await self.decode.abort(request_id)
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if not self._alive:
+            raise EngineUnavailable(f"engine {self.name} is down")
+        if self.decode is None:
+            async for out in self._stream(self.actor.generate, request):
+                yield out
+            return
+        async for out in self._disaggregated(request):
+            yield out
+
+    async def reserve(self, request_id: str, n_tokens: int, max_tokens: int) -> bool:
+        """Ask the actor to reserve room (decode role); its answer carries its stats after
+        the reservation, which replace the pushed ones at once. A dead actor refuses."""
+        try:
+            answer = await asyncio.wait_for(
+                self.actor.reserve_and_report.remote(request_id, int(n_tokens), int(max_tokens)),
+                self.call_timeout_s,
+            )
+        except Exception:  # noqa: BLE001 - a dead or stuck engine refuses
+            return False
+        self._offer(answer["stats"])
+        return bool(answer["ok"])
+
+    def _offer(self, stats: Mapping[str, Any]) -> None:
+        """Take ``stats`` if they are newer than what is held (pushes and answers race)."""
+        version = stats.get("extra", {}).get("stats_version", 0.0)
+        if version >= self._stats.extra.get("stats_version", -1.0):
+            self._stats = EngineStats(**stats)
+
+    # -- the request paths -----------------------------------------------------------------
+    async def _stream(self, method: str, request: EngineRequest, *args: Any) -> AsyncIterator[EngineOutput]:
+        """Outputs of this actor's streaming call ``method``; the request is aborted here
+        unless it ended."""
+        from services.ray.wire import output_from_wire, request_to_wire
+
+        finished = False
+        try:
+            call = getattr(self.actor, method).options(num_returns="streaming")
+            async for ref in call.remote(request_to_wire(request), *args):
+                item = await self._get(ref)
+                raise_error(item)
+                out = output_from_wire(item)
+                finished = out.finish_reason is not None
+                yield out
+                if finished:
+                    return
+        finally:
+            if not finished:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.actor.abort.remote(request.request_id), self.call_timeout_s)
+
+    async def _get(self, ref: Any) -> Any:
+        import ray
+
+        try:
+            return await asyncio.wait_for(ref, self.call_timeout_s)
+        except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
+            raise EngineUnavailable(f"engine actor {self.name} died: {exc}") from None
+
+    async def _disaggregated(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        """Reserve on a decode engine, prefill here, hand over (see the module doc). The
+        reservation comes first, so a full decode pool refuses before any work is done."""
+        from services.ray.wire import output_from_wire, request_to_wire
+
+        assert self.decode is not None
+        rid = request.request_id
+        n_prompt = len(request.prompt_token_ids)
+        chosen = await self.decode.choose(rid, n_prompt + 1, request.max_tokens - 1)
+        target = self.decode.replicas[chosen]
+        resumed = False
+        try:
+            first_ref, payload_ref = self.actor.prefill.options(num_returns=2).remote(
+                request_to_wire(request)
+            )
+            try:
+                first = await self._get(first_ref)
+            except BaseException:
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(self.actor.abort.remote(rid), self.call_timeout_s)
+                raise
+            last: EngineOutput | None = None
+            for item in first:
+                raise_error(item)
+                last = output_from_wire(item)
+                yield last
+            if last is None:
+                raise EngineUnavailable(f"prefill of {rid!r} returned nothing")
+            if last.finish_reason is not None:
+                return
+            resumed = True
+            async for out in target._stream("resume", request, payload_ref):
+                # the prompt's cache hits happened on the prefill engine: report those
+                yield replace(out, cached_tokens=last.cached_tokens)
+        finally:
+            if not resumed:  # the reservation is unused: give it back
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(target.actor.release.remote(rid), self.call_timeout_s)
+
+
+class DecodeSet:
+    """The decode engines one router chooses among: started ``RayEngineReplica``s (decode
+    role) whose pushed loads feed ``policy`` (a name of ``router.policy.DECODE_POLICIES``;
+    ``"sluice"``: the 2D balancer, running requests x KV tokens)."""
+
+    def __init__(self, replicas: Sequence[RayEngineReplica], policy: str = "sluice") -> None:
+        import router.sluice  # noqa: F401  (registers "sluice" in DECODE_POLICIES)
+        from router.policy import DECODE_POLICIES, PolicyContext
+
+        if not replicas:
+            raise ValueError("DecodeSet needs at least one decode engine")
+        self.replicas = list(replicas)
+        self.policy_name = policy
+        self.policy = DECODE_POLICIES.create(policy, PolicyContext(len(self.replicas)))
+        self.placed = [0] * len(self.replicas)  # requests placed on each engine
+        self.refused = 0  # reservations refused
+        self._lock = asyncio.Lock()
+
+    def loads(self) -> list[Any]:
+        """``EngineLoad`` per decode engine from its latest stats (pushed, or the answer to
+        the last reservation, whichever is newer): requests in it or promised to it, and KV
+        tokens computed or promised."""
+        from router.policy import EngineLoad
+
+        out = []
+        for i, r in enumerate(self.replicas):
+            s = r.stats()
+            out.append(
+                EngineLoad(
+                    i,
+                    running=s.running + s.waiting + int(s.extra.get("reserved", 0)),
+                    kv_tokens=int(s.extra.get("kv_tokens", 0) + s.extra.get("reserved_tokens", 0)),
+                )
+            )
+        return out
+
+    async def choose(self, request_id: str, n_tokens: int, max_tokens: int) -> int:
+        """The index of the decode engine now holding a reservation for ``request_id``;
+        ``PoolFull`` when every live engine refuses."""
+        from router.policy import RequestView
+
+        max_tokens = max(int(max_tokens), 0)
+        async with self._lock:  # one choice at a time, so each sees the previous reservation
+            candidates = [i for i, r in enumerate(self.replicas) if r.alive]
+            if not candidates:
+                raise EngineUnavailable(f"no decode engine is up ({len(self.replicas)} configured)")
+            block_size = self.replicas[0].cache_identity()[0]
+            view = RequestView(request_id, input_len=int(n_tokens), block_size=block_size)
+            while candidates:
+                self.policy.update_loads(self.loads())
+                len_ref = getattr(self.policy, "len_ref", None)
+                e = self.policy.select(candidates, view)
+                self.policy.on_complete(e, view)  # loads are re-read for every choice: charge nothing
+                if await self.replicas[e].reserve(request_id, int(n_tokens), max_tokens):
+                    self.placed[e] += 1
+                    return e
+                self.refused += 1
+                if len_ref is not None:  # a refused pick is not a routed request
+                    setattr(self.policy, "len_ref", len_ref)  # noqa: B010 (only some policies have it)
+                candidates.remove(e)
+        raise PoolFull(
+            f"no decode engine can take {request_id!r} now ({n_tokens} tokens + {max_tokens} to decode): "
+            "every engine refused its reservation. Retry later, lower max_tokens, or add decode engines."
+        )
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.gather(
+            *(r.actor.abort.remote(request_id) for r in self.replicas if r.alive), return_exceptions=True
+        )

@@ -1,0 +1,224 @@
+"""``RayServingClient``: the API's ``EngineClient`` over prefill and decode pools of Ray actors.
+
+``start`` creates the engine actors (``EngineActor``, one per engine, placed by the pool's
+Ray resources), loads them in parallel, then routes over them:
+
+* the router (``RoutedEngineClient`` with the named policy, ``sluice`` by default: length
+  tier, prefix affinity over the engines' caches and the KV store, queued work) picks a
+  prefill engine per request, from state the engines push (``RayEngineReplica``);
+* each prefill engine hands its requests to the ``DecodeSet`` (2D balancer, reservation);
+* with no decode pool (``decode.engines == 0``) the prefill pool's engines run requests
+  whole: colocated serving over Ray, the baseline the benchmarks compare against.
+
+The router lives in the API process and is fed by the engines' pushed streams; with more
+than one API process each keeps its own router (see docs/disaggregation.md).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from services.api.engine_client import EngineOutput, EngineRequest, EngineStats, EngineUnavailable, ModelInfo
+from services.ray.replica import DecodeSet, RayEngineReplica
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """One pool: ``engines`` engine actors with the same ``EngineConfig`` fields
+    (``engine_config``) and Ray placement (``resources`` per engine, e.g. ``{"decode": 1}``
+    or ``{"GPU": 1}``; ``num_cpus`` per engine)."""
+
+    engines: int
+    engine_config: Mapping[str, Any] = field(default_factory=dict)
+    resources: Mapping[str, float] = field(default_factory=dict)
+    num_cpus: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.engines < 0:
+            raise ValueError(f"a pool has >= 0 engines, got {self.engines}")
+
+
+class RayServingClient:
+    """``checkpoint``: the model every engine loads (this process reads its config and
+    tokenizer). ``prefill``: the prefill pool (the whole pool when ``decode`` has no
+    engines). ``policy`` / ``decode_policy``: the router's prefill and decode policy names
+    (``sluice``: prefix- and load-aware prefill, the 2D decode balancer). ``cost``: the router's prefill cost
+    model (``costmodel.CostModel``; None: its default)."""
+
+    def __init__(
+        self,
+        checkpoint: str | Path,
+        prefill: PoolConfig,
+        decode: PoolConfig,
+        *,
+        policy: str = "sluice",
+        decode_policy: str = "sluice",
+        cost: Any = None,
+        start_timeout_s: float = 300.0,
+        call_timeout_s: float = 120.0,
+    ) -> None:
+        from services.api.inprocess import _read_model_info
+
+        if prefill.engines < 1:
+            raise ValueError("the prefill pool needs at least one engine")
+        self.checkpoint = Path(checkpoint)
+        self.prefill_pool, self.decode_pool = prefill, decode
+        self.policy, self.decode_policy, self.cost = policy, decode_policy, cost
+        self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
+        infos = [
+            _read_model_info(self.checkpoint, dict(p.engine_config)) for p in (prefill, decode) if p.engines
+        ]
+        self._info = min(infos, key=lambda i: i.context_limit)
+        self.actors: list[Any] = []
+        self.prefill: list[RayEngineReplica] = []
+        self.decode: DecodeSet | None = None
+        self.router: Any = None  # RoutedEngineClient, once started
+
+    @property
+    def disaggregated(self) -> bool:
+        return self.decode_pool.engines > 0
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        from services.ray.actors import remote_engine_actor
+        from services.routed_client import RoutedEngineClient
+
+        if self.router is not None:
+            return
+        roles = [("prefill" if self.disaggregated else "colocated", self.prefill_pool)]
+        if self.disaggregated:
+            roles.append(("decode", self.decode_pool))
+        made: dict[str, list[tuple[Any, Any]]] = {}
+        for role, pool in roles:
+            made[role] = []
+            for i in range(pool.engines):
+                actor = remote_engine_actor(
+                    role, str(self.checkpoint), dict(pool.engine_config), pool_resource=False,
+                    num_cpus=pool.num_cpus, resources=dict(pool.resources), name=None,
+                )  # fmt: skip
+                self.actors.append(actor)
+                made[role].append((actor, f"{role}-{i}"))
+        try:
+            infos = await asyncio.wait_for(
+                asyncio.gather(*(a.start.remote() for a in self.actors)), self.start_timeout_s
+            )
+            by_actor = dict(zip([id(a) for a in self.actors], infos, strict=True))
+            if self.disaggregated:
+                decode = [
+                    RayEngineReplica(a, by_actor[id(a)], name=n, call_timeout_s=self.call_timeout_s)
+                    for a, n in made["decode"]
+                ]
+                await asyncio.gather(*(r.start() for r in decode))
+                self.decode = DecodeSet(decode, self.decode_policy)
+            front = "prefill" if self.disaggregated else "colocated"
+            self.prefill = [
+                RayEngineReplica(a, by_actor[id(a)], self.decode, name=n, call_timeout_s=self.call_timeout_s)
+                for a, n in made[front]
+            ]
+            self.router = RoutedEngineClient(self.prefill, self.policy, self.cost)
+            await self.router.start()
+        except BaseException:
+            await self.close()
+            raise
+
+    async def close(self) -> None:
+        import ray
+
+        if self.router is not None:
+            await self.router.close()
+            self.router = None
+        if self.decode is not None:
+            await asyncio.gather(*(r.close() for r in self.decode.replicas), return_exceptions=True)
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(
+                asyncio.gather(*(a.close.remote() for a in self.actors), return_exceptions=True), 30
+            )
+        for a in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(a)
+        self.actors, self.prefill, self.decode = [], [], None
+
+    # -- EngineClient ----------------------------------------------------------------------
+    def model_info(self) -> ModelInfo:
+        return self._info
+
+    async def ready(self, timeout_s: float = 5.0) -> bool:
+        if self.router is None:
+            return False
+        if self.decode is not None and not any(r.alive for r in self.decode.replicas):
+            return False
+        return await self.router.ready(timeout_s)
+
+    async def abort(self, request_id: str) -> None:
+        if self.router is not None:
+            await self.router.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        if self.router is None:
+            return EngineStats(0, 0, 0, 0, 0, 0, 0, 0)
+        front = self.router.stats()
+        if self.decode is None:
+            return front
+        per = [r.stats() for r in self.decode.replicas]
+        extra = dict(front.extra)
+        for s in per:
+            for k, v in s.extra.items():
+                extra[f"decode_{k}"] = extra.get(f"decode_{k}", 0.0) + v
+        return EngineStats(
+            running=front.running + sum(s.running for s in per),
+            waiting=front.waiting + sum(s.waiting for s in per),
+            free_blocks=front.free_blocks + sum(s.free_blocks for s in per),
+            total_blocks=front.total_blocks + sum(s.total_blocks for s in per),
+            requests_total=front.requests_total,
+            aborted_total=front.aborted_total + sum(s.aborted_total for s in per),
+            finished_total=front.finished_total + sum(s.finished_total for s in per),
+            steps=front.steps + sum(s.steps for s in per),
+            extra=extra,
+        )
+
+    async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+        if self.router is None:
+            raise EngineUnavailable("the Ray serving client is not started")
+        async for out in self.router.generate(request):
+            yield out
+
+    # -- metrics (services.api.metrics.MetricsSource) ---------------------------------------
+    def metric_families(self) -> Iterator[Any]:
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        if self.router is None:
+            return
+        yield from self.router.metric_families()
+        if self.decode is None:
+            return
+        placed = CounterMetricFamily(
+            "sluice_decode_placed_requests", "Requests placed on each decode engine.", labels=["engine"]
+        )
+        running = GaugeMetricFamily(
+            "sluice_decode_running", "Requests running per decode engine.", labels=["engine"]
+        )
+        kv = GaugeMetricFamily(
+            "sluice_decode_kv_tokens", "KV tokens held per decode engine.", labels=["engine"]
+        )
+        handoff = CounterMetricFamily(
+            "sluice_handoff_bytes", "Handoff payload bytes received per decode engine.", labels=["engine"]
+        )
+        for i, r in enumerate(self.decode.replicas):
+            s = r.stats()
+            placed.add_metric([r.name], float(self.decode.placed[i]))
+            running.add_metric([r.name], float(s.running))
+            kv.add_metric([r.name], float(s.extra.get("kv_tokens", 0.0)))
+            handoff.add_metric([r.name], float(s.extra.get("handoff_bytes_in", 0.0)))
+        yield from (placed, running, kv, handoff)
+        yield CounterMetricFamily(
+            "sluice_decode_reservations_refused", "Decode reservations refused (backpressure).",
+            value=float(self.decode.refused),
+        )  # fmt: skip

@@ -1,0 +1,237 @@
+"""The disaggregated stack on a loopback Ray cluster, driven through the ``openai`` SDK.
+
+Two prefill and two decode engine actors (tiny checkpoint, CPU), a 12-node KV store with
+its Redis directory, the router in the API process fed by the engines' pushed state, and
+the API server on 127.0.0.1. A second API server over one in-process engine is the
+reference: greedy answers must be equal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from services.api.config import ApiConfig
+from services.api.inprocess import InProcessEngineClient
+from services.api.server import ServerThread
+from services.ray.serving import PoolConfig, RayServingClient
+from tests.integration.services.test_local_services import LOOPBACK_PREFIXES, _pids_of_tree, _sockets_of
+
+pytestmark = pytest.mark.integration
+
+ENGINE = {"num_blocks": 32, "max_num_batched_tokens": 256, "cache_event_capacity": 65_536}
+CHATS = (
+    [{"role": "user", "content": "Write a haiku about rivers."}],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Count to five."}],
+    [{"role": "user", "content": "long " * 400}],  # several prefill chunks
+)
+
+
+def _wait(predicate, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not reached in time")
+        time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[object]:
+    from kvstore.cluster import LocalClusterConfig
+    from services.storeproc import LocalStore
+
+    with LocalStore(LocalClusterConfig(nodes=12)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def stack(ray_local, model, store) -> Iterator[tuple[str, RayServingClient]]:
+    """(API base URL, client). The prefill policy alternates engines (round robin), so that a
+    shared prefix reaches the other prefill engine; decode placement is the 2D balancer."""
+    from services.api.app import create_app
+
+    engine = {**ENGINE, "kv_store": str(store.spec_path)}
+    client = RayServingClient(
+        model,
+        PoolConfig(2, engine, resources={"prefill": 1}),
+        PoolConfig(2, engine, resources={"decode": 1}),
+        policy="round_robin",
+    )
+    app = create_app(ApiConfig(), client)
+    with ServerThread(app, app.state.sluice.config) as srv:
+        yield srv.url, client
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> Iterator[str]:
+    from services.api.app import create_app
+
+    app = create_app(ApiConfig(), InProcessEngineClient(model, num_blocks=32, enable_prefix_caching=False))
+    with ServerThread(app, app.state.sluice.config) as srv:
+        yield srv.url
+
+
+def _oai(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def _chat(url: str, messages, max_tokens: int = 16, stream: bool = False):
+    kw = {"model": "deepseek-chat", "messages": messages, "max_tokens": max_tokens, "temperature": 0.0}
+    if not stream:
+        return _oai(url).chat.completions.create(**kw)
+    chunks = list(
+        _oai(url).chat.completions.create(**kw, stream=True, stream_options={"include_usage": True})
+    )
+    return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices), chunks
+
+
+def _hog(oai: openai.OpenAI, prompt: str, max_tokens: int):
+    """A streamed completion that runs until closed: no chat template, so no stop token but
+    EOS, which it ignores. Its first chunk has been read."""
+    stream = oai.completions.create(
+        model="deepseek-chat", prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    next(iter(stream))
+    return stream
+
+
+@pytest.mark.parametrize("i", range(len(CHATS)))
+def test_greedy_chat_equals_one_engine(stack, reference, i):
+    url, _ = stack
+    want = _chat(reference, CHATS[i])
+    got = _chat(url, CHATS[i])
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert got.usage.completion_tokens == want.usage.completion_tokens
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+    text, chunks = _chat(url, CHATS[i], stream=True)
+    assert text == want.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == want.usage.completion_tokens
+
+
+def test_seeded_sampling_equals_one_engine(stack, reference):
+    url, _ = stack
+    kw = {"model": "deepseek-chat", "messages": CHATS[0], "max_tokens": 16, "temperature": 0.9, "seed": 7}
+    want = _oai(reference).chat.completions.create(**kw).choices[0].message.content
+    assert _oai(url).chat.completions.create(**kw).choices[0].message.content == want
+
+
+def test_a_full_decode_pool_answers_503_and_holds_nothing(stack):
+    """Both decode engines hold a long request's reservation; a request that needs more room
+    than either has left is refused with 503 before any work, and nothing stays held."""
+    url, client = stack
+    decode = client.decode
+    hogs, oai = [], _oai(url)  # one client: a collected client closes its streams
+    try:
+        for k in range(2):
+            hog = _hog(oai, f"hog {k}", 4096)  # 17 of the 32 blocks
+            hogs.append(hog)
+        _wait(lambda: sorted(r.stats().running for r in decode.replicas) == [1, 1])  # the 2D rule spread them
+        refused = decode.refused
+        with pytest.raises(openai.APIStatusError) as err:
+            _chat(url, [{"role": "user", "content": "too much"}], max_tokens=4000)  # 16 blocks
+        assert err.value.status_code == 503 and "no decode engine can take" in str(err.value)
+        assert decode.refused == refused + 2
+    finally:
+        for hog in hogs:
+            hog.close()
+    _wait(lambda: all(r.stats().running + r.stats().extra.get("reserved", 0) == 0 for r in decode.replicas))
+    assert all(r.alive for r in client.prefill)  # backpressure did not mark a prefill engine down
+
+
+def test_concurrent_requests_equal_one_engine(stack, reference):
+    url, _ = stack
+    prompts = [[{"role": "user", "content": f"Question number {k}: why?"}] for k in range(6)]
+    want = [_chat(reference, p).choices[0].message.content for p in prompts]
+
+    async def all_at_once():
+        aoai = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+        outs = await asyncio.gather(
+            *(
+                aoai.chat.completions.create(
+                    model="deepseek-chat", messages=p, max_tokens=16, temperature=0.0
+                )
+                for p in prompts
+            )
+        )
+        await aoai.close()
+        return [o.choices[0].message.content for o in outs]
+
+    assert asyncio.run(all_at_once()) == want
+
+
+def test_a_shared_prefix_on_the_other_prefill_engine_comes_from_the_store(stack):
+    url, client = stack
+    prefix = "shared context " * 200  # > 2 blocks of 256 tokens
+    routed = list(client.router.routed)
+    first = _chat(url, [{"role": "user", "content": prefix + "first question"}], max_tokens=2)
+    hit_engine = [a - b for a, b in zip(client.router.routed, routed, strict=True)].index(1)
+    _wait(lambda: client.prefill[hit_engine].stats().extra.get("kv_store_blocks_written", 1) > 0)
+    time.sleep(0.5)  # the write-through is asynchronous: let the blocks reach the store
+    routed = list(client.router.routed)
+    second = _chat(url, [{"role": "user", "content": prefix + "second question"}], max_tokens=2)
+    other = [a - b for a, b in zip(client.router.routed, routed, strict=True)].index(1)
+    assert other != hit_engine  # round robin: the other prefill engine, whose own cache is cold
+    assert first.usage.prompt_tokens_details is None or not first.usage.prompt_tokens_details.cached_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens >= 512
+
+
+def test_decode_placement_follows_the_2d_rule(stack):
+    """A long request holds one decode engine; each next request is placed where the 2D
+    balancer, given the same pushed loads, puts it: on the idle engine."""
+    from router.policy import PolicyContext, RequestView
+    from router.sluice import TwoDimDecode
+
+    url, client = stack
+    decode = client.decode
+    assert decode is not None
+    oai = _oai(url)  # kept: a collected client closes its stream
+    hog = _hog(oai, "hold on " * 100, 2000)
+    _wait(lambda: sum(r.stats().running for r in decode.replicas) == 1)
+    busy = [r.stats().running for r in decode.replicas].index(1)
+    try:
+        for k in range(3):
+            before = list(decode.placed)
+            policy = TwoDimDecode(PolicyContext(len(decode.replicas)))
+            policy.update_loads(decode.loads())
+            got = _chat(url, [{"role": "user", "content": f"Place me {k}."}], max_tokens=2)
+            placed = [a - b for a, b in zip(decode.placed, before, strict=True)].index(1)
+            view = RequestView(f"p{k}", input_len=got.usage.prompt_tokens + 1, block_size=256)
+            assert placed == policy.select([0, 1], view) == 1 - busy
+    finally:
+        hog.close()
+
+
+def test_an_abort_mid_stream_leaves_nothing_held(stack):
+    url, client = stack
+    oai = _oai(url)
+    stream = _hog(oai, "go on", 400)
+    _wait(lambda: sum(r.stats().running for r in client.decode.replicas) == 1)  # decoding now
+    stream.close()
+    engines = [*client.prefill, *client.decode.replicas]
+
+    def idle() -> bool:
+        return all(
+            r.stats().running + r.stats().waiting == 0 and r.stats().extra.get("reserved", 0) == 0
+            for r in engines
+        )
+
+    _wait(idle)
+
+
+def test_every_listener_is_on_loopback(stack, store):
+    """Ray (GCS, raylet, workers: the engine actors), the store nodes, Redis and the API
+    server: everything this test started listens on loopback only (``ss -ltnp``)."""
+    pids = _pids_of_tree(os.getpid())
+    assert set(store.pids()) <= pids
+    addrs = _sockets_of(pids)
+    url, _ = stack
+    assert any(a.endswith(":" + url.rsplit(":", 1)[1]) for a in addrs), "the API server listens"
+    assert len(addrs) >= 3 + 12 + 1, f"expected Ray, 12 store nodes and Redis to listen: {addrs}"
+    exposed = [a for a in addrs if not a.startswith(LOOPBACK_PREFIXES)]
+    assert exposed == [], f"listening beyond loopback: {exposed}"
