@@ -147,6 +147,7 @@ class InProcessEngineClient:
         self._events_lock = threading.Lock()
         self._outbox: Any = None  # CacheEventOutbox when the engine records cache events
         self.reservations = Reservations()  # engine thread only
+        self._stats_version = 0
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -353,13 +354,15 @@ class InProcessEngineClient:
                 args, fut = payload
                 try:
                     if kind == "reserve":
-                        self._resolve(fut, self.reservations.reserve(self._core, *args))
+                        answer: Any = self.reservations.reserve(self._core, *args)
                     elif kind == "release":
-                        self._resolve(fut, self.reservations.release(args))
+                        answer = self.reservations.release(args)
                     else:
-                        self._resolve(fut, self.reservations.room(self._core))
+                        answer = self.reservations.room(self._core)
                 except ValueError as exc:
-                    self._resolve(fut, EngineRequestError(str(exc)))
+                    answer = EngineRequestError(str(exc))
+                self._publish_stats()  # before the answer: a caller reading stats sees the change
+                self._resolve(fut, answer)
             elif kind == "abort":
                 self.reservations.release(payload)
                 # Scheduler side only: a step already in flight on the executor thread may still
@@ -422,7 +425,12 @@ class InProcessEngineClient:
             return
         live[rid] = _Live(request, sink)
         self._counters.requests_total += 1
+        self._count("handoffs_in", 1)
+        self._count("handoff_bytes_in", len(payload))
         self._resolve(added, None)
+
+    def _count(self, name: str, n: float) -> None:
+        self._counters.extra[name] = self._counters.extra.get(name, 0.0) + n
 
     def _apply(self, outputs: list[Any], live: dict[str, _Live]) -> None:
         exports = []
@@ -478,7 +486,8 @@ class InProcessEngineClient:
             self._core.take_outputs()
             self._deliver(item.sink, EngineUnavailable(f"handoff of {rid!r} failed: {problem!r}"))
             return
-        self._counters.extra["handoffs_out"] = self._counters.extra.get("handoffs_out", 0) + 1
+        self._count("handoffs_out", 1)
+        self._count("handoff_bytes_out", len(payload))
         self._deliver(item.sink, Handoff(rid, payload))
 
     def _deliver(self, sink: asyncio.Queue[Any], item: Any) -> None:
@@ -523,6 +532,7 @@ class InProcessEngineClient:
     def _publish_stats(self) -> None:
         st = self._core.stats()
         c = self._counters
+        self._stats_version += 1
         self._stats = EngineStats(
             running=st.running,
             waiting=st.waiting,
@@ -539,6 +549,7 @@ class InProcessEngineClient:
                 "reserved": float(len(self.reservations.held)),
                 "reserved_tokens": float(sum(t for _, t in self.reservations.held.values())),
                 "reservations_refused": float(self.reservations.refused),
+                "stats_version": float(self._stats_version),  # orders snapshots read elsewhere
             },
         )
 

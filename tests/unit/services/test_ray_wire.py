@@ -27,8 +27,18 @@ def _plain(x: object) -> bool:
     [
         EngineRequest("a", (0, 5, 6), 8),
         EngineRequest(
-            "b", (0, 1), 3, temperature=0.5, top_p=0.9, seed=7, top_logprobs=2, stop_token_ids=(4, 9),
-            ignore_eos=True, structured=StructuredSpec("regex", "[a-z]+"), priority=3, traffic_class="agent",
+            "b",
+            (0, 1),
+            3,
+            temperature=0.5,
+            top_p=0.9,
+            seed=7,
+            top_logprobs=2,
+            stop_token_ids=(4, 9),
+            ignore_eos=True,
+            structured=StructuredSpec("regex", "[a-z]+"),
+            priority=3,
+            traffic_class="agent",
         ),  # fmt: skip
     ],
 )
