@@ -70,7 +70,7 @@ run: install
 	@echo "Sluice API on http://$(HOST):$(PORT). Try:"
 	@echo "  curl -s http://$(HOST):$(PORT)/v1/chat/completions -H 'content-type: application/json' \\"
 	@echo "    -d '{\"model\":\"deepseek-chat\",\"messages\":[{\"role\":\"user\",\"content\":\"Write a Python function\"}],\"max_tokens\":64}'"
-	SLUICE_HOME=$(SLUICE_HOME) exec $(PY) -m services.cli serve --host $(HOST) --port $(PORT) --preset trained
+	SLUICE_HOME=$(SLUICE_HOME) exec $(PY) -m services.cli serve --config deploy/examples/local.yaml --host $(HOST) --port $(PORT)
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache var

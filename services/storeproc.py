@@ -31,8 +31,9 @@ class LocalStore:
     """Context manager: ``with LocalStore() as store: store.spec_path, store.spec``.
 
     ``spec_path`` None writes the spec into a temporary directory (removed on stop);
-    ``redis=False`` keeps no directory server (``spec_path`` must then be None and no spec
-    is written: an in-memory directory cannot be shared with another process)."""
+    ``redis=False`` keeps no directory server: with ``directory`` (the URL of a Redis run
+    elsewhere) the spec names that one, without it no spec is written (an in-memory
+    directory cannot be shared with another process)."""
 
     def __init__(
         self,
@@ -40,11 +41,15 @@ class LocalStore:
         spec_path: Path | None = None,
         root: Path | None = None,
         redis: bool = True,
+        directory: str | None = None,
     ) -> None:
-        if spec_path is not None and not redis:
+        if redis and directory is not None:
+            raise ValueError("give a directory URL or start a Redis here, not both")
+        if spec_path is not None and not redis and directory is None:
             raise ValueError(
                 "a spec file needs a Redis directory: other processes cannot share an in-memory one"
             )
+        self.directory = directory
         self.cluster = LocalStoreCluster(cluster or LocalClusterConfig(), root=root)
         self.redis: RedisProcess | None = RedisProcess() if redis else None
         self._tmp: Path | None = None
@@ -57,8 +62,9 @@ class LocalStore:
             if self.redis is not None:
                 self.redis.start()
             self.cluster.start()
-            if self.redis is not None:
-                self.spec = StoreSpec(nodes=self.cluster.nodes, directory=self.redis.url)
+            directory = self.redis.url if self.redis is not None else self.directory
+            if directory is not None:
+                self.spec = StoreSpec(nodes=self.cluster.nodes, directory=directory)
                 if self.spec_path is None:
                     self._tmp = Path(tempfile.mkdtemp(prefix="sluice-store-spec-"))
                     self.spec_path = self._tmp / SPEC_NAME

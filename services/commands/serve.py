@@ -4,8 +4,10 @@ Default (embedded): an in-process engine on the shipped ``trained`` preset
 (``models/trained``). ``--model DIR`` serves another checkpoint, ``--preset NAME`` another
 preset (``engine.checkpoint.presets``: a random one is generated under
 ``$SLUICE_HOME/checkpoints/NAME`` on first use); ``--config cluster.yaml`` takes host,
-port, admission limits and model from the cluster spec (only ``mode: embedded`` is served
-here so far); ``--config FILE --check`` validates the spec, prints the plan derived from it
+port, admission limits and model from the cluster spec; ``mode: local-cluster`` and
+``mode: ray-cluster`` start the disaggregated stack on Ray (``services.ray.launch``:
+prefill and decode engine actors, the router, the KV store; docs/disaggregation.md);
+``--config FILE --check`` validates the spec, prints the plan derived from it
 (``services.ray.cluster_spec.derive``: pools, engines, router, store, unused fields) and
 exits without starting anything. Flags beat the file, the file beats ``SLUICE_HOST`` / ``SLUICE_PORT`` /
 ``SLUICE_MODEL_DIR``. ``--replicas N --router-policy P`` serves N in-process
@@ -93,6 +95,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="KV store for the engine's prefix blocks: a store spec JSON (sluice store cluster --redis "
         "--spec-out FILE), or 'local' to run 12 store nodes and Redis on loopback while serving",
     )
+    p.add_argument(
+        "--ray-address",
+        default=None,
+        help="with a ray-cluster spec: the Ray cluster to join (ray.init(address=...); default 'auto')",
+    )
     p.add_argument("--device", default=None, choices=("cpu", "cuda"), help="engine device (default cpu)")
     p.add_argument(
         "--dtype", default=None, choices=("float32", "bfloat16"), help="engine dtype (default float32)"
@@ -129,9 +136,10 @@ def api_config_from(args: argparse.Namespace) -> tuple[object, str, int, Path]:
         from services.ray.cluster_spec import load_cluster_spec
 
         spec = load_cluster_spec(args.config)
-        if spec.mode != "embedded":
+        if spec.mode == "two-datacenters":
             raise ValueError(
-                f"{args.config}: mode {spec.mode!r} is not served by `sluice serve` yet; use embedded"
+                f"{args.config}: mode {spec.mode!r} is not served by `sluice serve` yet; "
+                "use embedded, local-cluster or ray-cluster"
             )
         host, port = spec.api.host, spec.api.port
         overrides.update(max_concurrency=spec.api.max_concurrency, max_queue=spec.api.max_queue)
@@ -245,6 +253,13 @@ def run(args: argparse.Namespace) -> int:
     if args.check:
         return check_config(args)
     cfg, host, port, model = api_config_from(args)
+    spec = None
+    if args.config is not None:
+        from services.ray.cluster_spec import load_cluster_spec
+
+        spec = load_cluster_spec(args.config)
+    if spec is not None and spec.mode != "embedded":
+        return _serve_on_ray(args, spec, cfg, host, port, model)
     routing = RoutingConfig(replicas=args.replicas, policy=args.router_policy).resolve()
     engine_kwargs = engine_kwargs_from(args)
     if args.store not in (None, LOCAL_STORE):
@@ -276,6 +291,45 @@ def run(args: argparse.Namespace) -> int:
     except _StoreFailed as exc:
         log.error("%s", exc)
         return 1
+    finally:
+        sock.close()
+
+
+def _serve_on_ray(args: argparse.Namespace, spec: Any, cfg: Any, host: str, port: int, model: Path) -> int:
+    """The Ray modes of a cluster spec (``services.ray.launch``)."""
+    from services.api.server import bind_socket
+    from services.ray.launch import serve_cluster
+
+    if args.store == LOCAL_STORE or args.replicas != 1 or args.router_policy:
+        raise ValueError(
+            f"{args.config}: mode {spec.mode} takes its store, pools and router policy from the spec; "
+            "drop --store local, --replicas and --router-policy"
+        )
+    if args.store is not None:
+        from kvstore.spec import StoreSpec
+
+        StoreSpec.load(args.store)  # a bad or missing spec: exit 2 before anything starts
+    try:
+        sock = bind_socket(host, port)
+    except OSError as exc:
+        log.error("cannot listen on %s:%d: %s", host, port, exc)
+        return 2
+    url_host = f"[{host}]" if ":" in host else host
+    print(f"sluice: listening on http://{url_host}:{sock.getsockname()[1]}", flush=True)
+    try:
+        with _sigterm_unwinds():
+            return serve_cluster(
+                spec, cfg, sock, host, model, ray_address=args.ray_address,
+                store_spec=None if args.store is None else str(args.store),
+            )  # fmt: skip
+    except (_Terminated, SystemExit) as exc:
+        # Ray's driver installs its own SIGTERM handler (sys.exit(15)) over ours; either
+        # way everything is stopped now: end as SIGTERM ends a server
+        if isinstance(exc, SystemExit) and exc.code != signal.SIGTERM:
+            raise
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.raise_signal(signal.SIGTERM)
+        return 143  # not reached
     finally:
         sock.close()
 

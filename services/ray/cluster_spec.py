@@ -238,21 +238,26 @@ class StorePlan:
     node_ids: tuple[str, ...]
     k: int
     m: int
-    directory: str  # the spec's redis_url, or "memory" (one process only)
+    # the spec's redis_url; "" in local-cluster mode without one (the launcher starts a Redis
+    # on loopback), "memory" in embedded mode without one (one process only)
+    directory: str
     ttl_s: Mapping[str, float]
     node_capacity_bytes: int  # the spec's capacity_bytes spread over the nodes
     resources_per_node: Mapping[str, float]
 
-    def store_spec(self, addresses: Sequence[str]) -> KvStoreSpec:
+    def store_spec(self, addresses: Sequence[str], directory: str | None = None) -> KvStoreSpec:
         """The ``kvstore.spec.StoreSpec`` once each node listens (``addresses[i]`` is
-        ``node_ids[i]``'s host:port)."""
+        ``node_ids[i]``'s host:port); ``directory`` replaces the plan's (the Redis a
+        local-cluster launcher started)."""
         from kvstore.placement import NodeAddress
         from kvstore.spec import StoreSpec as KvSpec
 
         if len(addresses) != len(self.node_ids):
             raise ValueError(f"the store has {len(self.node_ids)} nodes, got {len(addresses)} addresses")
         nodes = tuple(NodeAddress(n, a) for n, a in zip(self.node_ids, addresses))
-        return KvSpec(nodes=nodes, directory=self.directory, k=self.k, m=self.m, ttl_s=self.ttl_s)
+        return KvSpec(
+            nodes=nodes, directory=directory or self.directory, k=self.k, m=self.m, ttl_s=self.ttl_s
+        )
 
     def describe(self) -> str:
         from kvstore.spec import redacted
@@ -260,7 +265,7 @@ class StorePlan:
         ttl = ", ".join(f"{c} {int(s)}s" for c, s in sorted(self.ttl_s.items()))
         return (
             f"{len(self.node_ids)} nodes, {self.k}+{self.m}, {_gib(self.node_capacity_bytes)} per node, "
-            f"directory {redacted(self.directory)}, TTL {ttl}"
+            f"directory {redacted(self.directory) if self.directory else 'a Redis started on loopback'}, TTL {ttl}"
         )
 
 
@@ -377,9 +382,9 @@ def derive(spec: ClusterSpec) -> ClusterPlan:
     for name, pool in (("prefill", spec.prefill), ("decode", spec.decode)):
         if pool.replicas < 1:
             raise ValueError(f"{name}.replicas must be >= 1: the router needs a {name} instance to route to")
-    if spec.mode != "embedded" and not spec.redis_url:
+    if spec.mode not in ("embedded", "local-cluster") and not spec.redis_url:
         raise ValueError(
-            f"mode {spec.mode} runs engines in several processes, so the store's directory must be shared: "
+            f"mode {spec.mode} runs engines on several hosts, so the store's directory must be shared: "
             "set redis_url"
         )
     prefill_layout = _layout("prefill", "prefill", spec.prefill, spec.mode)
@@ -407,13 +412,13 @@ def derive(spec: ClusterSpec) -> ClusterPlan:
         node_ids=tuple(f"n{i:02d}" for i in range(st.nodes)),  # as kvstore.cluster names them
         k=st.data_shards,
         m=st.parity_shards,
-        directory=spec.redis_url or "memory",
+        directory=spec.redis_url or ("" if spec.mode == "local-cluster" else "memory"),
         ttl_s=MappingProxyType({c: float(s) for c, s in st.ttl_seconds.items()}),
         node_capacity_bytes=max(1, st.capacity_bytes // st.nodes),
         resources_per_node=MappingProxyType({"store": 1}),
     )
     try:  # the store's own checks (code limits, traffic classes, directory URL)
-        store.store_spec([f"127.0.0.1:{7000 + i}" for i in range(st.nodes)])
+        store.store_spec([f"127.0.0.1:{7000 + i}" for i in range(st.nodes)], store.directory or "memory")
     except ValueError as exc:
         raise ValueError(f"store: {exc}") from None
     try:

@@ -33,6 +33,7 @@ def init_local_ray(
     if ray.is_initialized():
         return ray.get_runtime_context()
     return ray.init(
+        address="local",  # always a new instance: never join one a RAY_ADDRESS points to
         num_cpus=num_cpus,
         resources=dict(resources or {}),
         include_dashboard=False,

@@ -14,6 +14,7 @@ EXAMPLES = [
     "deploy/examples/one-host.yaml",
     "deploy/examples/one-gpu-host.yaml",
     "deploy/examples/deepseek.yaml",
+    "deploy/examples/local.yaml",  # what `make run` serves
 ]
 TRAINED = ROOT / "models" / "trained"
 
@@ -57,6 +58,9 @@ def test_example_shapes():
     ds = derive(load_cluster_spec(ROOT / EXAMPLES[2]))
     assert (ds.prefill.layout.gpus, ds.decode.layout.gpus) == (64, 64)
     assert 4 <= ds.prefill.layout.expert_parallel <= 8 and ds.decode.layout.expert_parallel == 64
+    local = derive(load_cluster_spec(ROOT / EXAMPLES[3]))
+    assert (local.prefill.layout.ranks, local.decode.layout.ranks) == (1, 1)  # one engine each, EP 1
+    assert local.store.directory == "" and "a Redis started on loopback" in local.store.describe()
     assert len(ds.store.node_ids) >= 12
     assert ds.resources() == {"GPU": 128, "prefill": 64, "decode": 64, "store": 24}
 
@@ -77,7 +81,7 @@ def test_example_shapes():
         ("router_policy: fastest", "router_policy: unknown router policy 'fastest'; known:"),
         ("store: {data_shards: 40, parity_shards: 2, nodes: 42}", "store: codec 40+2"),
         ("store: {ttl_seconds: {batch: 60}}", "unknown traffic classes ['batch']"),
-        ("mode: local-cluster", "set redis_url"),
+        ("{mode: two-datacenters, decode: {datacenter: b}}", "set redis_url"),
         ("decode: {replicas: 0}", "decode.replicas must be >= 1"),
     ],
 )
