@@ -358,6 +358,16 @@ class EngineCore:
         self._tracks[req.request_id] = _Track(len(req.prompt_token_ids), sent=sent)
         return req.request_id
 
+    def store_usable(self, timeout_s: float = 1.0) -> bool:
+        """Whether this engine's KV store can serve a read now: enough nodes answer their
+        health check within ``timeout_s`` to decode a block (k of them). False without a
+        store. Safe from another thread (it touches only the store client)."""
+        if self.store is None:
+            return False
+        client = self.store.client
+        serving = client.health_check(timeout_s)
+        return sum(serving.values()) >= client.config.codec.k
+
     def close(self) -> None:
         self.loop.close()
         if self._grammar is not None:

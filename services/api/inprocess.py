@@ -255,6 +255,12 @@ class InProcessEngineClient:
         """What a new reservation could take now, and what is promised (``Reservations.room``)."""
         return dict(await self._call("room", None))
 
+    async def store_usable(self, timeout_s: float = 1.0) -> bool:
+        """Whether the engine's KV store can serve reads now (``EngineCore.store_usable``)."""
+        if self._core is None:
+            return False
+        return bool(await asyncio.to_thread(self._core.store_usable, timeout_s))
+
     async def _call(self, kind: str, args: Any) -> Any:
         if self._dead is not None or self._thread is None or self._loop is None:
             raise EngineUnavailable(f"engine is not running: {self._dead or 'not started'}")

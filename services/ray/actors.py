@@ -28,6 +28,9 @@ from dataclasses import asdict
 from typing import Any
 
 ROLES = ("prefill", "decode", "colocated")
+# Ray restarts a crashed engine actor this many times (its process, then ``start`` loads the
+# engine again); a crash loop beyond that leaves the engine down for good.
+DEFAULT_MAX_RESTARTS = 3
 ERROR_KINDS = ("request", "full", "unavailable")
 
 
@@ -69,12 +72,16 @@ class EngineActor:
         self.role = role
         self.client = InProcessEngineClient(checkpoint, **dict(engine_config or {}))
         self._closed = False
+        self._starting = asyncio.Lock()
 
     async def start(self) -> dict[str, Any]:
-        """Load the engine; returns what a router needs to know of it."""
+        """Load the engine (once: later calls only answer); returns what a router needs to
+        know of it. After Ray restarts a crashed actor, this loads the engine again."""
         from services.ray.wire import extra_keys_to_wire
 
-        await self.client.start()
+        async with self._starting:
+            if not self.client.alive:
+                await self.client.start()
         block_size, extra = self.client.cache_identity()
         return {
             "role": self.role,
@@ -135,17 +142,26 @@ class EngineActor:
     async def reserve_and_report(self, request_id: str, n_tokens: int, max_tokens: int = 0) -> dict[str, Any]:
         """``reserve``, answered with this engine's stats after it: ``{"ok", "stats"}``."""
         ok = await self.client.reserve(request_id, n_tokens, max_tokens)
-        return {"ok": ok, "stats": asdict(self.client.stats())}
+        return {"ok": ok, "stats": self._stats()}
 
     async def release(self, request_id: str) -> bool:
         return await self.client.release(request_id)
+
+    async def store_usable(self, timeout_s: float = 1.0) -> bool:
+        return await self.client.store_usable(timeout_s)
 
     async def room(self) -> dict[str, int]:
         return await self.client.room()
 
     # -- state -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
-        return asdict(self.client.stats())
+        return self._stats()
+
+    def _stats(self) -> dict[str, Any]:
+        """``EngineStats`` as a dict, with this process's pid (a restarted engine has another)."""
+        st = asdict(self.client.stats())
+        st["extra"]["pid"] = float(os.getpid())
+        return st
 
     async def ready(self) -> bool:
         return await self.client.ready()
@@ -158,7 +174,7 @@ class EngineActor:
 
         last: dict[str, Any] | None = None
         while not self._closed and self.client.alive:
-            stats = asdict(self.client.stats())
+            stats = self._stats()
             events = self.client.take_cache_events()
             seen = self.client.take_store_events()
             if stats != last or events.events or events.snapshot is not None or events.lost or seen:
@@ -189,7 +205,7 @@ def remote_engine_actor(
 
     if role not in ROLES:
         raise ValueError(f"role must be one of {ROLES}, got {role!r}")
-    opts: dict[str, Any] = {"max_concurrency": 1000, **options}
+    opts: dict[str, Any] = {"max_concurrency": 1000, "max_restarts": DEFAULT_MAX_RESTARTS, **options}
     if pool_resource:
         resource = "prefill" if role == "prefill" else "decode"
         opts["resources"] = {resource: 1, **opts.get("resources", {})}

@@ -70,11 +70,13 @@ class RayEngineReplica:
         name: str = "",
         watch_interval_s: float = 0.01,
         call_timeout_s: float = 60.0,
+        restart_timeout_s: float = 300.0,
     ) -> None:
         from services.ray.wire import extra_keys_from_wire
 
         self.actor, self.info, self.decode, self.name = actor, dict(info), decode, name
         self.watch_interval_s, self.call_timeout_s = watch_interval_s, call_timeout_s
+        self.restart_timeout_s = restart_timeout_s
         self._identity = (int(info["block_size"]), extra_keys_from_wire(info["extra_keys"]))
         self._model = ModelInfo(
             **{**info["model_info"], "eos_token_ids": tuple(info["model_info"]["eos_token_ids"])}
@@ -85,7 +87,9 @@ class RayEngineReplica:
         self._watch: asyncio.Task[None] | None = None
         self._first_push: asyncio.Event | None = None
         self._alive = False
-        self.handoff_bytes = 0  # payload bytes of requests this replica handed off
+        self.restarts = 0  # times Ray restarted the actor and its engine came back
+        self.recoveries = 0  # requests continued after their decode engine died
+        self.handoffs: dict[str, _Handoff] = {}  # in-flight disaggregated requests: their handoff point
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -105,24 +109,42 @@ class RayEngineReplica:
         self._alive = False
 
     async def _follow(self) -> None:
+        """Keep the pushed state; when the stream breaks the engine is down. Ray restarts a
+        crashed actor (``max_restarts``): then ``start`` loads the engine again, the router
+        learns that its cache is empty, and the replica is up again in its place."""
+        assert self._first_push is not None
+        while True:
+            try:
+                await self._consume()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - the actor died or was killed
+                log.warning("engine %s stopped pushing state: %r", self.name, exc)
+            self._alive = False
+            self._first_push.set()
+            try:  # waits while Ray restarts the actor; fails if it will not
+                self.info = dict(await asyncio.wait_for(self.actor.start.remote(), self.restart_timeout_s))
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - gone for good
+                log.error("engine %s is gone: %r", self.name, exc)
+                return
+            self.restarts += 1
+            self._events = CacheEventBatch(snapshot=())  # a fresh engine holds no cached block
+            log.warning("engine %s is back (restart %d, pid %s)", self.name, self.restarts, self.info["pid"])
+
+    async def _consume(self) -> None:
         from services.ray.wire import events_from_wire
 
         assert self._first_push is not None
-        try:
-            stream = self.actor.watch.options(num_returns="streaming").remote(self.watch_interval_s)
-            async for ref in stream:
-                item = await ref
-                st = dict(item["stats"])
-                self._stats = EngineStats(**st)
-                self._events = _merge(self._events, events_from_wire(item["events"]))
-                self._store_seen.extend(bytes(h) for h in item["store_seen"])
-                self._first_push.set()
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # noqa: BLE001 - the actor is gone: out of the candidates
-            log.warning("engine %s stopped pushing state: %r", self.name, exc)
-        self._alive = False
-        self._first_push.set()
+        stream = self.actor.watch.options(num_returns="streaming").remote(self.watch_interval_s)
+        async for ref in stream:
+            item = await ref
+            self._offer(item["stats"])
+            self._events = _merge(self._events, events_from_wire(item["events"]))
+            self._store_seen.extend(bytes(h) for h in item["store_seen"])
+            self._alive = True
+            self._first_push.set()
 
     # -- ReplicaEngine ---------------------------------------------------------------------
     @property
@@ -184,9 +206,12 @@ class RayEngineReplica:
         return bool(answer["ok"])
 
     def _offer(self, stats: Mapping[str, Any]) -> None:
-        """Take ``stats`` if they are newer than what is held (pushes and answers race)."""
+        """Take ``stats`` if they are newer than what is held (pushes and answers race; a
+        restarted engine, another pid, counts afresh)."""
         version = stats.get("extra", {}).get("stats_version", 0.0)
-        if version >= self._stats.extra.get("stats_version", -1.0):
+        pid = stats.get("extra", {}).get("pid", 0.0)
+        held = self._stats.extra
+        if pid != held.get("pid", pid) or version >= held.get("stats_version", -1.0):
             self._stats = EngineStats(**stats)
 
     # -- the request paths -----------------------------------------------------------------
@@ -217,46 +242,186 @@ class RayEngineReplica:
         try:
             return await asyncio.wait_for(ref, self.call_timeout_s)
         except (ray.exceptions.RayActorError, ray.exceptions.ActorUnavailableError) as exc:
-            raise EngineUnavailable(f"engine actor {self.name} died: {exc}") from None
+            raise ActorDied(f"engine actor {self.name} died: {exc}") from None
+        except ray.exceptions.RayError as exc:  # e.g. an argument (a handoff payload) was lost
+            raise CallFailed(f"engine actor {self.name} could not run the call: {exc}") from None
 
     async def _disaggregated(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         """Reserve on a decode engine, prefill here, hand over (see the module doc). The
-        reservation comes first, so a full decode pool refuses before any work is done."""
+        reservation comes first, so a full decode pool refuses before any work is done.
+
+        Recovery: if the decode engine dies mid-stream, the sequence is resumed on another
+        decode engine from the same handoff payload (still in Ray's object store); if that
+        payload is gone too, the request is prefilled again here (its prefix blocks come
+        from the KV store) and handed off anew. Either way the engine recomputes tokens the
+        client already has: they are checked against what was sent and dropped, so no
+        token is duplicated or lost (outputs are deterministic for a seed). At most
+        ``MAX_RECOVERIES`` times; then, or when no engine can take it, or when the payload
+        is gone and the KV store does not answer (a prefill from nothing is not a recovery),
+        the stream ends with ``EngineUnavailable``."""
+        assert self.decode is not None
+        sent: list[int] = []  # every token id the client has received
+        handoff = self.handoffs[request.request_id] = _Handoff()
+        try:
+            async for out in self._recovering(request, sent, handoff):
+                yield out
+        finally:
+            self.handoffs.pop(request.request_id, None)
+
+    async def _recovering(
+        self, request: EngineRequest, sent: list[int], handoff: _Handoff
+    ) -> AsyncIterator[EngineOutput]:
+        """The request's outputs across recoveries (see ``_disaggregated``)."""
+        cached: int | None = None
+        attempt = 0
+        while True:
+            try:
+                async for out in self._handoff_once(request, sent, handoff):
+                    if cached is None:
+                        cached = out.cached_tokens  # the first prefill's hits are the request's
+                    sent.extend(out.token_ids)
+                    yield replace(out, cached_tokens=cached)
+                return
+            except _DecodeLost as lost:
+                attempt += 1
+                if attempt > MAX_RECOVERIES:
+                    raise EngineUnavailable(
+                        f"request {request.request_id!r} lost its decode engine {attempt} times: {lost}"
+                    ) from None
+                if lost.payload_ref is None:  # the payload is gone: prefill again, from the store
+                    handoff.payload_ref = None
+                    if not await self._store_usable():
+                        raise EngineUnavailable(
+                            f"request {request.request_id!r} cannot continue: its decode engine died, its "
+                            f"handoff payload is gone and the KV store does not answer ({lost})"
+                        ) from None
+                self.recoveries += 1
+                log.warning(
+                    "request %s: decode engine lost after %d tokens (%s); recovering %s",
+                    request.request_id, len(sent), lost,
+                    "from its handoff payload" if handoff.payload_ref is not None else "by prefilling again",
+                )  # fmt: skip
+
+    async def _store_usable(self) -> bool:
+        try:
+            return bool(
+                await asyncio.wait_for(self.actor.store_usable.remote(STORE_PROBE_S), 2 * STORE_PROBE_S + 1)
+            )
+        except Exception:  # noqa: BLE001 - a prefill engine that cannot say: no
+            return False
+
+    async def _handoff_once(
+        self, request: EngineRequest, sent: list[int], handoff: _Handoff
+    ) -> AsyncIterator[EngineOutput]:
+        """One try: reserve, prefill (unless ``handoff`` holds a payload already), resume.
+        Yields the outputs beyond the ``sent`` tokens; ``handoff`` keeps the payload's ref and
+        how many tokens it holds beyond the prompt."""
         from services.ray.wire import output_from_wire, request_to_wire
 
         assert self.decode is not None
         rid = request.request_id
+        payload_ref = handoff.payload_ref
+        # a resumed payload starts after the tokens it holds; a new prefill from the start
+        skip = _Skipper(rid, sent[handoff.tokens :] if payload_ref is not None else sent)
         n_prompt = len(request.prompt_token_ids)
         chosen = await self.decode.choose(rid, n_prompt + 1, request.max_tokens - 1)
         target = self.decode.replicas[chosen]
         resumed = False
         try:
-            first_ref, payload_ref = self.actor.prefill.options(num_returns=2).remote(
-                request_to_wire(request)
-            )
-            try:
-                first = await self._get(first_ref)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(self.actor.abort.remote(rid), self.call_timeout_s)
-                raise
-            last: EngineOutput | None = None
-            for item in first:
-                raise_error(item)
-                last = output_from_wire(item)
-                yield last
-            if last is None:
-                raise EngineUnavailable(f"prefill of {rid!r} returned nothing")
-            if last.finish_reason is not None:
-                return
+            if payload_ref is None:
+                first_ref, payload_ref = self.actor.prefill.options(num_returns=2).remote(
+                    request_to_wire(request)
+                )
+                handoff.payload_ref, handoff.tokens = payload_ref, 0
+                try:
+                    first = await self._get(first_ref)
+                except BaseException:
+                    with contextlib.suppress(Exception):
+                        await asyncio.wait_for(self.actor.abort.remote(rid), self.call_timeout_s)
+                    raise
+                last: EngineOutput | None = None
+                for item in first:
+                    raise_error(item)
+                    last = output_from_wire(item)
+                    handoff.tokens += len(last.token_ids)
+                    kept = skip(last)
+                    if kept is not None:
+                        yield kept
+                if last is None:
+                    raise EngineUnavailable(f"prefill of {rid!r} returned nothing")
+                if last.finish_reason is not None:
+                    return
             resumed = True
-            async for out in target._stream("resume", request, payload_ref):
-                # the prompt's cache hits happened on the prefill engine: report those
-                yield replace(out, cached_tokens=last.cached_tokens)
+            try:
+                async for out in target._stream("resume", request, payload_ref):
+                    kept = skip(out)
+                    if kept is not None:
+                        yield kept
+            except ActorDied as exc:  # the handoff point may still be there: resume from it
+                raise _DecodeLost(str(exc), payload_ref) from None
+            except CallFailed as exc:  # the payload could not be read: prefill again
+                raise _DecodeLost(str(exc), None) from None
         finally:
             if not resumed:  # the reservation is unused: give it back
                 with contextlib.suppress(Exception):
                     await asyncio.wait_for(target.actor.release.remote(rid), self.call_timeout_s)
+
+
+MAX_RECOVERIES = 2  # a request moves to a new decode engine at most this often
+STORE_PROBE_S = 1.0  # how long a store node may take to answer the health check of a recovery
+
+
+class _Handoff:
+    """A request's handoff point: the payload's ObjectRef (None before the prefill, or once
+    it is lost) and how many output tokens it holds (the prefill's)."""
+
+    def __init__(self) -> None:
+        self.payload_ref: Any = None
+        self.tokens = 0
+
+
+class ActorDied(EngineUnavailable):
+    """The engine actor's process died during a call (killed, crashed, its node lost)."""
+
+
+class CallFailed(EngineUnavailable):
+    """Ray could not run a call on a live actor (an argument object was lost or freed)."""
+
+
+class _DecodeLost(Exception):
+    """The decode engine of a request died; ``payload_ref`` is its handoff payload if that
+    is still readable, else None."""
+
+    def __init__(self, message: str, payload_ref: Any) -> None:
+        super().__init__(message)
+        self.payload_ref = payload_ref
+
+
+class _Skipper:
+    """Drops the tokens a recomputed stream repeats (the client has them), checking that
+    they are the same ones; returns what is new, or None when nothing is."""
+
+    def __init__(self, request_id: str, sent: list[int]) -> None:
+        self.request_id, self.sent, self.seen = request_id, list(sent), 0
+
+    def __call__(self, out: EngineOutput) -> EngineOutput | None:
+        ids = list(out.token_ids)
+        n = min(len(self.sent) - self.seen, len(ids))
+        if n > 0:
+            if ids[:n] != self.sent[self.seen : self.seen + n]:
+                raise EngineUnavailable(
+                    f"request {self.request_id!r}: the recomputed stream differs from what was sent; ending it"
+                )
+            self.seen += n
+            lps = (
+                out.logprobs[n:]
+                if out.logprobs is not None and len(out.logprobs) == len(ids)
+                else out.logprobs
+            )
+            out = replace(out, token_ids=tuple(ids[n:]), logprobs=lps if n < len(ids) else None)
+        if not out.token_ids and out.finish_reason is None:
+            return None
+        return out
 
 
 class DecodeSet:

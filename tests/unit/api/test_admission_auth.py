@@ -122,6 +122,6 @@ def test_serve_flags_beat_the_cluster_file_and_env(tmp_path, monkeypatch):
     assert (host, port, model) == ("127.0.0.1", 9100, tmp_path)
     assert (cfg.max_concurrency, cfg.max_queue, cfg.api_keys) == (3, 7, ("k1", "k2"))
     assert cfg.allow_remote_images and cfg.image_url_allow_hosts == ("img.example",)
-    spec.write_text("mode: local-cluster\n")
+    spec.write_text("mode: two-datacenters\nredis_url: redis://r:6379/0\ndecode: {datacenter: b}\n")
     with pytest.raises(ValueError, match="not served"):
         api_config_from(build_parser().parse_args(["serve", "--config", str(spec)]))

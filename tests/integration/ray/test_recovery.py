@@ -1,0 +1,172 @@
+"""Engine actors that crash mid-request, on a loopback Ray cluster, through the ``openai`` SDK.
+
+A decode engine killed mid-stream: the stream continues on another decode engine from the
+handoff payload, and the client's text equals a clean run's. A prefill engine killed
+mid-prompt: the router retries the request on the other prefill engine. Either way Ray
+restarts the killed actor and its engine comes back: the pool is at full strength again.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import os
+import signal
+import time
+from collections.abc import Iterator
+
+import openai
+import pytest
+
+from services.api.config import ApiConfig
+from services.api.inprocess import InProcessEngineClient
+from services.api.server import ServerThread
+from services.ray.serving import PoolConfig, RayServingClient
+
+pytestmark = pytest.mark.integration
+
+ENGINE = {"num_blocks": 32, "max_num_batched_tokens": 128}
+
+
+def _wait(predicate, timeout_s: float = 60.0, what: str = "condition") -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s} s")
+        time.sleep(0.01)
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[object]:
+    """The stack's KV store; the last test stops it."""
+    from kvstore.cluster import LocalClusterConfig
+    from services.storeproc import LocalStore
+
+    with LocalStore(LocalClusterConfig(nodes=12)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def stack(ray_local, model, store) -> Iterator[tuple[str, RayServingClient]]:
+    from services.api.app import create_app
+
+    engine = {**ENGINE, "kv_store": str(store.spec_path)}
+    client = RayServingClient(
+        model,
+        PoolConfig(2, engine, resources={"prefill": 1}),
+        PoolConfig(2, engine, resources={"decode": 1}),
+        policy="round_robin",
+    )
+    app = create_app(ApiConfig(), client)
+    with ServerThread(app, app.state.sluice.config) as srv:
+        yield srv.url, client
+
+
+@pytest.fixture(scope="module")
+def reference(model) -> Iterator[str]:
+    from services.api.app import create_app
+
+    app = create_app(ApiConfig(), InProcessEngineClient(model, **ENGINE))
+    with ServerThread(app, app.state.sluice.config) as srv:
+        yield srv.url
+
+
+def _stream(url: str, prompt: str, max_tokens: int):
+    oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+    return oai, oai.completions.create(
+        model="deepseek-chat", prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+
+
+def _text(url: str, prompt: str, max_tokens: int) -> str:
+    _, stream = _stream(url, prompt, max_tokens)
+    return "".join(c.choices[0].text for c in stream if c.choices)
+
+
+def _lost_object():
+    """An ObjectRef that cannot be read: the output of a task that failed, as a payload
+    whose node was lost cannot be read (a call taking it as an argument fails)."""
+    import ray
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def gone() -> bytes:
+        raise RuntimeError("the node holding this handoff payload is gone")
+
+    return gone.remote()
+
+
+def _kill(replica) -> int:
+    pid = int(replica.stats().extra["pid"])
+    os.kill(pid, signal.SIGKILL)
+    return pid
+
+
+def _at_full_strength(replicas, killed_pid: int) -> None:
+    _wait(
+        lambda: all(r.alive for r in replicas) and killed_pid not in {int(r.stats().extra["pid"]) for r in replicas},
+        what="every engine up again, the killed one in a new process",
+    )
+
+
+def test_a_decode_engine_killed_mid_stream_the_client_gets_the_rest_unchanged(stack, reference):
+    url, client = stack
+    decode = client.decode
+    prompt, n = "the decode engine dies here: ", 300
+    want = _text(reference, prompt, n)
+    _oai, stream = _stream(url, prompt, n)
+    got, killed = [], None
+    for chunk in stream:
+        if chunk.choices:
+            got.append(chunk.choices[0].text)
+        if killed is None and len(got) == 20:
+            _wait(lambda: sum(r.stats().running for r in decode.replicas) == 1, what="the request decoding")
+            victim = next(r for r in decode.replicas if r.stats().running == 1)
+            killed = _kill(victim)
+    assert killed is not None
+    assert "".join(got) == want
+    assert sum(p.recoveries for p in client.prefill) == 1
+    _at_full_strength(decode.replicas, killed)
+    assert sum(r.restarts for r in decode.replicas) == 1
+    assert _text(url, "after the restart", 8) == _text(reference, "after the restart", 8)
+
+
+def test_a_prefill_engine_killed_mid_prompt_is_retried_on_the_other(stack, reference):
+    url, client = stack
+    prompt = " ".join(f"word{i}" for i in range(1500))  # many 128-token chunks
+    want = _text(reference, prompt, 16)
+    failovers = client.router.failovers
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the API answers once the first token is there
+        answer = pool.submit(_text, url, prompt, 16)
+        _wait(lambda: any(r.stats().running for r in client.prefill), what="the prompt prefilling")
+        victim = next(r for r in client.prefill if r.stats().running)
+        killed = _kill(victim)
+        assert answer.result(timeout=120) == want
+    assert client.router.failovers == failovers + 1
+    _at_full_strength(client.prefill, killed)
+
+
+def test_with_the_handoff_point_and_the_store_gone_the_stream_ends_within_5_s(stack, store):
+    """Runs last: it stops the store. The decode engine dies after the request's payload
+    was freed from Ray's object store and the store's nodes stopped: nothing to resume or
+    re-prefill from, so the stream ends with a clear error, within 5 s of the kill."""
+    import ray
+
+    url, client = stack
+    decode = client.decode
+    _oai, stream = _stream(url, "nothing to come back to: ", 400)
+    chunks = iter(stream)
+    next(chunks)
+    _wait(lambda: sum(r.stats().running for r in decode.replicas) == 1, what="the request decoding")
+    (handoff,) = [h for p in client.prefill for h in p.handoffs.values()]
+    handoff.payload_ref = _lost_object()  # as when the node holding the payload is lost
+    with pytest.raises(ray.exceptions.RayError):
+        ray.get(handoff.payload_ref, timeout=5)
+    store.stop()
+    victim = next(r for r in decode.replicas if r.stats().running == 1)
+    killed = _kill(victim)
+    t0 = time.monotonic()
+    with pytest.raises(openai.APIError, match="cannot continue: its decode engine died, its handoff payload is gone"):
+        for _ in chunks:
+            pass
+    assert time.monotonic() - t0 < 5.0
+    del killed  # its restart cannot load an engine: the store it names is gone
