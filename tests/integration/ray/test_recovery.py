@@ -103,7 +103,10 @@ def _kill(replica) -> int:
 
 def _at_full_strength(replicas, killed_pid: int) -> None:
     _wait(
-        lambda: all(r.alive for r in replicas) and killed_pid not in {int(r.stats().extra["pid"]) for r in replicas},
+        lambda: (
+            all(r.alive for r in replicas)
+            and killed_pid not in {int(r.stats().extra["pid"]) for r in replicas}
+        ),
         what="every engine up again, the killed one in a new process",
     )
 
@@ -165,7 +168,9 @@ def test_with_the_handoff_point_and_the_store_gone_the_stream_ends_within_5_s(st
     victim = next(r for r in decode.replicas if r.stats().running == 1)
     killed = _kill(victim)
     t0 = time.monotonic()
-    with pytest.raises(openai.APIError, match="cannot continue: its decode engine died, its handoff payload is gone"):
+    with pytest.raises(
+        openai.APIError, match="cannot continue: its decode engine died, its handoff payload is gone"
+    ):
         for _ in chunks:
             pass
     assert time.monotonic() - t0 < 5.0
