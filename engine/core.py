@@ -53,7 +53,11 @@ class EngineCore:
     embedder sharing one client, or a test); ``connector``: the connector's settings."""
 
     def __init__(
-        self, config: EngineConfig, store_client: Any = None, connector: ConnectorConfig | None = None
+        self,
+        config: EngineConfig,
+        store_client: Any = None,
+        connector: ConnectorConfig | None = None,
+        ep_group: Any = None,
     ) -> None:
         from engine.checkpoint.fingerprint import model_fingerprint
         from engine.kvconnector import payload as fmt
@@ -64,8 +68,9 @@ class EngineCore:
             cfg.model,
             RunnerConfig(
                 num_blocks=cfg.num_blocks, num_slots=cfg.num_swa_slots, dtype=cfg.dtype, device=cfg.device,
-                with_mtp=False,
+                with_mtp=False, ep_size=cfg.ep_size, ep_rank=cfg.ep_rank,
             ),
+            ep_group=ep_group,
         )  # fmt: skip
         mc = self.runner.model_cfg
         self.vocab_size = mc.vocab_size
@@ -234,6 +239,18 @@ class EngineCore:
     # -- stepping --------------------------------------------------------------------------
     def has_work(self) -> bool:
         return bool(self._out) or self.loop.has_work()
+
+    def will_forward(self) -> bool:
+        """Whether ``step`` would run a forward pass now (EP lockstep asks before stepping)."""
+        self._poll_fetches()
+        return self.loop.has_work() and (not self.loop.idle or self.scheduler.has_ready())
+
+    def housekeeping(self) -> list[SeqOutput]:
+        """``step`` without a forward pass: store fetches and idle saves; the messages."""
+        self._poll_fetches()
+        if self.loop.idle:
+            self._save_idle()
+        return self.take_outputs()
 
     def step(self) -> list[SeqOutput]:
         """Run one step (if there is work) and return the messages produced since the last call."""

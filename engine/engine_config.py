@@ -28,6 +28,8 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 2.0  # a grammar slower to compile is refused at admission
     cache_event_capacity: int = 0  # > 0: record prefix-cache events for a router (0 = off)
     kv_store: str | None = None  # a store spec JSON (kvstore/spec.py): prefix blocks shared via the store
+    ep_size: int = 1  # > 1: this engine is one rank of an expert-parallel group (lockstep)
+    ep_rank: int = 0
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
@@ -40,6 +42,10 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICES} (optionally cuda:N), got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.ep_size < 1 or not 0 <= self.ep_rank < self.ep_size:
+            raise ValueError(f"ep_rank must be within [0, ep_size), got {self.ep_rank} of {self.ep_size}")
+        if self.ep_size > 1 and self.async_scheduling:
+            raise ValueError("an EP rank steps in lockstep with its group: set async_scheduling=False")
         if self.kv_store is not None and not Path(self.kv_store).is_file():
             raise ValueError(
                 f"kv_store must be a store spec file (sluice store cluster --spec-out), got {self.kv_store!r}"

@@ -122,6 +122,7 @@ class ModelRunner:
         return model
 
     def _finish(self, model_cfg: ModelConfig, cfg: RunnerConfig, model: DeepseekV4, ep_group: object) -> None:
+        self.forwards = 0  # forward passes run (EP lockstep counts them: engine.distributed.lockstep)
         self.cfg, self.model_cfg = cfg, model_cfg
         self.model = model.eval()
         dispatch = select_dispatch(ep_group, cfg.ep_size, torch.device(cfg.device))
@@ -145,6 +146,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: ForwardBatch) -> RunnerOutput:
         self.check(batch)
+        self.forwards += 1
         logits, hidden = self.model(batch, self.pool, self.swa)
         return RunnerOutput(logits, hidden)
 

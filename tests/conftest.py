@@ -36,7 +36,7 @@ def ray_local() -> Iterator[object]:
 
     from services.ray.local_cluster import init_local_ray
 
-    ctx = init_local_ray(num_cpus=2, resources={"prefill": 2, "decode": 2, "ve": 1, "store": 1})
+    ctx = init_local_ray(num_cpus=2, resources={"prefill": 4, "decode": 4, "ve": 1, "store": 1})
     yield ctx
     ray.shutdown()
 

@@ -46,6 +46,9 @@ from services.api.engine_client import (
 
 log = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05
+# An idle EP rank waits this long between agreements: a new request waits at most this long
+# (plus one collective) for its group to start stepping.
+_EP_IDLE_WAIT_S = 0.01
 
 
 @dataclass(frozen=True)
@@ -131,9 +134,16 @@ class _Counters:
 class InProcessEngineClient:
     """Serve ``model_dir`` with ``EngineCore(EngineConfig(model_dir, **engine_kwargs))`` in this process."""
 
-    def __init__(self, model_dir: str | Path, **engine_kwargs: Any) -> None:
+    def __init__(self, model_dir: str | Path, ep: Any = None, **engine_kwargs: Any) -> None:
+        """``ep``: an ``engine.distributed.lockstep.EPMember`` (or its fields as a dict) when
+        this engine is one rank of an expert-parallel group; it then steps in lockstep with
+        the group's other ranks."""
+        from engine.distributed.lockstep import EPMember
+
         self.model_dir = Path(model_dir)
         self.engine_kwargs = dict(engine_kwargs)
+        self.ep: EPMember | None = EPMember(**ep) if isinstance(ep, dict) else ep
+        self._lockstep: Any = None
         self._info = _read_model_info(self.model_dir, self.engine_kwargs)
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._wake = threading.Event()
@@ -156,15 +166,39 @@ class InProcessEngineClient:
         from engine.core import EngineConfig, EngineCore
 
         self._loop = asyncio.get_running_loop()
-        config = EngineConfig(model=str(self.model_dir), **self.engine_kwargs)
-        self._core = await asyncio.to_thread(EngineCore, config)
+        if self.ep is None:
+            config = EngineConfig(model=str(self.model_dir), **self.engine_kwargs)
+            self._core = await asyncio.to_thread(EngineCore, config)
+        else:
+            config = EngineConfig(
+                model=str(self.model_dir), **{**self.engine_kwargs, "async_scheduling": False},
+                ep_size=self.ep.size, ep_rank=self.ep.rank,
+            )  # fmt: skip
+            self._core = await asyncio.to_thread(self._join_group, config)
         if config.cache_event_capacity and self._core.records_events():
             from engine.scheduler.cache_events import CacheEventOutbox
 
             self._outbox = CacheEventOutbox(config.cache_event_capacity)
         self._publish_stats()
-        self._thread = threading.Thread(target=self._run, name="sluice-engine", daemon=True)
+        run = self._run if self._lockstep is None else self._run_lockstep
+        self._thread = threading.Thread(target=run, name="sluice-engine", daemon=True)
         self._thread.start()
+
+    def _join_group(self, config: Any) -> Any:
+        """Join this rank's EP group, then build its engine on the group (a worker thread)."""
+        from engine.core import EngineCore
+        from engine.distributed.lockstep import Lockstep
+
+        assert self.ep is not None
+        if not config.device.startswith("cuda"):
+            from services import envs
+
+            # gloo's pair sockets on loopback: the ranks of a group share a host
+            envs.export_to_children({"GLOO_SOCKET_IFNAME": "lo"})
+        group = self.ep.join(config.device)
+        core = EngineCore(config, ep_group=group)
+        self._lockstep = Lockstep(core, group)
+        return core
 
     async def close(self) -> None:
         self._stop.set()
@@ -175,6 +209,12 @@ class InProcessEngineClient:
         if self._core is not None:
             self._core.close()
             self._core = None
+        if self._lockstep is not None:
+            import torch.distributed as dist
+
+            if dist.is_initialized():
+                dist.destroy_process_group()
+            self._lockstep = None
 
     # -- EngineClient ----------------------------------------------------------------------
     def model_info(self) -> ModelInfo:
@@ -187,6 +227,11 @@ class InProcessEngineClient:
     def alive(self) -> bool:
         """Started and its engine thread has not stopped or died (cheap; no round trip)."""
         return self._thread is not None and self._dead is None
+
+    @property
+    def failed(self) -> BaseException | None:
+        """Why the engine thread died, if it did (not for a clean ``close``)."""
+        return None if isinstance(self._dead, EngineUnavailable) else self._dead
 
     def cache_identity(self) -> tuple[int, Any]:
         """(block size, ``ExtraKeys``): how this engine names cached blocks. After ``start``."""
@@ -336,10 +381,41 @@ class InProcessEngineClient:
                 self._apply(self._core.step(), live)
                 self._publish_stats()
                 self._publish_cache_events()
+            self._stopped(live, None)
+        except BaseException as exc:  # the engine died: fail everything, refuse what follows
+            self._stopped(live, exc)
+
+    def _run_lockstep(self) -> None:
+        """The engine thread of an EP rank (``engine.distributed.lockstep``): every iteration
+        the ranks agree whether any has a forward to run, then all run one (real or idle)."""
+        live: dict[str, _Live] = {}
+        ls = self._lockstep
+        assert ls is not None
+        try:
+            while True:
+                self._drain(live)
+                any_ready, any_stop = ls.agree(self._core.will_forward(), self._stop.is_set())
+                if any_stop:
+                    break
+                if any_ready:
+                    self._apply(ls.step(), live)
+                    self._publish_stats()
+                    self._publish_cache_events()
+                    continue
+                self._apply(self._core.housekeeping(), live)
+                self._wake.wait(_EP_IDLE_WAIT_S)
+                self._wake.clear()
+                self._publish_stats()
+            self._stopped(live, None)
+        except BaseException as exc:  # a peer died (collective timeout) or the engine failed
+            self._stopped(live, exc)
+
+    def _stopped(self, live: dict[str, _Live], exc: BaseException | None) -> None:
+        if exc is None:
             err = EngineUnavailable("engine stopped")
             self._dead = err
-        except BaseException as exc:  # the engine died: fail everything, refuse what follows
-            log.exception("engine thread died")
+        else:
+            log.error("engine thread died", exc_info=exc)
             self._dead = exc
             err = EngineUnavailable(f"engine failed: {exc!r}")
         for item in live.values():  # in-flight requests end now, not at their timeout

@@ -64,13 +64,23 @@ def raise_error(item: Mapping[str, Any]) -> None:
 class EngineActor:
     """``engine_config``: ``EngineConfig`` fields as a dict (``model`` is ``checkpoint``)."""
 
-    def __init__(self, role: str, checkpoint: str, engine_config: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self,
+        role: str,
+        checkpoint: str,
+        engine_config: Mapping[str, Any] | None = None,
+        ep: Mapping[str, Any] | None = None,
+    ) -> None:
+        """``ep``: ``engine.distributed.lockstep.EPMember`` fields when this engine is one rank
+        of an expert-parallel group (``start`` then joins the group: every rank must start)."""
         from services.api.inprocess import InProcessEngineClient
 
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.role = role
-        self.client = InProcessEngineClient(checkpoint, **dict(engine_config or {}))
+        self.client = InProcessEngineClient(
+            checkpoint, ep=dict(ep) if ep else None, **dict(engine_config or {})
+        )
         self._closed = False
         self._starting = asyncio.Lock()
 
@@ -80,6 +90,10 @@ class EngineActor:
         from services.ray.wire import extra_keys_to_wire
 
         async with self._starting:
+            if self.client.failed:  # its engine died in this process (an EP peer lost): no restart here
+                raise RuntimeError(
+                    f"this engine failed and cannot start again in this actor: {self.client.failed!r}"
+                )
             if not self.client.alive:
                 await self.client.start()
         block_size, extra = self.client.cache_identity()
@@ -193,6 +207,7 @@ def remote_engine_actor(
     engine_config: Mapping[str, Any] | None = None,
     *,
     pool_resource: bool = True,
+    ep: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> Any:
     """Start an ``EngineActor`` on Ray; returns its handle (call ``start`` next). With
@@ -209,4 +224,8 @@ def remote_engine_actor(
     if pool_resource:
         resource = "prefill" if role == "prefill" else "decode"
         opts["resources"] = {resource: 1, **opts.get("resources", {})}
-    return ray.remote(EngineActor).options(**opts).remote(role, str(checkpoint), dict(engine_config or {}))
+    return (
+        ray.remote(EngineActor)
+        .options(**opts)
+        .remote(role, str(checkpoint), dict(engine_config or {}), dict(ep) if ep else None)
+    )

@@ -26,22 +26,17 @@ SERVED_MODES = ("local-cluster", "ray-cluster")
 
 
 def pool_config(plan: PoolPlan, kv_store: str | None) -> Any:
-    """The ``PoolConfig`` of one pool of the plan: its engines, their ``EngineConfig``
-    fields (the checkpoint is passed apart) and the Ray resources of each."""
+    """The ``PoolConfig`` of one pool of the plan: its instances and EP ranks, their
+    ``EngineConfig`` fields (the checkpoint is passed apart) and the Ray resources of a rank."""
     from services.ray.serving import PoolConfig
 
     lay = plan.layout
-    if lay.expert_parallel > 1:
-        raise ValueError(
-            f"{lay.pool}.expert_parallel is {lay.expert_parallel}: an engine of several EP ranks is not "
-            "served yet (docs/disaggregation.md, 'Not built yet'); use expert_parallel: 1"
-        )
     engine = {k: v for k, v in plan.engine.items() if k != "model"}
     if kv_store is not None:
         engine["kv_store"] = kv_store
     resources = dict(lay.resources_per_rank)
     cpus = float(resources.pop("CPU", 0.0))
-    return PoolConfig(lay.instances, engine, resources, cpus)
+    return PoolConfig(lay.instances, engine, resources, cpus, expert_parallel=lay.expert_parallel)
 
 
 def local_ray_resources(plan: ClusterPlan) -> tuple[int, dict[str, float]]:

@@ -123,7 +123,7 @@ class RayEngineReplica:
             self._alive = False
             self._first_push.set()
             try:  # waits while Ray restarts the actor; fails if it will not
-                self.info = dict(await asyncio.wait_for(self.actor.start.remote(), self.restart_timeout_s))
+                self.info = await asyncio.wait_for(self._start_again(), self.restart_timeout_s)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - gone for good
@@ -132,6 +132,17 @@ class RayEngineReplica:
             self.restarts += 1
             self._events = CacheEventBatch(snapshot=())  # a fresh engine holds no cached block
             log.warning("engine %s is back (restart %d, pid %s)", self.name, self.restarts, self.info["pid"])
+
+    async def _start_again(self) -> dict[str, Any]:
+        """``start`` on the actor once Ray has restarted it: a call made while it restarts
+        is refused as unavailable, so try again until it answers or is dead for good."""
+        import ray
+
+        while True:
+            try:
+                return dict(await self.actor.start.remote())
+            except ray.exceptions.ActorUnavailableError:
+                await asyncio.sleep(0.2)
 
     async def _consume(self) -> None:
         from services.ray.wire import events_from_wire

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,14 +37,17 @@ class PoolConfig:
     (``engine_config``) and Ray placement (``resources`` per engine, e.g. ``{"decode": 1}``
     or ``{"GPU": 1}``; ``num_cpus`` per engine)."""
 
-    engines: int
+    engines: int  # model instances
     engine_config: Mapping[str, Any] = field(default_factory=dict)
-    resources: Mapping[str, float] = field(default_factory=dict)
-    num_cpus: float = 0.0
+    resources: Mapping[str, float] = field(default_factory=dict)  # per rank
+    num_cpus: float = 0.0  # per rank
+    expert_parallel: int = 1  # ranks per instance: each an engine, in lockstep (one placement group)
 
     def __post_init__(self) -> None:
         if self.engines < 0:
             raise ValueError(f"a pool has >= 0 engines, got {self.engines}")
+        if self.expert_parallel < 1:
+            raise ValueError(f"expert_parallel must be >= 1, got {self.expert_parallel}")
 
 
 class RayServingClient:
@@ -78,6 +82,7 @@ class RayServingClient:
         ]
         self._info = min(infos, key=lambda i: i.context_limit)
         self.actors: list[Any] = []
+        self._groups: list[tuple[Any, str]] = []  # (placement group, rendezvous file) per EP instance
         self.prefill: list[RayEngineReplica] = []
         self.decode: DecodeSet | None = None
         self.router: Any = None  # RoutedEngineClient, once started
@@ -88,7 +93,6 @@ class RayServingClient:
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        from services.ray.actors import remote_engine_actor
         from services.routed_client import RoutedEngineClient
 
         if self.router is not None:
@@ -97,16 +101,11 @@ class RayServingClient:
         if self.disaggregated:
             roles.append(("decode", self.decode_pool))
         made: dict[str, list[tuple[Any, Any]]] = {}
-        for role, pool in roles:
-            made[role] = []
-            for i in range(pool.engines):
-                actor = remote_engine_actor(
-                    role, str(self.checkpoint), dict(pool.engine_config), pool_resource=False,
-                    num_cpus=pool.num_cpus, resources=dict(pool.resources), name=None,
-                )  # fmt: skip
-                self.actors.append(actor)
-                made[role].append((actor, f"{role}-{i}"))
         try:
+            for role, pool in roles:
+                made[role] = []
+                for i in range(pool.engines):
+                    made[role] += self._instance(role, i, pool)
             infos = await asyncio.wait_for(
                 asyncio.gather(*(a.start.remote() for a in self.actors)), self.start_timeout_s
             )
@@ -129,8 +128,42 @@ class RayServingClient:
             await self.close()
             raise
 
+    def _instance(self, role: str, index: int, pool: PoolConfig) -> list[tuple[Any, str]]:
+        """The actors of one model instance: one engine, or one per EP rank in a placement
+        group (``STRICT_PACK``: one node) whose ranks meet through a file on that node."""
+        from services.ray.actors import remote_engine_actor
+
+        opts: dict[str, Any] = {"num_cpus": pool.num_cpus, "resources": dict(pool.resources)}
+        if pool.expert_parallel == 1:
+            actor = remote_engine_actor(
+                role, str(self.checkpoint), dict(pool.engine_config), pool_resource=False, **opts
+            )
+            self.actors.append(actor)
+            return [(actor, f"{role}-{index}")]
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        bundle = {**dict(pool.resources), **({"CPU": pool.num_cpus} if pool.num_cpus else {})}
+        pg = placement_group([dict(bundle) for _ in range(pool.expert_parallel)], strategy="STRICT_PACK")
+        # the ranks meet through a file on their (shared) host, named for this group alone
+        store_path = f"/tmp/sluice-ep-{uuid.uuid4().hex}"
+        self._groups.append((pg, store_path))
+        out = []
+        for rank in range(pool.expert_parallel):
+            ep = {"rank": rank, "size": pool.expert_parallel, "store_path": store_path}
+            actor = remote_engine_actor(
+                role, str(self.checkpoint), dict(pool.engine_config), pool_resource=False, ep=ep,
+                max_restarts=0,  # a lone restarted rank cannot rejoin its group: the group restarts whole
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
+                **opts,
+            )  # fmt: skip
+            self.actors.append(actor)
+            out.append((actor, f"{role}-{index}.{rank}"))
+        return out
+
     async def close(self) -> None:
         import ray
+        from ray.util.placement_group import remove_placement_group
 
         if self.router is not None:
             await self.router.close()
@@ -144,7 +177,11 @@ class RayServingClient:
         for a in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(a)
-        self.actors, self.prefill, self.decode = [], [], None
+        for pg, store_path in self._groups:
+            with contextlib.suppress(Exception):
+                remove_placement_group(pg)
+            Path(store_path).unlink(missing_ok=True)  # one host: the ranks' rendezvous file
+        self.actors, self.prefill, self.decode, self._groups = [], [], None, []
 
     # -- EngineClient ----------------------------------------------------------------------
     def model_info(self) -> ModelInfo:

@@ -1,8 +1,9 @@
 """The disaggregated stack on a loopback Ray cluster, driven through the ``openai`` SDK.
 
-Two prefill and two decode engine actors (tiny checkpoint, CPU), a 12-node KV store with
-its Redis directory, the router in the API process fed by the engines' pushed state, and
-the API server on 127.0.0.1. A second API server over one in-process engine is the
+Two prefill and two decode instances of EP 2 (eight engine actors: each rank an engine
+with its own requests, the two ranks of an instance sharing their experts in lockstep over
+gloo; tiny checkpoint, CPU), a 12-node KV store with its Redis directory, the router in the
+API process fed by the engines' pushed state, and the API server on 127.0.0.1. A second API server over one in-process engine is the
 reference: greedy answers must be equal.
 """
 
@@ -58,8 +59,8 @@ def stack(ray_local, model, store) -> Iterator[tuple[str, RayServingClient]]:
     engine = {**ENGINE, "kv_store": str(store.spec_path)}
     client = RayServingClient(
         model,
-        PoolConfig(2, engine, resources={"prefill": 1}),
-        PoolConfig(2, engine, resources={"decode": 1}),
+        PoolConfig(2, engine, resources={"prefill": 1}, expert_parallel=2),
+        PoolConfig(2, engine, resources={"decode": 1}, expert_parallel=2),
         policy="round_robin",
     )
     app = create_app(ApiConfig(), client)
@@ -128,15 +129,17 @@ def test_a_full_decode_pool_answers_503_and_holds_nothing(stack):
     decode = client.decode
     hogs, oai = [], _oai(url)  # one client: a collected client closes its streams
     try:
-        for k in range(2):
+        for k in range(len(decode.replicas)):
             hog = _hog(oai, f"hog {k}", 4096)  # 17 of the 32 blocks
             hogs.append(hog)
-        _wait(lambda: sorted(r.stats().running for r in decode.replicas) == [1, 1])  # the 2D rule spread them
+        _wait(
+            lambda: [r.stats().running for r in decode.replicas] == [1] * len(hogs)
+        )  # the 2D rule spread them
         refused = decode.refused
         with pytest.raises(openai.APIStatusError) as err:
             _chat(url, [{"role": "user", "content": "too much"}], max_tokens=4000)  # 16 blocks
         assert err.value.status_code == 503 and "no decode engine can take" in str(err.value)
-        assert decode.refused == refused + 2
+        assert decode.refused == refused + len(decode.replicas)
     finally:
         for hog in hogs:
             hog.close()
@@ -196,13 +199,19 @@ def test_decode_placement_follows_the_2d_rule(stack):
     busy = [r.stats().running for r in decode.replicas].index(1)
     try:
         for k in range(3):
+            _wait(  # the previous request's end has been pushed: the loads are settled
+                lambda: all(
+                    r.stats().running + r.stats().extra.get("reserved", 0) == (i == busy)
+                    for i, r in enumerate(decode.replicas)
+                )
+            )
             before = list(decode.placed)
             policy = TwoDimDecode(PolicyContext(len(decode.replicas)))
             policy.update_loads(decode.loads())
             got = _chat(url, [{"role": "user", "content": f"Place me {k}."}], max_tokens=2)
             placed = [a - b for a, b in zip(decode.placed, before, strict=True)].index(1)
             view = RequestView(f"p{k}", input_len=got.usage.prompt_tokens + 1, block_size=256)
-            assert placed == policy.select([0, 1], view) == 1 - busy
+            assert placed == policy.select(list(range(len(decode.replicas))), view) != busy
     finally:
         hog.close()
 
