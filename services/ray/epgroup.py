@@ -19,9 +19,11 @@ and the ranks call ``init_process_group`` together only once every actor is up, 
 actor start does not eat into the 5 s. Inputs and outputs are plain data: ``SequenceInput``
 lists in, numpy arrays out.
 
-What this is not (yet): no router or pool integration, no supervision or restart of a dead
-rank (a failure surfaces as an exception from ``execute``; ``shutdown`` and start anew), and
-the NCCL path has not run (no GPU on the development host).
+This runs forwards only: the caller builds each rank's batch. Serving engines of several
+EP ranks are engine actors stepping in lockstep (``engine.distributed.lockstep``,
+``services.ray.serving``). A failure surfaces as an exception from ``execute`` (``shutdown``
+and start anew); the NCCL path has not run (no GPU on the development host); the
+rendezvous ``TCPStore`` server listens on every interface while the group lives.
 """
 
 from __future__ import annotations
@@ -115,37 +117,11 @@ class EPRank:
         return out.logits.detach().to(device="cpu", dtype=torch.float32).numpy()
 
     def _idle(self) -> None:
-        """Enter every main-model MoE layer with zero rows (in layer order, as ``forward`` does),
-        serving the rows the other ranks send to this rank's experts.
+        """Enter every main-model MoE layer with zero rows, serving the rows the other ranks
+        send to this rank's experts (``engine.distributed.lockstep.idle_pass``)."""
+        from engine.distributed.lockstep import idle_pass
 
-        This is ``AllToAllDispatch.__call__`` for zero tokens (the same four all-to-alls in
-        the same order), spelt out because that call cannot be used as is: its final
-        ``combine`` views the empty result as ``[0, k, -1]``, which torch rejects, after the
-        collectives have run. The fix belongs in ``engine.model.moe.combine`` (view with the
-        explicit width); once it is there this can call the dispatch directly."""
-        import torch
-        import torch.distributed as dist
-
-        from engine.distributed.ep import AllToAllDispatch
-
-        runner = self.runner
-        mc, dev, dtype = runner.model_cfg, torch.device(runner.cfg.device), runner.cfg.torch_dtype
-        with torch.inference_mode():
-            for layer in runner.model.model.layers:
-                moe = layer.mlp
-                d, experts = moe.dispatch, moe.experts
-                if not isinstance(d, AllToAllDispatch):
-                    raise RuntimeError(f"an idle rank needs the all-to-all dispatch, not {type(d).__name__}")
-                send_counts = torch.zeros(d.ep_size, dtype=torch.long, device=dev)
-                recv_counts = torch.empty_like(send_counts)
-                dist.all_to_all_single(recv_counts, send_counts, group=d.group)
-                send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-                recv_x = d._exchange(
-                    torch.zeros((0, mc.hidden_size), dtype=dtype, device=dev), send_splits, recv_splits
-                )
-                recv_e = d._exchange(torch.zeros(0, dtype=torch.long, device=dev), send_splits, recv_splits)
-                y = experts.run_rows(recv_x, recv_e - experts.first) if recv_x.shape[0] else recv_x
-                d._exchange(y, recv_splits, send_splits)  # their rows back; nothing comes to us
+        idle_pass(self.runner)
 
     def close(self) -> None:
         import torch.distributed as dist
