@@ -50,7 +50,9 @@ class _Track:
 
 class EngineCore:
     """``store_client``: a store client to use instead of opening ``config.kv_store`` (an
-    embedder sharing one client, or a test); ``connector``: the connector's settings."""
+    embedder sharing one client, or a test); ``connector``: the connector's settings;
+    ``ep_group`` / ``placement``: the EP process group and the experts' physical placement
+    of an engine that is one rank of an expert-parallel group."""
 
     def __init__(
         self,
@@ -58,6 +60,7 @@ class EngineCore:
         store_client: Any = None,
         connector: ConnectorConfig | None = None,
         ep_group: Any = None,
+        placement: Any = None,
     ) -> None:
         from engine.checkpoint.fingerprint import model_fingerprint
         from engine.kvconnector import payload as fmt
@@ -71,6 +74,7 @@ class EngineCore:
                 with_mtp=False, ep_size=cfg.ep_size, ep_rank=cfg.ep_rank,
             ),
             ep_group=ep_group,
+            placement=placement,
         )  # fmt: skip
         mc = self.runner.model_cfg
         self.vocab_size = mc.vocab_size

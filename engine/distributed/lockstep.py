@@ -13,6 +13,10 @@ must run the same number of forward passes. ``Lockstep`` keeps them in step:
 3. if none is, each does only bookkeeping (store fetches, idle saves) and waits briefly;
 4. when any rank stops, all stop together.
 
+With EPLB (``services.eplb_engine.EngineEplb``) each rank records its experts' loads after
+every forward (zero for an idle pass) and the group re-places experts on the pool's window
+and period, moving weights layer by layer between forwards.
+
 The ranks' collectives time out after the group's timeout (5 s by default), so no rank
 waits on a dead peer longer than that: the engine then fails and the group is restarted
 as a whole. The engine must run its steps synchronously (``async_scheduling=False``):
@@ -77,6 +81,7 @@ def idle_pass(runner: Any) -> None:
             d, experts = moe.dispatch, moe.experts
             if not isinstance(d, AllToAllDispatch):
                 raise RuntimeError(f"an idle rank needs the all-to-all dispatch, not {type(d).__name__}")
+            moe.last_load.zero_()  # no token of this rank was routed: EPLB records zero load
             k = int(mc.num_experts_per_tok)
             x = torch.zeros((0, mc.hidden_size), dtype=dtype, device=dev)
             phys = torch.zeros((0, k), dtype=torch.long, device=dev)
@@ -87,8 +92,10 @@ def idle_pass(runner: Any) -> None:
 class Lockstep:
     """Drives one rank's ``EngineCore`` in step with the other ranks of its group."""
 
-    def __init__(self, core: Any, group: Any) -> None:
-        self.core, self.group = core, group
+    def __init__(self, core: Any, group: Any, eplb: Any = None) -> None:
+        """``eplb``: an ``EngineEplb`` (``services.eplb_engine``) for this rank, called after
+        every forward; every rank of the group has one or none does."""
+        self.core, self.group, self.eplb = core, group, eplb
         device = torch.device(core.config.device)
         self._flags = torch.zeros(2, dtype=torch.int32, device=device)
         self.forwards = 0  # this rank's forward passes, its own and idle
@@ -113,4 +120,6 @@ class Lockstep:
         elif ran > 1:
             raise RuntimeError(f"an engine step ran {ran} forwards; EP lockstep needs one per step")
         self.forwards += 1
+        if self.eplb is not None:  # the same step on every rank: its collectives line up
+            self.eplb.after_step(self.forwards)
         return outputs

@@ -134,15 +134,23 @@ class _Counters:
 class InProcessEngineClient:
     """Serve ``model_dir`` with ``EngineCore(EngineConfig(model_dir, **engine_kwargs))`` in this process."""
 
-    def __init__(self, model_dir: str | Path, ep: Any = None, **engine_kwargs: Any) -> None:
+    def __init__(self, model_dir: str | Path, ep: Any = None, eplb: Any = None, **engine_kwargs: Any) -> None:
         """``ep``: an ``engine.distributed.lockstep.EPMember`` (or its fields as a dict) when
         this engine is one rank of an expert-parallel group; it then steps in lockstep with
-        the group's other ranks."""
+        the group's other ranks. ``eplb``: ``services.eplb_controller.EplbConfig`` (or its
+        fields) to balance the group's experts while it serves (EP only)."""
         from engine.distributed.lockstep import EPMember
 
         self.model_dir = Path(model_dir)
         self.engine_kwargs = dict(engine_kwargs)
         self.ep: EPMember | None = EPMember(**ep) if isinstance(ep, dict) else ep
+        if eplb is not None and self.ep is None:
+            raise ValueError("EPLB balances an expert-parallel group: give ep too")
+        if isinstance(eplb, dict):
+            from services.eplb_controller import EplbConfig
+
+            eplb = EplbConfig(**eplb)
+        self.eplb = eplb if eplb is not None and eplb.enabled else None
         self._lockstep: Any = None
         self._info = _read_model_info(self.model_dir, self.engine_kwargs)
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
@@ -196,8 +204,18 @@ class InProcessEngineClient:
             # gloo's pair sockets on loopback: the ranks of a group share a host
             envs.export_to_children({"GLOO_SOCKET_IFNAME": "lo"})
         group = self.ep.join(config.device)
-        core = EngineCore(config, ep_group=group)
-        self._lockstep = Lockstep(core, group)
+        if self.eplb is None:
+            core = EngineCore(config, ep_group=group)
+            self._lockstep = Lockstep(core, group)
+            return core
+        from engine.config import ModelConfig
+        from services.eplb_engine import EngineEplb, initial_placement
+
+        experts = ModelConfig.from_dir(config.model).n_routed_experts
+        placement = initial_placement(self.eplb, experts, self.ep.size, self.ep.rank)
+        core = EngineCore(config, ep_group=group, placement=placement)
+        eplb = EngineEplb(self.eplb, core.runner.model.moe_layers(), self.ep.rank, group)
+        self._lockstep = Lockstep(core, group, eplb)
         return core
 
     async def close(self) -> None:
@@ -511,6 +529,17 @@ class InProcessEngineClient:
         self._count("handoff_bytes_in", len(payload))
         self._resolve(added, None)
 
+    def _eplb_stats(self) -> dict[str, float]:
+        """EP and EPLB counters of a rank: forwards (idle ones apart), layers re-placed, the
+        load imbalance (max/mean over experts, mean over layers) of the last window."""
+        ls = self._lockstep
+        if ls is None:
+            return {}
+        out = {"ep_forwards": float(ls.forwards), "ep_idle_passes": float(ls.idle_passes)}
+        if ls.eplb is not None:
+            out["eplb_layers_moved"] = float(ls.eplb.runner.layers_moved)
+        return out
+
     def _count(self, name: str, n: float) -> None:
         self._counters.extra[name] = self._counters.extra.get(name, 0.0) + n
 
@@ -632,6 +661,7 @@ class InProcessEngineClient:
                 "reserved_tokens": float(sum(t for _, t in self.reservations.held.values())),
                 "reservations_refused": float(self.reservations.refused),
                 "stats_version": float(self._stats_version),  # orders snapshots read elsewhere
+                **self._eplb_stats(),
             },
         )
 

@@ -70,16 +70,21 @@ class EngineActor:
         checkpoint: str,
         engine_config: Mapping[str, Any] | None = None,
         ep: Mapping[str, Any] | None = None,
+        eplb: Mapping[str, Any] | None = None,
     ) -> None:
         """``ep``: ``engine.distributed.lockstep.EPMember`` fields when this engine is one rank
-        of an expert-parallel group (``start`` then joins the group: every rank must start)."""
+        of an expert-parallel group (``start`` then joins the group: every rank must start);
+        ``eplb``: ``EplbConfig`` fields to balance the group's experts while serving."""
         from services.api.inprocess import InProcessEngineClient
 
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.role = role
         self.client = InProcessEngineClient(
-            checkpoint, ep=dict(ep) if ep else None, **dict(engine_config or {})
+            checkpoint,
+            ep=dict(ep) if ep else None,
+            eplb=dict(eplb) if eplb else None,
+            **dict(engine_config or {}),
         )
         self._closed = False
         self._starting = asyncio.Lock()
@@ -208,6 +213,7 @@ def remote_engine_actor(
     *,
     pool_resource: bool = True,
     ep: Mapping[str, Any] | None = None,
+    eplb: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> Any:
     """Start an ``EngineActor`` on Ray; returns its handle (call ``start`` next). With
@@ -227,5 +233,11 @@ def remote_engine_actor(
     return (
         ray.remote(EngineActor)
         .options(**opts)
-        .remote(role, str(checkpoint), dict(engine_config or {}), dict(ep) if ep else None)
+        .remote(
+            role,
+            str(checkpoint),
+            dict(engine_config or {}),
+            dict(ep) if ep else None,
+            dict(eplb) if eplb else None,
+        )
     )

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +37,8 @@ def pool_config(plan: PoolPlan, kv_store: str | None) -> Any:
         engine["kv_store"] = kv_store
     resources = dict(lay.resources_per_rank)
     cpus = float(resources.pop("CPU", 0.0))
-    return PoolConfig(lay.instances, engine, resources, cpus, expert_parallel=lay.expert_parallel)
+    eplb = asdict(plan.eplb) if plan.eplb.enabled and lay.expert_parallel > 1 else None
+    return PoolConfig(lay.instances, engine, resources, cpus, expert_parallel=lay.expert_parallel, eplb=eplb)
 
 
 def local_ray_resources(plan: ClusterPlan) -> tuple[int, dict[str, float]]:

@@ -42,6 +42,7 @@ class PoolConfig:
     resources: Mapping[str, float] = field(default_factory=dict)  # per rank
     num_cpus: float = 0.0  # per rank
     expert_parallel: int = 1  # ranks per instance: each an engine, in lockstep (one placement group)
+    eplb: Mapping[str, Any] | None = None  # EplbConfig fields: balance each EP instance's experts
 
     def __post_init__(self) -> None:
         if self.engines < 0:
@@ -152,7 +153,7 @@ class RayServingClient:
         for rank in range(pool.expert_parallel):
             ep = {"rank": rank, "size": pool.expert_parallel, "store_path": store_path}
             actor = remote_engine_actor(
-                role, str(self.checkpoint), dict(pool.engine_config), pool_resource=False, ep=ep,
+                role, str(self.checkpoint), dict(pool.engine_config), pool_resource=False, ep=ep, eplb=pool.eplb,
                 max_restarts=0,  # a lone restarted rank cannot rejoin its group: the group restarts whole
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
                 **opts,

@@ -41,6 +41,16 @@ def _wait(predicate, timeout_s: float = 30.0) -> None:
         time.sleep(0.02)
 
 
+def _eplb(pool: str) -> dict:
+    """EPLB on a short window and period (8 and 16 forwards), so that experts move while
+    the tests run: one redundant expert per rank."""
+    from dataclasses import asdict
+
+    from services.eplb_controller import EplbConfig
+
+    return asdict(EplbConfig(pool, num_redundant_per_rank=1, window_steps=8, period_steps=16))
+
+
 @pytest.fixture(scope="module")
 def store() -> Iterator[object]:
     from kvstore.cluster import LocalClusterConfig
@@ -59,8 +69,8 @@ def stack(ray_local, model, store) -> Iterator[tuple[str, RayServingClient]]:
     engine = {**ENGINE, "kv_store": str(store.spec_path)}
     client = RayServingClient(
         model,
-        PoolConfig(2, engine, resources={"prefill": 1}, expert_parallel=2),
-        PoolConfig(2, engine, resources={"decode": 1}, expert_parallel=2),
+        PoolConfig(2, engine, resources={"prefill": 1}, expert_parallel=2, eplb=_eplb("prefill")),
+        PoolConfig(2, engine, resources={"decode": 1}, expert_parallel=2, eplb=_eplb("decode")),
         policy="round_robin",
     )
     app = create_app(ApiConfig(), client)
@@ -231,6 +241,28 @@ def test_an_abort_mid_stream_leaves_nothing_held(stack):
         )
 
     _wait(idle)
+
+
+def test_eplb_moves_experts_while_serving_and_outputs_stay_equal(stack, reference):
+    """EPLB runs in every EP instance's serving loop: experts are re-placed (weights moved
+    between the ranks) while requests run, and greedy answers still equal one engine's."""
+    url, client = stack
+    ranks = [*client.prefill, *client.decode.replicas]
+
+    def moved() -> float:
+        return sum(r.stats().extra.get("eplb_layers_moved", 0.0) for r in ranks)
+
+    for k in range(20):  # bounded: each request is several forwards on its instance
+        if moved() > 0:
+            break
+        _chat(url, [{"role": "user", "content": f"move the experts {k}"}], max_tokens=16)
+    assert moved() > 0, [r.stats().extra for r in ranks]
+    assert all(r.stats().extra["ep_forwards"] > 0 for r in ranks)
+    for messages in CHATS[:2]:
+        assert (
+            _chat(url, messages).choices[0].message.content
+            == _chat(reference, messages).choices[0].message.content
+        )
 
 
 def test_every_listener_is_on_loopback(stack, store):
