@@ -45,7 +45,9 @@ def uvicorn_config(app: Any, cfg: ApiConfig, host: str, port: int, log_level: st
         log_level=log_level,
         access_log=False,
         timeout_keep_alive=5,
-        timeout_graceful_shutdown=5,
+        # SIGTERM drains: the listener closes at once (new requests go to another replica)
+        # and requests in flight may finish, as long as a request may run at all
+        timeout_graceful_shutdown=int(cfg.request_timeout_s) + 1,
         server_header=False,
     )
 
@@ -80,8 +82,12 @@ class ServerThread:
         return self
 
     def stop(self, timeout_s: float = 30.0) -> None:
+        """Drain as SIGTERM does, for half of ``timeout_s``; then end what is still open."""
         self.server.should_exit = True
-        self.thread.join(timeout_s)
+        self.thread.join(timeout_s / 2)
+        if self.thread.is_alive():
+            self.server.force_exit = True
+            self.thread.join(timeout_s / 2)
 
     def __enter__(self) -> ServerThread:
         return self.start()

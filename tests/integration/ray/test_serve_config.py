@@ -52,6 +52,18 @@ def test_serve_config_brings_the_stack_up_answers_and_stops_cleanly(model, tmp_p
         metrics = httpx.get(f"{server.url}/metrics", timeout=10).text
         assert 'sluice_decode_placed_requests_total{engine="decode-0"} 1.0' in metrics, metrics[-2000:]
         assert "serving" in server.output() and "1 prefill and 1 decode engine(s) on Ray" in server.output()
+        # SIGTERM drains: a stream in flight runs to its end, new connections are refused
+        stream = oai.completions.create(
+            model="deepseek-chat", prompt="drain me", max_tokens=200, temperature=0, stream=True,
+            extra_body={"ignore_eos": True},
+        )  # fmt: skip
+        chunks = iter(stream)
+        next(chunks)
+        server.proc.terminate()
+        rest = list(chunks)
+        assert rest[-1].choices[0].finish_reason == "length"
+        with pytest.raises(httpx.TransportError):
+            httpx.get(f"{server.url}/health", timeout=2)
     finally:
         server.stop()
     assert server.proc.returncode in (0, -15), server.output()
