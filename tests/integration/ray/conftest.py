@@ -1,8 +1,10 @@
-"""Fixtures shared by the Ray integration tests: the tiny checkpoint and a single-engine reference."""
+"""Fixtures shared by the Ray integration tests: the tiny checkpoint, a single-engine
+reference, a 12-node KV store, and ``wait_until`` for state that engines push."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -21,3 +23,22 @@ def ref(model) -> Iterator[EngineCore]:
     c = EngineCore(EngineConfig(model=str(model), enable_prefix_caching=False))
     yield c
     c.close()
+
+
+@pytest.fixture(scope="module")
+def store() -> Iterator[object]:
+    """A 12-node KV store with its Redis directory, on loopback (``.spec_path``)."""
+    from kvstore.cluster import LocalClusterConfig
+    from services.storeproc import LocalStore
+
+    with LocalStore(LocalClusterConfig(nodes=12)) as s:
+        yield s
+
+
+def wait_until(predicate: Callable[[], bool], timeout_s: float = 60.0, what: str = "condition") -> None:
+    """Poll ``predicate`` (pushed engine state lags the calls by a few ms) until it holds."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached within {timeout_s} s")
+        time.sleep(0.01)

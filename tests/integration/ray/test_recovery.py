@@ -21,28 +21,11 @@ from services.api.config import ApiConfig
 from services.api.inprocess import InProcessEngineClient
 from services.api.server import ServerThread
 from services.ray.serving import PoolConfig, RayServingClient
+from tests.integration.ray.conftest import wait_until
 
 pytestmark = pytest.mark.integration
 
 ENGINE = {"num_blocks": 32, "max_num_batched_tokens": 128}
-
-
-def _wait(predicate, timeout_s: float = 60.0, what: str = "condition") -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached within {timeout_s} s")
-        time.sleep(0.01)
-
-
-@pytest.fixture(scope="module")
-def store() -> Iterator[object]:
-    """The stack's KV store; the last test stops it."""
-    from kvstore.cluster import LocalClusterConfig
-    from services.storeproc import LocalStore
-
-    with LocalStore(LocalClusterConfig(nodes=12)) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +85,7 @@ def _kill(replica) -> int:
 
 
 def _at_full_strength(replicas, killed_pid: int) -> None:
-    _wait(
+    wait_until(
         lambda: (
             all(r.alive for r in replicas)
             and killed_pid not in {int(r.stats().extra["pid"]) for r in replicas}
@@ -122,7 +105,9 @@ def test_a_decode_engine_killed_mid_stream_the_client_gets_the_rest_unchanged(st
         if chunk.choices:
             got.append(chunk.choices[0].text)
         if killed is None and len(got) == 20:
-            _wait(lambda: sum(r.stats().running for r in decode.replicas) == 1, what="the request decoding")
+            wait_until(
+                lambda: sum(r.stats().running for r in decode.replicas) == 1, what="the request decoding"
+            )
             victim = next(r for r in decode.replicas if r.stats().running == 1)
             killed = _kill(victim)
     assert killed is not None
@@ -140,7 +125,7 @@ def test_a_prefill_engine_killed_mid_prompt_is_retried_on_the_other(stack, refer
     failovers = client.router.failovers
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the API answers once the first token is there
         answer = pool.submit(_text, url, prompt, 16)
-        _wait(lambda: any(r.stats().running for r in client.prefill), what="the prompt prefilling")
+        wait_until(lambda: any(r.stats().running for r in client.prefill), what="the prompt prefilling")
         victim = next(r for r in client.prefill if r.stats().running)
         killed = _kill(victim)
         assert answer.result(timeout=120) == want
@@ -159,7 +144,7 @@ def test_with_the_handoff_point_and_the_store_gone_the_stream_ends_within_5_s(st
     _oai, stream = _stream(url, "nothing to come back to: ", 400)
     chunks = iter(stream)
     next(chunks)
-    _wait(lambda: sum(r.stats().running for r in decode.replicas) == 1, what="the request decoding")
+    wait_until(lambda: sum(r.stats().running for r in decode.replicas) == 1, what="the request decoding")
     (handoff,) = [h for p in client.prefill for h in p.handoffs.values()]
     handoff.payload_ref = _lost_object()  # as when the node holding the payload is lost
     with pytest.raises(ray.exceptions.RayError):

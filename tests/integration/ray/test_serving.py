@@ -21,6 +21,7 @@ from services.api.config import ApiConfig
 from services.api.inprocess import InProcessEngineClient
 from services.api.server import ServerThread
 from services.ray.serving import PoolConfig, RayServingClient
+from tests.integration.ray.conftest import wait_until
 from tests.integration.services.test_local_services import LOOPBACK_PREFIXES, _pids_of_tree, _sockets_of
 
 pytestmark = pytest.mark.integration
@@ -33,14 +34,6 @@ CHATS = (
 )
 
 
-def _wait(predicate, timeout_s: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        time.sleep(0.02)
-
-
 def _eplb(pool: str) -> dict:
     """EPLB on a short window and period (8 and 16 forwards), so that experts move while
     the tests run: one redundant expert per rank."""
@@ -49,15 +42,6 @@ def _eplb(pool: str) -> dict:
     from services.eplb_controller import EplbConfig
 
     return asdict(EplbConfig(pool, num_redundant_per_rank=1, window_steps=8, period_steps=16))
-
-
-@pytest.fixture(scope="module")
-def store() -> Iterator[object]:
-    from kvstore.cluster import LocalClusterConfig
-    from services.storeproc import LocalStore
-
-    with LocalStore(LocalClusterConfig(nodes=12)) as s:
-        yield s
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +126,7 @@ def test_a_full_decode_pool_answers_503_and_holds_nothing(stack):
         for k in range(len(decode.replicas)):
             hog = _hog(oai, f"hog {k}", 4096)  # 17 of the 32 blocks
             hogs.append(hog)
-        _wait(
+        wait_until(
             lambda: [r.stats().running for r in decode.replicas] == [1] * len(hogs)
         )  # the 2D rule spread them
         refused = decode.refused
@@ -153,7 +137,9 @@ def test_a_full_decode_pool_answers_503_and_holds_nothing(stack):
     finally:
         for hog in hogs:
             hog.close()
-    _wait(lambda: all(r.stats().running + r.stats().extra.get("reserved", 0) == 0 for r in decode.replicas))
+    wait_until(
+        lambda: all(r.stats().running + r.stats().extra.get("reserved", 0) == 0 for r in decode.replicas)
+    )
     assert all(r.alive for r in client.prefill)  # backpressure did not mark a prefill engine down
 
 
@@ -184,7 +170,7 @@ def test_a_shared_prefix_on_the_other_prefill_engine_comes_from_the_store(stack)
     routed = list(client.router.routed)
     first = _chat(url, [{"role": "user", "content": prefix + "first question"}], max_tokens=2)
     hit_engine = [a - b for a, b in zip(client.router.routed, routed, strict=True)].index(1)
-    _wait(lambda: client.prefill[hit_engine].stats().extra.get("kv_store_blocks_written", 1) > 0)
+    wait_until(lambda: client.prefill[hit_engine].stats().extra.get("kv_store_blocks_written", 1) > 0)
     time.sleep(0.5)  # the write-through is asynchronous: let the blocks reach the store
     routed = list(client.router.routed)
     second = _chat(url, [{"role": "user", "content": prefix + "second question"}], max_tokens=2)
@@ -205,11 +191,11 @@ def test_decode_placement_follows_the_2d_rule(stack):
     assert decode is not None
     oai = _oai(url)  # kept: a collected client closes its stream
     hog = _hog(oai, "hold on " * 100, 2000)
-    _wait(lambda: sum(r.stats().running for r in decode.replicas) == 1)
+    wait_until(lambda: sum(r.stats().running for r in decode.replicas) == 1)
     busy = [r.stats().running for r in decode.replicas].index(1)
     try:
         for k in range(3):
-            _wait(  # the previous request's end has been pushed: the loads are settled
+            wait_until(  # the previous request's end has been pushed: the loads are settled
                 lambda: all(
                     r.stats().running + r.stats().extra.get("reserved", 0) == (i == busy)
                     for i, r in enumerate(decode.replicas)
@@ -230,7 +216,7 @@ def test_an_abort_mid_stream_leaves_nothing_held(stack):
     url, client = stack
     oai = _oai(url)
     stream = _hog(oai, "go on", 400)
-    _wait(lambda: sum(r.stats().running for r in client.decode.replicas) == 1)  # decoding now
+    wait_until(lambda: sum(r.stats().running for r in client.decode.replicas) == 1)  # decoding now
     stream.close()
     engines = [*client.prefill, *client.decode.replicas]
 
@@ -240,7 +226,7 @@ def test_an_abort_mid_stream_leaves_nothing_held(stack):
             for r in engines
         )
 
-    _wait(idle)
+    wait_until(idle)
 
 
 def test_eplb_moves_experts_while_serving_and_outputs_stay_equal(stack, reference):
