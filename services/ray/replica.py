@@ -197,7 +197,7 @@ class RayEngineReplica:
         if not self._alive:
             raise EngineUnavailable(f"engine {self.name} is down")
         if self.decode is None:
-            async for out in self._stream(self.actor.generate, request):
+            async for out in self._stream("generate", request):
                 yield out
             return
         async for out in self._disaggregated(request):
