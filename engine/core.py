@@ -329,6 +329,9 @@ class EngineCore:
             "free_swa_slots": float(slots.num_available),
             "total_swa_slots": float(slots.num_slots),
             "retained_swa_slots": float(slots.num_retained),
+            # what requests hold (cached blocks and retained slots are reclaimable, not held)
+            "held_blocks": float(blocks.num_blocks - blocks.num_available - slots.num_retained_partials),
+            "held_swa_slots": float(slots.num_slots - slots.num_available),
             "preemptions": float(sched.num_preemptions),
             "waiting_for_remote_kv": float(len(self._fetches)),
         }

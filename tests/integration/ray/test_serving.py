@@ -212,21 +212,30 @@ def test_decode_placement_follows_the_2d_rule(stack):
         hog.close()
 
 
-def test_an_abort_mid_stream_leaves_nothing_held(stack):
+HELD = ("running", "waiting", "reserved", "held_blocks", "held_swa_slots")
+
+
+def _holds(r) -> dict[str, float]:
+    st = r.stats()
+    counts = {"running": st.running, "waiting": st.waiting}
+    return {k: float(counts.get(k, st.extra.get(k, 0.0))) for k in HELD}
+
+
+@pytest.mark.parametrize("when", ["mid-handoff", "mid-decode"])
+def test_an_abort_leaves_no_blocks_slots_or_reservations_on_either_side(stack, when):
+    """The client goes away right after the first token (the prefill engine has handed the
+    sequence off; the decode engine holds its reservation and may be importing it), or
+    while the decode engine streams: afterwards no engine holds a sequence, block, SWA slot
+    or reservation."""
     url, client = stack
     oai = _oai(url)
-    stream = _hog(oai, "go on", 400)
-    wait_until(lambda: sum(r.stats().running for r in client.decode.replicas) == 1)  # decoding now
+    stream = _hog(oai, f"go on {when}", 400)  # its first chunk (the prefill's token) is read
+    if when == "mid-decode":
+        wait_until(lambda: sum(r.stats().running for r in client.decode.replicas) == 1)
     stream.close()
     engines = [*client.prefill, *client.decode.replicas]
-
-    def idle() -> bool:
-        return all(
-            r.stats().running + r.stats().waiting == 0 and r.stats().extra.get("reserved", 0) == 0
-            for r in engines
-        )
-
-    wait_until(idle)
+    idle = dict.fromkeys(HELD, 0.0)
+    wait_until(lambda: all(_holds(r) == idle for r in engines), what="nothing held anywhere")
 
 
 def test_eplb_moves_experts_while_serving_and_outputs_stay_equal(stack, reference):
