@@ -56,7 +56,8 @@ class RayServingClient:
     tokenizer). ``prefill``: the prefill pool (the whole pool when ``decode`` has no
     engines). ``policy`` / ``decode_policy``: the router's prefill and decode policy names
     (``sluice``: prefix- and load-aware prefill, the 2D decode balancer). ``cost``: the router's prefill cost
-    model (``costmodel.CostModel``; None: its default)."""
+    model (``costmodel.CostModel``; None: the checkpoint's fitted one, as the engines use,
+    else the router's default)."""
 
     def __init__(
         self,
@@ -123,11 +124,21 @@ class RayServingClient:
                 RayEngineReplica(a, by_actor[id(a)], self.decode, name=n, call_timeout_s=self.call_timeout_s)
                 for a, n in made[front]
             ]
-            self.router = RoutedEngineClient(self.prefill, self.policy, self.cost)
+            self.router = RoutedEngineClient(self.prefill, self.policy, self.cost or self._fitted_cost())
             await self.router.start()
         except BaseException:
             await self.close()
             raise
+
+    def _fitted_cost(self) -> Any:
+        """The prefill cost model fitted for this checkpoint (``sluice bench engine --profile``
+        writes it beside the weights, where the engines' schedulers read it too), else None:
+        the router's default, an H200 fit (docs/router.md)."""
+        from costmodel import CostModel
+        from engine.engine_config import COST_MODEL_FILE
+
+        path = self.checkpoint / COST_MODEL_FILE
+        return CostModel.from_json(path.read_text()) if path.is_file() else None
 
     def _instance(self, role: str, index: int, pool: PoolConfig) -> list[tuple[Any, str]]:
         """The actors of one model instance: one engine, or one per EP rank in a placement
