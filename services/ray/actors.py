@@ -113,7 +113,7 @@ class EngineActor:
     # -- requests ----------------------------------------------------------------------------
     async def prefill(self, request: Mapping[str, Any]) -> tuple[list[dict[str, Any]], bytes]:
         """Run the prompt, sample the first token, export the sequence (see the module doc)."""
-        from services.api.inprocess import Handoff
+        from services.api.handoff import Handoff
         from services.ray.wire import output_to_wire, request_from_wire
 
         outputs: list[dict[str, Any]] = []

@@ -13,7 +13,8 @@ import pytest
 
 from engine.kvconnector.transfer import EngineFull
 from services.api.engine_client import EngineOutput, EngineRequest, EngineRequestError
-from services.api.inprocess import Handoff, InProcessEngineClient
+from services.api.handoff import Handoff
+from services.api.inprocess import InProcessEngineClient
 
 pytestmark = pytest.mark.integration
 
