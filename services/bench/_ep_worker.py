@@ -272,7 +272,7 @@ def _eplb_summary(
     }
 
 
-def worker(rank: int, world: int, port: int, args: dict[str, Any], out_dir: str) -> None:
+def worker(rank: int, world: int, rendezvous: str, args: dict[str, Any], out_dir: str) -> None:
     a = WorkerArgs(**{**args, "decode_batches": tuple(args["decode_batches"])})
     r = Rank(rank, world, a.device)
     group = None
@@ -282,7 +282,7 @@ def worker(rank: int, world: int, port: int, args: dict[str, Any], out_dir: str)
         torch.set_num_threads(1)
     if world > 1:
         backend = "nccl" if a.device == "cuda" else "gloo"
-        join_group(backend, port, rank, world)
+        join_group(backend, rendezvous, rank, world)
         dist.all_reduce(torch.zeros(1, device=r.device))  # p2p must not be the group's first collective
     try:
         mcfg = model_config(a)

@@ -69,12 +69,12 @@ def _worker_args(args: argparse.Namespace) -> dict[str, Any]:
 def _spawn(world: int, wargs: dict[str, Any], out: Path, timeout: float) -> dict[str, Any]:
     import torch.multiprocessing as mp
 
-    from engine.distributed.rendezvous import serve_store
+    from engine.distributed.rendezvous import rendezvous_file
     from services.bench._ep_worker import worker
 
     ctx = mp.get_context("spawn")
-    store = serve_store()  # the ranks' rendezvous, held until they are done
-    procs = [ctx.Process(target=worker, args=(r, world, store.port, wargs, str(out))) for r in range(world)]
+    store = rendezvous_file()  # the ranks' rendezvous, held until they are done
+    procs = [ctx.Process(target=worker, args=(r, world, store.path, wargs, str(out))) for r in range(world)]
     for p in procs:
         p.start()
     for p in procs:

@@ -1,9 +1,9 @@
 """``EPGroup``: one engine instance as an expert-parallel group of Ray actors, one per rank.
 
 The ranks live in one Ray placement group (one bundle per rank, ``STRICT_PACK``: one node).
-The driver serves the rendezvous ``TCPStore`` (`engine.distributed.rendezvous.serve_store`)
-on 127.0.0.1 and hands its port to every rank; each rank joins ``torch.distributed`` through
-it (gloo on CPU, NCCL on CUDA) and builds a ``ModelRunner`` with its ``ep_size``/``ep_rank``
+The driver makes a rendezvous file (`engine.distributed.rendezvous.rendezvous_file`) and
+hands its path to every rank; each rank joins ``torch.distributed`` through it (gloo on CPU,
+NCCL on CUDA) and builds a ``ModelRunner`` with its ``ep_size``/``ep_rank``
 on the same checkpoint. Attention is data-parallel: ``execute`` takes one batch per rank and
 runs all ranks at once; the MoE layers exchange token rows with all-to-all
 (`engine.distributed.ep`).
@@ -14,7 +14,7 @@ main-model MoE layer's dispatch with zero rows, so it still serves the rows that
 ranks route to its experts (``ForwardBatch`` itself refuses an empty batch).
 
 Timeouts: the group's default collective timeout is ``timeout_s`` (5 s), so no rank waits
-on a dead peer longer than that; the rendezvous (the store clients) has ``init_timeout_s``,
+on a dead peer longer than that; the rendezvous (the file store) has ``init_timeout_s``,
 and the ranks call ``init_process_group`` together only once every actor is up, so a slow
 actor start does not eat into the 5 s. Inputs and outputs are plain data: ``SequenceInput``
 lists in, numpy arrays out.
@@ -22,13 +22,11 @@ lists in, numpy arrays out.
 This runs forwards only: the caller builds each rank's batch. Serving engines of several
 EP ranks are engine actors stepping in lockstep (``engine.distributed.lockstep``,
 ``services.ray.serving``). A failure surfaces as an exception from ``execute`` (``shutdown``
-and start anew); the NCCL path has not run (no GPU on the development host); the
-rendezvous ``TCPStore`` server listens on every interface while the group lives.
+and start anew); the NCCL path has not run (no GPU on the development host).
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -47,15 +45,14 @@ class EPRank:
         checkpoint: str,
         rank: int,
         world_size: int,
-        host: str,
-        port: int,
+        store_path: str,
         runner_config: Mapping[str, Any] | None = None,
         timeout_s: float = 5.0,
         init_timeout_s: float = 60.0,
         num_threads: int = 1,
     ) -> None:
         self.checkpoint, self.rank, self.world_size = str(checkpoint), rank, world_size
-        self.host, self.port = host, port
+        self.store_path = store_path
         self.runner_config = dict(runner_config or {})
         self.timeout_s, self.init_timeout_s = timeout_s, init_timeout_s
         self.num_threads = num_threads
@@ -65,36 +62,24 @@ class EPRank:
         return os.getpid()
 
     def join(self) -> dict[str, Any]:
-        """Join the group through the driver's store, then load this rank's runner."""
+        """Join the group through the rendezvous file, then load this rank's runner."""
         import torch
         import torch.distributed as dist
 
+        from engine.distributed.lockstep import EPMember
         from engine.runner import ModelRunner, RunnerConfig
 
         if self.num_threads:
             torch.set_num_threads(self.num_threads)
         device = str(self.runner_config.get("device", "cpu"))
-        cuda = device.startswith("cuda")
-        if cuda:
+        if device.startswith("cuda"):
             torch.cuda.set_device(torch.device(device if ":" in device else "cuda:0"))
-        elif self.host.startswith("127."):
+        else:
             from services import envs
 
-            envs.export_to_children({"GLOO_SOCKET_IFNAME": "lo"})  # gloo's pair sockets on loopback too
-        store = dist.TCPStore(
-            self.host,
-            self.port,
-            None,
-            is_master=False,
-            timeout=datetime.timedelta(seconds=self.init_timeout_s),
-        )
-        dist.init_process_group(
-            "nccl" if cuda else "gloo",
-            store=store,
-            rank=self.rank,
-            world_size=self.world_size,
-            timeout=datetime.timedelta(seconds=self.timeout_s),
-        )
+            envs.export_to_children({"GLOO_SOCKET_IFNAME": "lo"})  # the ranks share a host: pairs on loopback
+        member = EPMember(self.rank, self.world_size, self.store_path, self.timeout_s, self.init_timeout_s)
+        member.join(device)
         cfg = RunnerConfig(**{**self.runner_config, "ep_size": self.world_size, "ep_rank": self.rank})
         self.runner = ModelRunner(self.checkpoint, cfg, ep_group=dist.group.WORLD)
         return {"rank": self.rank, "pid": os.getpid(), "backend": dist.get_backend()}
@@ -155,7 +140,7 @@ class EPGroup:
         from ray.util.placement_group import placement_group, remove_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-        from engine.distributed.rendezvous import HOST, serve_store
+        from engine.distributed.rendezvous import rendezvous_file
 
         if ep_size < 2:
             raise ValueError("an EP group needs ep_size >= 2; use a ModelRunner for one rank")
@@ -164,7 +149,7 @@ class EPGroup:
             raise ValueError("ep_size/ep_rank are the group's, not runner_config's")
         self.ep_size, self.call_timeout_s = ep_size, call_timeout_s
         per_rank = dict(bundle or DEFAULT_BUNDLE)
-        self.store = serve_store(init_timeout_s)  # held until shutdown
+        self.store: Any = rendezvous_file()  # the ranks' meeting file, held until shutdown
         self.pg = placement_group(
             [dict(per_rank) for _ in range(ep_size)], strategy="STRICT_PACK", name=name or ""
         )
@@ -187,9 +172,7 @@ class EPGroup:
                         num_gpus=gpus,
                         resources=custom,
                         scheduling_strategy=strategy,
-                    ).remote(
-                        str(checkpoint), rank, ep_size, HOST, self.store.port, cfg, timeout_s, init_timeout_s
-                    )
+                    ).remote(str(checkpoint), rank, ep_size, self.store.path, cfg, timeout_s, init_timeout_s)
                 )
             ray.get([a.ready.remote() for a in self.actors], timeout=call_timeout_s)  # every process is up
             self.info = ray.get([a.join.remote() for a in self.actors], timeout=call_timeout_s)
@@ -226,4 +209,6 @@ class EPGroup:
                 ray.kill(a)
             self.actors = []
             remove_placement_group(self.pg)
+            if self.store is not None:
+                self.store.close()
             self.pg, self.store = None, None

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.distributed.rendezvous import join_group, serve_store
+from engine.distributed.rendezvous import join_group, rendezvous_file
 from engine.eplb import ExpertLoadRecorder, ReplicaMap, remap_expert_weights
 from router.eplb.transfer import plan_remap
 
@@ -26,11 +26,11 @@ def _weights(logical: np.ndarray, device: torch.device) -> dict[str, torch.Tenso
     return {"w13": (ids * 1000 + torch.arange(64, device=device).reshape(1, 8, 8)).to(torch.bfloat16)}
 
 
-def _worker(rank: int, port: int) -> None:
+def _worker(rank: int, rendezvous: str) -> None:
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # no NVLink multicast
     torch.cuda.set_device(rank)
     dev = torch.device("cuda", rank)
-    join_group("nccl", port, rank, R)
+    join_group("nccl", rendezvous, rank, R)
     try:
         dist.all_reduce(torch.zeros(1, device=dev))  # p2p must not be the group's first collective
         rng = np.random.default_rng(7)
@@ -47,8 +47,8 @@ def _worker(rank: int, port: int) -> None:
 
 @two_gpus
 def test_nccl_remap_moves_every_slot() -> None:
-    store = serve_store()  # the ranks' rendezvous, held until they are done
-    mp.spawn(_worker, args=(store.port,), nprocs=R, join=True)
+    store = rendezvous_file()  # the ranks' rendezvous, held until they are done
+    mp.spawn(_worker, args=(store.path,), nprocs=R, join=True)
 
 
 @one_gpu

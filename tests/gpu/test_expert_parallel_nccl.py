@@ -27,7 +27,7 @@ from safetensors.torch import load_file, save_file
 from engine.checkpoint.generate import generate_checkpoint
 from engine.checkpoint.presets import preset_config
 from engine.config import ModelConfig
-from engine.distributed.rendezvous import join_group, serve_store
+from engine.distributed.rendezvous import join_group, rendezvous_file
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.runner import ModelRunner, RunnerConfig
 
@@ -70,12 +70,12 @@ def _runner(case: str, path: str, world: int, rank: int, device: str) -> ModelRu
     return ModelRunner.random(ModelConfig.from_dict(preset_config("flash-shape", **FLASH)), cfg, seed=3)
 
 
-def _worker(rank: int, port: int, case: str, path: str, out_dir: str) -> None:
+def _worker(rank: int, rendezvous: str, case: str, path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # no NVLink multicast
     torch.cuda.set_device(rank)
-    join_group("nccl", port, rank, WORLD)
+    join_group("nccl", rendezvous, rank, WORLD)
     try:
         dist.all_reduce(torch.zeros(1, device=f"cuda:{rank}"))
         runner = _runner(case, path, WORLD, rank, f"cuda:{rank}")
@@ -90,8 +90,8 @@ def _worker(rank: int, port: int, case: str, path: str, out_dir: str) -> None:
 @pytest.mark.parametrize("case", ["tiny_fp32", "flash_bf16"])
 def test_ep2_nccl_matches_one_gpu(case: str, tmp_path: Path) -> None:
     path = str(generate_checkpoint("tiny", tmp_path / "tiny").path) if case == "tiny_fp32" else ""
-    store = serve_store()  # the ranks' rendezvous, held until they are done
-    mp.spawn(_worker, args=(store.port, case, path, str(tmp_path)), nprocs=WORLD, join=True)
+    store = rendezvous_file()  # the ranks' rendezvous, held until they are done
+    mp.spawn(_worker, args=(store.path, case, path, str(tmp_path)), nprocs=WORLD, join=True)
     single = _runner(case, path, 1, 0, "cuda:0")
     errs, same_routing = [], []
     for rank in range(WORLD):

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.distributed.rendezvous import join_group, serve_store
+from engine.distributed.rendezvous import join_group, rendezvous_file
 from engine.eplb import remap_expert_weights
 from router.eplb.transfer import plan_remap
 
@@ -35,9 +35,9 @@ def _expert_weights(logical: np.ndarray) -> dict[str, torch.Tensor]:
     return {"w13": w13, "scale": scale}
 
 
-def _worker(rank: int, world: int, port: int, redundant: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, rendezvous: str, redundant: int, out_dir: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"  # keep gloo's sockets on loopback
-    join_group("gloo", port, rank, world)
+    join_group("gloo", rendezvous, rank, world)
     try:
         rng = np.random.default_rng(1234)  # the same placements on every rank
         s = NUM_LOGICAL // world + redundant
@@ -63,10 +63,10 @@ def _worker(rank: int, world: int, port: int, redundant: int, out_dir: str) -> N
 def test_remap_puts_every_logical_expert_in_every_slot(tmp_path: Path, world: int, redundant: int) -> None:
     torch.set_num_threads(1)
     # fork: the children inherit the imported torch instead of re-importing it (seconds each)
-    store = serve_store()  # the ranks' rendezvous, held until they are done
+    store = rendezvous_file()  # the ranks' rendezvous, held until they are done
     mp.start_processes(
         _worker,
-        args=(world, store.port, redundant, str(tmp_path)),
+        args=(world, store.path, redundant, str(tmp_path)),
         nprocs=world,
         join=True,
         start_method="fork",

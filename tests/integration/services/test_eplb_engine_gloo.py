@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from engine.distributed.rendezvous import join_group, serve_store
+from engine.distributed.rendezvous import join_group, rendezvous_file
 from engine.runner import ModelRunner, RunnerConfig
 from services.eplb_controller import EplbConfig
 from services.eplb_engine import EngineEplb, MoEExpertStore, greedy_generate, initial_placement
@@ -65,11 +65,11 @@ def _generate(path: str, rank: int, mode: str, out_dir: Path) -> dict:
     return {"tokens": tokens, "tables": tables, "sent": r.bytes_sent, "received": r.bytes_received}
 
 
-def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
+def _worker(rank: int, rendezvous: str, path: str, out_dir: str) -> None:
     import torch.distributed as dist
 
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    join_group("gloo", port, rank, WORLD)
+    join_group("gloo", rendezvous, rank, WORLD)
     try:
         torch.set_num_threads(1)
         out = {mode: _generate(path, rank, mode, Path(out_dir)) for mode in MODES}
@@ -84,8 +84,8 @@ def ep_run(checkpoint_factory, tmp_path_factory) -> tuple[Path, Path, list[dict]
     path = checkpoint_factory("tiny", seed=3)
     out_dir = tmp_path_factory.mktemp("eplb-engine")
     ctx = mp.get_context("spawn")
-    store = serve_store()  # the ranks' rendezvous, held until they are done
-    procs = [ctx.Process(target=_worker, args=(r, store.port, str(path), str(out_dir))) for r in range(WORLD)]
+    store = rendezvous_file()  # the ranks' rendezvous, held until they are done
+    procs = [ctx.Process(target=_worker, args=(r, store.path, str(path), str(out_dir))) for r in range(WORLD)]
     for p in procs:
         p.start()
     for p in procs:

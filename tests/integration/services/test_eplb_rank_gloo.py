@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.distributed.rendezvous import join_group, serve_store
+from engine.distributed.rendezvous import join_group, rendezvous_file
 from engine.eplb import ExpertLoadRecorder, ReplicaMap
 from services.eplb_controller import EplbConfig, EplbController
 from services.eplb_rank import EplbRankRunner
@@ -52,9 +52,9 @@ def _route(rng: np.random.Generator, step: int) -> torch.Tensor:
     return torch.as_tensor(ids)  # [T, k]
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _worker(rank: int, world: int, rendezvous: str, out_dir: str) -> None:
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    join_group("gloo", port, rank, world)
+    join_group("gloo", rendezvous, rank, world)
     try:
         cfg = EplbConfig.for_pool("prefill", num_redundant_per_rank=2, window_steps=5, period_steps=15)
         initial = EplbController(cfg, LAYERS, EXPERTS, world).placement.phy2log
@@ -91,8 +91,8 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 def test_ep2_remaps_during_serving_and_outputs_stay_identical(tmp_path: Path) -> None:
-    store = serve_store()  # the ranks' rendezvous, held until they are done
-    mp.start_processes(_worker, args=(2, store.port, str(tmp_path)), nprocs=2, join=True, start_method="fork")
+    store = rendezvous_file()  # the ranks' rendezvous, held until they are done
+    mp.start_processes(_worker, args=(2, store.path, str(tmp_path)), nprocs=2, join=True, start_method="fork")
     out = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
     assert out[0]["moved"] >= LAYERS  # at least one full remap happened while serving
     assert out[0]["sent"] + out[1]["sent"] > 0

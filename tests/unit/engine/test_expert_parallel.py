@@ -9,7 +9,7 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from engine.distributed.rendezvous import join_group, serve_store
+from engine.distributed.rendezvous import join_group, rendezvous_file
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.model.moe import ExpertPlacement
 from engine.runner import ModelRunner, RunnerConfig
@@ -42,10 +42,12 @@ def _placement(world: int, replicated: bool, rank: int) -> ExpertPlacement | Non
     return ExpertPlacement(torch.tensor(REPLICATED), num_logical=8, ep_size=world, offset=rank)
 
 
-def _worker(rank: int, world: int, port: int, path: str, out_dir: str, replicated: bool = False) -> None:
+def _worker(
+    rank: int, world: int, rendezvous: str, path: str, out_dir: str, replicated: bool = False
+) -> None:
     import torch.distributed as dist
 
-    join_group("gloo", port, rank, world)
+    join_group("gloo", rendezvous, rank, world)
     try:
         torch.set_num_threads(1)
         cfg = RunnerConfig(num_blocks=2, num_slots=1, ep_size=world, ep_rank=rank)
@@ -71,9 +73,9 @@ def test_expert_parallel_matches_single_rank(reference, tmp_path: Path, world: i
     path, _ = reference(NAME)
     single = ModelRunner(path, RunnerConfig(num_blocks=2, num_slots=1))
     ctx = mp.get_context("spawn")
-    store = serve_store()  # the ranks' rendezvous, held until they are done
+    store = rendezvous_file()  # the ranks' rendezvous, held until they are done
     procs = [
-        ctx.Process(target=_worker, args=(r, world, store.port, str(path), str(tmp_path), replicated))
+        ctx.Process(target=_worker, args=(r, world, store.path, str(path), str(tmp_path), replicated))
         for r in range(world)
     ]
     for p in procs:
