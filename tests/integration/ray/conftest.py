@@ -3,6 +3,7 @@ reference, a 12-node KV store, and ``wait_until`` for state that engines push.""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -42,3 +43,15 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 60.0, what: str
         if time.monotonic() > deadline:
             raise AssertionError(f"{what} not reached within {timeout_s} s")
         time.sleep(0.01)
+
+
+@contextlib.contextmanager
+def served(client: object) -> Iterator[str]:
+    """The API (default limits) over ``client`` on 127.0.0.1: its base URL, until the block ends."""
+    from services.api.app import create_app
+    from services.api.config import ApiConfig
+    from services.api.server import ServerThread
+
+    app = create_app(ApiConfig(), client)  # type: ignore[arg-type]
+    with ServerThread(app, app.state.sluice.config) as srv:
+        yield srv.url

@@ -17,11 +17,9 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from services.api.config import ApiConfig
 from services.api.inprocess import InProcessEngineClient
-from services.api.server import ServerThread
 from services.ray.serving import PoolConfig, RayServingClient
-from tests.integration.ray.conftest import wait_until
+from tests.integration.ray.conftest import served, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -30,8 +28,6 @@ ENGINE = {"num_blocks": 32, "max_num_batched_tokens": 128}
 
 @pytest.fixture(scope="module")
 def stack(ray_local, model, store) -> Iterator[tuple[str, RayServingClient]]:
-    from services.api.app import create_app
-
     engine = {**ENGINE, "kv_store": str(store.spec_path)}
     client = RayServingClient(
         model,
@@ -39,18 +35,14 @@ def stack(ray_local, model, store) -> Iterator[tuple[str, RayServingClient]]:
         PoolConfig(2, engine, resources={"decode": 1}),
         policy="round_robin",
     )
-    app = create_app(ApiConfig(), client)
-    with ServerThread(app, app.state.sluice.config) as srv:
-        yield srv.url, client
+    with served(client) as url:
+        yield url, client
 
 
 @pytest.fixture(scope="module")
 def reference(model) -> Iterator[str]:
-    from services.api.app import create_app
-
-    app = create_app(ApiConfig(), InProcessEngineClient(model, **ENGINE))
-    with ServerThread(app, app.state.sluice.config) as srv:
-        yield srv.url
+    with served(InProcessEngineClient(model, **ENGINE)) as url:
+        yield url
 
 
 def _stream(url: str, prompt: str, max_tokens: int):

@@ -17,11 +17,9 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from services.api.config import ApiConfig
 from services.api.inprocess import InProcessEngineClient
-from services.api.server import ServerThread
 from services.ray.serving import PoolConfig, RayServingClient
-from tests.integration.ray.conftest import wait_until
+from tests.integration.ray.conftest import served, wait_until
 from tests.integration.services.test_local_services import LOOPBACK_PREFIXES, _pids_of_tree, _sockets_of
 
 pytestmark = pytest.mark.integration
@@ -48,8 +46,6 @@ def _eplb(pool: str) -> dict:
 def stack(ray_local, model, store) -> Iterator[tuple[str, RayServingClient]]:
     """(API base URL, client). The prefill policy alternates engines (round robin), so that a
     shared prefix reaches the other prefill engine; decode placement is the 2D balancer."""
-    from services.api.app import create_app
-
     engine = {**ENGINE, "kv_store": str(store.spec_path)}
     client = RayServingClient(
         model,
@@ -57,18 +53,14 @@ def stack(ray_local, model, store) -> Iterator[tuple[str, RayServingClient]]:
         PoolConfig(2, engine, resources={"decode": 1}, expert_parallel=2, eplb=_eplb("decode")),
         policy="round_robin",
     )
-    app = create_app(ApiConfig(), client)
-    with ServerThread(app, app.state.sluice.config) as srv:
-        yield srv.url, client
+    with served(client) as url:
+        yield url, client
 
 
 @pytest.fixture(scope="module")
 def reference(model) -> Iterator[str]:
-    from services.api.app import create_app
-
-    app = create_app(ApiConfig(), InProcessEngineClient(model, num_blocks=32, enable_prefix_caching=False))
-    with ServerThread(app, app.state.sluice.config) as srv:
-        yield srv.url
+    with served(InProcessEngineClient(model, num_blocks=32, enable_prefix_caching=False)) as url:
+        yield url
 
 
 def _oai(url: str) -> openai.OpenAI:
