@@ -9,10 +9,10 @@ PYTEST_ARGS ?=
 TEST_MARKERS ?= not slow and not gpu
 # The pure cores (CONVENTIONS 1) are type-checked.
 MYPY_TARGETS ?= costmodel router kvstore services/envs.py services/ray/cluster_spec.py services/bench/__init__.py \
-	engine/eplb.py services/eplb_controller.py services/eplb_rank.py services/api \
+	engine/eplb.py services/eplb/controller.py services/eplb/rank.py services/api \
 	engine/scheduler engine/loop.py engine/executor.py engine/llm.py engine/core.py engine/messages.py engine/engine_config.py \
 	engine/kvconnector engine/train engine/sampling engine/structured services/commands/train.py \
-	services/routed_client.py services/router_adapter.py services/ray/wire.py services/ray/replica.py \
+	services/routing/client.py services/routing/adapter.py services/ray/wire.py services/ray/replica.py \
 	services/ray/serving.py services/ray/actors.py
 
 .PHONY: install proto test test-slow test-gpu lint run clean redis-server
@@ -41,7 +41,7 @@ redis-server:
 	    $(PIP) install -q redis-server==6.0.9; }
 
 proto: $(STAMP)-proto-tools
-	$(PY) -m services.protogen
+	$(PY) -m sluice_proto.generate
 
 $(STAMP)-proto-tools:
 	@test -f $(STAMP) || { test -x $(PY) || python3 -m venv $(VENV); $(PIP) install -q grpcio-tools==1.85.1 protobuf==7.36.2; }

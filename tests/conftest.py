@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from services.procs import RedisProcess
+from services.local.procs import RedisProcess
 
 
 @pytest.fixture(scope="session")

@@ -75,7 +75,7 @@ class InProcessEngineClient:
     def __init__(self, model_dir: str | Path, ep: Any = None, eplb: Any = None, **engine_kwargs: Any) -> None:
         """``ep``: an ``engine.distributed.lockstep.EPMember`` (or its fields as a dict) when
         this engine is one rank of an expert-parallel group; it then steps in lockstep with
-        the group's other ranks. ``eplb``: ``services.eplb_controller.EplbConfig`` (or its
+        the group's other ranks. ``eplb``: ``services.eplb.controller.EplbConfig`` (or its
         fields) to balance the group's experts while it serves (EP only)."""
         from engine.distributed.lockstep import EPMember
 
@@ -85,7 +85,7 @@ class InProcessEngineClient:
         if eplb is not None and self.ep is None:
             raise ValueError("EPLB balances an expert-parallel group: give ep too")
         if isinstance(eplb, dict):
-            from services.eplb_controller import EplbConfig
+            from services.eplb.controller import EplbConfig
 
             eplb = EplbConfig(**eplb)
         self.eplb = eplb if eplb is not None and eplb.enabled else None
@@ -147,7 +147,7 @@ class InProcessEngineClient:
             self._lockstep = Lockstep(core, group)
             return core
         from engine.config import ModelConfig
-        from services.eplb_engine import EngineEplb, initial_placement
+        from services.eplb.engine import EngineEplb, initial_placement
 
         experts = ModelConfig.from_dir(config.model).n_routed_experts
         placement = initial_placement(self.eplb, experts, self.ep.size, self.ep.rank)

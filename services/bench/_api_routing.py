@@ -82,7 +82,7 @@ def _serve_workload(
     from services.api.app import create_app
     from services.api.config import ApiConfig
     from services.api.server import ServerThread
-    from services.routed_client import RoutedEngineClient, RoutingConfig
+    from services.routing.client import RoutedEngineClient, RoutingConfig
 
     engine = RoutedEngineClient.in_process(model, RoutingConfig(replicas, policy, cost_model_path=cost))
     cfg = ApiConfig(max_concurrency=streams, max_queue=len(prompts), queue_timeout_s=600)
@@ -126,7 +126,7 @@ def _serve_workload(
 def run_routing(args: argparse.Namespace, model: Path) -> Report:
     import logging
 
-    from services.routed_client import RoutingConfig
+    from services.routing.client import RoutingConfig
 
     logging.getLogger("httpx2").setLevel(logging.WARNING)  # the openai SDK's client: a line per request
     policy = RoutingConfig(args.replicas, args.router_policy).resolve().policy  # validates both

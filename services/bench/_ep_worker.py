@@ -28,9 +28,9 @@ from router.eplb.metric import imbalance_matrix
 from router.eplb.placement import Placement
 from router.eplb.split import rank_loads
 from services.bench import progress
-from services.eplb_controller import EplbConfig
-from services.eplb_engine import EngineEplb, initial_placement
-from services.eplb_rank import EplbRankRunner
+from services.eplb.controller import EplbConfig
+from services.eplb.engine import EngineEplb, initial_placement
+from services.eplb.rank import EplbRankRunner
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from typing import Any
 from router.evaluate import POLICY_NAMES, evaluate, replay_builder, score, simulate
 from router.sim import PrefillEngineState, SimConfig
 from router.trace import Trace
-from services.procs import free_port
+from services.local.procs import free_port
 
 BLOCK_CHARS = 13  # 12 hex digits and a space per block
 _MIX = 0x9E3779B97F4A7C15  # odd: multiplication mod 2**48 is a bijection on block ids

@@ -2,7 +2,7 @@
 
 Real processes on this machine: a loopback Ray instance (``prefill`` and ``decode``
 resources), a KV store of 12 node processes with its Redis directory
-(``services.storeproc.LocalStore``), and two engine actors per configuration, driven
+(``services.local.store.LocalStore``), and two engine actors per configuration, driven
 through ``services.ray.serving.RayServingClient``:
 
 - ``colocated``: two engines in the prefill pool, no decode pool: each engine runs its
@@ -448,8 +448,8 @@ def run(args: argparse.Namespace) -> Report:
     import ray
 
     from kvstore.cluster import LocalClusterConfig
+    from services.local.store import LocalStore
     from services.ray.local_cluster import init_local_ray
-    from services.storeproc import LocalStore
 
     if args.requests < 1:
         raise ValueError("--requests needs at least 1")
@@ -482,7 +482,7 @@ def run(args: argparse.Namespace) -> Report:
             "sampling": "greedy (temperature 0), ignore_eos",
             "probe": {"prompt_tokens_asked": args.probe_tokens, "reps": PROBE_REPS, "max_tokens": PROBE_MAX_TOKENS},
             "ray": "loopback, num_cpus=2, resources prefill 4 / decode 4",
-            "store": "services.storeproc.LocalStore: 12 node processes + redis-server",
+            "store": "services.local.store.LocalStore: 12 node processes + redis-server",
             "request_timeout_s": args.request_timeout,
         },
     )  # fmt: skip

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> Report:
     from kvstore.codec import CodecConfig
     from kvstore.memtune import tune_malloc
     from kvstore.redis_directory import RedisDirectory
-    from services.procs import RedisProcess
+    from services.local.procs import RedisProcess
 
     sizes = [int(s) for s in args.sizes.split(",")]
     config = {k: v for k, v in vars(args).items() if k != "func"}

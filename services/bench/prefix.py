@@ -1,7 +1,7 @@
 """Prefix store: hit TTFT vs recompute, stored bytes per token vs the formula, write-through cost.
 
 Three engines of one config (``small`` preset by default, CPU, fp32) share a store of 12
-real node processes and a real Redis (``services.storeproc.LocalStore``, 10+2):
+real node processes and a real Redis (``services.local.store.LocalStore``, 10+2):
 
 - ``write`` (engine A, with the store) prefills ``P + s'`` (a fresh random prefix P of L
   tokens and a 32-token suffix s') with write-through on; its blocks reach the store;
@@ -179,7 +179,7 @@ def run(args: argparse.Namespace) -> Report:
     from engine.core import EngineConfig, EngineCore
     from engine.kvconnector import payload as fmt
     from kvstore.shardfmt import HEADER_LEN
-    from services.storeproc import LocalStore
+    from services.local.store import LocalStore
 
     if ENGINE_BLOCK != BLOCK_TOKENS:
         raise RuntimeError(f"engine blocks are {ENGINE_BLOCK} tokens; this bench assumes {BLOCK_TOKENS}")
@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> Report:
             "model": str(model), "suffix_tokens": SUFFIX_TOKENS, "max_tokens": 1, "dtype": "float32",
             "device": "cpu", "chunk_tokens": args.chunk, "num_blocks": num_blocks,
             "torch_threads": torch.get_num_threads(), "seed": args.seed,
-            "store": "services.storeproc.LocalStore: 12 node processes (fsync on) + redis-server, 10+2",
+            "store": "services.local.store.LocalStore: 12 node processes (fsync on) + redis-server, 10+2",
             "arms": {
                 "write": "engine A, kv_store set: prefills P+s' (write-through on)",
                 "hit": "engine B, kv_store set: P+s after A's flush (P's blocks from the store)",

@@ -35,7 +35,7 @@ def run(args: argparse.Namespace) -> int:
     from engine.config import ModelConfig
     from engine.eplb import ExpertLoadRecorder
     from engine.runner import ModelRunner, RunnerConfig
-    from services.eplb_engine import blocks_needed, greedy_generate
+    from services.eplb.engine import blocks_needed, greedy_generate
 
     if args.seqs < 1 or args.prompt_len < 1 or args.tokens < 1:
         raise ValueError("--seqs, --prompt-len and --tokens must be >= 1")

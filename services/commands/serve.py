@@ -11,13 +11,13 @@ prefill and decode engine actors, the router, the KV store; docs/disaggregation.
 (``services.ray.cluster_spec.derive``: pools, engines, router, store, unused fields) and
 exits without starting anything. Flags beat the file, the file beats ``SLUICE_HOST`` / ``SLUICE_PORT`` /
 ``SLUICE_MODEL_DIR``. ``--replicas N --router-policy P`` serves N in-process
-engine replicas behind the router (``services/routed_client.py``; docs/router.md, "Live
+engine replicas behind the router (``services/routing/client.py``; docs/router.md, "Live
 routing"); the default is one engine and no router.
 
 ``--store FILE`` gives the engine a KV store for its prefix blocks: FILE is a store spec
 (``kvstore.spec``; ``sluice store cluster --redis --spec-out FILE`` writes one), validated
 before anything starts (exit 2 when missing or invalid). ``--store local`` starts 12 store
-nodes and a redis-server on loopback (``services.storeproc.LocalStore``) for the server's
+nodes and a redis-server on loopback (``services.local.store.LocalStore``) for the server's
 lifetime and stops them on exit, SIGTERM, Ctrl-C or a failed start. The engine receives the
 spec's path as ``engine_kwargs["kv_store"]``. ``--device`` and ``--dtype`` reach the engine
 the same way (``EngineConfig.device`` / ``.dtype``), for every replica. Without these flags
@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger("sluice.serve")
-ROUTER_POLICIES = ("round_robin", "least_load", "cache_aware", "sluice")  # = services.routed_client's
+ROUTER_POLICIES = ("round_robin", "least_load", "cache_aware", "sluice")  # = services.routing.client's
 LOCAL_STORE = "local"
 
 
@@ -215,7 +215,7 @@ def _store(arg: str) -> Iterator[tuple[Path, Any]]:
         path = Path(arg).resolve()
         yield path, StoreSpec.load(path)
         return
-    from services.storeproc import LocalStore
+    from services.local.store import LocalStore
 
     log.info("starting the local KV store: 12 nodes and redis-server on loopback")
     local = LocalStore()
@@ -248,7 +248,7 @@ def check_config(args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace) -> int:
     from services.api.server import bind_socket
-    from services.routed_client import RoutingConfig
+    from services.routing.client import RoutingConfig
 
     if args.check:
         return check_config(args)
@@ -348,7 +348,7 @@ def _serve(
     from services.api.app import create_app
     from services.api.inprocess import InProcessEngineClient
     from services.api.server import uvicorn_config
-    from services.routed_client import RoutedEngineClient
+    from services.routing.client import RoutedEngineClient
 
     port = sock.getsockname()[1]
     url_host = f"[{host}]" if ":" in host else host

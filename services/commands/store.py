@@ -53,7 +53,7 @@ def run_node(args: argparse.Namespace) -> int:
 
 def run_cluster(args: argparse.Namespace) -> int:
     from kvstore.cluster import LocalClusterConfig
-    from services.storeproc import LocalStore
+    from services.local.store import LocalStore
 
     spec_out: Path | None = args.spec_out
     if spec_out is not None:

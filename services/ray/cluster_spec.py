@@ -29,8 +29,8 @@ if TYPE_CHECKING:  # the plan's component configs; imported where they are built
     from engine.engine_config import EngineConfig
     from kvstore.spec import StoreSpec as KvStoreSpec
     from services.api.config import ApiConfig
-    from services.eplb_controller import EplbConfig
-    from services.router_adapter import RouterAdapterConfig
+    from services.eplb.controller import EplbConfig
+    from services.routing.adapter import RouterAdapterConfig
 
 
 class _Strict(BaseModel):
@@ -376,8 +376,8 @@ def derive(spec: ClusterSpec) -> ClusterPlan:
     EP ranks, a store code the store does not support, no shared directory where engines
     run in several processes)."""
     from services.api.config import ApiConfig
-    from services.eplb_controller import EplbConfig
-    from services.router_adapter import RouterAdapterConfig
+    from services.eplb.controller import EplbConfig
+    from services.routing.adapter import RouterAdapterConfig
 
     for name, pool in (("prefill", spec.prefill), ("decode", spec.decode)):
         if pool.replicas < 1:
@@ -427,7 +427,7 @@ def derive(spec: ClusterSpec) -> ClusterPlan:
             num_prefill=prefill_layout.instances,
             num_decode=decode_layout.instances,
             # the router's view of the store is a bounded hint: as many blocks as the prefill
-            # engines keep for it to drain (as services.routed_client)
+            # engines keep for it to drain (as services.routing.client)
             store_capacity_blocks=prefill_layout.instances * PREFILL_CACHE_EVENTS,
         )
     except ValueError as exc:

@@ -2,7 +2,7 @@
 
 ``local-cluster``: a Ray instance on this host bound to 127.0.0.1 (``init_local_ray``) with
 the pools' resources, and the KV store started here (its nodes and a Redis directory as
-loopback processes, ``services.storeproc.LocalStore``) for the server's lifetime.
+loopback processes, ``services.local.store.LocalStore``) for the server's lifetime.
 ``ray-cluster``: the Ray cluster at ``--ray-address`` (``ray.init(address=...)``; "auto"
 finds a local head), and the store named by ``--store FILE`` (its nodes run where the
 operator put them).
@@ -112,7 +112,7 @@ def _start_local_store(plan: ClusterPlan) -> Any:
     """The plan's store on loopback: its nodes, the spec's Redis (``redis_url``) or one
     started here, and a spec file with the plan's code and TTLs (``spec_path``)."""
     from kvstore.cluster import LocalClusterConfig
-    from services.storeproc import LocalStore
+    from services.local.store import LocalStore
 
     st = plan.store
     own_redis = not st.directory

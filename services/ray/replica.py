@@ -1,7 +1,7 @@
 """The API process's view of engine actors: ``RayEngineReplica`` and ``DecodeSet``.
 
 ``RayEngineReplica`` is an ``EngineActor`` seen as the router's ``ReplicaEngine`` (what
-``services.routed_client.RoutedEngineClient`` routes over). Its state is **pushed**: on
+``services.routing.client.RoutedEngineClient`` routes over). Its state is **pushed**: on
 ``start`` it opens the actor's ``watch`` stream and keeps the latest load counters, the
 prefix-cache events and the store sightings as they arrive, so the router reads local
 memory and never calls an engine per request. A replica whose stream breaks (the actor

@@ -95,7 +95,7 @@ class RayServingClient:
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        from services.routed_client import RoutedEngineClient
+        from services.routing.client import RoutedEngineClient
 
         if self.router is not None:
             return

@@ -383,7 +383,7 @@ def check_store_hit(model: Path, device: str, dtype: str, spec_path: Path) -> di
 
 @pytest.fixture(scope="module")
 def local_store() -> Iterator[Path]:
-    from services.storeproc import LocalStore
+    from services.local.store import LocalStore
 
     with LocalStore() as st:
         assert st.spec_path is not None

@@ -25,7 +25,7 @@ from services.api.app import create_app
 from services.api.config import ApiConfig
 from services.api.inprocess import InProcessEngineClient
 from services.api.server import ServerThread
-from services.storeproc import LocalStore
+from services.local.store import LocalStore
 from tests.integration.serve_proc import ServeProcess
 
 pytestmark = pytest.mark.integration

@@ -33,7 +33,7 @@ from kvstore.shardfmt import HEADER_LEN
 from kvstore.shardstore import shard_name
 from kvstore.spec import StoreSpec, open_store_client
 from kvstore.transport import GrpcShardTransport
-from services.storeproc import LocalStore
+from services.local.store import LocalStore
 
 pytestmark = pytest.mark.integration
 

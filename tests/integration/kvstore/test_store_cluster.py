@@ -317,7 +317,7 @@ def test_redis_down_is_an_error_and_an_empty_redis_is_a_miss(live_cluster: Local
 
     from kvstore.client import StoreClientConfig
     from kvstore.redis_directory import RedisDirectory
-    from services.procs import RedisProcess
+    from services.local.procs import RedisProcess
 
     server = RedisProcess().start()
     port = server.port

@@ -30,7 +30,7 @@ def ref(model) -> Iterator[EngineCore]:
 def store() -> Iterator[object]:
     """A 12-node KV store with its Redis directory, on loopback (``.spec_path``)."""
     from kvstore.cluster import LocalClusterConfig
-    from services.storeproc import LocalStore
+    from services.local.store import LocalStore
 
     with LocalStore(LocalClusterConfig(nodes=12)) as s:
         yield s

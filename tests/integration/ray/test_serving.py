@@ -37,7 +37,7 @@ def _eplb(pool: str) -> dict:
     the tests run: one redundant expert per rank."""
     from dataclasses import asdict
 
-    from services.eplb_controller import EplbConfig
+    from services.eplb.controller import EplbConfig
 
     return asdict(EplbConfig(pool, num_redundant_per_rank=1, window_steps=8, period_steps=16))
 

@@ -24,7 +24,7 @@ from costmodel import CostModel
 from services.api.config import ApiConfig
 from services.api.inprocess import InProcessEngineClient
 from services.api.server import ServerThread
-from services.routed_client import RoutedEngineClient, RoutingConfig
+from services.routing.client import RoutedEngineClient, RoutingConfig
 from tests.integration.serve_proc import ServeProcess
 
 pytestmark = pytest.mark.integration

@@ -1,6 +1,6 @@
 """The router learns the KV store from its engines: 2 in-process replicas of the tiny
 checkpoint behind ``RoutedEngineClient`` (``sluice``), sharing a real 10+2 store
-(``services.storeproc.LocalStore``: 12 node processes and a redis-server on loopback).
+(``services.local.store.LocalStore``: 12 node processes and a redis-server on loopback).
 
 What is checked is what the router and a user see: the router's index reports the blocks a
 replica wrote as store hits once the router has drained that replica (pushed by the engines,
@@ -27,8 +27,8 @@ from engine.core import CoreRequest, EngineConfig, EngineCore
 from engine.sampling.params import SamplingParams
 from engine.scheduler.hashing import chain_hashes
 from services.api.engine_client import EngineRequest
-from services.routed_client import RoutedEngineClient, RoutingConfig
-from services.storeproc import LocalStore
+from services.local.store import LocalStore
+from services.routing.client import RoutedEngineClient, RoutingConfig
 
 pytestmark = pytest.mark.integration
 

@@ -19,8 +19,8 @@ import torch.multiprocessing as mp
 
 from engine.distributed.rendezvous import join_group, rendezvous_file
 from engine.runner import ModelRunner, RunnerConfig
-from services.eplb_controller import EplbConfig
-from services.eplb_engine import EngineEplb, MoEExpertStore, greedy_generate, initial_placement
+from services.eplb.controller import EplbConfig
+from services.eplb.engine import EngineEplb, MoEExpertStore, greedy_generate, initial_placement
 
 pytestmark = pytest.mark.integration
 

@@ -15,8 +15,8 @@ import torch.multiprocessing as mp
 
 from engine.distributed.rendezvous import join_group, rendezvous_file
 from engine.eplb import ExpertLoadRecorder, ReplicaMap
-from services.eplb_controller import EplbConfig, EplbController
-from services.eplb_rank import EplbRankRunner
+from services.eplb.controller import EplbConfig, EplbController
+from services.eplb.rank import EplbRankRunner
 
 pytestmark = pytest.mark.integration
 

@@ -9,8 +9,8 @@ import socket
 import pytest
 import redis
 
-from services import procs
-from services.procs import RedisProcess
+from services.local import procs
+from services.local.procs import RedisProcess
 
 
 def test_a_fixed_port_held_by_another_redis_is_a_clear_error(redis_server: RedisProcess) -> None:

@@ -12,7 +12,7 @@ import pytest
 
 from kvstore.cluster import LocalClusterConfig, module_command
 from kvstore.spec import StoreSpec, open_store_client
-from services.storeproc import LocalStore
+from services.local.store import LocalStore
 from tests.integration.services.procutil import command_lines, descendants, wait_gone
 
 pytestmark = pytest.mark.integration

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from router.eplb.transfer import plan_remap
-from services.eplb_controller import EplbConfig, EplbController
+from services.eplb.controller import EplbConfig, EplbController
 
 
 def test_pool_defaults_are_deepseeks_and_validation_is_actionable() -> None:

@@ -1,4 +1,4 @@
-"""`services.eplb_engine` on one process: the store keeps weights and routing together."""
+"""`services.eplb.engine` on one process: the store keeps weights and routing together."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import torch
 
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.runner import ModelRunner, RunnerConfig
-from services.eplb_controller import EplbConfig
-from services.eplb_engine import EngineEplb, MoEExpertStore, blocks_needed, greedy_generate, initial_placement
+from services.eplb.controller import EplbConfig
+from services.eplb.engine import EngineEplb, MoEExpertStore, blocks_needed, greedy_generate, initial_placement
 
 CFG = EplbConfig.for_pool("decode", num_redundant_per_rank=2, window_steps=2, period_steps=4)
 PROMPT = list(range(10, 40))

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from router.policy import DECODE_POLICIES, PREFILL_POLICIES
-from services.routed_client import ROUTER_POLICIES, RoutingConfig
-from services.router_adapter import RouterAdapter  # noqa: F401  (registers every policy)
+from services.routing.adapter import RouterAdapter  # noqa: F401  (registers every policy)
+from services.routing.client import ROUTER_POLICIES, RoutingConfig
 
 
 def test_defaults_serve_one_engine_without_a_router():

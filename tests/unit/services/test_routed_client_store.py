@@ -14,8 +14,8 @@ import pytest
 from engine.scheduler.cache_events import CacheEventBatch
 from engine.scheduler.hashing import ExtraKeys, chain_hashes
 from services.api.engine_client import EngineOutput, EngineRequest, EngineStats, ModelInfo
-from services.routed_client import ReplicaEngine, RoutedEngineClient, RoutingConfig
-from services.router_adapter import RouterAdapter, RouterAdapterConfig
+from services.routing.adapter import RouterAdapter, RouterAdapterConfig
+from services.routing.client import ReplicaEngine, RoutedEngineClient, RoutingConfig
 
 BLOCK = 256
 EXTRA = ExtraKeys("fake-model")

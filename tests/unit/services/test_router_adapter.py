@@ -3,7 +3,7 @@ import hashlib
 
 import pytest
 
-from services.router_adapter import RouterAdapter, RouterAdapterConfig
+from services.routing.adapter import RouterAdapter, RouterAdapterConfig
 
 
 def chain(n, salt=b""):

@@ -11,7 +11,7 @@ import pytest
 
 import services.api.app
 import services.api.inprocess
-import services.routed_client
+import services.routing.client
 from kvstore.placement import NodeAddress
 from kvstore.spec import StoreSpec
 from services.cli import build_parser, main
@@ -95,7 +95,7 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> _Captured:
             pass
 
     monkeypatch.setattr(services.api.inprocess, "InProcessEngineClient", FakeEngine)
-    monkeypatch.setattr(services.routed_client.RoutedEngineClient, "in_process", staticmethod(in_process))
+    monkeypatch.setattr(services.routing.client.RoutedEngineClient, "in_process", staticmethod(in_process))
     monkeypatch.setattr(services.api.app, "create_app", lambda cfg, engine: FakeApp())
     monkeypatch.setattr("uvicorn.Server", FakeServer)
     return cap

@@ -1,6 +1,6 @@
 import shutil
 
-from services import protogen
+from sluice_proto import generate as protogen
 
 
 def test_generated_stubs_are_current():

@@ -7,7 +7,7 @@
   (``MoE.expert_weights`` / ``MoE.load_expert_weights``), keeping each layer's
   ``ExpertPlacement`` equal to its row of the ``ReplicaMap``.
 - :class:`EngineEplb`: records ``MoE.last_load`` of every layer after each engine step and
-  drives :class:`services.eplb_rank.EplbRankRunner` (window all-reduce, decision, layer by
+  drives :class:`services.eplb.rank.EplbRankRunner` (window all-reduce, decision, layer by
   layer weight moves over the EP process group).
 
 Usage, on every EP rank, at the same steps::
@@ -35,8 +35,8 @@ from engine.eplb import ExpertLoadRecorder, ReplicaMap
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.model.moe import ExpertPlacement, MoE
 from engine.runner import ModelRunner
-from services.eplb_controller import EplbConfig, EplbController
-from services.eplb_rank import EplbRankRunner
+from services.eplb.controller import EplbConfig, EplbController
+from services.eplb.rank import EplbRankRunner
 
 
 def initial_placement(config: EplbConfig, num_experts: int, ep_size: int, ep_rank: int) -> ExpertPlacement:

@@ -3,7 +3,7 @@ spec file that lets other processes use it.
 
 Used by ``sluice store cluster --redis`` and ``sluice serve --store local``. It lives in
 ``services`` and not in ``kvstore.cluster`` because it starts Redis through
-``services.procs.RedisProcess`` (the one place that knows redis-server's hardened flags),
+``services.local.procs.RedisProcess`` (the one place that knows redis-server's hardened flags),
 and ``kvstore`` does not import ``services``.
 
 Start order: Redis, then the nodes, then the spec file, written atomically only once every
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from kvstore.cluster import LocalClusterConfig, LocalStoreCluster
 from kvstore.spec import StoreSpec
-from services.procs import RedisProcess
+from services.local.procs import RedisProcess
 
 log = logging.getLogger(__name__)
 SPEC_NAME = "store-spec.json"

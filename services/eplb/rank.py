@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from engine.eplb import ExpertLoadRecorder, RemapStats, ReplicaMap, remap_expert_weights
 from router.eplb.placement import Placement
-from services.eplb_controller import EplbConfig, EplbController, LayerRemap
+from services.eplb.controller import EplbConfig, EplbController, LayerRemap
 
 
 class ExpertWeightStore(Protocol):

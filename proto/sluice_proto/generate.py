@@ -1,7 +1,7 @@
 """Generate the Python gRPC stubs for ``proto/sluice_proto/*.proto``.
 
-``python -m services.protogen`` regenerates in place (``make proto``);
-``python -m services.protogen --check`` exits 1 when the stubs on disk are stale.
+``python -m sluice_proto.generate`` regenerates in place (``make proto``);
+``python -m sluice_proto.generate --check`` exits 1 when the stubs on disk are stale.
 Generated files are committed and never edited by hand.
 """
 
@@ -13,7 +13,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PROTO_ROOT = ROOT / "proto"
 PACKAGE = "sluice_proto"
 SUFFIXES = ("_pb2.py", "_pb2_grpc.py", "_pb2.pyi")

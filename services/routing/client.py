@@ -52,7 +52,7 @@ from services.api.engine_client import (
     EngineUnavailable,
     ModelInfo,
 )
-from services.router_adapter import RouterAdapter, RouterAdapterConfig
+from services.routing.adapter import RouterAdapter, RouterAdapterConfig
 
 ROUTER_POLICIES = ("round_robin", "least_load", "cache_aware", "sluice")
 # Engine stats that are per-replica means, not counters: ``stats()`` averages them over the
