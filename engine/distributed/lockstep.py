@@ -13,7 +13,7 @@ must run the same number of forward passes. ``Lockstep`` keeps them in step:
 3. if none is, each does only bookkeeping (store fetches, idle saves) and waits briefly;
 4. when any rank stops, all stop together.
 
-With EPLB (``services.eplb_engine.EngineEplb``) each rank records its experts' loads after
+With EPLB (``services.eplb.engine.EngineEplb``) each rank records its experts' loads after
 every forward (zero for an idle pass) and the group re-places experts on the pool's window
 and period, moving weights layer by layer between forwards.
 
@@ -93,7 +93,7 @@ class Lockstep:
     """Drives one rank's ``EngineCore`` in step with the other ranks of its group."""
 
     def __init__(self, core: Any, group: Any, eplb: Any = None) -> None:
-        """``eplb``: an ``EngineEplb`` (``services.eplb_engine``) for this rank, called after
+        """``eplb``: an ``EngineEplb`` (``services.eplb.engine``) for this rank, called after
         every forward; every rank of the group has one or none does."""
         self.core, self.group, self.eplb = core, group, eplb
         device = torch.device(core.config.device)
