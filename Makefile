@@ -13,7 +13,7 @@ MYPY_TARGETS ?= costmodel router kvstore services/envs.py services/ray/cluster_s
 	engine/scheduler engine/loop.py engine/executor.py engine/llm.py engine/core.py engine/messages.py engine/engine_config.py \
 	engine/kvconnector engine/train engine/sampling engine/structured services/commands/train.py \
 	services/routing/client.py services/routing/adapter.py services/ray/wire.py services/ray/replica.py \
-	services/ray/serving.py services/ray/actors.py
+	services/ray/serving.py services/ray/actors.py services/ray/metrics.py
 
 .PHONY: install proto test test-slow test-gpu lint run clean redis-server
 

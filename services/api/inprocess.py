@@ -468,14 +468,18 @@ class InProcessEngineClient:
         self._resolve(added, None)
 
     def _eplb_stats(self) -> dict[str, float]:
-        """EP and EPLB counters of a rank: forwards (idle ones apart), layers re-placed, the
-        load imbalance (max/mean over experts, mean over layers) of the last window."""
+        """EP and EPLB counters of a rank: forwards (idle ones apart), layers re-placed, and
+        the last window's load imbalance (max/mean over ranks, mean over layers) under the
+        placement that served it and under the one planned from it."""
         ls = self._lockstep
         if ls is None:
             return {}
         out = {"ep_forwards": float(ls.forwards), "ep_idle_passes": float(ls.idle_passes)}
         if ls.eplb is not None:
             out["eplb_layers_moved"] = float(ls.eplb.runner.layers_moved)
+            last = ls.eplb.runner.controller.last_imbalance
+            if last is not None:
+                out["eplb_imbalance"], out["eplb_imbalance_planned"] = last
         return out
 
     def _count(self, name: str, n: float) -> None:

@@ -169,6 +169,9 @@ class EplbController:
         self._next_due = config.first_step if config.first_step is not None else config.window_steps
         self._pending: set[int] = set()
         self._pending_rows: dict[int, np.ndarray] = {}
+        # the last decision's window imbalance (mean over layers): under the placement that
+        # served the window, and under the one computed from it (None before any decision)
+        self.last_imbalance: tuple[float, float] | None = None
 
     @property
     def remap_in_flight(self) -> bool:
@@ -201,6 +204,7 @@ class EplbController:
         new = compute_placement(self.config.algorithm, load, self.spec, previous=self.placement)
         before = _window_imbalance(load, self.placement)
         after = _window_imbalance(load, new)
+        self.last_imbalance = (float(before.mean()), float(after.mean()))
         layers = []
         for layer in range(self.num_layers):
             old_row, new_row = self.placement.phy2log[layer], new.phy2log[layer]

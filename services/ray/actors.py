@@ -22,7 +22,9 @@ engine's versioned byte format, never a pickled object. Errors travel as data to
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import sys
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict
 from typing import Any
@@ -32,6 +34,21 @@ ROLES = ("prefill", "decode", "colocated")
 # engine again); a crash loop beyond that leaves the engine down for good.
 DEFAULT_MAX_RESTARTS = 3
 ERROR_KINDS = ("request", "full", "unavailable")
+LOG_FORMAT = "%(asctime)s %(levelname)s sluice.engine[%(role)s pid %(process)d] %(message)s"
+
+
+def engine_log(role: str) -> logging.LoggerAdapter[logging.Logger]:
+    """The engine actor's log: INFO and above to this process's stderr (Ray keeps a worker's
+    stderr in its session's ``logs/worker-*.err``), each line naming the role and pid, and
+    each request line its request id, the same id the API process logs."""
+    logger = logging.getLogger("sluice.engine")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(LOG_FORMAT))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logging.LoggerAdapter(logger, {"role": role})
 
 
 def error_of(exc: BaseException) -> dict[str, Any]:
@@ -88,6 +105,7 @@ class EngineActor:
         )
         self._closed = False
         self._starting = asyncio.Lock()
+        self.log = engine_log(role)
 
     async def start(self) -> dict[str, Any]:
         """Load the engine (once: later calls only answer); returns what a router needs to
@@ -117,40 +135,59 @@ class EngineActor:
         from services.ray.wire import output_to_wire, request_from_wire
 
         outputs: list[dict[str, Any]] = []
+        rid = request.get("request_id", "?")
         try:
             async for item in self.client.prefill(request_from_wire(request)):
                 if isinstance(item, Handoff):
+                    self.log.info("request %s: prefilled, handing off %d bytes", rid, len(item.payload))
                     return outputs, item.payload
                 outputs.append(output_to_wire(item))
         except Exception as exc:  # noqa: BLE001 - travels as data (see the module doc)
+            self.log.warning("request %s: prefill failed: %s", rid, exc)
             outputs.append(error_of(exc))
+        self.log.info("request %s: ended in its prefill", rid)
         return outputs, b""
 
     async def resume(self, request: Mapping[str, Any], payload: bytes) -> AsyncIterator[dict[str, Any]]:
         """Import a handed-off sequence and stream the rest of it."""
         from services.ray.wire import request_from_wire
 
-        async for item in self._outputs(self.client.resume(request_from_wire(request), payload)):
+        rid = request.get("request_id", "?")
+        self.log.info("request %s: resuming from a %d-byte handoff", rid, len(payload))
+        async for item in self._outputs(
+            self.client.resume(request_from_wire(request), payload), rid, self.log
+        ):
             yield item
 
     async def generate(self, request: Mapping[str, Any]) -> AsyncIterator[dict[str, Any]]:
         """The whole request on this engine (colocated)."""
         from services.ray.wire import request_from_wire
 
-        async for item in self._outputs(self.client.generate(request_from_wire(request))):
+        rid = request.get("request_id", "?")
+        self.log.info("request %s: generating", rid)
+        async for item in self._outputs(self.client.generate(request_from_wire(request)), rid, self.log):
             yield item
 
     @staticmethod
-    async def _outputs(stream: Any) -> AsyncIterator[dict[str, Any]]:
+    async def _outputs(
+        stream: Any, rid: str, log: logging.LoggerAdapter[Any]
+    ) -> AsyncIterator[dict[str, Any]]:
         from services.ray.wire import output_to_wire
 
+        n, reason = 0, None
         try:
             async for out in stream:
+                n += len(out.token_ids)
+                reason = out.finish_reason or reason
                 yield output_to_wire(out)
         except Exception as exc:  # noqa: BLE001 - travels as data
+            log.warning("request %s: failed after %d tokens: %s", rid, n, exc)
             yield error_of(exc)
         finally:
             await stream.aclose()
+            log.info(
+                "request %s: %d tokens streamed, %s", rid, n, f"finished ({reason})" if reason else "stopped"
+            )
 
     async def abort(self, request_id: str) -> None:
         await self.client.abort(request_id)

@@ -26,9 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.scheduler.cache_events import CacheEventBatch
 from engine.scheduler.hashing import ExtraKeys
@@ -41,6 +42,9 @@ from services.api.engine_client import (
     ModelInfo,
 )
 from services.ray.actors import raise_error
+
+if TYPE_CHECKING:
+    from services.ray.metrics import PoolMetrics
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +63,8 @@ def _merge(held: CacheEventBatch, new: CacheEventBatch) -> CacheEventBatch:
 class RayEngineReplica:
     """One ``EngineActor`` (started: ``info`` is what its ``start`` returned). ``decode``:
     the decode engines a prefill replica hands its requests to (None: the actor runs each
-    request whole, colocated). ``name`` labels logs and metrics."""
+    request whole, colocated). ``name`` labels logs and metrics; ``metrics``
+    (``services.ray.metrics.PoolMetrics``) receives the latencies seen here."""
 
     def __init__(
         self,
@@ -68,6 +73,7 @@ class RayEngineReplica:
         decode: DecodeSet | None = None,
         *,
         name: str = "",
+        metrics: PoolMetrics | None = None,
         watch_interval_s: float = 0.01,
         call_timeout_s: float = 60.0,
         restart_timeout_s: float = 300.0,
@@ -75,6 +81,8 @@ class RayEngineReplica:
         from services.ray.wire import extra_keys_from_wire
 
         self.actor, self.info, self.decode, self.name = actor, dict(info), decode, name
+        self.metrics = metrics
+        self.pool = str(info.get("role", "prefill"))
         self.watch_interval_s, self.call_timeout_s = watch_interval_s, call_timeout_s
         self.restart_timeout_s = restart_timeout_s
         self._identity = (int(info["block_size"]), extra_keys_from_wire(info["extra_keys"]))
@@ -107,6 +115,16 @@ class RayEngineReplica:
                 await self._watch
             self._watch = None
         self._alive = False
+
+    async def rebind(self, actor: Any, info: Mapping[str, Any]) -> None:
+        """Follow a new actor in this replica's place (its EP group was restarted whole): the
+        router keeps its index and learns that the engine's cache is empty."""
+        await self.close()
+        self.actor, self.info = actor, dict(info)
+        self._events = CacheEventBatch(snapshot=())
+        self.restarts += 1
+        await self.start()
+        log.warning("engine %s is back in a restarted group (pid %s)", self.name, self.info["pid"])
 
     async def _follow(self) -> None:
         """Keep the pushed state; when the stream breaks the engine is down. Ray restarts a
@@ -197,8 +215,11 @@ class RayEngineReplica:
         if not self._alive:
             raise EngineUnavailable(f"engine {self.name} is down")
         if self.decode is None:
+            clock = _Clock(self.metrics, request.request_id, self.pool, self.name)
             async for out in self._stream("generate", request):
+                clock.tokens(out)
                 yield out
+            clock.done()
             return
         async for out in self._disaggregated(request):
             yield out
@@ -273,9 +294,11 @@ class RayEngineReplica:
         assert self.decode is not None
         sent: list[int] = []  # every token id the client has received
         handoff = self.handoffs[request.request_id] = _Handoff()
+        handoff.clock = _Clock(self.metrics, request.request_id, self.pool, self.name)
         try:
             async for out in self._recovering(request, sent, handoff):
                 yield out
+            handoff.clock.done()
         finally:
             self.handoffs.pop(request.request_id, None)
 
@@ -337,6 +360,11 @@ class RayEngineReplica:
         n_prompt = len(request.prompt_token_ids)
         chosen = await self.decode.choose(rid, n_prompt + 1, request.max_tokens - 1)
         target = self.decode.replicas[chosen]
+        clock = handoff.clock
+        log.info(
+            "request %s: prefill on %s, decode on %s (%d prompt tokens%s)", rid, self.name, target.name,
+            n_prompt, ", resumed from its handoff payload" if payload_ref is not None else "",
+        )  # fmt: skip
         resumed = False
         try:
             if payload_ref is None:
@@ -357,21 +385,26 @@ class RayEngineReplica:
                     handoff.tokens += len(last.token_ids)
                     kept = skip(last)
                     if kept is not None:
+                        clock.tokens(kept)
                         yield kept
                 if last is None:
                     raise EngineUnavailable(f"prefill of {rid!r} returned nothing")
                 if last.finish_reason is not None:
                     return
             resumed = True
+            clock.hand_to(target.name)
             try:
                 async for out in target._stream("resume", request, payload_ref):
                     kept = skip(out)
                     if kept is not None:
+                        clock.tokens(kept)
                         yield kept
             except ActorDied as exc:  # the handoff point may still be there: resume from it
                 raise _DecodeLost(str(exc), payload_ref) from None
             except CallFailed as exc:  # the payload could not be read: prefill again
                 raise _DecodeLost(str(exc), None) from None
+            except EngineUnavailable as exc:  # its engine failed (an EP peer died): resume elsewhere
+                raise _DecodeLost(str(exc), payload_ref) from None
         finally:
             if not resumed:  # the reservation is unused: give it back
                 with contextlib.suppress(Exception):
@@ -389,6 +422,49 @@ class _Handoff:
     def __init__(self) -> None:
         self.payload_ref: Any = None
         self.tokens = 0
+        self.clock = _Clock(None, "", "", "")
+
+
+class _Clock:
+    """A request's latencies as its outputs reach this process (see ``services.ray.metrics``):
+    the first token is charged to the engine that produced it, later tokens to the engine
+    streaming them, and the gap after a handoff to the decode engine it went to."""
+
+    def __init__(self, metrics: PoolMetrics | None, request_id: str, pool: str, engine: str) -> None:
+        self.metrics, self.request_id, self.pool, self.engine = metrics, request_id, pool, engine
+        self.start = self.last = time.perf_counter()
+        self.first: float | None = None
+        self.count = 0
+        self._handoff_to: str | None = None
+
+    def hand_to(self, engine: str) -> None:
+        """The rest streams from decode ``engine``; the next output closes the handoff gap."""
+        self._handoff_to, self.pool, self.engine = engine, "decode", engine
+
+    def tokens(self, out: EngineOutput) -> None:
+        n = len(out.token_ids)
+        if n == 0:
+            return
+        now = time.perf_counter()
+        m = self.metrics
+        if self.first is None:
+            self.first = now
+            if m is not None:
+                m.first_token(self.pool, self.engine, now - self.start)
+        elif self._handoff_to is not None:
+            if m is not None:
+                m.handed_off(self._handoff_to, now - self.last)
+        elif m is not None:
+            m.next_tokens(self.pool, self.engine, now - self.last, n)
+        self._handoff_to = None
+        self.last, self.count = now, self.count + n
+
+    def done(self) -> None:
+        if self.first is not None:
+            log.info(
+                "request %s: %d tokens, first after %.3f s, last engine %s",
+                self.request_id, self.count, self.first - self.start, self.engine,
+            )  # fmt: skip
 
 
 class ActorDied(EngineUnavailable):

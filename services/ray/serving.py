@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from services.api.engine_client import EngineOutput, EngineRequest, EngineStats, EngineUnavailable, ModelInfo
+from services.ray.metrics import PoolMetrics
 from services.ray.replica import DecodeSet, RayEngineReplica
 
 log = logging.getLogger(__name__)
@@ -84,10 +85,12 @@ class RayServingClient:
         ]
         self._info = min(infos, key=lambda i: i.context_limit)
         self.actors: list[Any] = []
-        self._groups: list[tuple[Any, str]] = []  # (placement group, rendezvous file) per EP instance
+        self._groups: list[_EPInstance] = []  # the EP instances (expert_parallel > 1)
+        self._supervisor: asyncio.Task[None] | None = None
         self.prefill: list[RayEngineReplica] = []
         self.decode: DecodeSet | None = None
         self.router: Any = None  # RoutedEngineClient, once started
+        self.metrics = PoolMetrics()
 
     @property
     def disaggregated(self) -> bool:
@@ -114,18 +117,32 @@ class RayServingClient:
             by_actor = dict(zip([id(a) for a in self.actors], infos, strict=True))
             if self.disaggregated:
                 decode = [
-                    RayEngineReplica(a, by_actor[id(a)], name=n, call_timeout_s=self.call_timeout_s)
+                    RayEngineReplica(
+                        a, by_actor[id(a)], name=n, metrics=self.metrics, call_timeout_s=self.call_timeout_s
+                    )
                     for a, n in made["decode"]
                 ]
                 await asyncio.gather(*(r.start() for r in decode))
                 self.decode = DecodeSet(decode, self.decode_policy)
             front = "prefill" if self.disaggregated else "colocated"
             self.prefill = [
-                RayEngineReplica(a, by_actor[id(a)], self.decode, name=n, call_timeout_s=self.call_timeout_s)
+                RayEngineReplica(
+                    a,
+                    by_actor[id(a)],
+                    self.decode,
+                    name=n,
+                    metrics=self.metrics,
+                    call_timeout_s=self.call_timeout_s,
+                )
                 for a, n in made[front]
             ]
             self.router = RoutedEngineClient(self.prefill, self.policy, self.cost or self._fitted_cost())
             await self.router.start()
+            by_name = {r.name: r for r in [*self.prefill, *(self.decode.replicas if self.decode else [])]}
+            for inst in self._groups:
+                inst.replicas = [by_name[n] for n in inst.names]
+            if self._groups:
+                self._supervisor = asyncio.create_task(self._supervise(), name="sluice-ep-supervisor")
         except BaseException:
             await self.close()
             raise
@@ -153,30 +170,96 @@ class RayServingClient:
             self.actors.append(actor)
             return [(actor, f"{role}-{index}")]
         from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         bundle = {**dict(pool.resources), **({"CPU": pool.num_cpus} if pool.num_cpus else {})}
         pg = placement_group([dict(bundle) for _ in range(pool.expert_parallel)], strategy="STRICT_PACK")
-        # the ranks meet through a file on their (shared) host, named for this group alone
-        store_path = f"/tmp/sluice-ep-{uuid.uuid4().hex}"
-        self._groups.append((pg, store_path))
+        names = [f"{role}-{index}.{rank}" for rank in range(pool.expert_parallel)]
+        inst = _EPInstance(role, pool, pg, names)
+        self._groups.append(inst)
+        inst.actors = self._rank_actors(inst)
+        self.actors += inst.actors
+        return list(zip(inst.actors, names, strict=True))
+
+    def _rank_actors(self, inst: _EPInstance) -> list[Any]:
+        """One engine actor per rank of ``inst``, in its placement group's bundles, meeting
+        through a new rendezvous file on their (shared) host."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from services.ray.actors import remote_engine_actor
+
+        pool = inst.pool
+        inst.store_path = f"/tmp/sluice-ep-{uuid.uuid4().hex}"
         out = []
         for rank in range(pool.expert_parallel):
-            ep = {"rank": rank, "size": pool.expert_parallel, "store_path": store_path}
-            actor = remote_engine_actor(
-                role, str(self.checkpoint), dict(pool.engine_config), pool_resource=False, ep=ep, eplb=pool.eplb,
-                max_restarts=0,  # a lone restarted rank cannot rejoin its group: the group restarts whole
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=rank),
-                **opts,
-            )  # fmt: skip
-            self.actors.append(actor)
-            out.append((actor, f"{role}-{index}.{rank}"))
+            ep = {"rank": rank, "size": pool.expert_parallel, "store_path": inst.store_path}
+            out.append(
+                remote_engine_actor(
+                    inst.role,
+                    str(self.checkpoint),
+                    dict(pool.engine_config),
+                    pool_resource=False,
+                    ep=ep,
+                    eplb=pool.eplb,
+                    num_cpus=pool.num_cpus,
+                    resources=dict(pool.resources),
+                    max_restarts=0,  # a lone restarted rank cannot rejoin its group: the group restarts whole
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        inst.pg, placement_group_bundle_index=rank
+                    ),
+                )  # fmt: skip
+            )
         return out
+
+    # -- supervision of EP instances ---------------------------------------------------------
+    async def _supervise(self) -> None:
+        """Restart an EP instance whole when one of its ranks is down. Its peers' collectives
+        fail within the group's timeout (5 s), so a dead rank takes its instance down; the
+        instance's requests recover meanwhile (prefill: retried on another instance; decode:
+        resumed elsewhere from the handoff payload). At most ``MAX_GROUP_RESTARTS`` times."""
+        while True:
+            await asyncio.sleep(SUPERVISE_EVERY_S)
+            for inst in self._groups:
+                if inst.restarts >= MAX_GROUP_RESTARTS or all(r.alive for r in inst.replicas):
+                    continue
+                try:
+                    await self._restart_group(inst)
+                except asyncio.CancelledError:
+                    raise
+                except Exception as exc:  # noqa: BLE001 - try again on the next round
+                    log.error("EP instance %s could not restart: %r", inst.names[0].rsplit(".", 1)[0], exc)
+
+    async def _restart_group(self, inst: _EPInstance) -> None:
+        import ray
+
+        name = inst.names[0].rsplit(".", 1)[0]
+        inst.restarts += 1
+        log.warning("EP instance %s lost a rank: restarting its %d ranks (restart %d)", name,
+                    len(inst.names), inst.restarts)  # fmt: skip
+        for r in inst.replicas:  # out of the router's candidates until the group is back
+            await r.close()
+        for a in inst.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(a, no_restart=True)
+        Path(inst.store_path).unlink(missing_ok=True)
+        old = {id(a) for a in inst.actors}
+        inst.actors = self._rank_actors(inst)
+        self.actors = [a for a in self.actors if id(a) not in old] + inst.actors
+        infos = await asyncio.wait_for(
+            asyncio.gather(*(a.start.remote() for a in inst.actors)), self.start_timeout_s
+        )
+        for r, a, info in zip(inst.replicas, inst.actors, infos, strict=True):
+            await r.rebind(a, info)
+        log.warning("EP instance %s is back at full strength", name)
 
     async def close(self) -> None:
         import ray
         from ray.util.placement_group import remove_placement_group
 
+        if self._supervisor is not None:
+            self._supervisor.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._supervisor
+            self._supervisor = None
         if self.router is not None:
             await self.router.close()
             self.router = None
@@ -189,10 +272,10 @@ class RayServingClient:
         for a in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(a)
-        for pg, store_path in self._groups:
+        for inst in self._groups:
             with contextlib.suppress(Exception):
-                remove_placement_group(pg)
-            Path(store_path).unlink(missing_ok=True)  # one host: the ranks' rendezvous file
+                remove_placement_group(inst.pg)
+            Path(inst.store_path).unlink(missing_ok=True)  # one host: the ranks' rendezvous file
         self.actors, self.prefill, self.decode, self._groups = [], [], None, []
 
     # -- EngineClient ----------------------------------------------------------------------
@@ -241,33 +324,43 @@ class RayServingClient:
 
     # -- metrics (services.api.metrics.MetricsSource) ---------------------------------------
     def metric_families(self) -> Iterator[Any]:
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+        from prometheus_client.core import CounterMetricFamily
 
         if self.router is None:
             return
         yield from self.router.metric_families()
+        engines = [(r.pool, r) for r in self.prefill]
+        if self.decode is not None:
+            engines += [("decode", r) for r in self.decode.replicas]
+        yield from self.metrics.families(engines)
         if self.decode is None:
             return
         placed = CounterMetricFamily(
             "sluice_decode_placed_requests", "Requests placed on each decode engine.", labels=["engine"]
         )
-        running = GaugeMetricFamily(
-            "sluice_decode_running", "Requests running per decode engine.", labels=["engine"]
-        )
-        kv = GaugeMetricFamily(
-            "sluice_decode_kv_tokens", "KV tokens held per decode engine.", labels=["engine"]
-        )
-        handoff = CounterMetricFamily(
-            "sluice_handoff_bytes", "Handoff payload bytes received per decode engine.", labels=["engine"]
-        )
         for i, r in enumerate(self.decode.replicas):
-            s = r.stats()
             placed.add_metric([r.name], float(self.decode.placed[i]))
-            running.add_metric([r.name], float(s.running))
-            kv.add_metric([r.name], float(s.extra.get("kv_tokens", 0.0)))
-            handoff.add_metric([r.name], float(s.extra.get("handoff_bytes_in", 0.0)))
-        yield from (placed, running, kv, handoff)
+        yield placed
         yield CounterMetricFamily(
             "sluice_decode_reservations_refused", "Decode reservations refused (backpressure).",
             value=float(self.decode.refused),
         )  # fmt: skip
+
+
+MAX_GROUP_RESTARTS = 3  # as an EP=1 engine actor's max_restarts: a crash loop stays down
+SUPERVISE_EVERY_S = 0.25
+
+
+@dataclass
+class _EPInstance:
+    """One EP instance: its placement group, rank names, and the actors and replicas of its
+    ranks (replaced together when the group restarts)."""
+
+    role: str
+    pool: PoolConfig
+    pg: Any
+    names: list[str]
+    store_path: str = ""
+    actors: list[Any] = field(default_factory=list)
+    replicas: list[RayEngineReplica] = field(default_factory=list)
+    restarts: int = 0

@@ -230,6 +230,19 @@ def test_an_abort_leaves_no_blocks_slots_or_reservations_on_either_side(stack, w
     wait_until(lambda: all(_holds(r) == idle for r in engines), what="nothing held anywhere")
 
 
+def _drive_until(url: str, done, rounds: int = 12) -> None:
+    """Send rounds of 4 concurrent chats (so that the 2D balancer spreads them over the
+    decode engines) until ``done()``; at most ``rounds`` rounds."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(4) as pool:
+        for k in range(rounds):
+            if done():
+                return
+            msgs = [[{"role": "user", "content": f"move the experts {k}.{j}"}] for j in range(4)]
+            list(pool.map(lambda m: _chat(url, m, max_tokens=16), msgs))
+
+
 def test_eplb_moves_experts_while_serving_and_outputs_stay_equal(stack, reference):
     """EPLB runs in every EP instance's serving loop: experts are re-placed (weights moved
     between the ranks) while requests run, and greedy answers still equal one engine's."""
@@ -239,17 +252,99 @@ def test_eplb_moves_experts_while_serving_and_outputs_stay_equal(stack, referenc
     def moved() -> float:
         return sum(r.stats().extra.get("eplb_layers_moved", 0.0) for r in ranks)
 
-    for k in range(20):  # bounded: each request is several forwards on its instance
-        if moved() > 0:
-            break
-        _chat(url, [{"role": "user", "content": f"move the experts {k}"}], max_tokens=16)
+    def every_rank_forwarded() -> bool:
+        return all(r.stats().extra.get("ep_forwards", 0.0) > 0 for r in ranks)
+
+    _drive_until(url, lambda: moved() > 0 and every_rank_forwarded())
     assert moved() > 0, [r.stats().extra for r in ranks]
-    assert all(r.stats().extra["ep_forwards"] > 0 for r in ranks)
+    assert every_rank_forwarded(), [r.stats().extra for r in ranks]
     for messages in CHATS[:2]:
         assert (
             _chat(url, messages).choices[0].message.content
             == _chat(reference, messages).choices[0].message.content
         )
+
+
+def _families(url: str) -> dict:
+    import httpx
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {f.name: f for f in text_string_to_metric_families(text)}
+
+
+def _value(family, sample_name: str, **labels) -> float:
+    return sum(
+        s.value
+        for s in family.samples
+        if s.name == sample_name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
+
+
+def test_metrics_per_pool_and_engine_and_request_ids_across_processes(stack, caplog):
+    """``/metrics`` has TTFT per prefill engine, TPOT and the handoff gap per decode engine,
+    queue depth, running requests, KV tokens and handoff bytes per engine, and the EPLB
+    imbalance of every EP rank; one request's id is in the API process's log and in the
+    logs of the prefill and the decode actor that served it."""
+    import logging
+    from pathlib import Path
+
+    import ray
+
+    url, client = stack
+    with caplog.at_level(logging.INFO, logger="services.ray.replica"):
+        answer = _chat(url, [{"role": "user", "content": "Name three metrics."}], max_tokens=8)
+    rid = answer.id
+    line = next(
+        r.getMessage() for r in caplog.records if rid in r.getMessage() and "prefill on" in r.getMessage()
+    )
+    prefill_name, decode_name = line.split("prefill on ")[1].split(", decode on ")
+    decode_name = decode_name.split(" ")[0]
+    logs = Path(ray._private.worker._global_node.get_logs_dir_path())
+
+    def actor_lines() -> list[str]:
+        return [
+            ln
+            for f in logs.glob("worker-*.err")
+            for ln in f.read_text(errors="replace").splitlines()
+            if rid in ln
+        ]
+
+    wait_until(lambda: len(actor_lines()) >= 3, 10, "the actors' request lines")
+    lines = actor_lines()
+    assert any("sluice.engine[prefill" in ln and "handing off" in ln for ln in lines), lines
+    assert any("sluice.engine[decode" in ln and "resuming from" in ln for ln in lines), lines
+
+    fam = _families(url)
+    ttft = fam["sluice_pool_time_to_first_token_seconds"]
+    assert (
+        _value(ttft, "sluice_pool_time_to_first_token_seconds_count", pool="prefill", engine=prefill_name)
+        >= 1
+    )
+    tpot = fam["sluice_pool_time_per_output_token_seconds"]
+    assert (
+        _value(tpot, "sluice_pool_time_per_output_token_seconds_count", pool="decode", engine=decode_name)
+        >= 1
+    )
+    gap = fam["sluice_handoff_seconds"]
+    assert _value(gap, "sluice_handoff_seconds_count", engine=decode_name) >= 1
+    engines = {r.name for r in client.prefill} | {r.name for r in client.decode.replicas}
+    for name in ("sluice_pool_queued_requests", "sluice_pool_running_requests", "sluice_pool_kv_tokens"):
+        assert {s.labels["engine"] for s in fam[name].samples} == engines, name
+    assert _value(fam["sluice_pool_handoff_bytes"], "sluice_pool_handoff_bytes_total", engine=decode_name) > 0
+
+    # every rank of every EP instance reports its EPLB window imbalance (>= 1 by definition)
+    def reporting() -> set[str]:
+        fam = _families(url)
+        return (
+            {s.labels["engine"] for s in fam["sluice_eplb_imbalance"].samples}
+            if "sluice_eplb_imbalance" in fam
+            else set()
+        )
+
+    _drive_until(url, lambda: reporting() == engines)
+    assert reporting() == engines
+    assert all(s.value >= 1.0 for s in _families(url)["sluice_eplb_imbalance"].samples)
 
 
 def test_every_listener_is_on_loopback(stack, store):

@@ -40,8 +40,17 @@ def test_decision_timing_and_layer_by_layer_commit() -> None:
     ctl = EplbController(cfg, num_layers=3, num_logical=8, num_ranks=2)
     assert ctl.placement.phy2log.shape == (3, 10)
     assert not ctl.due(9) and ctl.due(10)
+    assert ctl.last_imbalance is None
     rng = np.random.default_rng(0)
     dec = ctl.decide(10, _windows(rng, 2, 10, 3, 8, hot=5))
+    # the metric the engines export: the window's mean imbalance, served and planned
+    assert ctl.last_imbalance == pytest.approx(
+        (
+            np.mean([lr.window_imbalance_before for lr in dec.layers]),
+            np.mean([lr.window_imbalance_after for lr in dec.layers]),
+        )
+    )
+    assert ctl.last_imbalance[1] < ctl.last_imbalance[0]
     assert [lr.layer for lr in dec.layers] == [0, 1, 2]  # the hot expert 5 forces a change
     assert [len(b) for b in dec.batches()] == [1, 1, 1]
     for lr in dec.layers:
