@@ -36,7 +36,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     from services import envs
 
     logging.basicConfig(
-        level=envs.LOG_LEVEL.get().upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+        level=envs.LOG_LEVEL.get().upper(),
+        format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s",
     )
     parser = build_parser()
     args = parser.parse_args(argv)

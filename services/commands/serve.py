@@ -100,6 +100,10 @@ def register(sub: argparse._SubParsersAction) -> None:
         default=None,
         help="with a ray-cluster spec: the Ray cluster to join (ray.init(address=...); default 'auto')",
     )
+    # an API replica started by `serve --config` (api.replicas > 1): it follows the engine
+    # actors of DEPLOYMENT and serves on the listening socket it inherited as file descriptor N
+    p.add_argument("--attach", default=None, metavar="DEPLOYMENT", help=argparse.SUPPRESS)
+    p.add_argument("--api-fd", type=int, default=None, metavar="N", help=argparse.SUPPRESS)
     p.add_argument("--device", default=None, choices=("cpu", "cuda"), help="engine device (default cpu)")
     p.add_argument(
         "--dtype", default=None, choices=("float32", "bfloat16"), help="engine dtype (default float32)"
@@ -309,18 +313,24 @@ def _serve_on_ray(args: argparse.Namespace, spec: Any, cfg: Any, host: str, port
         from kvstore.spec import StoreSpec
 
         StoreSpec.load(args.store)  # a bad or missing spec: exit 2 before anything starts
-    try:
-        sock = bind_socket(host, port)
-    except OSError as exc:
-        log.error("cannot listen on %s:%d: %s", host, port, exc)
-        return 2
-    url_host = f"[{host}]" if ":" in host else host
-    print(f"sluice: listening on http://{url_host}:{sock.getsockname()[1]}", flush=True)
+    if args.api_fd is not None:  # an API replica: the socket is the first server's
+        import socket
+
+        sock = socket.socket(fileno=args.api_fd)
+    else:
+        try:
+            sock = bind_socket(host, port)
+        except OSError as exc:
+            log.error("cannot listen on %s:%d: %s", host, port, exc)
+            return 2
+        url_host = f"[{host}]" if ":" in host else host
+        print(f"sluice: listening on http://{url_host}:{sock.getsockname()[1]}", flush=True)
     try:
         with _sigterm_unwinds():
             return serve_cluster(
                 spec, cfg, sock, host, model, ray_address=args.ray_address,
                 store_spec=None if args.store is None else str(args.store),
+                config_path=args.config, attach=args.attach,
             )  # fmt: skip
     except (_Terminated, SystemExit) as exc:
         # Ray's driver installs its own SIGTERM handler (sys.exit(15)) over ours; either

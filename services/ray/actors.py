@@ -29,6 +29,8 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict
 from typing import Any
 
+from services.ray.feeds import Feeds
+
 ROLES = ("prefill", "decode", "colocated")
 # Ray restarts a crashed engine actor this many times (its process, then ``start`` loads the
 # engine again); a crash loop beyond that leaves the engine down for good.
@@ -106,6 +108,7 @@ class EngineActor:
         self._closed = False
         self._starting = asyncio.Lock()
         self.log = engine_log(role)
+        self.feeds = Feeds()  # the pushed state, once per router that follows this engine
 
     async def start(self) -> dict[str, Any]:
         """Load the engine (once: later calls only answer); returns what a router needs to
@@ -222,21 +225,28 @@ class EngineActor:
     async def ready(self) -> bool:
         return await self.client.ready()
 
-    async def watch(self, interval_s: float = 0.01) -> AsyncIterator[dict[str, Any]]:
+    async def watch(self, interval_s: float = 0.01, subscriber: str = "") -> AsyncIterator[dict[str, Any]]:
         """Push this engine's state whenever it changed (see the module doc). Each item:
         ``stats`` (``EngineStats`` as a dict), ``events`` (prefix-cache events, wire form),
-        ``store_seen`` (block hashes seen in the KV store). The first item is sent at once."""
+        ``store_seen`` (block hashes seen in the KV store). The first item is sent at once,
+        with a snapshot of the engine's cache. Every router (one per API process) follows
+        with its own ``subscriber`` name and gets every event (``services.ray.feeds``)."""
         from services.ray.wire import events_to_wire
 
+        name = subscriber or f"anonymous-{id(asyncio.current_task())}"
+        self.feeds.subscribe(name)
         last: dict[str, Any] | None = None
-        while not self._closed and self.client.alive:
-            stats = self._stats()
-            events = self.client.take_cache_events()
-            seen = self.client.take_store_events()
-            if stats != last or events.events or events.snapshot is not None or events.lost or seen:
-                yield {"stats": stats, "events": events_to_wire(events), "store_seen": list(seen)}
-                last = stats
-            await asyncio.sleep(interval_s)
+        try:
+            while not self._closed and self.client.alive:
+                self.feeds.pump(self.client.take_cache_events(), self.client.take_store_events())
+                stats = self._stats()
+                events, seen = self.feeds.take(name)
+                if stats != last or events or seen:
+                    yield {"stats": stats, "events": events_to_wire(events), "store_seen": list(seen)}
+                    last = stats
+                await asyncio.sleep(interval_s)
+        finally:
+            self.feeds.unsubscribe(name)
 
     async def close(self) -> None:
         self._closed = True

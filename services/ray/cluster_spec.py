@@ -112,6 +112,8 @@ class StoreSpec(_Strict):
 class ApiSpec(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
+    # API processes sharing the port, each with its own router over the same engines
+    replicas: int = Field(default=1, ge=1, le=64)
     max_concurrency: int = Field(default=64, ge=1)
     max_queue: int = Field(default=256, ge=0)
 
@@ -281,6 +283,7 @@ class ClusterPlan:
     decode: PoolPlan
     router: RouterAdapterConfig
     store: StorePlan
+    api_replicas: int = 1  # API processes on the port (each with api's limits)
     unused: tuple[tuple[str, str], ...] = UNUSED_FIELDS
 
     def resources(self) -> dict[str, float]:
@@ -300,8 +303,8 @@ class ClusterPlan:
         """Readable lines for ``sluice serve --config FILE --check``."""
         lines = [f"mode {self.mode}, model {self.model or '(the default preset)'}"]
         lines.append(
-            f"api: {self.api.host}:{self.api.port}, max_concurrency {self.api.max_concurrency}, "
-            f"max_queue {self.api.max_queue}"
+            f"api: {self.api.host}:{self.api.port}, {self.api_replicas} process(es), each max_concurrency "
+            f"{self.api.max_concurrency}, max_queue {self.api.max_queue}"
         )
         for pool in (self.prefill, self.decode):
             lay, eng = pool.layout, pool.engine
@@ -438,4 +441,4 @@ def derive(spec: ClusterSpec) -> ClusterPlan:
         max_concurrency=spec.api.max_concurrency,
         max_queue=spec.api.max_queue,
     )
-    return ClusterPlan(spec.mode, spec.model, api, vision, prefill, decode, router, store)
+    return ClusterPlan(spec.mode, spec.model, api, vision, prefill, decode, router, store, spec.api.replicas)

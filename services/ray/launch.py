@@ -14,12 +14,18 @@ the API, then the actors, the store and a Ray instance this process started.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
+import subprocess
+import sys
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+import uvicorn
+
+from services.api.server import uvicorn_config
 from services.ray.cluster_spec import ClusterPlan, ClusterSpec, PoolPlan, derive
 
 log = logging.getLogger("sluice.serve")
@@ -58,13 +64,14 @@ def serve_cluster(
     *,
     ray_address: str | None = None,
     store_spec: str | None = None,
+    config_path: Path | None = None,
+    attach: str | None = None,
 ) -> int:
-    """Run the stack of ``spec`` until SIGTERM / Ctrl-C (see the module doc)."""
+    """Run the stack of ``spec`` until SIGTERM / Ctrl-C (see the module doc). ``attach``:
+    this process is an API replica of that deployment (see ``start_api_replicas``)."""
     import ray
-    import uvicorn
 
     from services.api.app import create_app
-    from services.api.server import uvicorn_config
     from services.ray.local_cluster import init_local_ray
     from services.ray.serving import RayServingClient
 
@@ -75,8 +82,11 @@ def serve_cluster(
         raise ValueError(
             "mode ray-cluster: name the KV store's spec with --store FILE (its nodes run elsewhere)"
         )
+    if attach is not None:
+        return _serve_api_replica(spec, cfg, sock, host, model, attach, ray_address, store_spec)
     store = None
     started_ray = False
+    replicas: list[subprocess.Popen[bytes]] = []
     try:
         if spec.mode == "local-cluster":
             store = _start_local_store(plan)
@@ -96,16 +106,121 @@ def serve_cluster(
         app = create_app(cfg, client)
         port = sock.getsockname()[1]
         log.info(
-            "serving %s on http://%s:%d: %s prefill and %s decode engine(s) on Ray, KV store %s",
+            "serving %s on http://%s:%d: %s prefill and %s decode engine(s) on Ray, KV store %s, %d API replica(s)",
             model, host, port, plan.prefill.layout.instances, plan.decode.layout.instances, store_spec,
+            spec.api.replicas,
         )  # fmt: skip
-        uvicorn.Server(uvicorn_config(app, cfg, host, port)).run(sockets=[sock])
+        if spec.api.replicas > 1:
+            if config_path is None:
+                raise ValueError("api.replicas > 1 needs the spec's path, for the other API processes")
+            gcs = ray.get_runtime_context().gcs_address
+            replicas = start_api_replicas(
+                spec.api.replicas - 1, config_path, client.deployment, gcs, sock, model, store_spec
+            )
+        _FrontServer(uvicorn_config(app, cfg, host, port), replicas, cfg.request_timeout_s).run(
+            sockets=[sock]
+        )
         return 0
     finally:
+        _stop_replicas(replicas, 10.0)
         if started_ray or ray.is_initialized():
             ray.shutdown()
         if store is not None:
             store.stop()
+
+
+def start_api_replicas(
+    n: int,
+    config_path: Path,
+    deployment: str,
+    gcs_address: str,
+    sock: Any,
+    model: Path,
+    store_spec: str | None,
+) -> list[subprocess.Popen[bytes]]:
+    """``n`` more API processes serving on the same listening socket (inherited; the kernel
+    hands each new connection to one of them). Each is a Ray driver of the same cluster that
+    follows this deployment's engine actors by name with its own router, fed by its own
+    watch streams (``EngineActor.watch``'s subscriber), so no process routes blind; decode
+    reservations are made on the engines, so the processes never oversubscribe one."""
+    cmd = [
+        sys.executable, "-m", "services.cli", "serve", "--config", str(config_path), "--model", str(model),
+        "--attach", deployment, "--ray-address", gcs_address, "--api-fd", str(sock.fileno()),
+    ]  # fmt: skip
+    if store_spec is not None:
+        cmd += ["--store", str(store_spec)]
+    return [subprocess.Popen(cmd, pass_fds=[sock.fileno()]) for _ in range(n)]
+
+
+def _stop_replicas(replicas: list[subprocess.Popen[bytes]], timeout_s: float) -> None:
+    for p in replicas:
+        if p.poll() is None:
+            p.terminate()
+    for p in replicas:
+        try:
+            p.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
+class _FrontServer(uvicorn.Server):
+    """The first API process: SIGTERM / Ctrl-C reach the other API replicas at once (they
+    drain too), and the engines are stopped (the app's shutdown) only after they have
+    ended, so no replica loses its engines mid-request."""
+
+    def __init__(
+        self, config: uvicorn.Config, replicas: list[subprocess.Popen[bytes]], drain_s: float
+    ) -> None:
+        super().__init__(config)
+        self.replicas, self.drain_s = replicas, drain_s
+
+    def handle_exit(self, sig: int, frame: Any) -> None:
+        for p in self.replicas:
+            if p.poll() is None:
+                p.send_signal(sig)
+        super().handle_exit(sig, frame)
+
+    async def startup(self, sockets: list[Any] | None = None) -> None:
+        await super().startup(sockets)
+        if not self.replicas:
+            return
+        shutdown = self.lifespan.shutdown
+
+        async def after_the_replicas() -> None:
+            await asyncio.to_thread(_stop_replicas, self.replicas, self.drain_s + 5.0)
+            await shutdown()
+
+        self.lifespan.shutdown = after_the_replicas
+
+
+def _serve_api_replica(
+    spec: ClusterSpec, cfg: Any, sock: Any, host: str, model: Path, deployment: str,
+    ray_address: str | None, store_spec: str | None,
+) -> int:  # fmt: skip
+    """One more API process of ``deployment`` (see ``start_api_replicas``)."""
+    import ray
+
+    from services.api.app import create_app
+    from services.ray.serving import RayServingClient
+
+    plan = derive(spec)
+    ray.init(address=ray_address or "auto", namespace="sluice", log_to_driver=False)
+    try:
+        client = RayServingClient(
+            model,
+            pool_config(plan.prefill, store_spec),
+            pool_config(plan.decode, store_spec),
+            policy=plan.router.policy,
+            deployment=deployment,
+            attach=True,
+        )
+        app = create_app(cfg, client)
+        log.info("API replica of deployment %s (pid %d)", deployment, os.getpid())
+        uvicorn.Server(uvicorn_config(app, cfg, host, sock.getsockname()[1])).run(sockets=[sock])
+        return 0
+    finally:
+        ray.shutdown()
 
 
 def _start_local_store(plan: ClusterPlan) -> Any:

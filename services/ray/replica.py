@@ -26,8 +26,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import socket
 import time
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -42,6 +44,7 @@ from services.api.engine_client import (
     ModelInfo,
 )
 from services.ray.actors import raise_error
+from services.ray.feeds import _merge
 
 if TYPE_CHECKING:
     from services.ray.metrics import PoolMetrics
@@ -54,17 +57,13 @@ class PoolFull(EngineBusy):
     held for it. The API answers 503 with Retry-After: back off and retry."""
 
 
-def _merge(held: CacheEventBatch, new: CacheEventBatch) -> CacheEventBatch:
-    if new.snapshot is not None:  # the engine resnapshotted: what came before is superseded
-        return CacheEventBatch(new.events, held.lost + new.lost, new.snapshot)
-    return CacheEventBatch(held.events + new.events, held.lost + new.lost, held.snapshot)
-
-
 class RayEngineReplica:
     """One ``EngineActor`` (started: ``info`` is what its ``start`` returned). ``decode``:
     the decode engines a prefill replica hands its requests to (None: the actor runs each
     request whole, colocated). ``name`` labels logs and metrics; ``metrics``
-    (``services.ray.metrics.PoolMetrics``) receives the latencies seen here."""
+    (``services.ray.metrics.PoolMetrics``) receives the latencies seen here. ``lookup``
+    returns the actor now registered under this engine's name: an API replica that did not
+    start the actors follows them through it when its EP group is restarted (new actors)."""
 
     def __init__(
         self,
@@ -74,6 +73,7 @@ class RayEngineReplica:
         *,
         name: str = "",
         metrics: PoolMetrics | None = None,
+        lookup: Callable[[], Any] | None = None,
         watch_interval_s: float = 0.01,
         call_timeout_s: float = 60.0,
         restart_timeout_s: float = 300.0,
@@ -83,6 +83,8 @@ class RayEngineReplica:
         self.actor, self.info, self.decode, self.name = actor, dict(info), decode, name
         self.metrics = metrics
         self.pool = str(info.get("role", "prefill"))
+        self.lookup = lookup
+        self.subscriber = f"{socket.gethostname()}:{os.getpid()}"  # this API process, as the actor's feed
         self.watch_interval_s, self.call_timeout_s = watch_interval_s, call_timeout_s
         self.restart_timeout_s = restart_timeout_s
         self._identity = (int(info["block_size"]), extra_keys_from_wire(info["extra_keys"]))
@@ -161,12 +163,20 @@ class RayEngineReplica:
                 return dict(await self.actor.start.remote())
             except ray.exceptions.ActorUnavailableError:
                 await asyncio.sleep(0.2)
+            except ray.exceptions.ActorDiedError:
+                if self.lookup is None:
+                    raise
+                await asyncio.sleep(0.2)  # its group is being restarted: follow the new actor
+                with contextlib.suppress(ValueError):  # not registered yet
+                    self.actor = self.lookup()
 
     async def _consume(self) -> None:
         from services.ray.wire import events_from_wire
 
         assert self._first_push is not None
-        stream = self.actor.watch.options(num_returns="streaming").remote(self.watch_interval_s)
+        stream = self.actor.watch.options(num_returns="streaming").remote(
+            self.watch_interval_s, self.subscriber
+        )
         async for ref in stream:
             item = await ref
             self._offer(item["stats"])

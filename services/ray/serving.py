@@ -71,6 +71,8 @@ class RayServingClient:
         cost: Any = None,
         start_timeout_s: float = 300.0,
         call_timeout_s: float = 120.0,
+        deployment: str | None = None,
+        attach: bool = False,
     ) -> None:
         from services.api.inprocess import _read_model_info
 
@@ -80,6 +82,10 @@ class RayServingClient:
         self.prefill_pool, self.decode_pool = prefill, decode
         self.policy, self.decode_policy, self.cost = policy, decode_policy, cost
         self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
+        if attach and not deployment:
+            raise ValueError("attach=True needs the deployment whose engine actors to follow")
+        self.deployment = deployment or uuid.uuid4().hex[:12]
+        self.attach = attach
         infos = [
             _read_model_info(self.checkpoint, dict(p.engine_config)) for p in (prefill, decode) if p.engines
         ]
@@ -110,16 +116,26 @@ class RayServingClient:
             for role, pool in roles:
                 made[role] = []
                 for i in range(pool.engines):
-                    made[role] += self._instance(role, i, pool)
+                    if self.attach:
+                        for n in self._engine_names(role, i, pool):
+                            made[role].append((await self._find(n), n))
+                    else:
+                        made[role] += self._instance(role, i, pool)
+            every = [a for role in made.values() for a, _ in role]
             infos = await asyncio.wait_for(
-                asyncio.gather(*(a.start.remote() for a in self.actors)), self.start_timeout_s
+                asyncio.gather(*(a.start.remote() for a in every)), self.start_timeout_s
             )
-            by_actor = dict(zip([id(a) for a in self.actors], infos, strict=True))
+            by_actor = dict(zip([id(a) for a in every], infos, strict=True))
             if self.disaggregated:
                 decode = [
                     RayEngineReplica(
-                        a, by_actor[id(a)], name=n, metrics=self.metrics, call_timeout_s=self.call_timeout_s
-                    )
+                        a,
+                        by_actor[id(a)],
+                        name=n,
+                        metrics=self.metrics,
+                        lookup=self._lookup(n),
+                        call_timeout_s=self.call_timeout_s,
+                    )  # fmt: skip
                     for a, n in made["decode"]
                 ]
                 await asyncio.gather(*(r.start() for r in decode))
@@ -132,6 +148,7 @@ class RayServingClient:
                     self.decode,
                     name=n,
                     metrics=self.metrics,
+                    lookup=self._lookup(n),
                     call_timeout_s=self.call_timeout_s,
                 )
                 for a, n in made[front]
@@ -141,11 +158,62 @@ class RayServingClient:
             by_name = {r.name: r for r in [*self.prefill, *(self.decode.replicas if self.decode else [])]}
             for inst in self._groups:
                 inst.replicas = [by_name[n] for n in inst.names]
-            if self._groups:
+            if self._groups and not self.attach:
                 self._supervisor = asyncio.create_task(self._supervise(), name="sluice-ep-supervisor")
         except BaseException:
             await self.close()
             raise
+
+    # -- actor names: API replicas find the engines another process started ------------------
+    @staticmethod
+    def _engine_names(role: str, index: int, pool: PoolConfig) -> list[str]:
+        if pool.expert_parallel == 1:
+            return [f"{role}-{index}"]
+        return [f"{role}-{index}.{rank}" for rank in range(pool.expert_parallel)]
+
+    def actor_name(self, engine: str) -> str:
+        """The Ray actor name of ``engine`` (``prefill-0``, ``decode-1.0``) in this deployment."""
+        return f"sluice-{self.deployment}-{engine}"
+
+    def _lookup(self, engine: str) -> Any:
+        """For an attached client: the actor registered under ``engine``'s name now."""
+        if not self.attach:
+            return None
+        import ray
+
+        return lambda: ray.get_actor(self.actor_name(engine))
+
+    async def _find(self, engine: str) -> Any:
+        """The actor of ``engine``, once the process that starts them has registered it."""
+        import ray
+
+        deadline = asyncio.get_running_loop().time() + self.start_timeout_s
+        while True:
+            try:
+                return ray.get_actor(self.actor_name(engine))
+            except ValueError:
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError(
+                        f"engine actor {self.actor_name(engine)!r} did not appear within {self.start_timeout_s} s"
+                    ) from None
+                await asyncio.sleep(0.2)
+
+    async def _names_free(self, engines: list[str], timeout_s: float = 30.0) -> None:
+        """Wait until Ray has released the names of killed actors (so new ones can take them)."""
+        import ray
+
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        for engine in engines:
+            while True:
+                try:
+                    ray.get_actor(self.actor_name(engine))
+                except ValueError:
+                    break  # free
+                if asyncio.get_running_loop().time() > deadline:
+                    raise TimeoutError(
+                        f"actor name {self.actor_name(engine)!r} still taken after {timeout_s} s"
+                    )
+                await asyncio.sleep(0.1)
 
     def _fitted_cost(self) -> Any:
         """The prefill cost model fitted for this checkpoint (``sluice bench engine --profile``
@@ -164,16 +232,18 @@ class RayServingClient:
 
         opts: dict[str, Any] = {"num_cpus": pool.num_cpus, "resources": dict(pool.resources)}
         if pool.expert_parallel == 1:
+            (name,) = self._engine_names(role, index, pool)
             actor = remote_engine_actor(
-                role, str(self.checkpoint), dict(pool.engine_config), pool_resource=False, **opts
-            )
+                role, str(self.checkpoint), dict(pool.engine_config), pool_resource=False,
+                name=self.actor_name(name), **opts,
+            )  # fmt: skip
             self.actors.append(actor)
-            return [(actor, f"{role}-{index}")]
+            return [(actor, name)]
         from ray.util.placement_group import placement_group
 
         bundle = {**dict(pool.resources), **({"CPU": pool.num_cpus} if pool.num_cpus else {})}
         pg = placement_group([dict(bundle) for _ in range(pool.expert_parallel)], strategy="STRICT_PACK")
-        names = [f"{role}-{index}.{rank}" for rank in range(pool.expert_parallel)]
+        names = self._engine_names(role, index, pool)
         inst = _EPInstance(role, pool, pg, names)
         self._groups.append(inst)
         inst.actors = self._rank_actors(inst)
@@ -202,6 +272,7 @@ class RayServingClient:
                     eplb=pool.eplb,
                     num_cpus=pool.num_cpus,
                     resources=dict(pool.resources),
+                    name=self.actor_name(inst.names[rank]),
                     max_restarts=0,  # a lone restarted rank cannot rejoin its group: the group restarts whole
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         inst.pg, placement_group_bundle_index=rank
@@ -242,6 +313,7 @@ class RayServingClient:
                 ray.kill(a, no_restart=True)
         Path(inst.store_path).unlink(missing_ok=True)
         old = {id(a) for a in inst.actors}
+        await self._names_free(inst.names)
         inst.actors = self._rank_actors(inst)
         self.actors = [a for a in self.actors if id(a) not in old] + inst.actors
         infos = await asyncio.wait_for(
@@ -265,6 +337,9 @@ class RayServingClient:
             self.router = None
         if self.decode is not None:
             await asyncio.gather(*(r.close() for r in self.decode.replicas), return_exceptions=True)
+        if self.attach:  # the engines belong to the process that started them
+            self.prefill, self.decode = [], None
+            return
         with contextlib.suppress(Exception):
             await asyncio.wait_for(
                 asyncio.gather(*(a.close.remote() for a in self.actors), return_exceptions=True), 30

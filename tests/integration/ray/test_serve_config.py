@@ -84,3 +84,53 @@ def _pids_of_tree_alive(pids: set[int]) -> set[int]:
             continue
         alive.add(pid)
     return alive
+
+
+def test_api_replicas_share_the_port_and_route_over_the_same_engines(model, tmp_path):
+    """``api.replicas: 2``: two API processes accept on one socket, each with its own router
+    over the same engine actors (found by name, followed by their own watch streams); both
+    serve, answers equal, and SIGTERM stops both and everything else."""
+    import re
+    from concurrent.futures import ThreadPoolExecutor
+
+    from tests.conftest import listening_sockets
+
+    path = tmp_path / "cluster.yaml"
+    path.write_text(_spec(model).replace("max_queue: 8}", "max_queue: 8, replicas: 2}"))
+    server = ServeProcess(["--config", str(path)], {"SLUICE_HOME": str(tmp_path), "SLUICE_LOG_LEVEL": "INFO"})
+    try:
+        server.wait_until_ready("/ready", READY_BOUND_S)
+        port = server.url.rsplit(":", 1)[1]
+        owners = [proc for addr, proc in listening_sockets() if addr.endswith(f":{port}")]
+        assert len(set(re.findall(r"pid=(\d+)", " ".join(owners)))) == 2, owners
+
+        def chat(k: int) -> str:  # a new client each time: a new connection, accepted by either process
+            oai = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", timeout=120, max_retries=0)
+            answer = oai.chat.completions.create(
+                model="deepseek-chat", messages=[{"role": "user", "content": "same question"}],
+                max_tokens=6, temperature=0,
+            )  # fmt: skip
+            return answer.choices[0].message.content
+
+        def routing_pids() -> set[str]:
+            return set(
+                re.findall(r"services\.ray\.replica\[(\d+)\]: request \S+: prefill on", server.output())
+            )
+
+        answers: list[str] = []
+        with ThreadPoolExecutor(4) as pool:
+            for _ in range(8):  # bounded: until both processes have routed requests
+                answers += pool.map(chat, range(4))
+                if len(routing_pids()) == 2:
+                    break
+        assert len(routing_pids()) == 2, server.output()[-3000:]
+        assert len(set(answers)) == 1, answers  # greedy: every process's answer is the same
+        tree = _pids_of_tree(server.proc.pid)
+        server.proc.terminate()
+        server.proc.wait(60)
+    finally:
+        server.stop()
+    deadline = time.monotonic() + 30
+    while _pids_of_tree_alive(tree) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _pids_of_tree_alive(tree), "an API replica, Ray, store nodes or Redis outlived the server"
