@@ -13,6 +13,13 @@ Definitions (also in docs/router.md):
   work). The perfectly balanced offline reference finishes at ``T_ref = W_ref / N``.
 * ``throughput`` (prefill, tokens/s) = input tokens / prefill makespan of the offline run;
   ``ratio_to_reference = T_ref / makespan`` = throughput / reference throughput.
+* **Decode stress** (``decode_stress``): prefill made free, arrivals offering
+  ``utilization`` of the pool's peak decode throughput; the engines step at
+  ``SimConfig.decode_step`` (the measured ``StepTable``) while routers score with their
+  own ``DecodeCostModel``, and ``grade_decode`` grades balance from samples of every
+  engine's (running sequences, KV tokens) on a uniform time grid: per engine the time
+  average of running sequences, of KV tokens and of the table's step time; balance =
+  max / mean over engines.
 """
 
 from __future__ import annotations
@@ -30,7 +37,8 @@ from costmodel import CostModel
 from router import cache_aware, sluice  # noqa: F401  (registers policies)
 from router.policy import DECODE_POLICIES, PREFILL_POLICIES, Policy, PolicyContext, RequestView
 from router.prefix_index import PrefixIndex, PrefixIndexConfig
-from router.sim import SimConfig, SimResult, Simulator
+from router.sim import SimConfig, SimResult, Simulator, StepTimeModel
+from router.steptable import StepTable
 from router.trace import Trace, infinite_cache_blocks, reference_work
 
 POLICY_NAMES = ("round_robin", "least_load", "cache_aware", "sluice")
@@ -177,30 +185,102 @@ def replay_builder(prefill_choices: dict[int, int], decode_choices: dict[int, in
     return make
 
 
-def decode_stress(
-    trace: Trace, cfg: SimConfig, policies: tuple[str, ...] = POLICY_NAMES, running_per_engine: float = 192.0
-) -> dict[str, dict[str, float]]:
-    """Decode balancers alone: prefill made ~free, arrivals scaled so decode engines run
-    ``running_per_engine`` sequences on average (Little's law on the default step model).
+def grade_decode(running: np.ndarray, kv_tokens: np.ndarray, table: StepTimeModel) -> dict[str, float]:
+    """Balance of decode engines from samples ``[S, M]`` taken on a uniform time grid.
 
-    Reports TPOT percentiles and decode balance; prefill policies are irrelevant here.
+    Only samples where some engine runs a sequence count (the pool's busy window). Per
+    engine: the time average of running sequences, of KV tokens, and of step time (the
+    table at that engine's (running, KV) at each sample; an engine with nothing running
+    takes no step: 0). Each balance is max / mean of those averages over engines.
+    ``step_instant_max_over_mean`` is the time average of max / mean step time over
+    engines at each sample: how much slower the slowest engine stepped than the mean, at
+    the same instant.
     """
-    dcfg = dataclasses.replace(cfg, cost=CostModel(a=0.0, b=1e-12, c=0.0, d=0.0))
+    r = np.asarray(running, dtype=np.float64)
+    k = np.asarray(kv_tokens, dtype=np.float64)
+    busy = r.sum(axis=1) > 0
+    r, k = r[busy], k[busy]
+    if not len(r):
+        return {"running_max_over_mean": 1.0, "kv_max_over_mean": 1.0, "step_max_over_mean": 1.0,
+                "step_instant_max_over_mean": 1.0, "step_mean_ms": 0.0}  # fmt: skip
+    if isinstance(table, StepTable):
+        step = table.step_times(r, k)
+    else:
+        step = np.array([[table.step_time(int(b), kv) if b > 0 else 0.0 for b, kv in zip(rb, rk)]
+                         for rb, rk in zip(r, k)])  # fmt: skip
+    inst = step.max(axis=1) / step.mean(axis=1)
+    return {
+        "running_max_over_mean": balance(r.mean(axis=0)),
+        "kv_max_over_mean": balance(k.mean(axis=0)),
+        "step_max_over_mean": balance(step.mean(axis=0)),
+        "step_instant_max_over_mean": float(inst.mean()),
+        "step_mean_ms": float(step[r > 0].mean() * 1e3),
+    }
+
+
+def peak_decode_throughput(trace: Trace, cfg: SimConfig, step: StepTimeModel) -> tuple[float, int]:
+    """(tokens/s, sequences) at the best batch size of one decode engine stepping at ``step``,
+    with every sequence at the trace's mean context (input + half the output), within the
+    engine's batch and KV limits."""
     mean_ctx = float(trace.input_len.mean() + trace.output_len.mean() / 2)
-    step = cfg.decode_cost.step_time(int(running_per_engine), running_per_engine * mean_ctx)
-    t_dec = float(trace.output_len.mean()) * step
+    top = max(1, min(cfg.decode_max_batch, int(cfg.decode_kv_capacity // max(mean_ctx, 1.0))))
+    return max((n / step.step_time(n, n * mean_ctx), n) for n in range(1, top + 1))
+
+
+def decode_stress(
+    trace: Trace,
+    cfg: SimConfig,
+    policies: tuple[str, ...] = POLICY_NAMES,
+    utilization: float = 0.75,
+    samples: int = 2000,
+    extra: dict[str, Callable[[PolicyContext], Policy]] | None = None,
+) -> tuple[dict[str, float], dict[str, dict[str, float]]]:
+    """Decode balancers alone: prefill made ~free, arrivals scaled so the decode tokens
+    they bring are ``utilization`` of the pool's peak decode throughput
+    (``peak_decode_throughput`` on the engines' step time: ``cfg.decode_step`` when set,
+    else ``cfg.decode_cost``). How many sequences an engine then runs is an outcome.
+
+    Returns the load it ran at and, per policy, TPOT percentiles (the engines' step
+    times), the decode queue wait (join to admission, p99) and ``grade_decode``'s balances
+    from ``samples`` samples over the run; prefill policies are irrelevant here.
+    ``extra``: more decode policies by name (e.g. ablations).
+    """
+    if utilization <= 0:
+        raise ValueError(f"utilization must be > 0, got {utilization}")
+    truth: StepTimeModel = cfg.decode_step or cfg.decode_cost
+    peak, at_batch = peak_decode_throughput(trace, cfg, truth)
     span = max(float(trace.arrival_s[-1] - trace.arrival_s[0]), 1e-9)
-    scale = len(trace) * t_dec / (cfg.num_decode * running_per_engine * span)
+    decode_tokens = float(np.maximum(trace.output_len - 1, 0).sum())
+    scale = decode_tokens / (utilization * peak * cfg.num_decode * span)
+    t_dec = float(trace.output_len.mean()) * truth.step_time(
+        at_batch, at_batch * float(trace.input_len.mean())
+    )
+    dcfg = dataclasses.replace(
+        cfg,
+        cost=CostModel(a=0.0, b=1e-12, c=0.0, d=0.0),
+        sample_interval_s=(span * scale + t_dec) / samples,
+    )
     out: dict[str, dict[str, float]] = {}
-    for name in policies:
-        pre, dec, idx = build(name, dcfg)
-        res, _ = simulate(trace, PREFILL_POLICIES.create("round_robin", pre.ctx), dec, idx, dcfg, scale)
+    for name in (*policies, *(extra or {})):
+        if name in policies:
+            pre, dec, idx = build(name, dcfg)
+        else:  # an extra decode policy behind round robin prefill
+            pre, _, idx = build("round_robin", dcfg)
+            dec = (extra or {})[name](
+                PolicyContext(dcfg.num_decode, cost=dcfg.cost, decode_cost=dcfg.decode_cost)
+            )
+        res, wall = simulate(trace, PREFILL_POLICIES.create("round_robin", pre.ctx), dec, idx, dcfg, scale)
         tpot = res.tpot_s[np.isfinite(res.tpot_s)] * 1e3
+        busy = res.sample_running.sum(axis=1) > 0
         out[name] = {
             "tpot_p50_ms": float(np.percentile(tpot, 50)),
             "tpot_p99_ms": float(np.percentile(tpot, 99)),
-            "decode_kv_balance_max_over_mean": balance(res.decode_kv_area),
-            "decode_req_balance_max_over_mean": balance(res.decode_req_area),
+            **grade_decode(res.sample_running, res.sample_kv, truth),
+            "decode_wait_p99_s": float(np.percentile(res.decode_wait_s, 99)),
+            "running_per_engine_mean": float(res.sample_running[busy].mean()) if busy.any() else 0.0,
             "decode_makespan_s": res.makespan_s,
+            "sim_wall_s": wall,
         }
-    return out
+    load = {"utilization": utilization, "peak_tok_s_per_engine": peak, "peak_at_batch": at_batch,
+            "time_scale": scale}  # fmt: skip
+    return load, out

@@ -18,6 +18,11 @@ Model (docs/router.md has the full statement):
   that beats recomputing.
 * **Router**: prefill policy at arrival, decode policy at prefill completion; both get
   ``on_complete``; decode engines report ``EngineLoad`` every ``stats_interval_s``.
+* **Engine truth vs router model**: ``decode_step`` (e.g. a ``StepTable`` measured on the
+  engine), when set, is what decode engines take per step; policies only ever see
+  ``decode_cost``. Without it both are ``decode_cost``.
+* **Samples** (``sample_interval_s`` set): every interval, each decode engine's running
+  sequences and KV tokens, for grading balance afterwards (``router.evaluate.grade_decode``).
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ import heapq
 from collections import OrderedDict, deque
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
@@ -34,7 +40,11 @@ from router.policy import EngineLoad, Policy, RequestView
 from router.prefix_index import PrefixIndex
 from router.trace import Trace
 
-_ARRIVAL, _PREFILL_DONE, _DECODE_WAKE, _STATS = 0, 1, 2, 3
+_ARRIVAL, _PREFILL_DONE, _DECODE_WAKE, _STATS, _SAMPLE = 0, 1, 2, 3, 4
+
+
+class StepTimeModel(Protocol):
+    def step_time(self, batch: int, kv_tokens: float) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -50,8 +60,12 @@ class SimConfig:
     max_step_gap_s: float = 1.0
     cost: CostModel = field(default_factory=CostModel)
     decode_cost: DecodeCostModel = field(default_factory=DecodeCostModel)
+    decode_step: StepTimeModel | None = None  # engine truth; None: decode_cost
+    sample_interval_s: float | None = None  # record (running, KV) per decode engine
 
     def __post_init__(self) -> None:
+        if self.sample_interval_s is not None and self.sample_interval_s <= 0:
+            raise ValueError(f"SimConfig.sample_interval_s must be > 0 or None, got {self.sample_interval_s}")
         for name in ("num_prefill", "num_decode", "cache_blocks", "decode_max_batch", "decode_kv_capacity"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SimConfig.{name} must be >= 1, got {getattr(self, name)}")
@@ -74,6 +88,10 @@ class SimResult:
     decode_req_area: np.ndarray  # [M] integral of running sequences over time
     prefill_makespan_s: float
     makespan_s: float
+    decode_wait_s: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [R] join -> admitted
+    sample_t: np.ndarray = field(default_factory=lambda: np.zeros(0))  # [S] seconds
+    sample_running: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # [S, M] sequences
+    sample_kv: np.ndarray = field(default_factory=lambda: np.zeros((0, 0)))  # [S, M] KV tokens
 
 
 class PrefillEngineState:
@@ -175,7 +193,10 @@ class Simulator:
         self._prefill_all = list(range(config.num_prefill))
         self._decode_all = list(range(config.num_decode))
         self._decode_start = np.zeros(r)
+        self._decode_join_t = np.zeros(r)
         self._pending = r
+        self._step_model: StepTimeModel = config.decode_step or config.decode_cost
+        self._samples: list[tuple[float, list[int], list[float]]] = []
 
     def _push(self, t: float, kind: int, a: int, b: int = 0) -> None:
         self._seq += 1
@@ -186,11 +207,14 @@ class Simulator:
         for i in range(r):
             self._push(float(self.arrival[i]), _ARRIVAL, i)
         self._push(float(self.arrival[0]), _STATS, 0)
+        if self.cfg.sample_interval_s is not None:
+            self._push(float(self.arrival[0]), _SAMPLE, 0)
         handlers = {
             _ARRIVAL: self._on_arrival,
             _PREFILL_DONE: self._on_prefill_done,
             _DECODE_WAKE: self._on_decode_wake,
             _STATS: self._on_stats,
+            _SAMPLE: self._on_sample,
         }
         while self._events:
             t, _, kind, a, b = heapq.heappop(self._events)
@@ -199,6 +223,11 @@ class Simulator:
         res.decode_kv_area[:] = [e.kv_area for e in self.d_eng]
         res.decode_req_area[:] = [e.req_area for e in self.d_eng]
         res.prefill_makespan_s = float(np.nanmax(self.arrival + res.ttft_s) - self.arrival[0])
+        res.decode_wait_s = self._decode_start - self._decode_join_t
+        m = self.cfg.num_decode
+        res.sample_t = np.array([s[0] for s in self._samples])
+        res.sample_running = np.array([s[1] for s in self._samples], dtype=np.int64).reshape(-1, m)
+        res.sample_kv = np.array([s[2] for s in self._samples], dtype=np.float64).reshape(-1, m)
         return res
 
     # -- prefill ------------------------------------------------------------------------
@@ -257,6 +286,7 @@ class Simulator:
         eng = self.d_eng[d]
         eng.advance(t)
         eng.waiting.append(i)
+        self._decode_join_t[i] = t
         self._admit(t, d)
         self._reschedule(t, d)
 
@@ -284,7 +314,7 @@ class Simulator:
         eng.version += 1
         if not eng.batch:
             return
-        eng.step = self.cfg.decode_cost.step_time(eng.batch, eng.kv())
+        eng.step = self._step_model.step_time(eng.batch, eng.kv())
         nxt = t + max(eng.heap[0][0] - eng.v, 0.0) * eng.step
         self._push(min(nxt, t + self.cfg.max_step_gap_s), _DECODE_WAKE, d, eng.version)
 
@@ -317,3 +347,10 @@ class Simulator:
         self.decode.update_loads(loads)
         if self._pending > 0:
             self._push(t + self.cfg.stats_interval_s, _STATS, 0)
+
+    def _on_sample(self, t: float, _a: int, _b: int) -> None:
+        for eng in self.d_eng:
+            eng.advance(t)
+        self._samples.append((t, [eng.batch for eng in self.d_eng], [eng.kv() for eng in self.d_eng]))
+        if self._pending > 0 and self.cfg.sample_interval_s is not None:
+            self._push(t + self.cfg.sample_interval_s, _SAMPLE, 0)

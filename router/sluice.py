@@ -21,16 +21,24 @@ After choosing, the request's blocks are predicted in the index for e at once (t
 will hold them when it finishes; its events confirm or end the prediction), so a burst of
 requests sharing a prefix follows the first.
 
-Decode, for a request with L context tokens, over engines with (running r_e, KV tokens k_e)::
+Decode, for a request with L context tokens, over engines with (running r_e, KV tokens k_e),
+with the decode cost model ``step = d0 + d1 * B + d2 * K`` (``ctx.decode_cost``; the bench
+fits it to step times measured on the engine)::
 
-    w       = L / (L + L_ref)                   L_ref: EMA of routed context lengths
+    w       = d2 * L / (d1 + d2 * L)            the share of the request's step cost due to its KV
     score_e = (1 - w) * (r_e + 1) / r_ref + w * (k_e + L) / k_ref
     r_ref   = mean(r) + 1,  k_ref = mean(k) + L
 
 A short request (w ~ 0) weighs concurrency: it goes to a GPU with few requests even if
 their caches are long. A long request (w ~ 1) weighs KV: it goes to a GPU with a small
-cache even if it runs more requests. Engines whose KV capacity cannot take L are skipped
-while any engine can.
+cache even if it runs more requests. The crossover, w = 1/2, is at L = d1 / d2 tokens: the
+KV that costs a step as much as one more request, so the weights come from the measured
+model, not from a constant. Engines whose KV capacity cannot take L are skipped while
+any engine can. ``TwoDimConfig.rule`` selects the alternatives measured against it
+(docs/router.md): ``normalized`` (w = L / (L + L_ref), L_ref an EMA of routed lengths: the
+earlier rule), ``relative`` (w = L / (L + sum(k) / sum(r))), ``step_time`` (the least
+predicted step time after placement) and ``marginal`` (that plus what the request adds to
+each step of the requests already there).
 """
 
 from __future__ import annotations
@@ -188,12 +196,18 @@ class SluicePrefill(Policy):
         return self._charge(e, request, request.input_len, work)
 
 
+DECODE_RULES = ("weighted", "relative", "normalized", "step_time", "marginal")
+
+
 @dataclass(frozen=True)
 class TwoDimConfig:
-    ema_alpha: float = 0.05  # weight of each new request in L_ref
-    initial_len_ref: float = 8192.0
+    rule: str = "weighted"  # see DECODE_RULES and the module docstring
+    ema_alpha: float = 0.05  # "normalized" only: weight of each new request in L_ref
+    initial_len_ref: float = 8192.0  # "normalized" only
 
     def __post_init__(self) -> None:
+        if self.rule not in DECODE_RULES:
+            raise ValueError(f"rule must be one of {DECODE_RULES}, got {self.rule!r}")
         if not 0 < self.ema_alpha <= 1:
             raise ValueError(f"ema_alpha must be in (0, 1], got {self.ema_alpha}")
         if self.initial_len_ref <= 0:
@@ -223,10 +237,22 @@ class TwoDimDecode(Policy):
     def scores(self, cands: np.ndarray, context_len: int) -> np.ndarray:
         r = self.outstanding[cands].astype(np.float64)
         k = self.outstanding_tokens[cands]
-        w = context_len / (context_len + self.len_ref)
-        r_ref = r.mean() + 1.0
-        k_ref = k.mean() + context_len
-        return (1.0 - w) * (r + 1.0) / r_ref + w * (k + context_len) / k_ref
+        m = self.ctx.decode_cost
+        if self.config.rule in ("weighted", "relative", "normalized"):
+            if self.config.rule == "weighted":  # the request's share of step time due to its KV
+                w = m.d2 * context_len / (m.d1 + m.d2 * context_len) if m.d1 + m.d2 > 0 else 0.5
+            elif self.config.rule == "relative":  # its share of the pool's mean footprint
+                per_req = (k.sum() + context_len) / (r.sum() + 1.0)
+                w = context_len / (context_len + per_req)
+            else:
+                w = context_len / (context_len + self.len_ref)
+            r_ref = r.mean() + 1.0
+            k_ref = k.mean() + context_len
+            return (1.0 - w) * (r + 1.0) / r_ref + w * (k + context_len) / k_ref
+        after = m.d0 + m.d1 * (r + 1.0) + m.d2 * (k + context_len)  # predicted step seconds
+        if self.config.rule == "marginal":  # + what it adds to each step of the r already there
+            return after + r * (m.d1 + m.d2 * context_len)
+        return after
 
     def select(self, candidates: Sequence[int], request: RequestView) -> int:
         cands = candidates_array(candidates)
@@ -234,7 +260,10 @@ class TwoDimDecode(Policy):
         fits = self.outstanding_tokens[cands] + ctx_len <= self.kv_capacity[cands]
         if fits.any():
             cands = cands[fits]
-        e = argmin_tiebreak(self.scores(cands, ctx_len), cands)
+        score = self.scores(cands, ctx_len)
+        running = self.outstanding[cands].astype(np.float64)
+        # ties (e.g. idle engines): fewest requests, then the lowest index
+        e = int(min(zip(score.tolist(), running.tolist(), cands.tolist()))[2])
         a = self.config.ema_alpha
         self.len_ref = (1 - a) * self.len_ref + a * ctx_len
         return self._charge(e, request, ctx_len)

@@ -2,13 +2,20 @@
 
 Trace mode: every policy (and the SGLang router binary as a peer, unless --no-sglang) is
 replayed against the same simulated prefill/decode pools; see docs/router.md for the
-metric definitions. --micro: p99 latency of one in-process routing decision with 100,000
-indexed blocks.
+metric definitions. Every trace (the shared ones and two generated ones, "long documents"
+and "agents") also gets a decode-balance run graded with decode step times measured on
+the engine (``router/data/decode_step_table.json``). --micro: p99 latency of one
+in-process routing decision with 100,000 indexed blocks. --profile-decode: measure that
+step-time table on the engine (CPU) and write it.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
+import statistics
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +27,15 @@ DEFAULT_TRACES = (
     REPO / "data/traces/synthetic_trace.jsonl",
 )
 BASELINES = ("round_robin", "least_load", "cache_aware")
+DEFAULT_STEP_TABLE = REPO / "router/data/decode_step_table.json"
+# --profile-decode grid: running sequences x total KV tokens of the engine (per sequence:
+# total / batch). It spans the simulated decode engine's limits (256 sequences, 8M tokens).
+PROFILE_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PROFILE_KV = (0, 262_144, 1_048_576, 2_097_152, 4_194_304, 8_388_608)
+# The router's decode model is fitted to the cells whose sequences are at most this deep on
+# average: 256K tokens, the longest request of the four workloads (the top of the long
+# documents' range). Deeper cells (one sequence of 1-8M tokens) are states no run reaches.
+FIT_MAX_TOKENS_PER_SEQUENCE = 262_144
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -39,11 +55,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-requests", type=int, default=1500,
                    help="rows replayed through the sglang-router binary (and compared on that subset)")  # fmt: skip
     p.add_argument("--peer-seconds", type=float, default=45.0, help="wall-clock budget per peer replay")
+    p.add_argument("--step-table", type=Path, default=DEFAULT_STEP_TABLE,
+                   help="decode step-time table measured on the engine (grades the decode runs)")  # fmt: skip
+    p.add_argument(
+        "--no-generated", action="store_true", help="skip the generated long-documents and agents traces"
+    )
+    p.add_argument("--decode-only", action="store_true",
+                   help="only the decode-balance runs (no prefill replay, no sglang peer)")  # fmt: skip
+    p.add_argument(
+        "--decode-ablation", action="store_true", help="also run sluice's decode balancer under each rule"
+    )
+    p.add_argument("--decode-utilization", type=float, default=0.75,
+                   help="decode-balance runs: offered decode tokens / the pool's peak decode throughput")  # fmt: skip
+    p.add_argument(
+        "--seeds", type=int, default=5, help="generated traces: one per seed 0..N-1, figures averaged"
+    )
+    p.add_argument("--profile-decode", action="store_true",
+                   help="measure the decode step-time table on the engine (CPU) and write --step-table")  # fmt: skip
+    p.add_argument(
+        "--preset", default="tiny", help="--profile-decode: gen-checkpoint preset (random weights)"
+    )
+    p.add_argument("--rounds", type=int, default=2, help="--profile-decode: passes over the grid")
+    p.add_argument("--repeats", type=int, default=5, help="--profile-decode: timed steps per cell and pass")
 
 
 def run(args: argparse.Namespace) -> Report:
     if args.micro:
         return _run_micro()
+    if args.profile_decode:
+        return _run_profile_decode(args)
     return _run_traces(args)
 
 
@@ -62,6 +102,125 @@ def _run_micro() -> Report:
     return report
 
 
+def profile_decode(
+    preset: str = "tiny",
+    batches: tuple[int, ...] = PROFILE_BATCH,
+    kv_tokens: tuple[int, ...] = PROFILE_KV,
+    rounds: int = 2,
+    repeats: int = 5,
+    warmup: int = 2,
+    threads: int = 1,
+) -> dict[str, Any]:
+    """Median seconds of one decode step of the engine's model runner over (batch, total KV).
+
+    The runner is built from the preset with seeded random weights (``ModelRunner.random``)
+    on the CPU. A cell runs ``batch`` sequences of one new token each, every sequence
+    ``kv_tokens // batch`` tokens deep (at least 1) in its own blocks, so a step reads
+    ``kv_tokens`` tokens of compressed state. The cost of a step depends on the cache's
+    shape, not its content, so the blocks are not prefilled. ``rounds`` passes go over the
+    whole grid; in each, a cell runs ``warmup`` untimed steps and then ``repeats`` timed
+    steps back to back (as an engine steps one batch after another), and each cell keeps
+    the median of its ``rounds * repeats`` timings: a burst of load on the shared machine
+    hits one pass, not every sample of one cell.
+    """
+    import torch
+
+    from engine.checkpoint.presets import preset_config
+    from engine.config import BLOCK_TOKENS, ModelConfig
+    from engine.forward_batch import ForwardBatch, SequenceInput
+    from engine.runner import ModelRunner, RunnerConfig
+
+    torch.set_num_threads(threads)
+    load_before = os.getloadavg()
+    t_start = time.perf_counter()
+    mcfg = ModelConfig.from_dict(preset_config(preset))
+    per_seq = {(b, k): max(k // b, 1) for b in batches for k in kv_tokens}
+    blocks = max(b * (per_seq[b, k] // BLOCK_TOKENS + 1) for b, k in per_seq)
+    runner = ModelRunner.random(
+        mcfg, RunnerConfig(num_blocks=blocks, num_slots=max(batches), with_mtp=False), seed=0
+    )
+
+    def batch_of(b: int, k: int) -> ForwardBatch:
+        n = per_seq[b, k] // BLOCK_TOKENS + 1
+        seqs = [SequenceInput([1 + i % 7], per_seq[b, k], i, range(i * n, (i + 1) * n)) for i in range(b)]
+        return ForwardBatch.from_sequences(seqs)
+
+    cells = [(b, k) for b in batches for k in kv_tokens]
+    timings: dict[tuple[int, int], list[float]] = {c: [] for c in cells}
+    for r in range(rounds):
+        for b, k in cells:
+            fb = batch_of(b, k)
+            for _ in range(warmup):  # the batch's blocks into cache, the allocator's sizes
+                runner.execute(fb)
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                runner.execute(fb)
+                timings[b, k].append(time.perf_counter() - t0)
+        progress(f"profile-decode: round {r + 1}/{rounds} done, load average {os.getloadavg()}")
+    seconds = [[statistics.median(timings[b, k]) for k in kv_tokens] for b in batches]
+
+    def iqr(x: list[float]) -> float:  # interquartile range / median
+        q = statistics.quantiles(x, n=4)
+        return (q[2] - q[0]) / statistics.median(x)
+
+    spread = [[iqr(timings[b, k]) for k in kv_tokens] for b in batches]
+    return {
+        "kind": "decode_step_table",
+        "preset": preset,
+        "weights": "random (ModelRunner.random, seed 0)",
+        "dtype": runner.cfg.dtype,
+        "device": "cpu",
+        "cpu": _cpu_name(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "statistic": f"median of {rounds} rounds x {repeats} back-to-back steps per cell, "
+        f"after {warmup} untimed steps",
+        "rounds": rounds,
+        "repeats": repeats,
+        "load_average_before": [round(x, 2) for x in load_before],
+        "load_average_after": [round(x, 2) for x in os.getloadavg()],
+        "wall_s": round(time.perf_counter() - t_start, 1),
+        "command": f"python -m services.cli bench router --profile-decode --preset {preset} "
+        f"--rounds {rounds} --repeats {repeats}",
+        "batch": list(batches),
+        "kv_tokens": list(kv_tokens),
+        "kv_tokens_per_sequence": [[per_seq[b, k] for k in kv_tokens] for b in batches],
+        "seconds": seconds,
+        "relative_iqr": [[round(x, 4) for x in row] for row in spread],
+    }
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _run_profile_decode(args: argparse.Namespace) -> Report:
+    import json
+
+    table = profile_decode(args.preset, rounds=args.rounds, repeats=args.repeats)
+    out = Path(args.step_table)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(table, indent=1) + "\n")
+    report = Report("router", config={"mode": "profile-decode", "out": str(out)} | {
+        k: table[k] for k in ("preset", "device", "cpu", "torch", "torch_threads", "rounds", "repeats", "batch", "kv_tokens")
+    })  # fmt: skip
+    report.results["decode_step_table"] = table
+    for b, row in zip(table["batch"], table["seconds"]):
+        report.rows.append(
+            {"batch": b, **{f"kv {k:,}": f"{s * 1e3:.2f} ms" for k, s in zip(table["kv_tokens"], row)}}
+        )
+    return report
+
+
 def _traces(args: argparse.Namespace) -> list[Path]:
     paths = args.trace or list(DEFAULT_TRACES)
     for p in paths:
@@ -74,7 +233,7 @@ def _traces(args: argparse.Namespace) -> list[Path]:
 
 
 def _run_traces(args: argparse.Namespace) -> Report:
-    from router.evaluate import POLICY_NAMES, decode_stress, evaluate
+    from router.evaluate import POLICY_NAMES, evaluate
     from router.sim import SimConfig
     from router.trace import load_trace
 
@@ -88,26 +247,111 @@ def _run_traces(args: argparse.Namespace) -> Report:
         "mode": "trace", "prefill_engines": cfg.num_prefill, "decode_engines": cfg.num_decode,
         "cache_blocks_per_engine": cfg.cache_blocks, "store_blocks": cfg.store_blocks, "load": args.load, "offline_load": args.offline_load,
         "limit": args.limit, "cost_model": cfg.cost.to_json(), "decode_cost_model": cfg.decode_cost.to_json(),
-        "traces": [], "sglang_peer": not args.no_sglang, "peer_requests": args.peer_requests,
+        "traces": [], "sglang_peer": not args.no_sglang and not args.decode_only, "peer_requests": args.peer_requests,
     }  # fmt: skip
     report = Report("router", config=config)
-    for path in _traces(args):
-        trace = load_trace(path, limit=args.limit)
-        config["traces"].append(str(path))
-        ref, res = evaluate(trace, cfg, POLICY_NAMES, args.load, args.offline_load, progress=progress)
-        stress = decode_stress(trace, cfg)
-        progress(f"{trace.name} decode stress: {stress}")
-        report.results[trace.name] = {
-            "reference": ref.__dict__ | {"rows": len(trace)}, "policies": res, "decode_stress": stress,
-        }  # fmt: skip
-        for name, r in res.items():
-            report.rows.append({"trace": trace.name, "policy": name, **_row(r)})
-        for name, r in stress.items():
-            report.rows.append({"trace": f"{trace.name} (decode stress)", "policy": name, **r})
-        _targets(report, trace.name, res)
-        if not args.no_sglang:
+    traces = [load_trace(path, limit=args.limit) for path in _traces(args)]
+    config["traces"] = [str(p) for p in _traces(args)]
+    generated = [] if args.no_generated else _generated(args.seeds, config)
+    dcfg = _decode_config(args, cfg, traces + [t for family in generated for t in family], config)
+    for trace in traces:
+        entry: dict[str, Any] = {}
+        if not args.decode_only:
+            ref, res = evaluate(trace, cfg, POLICY_NAMES, args.load, args.offline_load, progress=progress)
+            entry = {"reference": ref.__dict__ | {"rows": len(trace)}, "policies": res}
+            for name, r in res.items():
+                report.rows.append({"trace": trace.name, "policy": name, **_row(r)})
+            _targets(report, trace.name, res)
+        report.results[trace.name] = entry
+        report.results[trace.name]["decode_balance"] = _decode_balance(report, [trace], dcfg, args)
+        if not args.no_sglang and not args.decode_only:
             _run_peer(args, report, trace.head(min(args.peer_requests, len(trace))), cfg)
+    for family in generated:
+        report.results[family[0].name] = {"decode_balance": _decode_balance(report, family, dcfg, args)}
     return report
+
+
+def _generated(seeds: int, config: dict[str, Any]) -> list[list[Any]]:
+    """The two generated traces (router.gen_traces), one per seed 0..seeds-1; their
+    parameters and measured shape printed in the config."""
+    from router.gen_traces import AgentParams, LongDocsParams, agents, describe, long_documents
+
+    out: list[list[Any]] = []
+    config["generated_traces"] = {"seeds": list(range(seeds))}
+    gens: list[tuple[Any, Any]] = [(long_documents, LongDocsParams()), (agents, AgentParams())]
+    for gen, params in gens:
+        family = [gen(seed, params) for seed in range(seeds)]
+        shape = [describe(t, params) for t in family]
+        config["generated_traces"][family[0].name] = {"params": shape[0]["params"]} | {
+            "per_seed": [{k: v for k, v in d.items() if k != "params"} for d in shape]
+        }
+        progress(f"generated trace {family[0].name}: {config['generated_traces'][family[0].name]}")
+        out.append(family)
+    return out
+
+
+def _decode_config(args: argparse.Namespace, cfg: Any, traces: list[Any], config: dict[str, Any]) -> Any:
+    """Decode engines step at the measured table; routers score with the model fitted to
+    it over the cells a decode engine can reach: sequences no deeper, on average, than
+    ``FIT_MAX_TOKENS_PER_SEQUENCE``."""
+    import dataclasses
+
+    from router.steptable import StepTable
+
+    table = StepTable.load(args.step_table)
+    longest = max(int((t.input_len + t.output_len).max()) for t in traces)
+    fitted = table.fit(max_tokens_per_sequence=FIT_MAX_TOKENS_PER_SEQUENCE)
+    meta_keys = ("preset", "device", "cpu", "torch", "torch_threads", "date", "statistic",
+                 "load_average_before", "load_average_after", "command")  # fmt: skip
+    config["decode_balance"] = {
+        "step_table": str(args.step_table),
+        "step_table_meta": {k: table.meta.get(k) for k in meta_keys},
+        "fit_max_tokens_per_sequence": FIT_MAX_TOKENS_PER_SEQUENCE,
+        "longest_context_in_traces": longest,
+        "fitted_decode_cost_model": fitted.to_json(),
+        "fit_cells": len(table.samples(FIT_MAX_TOKENS_PER_SEQUENCE)),
+    }
+    progress(f"decode step table {args.step_table}: fitted router model {fitted}")
+    return dataclasses.replace(cfg, decode_cost=fitted, decode_step=table)
+
+
+DECODE_KEYS = ("tpot_p50_ms", "tpot_p99_ms", "running_per_engine_mean", "running_max_over_mean", "kv_max_over_mean", "step_max_over_mean",
+               "step_instant_max_over_mean", "decode_wait_p99_s")  # fmt: skip
+
+
+def _decode_balance(report: Report, family: list[Any], dcfg: Any, args: argparse.Namespace) -> dict[str, Any]:
+    """Decode-balance runs of one trace (or of one generated trace per seed: then every
+    figure is the mean over the seeds, and each seed's figures are kept too)."""
+    import statistics
+
+    from router.evaluate import POLICY_NAMES, decode_stress
+
+    extra = _ablation_builders() if args.decode_ablation else None
+    runs: list[dict[str, Any]] = []
+    for trace in family:
+        load, res = decode_stress(trace, dcfg, POLICY_NAMES, args.decode_utilization, extra=extra)
+        progress(f"{trace.name} (rows {len(trace)}) decode balance at {load}: {res}")
+        runs.append({"load": load, "policies": res})
+    mean = {name: {k: statistics.fmean(run["policies"][name][k] for run in runs) for k in r}
+            for name, r in runs[0]["policies"].items()}  # fmt: skip
+    label = family[0].name + (f" (decode, mean of {len(family)} seeds)" if len(family) > 1 else " (decode)")
+    for name, r in mean.items():
+        report.rows.append({"trace": label, "policy": name, **{k: r[k] for k in DECODE_KEYS}})
+    s = mean["sluice"]
+    for key in ("step_max_over_mean", "tpot_p99_ms"):
+        best = min(r[key] for name, r in mean.items() if name in BASELINES)
+        report.target(f"{label}: sluice {key} / best peer's", s[key] / best, "<=", 1.0)
+    return {"policies": mean} | ({"per_seed": runs} if len(family) > 1 else {"load": runs[0]["load"]})
+
+
+def _ablation_builders() -> dict[str, Any]:
+    """sluice's decode balancer under each of its rules (TwoDimConfig.rule)."""
+    from router.sluice import DECODE_RULES, TwoDimConfig, TwoDimDecode
+
+    def make(rule: str) -> Any:
+        return lambda ctx: TwoDimDecode(ctx, TwoDimConfig(rule=rule))
+
+    return {f"sluice[{rule}]": make(rule) for rule in DECODE_RULES}
 
 
 def _row(r: dict[str, Any]) -> dict[str, Any]:

@@ -16,6 +16,7 @@ from router.sluice import (
     LeastOutstandingWork,
     SluicePrefill,
     SluicePrefillConfig,
+    TwoDimConfig,
     TwoDimDecode,
     VisionRequest,
 )
@@ -129,8 +130,8 @@ def test_sluice_breaks_score_ties_on_requests_in_flight():
     assert p.select([0, 1, 2], req(1, 1, arrival=100.0)) == 2
 
 
-def test_decode_2d_short_to_low_concurrency_long_to_small_cache():
-    d = TwoDimDecode(PolicyContext(2))
+def test_decode_2d_normalized_rule_short_to_low_concurrency_long_to_small_cache():
+    d = TwoDimDecode(PolicyContext(2), TwoDimConfig(rule="normalized"))
     # engine 0: few requests holding long caches; engine 1: many short requests
     d.update_loads([EngineLoad(0, running=2, kv_tokens=200_000), EngineLoad(1, running=12, kv_tokens=24_000)])
     short = RequestView("s", 500)
