@@ -8,12 +8,10 @@ PYTEST_ARGS ?=
 # Fast suite: everything but slow and GPU tests.
 TEST_MARKERS ?= not slow and not gpu
 # The pure cores (CONVENTIONS 1) are type-checked.
-MYPY_TARGETS ?= costmodel router kvstore services/envs.py services/ray/cluster_spec.py services/bench/__init__.py \
-	engine/eplb.py services/eplb/controller.py services/eplb/rank.py services/api \
+MYPY_TARGETS ?= costmodel router kvstore services/envs.py services/bench/__init__.py \
+	engine/eplb.py services/eplb/controller.py services/eplb/rank.py services/api services/ray services/routing \
 	engine/scheduler engine/loop.py engine/executor.py engine/llm.py engine/core.py engine/messages.py engine/engine_config.py \
-	engine/kvconnector engine/train engine/sampling engine/structured services/commands/train.py \
-	services/routing/client.py services/routing/adapter.py services/ray/wire.py services/ray/replica.py \
-	services/ray/serving.py services/ray/actors.py services/ray/metrics.py
+	engine/kvconnector engine/train engine/sampling engine/structured services/commands/train.py
 
 .PHONY: install proto test test-slow test-gpu lint run clean redis-server
 

@@ -18,11 +18,18 @@ Every series carries ``pool`` (``prefill``, ``decode`` or ``colocated``) and ``e
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from services.api.engine_client import EngineOutput
+
+log = logging.getLogger("services.ray.replica")  # the request lines, beside the replica's
 
 _LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
@@ -105,3 +112,45 @@ class PoolMetrics:
                     )
                 made[name].add_metric([pool, replica.name], float(values[key]))
         yield from made.values()
+
+
+class RequestClock:
+    """A request's latencies as its outputs reach this process (see ``services.ray.metrics``):
+    the first token is charged to the engine that produced it, later tokens to the engine
+    streaming them, and the gap after a handoff to the decode engine it went to."""
+
+    def __init__(self, metrics: PoolMetrics | None, request_id: str, pool: str, engine: str) -> None:
+        self.metrics, self.request_id, self.pool, self.engine = metrics, request_id, pool, engine
+        self.start = self.last = time.perf_counter()
+        self.first: float | None = None
+        self.count = 0
+        self._handoff_to: str | None = None
+
+    def hand_to(self, engine: str) -> None:
+        """The rest streams from decode ``engine``; the next output closes the handoff gap."""
+        self._handoff_to, self.pool, self.engine = engine, "decode", engine
+
+    def tokens(self, out: EngineOutput) -> None:
+        n = len(out.token_ids)
+        if n == 0:
+            return
+        now = time.perf_counter()
+        m = self.metrics
+        if self.first is None:
+            self.first = now
+            if m is not None:
+                m.first_token(self.pool, self.engine, now - self.start)
+        elif self._handoff_to is not None:
+            if m is not None:
+                m.handed_off(self._handoff_to, now - self.last)
+        elif m is not None:
+            m.next_tokens(self.pool, self.engine, now - self.last, n)
+        self._handoff_to = None
+        self.last, self.count = now, self.count + n
+
+    def done(self) -> None:
+        if self.first is not None:
+            log.info(
+                "request %s: %d tokens, first after %.3f s, last engine %s",
+                self.request_id, self.count, self.first - self.start, self.engine,
+            )  # fmt: skip

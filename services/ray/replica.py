@@ -28,15 +28,13 @@ import contextlib
 import logging
 import os
 import socket
-import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from engine.scheduler.cache_events import CacheEventBatch
 from engine.scheduler.hashing import ExtraKeys
 from services.api.engine_client import (
-    EngineBusy,
     EngineOutput,
     EngineRequest,
     EngineStats,
@@ -45,16 +43,13 @@ from services.api.engine_client import (
 )
 from services.ray.actors import raise_error
 from services.ray.feeds import _merge
+from services.ray.metrics import RequestClock
 
 if TYPE_CHECKING:
+    from services.ray.decode_set import DecodeSet
     from services.ray.metrics import PoolMetrics
 
 log = logging.getLogger(__name__)
-
-
-class PoolFull(EngineBusy):
-    """No decode engine can take the request now (each refused its reservation); nothing is
-    held for it. The API answers 503 with Retry-After: back off and retry."""
 
 
 class RayEngineReplica:
@@ -225,7 +220,7 @@ class RayEngineReplica:
         if not self._alive:
             raise EngineUnavailable(f"engine {self.name} is down")
         if self.decode is None:
-            clock = _Clock(self.metrics, request.request_id, self.pool, self.name)
+            clock = RequestClock(self.metrics, request.request_id, self.pool, self.name)
             async for out in self._stream("generate", request):
                 clock.tokens(out)
                 yield out
@@ -304,7 +299,7 @@ class RayEngineReplica:
         assert self.decode is not None
         sent: list[int] = []  # every token id the client has received
         handoff = self.handoffs[request.request_id] = _Handoff()
-        handoff.clock = _Clock(self.metrics, request.request_id, self.pool, self.name)
+        handoff.clock = RequestClock(self.metrics, request.request_id, self.pool, self.name)
         try:
             async for out in self._recovering(request, sent, handoff):
                 yield out
@@ -432,49 +427,7 @@ class _Handoff:
     def __init__(self) -> None:
         self.payload_ref: Any = None
         self.tokens = 0
-        self.clock = _Clock(None, "", "", "")
-
-
-class _Clock:
-    """A request's latencies as its outputs reach this process (see ``services.ray.metrics``):
-    the first token is charged to the engine that produced it, later tokens to the engine
-    streaming them, and the gap after a handoff to the decode engine it went to."""
-
-    def __init__(self, metrics: PoolMetrics | None, request_id: str, pool: str, engine: str) -> None:
-        self.metrics, self.request_id, self.pool, self.engine = metrics, request_id, pool, engine
-        self.start = self.last = time.perf_counter()
-        self.first: float | None = None
-        self.count = 0
-        self._handoff_to: str | None = None
-
-    def hand_to(self, engine: str) -> None:
-        """The rest streams from decode ``engine``; the next output closes the handoff gap."""
-        self._handoff_to, self.pool, self.engine = engine, "decode", engine
-
-    def tokens(self, out: EngineOutput) -> None:
-        n = len(out.token_ids)
-        if n == 0:
-            return
-        now = time.perf_counter()
-        m = self.metrics
-        if self.first is None:
-            self.first = now
-            if m is not None:
-                m.first_token(self.pool, self.engine, now - self.start)
-        elif self._handoff_to is not None:
-            if m is not None:
-                m.handed_off(self._handoff_to, now - self.last)
-        elif m is not None:
-            m.next_tokens(self.pool, self.engine, now - self.last, n)
-        self._handoff_to = None
-        self.last, self.count = now, self.count + n
-
-    def done(self) -> None:
-        if self.first is not None:
-            log.info(
-                "request %s: %d tokens, first after %.3f s, last engine %s",
-                self.request_id, self.count, self.first - self.start, self.engine,
-            )  # fmt: skip
+        self.clock = RequestClock(None, "", "", "")
 
 
 class ActorDied(EngineUnavailable):
@@ -519,74 +472,3 @@ class _Skipper:
         if not out.token_ids and out.finish_reason is None:
             return None
         return out
-
-
-class DecodeSet:
-    """The decode engines one router chooses among: started ``RayEngineReplica``s (decode
-    role) whose pushed loads feed ``policy`` (a name of ``router.policy.DECODE_POLICIES``;
-    ``"sluice"``: the 2D balancer, running requests x KV tokens)."""
-
-    def __init__(self, replicas: Sequence[RayEngineReplica], policy: str = "sluice") -> None:
-        import router.sluice  # noqa: F401  (registers "sluice" in DECODE_POLICIES)
-        from router.policy import DECODE_POLICIES, PolicyContext
-
-        if not replicas:
-            raise ValueError("DecodeSet needs at least one decode engine")
-        self.replicas = list(replicas)
-        self.policy_name = policy
-        self.policy = DECODE_POLICIES.create(policy, PolicyContext(len(self.replicas)))
-        self.placed = [0] * len(self.replicas)  # requests placed on each engine
-        self.refused = 0  # reservations refused
-        self._lock = asyncio.Lock()
-
-    def loads(self) -> list[Any]:
-        """``EngineLoad`` per decode engine from its latest stats (pushed, or the answer to
-        the last reservation, whichever is newer): requests in it or promised to it, and KV
-        tokens computed or promised."""
-        from router.policy import EngineLoad
-
-        out = []
-        for i, r in enumerate(self.replicas):
-            s = r.stats()
-            out.append(
-                EngineLoad(
-                    i,
-                    running=s.running + s.waiting + int(s.extra.get("reserved", 0)),
-                    kv_tokens=int(s.extra.get("kv_tokens", 0) + s.extra.get("reserved_tokens", 0)),
-                )
-            )
-        return out
-
-    async def choose(self, request_id: str, n_tokens: int, max_tokens: int) -> int:
-        """The index of the decode engine now holding a reservation for ``request_id``;
-        ``PoolFull`` when every live engine refuses."""
-        from router.policy import RequestView
-
-        max_tokens = max(int(max_tokens), 0)
-        async with self._lock:  # one choice at a time, so each sees the previous reservation
-            candidates = [i for i, r in enumerate(self.replicas) if r.alive]
-            if not candidates:
-                raise EngineUnavailable(f"no decode engine is up ({len(self.replicas)} configured)")
-            block_size = self.replicas[0].cache_identity()[0]
-            view = RequestView(request_id, input_len=int(n_tokens), block_size=block_size)
-            while candidates:
-                self.policy.update_loads(self.loads())
-                len_ref = getattr(self.policy, "len_ref", None)
-                e = self.policy.select(candidates, view)
-                self.policy.on_complete(e, view)  # loads are re-read for every choice: charge nothing
-                if await self.replicas[e].reserve(request_id, int(n_tokens), max_tokens):
-                    self.placed[e] += 1
-                    return e
-                self.refused += 1
-                if len_ref is not None:  # a refused pick is not a routed request
-                    setattr(self.policy, "len_ref", len_ref)  # noqa: B010 (only some policies have it)
-                candidates.remove(e)
-        raise PoolFull(
-            f"no decode engine can take {request_id!r} now ({n_tokens} tokens + {max_tokens} to decode): "
-            "every engine refused its reservation. Retry later, lower max_tokens, or add decode engines."
-        )
-
-    async def abort(self, request_id: str) -> None:
-        await asyncio.gather(
-            *(r.actor.abort.remote(request_id) for r in self.replicas if r.alive), return_exceptions=True
-        )

@@ -26,8 +26,9 @@ from pathlib import Path
 from typing import Any
 
 from services.api.engine_client import EngineOutput, EngineRequest, EngineStats, EngineUnavailable, ModelInfo
+from services.ray.decode_set import DecodeSet
 from services.ray.metrics import PoolMetrics
-from services.ray.replica import DecodeSet, RayEngineReplica
+from services.ray.replica import RayEngineReplica
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +140,7 @@ class RayServingClient:
                     for a, n in made["decode"]
                 ]
                 await asyncio.gather(*(r.start() for r in decode))
-                self.decode = DecodeSet(decode, self.decode_policy)
+                self.decode = DecodeSet(decode, self.decode_policy, self._fitted_decode_cost())
             front = "prefill" if self.disaggregated else "colocated"
             self.prefill = [
                 RayEngineReplica(
@@ -214,6 +215,24 @@ class RayServingClient:
                         f"actor name {self.actor_name(engine)!r} still taken after {timeout_s} s"
                     )
                 await asyncio.sleep(0.1)
+
+    def _fitted_decode_cost(self) -> Any:
+        """The decode cost model fitted to step times measured for this checkpoint on this
+        hardware (``sluice bench engine --profile`` writes them beside the weights), else
+        None: the router's default, from DeepInfer's published H200 figures (docs/router.md)."""
+        from engine.engine_config import DECODE_STEPS_FILE
+        from router.steptable import StepTable
+
+        path = self.checkpoint / DECODE_STEPS_FILE
+        if not path.is_file():
+            log.warning(
+                "no measured decode step times beside %s: the decode balancer uses its default cost model "
+                "(run `sluice bench engine --profile --model %s` on this hardware)", self.checkpoint, self.checkpoint,
+            )  # fmt: skip
+            return None
+        # fitted over the cells a decode engine of this model can reach: sequences no deeper
+        # on average than its context limit
+        return StepTable.load(path).fit(max_tokens_per_sequence=self._info.context_limit)
 
     def _fitted_cost(self) -> Any:
         """The prefill cost model fitted for this checkpoint (``sluice bench engine --profile``

@@ -1,0 +1,98 @@
+"""``DecodeSet``: the decode engines one router places requests on.
+
+The router's decode policy (``sluice``: the 2D balancer over running requests x KV tokens)
+picks an engine from the loads the engines push; the pick holds only once the engine
+accepts a reservation for the request's tokens, so a full engine refuses before any work
+is done (backpressure), and the policy picks again among the rest. All refusing is
+``PoolFull`` (503 with Retry-After, nothing held).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from typing import Any
+
+from services.api.engine_client import EngineBusy, EngineUnavailable
+from services.ray.replica import RayEngineReplica
+
+
+class PoolFull(EngineBusy):
+    """No decode engine can take the request now (each refused its reservation); nothing is
+    held for it. The API answers 503 with Retry-After: back off and retry."""
+
+
+class DecodeSet:
+    """The decode engines one router chooses among: started ``RayEngineReplica``s (decode
+    role) whose pushed loads feed ``policy`` (a name of ``router.policy.DECODE_POLICIES``;
+    ``"sluice"``: the 2D balancer, running requests x KV tokens)."""
+
+    def __init__(
+        self, replicas: Sequence[RayEngineReplica], policy: str = "sluice", decode_cost: Any = None
+    ) -> None:
+        import router.sluice  # noqa: F401  (registers "sluice" in DECODE_POLICIES)
+        from router.policy import DECODE_POLICIES, PolicyContext
+
+        if not replicas:
+            raise ValueError("DecodeSet needs at least one decode engine")
+        self.replicas = list(replicas)
+        self.policy_name = policy
+        ctx = PolicyContext(len(self.replicas))
+        if decode_cost is not None:  # costmodel.DecodeCostModel, fitted to this hardware's step times
+            ctx = PolicyContext(len(self.replicas), decode_cost=decode_cost)
+        self.policy = DECODE_POLICIES.create(policy, ctx)
+        self.placed = [0] * len(self.replicas)  # requests placed on each engine
+        self.refused = 0  # reservations refused
+        self._lock = asyncio.Lock()
+
+    def loads(self) -> list[Any]:
+        """``EngineLoad`` per decode engine from its latest stats (pushed, or the answer to
+        the last reservation, whichever is newer): requests in it or promised to it, and KV
+        tokens computed or promised."""
+        from router.policy import EngineLoad
+
+        out = []
+        for i, r in enumerate(self.replicas):
+            s = r.stats()
+            out.append(
+                EngineLoad(
+                    i,
+                    running=s.running + s.waiting + int(s.extra.get("reserved", 0)),
+                    kv_tokens=int(s.extra.get("kv_tokens", 0) + s.extra.get("reserved_tokens", 0)),
+                )
+            )
+        return out
+
+    async def choose(self, request_id: str, n_tokens: int, max_tokens: int) -> int:
+        """The index of the decode engine now holding a reservation for ``request_id``;
+        ``PoolFull`` when every live engine refuses."""
+        from router.policy import RequestView
+
+        max_tokens = max(int(max_tokens), 0)
+        async with self._lock:  # one choice at a time, so each sees the previous reservation
+            candidates = [i for i, r in enumerate(self.replicas) if r.alive]
+            if not candidates:
+                raise EngineUnavailable(f"no decode engine is up ({len(self.replicas)} configured)")
+            block_size = self.replicas[0].cache_identity()[0]
+            view = RequestView(request_id, input_len=int(n_tokens), block_size=block_size)
+            while candidates:
+                self.policy.update_loads(self.loads())
+                len_ref = getattr(self.policy, "len_ref", None)
+                e = self.policy.select(candidates, view)
+                self.policy.on_complete(e, view)  # loads are re-read for every choice: charge nothing
+                if await self.replicas[e].reserve(request_id, int(n_tokens), max_tokens):
+                    self.placed[e] += 1
+                    return e
+                self.refused += 1
+                if len_ref is not None:  # a refused pick is not a routed request
+                    setattr(self.policy, "len_ref", len_ref)  # noqa: B010 (only some policies have it)
+                candidates.remove(e)
+        raise PoolFull(
+            f"no decode engine can take {request_id!r} now ({n_tokens} tokens + {max_tokens} to decode): "
+            "every engine refused its reservation. Retry later, lower max_tokens, or add decode engines."
+        )
+
+    async def abort(self, request_id: str) -> None:
+        await asyncio.gather(
+            *(r.actor.abort.remote(request_id) for r in self.replicas if r.alive), return_exceptions=True
+        )
