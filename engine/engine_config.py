@@ -6,6 +6,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 COST_MODEL_FILE = "sluice_cost_model.json"
+# decode step times measured on this hardware (``router.steptable.StepTable``), beside the
+# checkpoint: the router fits its decode cost model to them (`sluice bench engine --profile`)
+DECODE_STEPS_FILE = "sluice_decode_steps.json"
 DEVICES = ("cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 

@@ -1,7 +1,10 @@
 """Engine throughput and the chunk cost model: prefill and decode tokens/s through
 ``LLM.generate``, step times over a (chunk, prefix) grid fitted to
 ``t(C, H) = a*C*(C+H) + b*(C+H) + c`` (``costmodel.CostModel``). ``--profile`` saves
-the fit as ``<checkpoint>/sluice_cost_model.json`` (or ``--out``), which ``LLM`` loads."""
+the fit as ``<checkpoint>/sluice_cost_model.json`` (or ``--out``), which ``LLM`` and the
+router load; with ``--model`` it also measures decode step times over running sequences x
+KV tokens into ``<checkpoint>/sluice_decode_steps.json``, which the Ray router's decode
+balancer fits its cost model to."""
 
 from __future__ import annotations
 
@@ -136,10 +139,28 @@ def _measure(name: str, model_dir: Path, args: argparse.Namespace, report: Repor
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(model.to_json())
         fit["saved_to"] = str(out)
+        if args.model:  # the decode step times too, for the router's decode balancer
+            fit["decode_steps_saved_to"] = str(_profile_decode(model_dir, args))
     report.results[name] = {**tput, **fit}
     skip = ("saved_to", "samples_chunk_prefix_s", "abs_fit_rel_rmse")
     report.rows.append({"model": name, **tput, **{k: v for k, v in fit.items() if k not in skip}})
     report.target(f"{name}: costmodel fit_rel_rmse", fit["fit_rel_rmse"], "<=", 0.25)
+
+
+def _profile_decode(model_dir: Path, args: argparse.Namespace) -> Path:
+    """Decode step times of ``model_dir``'s architecture on this machine, over running
+    sequences x KV tokens, saved beside it (``DECODE_STEPS_FILE``): the router fits its
+    decode cost model to them (``services.ray.serving``)."""
+    import json
+
+    from engine.engine_config import DECODE_STEPS_FILE
+    from services.bench.router import profile_decode
+
+    progress(f"{model_dir.name}: decode step times (batch x KV tokens)")
+    table = profile_decode(model_dir=model_dir, repeats=args.repeats, threads=args.threads)
+    out = model_dir / DECODE_STEPS_FILE
+    out.write_text(json.dumps(table, indent=1) + "\n")
+    return out
 
 
 def run(args: argparse.Namespace) -> Report:

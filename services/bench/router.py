@@ -110,11 +110,12 @@ def profile_decode(
     repeats: int = 5,
     warmup: int = 2,
     threads: int = 1,
+    model_dir: Path | None = None,
 ) -> dict[str, Any]:
     """Median seconds of one decode step of the engine's model runner over (batch, total KV).
 
-    The runner is built from the preset with seeded random weights (``ModelRunner.random``)
-    on the CPU. A cell runs ``batch`` sequences of one new token each, every sequence
+    The runner is built from the preset's config (or ``model_dir``'s) with seeded random
+    weights (``ModelRunner.random``) on the CPU. A cell runs ``batch`` sequences of one new token each, every sequence
     ``kv_tokens // batch`` tokens deep (at least 1) in its own blocks, so a step reads
     ``kv_tokens`` tokens of compressed state. The cost of a step depends on the cache's
     shape, not its content, so the blocks are not prefilled. ``rounds`` passes go over the
@@ -133,7 +134,14 @@ def profile_decode(
     torch.set_num_threads(threads)
     load_before = os.getloadavg()
     t_start = time.perf_counter()
-    mcfg = ModelConfig.from_dict(preset_config(preset))
+    import json
+
+    raw = (
+        json.loads((model_dir / "config.json").read_text())
+        if model_dir is not None
+        else preset_config(preset)
+    )
+    mcfg = ModelConfig.from_dict(raw)
     per_seq = {(b, k): max(k // b, 1) for b in batches for k in kv_tokens}
     blocks = max(b * (per_seq[b, k] // BLOCK_TOKENS + 1) for b, k in per_seq)
     runner = ModelRunner.random(
@@ -166,7 +174,8 @@ def profile_decode(
     spread = [[iqr(timings[b, k]) for k in kv_tokens] for b in batches]
     return {
         "kind": "decode_step_table",
-        "preset": preset,
+        "preset": preset if model_dir is None else None,
+        "model": str(model_dir) if model_dir is not None else None,
         "weights": "random (ModelRunner.random, seed 0)",
         "dtype": runner.cfg.dtype,
         "device": "cpu",
