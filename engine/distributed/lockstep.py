@@ -36,13 +36,15 @@ import torch.distributed as dist
 @dataclass(frozen=True)
 class EPMember:
     """One rank's place in an EP group: ``rank`` of ``size``, meeting the others through a
-    file (``torch.distributed.FileStore`` at ``store_path``, a path no other group uses).
-    The ranks of a group share a host (a STRICT_PACK placement group), so a file serves
-    and nothing listens: a ``TCPStore`` server binds every interface."""
+    store its launcher provides (``join(store=...)``; the Ray pools pass one kept by an actor
+    of the cluster, so ranks on several hosts meet) or through a file
+    (``torch.distributed.FileStore`` at ``store_path``, a path no other group uses, when the
+    ranks share a host). Either way nothing new listens: a ``TCPStore`` server binds every
+    interface."""
 
     rank: int
     size: int
-    store_path: str
+    store_path: str = ""
     timeout_s: float = 5.0  # every collective: the dead-peer detection bound
     init_timeout_s: float = 120.0  # the rendezvous: every rank of the group must arrive
 
@@ -52,10 +54,14 @@ class EPMember:
                 f"EP member needs size >= 2 and 0 <= rank < size, got rank {self.rank} of {self.size}"
             )
 
-    def join(self, device: str) -> Any:
-        """``init_process_group`` for this rank (gloo on CPU, NCCL on CUDA); the default group."""
+    def join(self, device: str, store: Any = None) -> Any:
+        """``init_process_group`` for this rank (gloo on CPU, NCCL on CUDA); the default group.
+        ``store``: the rendezvous ``torch.distributed.Store`` (default: the file)."""
         cuda = device.startswith("cuda")
-        store = dist.FileStore(self.store_path, self.size)
+        if store is None:
+            if not self.store_path:
+                raise ValueError("an EP member needs a rendezvous: a store_path, or a store to join")
+            store = dist.FileStore(self.store_path, self.size)
         store.set_timeout(datetime.timedelta(seconds=self.init_timeout_s))
         dist.init_process_group(
             "nccl" if cuda else "gloo",

@@ -72,11 +72,20 @@ class _Counters:
 class InProcessEngineClient:
     """Serve ``model_dir`` with ``EngineCore(EngineConfig(model_dir, **engine_kwargs))`` in this process."""
 
-    def __init__(self, model_dir: str | Path, ep: Any = None, eplb: Any = None, **engine_kwargs: Any) -> None:
+    def __init__(
+        self,
+        model_dir: str | Path,
+        ep: Any = None,
+        eplb: Any = None,
+        ep_store: Any = None,
+        **engine_kwargs: Any,
+    ) -> None:
         """``ep``: an ``engine.distributed.lockstep.EPMember`` (or its fields as a dict) when
         this engine is one rank of an expert-parallel group; it then steps in lockstep with
         the group's other ranks. ``eplb``: ``services.eplb.controller.EplbConfig`` (or its
-        fields) to balance the group's experts while it serves (EP only)."""
+        fields) to balance the group's experts while it serves (EP only). ``ep_store``: a
+        function returning the group's rendezvous store, called when the rank joins
+        (default: the file ``ep`` names)."""
         from engine.distributed.lockstep import EPMember
 
         self.model_dir = Path(model_dir)
@@ -90,6 +99,7 @@ class InProcessEngineClient:
             eplb = EplbConfig(**eplb)
         self.eplb = eplb if eplb is not None and eplb.enabled else None
         self._lockstep: Any = None
+        self.ep_store = ep_store  # () -> torch.distributed.Store: the group's rendezvous (default: ep's file)
         self._info = _read_model_info(self.model_dir, self.engine_kwargs)
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._wake = threading.Event()
@@ -141,7 +151,7 @@ class InProcessEngineClient:
 
             # gloo's pair sockets on loopback: the ranks of a group share a host
             envs.export_to_children({"GLOO_SOCKET_IFNAME": "lo"})
-        group = self.ep.join(config.device)
+        group = self.ep.join(config.device, self.ep_store() if self.ep_store is not None else None)
         if self.eplb is None:
             core = EngineCore(config, ep_group=group)
             self._lockstep = Lockstep(core, group)

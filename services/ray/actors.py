@@ -92,17 +92,21 @@ class EngineActor:
         eplb: Mapping[str, Any] | None = None,
     ) -> None:
         """``ep``: ``engine.distributed.lockstep.EPMember`` fields when this engine is one rank
-        of an expert-parallel group (``start`` then joins the group: every rank must start);
+        of an expert-parallel group (``start`` then joins the group: every rank must start),
+        plus ``rendezvous``: the name of the group's ``RendezvousActor`` to meet through;
         ``eplb``: ``EplbConfig`` fields to balance the group's experts while serving."""
         from services.api.inprocess import InProcessEngineClient
 
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         self.role = role
+        member = dict(ep) if ep else None
+        rendezvous = member.pop("rendezvous", None) if member else None
         self.client = InProcessEngineClient(
             checkpoint,
-            ep=dict(ep) if ep else None,
+            ep=member,
             eplb=dict(eplb) if eplb else None,
+            ep_store=_ray_store(rendezvous) if rendezvous else None,
             **dict(engine_config or {}),
         )
         self._closed = False
@@ -251,6 +255,19 @@ class EngineActor:
     async def close(self) -> None:
         self._closed = True
         await self.client.close()
+
+
+def _ray_store(name: str) -> Any:
+    """A function giving the rendezvous store of actor ``name`` (services.ray.rendezvous)."""
+
+    def store() -> Any:
+        import ray
+
+        from services.ray.rendezvous import RayStore
+
+        return RayStore(ray.get_actor(name))
+
+    return store
 
 
 def remote_engine_actor(

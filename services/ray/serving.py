@@ -246,7 +246,8 @@ class RayServingClient:
 
     def _instance(self, role: str, index: int, pool: PoolConfig) -> list[tuple[Any, str]]:
         """The actors of one model instance: one engine, or one per EP rank in a placement
-        group (``STRICT_PACK``: one node) whose ranks meet through a file on that node."""
+        group (``PACK``: as few nodes as hold it, one when it fits) whose ranks meet through
+        a rendezvous actor (``services.ray.rendezvous``), wherever they run."""
         from services.ray.actors import remote_engine_actor
 
         opts: dict[str, Any] = {"num_cpus": pool.num_cpus, "resources": dict(pool.resources)}
@@ -261,7 +262,7 @@ class RayServingClient:
         from ray.util.placement_group import placement_group
 
         bundle = {**dict(pool.resources), **({"CPU": pool.num_cpus} if pool.num_cpus else {})}
-        pg = placement_group([dict(bundle) for _ in range(pool.expert_parallel)], strategy="STRICT_PACK")
+        pg = placement_group([dict(bundle) for _ in range(pool.expert_parallel)], strategy="PACK")
         names = self._engine_names(role, index, pool)
         inst = _EPInstance(role, pool, pg, names)
         self._groups.append(inst)
@@ -271,16 +272,18 @@ class RayServingClient:
 
     def _rank_actors(self, inst: _EPInstance) -> list[Any]:
         """One engine actor per rank of ``inst``, in its placement group's bundles, meeting
-        through a new rendezvous file on their (shared) host."""
+        through a new rendezvous actor (a restarted group starts from empty keys)."""
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from services.ray.actors import remote_engine_actor
+        from services.ray.rendezvous import start_rendezvous
 
         pool = inst.pool
-        inst.store_path = f"/tmp/sluice-ep-{uuid.uuid4().hex}"
+        rendezvous = self.actor_name(f"{inst.names[0].rsplit('.', 1)[0]}-rendezvous-{uuid.uuid4().hex[:8]}")
+        inst.rendezvous = start_rendezvous(rendezvous)
         out = []
         for rank in range(pool.expert_parallel):
-            ep = {"rank": rank, "size": pool.expert_parallel, "store_path": inst.store_path}
+            ep = {"rank": rank, "size": pool.expert_parallel, "rendezvous": rendezvous}
             out.append(
                 remote_engine_actor(
                     inst.role,
@@ -327,10 +330,9 @@ class RayServingClient:
                     len(inst.names), inst.restarts)  # fmt: skip
         for r in inst.replicas:  # out of the router's candidates until the group is back
             await r.close()
-        for a in inst.actors:
+        for a in [*inst.actors, inst.rendezvous]:
             with contextlib.suppress(Exception):
                 ray.kill(a, no_restart=True)
-        Path(inst.store_path).unlink(missing_ok=True)
         old = {id(a) for a in inst.actors}
         await self._names_free(inst.names)
         inst.actors = self._rank_actors(inst)
@@ -368,8 +370,9 @@ class RayServingClient:
                 ray.kill(a)
         for inst in self._groups:
             with contextlib.suppress(Exception):
+                ray.kill(inst.rendezvous)
+            with contextlib.suppress(Exception):
                 remove_placement_group(inst.pg)
-            Path(inst.store_path).unlink(missing_ok=True)  # one host: the ranks' rendezvous file
         self.actors, self.prefill, self.decode, self._groups = [], [], None, []
 
     # -- EngineClient ----------------------------------------------------------------------
@@ -454,7 +457,7 @@ class _EPInstance:
     pool: PoolConfig
     pg: Any
     names: list[str]
-    store_path: str = ""
+    rendezvous: Any = None  # the RendezvousActor its ranks meet through
     actors: list[Any] = field(default_factory=list)
     replicas: list[RayEngineReplica] = field(default_factory=list)
     restarts: int = 0
