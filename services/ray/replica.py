@@ -28,6 +28,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -92,6 +93,7 @@ class RayEngineReplica:
         self._watch: asyncio.Task[None] | None = None
         self._first_push: asyncio.Event | None = None
         self._alive = False
+        self.down_at: float | None = None  # time.monotonic() when it last went down
         self.restarts = 0  # times Ray restarted the actor and its engine came back
         self.recoveries = 0  # requests continued after their decode engine died
         self.handoffs: dict[str, _Handoff] = {}  # in-flight disaggregated requests: their handoff point
@@ -136,6 +138,7 @@ class RayEngineReplica:
             except Exception as exc:  # noqa: BLE001 - the actor died or was killed
                 log.warning("engine %s stopped pushing state: %r", self.name, exc)
             self._alive = False
+            self.down_at = time.monotonic()
             self._first_push.set()
             try:  # waits while Ray restarts the actor; fails if it will not
                 self.info = await asyncio.wait_for(self._start_again(), self.restart_timeout_s)
