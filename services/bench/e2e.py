@@ -29,6 +29,19 @@ handoff bytes the decode engine received (its ``handoff_bytes_in`` / ``handoffs_
 against the cache formula (``CacheSpec.paged_bytes_per_token`` summed over the layers, times
 the prompt tokens, plus one sequence's window slot). Target: the probe's t2 median,
 disaggregated / colocated, within 1.1.
+
+Two more sections (``--parts``, default ``real,sim``; ``--sim-only`` and ``--handoff-only``
+run one alone):
+
+- ``simulator``: the same policies in ``router.pd_sim`` at DeepSeek's scale, 64 prefill + 64
+  decode engines against 128 colocated engines (best chunk budget of a sweep), step times
+  from a cost model fitted to GPU measurements and scaled to the model's full depth,
+  goodput under TTFT and TPOT SLOs (``services/bench/_e2e_sim.py``). Target: disaggregated
+  goodput >= 1.5x colocated, per trace;
+- ``handoff_131k``: one long prompt (``--handoff-tokens``, default 131,072) prefilled on a
+  real ``EngineCore`` and exported: payload bytes against the cache formula, export and
+  import times, and whether the transfer overlaps compute layer by layer
+  (``services/bench/_e2e_handoff.py``).
 """
 
 from __future__ import annotations
@@ -46,7 +59,7 @@ from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
-from services.bench import Report, progress
+from services.bench import Report, _e2e_sim, progress
 
 TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "conversation_trace.jsonl"
 TRACE_BLOCK_TOKENS = 512  # Mooncake hash_ids: one id per 512-token block
@@ -55,6 +68,8 @@ CONFIGS = ("colocated", "disaggregated")
 PROBE_REPS = 3
 PROBE_MAX_TOKENS = 4
 T2_TARGET = 1.1
+PARTS = ("real", "sim", "handoff")
+DEFAULT_PARTS = ("real", "sim")  # the long handoff is asked for: its CPU prefill takes many minutes
 
 
 def _fraction(text: str) -> float:
@@ -88,6 +103,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", type=int, default=512, help="engine max_num_batched_tokens")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--seed", type=int, default=0, help="seed of the token runs")
+    p.add_argument(
+        "--parts", default=",".join(DEFAULT_PARTS),
+        help=f"sections to run, comma-separated from {', '.join(PARTS)} (default {','.join(DEFAULT_PARTS)})",
+    )  # fmt: skip
+    p.add_argument("--sim-only", action="store_true", help="run only the simulator section (--parts sim)")
+    p.add_argument("--handoff-only", action="store_true", help="run only the long handoff (--parts handoff)")
+    p.add_argument(
+        "--handoff-tokens", type=int, default=131_072,
+        help="prompt tokens of the long handoff (default 131,072; a 2-core CPU takes ~5 min per 32,768)",
+    )  # fmt: skip
+    p.add_argument("--handoff-chunk", type=int, default=8192, help="prefill chunk of the long handoff")
+    p.add_argument("--handoff-device", default="cpu", help="device of the long handoff's engines (cpu, cuda)")
+    _e2e_sim.add_arguments(p)
 
 
 # ------------------------------------------------------------------ pure helpers
@@ -444,7 +472,75 @@ def _handoff_bytes(
     }
 
 
+def parts_of(args: argparse.Namespace) -> tuple[str, ...]:
+    """The sections to run, in report order."""
+    if args.sim_only and args.handoff_only:
+        raise ValueError("--sim-only and --handoff-only exclude each other")
+    if args.sim_only:
+        return ("sim",)
+    if args.handoff_only:
+        return ("handoff",)
+    parts = tuple(x.strip() for x in str(args.parts).split(",") if x.strip())
+    bad = [x for x in parts if x not in PARTS]
+    if bad or not parts:
+        raise ValueError(f"--parts takes some of {', '.join(PARTS)}, got {args.parts!r}")
+    return tuple(x for x in PARTS if x in parts)
+
+
 def run(args: argparse.Namespace) -> Report:
+    parts = parts_of(args)
+    report = Report("e2e", config={"parts": list(parts)})
+    if "real" in parts:
+        _run_real(args, report)
+    if "sim" in parts:
+        add_simulator(report, _e2e_sim.run_simulator(args))
+    if "handoff" in parts:
+        add_handoff(report, _run_handoff(args))
+    return report
+
+
+def add_simulator(report: Report, sim: dict[str, Any]) -> None:
+    """The ``simulator`` section, its rows and its targets (one per trace)."""
+    report.results["simulator"] = sim
+    for name, tr in sim["traces"].items():
+        head = tr["headline"]
+        report.rows.append({
+            "config": f"sim {name}", "done": f"{tr['requests']} req",
+            "slo_level": head["level"] if head["level"] is not None else "",
+            "goodput_dis_req_s": head["disaggregated_goodput_req_s"],
+            "goodput_colo_req_s": head["colocated_goodput_req_s"],
+            "colo_router": head["colocated_best_prefill_policy"], "colo_budget": head["colocated_best_budget"],
+            "goodput_ratio": head["goodput_ratio"],
+        })  # fmt: skip
+        report.target(
+            f"simulator goodput, disaggregated / colocated ({name})",
+            head["goodput_ratio"],
+            ">=",
+            _e2e_sim.TARGET,
+        )
+
+
+def _run_handoff(args: argparse.Namespace) -> dict[str, Any]:
+    from services import envs
+    from services.bench._e2e_handoff import long_context_model, run_handoff
+
+    if args.handoff_tokens < 1 or args.handoff_chunk < 1:
+        raise ValueError("--handoff-tokens and --handoff-chunk need at least 1")
+    model = long_context_model(envs.HOME.get(), args.handoff_tokens)
+    return run_handoff(model, args.handoff_tokens, args.handoff_chunk, args.seed, args.handoff_device)
+
+
+def add_handoff(report: Report, h: dict[str, Any]) -> None:
+    report.results["handoff_131k"] = h
+    report.rows.append({
+        "config": f"handoff {h['prompt_tokens']} tokens", "done": f"{h['decoded_after_import']} decoded after import",
+        "handoff_B/req": h["payload_bytes"], "formula_B/req": h["bytes"]["formula_bytes_per_request"],
+        "bytes/formula": h["bytes"]["measured_over_formula"], "export_ms": h["export_ms"],
+        "import_ms": h["import_ms"], "overlaps_layers": h["overlaps_compute_layer_by_layer"],
+    })  # fmt: skip
+
+
+def _run_real(args: argparse.Namespace, report: Report) -> None:
     import ray
 
     from kvstore.cluster import LocalClusterConfig
@@ -459,9 +555,8 @@ def run(args: argparse.Namespace) -> Report:
     trace_span_s = (
         max(float(r["timestamp"]) for r in rows) - min(float(r["timestamp"]) for r in rows)
     ) / 1000.0
-    report = Report(
-        "e2e",
-        config={
+    report.config.update(
+        {
             "preset": None if args.model else args.preset, "model": str(model), "device": "cpu", "dtype": "float32",
             "trace": str(args.trace), "requests": args.requests,
             "scaling": {
@@ -484,7 +579,7 @@ def run(args: argparse.Namespace) -> Report:
             "ray": "loopback, num_cpus=2, resources prefill 4 / decode 4",
             "store": "services.local.store.LocalStore: 12 node processes + redis-server",
             "request_timeout_s": args.request_timeout,
-        },
+        }
     )  # fmt: skip
     owns_ray = not ray.is_initialized()
     init_local_ray(num_cpus=2, resources={"prefill": 4, "decode": 4})
@@ -525,4 +620,3 @@ def run(args: argparse.Namespace) -> Report:
     for name in CONFIGS:
         failed = report.results[name]["replay"]["failed"] + report.results[name]["probe"]["failed"]
         report.target(f"failed requests ({name})", failed, "==", 0)
-    return report

@@ -37,11 +37,12 @@ def test_bench_e2e_json(ray_local, checkpoint_factory, capsys) -> None:
     from services.cli import main
 
     model = checkpoint_factory("tiny")
-    argv = ["bench", "e2e", "--json", "--model", str(model), "--requests", "3"]
+    argv = ["bench", "e2e", "--json", "--parts", "real", "--model", str(model), "--requests", "3"]
     argv += ["--probe-tokens", "512", "--time-scale", "1", "--request-timeout", "60"]
     assert main(argv) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["bench"] == "e2e"
+    assert out["bench"] == "e2e" and out["config"]["parts"] == ["real"]
+    assert "simulator" not in out["results"] and "handoff_131k" not in out["results"]
     assert out["config"]["scaling"]["token_scale"] == pytest.approx(1 / 16)
     res = out["results"]
     for name in ("colocated", "disaggregated"):
