@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -52,6 +53,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         "--stop-after", type=int, default=None, help="end this call after that many steps, saving the state"
     )
     m.add_argument("--resume", action="store_true", help="continue from the state a --stop-after call saved")
+    m.add_argument(
+        "--override",
+        action="append",
+        default=[],
+        metavar="KEY=JSON",
+        help="replace one preset config value (e.g. moe_intermediate_size=64, layer_types='[...]'); "
+        "repeatable; recorded in training.json as model_overrides",
+    )
     for field in dataclasses.fields(TrainSettings):
         m.add_argument(
             "--" + field.name.replace("_", "-"),
@@ -128,7 +137,13 @@ def run_model(args: argparse.Namespace) -> int:
     names = [f.name for f in dataclasses.fields(TrainSettings)]
     settings = TrainSettings(**{n: getattr(args, n) for n in names})
     info = train(
-        args.data, args.out, settings, device=args.device, stop_after=args.stop_after, resume=args.resume
+        args.data,
+        args.out,
+        settings,
+        device=args.device,
+        model_overrides=parse_overrides(args.override) or None,
+        stop_after=args.stop_after,
+        resume=args.resume,
     )
     if info is None:
         print(f"stopped after step {args.stop_after}; continue with the same command and --resume")
@@ -139,6 +154,20 @@ def run_model(args: argparse.Namespace) -> int:
     _print_measures(info)
     print(f"trained in {info['train_seconds']:.0f} s on {info['environment']['device']}; wrote {args.out}")
     return 0
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``KEY=JSON`` strings -> a dict; a value that is not JSON is taken as a plain string."""
+    out: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"--override wants KEY=JSON, got {item!r}")
+        try:
+            out[key.strip()] = json.loads(raw)
+        except json.JSONDecodeError:
+            out[key.strip()] = raw
+    return out
 
 
 def run_eval(args: argparse.Namespace) -> int:

@@ -82,3 +82,15 @@ def test_model_and_eval_stages_through_the_cli(built, tmp_path, capsys):
     # stored bf16 weights score within a hair of the fp32 weights the run ended with
     assert report["heldout"]["ppl"] == pytest.approx(info["heldout"]["ppl"], rel=0.01)
     assert report["heldout"]["tokens"] == info["heldout"]["tokens"]
+
+
+def test_model_overrides_parse_as_json_or_plain_strings():
+    import pytest
+
+    from services.commands.train import parse_overrides
+
+    got = parse_overrides(["moe_intermediate_size=80", 'layer_types=["a", "b"]', "note=plain text"])
+    assert got == {"moe_intermediate_size": 80, "layer_types": ["a", "b"], "note": "plain text"}
+    assert parse_overrides([]) == {}
+    with pytest.raises(ValueError, match="KEY=JSON"):
+        parse_overrides(["no-equals-sign"])
