@@ -23,7 +23,7 @@ from services.api.inprocess import InProcessEngineClient
 from services.ray.serving import PoolConfig, RayServingClient
 from tests.integration.ray.conftest import served, wait_until
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.slow]  # ~60 s: two EP 2 instances start, then one again
 
 ENGINE = {"num_blocks": 32, "max_num_batched_tokens": 128}
 
