@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import random
 import time
 from pathlib import Path
 
@@ -33,12 +32,10 @@ from engine.kvconnector.device_transport import (
     TransportTimeout,
     pick_transport,
 )
-from engine.sampling.params import SamplingParams
+from tests.engine_steps import GREEDY, SEEDED, prompt, step_until
 
 pytestmark = pytest.mark.gpu
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-SEEDED = SamplingParams(temperature=1.0, seed=77, max_tokens=16, ignore_eos=True)
 # (request id, prompt length, outputs before the export, params)
 CASES = [
     ("ipc-greedy", 300, 1, GREEDY),
@@ -46,24 +43,6 @@ CASES = [
     ("ipc-long", 3000, 1, GREEDY),
 ]
 BULK = 1 << 30
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 1000) for _ in range(n)]
-
-
-def step_until(c: EngineCore, rid: str, n: int | None = None) -> tuple[list[int], str | None]:
-    tokens: list[int] = []
-    for _ in range(500):
-        for o in c.step():
-            if o.request_id == rid:
-                tokens += o.new_token_ids
-                if o.finish_reason is not None:
-                    return tokens, o.finish_reason
-        if n is not None and len(tokens) >= n:
-            return tokens, None
-    raise AssertionError(f"{rid} did not finish")
 
 
 def reference(model: str, device: str) -> dict[str, tuple[list[int], str | None]]:

@@ -23,7 +23,8 @@ from engine.checkpoint.generate import generate_checkpoint
 from engine.core import CoreRequest, EngineConfig, EngineCore
 from engine.distributed.rendezvous import join_group, rendezvous_file
 from engine.kvconnector.device_transport import P2PTransport, TransportKind, pick_transport
-from tests.gpu.test_handoff_cuda_ipc import BULK, CASES, prompt, reference, step_until
+from tests.engine_steps import prompt, step_until
+from tests.gpu.test_handoff_cuda_ipc import BULK, CASES, reference
 
 pytestmark = [
     pytest.mark.gpu,

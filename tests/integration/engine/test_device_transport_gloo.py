@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import time
 from pathlib import Path
 
@@ -26,32 +25,12 @@ from engine.kvconnector.device_transport import (
     TransportKind,
     pick_transport,
 )
-from engine.sampling.params import SamplingParams
+from tests.engine_steps import GREEDY, SEEDED, prompt, step_until
 
 pytestmark = pytest.mark.integration
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-SEEDED = SamplingParams(temperature=1.0, seed=77, max_tokens=16, ignore_eos=True)
 # (request id, prompt length, outputs before the export, params)
 CASES = [("gloo-greedy", 300, 1, GREEDY), ("gloo-seeded", 2 * 256 - 3, 6, SEEDED)]
-
-
-def _prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 1000) for _ in range(n)]
-
-
-def _step_until(c: EngineCore, rid: str, n: int | None = None) -> tuple[list[int], str | None]:
-    tokens: list[int] = []
-    for _ in range(500):
-        for o in c.step():
-            if o.request_id == rid:
-                tokens += o.new_token_ids
-                if o.finish_reason is not None:
-                    return tokens, o.finish_reason
-        if n is not None and len(tokens) >= n:
-            return tokens, None
-    raise AssertionError(f"{rid} did not finish")
 
 
 def _worker(rank: int, rendezvous: str, model: str, out_dir: str) -> None:
@@ -64,8 +43,8 @@ def _worker(rank: int, rendezvous: str, model: str, out_dir: str) -> None:
     try:
         for i, (rid, plen, after, params) in enumerate(CASES):
             if rank == 0:
-                core.add(CoreRequest(rid, tuple(_prompt(plen, i)), params))
-                tokens, finish = _step_until(core, rid, n=after)
+                core.add(CoreRequest(rid, tuple(prompt(plen, i)), params))
+                tokens, finish = step_until(core, rid, n=after)
                 assert finish is None
                 payload = core.export_sequence(rid)
                 tokens += [t for o in core.take_outputs() for t in o.new_token_ids]
@@ -76,7 +55,7 @@ def _worker(rank: int, rendezvous: str, model: str, out_dir: str) -> None:
                 payload = xport.recv(src=0)
                 ms = (time.perf_counter() - t0) * 1e3
                 assert core.import_sequence(payload) == rid
-                tokens, finish = _step_until(core, rid)
+                tokens, finish = step_until(core, rid)
                 result[rid] = {"tokens": tokens, "finish": finish, "bytes": len(payload), "recv_ms": ms}
         # A header that is not ours is refused with a clear error.
         if rank == 0:
@@ -100,8 +79,8 @@ def test_handoff_over_gloo_equals_one_engine(checkpoint_factory, tmp_path) -> No
     want = {}
     try:
         for i, (rid, plen, _, params) in enumerate(CASES):
-            ref.add(CoreRequest(rid, tuple(_prompt(plen, i)), params))
-            want[rid] = _step_until(ref, rid)
+            ref.add(CoreRequest(rid, tuple(prompt(plen, i)), params))
+            want[rid] = step_until(ref, rid)
     finally:
         ref.close()
     store = rendezvous_file()

@@ -55,3 +55,19 @@ def served(client: object) -> Iterator[str]:
     app = create_app(ApiConfig(), client)  # type: ignore[arg-type]
     with ServerThread(app, app.state.sluice.config) as srv:
         yield srv.url
+
+
+def completion_stream(url: str, prompt: str, max_tokens: int):
+    """A greedy streamed completion through the ``openai`` SDK, running to ``max_tokens``
+    (EOS ignored): the recovery tests' long request."""
+    import openai
+
+    oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+    return oai.completions.create(
+        model="deepseek-chat", prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+
+
+def completion_text(url: str, prompt: str, max_tokens: int) -> str:
+    return "".join(c.choices[0].text for c in completion_stream(url, prompt, max_tokens) if c.choices)

@@ -16,12 +16,11 @@ import signal
 import time
 from collections.abc import Iterator
 
-import openai
 import pytest
 
 from services.api.inprocess import InProcessEngineClient
 from services.ray.serving import PoolConfig, RayServingClient
-from tests.integration.ray.conftest import served, wait_until
+from tests.integration.ray.conftest import completion_stream, completion_text, served, wait_until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]  # ~60 s: two EP 2 instances start, then one again
 
@@ -46,18 +45,6 @@ def reference(model) -> Iterator[str]:
         yield url
 
 
-def _stream(url: str, prompt: str, max_tokens: int):
-    oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
-    return oai.completions.create(
-        model="deepseek-chat", prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
-        extra_body={"ignore_eos": True},
-    )  # fmt: skip
-
-
-def _text(url: str, prompt: str, max_tokens: int) -> str:
-    return "".join(c.choices[0].text for c in _stream(url, prompt, max_tokens) if c.choices)
-
-
 def _pid(replica) -> int:
     return int(replica.stats().extra["pid"])
 
@@ -66,10 +53,10 @@ def test_a_decode_rank_killed_mid_stream_restarts_its_instance_and_the_stream_go
     url, client = stack
     ranks = client.decode.replicas
     prompt, n = "one rank of this instance dies here: ", 200
-    want = _text(reference, prompt, n)
+    want = completion_text(reference, prompt, n)
     got, killed, holder = [], None, None
     t_kill = 0.0
-    for chunk in _stream(url, prompt, n):
+    for chunk in completion_stream(url, prompt, n):
         if chunk.choices:
             got.append(chunk.choices[0].text)
         if killed is None and len(got) == 20:
@@ -104,6 +91,6 @@ def test_a_decode_rank_killed_mid_stream_restarts_its_instance_and_the_stream_go
     # the restarted instance serves: concurrent requests spread over every decode rank
     prompts = [f"after the group restart {k}" for k in range(4)]
     with concurrent.futures.ThreadPoolExecutor(4) as pool:
-        answers = list(pool.map(lambda p: _text(url, p, 8), prompts))
-    assert answers == [_text(reference, p, 8) for p in prompts]
+        answers = list(pool.map(lambda p: completion_text(url, p, 8), prompts))
+    assert answers == [completion_text(reference, p, 8) for p in prompts]
     assert any(r.stats().extra.get("ep_forwards", 0.0) > 0 for r in group)

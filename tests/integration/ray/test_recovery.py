@@ -19,7 +19,7 @@ import pytest
 
 from services.api.inprocess import InProcessEngineClient
 from services.ray.serving import PoolConfig, RayServingClient
-from tests.integration.ray.conftest import served, wait_until
+from tests.integration.ray.conftest import completion_stream, completion_text, served, wait_until
 
 pytestmark = pytest.mark.integration
 
@@ -43,19 +43,6 @@ def stack(ray_local, model, store) -> Iterator[tuple[str, RayServingClient]]:
 def reference(model) -> Iterator[str]:
     with served(InProcessEngineClient(model, **ENGINE)) as url:
         yield url
-
-
-def _stream(url: str, prompt: str, max_tokens: int):
-    oai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
-    return oai, oai.completions.create(
-        model="deepseek-chat", prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=True,
-        extra_body={"ignore_eos": True},
-    )  # fmt: skip
-
-
-def _text(url: str, prompt: str, max_tokens: int) -> str:
-    _, stream = _stream(url, prompt, max_tokens)
-    return "".join(c.choices[0].text for c in stream if c.choices)
 
 
 def _lost_object():
@@ -90,8 +77,8 @@ def test_a_decode_engine_killed_mid_stream_the_client_gets_the_rest_unchanged(st
     url, client = stack
     decode = client.decode
     prompt, n = "the decode engine dies here: ", 300
-    want = _text(reference, prompt, n)
-    _oai, stream = _stream(url, prompt, n)
+    want = completion_text(reference, prompt, n)
+    stream = completion_stream(url, prompt, n)
     got, killed = [], None
     for chunk in stream:
         if chunk.choices:
@@ -107,16 +94,16 @@ def test_a_decode_engine_killed_mid_stream_the_client_gets_the_rest_unchanged(st
     assert sum(p.recoveries for p in client.prefill) == 1
     _at_full_strength(decode.replicas, killed)
     assert sum(r.restarts for r in decode.replicas) == 1
-    assert _text(url, "after the restart", 8) == _text(reference, "after the restart", 8)
+    assert completion_text(url, "after the restart", 8) == completion_text(reference, "after the restart", 8)
 
 
 def test_a_prefill_engine_killed_mid_prompt_is_retried_on_the_other(stack, reference):
     url, client = stack
     prompt = " ".join(f"word{i}" for i in range(1500))  # many 128-token chunks
-    want = _text(reference, prompt, 16)
+    want = completion_text(reference, prompt, 16)
     failovers = client.router.failovers
     with concurrent.futures.ThreadPoolExecutor(1) as pool:  # the API answers once the first token is there
-        answer = pool.submit(_text, url, prompt, 16)
+        answer = pool.submit(completion_text, url, prompt, 16)
         wait_until(lambda: any(r.stats().running for r in client.prefill), what="the prompt prefilling")
         victim = next(r for r in client.prefill if r.stats().running)
         killed = _kill(victim)
@@ -133,7 +120,7 @@ def test_with_the_handoff_point_and_the_store_gone_the_stream_ends_within_5_s(st
 
     url, client = stack
     decode = client.decode
-    _oai, stream = _stream(url, "nothing to come back to: ", 400)
+    stream = completion_stream(url, "nothing to come back to: ", 400)
     chunks = iter(stream)
     next(chunks)
     wait_until(lambda: sum(r.stats().running for r in decode.replicas) == 1, what="the request decoding")
