@@ -86,6 +86,7 @@ def _pids_of_tree_alive(pids: set[int]) -> set[int]:
     return alive
 
 
+@pytest.mark.slow  # ~40 s: a second stack, two API processes
 def test_api_replicas_share_the_port_and_route_over_the_same_engines(model, tmp_path):
     """``api.replicas: 2``: two API processes accept on one socket, each with its own router
     over the same engine actors (found by name, followed by their own watch streams); both
