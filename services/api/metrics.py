@@ -17,7 +17,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from services.api.engine_client import EngineStats
 
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 
 _KV_STORE = "kv_store_"
 # The connector's counters (engine.kvconnector.connector.ConnectorStats): only ever rise.
@@ -120,12 +120,12 @@ class ApiMetrics:
             "sluice_api_request_seconds",
             "End-to-end request latency.",
             ["endpoint"],
-            buckets=_LATENCY_BUCKETS,
+            buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.ttft = Histogram(
             "sluice_api_time_to_first_token_seconds", "Time to the first generated token.", ["endpoint"],
-            buckets=_LATENCY_BUCKETS, registry=r,
+            buckets=LATENCY_BUCKETS, registry=r,
         )  # fmt: skip
         self.prompt_tokens = Counter(
             "sluice_api_prompt_tokens", "Prompt tokens of served requests.", registry=r

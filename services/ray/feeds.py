@@ -53,7 +53,7 @@ class Feeds:
                 self.mirror.difference_update(ev.hashes)
         if batch:
             for name, held in self._pending.items():
-                self._pending[name] = _merge(held, batch)
+                self._pending[name] = merge(held, batch)
         if seen:
             for held_seen in self._seen.values():
                 held_seen.extend(seen)
@@ -66,7 +66,7 @@ class Feeds:
         return batch, seen
 
 
-def _merge(held: CacheEventBatch, new: CacheEventBatch) -> CacheEventBatch:
+def merge(held: CacheEventBatch, new: CacheEventBatch) -> CacheEventBatch:
     """``held`` then ``new``, as one batch (a snapshot in ``new`` supersedes what came before)."""
     if new.snapshot is not None:
         return CacheEventBatch(new.events, held.lost + new.lost, new.snapshot)

@@ -26,12 +26,13 @@ from typing import TYPE_CHECKING, Any
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
+from services.api.metrics import LATENCY_BUCKETS  # the API's, so the two histograms compare
+
 if TYPE_CHECKING:
     from services.api.engine_client import EngineOutput
 
 log = logging.getLogger("services.ray.replica")  # the request lines, beside the replica's
 
-_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _TOKEN_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.035, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1, 2.5)
 
 # (metric name, help, stats key, counter?) read from each engine's pushed stats
@@ -68,7 +69,7 @@ class PoolMetrics:
         self.ttft = Histogram(
             "sluice_pool_time_to_first_token_seconds",
             "From the request reaching the engine's replica to its first token, per engine.",
-            labels, buckets=_LATENCY_BUCKETS, registry=self.registry,
+            labels, buckets=LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
         self.tpot = Histogram(
             "sluice_pool_time_per_output_token_seconds",
@@ -79,7 +80,7 @@ class PoolMetrics:
             "sluice_handoff_seconds",
             "From the prefill engine's last output (sequence exported) to the decode engine's "
             "first (imported and stepped once), per decode engine.",
-            ["engine"], buckets=_LATENCY_BUCKETS, registry=self.registry,
+            ["engine"], buckets=LATENCY_BUCKETS, registry=self.registry,
         )  # fmt: skip
 
     def first_token(self, pool: str, engine: str, seconds: float) -> None:
@@ -136,15 +137,15 @@ class RequestClock:
             return
         now = time.perf_counter()
         m = self.metrics
+        if m is not None:
+            if self.first is None:
+                m.first_token(self.pool, self.engine, now - self.start)
+            elif self._handoff_to is not None:
+                m.handed_off(self._handoff_to, now - self.last)
+            else:
+                m.next_tokens(self.pool, self.engine, now - self.last, n)
         if self.first is None:
             self.first = now
-            if m is not None:
-                m.first_token(self.pool, self.engine, now - self.start)
-        elif self._handoff_to is not None:
-            if m is not None:
-                m.handed_off(self._handoff_to, now - self.last)
-        elif m is not None:
-            m.next_tokens(self.pool, self.engine, now - self.last, n)
         self._handoff_to = None
         self.last, self.count = now, self.count + n
 

@@ -43,7 +43,7 @@ from services.api.engine_client import (
     ModelInfo,
 )
 from services.ray.actors import raise_error
-from services.ray.feeds import _merge
+from services.ray.feeds import merge
 from services.ray.metrics import RequestClock
 
 if TYPE_CHECKING:
@@ -178,7 +178,7 @@ class RayEngineReplica:
         async for ref in stream:
             item = await ref
             self._offer(item["stats"])
-            self._events = _merge(self._events, events_from_wire(item["events"]))
+            self._events = merge(self._events, events_from_wire(item["events"]))
             self._store_seen.extend(bytes(h) for h in item["store_seen"])
             self._alive = True
             self._first_push.set()
