@@ -199,7 +199,8 @@ def test_stream_disconnect_aborts_on_the_replica_that_ran_it(sluice_server):
     client = httpx.Client(base_url=sluice_server.url, timeout=60)
     with client, client.stream("POST", "/v1/completions", json=body) as resp:
         assert resp.status_code == 200
-        data = [ln for _, ln in zip(range(200), resp.iter_lines()) if ln.startswith("data: ")][:5]
+        lines = resp.iter_lines()  # kept: dropping it would close the stream before the asserts
+        data = [ln for _, ln in zip(range(200), lines) if ln.startswith("data: ")][:5]
         assert len(data) == 5
         (target,) = [i for i, d in enumerate(routed_delta(engine, before_routed)) if d]
         assert replicas[target].stats().running == 1
@@ -229,7 +230,10 @@ def test_abort_by_id_reaches_the_replica_that_holds_the_request(sluice_server):
     }
     client = httpx.Client(base_url=sluice_server.url, timeout=60)
     with client, client.stream("POST", "/v1/completions", json=body) as resp:
-        data = [ln for _, ln in zip(range(50), resp.iter_lines()) if ln.startswith("data: ")][:3]
+        # One line iterator for the whole block: a dropped iter_lines() generator closes the
+        # response, and the server would abort the request as a client disconnect.
+        lines = resp.iter_lines()
+        data = [ln for _, ln in zip(range(50), lines) if ln.startswith("data: ")][:3]
         assert len(data) == 3
         in_flight = list(engine._where.items())
         assert len(in_flight) == 1, f"not in flight after 3 chunks: {data}; {[r.stats() for r in replicas]}"
