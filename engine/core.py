@@ -126,6 +126,8 @@ class EngineCore:
             # window of every layer (docs/engine.md, docs/engine-runtime.md).
             swa_miss_policy="replay",
             swa_replay_tokens=mc.num_hidden_layers * (mc.sliding_window - 1),
+            bounded_replay_tokens=mc.sliding_window - 1,
+            bounded_replay=cfg.swa_replay == "bounded",
             save_new_blocks=self.store is not None,
         )
 
@@ -197,6 +199,7 @@ class EngineCore:
         req = Request(
             creq.request_id, list(creq.prompt_token_ids), params.max_tokens, stop_ids, creq.priority,
             self.extra_keys, fork_of=creq.fork_of, traffic_class=creq.traffic_class,
+            swa_replay=creq.swa_replay,
         )  # fmt: skip
         fetch = self._start_fetch(req)
         try:
@@ -318,7 +321,7 @@ class EngineCore:
         error = req.error if reason == "error" else None
         return SeqOutput(
             req.request_id, new, lps, reason, stop, error, track.prompt_tokens, max(req.num_cached_tokens, 0),
-            len(outs),
+            len(outs), bounded_replay=req.bounded_replays > 0,
         )  # fmt: skip
 
     # -- observability ---------------------------------------------------------------------
@@ -334,6 +337,10 @@ class EngineCore:
             "held_swa_slots": float(slots.num_slots - slots.num_available),
             "preemptions": float(sched.num_preemptions),
             "waiting_for_remote_kv": float(len(self._fetches)),
+            # a prefix hit's window state: adopted from a retained slot, or rebuilt by replay
+            "swa_slot_hits_local": float(slots.reused),
+            **{f"swa_replays_{k}": float(v) for k, v in sched.cache.replays.items()},
+            **{f"swa_replayed_tokens_{k}": float(v) for k, v in sched.cache.replayed_tokens.items()},
         }
         if self.store is not None:
             extra.update(self.store.stats.as_dict())

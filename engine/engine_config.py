@@ -31,6 +31,9 @@ class EngineConfig:
     grammar_compile_timeout_s: float = 2.0  # a grammar slower to compile is refused at admission
     cache_event_capacity: int = 0  # > 0: record prefix-cache events for a router (0 = off)
     kv_store: str | None = None  # a store spec JSON (kvstore/spec.py): prefix blocks shared via the store
+    # A prefix hit whose SWA state is gone, for requests that do not choose: "exact" replay
+    # (output unchanged) or "bounded" (window - 1 tokens, approximate; docs/engine-runtime.md)
+    swa_replay: str = "exact"
     ep_size: int = 1  # > 1: this engine is one rank of an expert-parallel group (lockstep)
     ep_rank: int = 0
 
@@ -45,6 +48,8 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICES} (optionally cuda:N), got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.swa_replay not in ("exact", "bounded"):
+            raise ValueError(f"swa_replay must be 'exact' or 'bounded', got {self.swa_replay!r}")
         if self.ep_size < 1 or not 0 <= self.ep_rank < self.ep_size:
             raise ValueError(f"ep_rank must be within [0, ep_size), got {self.ep_rank} of {self.ep_size}")
         if self.ep_size > 1 and self.async_scheduling:

@@ -20,6 +20,7 @@ class CoreRequest:
     traffic_class: str = "chat"  # the store TTL class of the blocks it writes
     fork_of: str | None = None  # share this request's prompt computation (n > 1)
     seed: int | None = None  # None: params.seed, else derived from the engine seed and the id
+    swa_replay: str | None = None  # "exact" | "bounded" (a hit without its SWA state); None: default
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class SeqOutput:
     prompt_tokens: int
     cached_tokens: int  # prompt tokens not computed (prefix cache, store, retained slot)
     output_tokens: int
+    bounded_replay: bool = False  # its state came from a bounded replay: the output is approximate
 
 
 @dataclass(frozen=True)

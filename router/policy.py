@@ -47,15 +47,23 @@ class RequestView:
     output_len_hint: int = 0  # expected output tokens; 0 when unknown
     block_size: int = DEFAULT_BLOCK_SIZE
     image_tokens: int = 0
+    # A hit found without its sliding-window state recomputes this many of its last tokens
+    # to rebuild it (exact replay: layers x (window - 1); bounded: window - 1); 0: free hits.
+    swa_replay_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.input_len < 1:
             raise ValueError(f"RequestView.input_len must be >= 1, got {self.input_len} (empty prompt)")
         if self.block_size < 1:
             raise ValueError(f"RequestView.block_size must be >= 1, got {self.block_size}")
+        if self.swa_replay_tokens < 0:
+            raise ValueError(f"RequestView.swa_replay_tokens must be >= 0, got {self.swa_replay_tokens}")
 
     def cached_tokens(self, matched_blocks: int) -> int:
-        return min(int(matched_blocks) * self.block_size, self.input_len)
+        """Prompt tokens a hit of ``matched_blocks`` saves: the hit less its window replay
+        (the engine recomputes the whole prompt when the replay would cover the hit)."""
+        hit = min(int(matched_blocks) * self.block_size, self.input_len)
+        return hit - min(self.swa_replay_tokens, hit)
 
 
 @dataclass(frozen=True)

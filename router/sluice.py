@@ -118,7 +118,7 @@ class SluicePrefill(Policy):
         fetch_s = self.config.store_fetch_s_per_block
         remote = self.index.store_match(request.blocks) if fetch_s is not None else 0
         # (predicted seconds, seconds of compute) per distinct match length: few distinct
-        times = {m: self._prefill(n, m, request.block_size, remote, fetch_s or 0.0) for m in set(matched)}
+        times = {m: self._prefill(request, m, remote, fetch_s or 0.0) for m in set(matched)}
         pred = [times[m][0] for m in matched]
         compute = [times[m][1] for m in matched]
         # rho weighs recomputed tokens only: a fetch uses the engine's link, not pool compute
@@ -141,14 +141,15 @@ class SluicePrefill(Policy):
         return score, pred, matched
 
     def _prefill(
-        self, n: int, matched: int, block_size: int, remote: int, fetch_s: float
+        self, request: RequestView, matched: int, remote: int, fetch_s: float
     ) -> tuple[float, float]:
         """(predicted seconds, compute seconds) of a prefill with ``matched`` blocks cached on
-        the engine and ``remote`` in the KV store, whose fetch costs ``fetch_s`` per block."""
-        cost = self.ctx.cost
-        c = cost.prefill_time(n, min(matched * block_size, n))
+        the engine and ``remote`` in the KV store, whose fetch costs ``fetch_s`` per block.
+        A hit's window replay is compute (``RequestView.cached_tokens``)."""
+        cost, n = self.ctx.cost, request.input_len
+        c = cost.prefill_time(n, request.cached_tokens(matched))
         if remote > matched:  # the engine may fetch the store's longer prefix instead
-            c_store = cost.prefill_time(n, min(remote * block_size, n))
+            c_store = cost.prefill_time(n, request.cached_tokens(remote))
             if c_store + (remote - matched) * fetch_s < c:
                 return c_store + (remote - matched) * fetch_s, c_store
         return c, c

@@ -44,6 +44,10 @@ class SequenceState:
     window_from: int
     block_hashes: tuple[bytes, ...]  # full blocks below num_computed
     has_tail: bool
+    # After a bounded replay: positions from here on are approximate; the importer publishes
+    # none of the blocks past it (None: the state is exact).
+    approximate_from: int | None = None
+    bounded_replays: int = 0
 
     def to_meta(self) -> dict[str, Any]:
         params = dataclasses.asdict(self.params)
@@ -63,6 +67,8 @@ class SequenceState:
             "window_from": self.window_from,
             "block_hashes": [h.hex() for h in self.block_hashes],
             "has_tail": self.has_tail,
+            "approximate_from": self.approximate_from,
+            "bounded_replays": self.bounded_replays,
         }
 
     @classmethod
@@ -101,6 +107,8 @@ class SequenceState:
             window_from=int(meta["window_from"]),
             block_hashes=tuple(bytes.fromhex(h) for h in meta["block_hashes"]),
             has_tail=bool(meta["has_tail"]),
+            approximate_from=None if meta.get("approximate_from") is None else int(meta["approximate_from"]),
+            bounded_replays=int(meta.get("bounded_replays", 0)),
         )
 
     def _check(self, block_size: int, vocab_size: int) -> None:
@@ -118,6 +126,12 @@ class SequenceState:
                 raise ValueError(
                     f"{name} {getattr(self, name)} outside [0, num_computed {self.num_computed}]"
                 )
+        if self.approximate_from is not None and not 0 <= self.approximate_from <= self.num_computed:
+            raise ValueError(
+                f"approximate_from {self.approximate_from} outside [0, num_computed {self.num_computed}]"
+            )
+        if self.bounded_replays < 0:
+            raise ValueError(f"bounded_replays must be >= 0, got {self.bounded_replays}")
         if len(self.output_token_ids) >= self.params.max_tokens:
             raise ValueError("the sequence has already produced max_tokens tokens")
         if len(self.block_hashes) != self.num_computed // block_size:

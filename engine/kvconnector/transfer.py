@@ -62,6 +62,8 @@ def export_sequence(core: EngineCore, request_id: str) -> bytes:
         window_from=req.window_from,
         block_hashes=tuple(sched.cache.hasher_for(req).update(req.all_token_ids)[:full]),
         has_tail=bool(n % bs),
+        approximate_from=req.approximate_from,
+        bounded_replays=req.bounded_replays,
     )
     sections = [kv.pack_slot(runner.swa, req.swa_slot)]
     if state.has_tail:
@@ -119,6 +121,7 @@ def import_sequence(core: EngineCore, payload: bytes) -> tuple[Request, int]:
         state.priority, core.extra_keys, traffic_class=state.traffic_class,
     )  # fmt: skip
     req.output_token_ids = list(state.output_token_ids)
+    req.approximate_from, req.bounded_replays = state.approximate_from, state.bounded_replays
     _place(core, state, req, slot_payload, tail, block_payloads)
     sched.add_running(req)
     core.executor.add(
@@ -142,7 +145,12 @@ def _place(
     """Give ``req`` a slot and blocks (cached ones reused), queue the writes; EngineFull if short."""
     sched = core.scheduler
     mgr, slots = sched.cache.blocks, sched.cache.slots
-    local = mgr.lookup(state.block_hashes, count=False)
+    # Past a bounded replay the payload's blocks are approximate: they are neither matched
+    # against this engine's exact blocks nor published under their hashes.
+    exact = len(state.block_hashes)
+    if state.approximate_from is not None:
+        exact = min(exact, state.approximate_from // core.block_size)
+    local = mgr.lookup(state.block_hashes[:exact], count=False)
     mgr.acquire(local)
     need = len(blocks) - len(local) + int(tail is not None)
     # Blocks that retained slots hold for prefix reuse are given back if the import needs them.
@@ -166,7 +174,8 @@ def _place(
     for i, block in enumerate(fresh[: len(blocks) - len(local)]):
         idx = len(local) + i
         sched.queue_kv_load(block, blocks[idx])
-        mgr.register(block, state.block_hashes[idx])
+        if idx < exact:
+            mgr.register(block, state.block_hashes[idx])
         table.append(block)
     if tail is not None:
         sched.queue_kv_load(fresh[-1], tail)
@@ -179,4 +188,4 @@ def _place(
         state.window_from,
     )
     req.num_cached_tokens = state.num_cached_tokens
-    req.num_registered = len(state.block_hashes)
+    req.num_registered = exact

@@ -2,7 +2,13 @@
 
 ``match`` finds what an admitted request can skip: either an exact retained slot state
 (full blocks + its partial block, no replay) or a run of cached full blocks whose window
-state is rebuilt by replaying the last ``swa_replay_tokens`` tokens of the hit.
+state is rebuilt by replaying the last ``swa_replay_tokens`` tokens of the hit (exact), or
+only ``bounded_replay_tokens`` of them for a request that opts into bounded replay.
+
+A bounded replay is approximate: from the hit on, the request's state is marked
+(``Request.approximate_from``) and nothing computed from it is published: no block is
+registered (so no prefix hit, cache event or store write comes from it) and its slot is not
+retained at the end.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ class PrefixMatch:
     hit_tokens: int  # compressed cache valid up to here
     replay_tokens: int  # tokens before hit_tokens to recompute for the window state
     slot_entry: RetainedSlot | None  # exact retained state to adopt (then replay_tokens == 0)
+    approximate: bool = False  # a bounded replay: fewer tokens than an exact rebuild needs
 
     @property
     def start(self) -> int:
@@ -39,6 +46,10 @@ class CacheManager:
         # Newly published blocks to snapshot for the store (KV connector write-through), each
         # pinned with one reference until the step that carries it has run.
         self.pending_saves: list[tuple[int, bytes, str]] = []
+        # Admissions that rebuilt a missing window state, by kind (metrics), and the tokens
+        # they replayed. A retained slot adopted instead counts in ``slots.reused``.
+        self.replays = {"exact": 0, "bounded": 0}
+        self.replayed_tokens = {"exact": 0, "bounded": 0}
 
     def hasher_for(self, req: Request) -> BlockHasher:
         if req.hasher is None:
@@ -59,13 +70,24 @@ class CacheManager:
         replay = min(self.config.swa_replay_tokens, hit)
         if self.config.swa_miss_policy == "recompute" or replay == hit:
             hit, replay = 0, 0
+        # A retained slot is exact: it wins whenever it saves as much as an exact rebuild would.
         if entry is not None and max_hit - entry.num_tokens <= max_hit - hit + replay:
             full = entry.num_tokens // self.bs
             blocks = tuple(cached[:full]) + (
                 (entry.partial_block,) if entry.partial_block is not None else ()
             )
             return PrefixMatch(blocks, entry.num_tokens, 0, entry)
+        bounded = min(self.config.bounded_replay_tokens, hit)
+        if self.wants_bounded(req) and bounded < replay:
+            return PrefixMatch(tuple(cached[: hit // self.bs]), hit, bounded, None, approximate=True)
         return PrefixMatch(tuple(cached[: hit // self.bs]), hit, replay, None)
+
+    def wants_bounded(self, req: Request) -> bool:
+        if self.config.bounded_replay_tokens == 0:
+            return False
+        if req.swa_replay is None:
+            return self.config.bounded_replay
+        return req.swa_replay == "bounded"
 
     def can_admit(self, m: PrefixMatch, end_pos: int) -> bool:
         need = self.blocks_needed(end_pos) - len(m.blocks)
@@ -109,6 +131,13 @@ class CacheManager:
         req.replay_until = m.hit_tokens
         req.window_from = m.start if reset else 0
         req.num_registered = m.hit_tokens // self.bs
+        # Each admission rebuilds the state from cached tokens, so only this one decides.
+        req.approximate_from = m.hit_tokens if m.approximate else None
+        req.bounded_replays += int(m.approximate)
+        if m.replay_tokens:
+            kind = "bounded" if m.approximate else "exact"
+            self.replays[kind] += 1
+            self.replayed_tokens[kind] += m.replay_tokens
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = m.start
         return reset
@@ -163,10 +192,14 @@ class CacheManager:
         child.block_table, child.swa_slot = table, slot
         child.num_computed, child.replay_until, child.window_from = pos, 0, 0
         child.num_cached_tokens = max(parent.num_cached_tokens, 0)
+        child.approximate_from, child.bounded_replays = parent.approximate_from, parent.bounded_replays
         return block_copy, (parent.swa_slot, slot)
 
     def register_full_blocks(self, req: Request) -> None:
-        """Publish every block whose tokens are all known and computed."""
+        """Publish every block whose tokens are all known and computed (none after a bounded
+        replay: its blocks are approximate)."""
+        if req.approximate_from is not None:
+            return
         full = min(req.num_computed, req.num_tokens) // self.bs
         if full <= req.num_registered:
             return
@@ -190,6 +223,7 @@ class CacheManager:
         pos = req.num_computed
         keep = (
             retain_slot
+            and req.approximate_from is None
             and self.config.enable_prefix_caching
             and req.num_pending == 0
             and pos <= req.num_tokens

@@ -25,6 +25,12 @@ class SchedulerConfig:
     # rows) to rebuild the window exactly; "recompute" drops such a hit entirely.
     swa_miss_policy: Literal["replay", "recompute"] = "replay"
     swa_replay_tokens: int = 256
+    # Bounded replay (opt-in): replay only this many tokens of such a hit (the model's
+    # window - 1), with the raw window truncated to them. Approximate: the request's state is
+    # marked, and nothing computed from it is published (docs/engine-runtime.md). 0: not
+    # offered. ``bounded_replay`` makes it the default of requests that do not choose.
+    bounded_replay_tokens: int = 0
+    bounded_replay: bool = False
     # > 0: the block manager buffers this many stored/removed block events for a router
     # (drop-oldest past it; engine/scheduler/cache_events.py); 0: no events are recorded
     cache_event_capacity: int = 0
@@ -42,6 +48,12 @@ class SchedulerConfig:
             )
         if self.swa_replay_tokens < 0:
             raise ValueError(f"SchedulerConfig.swa_replay_tokens must be >= 0, got {self.swa_replay_tokens}")
+        if self.bounded_replay_tokens < 0:
+            raise ValueError(
+                f"SchedulerConfig.bounded_replay_tokens must be >= 0, got {self.bounded_replay_tokens}"
+            )
+        if self.bounded_replay and self.bounded_replay_tokens == 0:
+            raise ValueError("SchedulerConfig.bounded_replay needs bounded_replay_tokens > 0 (window - 1)")
         if self.swa_miss_policy not in ("replay", "recompute"):
             raise ValueError(
                 f"SchedulerConfig.swa_miss_policy must be 'replay' or 'recompute', got {self.swa_miss_policy!r}"

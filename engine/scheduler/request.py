@@ -54,6 +54,8 @@ class Request:
     extra_keys: ExtraKeys = field(default_factory=ExtraKeys)
     fork_of: str | None = None  # n > 1: share this request's prompt computation, then diverge
     traffic_class: str = "chat"  # the store's TTL class of the blocks it writes ("agent" | "chat")
+    # A prefix hit whose SWA state is gone: "exact" or "bounded" replay; None: the engine's default
+    swa_replay: str | None = None
     # -- state, owned by the scheduler --
     arrival: int = -1
     status: RequestStatus = RequestStatus.WAITING
@@ -69,11 +71,19 @@ class Request:
     error: str | None = None  # why it finished with FINISHED_ERROR
     hasher: BlockHasher | None = None
     num_registered: int = 0  # leading blocks already published in the prefix table
+    # Set while its state descends from a bounded replay: positions from here on are
+    # approximate, and none of its blocks, its slot or its cache events are published.
+    approximate_from: int | None = None
+    bounded_replays: int = 0  # admissions that used bounded replay (the response says so)
     # Blocks of its prefix held for it while it waits (local hits, blocks loaded from the
     # store): one reference each, released at admission (which takes its own) or at finish.
     pinned_blocks: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        if self.swa_replay not in (None, "exact", "bounded"):
+            raise ValueError(
+                f"request {self.request_id!r}: swa_replay must be 'exact' or 'bounded', got {self.swa_replay!r}"
+            )
         if not self.prompt_token_ids:
             raise ValueError(f"request {self.request_id!r}: the prompt is empty")
         if self.max_tokens < 1:

@@ -114,6 +114,7 @@ def prepare_completion(
         top_logprobs=logprobs if isinstance(logprobs, int) else None,
         ignore_eos=bool(body.get("ignore_eos", False)),  # vLLM's extension: fixed-length outputs
         traffic_class=traffic_class,
+        swa_replay=body.get("swa_replay"),
     )
     return Prepared(
         "completions", rid, model, bool(body.get("stream", False)), prompt_ids, engine_req,

@@ -147,8 +147,9 @@ class Converter:
         rid = f"{_ID_PREFIX[kind]}-{uuid.uuid4().hex}"
         max_tokens = self.resolve_max_tokens(conv, len(prompt_ids))
         engine_req = self.engine_request(
-            rid, prompt_ids, max_tokens, conv, _single_tool_call(body), traffic_class=traffic_class
-        )
+            rid, prompt_ids, max_tokens, conv, _single_tool_call(body), traffic_class=traffic_class,
+            swa_replay=body.get("swa_replay"),
+        )  # fmt: skip
         gen_type = _REQUEST_TYPES[kind]
 
         def make_generator() -> Any:
@@ -200,6 +201,7 @@ class Converter:
         single_tool_call: bool = False,
         *,
         traffic_class: str = DEFAULT_TRAFFIC_CLASS,
+        swa_replay: str | None = None,
     ) -> EngineRequest:
         io = conv.inference_options
         top = (io.top_logprobs or 0) if io.logprobs else None
@@ -215,6 +217,7 @@ class Converter:
             top_logprobs=top,
             structured=self.structured(io.output_constraint, conv, single_tool_call),
             traffic_class=traffic_class,
+            swa_replay=swa_replay,
         )
 
     def structured(

@@ -39,6 +39,9 @@ class StructuredSpec:
     source: str  # "" with kind json_schema means any JSON value
 
 
+SWA_REPLAY_MODES = (None, "exact", "bounded")
+
+
 @dataclass(frozen=True)
 class EngineRequest:
     request_id: str
@@ -55,10 +58,17 @@ class EngineRequest:
     # The KV store's TTL class for every block this request writes ("agent" or "chat"; the
     # API takes it from the API key, else the X-Sluice-Traffic-Class header, else "chat").
     traffic_class: str = "chat"
+    # A prefix hit whose sliding-window state is gone: "exact" or "bounded" replay (approximate,
+    # cheaper); None: the engine's default.
+    swa_replay: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
             raise ValueError("EngineRequest: the prompt is empty")
+        if self.swa_replay not in SWA_REPLAY_MODES:
+            raise ValueError(
+                f"EngineRequest: swa_replay must be 'exact', 'bounded' or None, got {self.swa_replay!r}"
+            )
         if self.max_tokens < 1:
             raise ValueError(f"EngineRequest: max_tokens must be >= 1, got {self.max_tokens}")
         if self.traffic_class not in TRAFFIC_CLASSES:
@@ -81,7 +91,8 @@ class EngineOutput:
     out, since it is not text, but it is counted in ``completion_tokens``. ``finish_reason`` is set exactly once, on the last update. Usage counts
     are cumulative and always filled: ``prompt_tokens`` (as the engine counted them),
     ``cached_tokens`` (prompt tokens served from the prefix cache, i.e. not recomputed),
-    ``completion_tokens`` (all tokens generated so far).
+    ``completion_tokens`` (all tokens generated so far). ``bounded_replay``: the request's
+    state came from a bounded replay of a prefix hit, so its output is approximate.
     """
 
     request_id: str
@@ -91,6 +102,7 @@ class EngineOutput:
     prompt_tokens: int
     cached_tokens: int
     completion_tokens: int
+    bounded_replay: bool = False
 
 
 @dataclass(frozen=True)
@@ -115,6 +127,10 @@ class ModelInfo:
     vocab_size: int
     eos_token_ids: tuple[int, ...]
     tokenizer_path: str
+    # A prefix hit without its sliding-window state recomputes this many tokens: (exact
+    # replay, bounded replay); and the replay requests get when they do not choose.
+    swa_replay_tokens: tuple[int, int] = (0, 0)
+    swa_replay_default: str = "exact"
 
 
 @runtime_checkable

@@ -323,6 +323,7 @@ class InProcessEngineClient:
             params,
             request.priority,
             request.traffic_class,
+            swa_replay=request.swa_replay,
         )
         if params.structured is None:
             return core_req, None
@@ -521,7 +522,7 @@ class InProcessEngineClient:
                 item.sink,
                 EngineOutput(
                     out.request_id, tuple(new), lps, reason, out.prompt_tokens, out.cached_tokens,
-                    out.output_tokens,
+                    out.output_tokens, out.bounded_replay,
                 ),
             )  # fmt: skip
         for rid in dict.fromkeys(exports):
@@ -650,4 +651,8 @@ def _read_model_info(model_dir: Path, engine_kwargs: dict[str, Any]) -> ModelInf
     context = min(context, num_blocks * 256)
     eos = cfg.get("eos_token_id", 1)
     eos_ids = tuple(eos) if isinstance(eos, list) else (int(eos),)
-    return ModelInfo(model_dir.resolve().name, context, int(cfg["vocab_size"]), eos_ids, str(tokenizer))
+    layers, window = int(cfg["num_hidden_layers"]), int(cfg["sliding_window"])
+    return ModelInfo(
+        model_dir.resolve().name, context, int(cfg["vocab_size"]), eos_ids, str(tokenizer),
+        (layers * (window - 1), window - 1), str(engine_kwargs.get("swa_replay", "exact")),
+    )  # fmt: skip

@@ -50,7 +50,7 @@ def _int_field(body: dict[str, Any], name: str) -> int | None:
 
 
 def check_generation(body: dict[str, Any], kind: str, cfg: ApiConfig) -> None:
-    """n, max_tokens, logprobs and stop bounds for one endpoint kind."""
+    """n, max_tokens, logprobs, stop bounds and ``swa_replay`` for one endpoint kind."""
     n = _int_field(body, "n")
     if n is not None and not 1 <= n <= cfg.max_n:
         raise limit_error("max_n", f"n={n} is not supported; at most {cfg.max_n}")
@@ -66,6 +66,14 @@ def check_generation(body: dict[str, Any], kind: str, cfg: ApiConfig) -> None:
             raise limit_error("max_tokens_limit", f"{name}={value} exceeds {cfg.max_tokens_limit}")
         if value is not None and value < 1:
             raise ApiError(400, f"{name} must be >= 1, got {value}", param=name)
+    mode = body.get("swa_replay")
+    if mode is not None and mode not in ("exact", "bounded"):
+        raise ApiError(
+            400,
+            f"swa_replay must be 'exact' (a prefix hit never changes the output) or 'bounded' "
+            f"(cheaper, approximate), got {mode!r}",
+            param="swa_replay",
+        )
     lp_name = "logprobs" if kind == "completions" else "top_logprobs"
     top = _int_field(body, lp_name)
     if top is not None and not 0 <= top <= cfg.max_top_logprobs:

@@ -39,6 +39,7 @@ class Usage:
     completion_tokens: int = 0
     reasoning_tokens: int = 0
     first_token_at: float | None = None
+    bounded_replay: bool = False  # the engine rebuilt a prefix hit's window approximately
 
 
 class Generation:
@@ -130,6 +131,7 @@ class Generation:
             out.cached_tokens,
             out.completion_tokens,
         )
+        u.bounded_replay = u.bounded_replay or out.bounded_replay
         for token in out.token_ids if self._reasoning_end is not None else ():
             if token == self._reasoning_end:
                 self._reasoning_end = None
@@ -172,7 +174,7 @@ class Generation:
         if '"usage"' not in text:
             return text
         obj = json.loads(text)
-        _patch_usage(obj, self.usage.completion_tokens, self.usage.reasoning_tokens)
+        _patch_usage(obj, self.usage)
         return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
     async def prime(self) -> None:
@@ -235,12 +237,17 @@ class Generation:
         return f"data: {json.dumps(body)}\n\n".encode()
 
 
-def _patch_usage(node: object, generated: int, reasoning: int, depth: int = 0) -> None:
-    """Every ``usage`` object below ``node``: output and reasoning counts := the engine's."""
+def _patch_usage(node: object, counts: Usage, depth: int = 0) -> None:
+    """Every ``usage`` object below ``node``: output and reasoning counts := the engine's;
+    ``"swa_replay": "bounded"`` when the engine served the prompt's prefix hit by a bounded
+    (approximate) replay of its window state."""
     if depth > 4 or not isinstance(node, dict):
         return
+    generated, reasoning = counts.completion_tokens, counts.reasoning_tokens
     usage = node.get("usage")
     if isinstance(usage, dict):
+        if counts.bounded_replay:
+            usage["swa_replay"] = "bounded"
         for out_key, in_key in (("completion_tokens", "prompt_tokens"), ("output_tokens", "input_tokens")):
             if out_key in usage:
                 usage[out_key] = generated
@@ -251,4 +258,4 @@ def _patch_usage(node: object, generated: int, reasoning: int, depth: int = 0) -
                 usage[details]["reasoning_tokens"] = reasoning
     for value in node.values():
         if isinstance(value, dict):
-            _patch_usage(value, generated, reasoning, depth + 1)
+            _patch_usage(value, counts, depth + 1)

@@ -108,6 +108,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument(
         "--dtype", default=None, choices=("float32", "bfloat16"), help="engine dtype (default float32)"
     )
+    p.add_argument(
+        "--swa-replay", default=None, choices=("exact", "bounded"),
+        help="a prefix hit whose sliding-window state is gone, for requests that do not choose: "
+        "exact replay (default; output unchanged) or bounded replay (window - 1 tokens, approximate)",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -179,6 +184,8 @@ def engine_kwargs_from(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["device"] = args.device
     if args.dtype is not None:
         kwargs["dtype"] = args.dtype
+    if args.swa_replay is not None:
+        kwargs["swa_replay"] = args.swa_replay
     return kwargs
 
 

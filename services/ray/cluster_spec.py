@@ -125,6 +125,9 @@ class ClusterSpec(_Strict):
     model: str = ""
     redis_url: str = ""
     router_policy: str = "sluice"
+    # A prefix hit whose sliding-window state is gone, for requests that do not choose:
+    # "exact" replay (output unchanged) or "bounded" (window - 1 tokens, approximate)
+    swa_replay: Literal["exact", "bounded"] = "exact"
     api: ApiSpec = Field(default_factory=ApiSpec)
     vision: PoolSpec = Field(default_factory=lambda: PoolSpec(replicas=0))
     prefill: PrefillPoolSpec = Field(default_factory=PrefillPoolSpec)
@@ -363,6 +366,7 @@ def _engine_fields(spec: ClusterSpec, layout: PoolLayout, **pool_fields: Any) ->
         "model": spec.model,
         "device": "cuda" if gpu else "cpu",
         "dtype": "bfloat16" if gpu else "float32",
+        "swa_replay": spec.swa_replay,
         **pool_fields,
     }
     seqs = fields.get("max_num_seqs", EngineConfig.max_num_seqs)

@@ -84,8 +84,13 @@ class RayEngineReplica:
         self.watch_interval_s, self.call_timeout_s = watch_interval_s, call_timeout_s
         self.restart_timeout_s = restart_timeout_s
         self._identity = (int(info["block_size"]), extra_keys_from_wire(info["extra_keys"]))
+        mi = info["model_info"]
         self._model = ModelInfo(
-            **{**info["model_info"], "eos_token_ids": tuple(info["model_info"]["eos_token_ids"])}
+            **{
+                **mi,
+                "eos_token_ids": tuple(mi["eos_token_ids"]),
+                "swa_replay_tokens": tuple(mi.get("swa_replay_tokens", (0, 0))),
+            }
         )
         self._stats = EngineStats(0, 0, 0, 0, 0, 0, 0, 0)
         self._events = CacheEventBatch()

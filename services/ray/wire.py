@@ -44,6 +44,7 @@ def output_to_wire(output: EngineOutput) -> dict[str, Any]:
         "prompt_tokens": output.prompt_tokens,
         "cached_tokens": output.cached_tokens,
         "completion_tokens": output.completion_tokens,
+        "bounded_replay": output.bounded_replay,
     }
 
 
@@ -59,6 +60,7 @@ def output_from_wire(raw: Mapping[str, Any]) -> EngineOutput:
         int(raw["prompt_tokens"]),
         int(raw["cached_tokens"]),
         int(raw["completion_tokens"]),
+        bool(raw.get("bounded_replay", False)),
     )
 
 

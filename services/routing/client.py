@@ -286,7 +286,12 @@ class RoutedEngineClient:
         block_size, extra = self._identity
         blocks = chain_hashes(request.prompt_token_ids, block_size, extra)
         arrival = time.monotonic() - self._t0
-        return RequestView(request.request_id, len(request.prompt_token_ids), blocks, arrival, 0, block_size)
+        exact, bounded = self._info.swa_replay_tokens
+        mode = request.swa_replay or self._info.swa_replay_default
+        return RequestView(
+            request.request_id, len(request.prompt_token_ids), blocks, arrival, 0, block_size,
+            swa_replay_tokens=bounded if mode == "bounded" else exact,
+        )  # fmt: skip
 
     async def _route(self, view: RequestView, tried: set[int]) -> int:
         await self._sync()
@@ -296,9 +301,8 @@ class RoutedEngineClient:
         matched = self.router.index.match_list(view.blocks)  # before select inserts the blocks
         engine = await self.router.route_prefill(view, candidates)
         self.routed[engine] += 1
-        cached = min(matched[engine] * view.block_size, view.input_len)
         self._prefilling[engine][str(view.request_id)] = self.router.config.cost.prefill_time(
-            view.input_len, cached
+            view.input_len, view.cached_tokens(matched[engine])
         )
         return engine
 

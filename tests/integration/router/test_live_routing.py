@@ -332,3 +332,21 @@ def test_sluice_serve_with_replicas_routes_and_reports_them(tiny, tmp_path):
         assert sorted(r for r, _ in routed) == ["0", "1"] and sum(float(v) for _, v in routed) == 1.0
     finally:
         server.stop()
+
+
+def test_the_router_costs_a_hit_with_the_window_replay_the_request_will_run(sluice_server):
+    """The tiny model: exact replay 4 x 31 tokens, bounded 31 (the replicas' ModelInfo)."""
+    import asyncio
+
+    from services.api.engine_client import EngineRequest
+
+    engine = sluice_server.engine
+    assert engine.model_info().swa_replay_tokens == (REPLAY, 31)
+
+    def view(**kw):
+        req = EngineRequest("v", tuple(range(2, 900)), 4, **kw)
+        return asyncio.run_coroutine_threadsafe(engine._view(req), engine.replicas[0]._loop).result(10)
+
+    assert view().swa_replay_tokens == REPLAY  # the deployment default: exact
+    assert view(swa_replay="bounded").swa_replay_tokens == 31
+    assert view(swa_replay="bounded").cached_tokens(3) == 3 * BLOCK - 31

@@ -1,3 +1,5 @@
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -192,3 +194,23 @@ def test_sluice_counts_store_hits_with_their_fetch_cost():
     # with everything in the store, affinity matters only by the fetch it saves
     aware.busy_until[1] = 1.0
     assert aware.select([0, 1], r) == 0
+
+
+def test_a_hit_costs_its_window_replay():
+    """A hit is worth its tokens less the window replay the engine runs to rebuild the SWA
+    state (exact: layers x (window - 1), bounded: window - 1); a hit no longer than the
+    replay is worth nothing (the engine recomputes the prompt)."""
+    free = RequestView("a", 8192, [("s", k) for k in range(32)], block_size=256)
+    exact = replace(free, swa_replay_tokens=43 * 127)
+    bounded = replace(free, swa_replay_tokens=127)
+    assert [v.cached_tokens(8) for v in (free, exact, bounded)] == [2048, 0, 2048 - 127]
+    assert exact.cached_tokens(32) == 8192 - 43 * 127
+    with pytest.raises(ValueError, match="swa_replay_tokens"):
+        replace(free, swa_replay_tokens=-1)
+    c = ctx(2)
+    c.index.apply_stored(1, [("s", k) for k in range(8)])
+    p = SluicePrefill(c, SluicePrefillConfig(use_tiers=False))
+    n = free.input_len
+    for view, hit in ((free, 2048), (exact, 0), (bounded, 2048 - 127)):
+        _, pred, _ = p.scores(np.array([0, 1]), view)
+        assert pred[1] == pytest.approx(c.cost.prefill_time(n, hit)), view.swa_replay_tokens

@@ -39,6 +39,7 @@ def _plain(x: object) -> bool:
             structured=StructuredSpec("regex", "[a-z]+"),
             priority=3,
             traffic_class="agent",
+            swa_replay="bounded",
         ),  # fmt: skip
     ],
 )
@@ -52,6 +53,7 @@ def test_outputs_round_trip():
     for out in (
         EngineOutput("a", (1, 2), None, None, 3, 0, 2),
         EngineOutput("a", (7,), ((-0.5, [(7, -0.5), (8, -1.25)]),), "length", 3, 1, 3),
+        EngineOutput("a", (), None, "stop", 900, 737, 4, bounded_replay=True),
     ):
         raw = wire.output_to_wire(out)
         assert _plain(raw)
