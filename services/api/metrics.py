@@ -57,6 +57,30 @@ def _kv_store_families(extra: dict[str, float]) -> Iterator[Metric]:
         yield family
 
 
+def _swa_families(extra: dict[str, float]) -> Iterator[Metric]:
+    """Sliding-window state of prefix hits (engine ``stats().extra``): slots adopted, replays
+    by kind and the tokens they recomputed, and the slot pool's occupancy."""
+    hits = CounterMetricFamily(
+        "sluice_swa_slot_hits", "Prefix hits whose window state was an existing slot.", labels=["where"]
+    )
+    hits.add_metric(["local"], extra.get("swa_slot_hits_local", 0.0))
+    replays = CounterMetricFamily(
+        "sluice_swa_replays", "Prefix hits whose window state was rebuilt by replay.", labels=["kind"]
+    )
+    tokens = CounterMetricFamily(
+        "sluice_swa_replayed_tokens", "Tokens recomputed to rebuild window states.", labels=["kind"]
+    )
+    for kind in ("exact", "bounded"):
+        replays.add_metric([kind], extra.get(f"swa_replays_{kind}", 0.0))
+        tokens.add_metric([kind], extra.get(f"swa_replayed_tokens_{kind}", 0.0))
+    slots = GaugeMetricFamily("sluice_swa_slots", "Sliding-window slots of the engine(s).", labels=["state"])
+    total, free = extra.get("total_swa_slots", 0.0), extra.get("free_swa_slots", 0.0)
+    retained = extra.get("retained_swa_slots", 0.0)
+    for state, value in (("held", total - free), ("retained", retained), ("free", free - retained)):
+        slots.add_metric([state], value)
+    yield from (hits, replays, tokens, slots)
+
+
 class _EngineCollector:
     def __init__(self, stats: Callable[[], EngineStats]) -> None:
         self._stats = stats
@@ -77,6 +101,8 @@ class _EngineCollector:
             g.add_metric([], float(value))
             yield g
         yield from _kv_store_families(s.extra)
+        if "total_swa_slots" in s.extra:
+            yield from _swa_families(s.extra)
 
 
 @runtime_checkable

@@ -9,7 +9,9 @@ request and differs after it, so no retained slot matches: the hit needs a repla
 from __future__ import annotations
 
 import random
+import re
 
+import httpx
 import openai
 import pytest
 
@@ -47,6 +49,13 @@ def test_bounded_replay_is_opt_in_and_reported_in_usage(api_server):
     assert bounded.usage.prompt_tokens_details.cached_tokens == 768 - 31
     stats = api_server.engine.stats().extra
     assert stats["swa_replays_bounded"] >= 1 and stats["swa_replays_exact"] >= 1
+    headers = {"Authorization": f"Bearer {api_server.api_key}"}
+    text = httpx.get(f"{api_server.url}/metrics", headers=headers, timeout=30).text
+    for kind, per in (("bounded", 31), ("exact", 124)):
+        n = float(re.search(rf'sluice_swa_replays_total{{kind="{kind}"}} (\S+)', text).group(1))
+        tokens = float(re.search(rf'sluice_swa_replayed_tokens_total{{kind="{kind}"}} (\S+)', text).group(1))
+        assert n >= 1 and tokens == n * per, (kind, n, tokens)
+    assert re.search(r'sluice_swa_slots{state="retained"} [1-9]', text)  # the exact turns' slots
 
 
 def test_bounded_replay_in_a_chat_stream(api_server):
