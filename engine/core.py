@@ -35,6 +35,7 @@ from engine.sampling.params import SamplingParams, StructuredOutput, derive_seed
 from engine.scheduler.cache_events import CacheEventBatch
 from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.hashing import BlockHash, ExtraKeys
+from engine.scheduler.host_slots import HostSlotPool
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.scheduler import Scheduler, StepUpdate
 
@@ -89,8 +90,11 @@ class EngineCore:
         self.kv = KVWorker(
             bytes.fromhex(self.fingerprint), fmt.layout_digest(self.runner.spec, dtype), dtype, self.store
         )
-        self.scheduler = Scheduler(self._scheduler_config())
-        self.executor = ModelExecutor(self.runner, cfg.device, self.kv)
+        self.host_slots = (
+            HostSlotPool(cfg.host_swa_bytes, cfg.host_swa_format) if cfg.host_swa_bytes else None
+        )
+        self.scheduler = Scheduler(self._scheduler_config(), self.host_slots)
+        self.executor = ModelExecutor(self.runner, cfg.device, self.kv, self.host_slots)
         self.loop = EngineLoop(self.scheduler, self.executor.execute, cfg.async_scheduling)
         self._tracks: dict[str, _Track] = {}
         self._out: list[SeqOutput] = []
@@ -339,11 +343,19 @@ class EngineCore:
             "waiting_for_remote_kv": float(len(self._fetches)),
             # a prefix hit's window state: adopted from a retained slot, or rebuilt by replay
             "swa_slot_hits_local": float(slots.reused),
+            "swa_slot_hits_host": float(sched.cache.host_hits),
             **{f"swa_replays_{k}": float(v) for k, v in sched.cache.replays.items()},
             **{f"swa_replayed_tokens_{k}": float(v) for k, v in sched.cache.replayed_tokens.items()},
         }
         if self.store is not None:
             extra.update(self.store.stats.as_dict())
+        if self.host_slots is not None:
+            host = self.host_slots
+            extra.update(
+                host_swa_slots=float(len(host)), host_swa_bytes=float(host.nbytes),
+                host_swa_budget_bytes=float(host.budget_bytes), host_swa_saved=float(host.saved),
+                host_swa_evicted=float(host.evicted),
+            )  # fmt: skip
         return CoreStats(
             running=len(sched.running),
             waiting=len(sched.waiting),

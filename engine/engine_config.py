@@ -34,6 +34,12 @@ class EngineConfig:
     # A prefix hit whose SWA state is gone, for requests that do not choose: "exact" replay
     # (output unchanged) or "bounded" (window - 1 tokens, approximate; docs/engine-runtime.md)
     swa_replay: str = "exact"
+    # > 0: a host-memory pool of this many bytes keeps the sliding-window slots of ended turns
+    # (engine/scheduler/host_slots.py), so a later turn continues without a replay; 0: off
+    host_swa_bytes: int = 0
+    # how the pool stores them: "native" (exact) or "mxfp8" (lossy; used by requests that
+    # accept approximate state, the bounded-replay ones)
+    host_swa_format: str = "native"
     ep_size: int = 1  # > 1: this engine is one rank of an expert-parallel group (lockstep)
     ep_rank: int = 0
 
@@ -48,6 +54,10 @@ class EngineConfig:
             raise ValueError(f"device must be one of {DEVICES} (optionally cuda:N), got {self.device!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
+        if self.host_swa_bytes < 0:
+            raise ValueError(f"host_swa_bytes must be >= 0 (0 = off), got {self.host_swa_bytes}")
+        if self.host_swa_format not in ("native", "mxfp8"):
+            raise ValueError(f"host_swa_format must be 'native' or 'mxfp8', got {self.host_swa_format!r}")
         if self.swa_replay not in ("exact", "bounded"):
             raise ValueError(f"swa_replay must be 'exact' or 'bounded', got {self.swa_replay!r}")
         if self.ep_size < 1 or not 0 <= self.ep_rank < self.ep_size:

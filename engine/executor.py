@@ -7,14 +7,15 @@ never reads the scheduler's mutable ``Request`` objects.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import RowInput, TokenLogprobs, sample_row
-from engine.scheduler.output import PENDING_TOKEN, RunnerOutput, SchedulerOutput
+from engine.scheduler.host_slots import HostSlot
+from engine.scheduler.output import PENDING_TOKEN, RunnerOutput, SchedulerOutput, SlotSave
 from engine.structured.grammar import GrammarError
 from engine.structured.matcher import GrammarState
 
@@ -48,18 +49,33 @@ class SamplingState:
 
 
 class ModelExecutor:
-    def __init__(self, runner: LogitsRunner, device: str = "cpu", kv: Any = None) -> None:
+    def __init__(
+        self, runner: LogitsRunner, device: str = "cpu", kv: Any = None, host_slots: Any = None
+    ) -> None:
         self.runner = runner
         self.device = device
         self.kv = kv  # engine.kvconnector.worker.KVWorker: loads and write-through snapshots
+        self.host_slots = host_slots  # engine.scheduler.host_slots.HostSlotPool: ended turns' slots
         self.states: dict[str, SamplingState] = {}
         self._failed: dict[str, str] = {}  # request id -> why its grammar failed
+
+    def _save_slots(self, saves: Sequence[SlotSave]) -> None:
+        for save in saves:
+            tail = (
+                None
+                if save.partial_block is None
+                else self.kv.pack_block(self.runner.pool, save.partial_block)
+            )
+            slot = self.kv.pack_slot(self.runner.swa, save.slot, self.host_slots.format)
+            self.host_slots.put(HostSlot(save.anchor, save.num_tokens, save.tail, slot, tail))
 
     def add(self, request_id: str, state: SamplingState) -> None:
         self.states[request_id] = state
         self._failed.pop(request_id, None)  # a reused id starts clean
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        if out.slot_saves:  # first: a retained slot this step reuses still holds its turn's state
+            self._save_slots(out.slot_saves)
         for rid in out.finished_ids:
             self.states.pop(rid, None)
             self._failed.pop(rid, None)

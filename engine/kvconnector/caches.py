@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from engine.cache import mxfp8
 from engine.cache.pool import CompressedPool
 from engine.cache.swa import SWASlots
 from engine.kvconnector.payload import KIND_BLOCK, KIND_SLOT, PayloadError, decode, encode
@@ -97,12 +98,38 @@ def unpack_block_into(
     _unpack_into(payload, pool.block_tensors(block), KIND_BLOCK, fingerprint, digest, "block")
 
 
+SLOT_FORMATS = ("native", "mxfp8")
+
+
 def pack_slot(
-    swa: SWASlots, slot: int, fingerprint: bytes, digest: bytes, meta: Mapping[str, Any] | None = None
+    swa: SWASlots,
+    slot: int,
+    fingerprint: bytes,
+    digest: bytes,
+    meta: Mapping[str, Any] | None = None,
+    fmt: str = "native",
 ) -> bytes:
     """One SWA slot as a KIND_SLOT payload: one section, the ``slot_tensors`` bytes back to
-    back, plus optional metadata (see the reserved keys). IndexError out of range."""
-    return _pack(swa.slot_tensors(slot), KIND_SLOT, fingerprint, digest, meta, "slot")
+    back, plus optional metadata (see the reserved keys). IndexError out of range.
+
+    ``fmt="mxfp8"`` stores every tensor whose last dimension is a multiple of 32 as MXFP8
+    (``engine/cache/mxfp8.py``: its E4M3 values, then its scales) and the others as they are;
+    the metadata says so (``"format": "mxfp8"``) and unpacking decodes it. It is lossy."""
+    if fmt not in SLOT_FORMATS:
+        raise ValueError(f"slot format must be one of {SLOT_FORMATS}, got {fmt!r}")
+    tensors = swa.slot_tensors(slot)
+    if fmt == "native":
+        return _pack(tensors, KIND_SLOT, fingerprint, digest, meta, "slot")
+    dtype = _dtype_of(tensors, "slot")
+    parts = []
+    for t in tensors:
+        if t.shape[-1] % mxfp8.BLOCK:
+            parts.append(t.contiguous().reshape(-1).view(torch.uint8).cpu())
+            continue
+        values, scales = mxfp8.encode(t)
+        parts += [values.reshape(-1).cpu(), scales.reshape(-1).cpu()]
+    body = torch.cat(parts)
+    return encode(KIND_SLOT, fingerprint, digest, dtype, [body], {**(meta or {}), "format": "mxfp8"})
 
 
 def unpack_slot_into(
@@ -112,6 +139,32 @@ def unpack_slot_into(
     fingerprint: bytes,
     digest: bytes,
 ) -> dict[str, Any]:
-    """Verify a KIND_SLOT payload, then overwrite slot ``slot``; returns its metadata.
-    Raises PayloadError (slot untouched) or IndexError (slot out of range)."""
-    return _unpack_into(payload, swa.slot_tensors(slot), KIND_SLOT, fingerprint, digest, "slot")
+    """Verify a KIND_SLOT payload (native or MXFP8), then overwrite slot ``slot``; returns
+    its metadata. Raises PayloadError (slot untouched) or IndexError (slot out of range)."""
+    tensors = swa.slot_tensors(slot)
+    dtype = _dtype_of(tensors, "slot")
+    dec = decode(payload, kind=KIND_SLOT, fingerprint=fingerprint, digest=digest, dtype=dtype)
+    if dec.meta.get("format", "native") == "native":
+        return _unpack_into(payload, tensors, KIND_SLOT, fingerprint, digest, "slot")
+    if dec.meta["format"] != "mxfp8" or len(dec.sections) != 1:
+        raise PayloadError(f"slot payload format {dec.meta['format']!r} is not one this engine reads")
+    sizes = [
+        mxfp8.encoded_bytes(t.numel()) if t.shape[-1] % mxfp8.BLOCK == 0 else _nbytes(t) for t in tensors
+    ]
+    body = dec.sections[0]
+    if len(body) != sum(sizes):
+        raise PayloadError(
+            f"MXFP8 slot body is {len(body)} bytes, this engine's slot encodes to {sum(sizes)}"
+        )
+    src = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+    off = 0
+    for t, n in zip(tensors, sizes):
+        chunk = src[off : off + n]
+        if t.shape[-1] % mxfp8.BLOCK:
+            t.copy_(chunk.view(t.dtype).view(t.shape))
+        else:
+            values = chunk[: t.numel()].view(t.shape)
+            scales = chunk[t.numel() :].view(*t.shape[:-1], t.shape[-1] // mxfp8.BLOCK)
+            t.copy_(mxfp8.decode(values, scales, t.dtype))
+        off += n
+    return dec.meta

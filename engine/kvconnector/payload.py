@@ -24,7 +24,9 @@ Reserved metadata keys (extensible fields; v1 readers ignore keys they do not kn
 
 - ``image_hashes``: list of hex strings, the content hashes of images whose vision tokens
   the payload's positions cover (a prefix with images only matches the same images);
-- ``host_slot``: a JSON object describing a slot kept in the host SWA cache.
+- ``host_slot``: a JSON object describing a slot kept in the host SWA cache;
+- ``format``: how a slot's body is stored: ``"native"`` (the default: the tensors' bytes) or
+  ``"mxfp8"`` (``caches.pack_slot``; lossy). A reader refuses a format it does not know.
 
 `decode` refuses, with a `PayloadError` naming what was expected and what was found: a
 wrong magic, another format version, a truncated header or body, trailing bytes, a header
@@ -200,6 +202,9 @@ def _check_meta(meta: Mapping[str, Any]) -> None:
     host = meta.get("host_slot")
     if host is not None and not isinstance(host, dict):
         raise PayloadError(f"metadata 'host_slot' must be a JSON object, got {type(host).__name__}")
+    fmt = meta.get("format")
+    if fmt is not None and not isinstance(fmt, str):
+        raise PayloadError(f"metadata 'format' must be a string, got {type(fmt).__name__}")
 
 
 def _is_hex(s: str) -> bool:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from engine.scheduler.block_manager import BlockManager, OutOfBlocks
 from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.hashing import ROOT_HASH, BlockHasher
+from engine.scheduler.host_slots import HostSlot, HostSlotPool
+from engine.scheduler.output import SlotSave
 from engine.scheduler.request import Request
 from engine.scheduler.swa_slots import RetainedSlot, SwaSlotManager
 
@@ -29,6 +31,7 @@ class PrefixMatch:
     replay_tokens: int  # tokens before hit_tokens to recompute for the window state
     slot_entry: RetainedSlot | None  # exact retained state to adopt (then replay_tokens == 0)
     approximate: bool = False  # a bounded replay: fewer tokens than an exact rebuild needs
+    host_entry: HostSlot | None = None  # exact state to load from the host slot pool
 
     @property
     def start(self) -> int:
@@ -36,8 +39,14 @@ class PrefixMatch:
 
 
 class CacheManager:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, host_slots: HostSlotPool | None = None) -> None:
         self.config = config
+        self.host = host_slots  # slots of ended turns in host memory (None: off)
+        self.host_saves: list[SlotSave] = []  # retained slots to copy there (next step)
+        # KV connector loads for the next non-empty step (the scheduler's lists): host-slot
+        # hits queue their slot and partial block here
+        self.kv_loads: list[tuple[int, bytes]] = []
+        self.slot_loads: list[tuple[int, bytes]] = []
         self.bs = config.block_size
         self.blocks = BlockManager(
             config.num_blocks, config.block_size, config.enable_prefix_caching, config.cache_event_capacity
@@ -49,6 +58,7 @@ class CacheManager:
         # Admissions that rebuilt a missing window state, by kind (metrics), and the tokens
         # they replayed. A retained slot adopted instead counts in ``slots.reused``.
         self.replays = {"exact": 0, "bounded": 0}
+        self.host_hits = 0  # admissions that loaded their window state from the host pool
         self.replayed_tokens = {"exact": 0, "bounded": 0}
 
     def hasher_for(self, req: Request) -> BlockHasher:
@@ -62,10 +72,12 @@ class CacheManager:
         max_hit = len(tokens) - 1
         hashes = self.hasher_for(req).update(tokens)
         cached = self.blocks.lookup(hashes[: max_hit // self.bs])
-        entry = None
+        entry = host = None
         if self.config.enable_prefix_caching:
             anchors = [ROOT_HASH, *hashes[: len(cached)]]
             entry = self.slots.match(anchors, tokens, self.bs, max_hit)
+            if self.host is not None:
+                host = self.host.match(anchors, tokens, self.bs, max_hit)
         hit = len(cached) * self.bs
         replay = min(self.config.swa_replay_tokens, hit)
         if self.config.swa_miss_policy == "recompute" or replay == hit:
@@ -77,6 +89,11 @@ class CacheManager:
                 (entry.partial_block,) if entry.partial_block is not None else ()
             )
             return PrefixMatch(blocks, entry.num_tokens, 0, entry)
+        if host is not None and max_hit - host.num_tokens <= max_hit - hit + replay:
+            lossy = self.host is not None and self.host.format != "native"
+            if not lossy or self.wants_bounded(req):  # a lossy slot is approximate state
+                blocks = tuple(cached[: host.num_tokens // self.bs])
+                return PrefixMatch(blocks, host.num_tokens, 0, None, approximate=lossy, host_entry=host)
         bounded = min(self.config.bounded_replay_tokens, hit)
         if self.wants_bounded(req) and bounded < replay:
             return PrefixMatch(tuple(cached[: hit // self.bs]), hit, bounded, None, approximate=True)
@@ -117,6 +134,10 @@ class CacheManager:
             shared = m.blocks[:-1] if m.slot_entry.partial_block is not None else m.blocks
             self.blocks.acquire(shared)  # the partial block's reference moves with the slot
             reset = False
+        elif m.host_entry is not None:
+            if not self._load_host_slot(req, m):
+                return False
+            reset = False
         else:
             if self.slots.num_available == 0:
                 return False
@@ -126,7 +147,8 @@ class CacheManager:
                 self.blocks.release([evicted.partial_block])
             req.swa_slot = slot
             reset = True
-        req.block_table = list(m.blocks)
+        if m.host_entry is None:
+            req.block_table = list(m.blocks)
         req.num_computed = m.start
         req.replay_until = m.hit_tokens
         req.window_from = m.start if reset else 0
@@ -141,6 +163,26 @@ class CacheManager:
         if req.num_cached_tokens < 0:
             req.num_cached_tokens = m.start
         return reset
+
+    def _load_host_slot(self, req: Request, m: PrefixMatch) -> bool:
+        """A fresh slot and, for a tail, a fresh block, with their loads queued for the next
+        step; False (nothing changed) when no slot is left."""
+        entry = m.host_entry
+        assert entry is not None  # internal invariant: called for host matches only
+        if self.slots.num_available == 0 or not self.make_room(int(entry.tail_payload is not None)):
+            return False
+        self.blocks.acquire(m.blocks)
+        slot, evicted = self.slots.allocate()
+        if evicted is not None and evicted.partial_block is not None:
+            self.blocks.release([evicted.partial_block])
+        req.swa_slot, req.block_table = slot, list(m.blocks)
+        self.slot_loads.append((slot, entry.slot_payload))
+        if entry.tail_payload is not None:
+            (block,) = self.blocks.allocate(1)
+            req.block_table.append(block)
+            self.kv_loads.append((block, entry.tail_payload))
+        self.host_hits += 1
+        return True
 
     def blocks_needed(self, end_pos: int) -> int:
         return -(-end_pos // self.bs)
@@ -241,6 +283,8 @@ class CacheManager:
         anchor = hashes[full - 1] if full else ROOT_HASH
         tail = tuple(req.all_token_ids[full * self.bs : pos])
         self.slots.retain(RetainedSlot(slot, anchor, pos, tail, partial))
+        if self.host is not None:  # the turn ended: keep its state past the device's slots
+            self.host_saves.append(SlotSave(slot, partial, anchor, pos, tail))
 
     def register_full_blocks_of(self, req: Request, table: list[int]) -> None:
         saved = req.block_table

@@ -33,6 +33,17 @@ class ScheduledSeq:
 
 
 @dataclass(frozen=True)
+class SlotSave:
+    """A retained slot to keep in host memory: its state is exact at ``num_tokens``."""
+
+    slot: int
+    partial_block: int | None  # the block holding the tail's compressed rows
+    anchor: bytes  # hash of the last full block before num_tokens
+    num_tokens: int
+    tail: tuple[int, ...]  # tokens after the anchor block
+
+
+@dataclass(frozen=True)
 class SchedulerOutput:
     step: int
     seqs: tuple[ScheduledSeq, ...]
@@ -51,6 +62,9 @@ class SchedulerOutput:
     # (block, hash, traffic class), to snapshot for the store. Each is pinned (one reference)
     # until this step's ``update``, so it cannot be reused before its bytes are out.
     kv_saves: tuple[tuple[int, bytes, str], ...] = ()
+    # Before anything else: retained slots to copy into the host slot pool (turns that ended),
+    # while their state (and their partial block) is still the one they retained.
+    slot_saves: tuple[SlotSave, ...] = ()
 
     @property
     def num_tokens(self) -> int:

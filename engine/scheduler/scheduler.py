@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from engine.scheduler.cache_manager import CacheManager, PrefixMatch
 from engine.scheduler.chunking import largest_chunk, seq_cost
 from engine.scheduler.config import SchedulerConfig
+from engine.scheduler.host_slots import HostSlotPool
 from engine.scheduler.output import PENDING_TOKEN, RunnerOutput, ScheduledSeq, SchedulerOutput
 from engine.scheduler.request import Request, RequestStatus
 
@@ -45,9 +46,9 @@ class StepUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, host_slots: HostSlotPool | None = None) -> None:
         self.config = config
-        self.cache = CacheManager(config)
+        self.cache = CacheManager(config, host_slots)
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -60,8 +61,9 @@ class Scheduler:
         self._block_copies: list[tuple[int, int]] = []  # for the next non-empty step
         self._slot_copies: list[tuple[int, int]] = []
         # KV connector loads, for the next non-empty step (nothing adds to them while scheduling)
-        self._kv_loads: list[tuple[int, bytes]] = []
-        self._slot_loads: list[tuple[int, bytes]] = []
+        # (admission queues the loads of host-slot hits into the same lists)
+        self._kv_loads: list[tuple[int, bytes]] = self.cache.kv_loads
+        self._slot_loads: list[tuple[int, bytes]] = self.cache.slot_loads
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, req: Request, remote_kv: bool = False) -> None:
@@ -185,10 +187,12 @@ class Scheduler:
             tuple(self._kv_loads) if seqs else (),
             tuple(self._slot_loads) if seqs else (),
             tuple(self.cache.pending_saves) if seqs else (),
+            tuple(self.cache.host_saves) if seqs else (),
         )
         if seqs:  # an empty step is not executed: keep the ids, copies and loads for the next one
             self._finished_ids.clear()
             self.cache.pending_saves.clear()
+            self.cache.host_saves.clear()
             self._kv_loads.clear()
             self._slot_loads.clear()
         else:

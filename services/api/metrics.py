@@ -64,6 +64,7 @@ def _swa_families(extra: dict[str, float]) -> Iterator[Metric]:
         "sluice_swa_slot_hits", "Prefix hits whose window state was an existing slot.", labels=["where"]
     )
     hits.add_metric(["local"], extra.get("swa_slot_hits_local", 0.0))
+    hits.add_metric(["host"], extra.get("swa_slot_hits_host", 0.0))
     replays = CounterMetricFamily(
         "sluice_swa_replays", "Prefix hits whose window state was rebuilt by replay.", labels=["kind"]
     )
@@ -79,6 +80,22 @@ def _swa_families(extra: dict[str, float]) -> Iterator[Metric]:
     for state, value in (("held", total - free), ("retained", retained), ("free", free - retained)):
         slots.add_metric([state], value)
     yield from (hits, replays, tokens, slots)
+    if "host_swa_budget_bytes" in extra:  # the host slot pool, when the engine has one
+        for key, name, doc in (
+            ("host_swa_slots", "sluice_swa_host_slots", "Slots in the host slot pool."),
+            ("host_swa_bytes", "sluice_swa_host_bytes", "Bytes the host slot pool holds."),
+            ("host_swa_budget_bytes", "sluice_swa_host_budget_bytes", "The host slot pool's byte budget."),
+        ):
+            g = GaugeMetricFamily(name, doc)
+            g.add_metric([], extra[key])
+            yield g
+        for key, name, doc in (
+            ("host_swa_saved", "sluice_swa_host_saved_slots", "Slots saved to the host pool (turns ended)."),
+            ("host_swa_evicted", "sluice_swa_host_evicted_slots", "Slots the host pool evicted (LRU)."),
+        ):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], extra[key])
+            yield c
 
 
 class _EngineCollector:

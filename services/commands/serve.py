@@ -113,6 +113,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="a prefix hit whose sliding-window state is gone, for requests that do not choose: "
         "exact replay (default; output unchanged) or bounded replay (window - 1 tokens, approximate)",
     )  # fmt: skip
+    p.add_argument(
+        "--host-swa-mib", type=int, default=None, metavar="MIB",
+        help="keep the sliding-window slots of ended turns in a host-memory pool of this size, "
+        "so a next turn continues without a replay (default: off)",
+    )  # fmt: skip
+    p.add_argument(
+        "--host-swa-format", default=None, choices=("native", "mxfp8"),
+        help="how the host pool stores slots: native (exact, default) or mxfp8 (lossy; used only "
+        "by requests that accept approximate state)",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -186,6 +196,12 @@ def engine_kwargs_from(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["dtype"] = args.dtype
     if args.swa_replay is not None:
         kwargs["swa_replay"] = args.swa_replay
+    if args.host_swa_mib is not None:
+        if args.host_swa_mib < 0:
+            raise ValueError(f"--host-swa-mib must be >= 0 (0 = off), got {args.host_swa_mib}")
+        kwargs["host_swa_bytes"] = args.host_swa_mib << 20
+    if args.host_swa_format is not None:
+        kwargs["host_swa_format"] = args.host_swa_format
     return kwargs
 
 

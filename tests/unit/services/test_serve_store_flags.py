@@ -127,3 +127,14 @@ def test_startup_log_names_the_spec_and_its_nodes(
     assert code == 0
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("serving "))
     assert f"with KV store {spec} (12 nodes, 10+2, directory redis://127.0.0.1:6379/0)" in line
+
+
+def test_window_state_flags_reach_the_engine_config() -> None:
+    args = build_parser().parse_args(
+        ["serve", "--swa-replay", "bounded", "--host-swa-mib", "64", "--host-swa-format", "mxfp8"]
+    )
+    assert serve.engine_kwargs_from(args) == {
+        "swa_replay": "bounded", "host_swa_bytes": 64 << 20, "host_swa_format": "mxfp8",
+    }  # fmt: skip
+    with pytest.raises(ValueError, match="--host-swa-mib"):
+        serve.engine_kwargs_from(build_parser().parse_args(["serve", "--host-swa-mib", "-1"]))
