@@ -64,6 +64,11 @@ class HostSlotPool:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def entries(self) -> list[HostSlot]:
+        """Every entry, least recently used first (a copy)."""
+        with self._lock:
+            return list(self._entries.values())
+
     def put(self, entry: HostSlot) -> bool:
         """Keep ``entry`` (replacing one of the same key), evicting the least recently used
         until it fits; False (nothing changed) when it alone exceeds the budget."""

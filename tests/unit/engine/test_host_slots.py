@@ -100,3 +100,20 @@ def test_an_mxfp8_pool_serves_only_requests_that_accept_approximate_state(model)
     assert theirs[2] in set(native.cached_hashes())
     agree = sum(a == b for a, b in zip(approx, tokens)) / len(tokens)
     print(f"MXFP8 host slot vs native: greedy agreement {agree:.2f} over {len(tokens)} tokens")
+
+
+def test_a_handed_off_sequence_leaves_its_slot_in_the_host_pool(model):
+    """A prefill engine hands the sequence to decode; the conversation's next turn, routed
+    back to it, finds the prompt's window state in its host pool."""
+    core = EngineCore(EngineConfig(model=str(model), host_swa_bytes=64 << 20))
+    first = prompt(600, 3)
+    core.add(CoreRequest("p", tuple(first), replace(GREEDY, max_tokens=50)))
+    while not core.step():  # the prefill, up to its first token
+        pass
+    payload = core.export_sequence("p")
+    host = core.host_slots
+    assert payload and host is not None and len(host) == 0  # saved by the next step
+    _run(core, "other", prompt(40, 4), n=2)
+    assert core.stats().extra["host_swa_saved"] >= 1
+    (entry,) = [e for e in host.entries() if e.num_tokens == 600]
+    assert entry.tail == tuple(first[512:600]) and entry.tail_payload is not None
