@@ -74,6 +74,9 @@ class PoolSpec(_Strict):
     gpus_per_replica: int = Field(default=0, ge=0)
     expert_parallel: int = Field(default=1, ge=1)
     datacenter: str = "a"
+    # per engine: a host-memory pool of the sliding-window slots of ended turns (0: off)
+    host_swa_bytes: int = Field(default=0, ge=0)
+    host_swa_format: Literal["native", "mxfp8"] = "native"
 
 
 class PrefillPoolSpec(PoolSpec):
@@ -358,7 +361,9 @@ def _layout(pool: str, resource: str, spec: PoolSpec, mode: str) -> PoolLayout:
     return PoolLayout(pool, spec.replicas, ep, per_rank, spec.datacenter, resources)
 
 
-def _engine_fields(spec: ClusterSpec, layout: PoolLayout, **pool_fields: Any) -> dict[str, Any]:
+def _engine_fields(
+    spec: ClusterSpec, layout: PoolLayout, pool: PoolSpec, **pool_fields: Any
+) -> dict[str, Any]:
     from engine.engine_config import EngineConfig
 
     gpu = layout.gpus_per_rank > 0
@@ -367,6 +372,8 @@ def _engine_fields(spec: ClusterSpec, layout: PoolLayout, **pool_fields: Any) ->
         "device": "cuda" if gpu else "cpu",
         "dtype": "bfloat16" if gpu else "float32",
         "swa_replay": spec.swa_replay,
+        "host_swa_bytes": pool.host_swa_bytes,
+        "host_swa_format": pool.host_swa_format,
         **pool_fields,
     }
     seqs = fields.get("max_num_seqs", EngineConfig.max_num_seqs)
@@ -403,6 +410,7 @@ def derive(spec: ClusterSpec) -> ClusterPlan:
             _engine_fields(
                 spec,
                 prefill_layout,
+                spec.prefill,
                 max_num_batched_tokens=spec.prefill.chunk_token_budget,
                 cache_event_capacity=PREFILL_CACHE_EVENTS,
             )
@@ -411,7 +419,9 @@ def derive(spec: ClusterSpec) -> ClusterPlan:
     )
     decode = PoolPlan(
         decode_layout,
-        MappingProxyType(_engine_fields(spec, decode_layout, max_num_seqs=spec.decode.max_running_requests)),
+        MappingProxyType(
+            _engine_fields(spec, decode_layout, spec.decode, max_num_seqs=spec.decode.max_running_requests)
+        ),
         EplbConfig.from_cluster_spec("decode", spec.decode.eplb),
     )
     st = spec.store

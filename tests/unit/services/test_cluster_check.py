@@ -108,16 +108,20 @@ def test_derive_maps_engine_fields_into_engine_config():
                 "gpus_per_replica": 8,
                 "expert_parallel": 4,
                 "chunk_token_budget": 4096,
+                "host_swa_bytes": 1 << 30,
             },
-            "decode": {"replicas": 3, "max_running_requests": 100},
+            "decode": {"replicas": 3, "max_running_requests": 100, "host_swa_format": "mxfp8"},
+            "swa_replay": "bounded",
         }
     )
     plan = derive(spec)
     pre = plan.prefill.engine_config()
+    assert (pre.swa_replay, pre.host_swa_bytes, pre.host_swa_format) == ("bounded", 1 << 30, "native")
     assert (pre.model, pre.device, pre.dtype) == (str(TRAINED), "cuda", "bfloat16")
     assert pre.max_num_batched_tokens == 4096 and pre.cache_event_capacity > 0  # the router drains events
     dec = plan.decode.engine_config()
     assert (dec.device, dec.dtype, dec.max_num_seqs) == ("cpu", "float32", 100)
+    assert (dec.swa_replay, dec.host_swa_bytes, dec.host_swa_format) == ("bounded", 0, "mxfp8")
     assert dec.num_swa_slots >= 100  # EngineConfig needs a slot per running sequence
     assert dec.cache_event_capacity == 0
     lay = plan.prefill.layout
