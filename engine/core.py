@@ -20,9 +20,10 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.engine_config import COST_MODEL_FILE, EngineConfig
 from engine.executor import ModelExecutor, SamplingState
@@ -34,10 +35,13 @@ from engine.messages import CoreRequest, CoreStats, SeqOutput
 from engine.sampling.params import SamplingParams, StructuredOutput, derive_seed
 from engine.scheduler.cache_events import CacheEventBatch
 from engine.scheduler.config import SchedulerConfig
-from engine.scheduler.hashing import BlockHash, ExtraKeys
-from engine.scheduler.host_slots import HostSlotPool
+from engine.scheduler.hashing import ROOT_HASH, BlockHash, ExtraKeys
+from engine.scheduler.host_slots import HostSlot, HostSlotPool
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.scheduler import Scheduler, StepUpdate
+
+if TYPE_CHECKING:
+    from engine.kvconnector.slot_sharing import SlotSharing
 
 __all__ = ["CoreRequest", "CoreStats", "EngineConfig", "EngineCore", "SeqOutput", "block_keys"]
 _FETCH_POLL_S = 0.002  # how long an otherwise idle step waits for a store fetch
@@ -99,6 +103,15 @@ class EngineCore:
         self._tracks: dict[str, _Track] = {}
         self._out: list[SeqOutput] = []
         self._fetches: dict[str, PendingFetch] = {}
+        self.slot_sharing: SlotSharing | None = None  # with EngineConfig.swa_directory
+        if cfg.swa_directory is not None and self.host_slots is not None:
+            from engine.kvconnector.slot_sharing import SlotSharing  # gRPC: only when sharing
+
+            self.slot_sharing = SlotSharing(
+                self.host_slots, cfg.swa_directory, self._verify_slot, cfg.swa_server_host, cfg.swa_lease_s,
+                cfg.swa_fetch_timeout_s,
+            )  # fmt: skip
+        self._slot_fetches: dict[str, Future[Any]] = {}  # request id -> a slot fetched from a peer
         self._grammar: Any = None
         self._grammar_lock = threading.Lock()
         self.eos_token_id = _eos(self.tokenizer_path)
@@ -110,6 +123,23 @@ class EngineCore:
 
     def _verify_block(self, payload: bytes) -> None:
         self.kv.verify_block(payload)
+
+    def _verify_slot(self, entry: HostSlot) -> None:
+        """A peer's slot is this engine's model, layout, dtype and host format; ValueError if not."""
+        from engine.kvconnector import payload as fmt
+
+        kv, want = self.kv, self.config.host_swa_format
+        meta = fmt.decode(
+            entry.slot_payload,
+            kind=fmt.KIND_SLOT,
+            fingerprint=kv.fingerprint,
+            digest=kv.digest,
+            dtype=kv.dtype,
+        ).meta
+        if meta.get("format", "native") != want:
+            raise ValueError(f"a {meta.get('format', 'native')} slot for a {want} host pool")
+        if entry.tail_payload is not None:
+            kv.verify_block(entry.tail_payload)
 
     def _scheduler_config(self) -> SchedulerConfig:
         from costmodel import CostModel
@@ -206,13 +236,16 @@ class EngineCore:
             swa_replay=creq.swa_replay,
         )  # fmt: skip
         fetch = self._start_fetch(req)
+        slot_fetch = self._start_slot_fetch(req)
         try:
-            self.scheduler.add_request(req, remote_kv=fetch is not None)
+            self.scheduler.add_request(req, remote_kv=fetch is not None or slot_fetch is not None)
         except ValueError:
             self.scheduler.cache.unpin(req)
             raise
         if fetch is not None:
             self._fetches[req.request_id] = fetch
+        if slot_fetch is not None:
+            self._slot_fetches[req.request_id] = slot_fetch
         self.executor.add(
             req.request_id, SamplingState(params, seed, list(req.prompt_token_ids), stop_ids, grammar=grammar)
         )
@@ -234,10 +267,24 @@ class EngineCore:
         req.pinned_blocks = list(local)
         return self.store.fetch(hashes[len(local) :])
 
+    def _start_slot_fetch(self, req: Request) -> Future[Any] | None:
+        """With slot sharing: fetch another engine's slot that the prompt extends further than
+        any this engine holds (its blocks come from this engine's cache or the store fetch)."""
+        sharing, host = self.slot_sharing, self.host_slots
+        if sharing is None or host is None or req.fork_of or not self.config.enable_prefix_caching:
+            return None
+        tokens, bs = req.prompt_token_ids, self.block_size
+        max_hit = len(tokens) - 1
+        anchors = [ROOT_HASH, *self.scheduler.cache.hasher_for(req).update(tokens)[: max_hit // bs]]
+        mine = host.match(anchors, tokens, bs, max_hit)
+        found = sharing.find(anchors, tokens, bs, max_hit, mine.num_tokens if mine is not None else 0)
+        return sharing.fetch(*found) if found is not None else None
+
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """End a request (``reason`` "abort", or "stop" for a front end's stop string); its
         blocks and slot are freed. False if it is unknown or already finished."""
         self._fetches.pop(request_id, None)
+        self._slot_fetches.pop(request_id, None)
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return False
@@ -268,8 +315,9 @@ class EngineCore:
         self._poll_fetches()
         if self.loop.has_work() and (not self.loop.idle or self.scheduler.has_ready()):
             self._collect(self.loop.step())
-        elif self._fetches and not self._out:
-            concurrent.futures.wait([f.future for f in self._fetches.values()], _FETCH_POLL_S)
+        elif (self._fetches or self._slot_fetches) and not self._out:
+            waiting = [f.future for f in self._fetches.values()] + list(self._slot_fetches.values())
+            concurrent.futures.wait(waiting, _FETCH_POLL_S)
         if self.loop.idle:
             self._save_idle()
         return self.take_outputs()
@@ -293,9 +341,24 @@ class EngineCore:
                 if blocks.register(block, h):  # else another request published it meanwhile
                     self.scheduler.queue_kv_load(block, payload)
             req.pinned_blocks.extend(fresh)
-            self.scheduler.remote_kv_ready(rid)
+            if rid not in self._slot_fetches:
+                self.scheduler.remote_kv_ready(rid)
+        for rid, future in list(self._slot_fetches.items()):  # the entry is in the pool already
+            if not future.done():
+                continue
+            del self._slot_fetches[rid]
+            req = self.scheduler.requests.get(rid)
+            if (
+                req is not None
+                and req.status == RequestStatus.WAITING_FOR_REMOTE_KV
+                and rid not in self._fetches
+            ):
+                self.scheduler.remote_kv_ready(rid)
 
     def _save_idle(self) -> None:
+        slots = self.scheduler.take_idle_host_saves()
+        if slots:  # nothing in flight: copy the turns that just ended to the host pool now
+            self.executor.save_slots(slots)
         saves = self.scheduler.take_idle_saves()
         if saves:
             self.kv.save(self.runner.pool, saves)
@@ -349,6 +412,8 @@ class EngineCore:
         }
         if self.store is not None:
             extra.update(self.store.stats.as_dict())
+        if self.slot_sharing is not None:
+            extra.update(self.slot_sharing.stats())
         if self.host_slots is not None:
             host = self.host_slots
             extra.update(
@@ -413,6 +478,9 @@ class EngineCore:
 
     def close(self) -> None:
         self.loop.close()
+        if self.slot_sharing is not None:
+            self.slot_sharing.close()  # withdraws this engine's slots from the directory
+            self.slot_sharing = None
         if self._grammar is not None:
             self._grammar.close()
         if self.store is not None:

@@ -40,6 +40,13 @@ class EngineConfig:
     # how the pool stores them: "native" (exact) or "mxfp8" (lossy; used by requests that
     # accept approximate state, the bounded-replay ones)
     host_swa_format: str = "native"
+    # With a host pool: the SWA directory ("memory" or a Redis URL) where this engine
+    # publishes its slots and finds other engines'; it then serves its slots over gRPC on
+    # ``swa_server_host`` (a free port) and renews a lease of ``swa_lease_s`` seconds.
+    swa_directory: str | None = None
+    swa_server_host: str = "127.0.0.1"
+    swa_lease_s: float = 10.0
+    swa_fetch_timeout_s: float = 5.0
     ep_size: int = 1  # > 1: this engine is one rank of an expert-parallel group (lockstep)
     ep_rank: int = 0
 
@@ -56,6 +63,10 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}")
         if self.host_swa_bytes < 0:
             raise ValueError(f"host_swa_bytes must be >= 0 (0 = off), got {self.host_swa_bytes}")
+        if self.swa_directory is not None and self.host_swa_bytes == 0:
+            raise ValueError("swa_directory needs a host slot pool: set host_swa_bytes > 0")
+        if self.swa_lease_s <= 0 or self.swa_fetch_timeout_s <= 0:
+            raise ValueError("swa_lease_s and swa_fetch_timeout_s must be > 0")
         if self.host_swa_format not in ("native", "mxfp8"):
             raise ValueError(f"host_swa_format must be 'native' or 'mxfp8', got {self.host_swa_format!r}")
         if self.swa_replay not in ("exact", "bounded"):

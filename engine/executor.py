@@ -59,7 +59,8 @@ class ModelExecutor:
         self.states: dict[str, SamplingState] = {}
         self._failed: dict[str, str] = {}  # request id -> why its grammar failed
 
-    def _save_slots(self, saves: Sequence[SlotSave]) -> None:
+    def save_slots(self, saves: Sequence[SlotSave]) -> None:
+        """Copy retained slots (and their partial blocks) into the host slot pool."""
         for save in saves:
             tail = (
                 None
@@ -75,7 +76,7 @@ class ModelExecutor:
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         if out.slot_saves:  # first: a retained slot this step reuses still holds its turn's state
-            self._save_slots(out.slot_saves)
+            self.save_slots(out.slot_saves)
         for rid in out.finished_ids:
             self.states.pop(rid, None)
             self._failed.pop(rid, None)

@@ -12,7 +12,8 @@ Two backends behind one interface, like the store's block directory: ``InMemoryS
 (one process: tests, embedded engines) and ``RedisSlotDirectory`` (every engine of a
 deployment). Redis schema, under a key prefix:
 
-    {prefix}swa:a:{anchor hex}   hash: tail (token ids, comma-separated) -> holder
+    {prefix}swa:a:{anchor hex}   hash: "{tail}|{holder}" -> holder (tail: token ids, comma-separated;
+                                 several engines may hold the same slot)
     {prefix}swa:h:{holder}       the holder's lease: a key with a PX expiry, renewed by heartbeats
     {prefix}swa:held:{holder}    set of "{anchor hex}|{tail}" the holder published (for ``leave``)
 
@@ -80,19 +81,17 @@ class InMemorySlotDirectory:
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
         self._lock = threading.Lock()
-        self._entries: dict[bytes, dict[tuple[int, ...], str]] = {}
+        self._entries: dict[bytes, set[tuple[tuple[int, ...], str]]] = {}  # anchor -> (tail, holder)
         self._leases: dict[str, float] = {}
 
     def publish(self, holder: str, anchor: bytes, tail: Sequence[int]) -> None:
         _check_holder(holder)
         with self._lock:
-            self._entries.setdefault(bytes(anchor), {})[tuple(tail)] = holder
+            self._entries.setdefault(bytes(anchor), set()).add((tuple(tail), holder))
 
     def withdraw(self, holder: str, anchor: bytes, tail: Sequence[int]) -> None:
         with self._lock:
-            tails = self._entries.get(bytes(anchor), {})
-            if tails.get(tuple(tail)) == holder:
-                del tails[tuple(tail)]
+            self._entries.get(bytes(anchor), set()).discard((tuple(tail), holder))
 
     def heartbeat(self, holder: str, lease_s: float) -> None:
         _check_holder(holder)
@@ -105,16 +104,15 @@ class InMemorySlotDirectory:
             return [
                 SlotLocation(a, tail, holder)
                 for a in dict.fromkeys(bytes(x) for x in anchors)
-                for tail, holder in self._entries.get(a, {}).items()
+                for tail, holder in sorted(self._entries.get(a, ()))
                 if self._leases.get(holder, 0.0) > now
             ]
 
     def leave(self, holder: str) -> None:
         with self._lock:
             self._leases.pop(holder, None)
-            for tails in self._entries.values():
-                for tail in [t for t, h in tails.items() if h == holder]:
-                    del tails[tail]
+            for held in self._entries.values():
+                held.difference_update([e for e in held if e[1] == holder])
 
     def close(self) -> None:
         pass
@@ -134,7 +132,7 @@ class RedisSlotDirectory:
         _check_holder(holder)
         key, text = self._anchor_key(anchor), _tail_text(tail)
         pipe = self._r.pipeline(transaction=True)
-        pipe.hset(key, text, holder)
+        pipe.hset(key, f"{text}|{holder}", holder)
         pipe.pexpire(key, int(ENTRY_TTL_S * 1000))
         pipe.sadd(f"{self._p}swa:held:{holder}", f"{bytes(anchor).hex()}|{text}")
         pipe.pexpire(f"{self._p}swa:held:{holder}", int(ENTRY_TTL_S * 1000))
@@ -142,10 +140,10 @@ class RedisSlotDirectory:
 
     def withdraw(self, holder: str, anchor: bytes, tail: Sequence[int]) -> None:
         key, text = self._anchor_key(anchor), _tail_text(tail)
-        if self._r.hget(key, text) == holder.encode():
-            self._r.hdel(key, text)  # (a race with a re-publish by another holder loses nothing
-            # lasting: the next save publishes again)
-        self._r.srem(f"{self._p}swa:held:{holder}", f"{bytes(anchor).hex()}|{text}")
+        pipe = self._r.pipeline(transaction=True)
+        pipe.hdel(key, f"{text}|{holder}")
+        pipe.srem(f"{self._p}swa:held:{holder}", f"{bytes(anchor).hex()}|{text}")
+        pipe.execute()
 
     def heartbeat(self, holder: str, lease_s: float) -> None:
         _check_holder(holder)
@@ -159,30 +157,30 @@ class RedisSlotDirectory:
         for a in keys:
             pipe.hgetall(self._anchor_key(a))
         rows = pipe.execute()
-        found = [(a, t.decode(), h.decode()) for a, row in zip(keys, rows) for t, h in row.items()]
+        found = [
+            (a, field.decode().rsplit("|", 1)[0], h.decode())
+            for a, row in zip(keys, rows)
+            for field, h in row.items()
+        ]
         holders = sorted({h for _, _, h in found})
         if not holders:
             return []
         alive = dict(zip(holders, self._r.mget([f"{self._p}swa:h:{h}" for h in holders])))
-        dead = [(a, t) for a, t, h in found if alive[h] is None]
+        dead = [(a, t, h) for a, t, h in found if alive[h] is None]
         if dead:  # a holder whose lease ran out: its entries go now
             pipe = self._r.pipeline(transaction=False)
-            for a, t in dead:
-                pipe.hdel(self._anchor_key(a), t)
+            for a, t, h in dead:
+                pipe.hdel(self._anchor_key(a), f"{t}|{h}")
             pipe.execute()
         return [SlotLocation(a, _tail_of(t), h) for a, t, h in found if alive[h] is not None]
 
     def leave(self, holder: str) -> None:
         held = f"{self._p}swa:held:{holder}"
-        entries = [m.decode().split("|", 1) for m in self._r.smembers(held)]
+        members: set[bytes] = self._r.smembers(held)  # type: ignore[assignment]
         pipe = self._r.pipeline(transaction=False)
-        for anchor_hex, text in entries:
-            pipe.hget(f"{self._p}swa:a:{anchor_hex}", text)
-        owners = pipe.execute()
-        pipe = self._r.pipeline(transaction=False)
-        for (anchor_hex, text), owner in zip(entries, owners):
-            if owner == holder.encode():  # not an entry another holder published since
-                pipe.hdel(f"{self._p}swa:a:{anchor_hex}", text)
+        for m in members:
+            anchor_hex, text = m.decode().split("|", 1)
+            pipe.hdel(f"{self._p}swa:a:{anchor_hex}", f"{text}|{holder}")
         pipe.delete(held, f"{self._p}swa:h:{holder}")
         pipe.execute()
 

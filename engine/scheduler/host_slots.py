@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from engine.scheduler.hashing import BlockHash
@@ -46,7 +46,12 @@ class HostSlot:
 
 
 class HostSlotPool:
-    def __init__(self, budget_bytes: int, fmt: str = "native") -> None:
+    def __init__(
+        self,
+        budget_bytes: int,
+        fmt: str = "native",
+        on_change: Callable[[str, HostSlot], None] | None = None,
+    ) -> None:
         if budget_bytes < 1:
             raise ValueError(f"the host slot pool needs a positive byte budget, got {budget_bytes}")
         if fmt not in ("native", "mxfp8"):
@@ -55,6 +60,9 @@ class HostSlotPool:
         # how slots are stored: "native" (the engine's dtype, exact) or "mxfp8" (about half of
         # bf16's bytes, lossy: only requests that accept approximate state use its entries)
         self.format = fmt
+        # ("put" | "drop", entry) after each change, outside the lock: the SWA directory's
+        # publish and withdraw (engine/kvconnector/swa_directory.py)
+        self.on_change = on_change
         self._lock = threading.Lock()
         self._entries: OrderedDict[tuple[BlockHash, tuple[int, ...]], HostSlot] = OrderedDict()  # LRU first
         self._by_anchor: dict[BlockHash, set[tuple[int, ...]]] = {}
@@ -78,14 +86,28 @@ class HostSlotPool:
             return False
         with self._lock:
             self._drop(entry.key)
+            dropped = []
             while self._entries and self.nbytes + entry.nbytes > self.budget_bytes:
-                self._drop(next(iter(self._entries)))
+                dropped.append(self._drop(next(iter(self._entries))))
                 self.evicted += 1
             self._entries[entry.key] = entry
             self._by_anchor.setdefault(entry.anchor, set()).add(entry.tail)
             self.nbytes += entry.nbytes
             self.saved += 1
+        if self.on_change is not None:
+            for old in dropped:
+                if old is not None:
+                    self.on_change("drop", old)
+            self.on_change("put", entry)
         return True
+
+    def get(self, anchor: BlockHash, tail: Sequence[int]) -> HostSlot | None:
+        """The entry of exactly this key (marked recently used), or None."""
+        with self._lock:
+            entry = self._entries.get((anchor, tuple(tail)))
+            if entry is not None:
+                self._entries.move_to_end(entry.key)
+            return entry
 
     def match(
         self, anchors: Sequence[BlockHash], tokens: Sequence[int], block_size: int, max_tokens: int
@@ -107,12 +129,13 @@ class HostSlotPool:
                 self._entries.move_to_end(best.key)
         return best
 
-    def _drop(self, key: tuple[BlockHash, tuple[int, ...]]) -> None:
+    def _drop(self, key: tuple[BlockHash, tuple[int, ...]]) -> HostSlot | None:
         entry = self._entries.pop(key, None)
         if entry is None:
-            return
+            return None
         self.nbytes -= entry.nbytes
         tails = self._by_anchor[entry.anchor]
         tails.discard(entry.tail)
         if not tails:
             del self._by_anchor[entry.anchor]
+        return entry

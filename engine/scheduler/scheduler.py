@@ -25,7 +25,7 @@ from engine.scheduler.cache_manager import CacheManager, PrefixMatch
 from engine.scheduler.chunking import largest_chunk, seq_cost
 from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.host_slots import HostSlotPool
-from engine.scheduler.output import PENDING_TOKEN, RunnerOutput, ScheduledSeq, SchedulerOutput
+from engine.scheduler.output import PENDING_TOKEN, RunnerOutput, ScheduledSeq, SchedulerOutput, SlotSave
 from engine.scheduler.request import Request, RequestStatus
 
 
@@ -117,6 +117,12 @@ class Scheduler:
         """Blocks published while no step runs (a finish after the last step): the caller
         snapshots them itself, with nothing in flight, then releases each pin."""
         saves, self.cache.pending_saves = self.cache.pending_saves, []
+        return saves
+
+    def take_idle_host_saves(self) -> list[SlotSave]:
+        """Slots retained while no step runs (a turn that ended after the last step): the
+        caller copies them to the host pool itself, with nothing in flight."""
+        saves, self.cache.host_saves = self.cache.host_saves, []
         return saves
 
     def abort(self, request_id: str) -> bool:

@@ -80,6 +80,29 @@ def _swa_families(extra: dict[str, float]) -> Iterator[Metric]:
     for state, value in (("held", total - free), ("retained", retained), ("free", free - retained)):
         slots.add_metric([state], value)
     yield from (hits, replays, tokens, slots)
+    if "swa_slot_fetches" in extra:  # slots shared with other engines (an SWA directory)
+        fetches = CounterMetricFamily(
+            "sluice_swa_slot_fetches", "Slots fetched from other engines, by result.", labels=["result"]
+        )
+        fetches.add_metric(["ok"], extra["swa_slot_fetched"])
+        fetches.add_metric(["failed"], extra["swa_slot_fetch_failures"])
+        yield fetches
+        for key, name, doc in (
+            (
+                "swa_slot_fetched_bytes",
+                "sluice_swa_slot_fetched_bytes",
+                "Bytes of slots fetched from other engines.",
+            ),
+            ("swa_slots_served", "sluice_swa_slots_served", "Slots sent to other engines."),
+            (
+                "swa_slot_served_bytes",
+                "sluice_swa_slot_served_bytes",
+                "Bytes of slots sent to other engines.",
+            ),
+        ):
+            c = CounterMetricFamily(name, doc)
+            c.add_metric([], extra[key])
+            yield c
     if "host_swa_budget_bytes" in extra:  # the host slot pool, when the engine has one
         for key, name, doc in (
             ("host_swa_slots", "sluice_swa_host_slots", "Slots in the host slot pool."),

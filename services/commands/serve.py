@@ -123,6 +123,16 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="how the host pool stores slots: native (exact, default) or mxfp8 (lossy; used only "
         "by requests that accept approximate state)",
     )  # fmt: skip
+    p.add_argument(
+        "--swa-directory", default=None, metavar="URL",
+        help="share the host pool's slots with other engines through this SWA directory "
+        "('memory' or a Redis URL); needs --host-swa-mib",
+    )  # fmt: skip
+    p.add_argument(
+        "--swa-lease-s", type=float, default=None, metavar="S",
+        help="with --swa-directory: this engine's lease; its slots stop being offered this long "
+        "after it dies (default 10)",
+    )  # fmt: skip
     p.set_defaults(func=run)
 
 
@@ -202,6 +212,10 @@ def engine_kwargs_from(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["host_swa_bytes"] = args.host_swa_mib << 20
     if args.host_swa_format is not None:
         kwargs["host_swa_format"] = args.host_swa_format
+    if args.swa_directory is not None:
+        kwargs["swa_directory"] = args.swa_directory
+    if args.swa_lease_s is not None:
+        kwargs["swa_lease_s"] = args.swa_lease_s
     return kwargs
 
 
