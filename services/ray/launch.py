@@ -25,6 +25,7 @@ from typing import Any
 
 import uvicorn
 
+from kvstore.spec import StoreSpec
 from services.api.server import uvicorn_config
 from services.ray.cluster_spec import ClusterPlan, ClusterSpec, PoolPlan, derive
 
@@ -41,6 +42,10 @@ def pool_config(plan: PoolPlan, kv_store: str | None) -> Any:
     engine = {k: v for k, v in plan.engine.items() if k != "model"}
     if kv_store is not None:
         engine["kv_store"] = kv_store
+        # engines with a host slot pool share their slots through the store's Redis
+        directory = StoreSpec.load(Path(kv_store)).directory
+        if engine.get("host_swa_bytes") and directory != "memory":
+            engine["swa_directory"] = directory
     resources = dict(lay.resources_per_rank)
     cpus = float(resources.pop("CPU", 0.0))
     eplb = asdict(plan.eplb) if plan.eplb.enabled and lay.expert_parallel > 1 else None

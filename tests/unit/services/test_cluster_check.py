@@ -206,3 +206,20 @@ def test_the_unused_list_is_exactly_what_the_code_says(capsys):
     assert rc == 0
     for name, why in UNUSED_FIELDS:
         assert f"  {name}: {why}" in out
+
+
+def test_engines_with_a_host_slot_pool_share_slots_through_the_stores_redis(tmp_path):
+    from kvstore.spec import NodeAddress
+    from kvstore.spec import StoreSpec as KVStoreSpec
+    from services.ray.launch import pool_config
+
+    spec = ClusterSpec.model_validate(
+        {"model": str(TRAINED), "prefill": {"host_swa_bytes": 1 << 30}, "decode": {"replicas": 1}}
+    )
+    plan = derive(spec)
+    nodes = tuple(NodeAddress(f"n{i:02d}", f"127.0.0.1:{7000 + i}") for i in range(12))
+    shared = KVStoreSpec(nodes, "redis://127.0.0.1:6390/0").save(tmp_path / "a.json")
+    alone = KVStoreSpec(nodes, "memory").save(tmp_path / "b.json")
+    assert pool_config(plan.prefill, str(shared)).engine_config["swa_directory"] == "redis://127.0.0.1:6390/0"
+    assert "swa_directory" not in pool_config(plan.decode, str(shared)).engine_config  # no host pool
+    assert "swa_directory" not in pool_config(plan.prefill, str(alone)).engine_config  # one process only
