@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 from engine.core import EngineCore
+from engine.messages import CoreRequest, SeqOutput
 from engine.sampling.params import SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
@@ -29,4 +31,20 @@ def step_until(c: EngineCore, rid: str, n: int | None = None) -> tuple[list[int]
                     return tokens, o.finish_reason
         if n is not None and len(tokens) >= n:
             return tokens, None
+    raise AssertionError(f"{rid} did not finish")
+
+
+def run_greedy(
+    c: EngineCore, rid: str, tokens: list[int], n: int, swa_replay: str | None = None
+) -> tuple[list[int], SeqOutput]:
+    """Add ``rid`` (greedy, ``n`` tokens, EOS ignored) and step ``c`` until it finishes, at
+    most 1,000 steps: (its tokens, its last message)."""
+    c.add(CoreRequest(rid, tuple(tokens), replace(GREEDY, max_tokens=n), swa_replay=swa_replay))
+    out: list[int] = []
+    for _ in range(1000):
+        for o in c.step():
+            if o.request_id == rid:
+                out += o.new_token_ids
+                if o.finish_reason is not None:
+                    return out, o
     raise AssertionError(f"{rid} did not finish")

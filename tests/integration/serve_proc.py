@@ -15,6 +15,9 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 
@@ -81,3 +84,19 @@ class ServeProcess:
     @property
     def returncode(self) -> int | None:
         return self.proc.returncode
+
+
+@contextmanager
+def serve_side_by_side(args: Sequence[list[str]], homes: Sequence[Path]) -> Iterator[list[ServeProcess]]:
+    """One ``sluice serve`` per argument list, each with its own ``SLUICE_HOME``, loading side
+    by side; yields them once all answer /health, and stops them all on exit."""
+    started: list[ServeProcess] = []
+    try:
+        for a, home in zip(args, homes, strict=True):
+            started.append(ServeProcess(a, {"SLUICE_HOME": str(home), "SLUICE_LOG_LEVEL": "WARNING"}))
+        for s in started:
+            s.wait_until_ready("/health")
+        yield started
+    finally:
+        for s in started:
+            s.stop()

@@ -26,7 +26,7 @@ from services.api.config import ApiConfig
 from services.api.inprocess import InProcessEngineClient
 from services.api.server import ServerThread
 from services.local.store import LocalStore
-from tests.integration.serve_proc import ServeProcess
+from tests.integration.serve_proc import ServeProcess, serve_side_by_side
 
 pytestmark = pytest.mark.integration
 
@@ -81,17 +81,10 @@ def servers(
     tiny_model: Path, store: LocalStore, tmp_path_factory
 ) -> Iterator[tuple[ServeProcess, ServeProcess]]:
     """A and B: ``sluice serve --store SPEC --model tiny --port 0``, loading side by side."""
-    started: list[ServeProcess] = []
-    try:
-        for name in ("a", "b"):
-            env = {"SLUICE_HOME": str(tmp_path_factory.mktemp(f"home-{name}")), "SLUICE_LOG_LEVEL": "WARNING"}
-            started.append(ServeProcess(["--model", str(tiny_model), "--store", str(store.spec_path)], env))
-        for s in started:
-            s.wait_until_ready("/health")
-        yield started[0], started[1]
-    finally:
-        for s in started:
-            s.stop()
+    args = ["--model", str(tiny_model), "--store", str(store.spec_path)]
+    homes = [tmp_path_factory.mktemp(f"home-{name}") for name in "ab"]
+    with serve_side_by_side([args, args], homes) as (a, b):
+        yield a, b
 
 
 @pytest.fixture(scope="module")

@@ -31,7 +31,7 @@ from services.api.inprocess import InProcessEngineClient
 from services.api.server import ServerThread
 from services.local.store import LocalStore
 from tests.integration.api.test_cross_engine_store import metric, wait_metric
-from tests.integration.serve_proc import ServeProcess
+from tests.integration.serve_proc import ServeProcess, serve_side_by_side
 
 pytestmark = pytest.mark.integration
 
@@ -86,21 +86,13 @@ def servers(
     tiny_model: Path, store: LocalStore, tmp_path_factory
 ) -> Iterator[tuple[ServeProcess, ServeProcess]]:
     assert store.redis is not None
-    started: list[ServeProcess] = []
-    try:
-        for name in ("a", "b"):
-            env = {"SLUICE_HOME": str(tmp_path_factory.mktemp(f"home-{name}")), "SLUICE_LOG_LEVEL": "WARNING"}
-            args = [
-                "--model", str(tiny_model), "--store", str(store.spec_path), "--host-swa-mib", "64",
-                "--swa-directory", store.redis.url, "--swa-lease-s", str(LEASE_S),
-            ]  # fmt: skip
-            started.append(ServeProcess(args, env))
-        for s in started:
-            s.wait_until_ready("/health")
-        yield started[0], started[1]
-    finally:
-        for s in started:
-            s.stop()
+    args = [
+        "--model", str(tiny_model), "--store", str(store.spec_path), "--host-swa-mib", "64",
+        "--swa-directory", store.redis.url, "--swa-lease-s", str(LEASE_S),
+    ]  # fmt: skip
+    homes = [tmp_path_factory.mktemp(f"home-{name}") for name in "ab"]
+    with serve_side_by_side([args, args], homes) as (a, b):
+        yield a, b
 
 
 @pytest.fixture(scope="module")

@@ -10,31 +10,21 @@ block are the whole state.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import pytest
 
 from engine.core import EngineCore
 from engine.engine_config import EngineConfig
 from engine.kvconnector.swa_directory import RedisSlotDirectory
-from engine.messages import CoreRequest, SeqOutput
+from engine.messages import SeqOutput
 from engine.scheduler.hashing import ROOT_HASH
-from tests.engine_steps import GREEDY, prompt
+from tests.engine_steps import prompt, run_greedy
 
 pytestmark = pytest.mark.integration
 
 
 def _run(core: EngineCore, rid: str, tokens: list[int], n: int) -> tuple[list[int], SeqOutput]:
-    core.add(CoreRequest(rid, tuple(tokens), replace(GREEDY, max_tokens=n)))
-    out: list[int] = []
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        for o in core.step():
-            if o.request_id == rid:
-                out += o.new_token_ids
-                if o.finish_reason is not None:
-                    return out, o
-    raise AssertionError(f"{rid} did not finish")
+    return run_greedy(core, rid, tokens, n)
 
 
 def _wait(predicate, what: str, timeout_s: float = 10.0) -> None:

@@ -16,7 +16,7 @@ from engine.core import EngineCore
 from engine.engine_config import EngineConfig
 from engine.messages import CoreRequest, SeqOutput
 from engine.scheduler.hashing import chain_hashes
-from tests.engine_steps import GREEDY, prompt, step_until
+from tests.engine_steps import GREEDY, prompt, run_greedy, step_until
 
 PREFIX = prompt(768, 1)
 BOUNDED_TOKENS = 32 - 1
@@ -30,16 +30,7 @@ def _turn(seed: int) -> list[int]:
 def _run(
     core: EngineCore, rid: str, tokens: list[int], swa_replay: str | None = None, n: int = 24
 ) -> tuple[list[int], SeqOutput]:
-    """Greedy ``n`` tokens of ``tokens``; (the tokens, the request's last message)."""
-    core.add(CoreRequest(rid, tuple(tokens), replace(GREEDY, max_tokens=n), swa_replay=swa_replay))
-    out: list[int] = []
-    for _ in range(1000):
-        for o in core.step():
-            if o.request_id == rid:
-                out += o.new_token_ids
-                if o.finish_reason is not None:
-                    return out, o
-    raise AssertionError(f"{rid} did not finish")
+    return run_greedy(core, rid, tokens, n, swa_replay)
 
 
 def _cold(model, tokens: list[int], n: int = 24) -> list[int]:

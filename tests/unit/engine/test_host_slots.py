@@ -16,19 +16,11 @@ from engine.engine_config import EngineConfig
 from engine.messages import CoreRequest, SeqOutput
 from engine.scheduler.hashing import ROOT_HASH, chain_hashes
 from engine.scheduler.host_slots import HostSlot, HostSlotPool
-from tests.engine_steps import GREEDY, prompt
+from tests.engine_steps import GREEDY, prompt, run_greedy
 
 
 def _run(core: EngineCore, rid: str, tokens: list[int], n: int = 20) -> tuple[list[int], SeqOutput]:
-    core.add(CoreRequest(rid, tuple(tokens), replace(GREEDY, max_tokens=n)))
-    out: list[int] = []
-    for _ in range(1000):
-        for o in core.step():
-            if o.request_id == rid:
-                out += o.new_token_ids
-                if o.finish_reason is not None:
-                    return out, o
-    raise AssertionError(f"{rid} did not finish")
+    return run_greedy(core, rid, tokens, n)
 
 
 @pytest.fixture(scope="module")
