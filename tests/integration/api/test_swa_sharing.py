@@ -130,5 +130,14 @@ def test_the_next_turn_on_another_engine_continues_from_the_first_engines_slot(s
     a.proc.wait(timeout=30)
     wait(lambda: not any(e.holder == a_entry.holder for e in entries(url)), "A's entries to go", LEASE_S + 5)
     assert time.monotonic() - killed <= LEASE_S + 1.0
-    got = complete(b.url, other + tokens(4, 40), max_tokens=8, swa_replay="bounded")
+    saved = metric(b.url, "sluice_kv_store_saved_blocks_total")
+    b_entries = set(entries(url))  # A's are gone: all B's (A's first slot and B's own turn)
+    assert len(b_entries) == 2
+    third = other + tokens(4, 300)  # 1,300 tokens: B computes a 4th and 5th block, approximately
+    got = complete(b.url, third, max_tokens=8, swa_replay="bounded")
     assert hit(got) == 768 - 31 and (got.usage.model_extra or {}).get("swa_replay") == "bounded"
+    # nothing computed from the approximate state left B: no block to the store, no slot in
+    # the directory (B's entries are still the two of the first conversation)
+    time.sleep(1.0)
+    assert metric(b.url, "sluice_kv_store_saved_blocks_total") == saved
+    assert set(entries(url)) == b_entries
