@@ -84,6 +84,9 @@ def test_replay_timing_on_a_tiny_checkpoint(checkpoint_factory) -> None:
     assert row["bounded_over_exact_min"] == row["bounded_min_s"] / row["exact_min_s"]
     assert len(row["exact_all_s"]) == len(row["bounded_all_s"]) == 1
     assert swa.target_cell([row]) is row
+    # the fetch of the slot (with its 64-token partial block) from a loopback slot server
+    assert row["fetch_s"] > 0 and row["fetch_over_bounded"] == row["fetch_s"] / row["bounded_s"]
+    assert row["fetch_bytes"] > 0
 
 
 def test_run_without_timing_reports_trace_and_bytes(tmp_path) -> None:
