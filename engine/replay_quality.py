@@ -1,0 +1,385 @@
+"""How good is bounded replay? Greedy agreement and KL against exact state, at the runner level.
+
+A prefix hit whose compressed blocks are cached but whose sliding-window slot is gone rebuilds
+the slot by replaying the last ``r`` tokens of the hit (``engine.cache.swa``). ``r = L * (W - 1)``
+is exact; DeepSeek's "bounded replay" uses ``r = W - 1``, which is approximate. Per prompt
+(``hit + suffix`` token ids, the hit ``H`` a multiple of the block size):
+
+- **exact**: the whole prompt is prefilled into a fresh slot (chunks of ``PREFILL_CHUNK``
+  tokens, logits only at the end), then ``decode`` tokens are decoded greedily, one step each;
+  the logits of every decoded position are kept (``D`` distributions, the first from the
+  prefill);
+- **bounded**: another slot, first filled with noise (stale state must not leak), sharing the
+  exact path's blocks ``[0, H / block)`` with its own blocks for positions ``>= H``, replays
+  ``[H - (W - 1), H)`` with ``rows_cached_until = H`` and ``window_from = H - (W - 1)`` (kept on
+  every later step, as the scheduler does), then the suffix and the exact path's first
+  ``D - 1`` decoded tokens in one forward (teacher forcing): its log-softmax at the ``D``
+  positions the exact path decoded from, so both see the same contexts;
+- **control**: the bounded path with ``r = L * (W - 1)``: agreement 1 and KL ~ 0, so the
+  harness sees differences from the truncation only;
+- **free run** (optional): the bounded path decoding greedily on its own; the number of
+  leading tokens it shares with the exact path's decode.
+
+Metrics per prompt: greedy agreement, the fraction of the ``D`` positions whose argmax equals
+the exact path's; mean per-token ``KL(exact || bounded)`` in nats. Prompts run ``batch`` at a
+time as one `ForwardBatch` per step (four slots per prompt).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from engine.config import BLOCK_TOKENS
+from engine.forward_batch import ForwardBatch, SequenceInput
+from engine.runner import ModelRunner, RunnerConfig
+
+PREFILL_CHUNK = 256
+DEFAULT_SUFFIX = 64
+DEFAULT_DECODE = 64
+NOISE_SCALE = 100.0  # stale-state stand-in written into fresh slots and blocks before a replay
+
+
+def exact_replay(layers: int, window: int) -> int:
+    """Tokens an exact slot rebuild replays: ``L * (W - 1)`` (`engine.cache.swa`)."""
+    return layers * (window - 1)
+
+
+def default_hit(layers: int, window: int, block: int = BLOCK_TOKENS) -> int:
+    """The smallest multiple of ``block`` strictly above ``L * (W - 1)``: bounded and exact replay
+    differ, and the exact one fits inside the hit."""
+    return (exact_replay(layers, window) // block + 1) * block
+
+
+@dataclass(frozen=True)
+class PromptQuality:
+    agreement: float  # fraction of the D positions whose argmax matches the exact path's
+    kl: float  # mean over the D positions of KL(exact || bounded), nats
+    control_agreement: float  # the same with r = L * (W - 1)
+    control_kl: float
+    free_run: int | None  # leading tokens of the bounded path's own greedy decode equal to exact's
+
+
+@dataclass(frozen=True)
+class ReplayQuality:
+    hit: int
+    suffix: int
+    decode: int
+    layers: int
+    window: int
+    block: int
+    replay: int  # W - 1
+    exact_replay: int  # L * (W - 1)
+    prompts: tuple[PromptQuality, ...]
+    wall_s: float
+
+    @property
+    def mean_agreement(self) -> float:
+        return float(np.mean([p.agreement for p in self.prompts]))
+
+    @property
+    def p10_agreement(self) -> float:
+        """10th percentile of per-prompt agreement (numpy's linear interpolation)."""
+        return float(np.percentile([p.agreement for p in self.prompts], 10))
+
+    @property
+    def mean_kl(self) -> float:
+        return float(np.mean([p.kl for p in self.prompts]))
+
+    @property
+    def min_kl(self) -> float:
+        return float(min(p.kl for p in self.prompts))
+
+    @property
+    def control_agreement(self) -> float:
+        """The lowest control agreement over prompts (1.0 when the harness is sound)."""
+        return float(min(p.control_agreement for p in self.prompts))
+
+    @property
+    def control_kl(self) -> float:
+        """The largest per-prompt control KL (in absolute value)."""
+        return float(max(abs(p.control_kl) for p in self.prompts))
+
+    @property
+    def mean_free_run(self) -> float | None:
+        runs = [p.free_run for p in self.prompts if p.free_run is not None]
+        return float(np.mean(runs)) if runs else None
+
+    def summary(self) -> dict[str, float | int | None]:
+        return {
+            "prompts": len(self.prompts),
+            "hit": self.hit,
+            "suffix": self.suffix,
+            "decode": self.decode,
+            "layers": self.layers,
+            "window": self.window,
+            "replay": self.replay,
+            "exact_replay": self.exact_replay,
+            "mean_agreement": self.mean_agreement,
+            "p10_agreement": self.p10_agreement,
+            "mean_kl": self.mean_kl,
+            "min_kl": self.min_kl,
+            "control_agreement": self.control_agreement,
+            "control_kl": self.control_kl,
+            "mean_free_run": self.mean_free_run,
+            "wall_s": self.wall_s,
+        }
+
+
+# ---------------------------------------------------------------------------- prompts
+def heldout_prompts(model_dir: str | Path, n: int, length: int) -> list[list[int]]:
+    """``n`` prompts of ``length`` ids from the held-out split of this interpreter's stdlib.
+
+    The stream is built as ``sluice train data`` builds ``heldout.bin``: each held-out file's ids
+    (the checkpoint's ``tokenizer.json``, no special tokens) followed by EOS, files in manifest
+    (sorted path) order. Prompt ``k`` is ``[BOS] + stream[s_k : s_k + length - 1]`` with
+    ``s_k = min(floor(k * m / (n - 1)), m - 1)``, ``m = len(stream) - length + 1``: starts evenly
+    spread over the whole stream (windows overlap once ``n * length`` exceeds it)."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    from engine.train.corpus import load_corpus, split
+
+    model_dir = Path(model_dir)
+    config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
+    bos, eos = int(config["bos_token_id"]), int(config["eos_token_id"])
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    corpus = load_corpus()
+    stream: list[int] = []
+    for i in split(corpus.manifest).heldout:
+        stream.extend(tok.encode(corpus.texts[i], add_special_tokens=False).ids)
+        stream.append(eos)
+    span = len(stream) - (length - 1)
+    if n < 1 or span < 1:
+        raise ValueError(f"the held-out stream has {len(stream)} ids: too short for {n} prompts of {length}")
+    starts = [0] if n == 1 else [k * span // (n - 1) for k in range(n)]
+    return [[bos, *stream[s : s + length - 1]] for s in [min(s, span - 1) for s in starts]]
+
+
+def random_prompts(vocab_size: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
+    """``n`` prompts of ``length`` ids uniform over ``[3, vocab_size)`` (past BOS, EOS, pad), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, vocab_size, (n, length), generator=g).tolist()
+
+
+# ---------------------------------------------------------------------------- measurement
+def _logits_at(runner: ModelRunner, hidden: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Logits at flat token ``rows`` from a forward's final streams (`DeepseekV4.forward`'s head)."""
+    m = runner.model
+    with torch.inference_mode():
+        return m.lm_head(m.model.norm(m.model.hc_head(hidden[rows]))).float()
+
+
+def _kl(logits_p: torch.Tensor, logits_q: torch.Tensor) -> torch.Tensor:
+    """Per-row KL(softmax(p) || softmax(q)) in nats, the log-softmax taken in float64 (so a KL
+    of identical logits is 0 and rounding never makes one negative beyond ~1e-15)."""
+    p = torch.log_softmax(logits_p.double(), -1)
+    q = torch.log_softmax(logits_q.double(), -1)
+    return (p.exp() * (p - q)).sum(-1)
+
+
+def _scramble(runner: ModelRunner, slots: Sequence[int], blocks: Sequence[int], g: torch.Generator) -> None:
+    for s in slots:
+        for t in runner.swa.slot_tensors(s):
+            t.copy_(torch.randn(t.shape, generator=g) * NOISE_SCALE)
+    for b in blocks:
+        for t in runner.pool.block_tensors(b):
+            t.copy_(torch.randn(t.shape, generator=g) * NOISE_SCALE)
+
+
+class _Layout:
+    """Slots and blocks of one batch of ``b`` prompts: per prompt an exact path owning every block,
+    and bounded / control / free-run paths sharing the hit's blocks with their own after it."""
+
+    def __init__(self, b: int, hit: int, total: int, block: int) -> None:
+        self.b = b
+        self.need = math.ceil(total / block)
+        self.shared = hit // block
+        self.own = self.need - self.shared
+        self.paths = 4
+
+    def slot(self, path: int, i: int) -> int:
+        return path * self.b + i
+
+    def table(self, path: int, i: int) -> list[int]:
+        exact = list(range(i * self.need, (i + 1) * self.need))
+        if path == 0:
+            return exact
+        base = self.b * self.need + ((path - 1) * self.b + i) * self.own
+        return exact[: self.shared] + list(range(base, base + self.own))
+
+    @property
+    def num_blocks(self) -> int:
+        return self.b * self.need + (self.paths - 1) * self.b * self.own
+
+    @property
+    def num_slots(self) -> int:
+        return self.paths * self.b
+
+
+def _step(runner: ModelRunner, seqs: list[SequenceInput]):
+    return runner.execute(ForwardBatch.from_sequences(seqs, runner.cfg.device))
+
+
+def _measure_batch(
+    runner: ModelRunner,
+    lay: _Layout,
+    prompts: Sequence[Sequence[int]],
+    hit: int,
+    decode: int,
+    replays: tuple[int, int],
+    free_run: bool,
+    g: torch.Generator,
+) -> list[PromptQuality]:
+    b, plen = len(prompts), len(prompts[0])
+    # exact: chunked prefill, then greedy decode keeping the logits of every decoded position
+    logits = None
+    for a in range(0, plen, PREFILL_CHUNK):
+        e = min(plen, a + PREFILL_CHUNK)
+        seqs = [
+            SequenceInput(p[a:e], a, lay.slot(0, i), lay.table(0, i), e == plen)
+            for i, p in enumerate(prompts)
+        ]
+        logits = _step(runner, seqs).logits
+    assert logits is not None
+    exact_logits = [logits]
+    tokens = [logits.argmax(-1)]
+    for k in range(1, decode):
+        seqs = [
+            SequenceInput([int(tokens[-1][i])], plen + k - 1, lay.slot(0, i), lay.table(0, i))
+            for i in range(b)
+        ]
+        logits = _step(runner, seqs).logits
+        exact_logits.append(logits)
+        tokens.append(logits.argmax(-1))
+    want = torch.stack(exact_logits, 1)  # [b, D, V] fp32
+    want_ids = torch.stack(tokens, 1)  # [b, D]
+
+    # bounded (path 1), control (path 2), free run (path 3): fresh noisy slots and own blocks
+    paths = [1, 2, 3] if free_run else [1, 2]
+    r_of = {1: replays[0], 2: replays[1], 3: replays[0]}
+    _scramble(
+        runner,
+        [lay.slot(p, i) for p in paths for i in range(b)],
+        [blk for p in paths for i in range(b) for blk in lay.table(p, i)[lay.shared :]],
+        g,
+    )
+    seqs = []
+    for p in paths:
+        r = r_of[p]
+        for i, pr in enumerate(prompts):
+            seqs.append(
+                SequenceInput(
+                    pr[hit - r : hit], hit - r, lay.slot(p, i), lay.table(p, i), False, hit, hit - r
+                )
+            )
+    _step(runner, seqs)
+    seqs = []
+    for p in paths:
+        for i, pr in enumerate(prompts):
+            ids = list(pr[hit:]) + (want_ids[i, :-1].tolist() if p != 3 else [])
+            seqs.append(SequenceInput(ids, hit, lay.slot(p, i), lay.table(p, i), True, 0, hit - r_of[p]))
+    batch = ForwardBatch.from_sequences(seqs, runner.cfg.device)
+    out = runner.execute(batch)
+    suffix = plen - hit
+    starts = batch.query_start_cpu
+    got: dict[int, torch.Tensor] = {}
+    for j, p in enumerate((1, 2)):
+        rows = torch.tensor(
+            [starts[j * b + i] + suffix - 1 + k for i in range(b) for k in range(decode)], dtype=torch.long
+        )
+        got[p] = _logits_at(runner, out.hidden, rows).view(b, decode, -1)
+    runs: list[int | None] = [None] * b
+    if free_run:
+        own = out.logits[2 * b :].argmax(-1)
+        free = [own]
+        for k in range(1, decode):
+            seqs = [
+                SequenceInput(
+                    [int(free[-1][i])],
+                    plen + k - 1,
+                    lay.slot(3, i),
+                    lay.table(3, i),
+                    True,
+                    0,
+                    hit - replays[0],
+                )
+                for i in range(b)
+            ]
+            free.append(_step(runner, seqs).logits.argmax(-1))
+        same = (torch.stack(free, 1) == want_ids).long()
+        runs = [int(x) for x in same.cumprod(1).sum(1)]
+    out_q = []
+    for i in range(b):
+        agree = {p: float((got[p][i].argmax(-1) == want_ids[i]).double().mean()) for p in (1, 2)}
+        kl = {p: float(_kl(want[i], got[p][i]).mean()) for p in (1, 2)}
+        out_q.append(PromptQuality(agree[1], kl[1], agree[2], kl[2], runs[i]))
+    return out_q
+
+
+def measure(
+    model_dir: str | Path | None,
+    prompts: Sequence[Sequence[int]],
+    hit: int | None = None,
+    decode: int = DEFAULT_DECODE,
+    *,
+    batch: int = 16,
+    free_run: bool = True,
+    runner: ModelRunner | None = None,
+    progress: Callable[[int, int], None] | None = None,
+    seed: int = 0,
+) -> ReplayQuality:
+    """Bounded (``W - 1``) and exact-control (``L * (W - 1)``) replay against exact state for each
+    prompt (all of one length ``hit + S``); ``hit`` defaults to `default_hit`. The checkpoint in
+    ``model_dir`` runs in fp32 on the CPU unless ``runner`` is given (it needs ``4 * batch`` slots
+    and enough blocks: ValueError otherwise). ``batch`` prompts share each forward."""
+    if not prompts:
+        raise ValueError("measure needs at least one prompt")
+    plen = len(prompts[0])
+    if any(len(p) != plen for p in prompts):
+        raise ValueError("every prompt must have the same length (hit + suffix)")
+    if decode < 1 or batch < 1:
+        raise ValueError("decode and batch must be >= 1")
+    t0 = time.perf_counter()
+    if runner is None:
+        if model_dir is None:
+            raise ValueError("give model_dir or runner")
+        from engine.config import ModelConfig
+
+        mc = ModelConfig.from_dir(model_dir)
+        hit = hit if hit is not None else default_hit(mc.num_hidden_layers, mc.sliding_window)
+        lay = _Layout(min(batch, len(prompts)), hit, plen + decode, BLOCK_TOKENS)
+        runner = ModelRunner(
+            model_dir, RunnerConfig(num_blocks=lay.num_blocks, num_slots=lay.num_slots, with_mtp=False)
+        )
+    cfg = runner.model_cfg
+    layers, window, block = cfg.num_hidden_layers, cfg.sliding_window, BLOCK_TOKENS
+    hit = hit if hit is not None else default_hit(layers, window)
+    exact = exact_replay(layers, window)
+    if hit % block or hit < exact or plen <= hit:
+        raise ValueError(
+            f"hit {hit} must be a multiple of {block}, at least L*(W-1) = {exact} and below the "
+            f"prompt length {plen}"
+        )
+    lay = _Layout(min(batch, len(prompts)), hit, plen + decode, block)
+    if runner.cfg.num_slots < lay.num_slots or runner.cfg.num_blocks < lay.num_blocks:
+        raise ValueError(f"the runner needs {lay.num_slots} slots and {lay.num_blocks} blocks")
+    g = torch.Generator().manual_seed(seed)
+    results: list[PromptQuality] = []
+    for a in range(0, len(prompts), lay.b):
+        chunk = prompts[a : a + lay.b]
+        part = _Layout(len(chunk), hit, plen + decode, block)
+        results += _measure_batch(runner, part, chunk, hit, decode, (window - 1, exact), free_run, g)
+        if progress is not None:
+            progress(len(results), len(prompts))
+    wall = time.perf_counter() - t0
+    return ReplayQuality(
+        hit, plen - hit, decode, layers, window, block, window - 1, exact, tuple(results), wall
+    )
