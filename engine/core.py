@@ -35,8 +35,8 @@ from engine.messages import CoreRequest, CoreStats, SeqOutput
 from engine.sampling.params import SamplingParams, StructuredOutput, derive_seed
 from engine.scheduler.cache_events import CacheEventBatch
 from engine.scheduler.config import SchedulerConfig
-from engine.scheduler.hashing import ROOT_HASH, BlockHash, ExtraKeys
-from engine.scheduler.host_slots import HostSlot, HostSlotPool
+from engine.scheduler.hashing import BlockHash, ExtraKeys
+from engine.scheduler.host_slots import HostSlotPool
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.scheduler import Scheduler, StepUpdate
 
@@ -108,7 +108,7 @@ class EngineCore:
             from engine.kvconnector.slot_sharing import SlotSharing  # gRPC: only when sharing
 
             self.slot_sharing = SlotSharing(
-                self.host_slots, cfg.swa_directory, self._verify_slot, cfg.swa_server_host, cfg.swa_lease_s,
+                self.host_slots, cfg.swa_directory, self.kv, cfg.swa_server_host, cfg.swa_lease_s,
                 cfg.swa_fetch_timeout_s,
             )  # fmt: skip
         self._slot_fetches: dict[str, Future[Any]] = {}  # request id -> a slot fetched from a peer
@@ -123,23 +123,6 @@ class EngineCore:
 
     def _verify_block(self, payload: bytes) -> None:
         self.kv.verify_block(payload)
-
-    def _verify_slot(self, entry: HostSlot) -> None:
-        """A peer's slot is this engine's model, layout, dtype and host format; ValueError if not."""
-        from engine.kvconnector import payload as fmt
-
-        kv, want = self.kv, self.config.host_swa_format
-        meta = fmt.decode(
-            entry.slot_payload,
-            kind=fmt.KIND_SLOT,
-            fingerprint=kv.fingerprint,
-            digest=kv.digest,
-            dtype=kv.dtype,
-        ).meta
-        if meta.get("format", "native") != want:
-            raise ValueError(f"a {meta.get('format', 'native')} slot for a {want} host pool")
-        if entry.tail_payload is not None:
-            kv.verify_block(entry.tail_payload)
 
     def _scheduler_config(self) -> SchedulerConfig:
         from costmodel import CostModel
@@ -270,15 +253,11 @@ class EngineCore:
     def _start_slot_fetch(self, req: Request) -> Future[Any] | None:
         """With slot sharing: fetch another engine's slot that the prompt extends further than
         any this engine holds (its blocks come from this engine's cache or the store fetch)."""
-        sharing, host = self.slot_sharing, self.host_slots
-        if sharing is None or host is None or req.fork_of or not self.config.enable_prefix_caching:
+        if self.slot_sharing is None or req.fork_of or not self.config.enable_prefix_caching:
             return None
-        tokens, bs = req.prompt_token_ids, self.block_size
-        max_hit = len(tokens) - 1
-        anchors = [ROOT_HASH, *self.scheduler.cache.hasher_for(req).update(tokens)[: max_hit // bs]]
-        mine = host.match(anchors, tokens, bs, max_hit)
-        found = sharing.find(anchors, tokens, bs, max_hit, mine.num_tokens if mine is not None else 0)
-        return sharing.fetch(*found) if found is not None else None
+        tokens = req.prompt_token_ids
+        hashes = self.scheduler.cache.hasher_for(req).update(tokens)[: (len(tokens) - 1) // self.block_size]
+        return self.slot_sharing.start_fetch(tokens, hashes, self.block_size)
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """End a request (``reason`` "abort", or "stop" for a front end's stop string); its

@@ -18,11 +18,14 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
 
+from engine.kvconnector import payload as fmt
 from engine.kvconnector.slot_server import SlotServer, fetch_slot
 from engine.kvconnector.swa_directory import SlotLocation, open_slot_directory
+from engine.scheduler.hashing import ROOT_HASH
 from engine.scheduler.host_slots import HostSlot, HostSlotPool
 
 log = logging.getLogger(__name__)
@@ -33,7 +36,7 @@ class SlotSharing:
         self,
         pool: HostSlotPool,
         directory_url: str,
-        verify: Callable[[HostSlot], None],
+        kv: Any,
         host: str = "127.0.0.1",
         lease_s: float = 10.0,
         fetch_timeout_s: float = 5.0,
@@ -43,7 +46,7 @@ class SlotSharing:
         self.server = SlotServer(pool, host)
         self.holder = self.server.address
         self.lease_s, self.fetch_timeout_s = lease_s, fetch_timeout_s
-        self._verify = verify
+        self._kv = kv  # engine.kvconnector.worker.KVWorker: this engine's identity and layout
         self.fetches = self.fetched = self.fetch_failures = self.fetched_bytes = 0
         self._changes: queue.Queue[tuple[str, HostSlot] | None] = queue.Queue()
         self.directory.heartbeat(self.holder, lease_s)  # live before the first entry
@@ -103,13 +106,39 @@ class SlotSharing:
                 best = (loc, n)
         return best
 
+    def start_fetch(
+        self, tokens: Sequence[int], hashes: Sequence[bytes], block_size: int
+    ) -> Future[HostSlot | None] | None:
+        """A fetch of the longest peer slot that ``tokens`` (whose full blocks hash to
+        ``hashes``) extend further than any slot this engine holds; None if there is none."""
+        max_hit = len(tokens) - 1
+        anchors = [ROOT_HASH, *hashes]
+        mine = self.pool.match(anchors, tokens, block_size, max_hit)
+        found = self.find(anchors, tokens, block_size, max_hit, mine.num_tokens if mine is not None else 0)
+        return self.fetch(*found) if found is not None else None
+
+    def _check(self, entry: HostSlot) -> None:
+        """A peer's slot is this engine's model, layout, dtype and host format; ValueError if not."""
+        kv = self._kv
+        meta = fmt.decode(
+            entry.slot_payload,
+            kind=fmt.KIND_SLOT,
+            fingerprint=kv.fingerprint,
+            digest=kv.digest,
+            dtype=kv.dtype,
+        ).meta
+        if meta.get("format", "native") != self.pool.format:
+            raise ValueError(f"a {meta.get('format', 'native')} slot for a {self.pool.format} host pool")
+        if entry.tail_payload is not None:
+            kv.verify_block(entry.tail_payload)
+
     def fetch(self, loc: SlotLocation, num_tokens: int) -> Future[HostSlot | None]:
         """Fetch in the background; the future's entry is already in this engine's pool."""
         self.fetches += 1
         return self._fetcher.submit(self._fetch, loc, num_tokens)
 
     def _fetch(self, loc: SlotLocation, num_tokens: int) -> HostSlot | None:
-        entry = fetch_slot(loc.holder, loc.anchor, loc.tail, num_tokens, self._verify, self.fetch_timeout_s)
+        entry = fetch_slot(loc.holder, loc.anchor, loc.tail, num_tokens, self._check, self.fetch_timeout_s)
         if entry is None or not self.pool.put(entry):
             self.fetch_failures += 1
             return None
