@@ -7,8 +7,9 @@ With ``EngineConfig.swa_directory`` set, an engine
 - renews its lease there every third of ``lease_s``: when it dies, its entries stop being
   returned within ``lease_s``;
 - on a new request, finds in the directory a slot of another engine that the request's
-  tokens extend further than any slot it holds itself, and fetches it (a thread) into its
-  own pool, where admission finds it like a local one. A fetch that fails (the holder died,
+  tokens extend further than any slot it holds itself, and fetches it into its own pool,
+  where admission finds it like a local one; lookup and fetch run on a worker thread while
+  the request waits (one directory round trip when there is nothing to fetch). A fetch that fails (the holder died,
   evicted it, or sent bytes that do not verify) costs a replay, never a wrong answer.
 """
 
@@ -108,14 +109,20 @@ class SlotSharing:
 
     def start_fetch(
         self, tokens: Sequence[int], hashes: Sequence[bytes], block_size: int
-    ) -> Future[HostSlot | None] | None:
-        """A fetch of the longest peer slot that ``tokens`` (whose full blocks hash to
-        ``hashes``) extend further than any slot this engine holds; None if there is none."""
+    ) -> Future[HostSlot | None]:
+        """In the background (the directory lookup too: it never runs on the step path): the
+        longest peer slot that ``tokens`` (whose full blocks hash to ``hashes``) extend
+        further than any slot this engine holds, fetched into this engine's pool; the
+        future's result is the entry, or None when there is none or the fetch failed."""
+        return self._fetcher.submit(self._find_and_fetch, tuple(tokens), [ROOT_HASH, *hashes], block_size)
+
+    def _find_and_fetch(
+        self, tokens: tuple[int, ...], anchors: list[bytes], block_size: int
+    ) -> HostSlot | None:
         max_hit = len(tokens) - 1
-        anchors = [ROOT_HASH, *hashes]
         mine = self.pool.match(anchors, tokens, block_size, max_hit)
         found = self.find(anchors, tokens, block_size, max_hit, mine.num_tokens if mine is not None else 0)
-        return self.fetch(*found) if found is not None else None
+        return self._fetch(*found) if found is not None else None
 
     def _check(self, entry: HostSlot) -> None:
         """A peer's slot is this engine's model, layout, dtype and host format; ValueError if not."""
@@ -132,12 +139,8 @@ class SlotSharing:
         if entry.tail_payload is not None:
             kv.verify_block(entry.tail_payload)
 
-    def fetch(self, loc: SlotLocation, num_tokens: int) -> Future[HostSlot | None]:
-        """Fetch in the background; the future's entry is already in this engine's pool."""
-        self.fetches += 1
-        return self._fetcher.submit(self._fetch, loc, num_tokens)
-
     def _fetch(self, loc: SlotLocation, num_tokens: int) -> HostSlot | None:
+        self.fetches += 1
         entry = fetch_slot(loc.holder, loc.anchor, loc.tail, num_tokens, self._check, self.fetch_timeout_s)
         if entry is None or not self.pool.put(entry):
             self.fetch_failures += 1
