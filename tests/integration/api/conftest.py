@@ -52,3 +52,22 @@ def small_server(tiny_model) -> Iterator[RunningServer]:
     """Two slots, two queue places, no prefix cache (so freed blocks are all free again)."""
     cfg = ApiConfig(max_concurrency=2, max_queue=2, queue_timeout_s=60.0, retry_after_s=2)
     yield from _serve(tiny_model, cfg, enable_prefix_caching=False)
+
+
+@pytest.fixture(scope="module")
+def store():
+    """A KV store on loopback: 12 node processes and a redis-server (``LocalStore``)."""
+    from services.local.store import LocalStore
+
+    with LocalStore() as st:
+        yield st
+
+
+@pytest.fixture(scope="module")
+def cold_url(tiny_model) -> Iterator[str]:
+    """The reference: an in-process server with no store and no prefix cache."""
+    from services.api.app import create_app
+
+    app = create_app(ApiConfig(), InProcessEngineClient(tiny_model, enable_prefix_caching=False))
+    with ServerThread(app, app.state.sluice.config) as srv:
+        yield srv.url

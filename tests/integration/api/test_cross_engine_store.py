@@ -21,10 +21,6 @@ import httpx
 import openai
 import pytest
 
-from services.api.app import create_app
-from services.api.config import ApiConfig
-from services.api.inprocess import InProcessEngineClient
-from services.api.server import ServerThread
 from services.local.store import LocalStore
 from tests.integration.serve_proc import ServeProcess, serve_side_by_side
 
@@ -71,12 +67,6 @@ def hit_tokens(r: Any) -> int:
 
 
 @pytest.fixture(scope="module")
-def store() -> Iterator[LocalStore]:
-    with LocalStore() as st:
-        yield st
-
-
-@pytest.fixture(scope="module")
 def servers(
     tiny_model: Path, store: LocalStore, tmp_path_factory
 ) -> Iterator[tuple[ServeProcess, ServeProcess]]:
@@ -85,14 +75,6 @@ def servers(
     homes = [tmp_path_factory.mktemp(f"home-{name}") for name in "ab"]
     with serve_side_by_side([args, args], homes) as (a, b):
         yield a, b
-
-
-@pytest.fixture(scope="module")
-def cold_url(tiny_model: Path) -> Iterator[str]:
-    """The reference: an in-process server with no store and no prefix cache."""
-    app = create_app(ApiConfig(), InProcessEngineClient(tiny_model, enable_prefix_caching=False))
-    with ServerThread(app, app.state.sluice.config) as srv:
-        yield srv.url
 
 
 def test_b_answers_a_prompt_with_another_ending_from_the_store(

@@ -14,7 +14,6 @@ store; without the slot, an exact replay serves 768 - 124 tokens, a bounded one 
 
 from __future__ import annotations
 
-import random
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -25,23 +24,14 @@ import pytest
 import redis
 
 from engine.kvconnector.swa_directory import RedisSlotDirectory
-from services.api.app import create_app
-from services.api.config import ApiConfig
-from services.api.inprocess import InProcessEngineClient
-from services.api.server import ServerThread
 from services.local.store import LocalStore
-from tests.integration.api.test_cross_engine_store import metric, wait_metric
+from tests.integration.api.test_cross_engine_store import metric, tokens, wait_metric
 from tests.integration.serve_proc import ServeProcess, serve_side_by_side
 
 pytestmark = pytest.mark.integration
 
 FIRST = 1000
 LEASE_S = 2.0
-
-
-def tokens(seed: int, n: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(10, 1000) for _ in range(n)]
 
 
 def complete(url: str, prompt: list[int], max_tokens: int, **extra: Any) -> Any:
@@ -76,12 +66,6 @@ def wait(predicate, what: str, timeout_s: float = 30.0) -> None:
 
 
 @pytest.fixture(scope="module")
-def store() -> Iterator[LocalStore]:
-    with LocalStore() as st:
-        yield st
-
-
-@pytest.fixture(scope="module")
 def servers(
     tiny_model: Path, store: LocalStore, tmp_path_factory
 ) -> Iterator[tuple[ServeProcess, ServeProcess]]:
@@ -93,13 +77,6 @@ def servers(
     homes = [tmp_path_factory.mktemp(f"home-{name}") for name in "ab"]
     with serve_side_by_side([args, args], homes) as (a, b):
         yield a, b
-
-
-@pytest.fixture(scope="module")
-def cold_url(tiny_model: Path) -> Iterator[str]:
-    app = create_app(ApiConfig(), InProcessEngineClient(tiny_model, enable_prefix_caching=False))
-    with ServerThread(app, app.state.sluice.config) as srv:
-        yield srv.url
 
 
 def test_the_next_turn_on_another_engine_continues_from_the_first_engines_slot(servers, store, cold_url):
