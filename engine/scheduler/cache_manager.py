@@ -58,8 +58,8 @@ class CacheManager:
         # Admissions that rebuilt a missing window state, by kind (metrics), and the tokens
         # they replayed. A retained slot adopted instead counts in ``slots.reused``.
         self.replays = {"exact": 0, "bounded": 0}
-        self.host_hits = 0  # admissions that loaded their window state from the host pool
         self.replayed_tokens = {"exact": 0, "bounded": 0}
+        self.host_hits = 0  # admissions that loaded their window state from the host pool
 
     def hasher_for(self, req: Request) -> BlockHasher:
         if req.hasher is None:
@@ -72,12 +72,10 @@ class CacheManager:
         max_hit = len(tokens) - 1
         hashes = self.hasher_for(req).update(tokens)
         cached = self.blocks.lookup(hashes[: max_hit // self.bs])
-        entry = host = None
+        entry = None
+        anchors = [ROOT_HASH, *hashes[: len(cached)]]
         if self.config.enable_prefix_caching:
-            anchors = [ROOT_HASH, *hashes[: len(cached)]]
             entry = self.slots.match(anchors, tokens, self.bs, max_hit)
-            if self.host is not None:
-                host = self.host.match(anchors, tokens, self.bs, max_hit)
         hit = len(cached) * self.bs
         replay = min(self.config.swa_replay_tokens, hit)
         if self.config.swa_miss_policy == "recompute" or replay == hit:
@@ -89,8 +87,11 @@ class CacheManager:
                 (entry.partial_block,) if entry.partial_block is not None else ()
             )
             return PrefixMatch(blocks, entry.num_tokens, 0, entry)
-        if host is not None and max_hit - host.num_tokens <= max_hit - hit + replay:
-            lossy = self.host is not None and self.host.format != "native"
+        # Then the host pool (looked up only when the device has no slot as good).
+        pool = self.host if self.config.enable_prefix_caching else None
+        host = pool.match(anchors, tokens, self.bs, max_hit) if pool is not None else None
+        if pool is not None and host is not None and max_hit - host.num_tokens <= max_hit - hit + replay:
+            lossy = pool.format != "native"
             if not lossy or self.wants_bounded(req):  # a lossy slot is approximate state
                 blocks = tuple(cached[: host.num_tokens // self.bs])
                 return PrefixMatch(blocks, host.num_tokens, 0, None, approximate=lossy, host_entry=host)
