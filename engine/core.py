@@ -95,7 +95,9 @@ class EngineCore:
             bytes.fromhex(self.fingerprint), fmt.layout_digest(self.runner.spec, dtype), dtype, self.store
         )
         self.host_slots = (
-            HostSlotPool(cfg.host_swa_bytes, cfg.host_swa_format) if cfg.host_swa_bytes else None
+            HostSlotPool(cfg.host_swa_bytes, cfg.host_swa_format, layers=self._host_swa_layers())
+            if cfg.host_swa_bytes
+            else None
         )
         self.scheduler = Scheduler(self._scheduler_config(), self.host_slots)
         self.executor = ModelExecutor(self.runner, cfg.device, self.kv, self.host_slots)
@@ -115,6 +117,13 @@ class EngineCore:
         self._grammar: Any = None
         self._grammar_lock = threading.Lock()
         self.eos_token_id = _eos(self.tokenizer_path)
+
+    def _host_swa_layers(self) -> int | None:
+        """EngineConfig.host_swa_layers checked against the slot's layers (None: all kept)."""
+        want, have = self.config.host_swa_layers, self.runner.swa.num_layers
+        if want is not None and want > have:
+            raise ValueError(f"host_swa_layers {want} exceeds the {have} layers of this model's SWA slot")
+        return None if want == have else want
 
     def _open_store_client(self) -> Any:
         from kvstore.spec import StoreSpec, open_store_client

@@ -40,6 +40,9 @@ class EngineConfig:
     # how the pool stores them: "native" (exact) or "mxfp8" (lossy; used by requests that
     # accept approximate state, the bounded-replay ones)
     host_swa_format: str = "native"
+    # how many layers' windows a host slot keeps, from the first (None: every layer; exact).
+    # Fewer is lossy like MXFP8: on load the other layers are rebuilt by a bounded replay
+    host_swa_layers: int | None = None
     # With a host pool: the SWA directory ("memory" or a Redis URL) where this engine
     # publishes its slots and finds other engines'; it then serves its slots over gRPC on
     # ``swa_server_host`` (a free port) and renews a lease of ``swa_lease_s`` seconds.
@@ -69,6 +72,8 @@ class EngineConfig:
             raise ValueError("swa_lease_s and swa_fetch_timeout_s must be > 0")
         if self.host_swa_format not in ("native", "mxfp8"):
             raise ValueError(f"host_swa_format must be 'native' or 'mxfp8', got {self.host_swa_format!r}")
+        if self.host_swa_layers is not None and self.host_swa_layers < 1:
+            raise ValueError(f"host_swa_layers must be >= 1 (None = every layer), got {self.host_swa_layers}")
         if self.swa_replay not in ("exact", "bounded"):
             raise ValueError(f"swa_replay must be 'exact' or 'bounded', got {self.swa_replay!r}")
         if self.ep_size < 1 or not 0 <= self.ep_rank < self.ep_size:

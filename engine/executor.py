@@ -67,7 +67,9 @@ class ModelExecutor:
                 if save.partial_block is None
                 else self.kv.pack_block(self.runner.pool, save.partial_block)
             )
-            slot = self.kv.pack_slot(self.runner.swa, save.slot, self.host_slots.format)
+            slot = self.kv.pack_slot(
+                self.runner.swa, save.slot, self.host_slots.format, self.host_slots.layers
+            )
             self.host_slots.put(HostSlot(save.anchor, save.num_tokens, save.tail, slot, tail))
 
     def add(self, request_id: str, state: SamplingState) -> None:
@@ -100,6 +102,7 @@ class ModelExecutor:
                     s.sample,
                     rows_cached_until=s.replay_until,
                     window_from=s.window_from,
+                    swa_keep=s.swa_keep,
                 )
             )
         logits = self.runner.execute(ForwardBatch.from_sequences(seqs, device=self.device)).logits  # [R, V]

@@ -39,6 +39,10 @@ class SequenceInput:
     # Raw-window positions below this are not in the slot (SWA-state replay into a fresh slot):
     # attention ignores them. 0 = the slot is valid (fresh sequences, copied slots).
     window_from: int = 0
+    # (layers, until): the first ``layers`` layers' slot rings already hold exact state for
+    # positions below ``until`` (a host slot that kept only those layers): the step computes
+    # those positions but does not write them there. (0, 0) = write everything.
+    swa_keep: tuple[int, int] = (0, 0)
 
 
 @dataclass(frozen=True)
@@ -58,6 +62,19 @@ class ForwardBatch:
     swa_slot_cpu: tuple[int, ...] = ()
     rows_cached_until_cpu: tuple[int, ...] = ()
     window_from_cpu: tuple[int, ...] = ()
+    swa_keep_cpu: tuple[tuple[int, int], ...] = ()
+
+    def kept_until(self, layer: int) -> tuple[int, ...]:
+        """Per sequence: ring writes of ``layer`` for positions below this are skipped (swa_keep)."""
+        return tuple(until if layer < layers else 0 for layers, until in self.swa_keep_cpu) or (
+            (0,) * self.num_seqs
+        )
+
+    def any_kept(self, layer: int) -> bool:
+        return any(
+            layer < layers and n0 < until
+            for (layers, until), n0 in zip(self.swa_keep_cpu, self.num_computed_cpu)
+        )
 
     @property
     def num_tokens(self) -> int:
@@ -127,6 +144,7 @@ class ForwardBatch:
             swa_slot_cpu=tuple(s.swa_slot for s in seqs),
             rows_cached_until_cpu=tuple(s.rows_cached_until for s in seqs),
             window_from_cpu=tuple(s.window_from for s in seqs),
+            swa_keep_cpu=tuple(s.swa_keep for s in seqs) if any(s.swa_keep[0] for s in seqs) else (),
         )
         batch.validate()
         return batch
@@ -136,7 +154,10 @@ class ForwardBatch:
         b = self.num_seqs
         if not (len(self.query_start_cpu) == len(self.num_computed_cpu) == len(self.swa_slot_cpu) == b):
             raise ValueError("per-sequence host metadata must all have one entry per sequence")
-        if any(len(t) not in (0, b) for t in (self.rows_cached_until_cpu, self.window_from_cpu)):
+        if any(
+            len(t) not in (0, b)
+            for t in (self.rows_cached_until_cpu, self.window_from_cpu, self.swa_keep_cpu)
+        ):
             raise ValueError("per-sequence host metadata must all have one entry per sequence")
         expect = 0
         for i in range(b):

@@ -62,21 +62,26 @@ class SWASlots:
                 self.index_kv[layer] = torch.zeros(num_slots, r, ci, dtype=dtype, device=device)
                 self.index_gate[layer] = torch.zeros(num_slots, r, ci, dtype=dtype, device=device)
 
-    def _all(self) -> list[torch.Tensor]:
-        return (
-            self.window
-            + list(self.state_kv.values())
-            + list(self.state_gate.values())
-            + list(self.index_kv.values())
-            + list(self.index_gate.values())
-        )
+    def _all(self, layers: int | None = None) -> list[torch.Tensor]:
+        """Every ring, windows first, each kind in layer order; only layers below ``layers``
+        when given (a host slot that keeps the first layers only)."""
+        keep = len(self.window) if layers is None else layers
+        rings = [self.state_kv, self.state_gate, self.index_kv, self.index_gate]
+        return self.window[:keep] + [t for ring in rings for layer, t in ring.items() if layer < keep]
 
-    def slot_tensors(self, slot: int) -> list[torch.Tensor]:
+    @property
+    def num_layers(self) -> int:
+        return len(self.window)
+
+    def slot_tensors(self, slot: int, layers: int | None = None) -> list[torch.Tensor]:
         """Views of one slot in ``_all()`` order (every window, then state_kv, state_gate,
-        index_kv, index_gate, each in layer order). Raises IndexError out of range."""
+        index_kv, index_gate, each in layer order), of the first ``layers`` layers when given.
+        Raises IndexError out of range."""
         if not 0 <= slot < self.num_slots:
             raise IndexError(f"slot {slot} out of range [0, {self.num_slots})")
-        return [t[slot] for t in self._all()]
+        if layers is not None and not 1 <= layers <= self.num_layers:
+            raise IndexError(f"layers {layers} out of range [1, {self.num_layers}]")
+        return [t[slot] for t in self._all(layers)]
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Make slot ``dst`` an exact copy of slot ``src`` (prefix hit on another sequence's state, n>1 forks)."""
@@ -102,3 +107,29 @@ class SWASlots:
         keep = min(n, r)
         idx = torch.arange(start + n - keep, start + n, device=ring.device) % r
         ring[slot, idx] = values[n - keep :].to(ring.dtype)
+
+    @staticmethod
+    def with_kept(
+        ring: torch.Tensor, slot: int, start: int, values: torch.Tensor, keep_until: int
+    ) -> torch.Tensor:
+        """``values`` [N, C] for positions [start, start + N), with those below ``keep_until``
+        that the ring still holds taken from the ring (exact state a kept host-slot layer
+        restored): a step then sees the same keys however it is chunked, and the same as the
+        decode path, which reads them from the ring."""
+        lo = max(start, keep_until - ring.shape[1])
+        hi = min(start + values.shape[0], keep_until)
+        if lo >= hi:
+            return values
+        out = values.clone()
+        out[lo - start : hi - start] = SWASlots.ring_read(ring, slot, lo, hi).to(values.dtype)
+        return out
+
+    @staticmethod
+    def ring_write_from(
+        ring: torch.Tensor, slot: int, start: int, values: torch.Tensor, keep_until: int
+    ) -> None:
+        """``ring_write`` of the positions at or above ``keep_until`` only: the ring already
+        holds exact state below it (a host slot that kept this layer; ForwardBatch.swa_keep)."""
+        skip = min(values.shape[0], max(0, keep_until - start))
+        if skip < values.shape[0]:
+            SWASlots.ring_write(ring, slot, start + skip, values[skip:])

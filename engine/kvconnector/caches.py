@@ -108,16 +108,20 @@ def pack_slot(
     digest: bytes,
     meta: Mapping[str, Any] | None = None,
     fmt: str = "native",
+    layers: int | None = None,
 ) -> bytes:
     """One SWA slot as a KIND_SLOT payload: one section, the ``slot_tensors`` bytes back to
     back, plus optional metadata (see the reserved keys). IndexError out of range.
 
     ``fmt="mxfp8"`` stores every tensor whose last dimension is a multiple of 32 as MXFP8
     (``engine/cache/mxfp8.py``: its E4M3 values, then its scales) and the others as they are;
-    the metadata says so (``"format": "mxfp8"``) and unpacking decodes it. It is lossy."""
+    the metadata says so (``"format": "mxfp8"``) and unpacking decodes it. It is lossy.
+    ``layers`` keeps the first ``layers`` layers only (``"layers"`` in the metadata); unpacking
+    writes those and leaves the others' rings as they are."""
     if fmt not in SLOT_FORMATS:
         raise ValueError(f"slot format must be one of {SLOT_FORMATS}, got {fmt!r}")
-    tensors = swa.slot_tensors(slot)
+    tensors = swa.slot_tensors(slot, layers)
+    meta = {**(meta or {}), **({} if layers is None else {"layers": layers})}
     if fmt == "native":
         return _pack(tensors, KIND_SLOT, fingerprint, digest, meta, "slot")
     dtype = _dtype_of(tensors, "slot")
@@ -129,7 +133,17 @@ def pack_slot(
         values, scales = mxfp8.encode(t)
         parts += [values.reshape(-1).cpu(), scales.reshape(-1).cpu()]
     body = torch.cat(parts)
-    return encode(KIND_SLOT, fingerprint, digest, dtype, [body], {**(meta or {}), "format": "mxfp8"})
+    return encode(KIND_SLOT, fingerprint, digest, dtype, [body], {**meta, "format": "mxfp8"})
+
+
+def slot_layers(meta: Mapping[str, Any], swa: SWASlots) -> int | None:
+    """The layers a slot payload holds (None: all of them); PayloadError if this engine has fewer."""
+    layers = meta.get("layers")
+    if layers is None:
+        return None
+    if not isinstance(layers, int) or not 1 <= layers <= swa.num_layers:
+        raise PayloadError(f"slot payload keeps {layers!r} layers, this engine's slot has {swa.num_layers}")
+    return layers
 
 
 def unpack_slot_into(
@@ -139,11 +153,12 @@ def unpack_slot_into(
     fingerprint: bytes,
     digest: bytes,
 ) -> dict[str, Any]:
-    """Verify a KIND_SLOT payload (native or MXFP8), then overwrite slot ``slot``; returns
-    its metadata. Raises PayloadError (slot untouched) or IndexError (slot out of range)."""
-    tensors = swa.slot_tensors(slot)
-    dtype = _dtype_of(tensors, "slot")
+    """Verify a KIND_SLOT payload (native or MXFP8, every layer or the first ones), then
+    overwrite slot ``slot`` (the layers it holds); returns its metadata. Raises PayloadError
+    (slot untouched) or IndexError (slot out of range)."""
+    dtype = _dtype_of(swa.slot_tensors(slot), "slot")
     dec = decode(payload, kind=KIND_SLOT, fingerprint=fingerprint, digest=digest, dtype=dtype)
+    tensors = swa.slot_tensors(slot, slot_layers(dec.meta, swa))
     if dec.meta.get("format", "native") == "native":
         return _unpack_into(payload, tensors, KIND_SLOT, fingerprint, digest, "slot")
     if dec.meta["format"] != "mxfp8" or len(dec.sections) != 1:

@@ -26,7 +26,9 @@ Reserved metadata keys (extensible fields; v1 readers ignore keys they do not kn
   the payload's positions cover (a prefix with images only matches the same images);
 - ``host_slot``: a JSON object describing a slot kept in the host SWA cache;
 - ``format``: how a slot's body is stored: ``"native"`` (the default: the tensors' bytes) or
-  ``"mxfp8"`` (``caches.pack_slot``; lossy). A reader refuses a format it does not know.
+  ``"mxfp8"`` (``caches.pack_slot``; lossy). A reader refuses a format it does not know;
+- ``layers``: a slot that keeps only its first N layers (an int; absent: every layer). An
+  older reader that ignores it refuses the body on its size.
 
 `decode` refuses, with a `PayloadError` naming what was expected and what was found: a
 wrong magic, another format version, a truncated header or body, trailing bytes, a header
@@ -205,6 +207,9 @@ def _check_meta(meta: Mapping[str, Any]) -> None:
     fmt = meta.get("format")
     if fmt is not None and not isinstance(fmt, str):
         raise PayloadError(f"metadata 'format' must be a string, got {type(fmt).__name__}")
+    layers = meta.get("layers")
+    if layers is not None and (not isinstance(layers, int) or isinstance(layers, bool) or layers < 1):
+        raise PayloadError(f"metadata 'layers' must be a positive int, got {layers!r}")
 
 
 def _is_hex(s: str) -> bool:

@@ -125,7 +125,7 @@ class SlotSharing:
         return self._fetch(*found) if found is not None else None
 
     def _check(self, entry: HostSlot) -> None:
-        """A peer's slot is this engine's model, layout, dtype and host format; ValueError if not."""
+        """A peer's slot is this engine's model, layout, dtype, host format and kept layers; ValueError if not."""
         kv = self._kv
         meta = fmt.decode(
             entry.slot_payload,
@@ -136,6 +136,8 @@ class SlotSharing:
         ).meta
         if meta.get("format", "native") != self.pool.format:
             raise ValueError(f"a {meta.get('format', 'native')} slot for a {self.pool.format} host pool")
+        if meta.get("layers") != self.pool.layers:
+            raise ValueError(f"a slot of {meta.get('layers')} layers for a host pool of {self.pool.layers}")
         if entry.tail_payload is not None:
             kv.verify_block(entry.tail_payload)
 

@@ -39,8 +39,8 @@ class KVWorker:
     def pack_block(self, pool: Any, block: int) -> bytes:
         return caches.pack_block(pool, block, self.fingerprint, self.digest)
 
-    def pack_slot(self, swa: Any, slot: int, fmt: str = "native") -> bytes:
-        return caches.pack_slot(swa, slot, self.fingerprint, self.digest, fmt=fmt)
+    def pack_slot(self, swa: Any, slot: int, fmt: str = "native", layers: int | None = None) -> bytes:
+        return caches.pack_slot(swa, slot, self.fingerprint, self.digest, fmt=fmt, layers=layers)
 
     def save(self, pool: Any, saves: Sequence[tuple[int, bytes, str]]) -> None:
         """Snapshot newly published blocks for the store (no-op without one). A block the store

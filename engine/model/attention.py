@@ -17,7 +17,7 @@ from engine.checkpoint.quant import dequantize
 from engine.config import CSA, HCA, SLIDING, ModelConfig
 from engine.forward_batch import ForwardBatch
 from engine.model.compressor import CSACompressor, HCACompressor, Indexer, run_compressor
-from engine.model.decode import decode_attend, decode_compress, decode_keys
+from engine.model.decode import decode_attend, decode_compress, decode_keys, written
 from engine.model.norms import RMSNorm, rms_unweighted
 from engine.model.rope import Rotary
 
@@ -118,16 +118,19 @@ class Attention(nn.Module):
         window_from = batch.window_from
         idx: tuple[torch.Tensor, torch.Tensor] | None = None  # indexer queries [T, nI, dI], weights [T, nI]
         if self.compressor is not None:
-            run_compressor(self.compressor, self.rotary, x, meta, pool, swa, layer, index=False)
+            kept_rings = batch.kept_until(layer)
+            run_compressor(self.compressor, self.rotary, x, meta, pool, swa, layer, False, kept_rings)
             if isinstance(self.compressor, CSACompressor):
                 ix = self.compressor.indexer
-                run_compressor(ix, self.rotary, x, meta, pool, swa, layer, index=True)
+                run_compressor(ix, self.rotary, x, meta, pool, swa, layer, True, kept_rings)
                 idx = ix.queries(self.rotary, q_latent, x, pos)
         out = torch.empty_like(q)  # [T, H, hd]
+        kept = batch.kept_until(layer)
         for i, (start, qlen, n0, slot, _, table) in enumerate(meta):
             sl = slice(start, start + qlen)
+            kv_i = SWASlots.with_kept(swa.window[layer], slot, n0, kv[sl], kept[i])
             keys, bias = self._keys(
-                kv[sl],
+                kv_i,
                 pos[sl],
                 n0,
                 window_from[i],
@@ -139,7 +142,7 @@ class Attention(nn.Module):
                 None if idx is None else (idx[0][sl], idx[1][sl]),
             )
             out[sl] = self._attend(q[sl], keys, bias)
-            SWASlots.ring_write(swa.window[layer], slot, n0, kv[sl])
+            SWASlots.ring_write_from(swa.window[layer], slot, n0, kv_i, kept[i])
         out = self.rotary(out, pos, inverse=True)
         grouped = out.reshape(x.shape[0], self.o_groups, -1)
         return self.o_b_proj(self.o_a_proj(grouped))
@@ -155,7 +158,7 @@ class Attention(nn.Module):
                 decode_compress(ix, self.rotary, x, batch, pool, swa, layer, index=True)
                 iq, iw = ix.queries(self.rotary, q_latent, x, batch.positions)
                 csa = (ix, iq, iw, pool.index_rows[layer])
-        keys, visible = decode_keys(kv, batch, swa.window[layer], compressed, csa)
+        keys, visible = decode_keys(kv, batch, swa.window[layer], compressed, csa, written(batch, layer))
         out = decode_attend(q, keys, visible, self.sinks)
         out = self.rotary(out, batch.positions, inverse=True)
         return self.o_b_proj(self.o_a_proj(out.reshape(x.shape[0], self.o_groups, -1)))

@@ -38,9 +38,12 @@ class Compressor(nn.Module):
         ring_kv: torch.Tensor,  # [num_slots, R, C]
         ring_gate: torch.Tensor,
         slot: int,
+        keep_until: int = 0,  # the ring holds exact state below this position: do not overwrite it
     ) -> tuple[int, torch.Tensor]:
         """Return (first entry index, entries [n_new, dim]) for windows closing in [n0, n0+q); update the ring."""
         m, d = self.rate, self.dim
+        kv_new = SWASlots.with_kept(ring_kv, slot, n0, kv_new, keep_until)
+        gate_new = SWASlots.with_kept(ring_gate, slot, n0, gate_new, keep_until)
         n1 = n0 + kv_new.shape[0]
         w0, w1 = n0 // m, n1 // m
         entries = kv_new.new_zeros(0, d)
@@ -69,8 +72,8 @@ class Compressor(nn.Module):
             pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)  # [nw, d]
             pos = torch.arange(w0, w1, device=kv_new.device) * m
             entries = rotary(self.kv_norm(pooled), pos)
-        SWASlots.ring_write(ring_kv, slot, n0, kv_new)
-        SWASlots.ring_write(ring_gate, slot, n0, gate_new)
+        SWASlots.ring_write_from(ring_kv, slot, n0, kv_new, keep_until)
+        SWASlots.ring_write_from(ring_gate, slot, n0, gate_new, keep_until)
         return w0, entries
 
 
@@ -146,20 +149,23 @@ def run_compressor(
     swa: SWASlots,
     layer: int,
     index: bool,
+    kept: tuple[int, ...] = (),
 ) -> None:
     """Run one compressor for every sequence of a batch and store its new entries in the pool.
 
     ``batch_meta`` rows are (start, qlen, n0, slot, cached_until, block_table): entries that only
     cover positions below ``cached_until`` are already final in (possibly shared) blocks and are
-    not rewritten (used by SWA-state replay).
+    not rewritten (used by SWA-state replay). ``kept[i]``: sequence i's ring already holds exact
+    state below that position (``ForwardBatch.kept_until``), which the step does not overwrite.
     """
     kv_all, gate_all = comp.kv_proj(x), comp.gate_proj(x)  # [T, C]
     ring_kv = swa.index_kv[layer] if index else swa.state_kv[layer]
     ring_gate = swa.index_gate[layer] if index else swa.state_gate[layer]
-    for start, qlen, n0, slot, cached_until, table in batch_meta:
+    for i, (start, qlen, n0, slot, cached_until, table) in enumerate(batch_meta):
         keep_from = cached_until // comp.rate
         sl = slice(start, start + qlen)
-        w0, entries = comp.step(rotary, kv_all[sl], gate_all[sl], n0, ring_kv, ring_gate, slot)
+        keep = kept[i] if kept else 0
+        w0, entries = comp.step(rotary, kv_all[sl], gate_all[sl], n0, ring_kv, ring_gate, slot, keep)
         skip = max(0, keep_from - w0)  # entries already final in shared blocks are never rewritten
         if entries.shape[0] > skip:
             pool.write(layer, table, w0 + skip, entries[skip:], index=index)

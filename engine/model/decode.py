@@ -21,6 +21,15 @@ def _seq_tensor(values: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.long, device=like.device)
 
 
+def written(batch: ForwardBatch, layer: int) -> torch.Tensor | None:
+    """[B] bool: whose ring rows of ``layer`` this step writes; None: every sequence's (the
+    common case). False for a position a kept host-slot layer already holds (swa_keep)."""
+    if not batch.any_kept(layer):
+        return None
+    rows = [p >= until for p, until in zip(batch.num_computed_cpu, batch.kept_until(layer))]
+    return torch.tensor(rows, dtype=torch.bool, device=batch.positions.device)
+
+
 def decode_compress(
     comp: Compressor,
     rotary: Rotary,
@@ -37,8 +46,13 @@ def decode_compress(
     ring_gate = swa.index_gate[layer] if index else swa.state_gate[layer]
     r = ring_kv.shape[1]
     slots, pos = batch.swa_slot, batch.positions
-    ring_kv[slots, pos % r] = comp.kv_proj(x).to(ring_kv.dtype)
-    ring_gate[slots, pos % r] = comp.gate_proj(x).to(ring_gate.dtype)
+    live = written(batch, layer)
+    if live is None:
+        ring_kv[slots, pos % r] = comp.kv_proj(x).to(ring_kv.dtype)
+        ring_gate[slots, pos % r] = comp.gate_proj(x).to(ring_gate.dtype)
+    else:
+        ring_kv[slots[live], pos[live] % r] = comp.kv_proj(x[live]).to(ring_kv.dtype)
+        ring_gate[slots[live], pos[live] % r] = comp.gate_proj(x[live]).to(ring_gate.dtype)
     closing = [
         i
         for i, (p, keep) in enumerate(zip(batch.num_computed_cpu, batch.cached_until))
@@ -93,11 +107,15 @@ def decode_keys(
     window_ring: torch.Tensor,
     compressed: tuple[torch.Tensor, int] | None,  # (pool rows of this layer, rate)
     csa: tuple[Indexer, torch.Tensor, torch.Tensor, torch.Tensor] | None,  # (indexer, iq, iw, index rows)
+    live: torch.Tensor | None = None,  # [B] bool: whose ring row this step writes (None: all)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keys [B, K, hd] and visibility [B, K] for one decode token per sequence; writes the window ring."""
     w = window_ring.shape[1]
     slots, pos = batch.swa_slot, batch.positions
-    window_ring[slots, pos % w] = kv.to(window_ring.dtype)
+    if live is None:
+        window_ring[slots, pos % w] = kv.to(window_ring.dtype)
+    else:  # a kept layer's ring already holds this position's exact key: attend to that one
+        window_ring[slots[live], pos[live] % w] = kv[live].to(window_ring.dtype)
     keys = window_ring[slots]  # [B, W, hd]: row r holds position pos - ((pos - r) mod W)
     held = pos[:, None] - ((pos[:, None] - torch.arange(w, device=pos.device)[None, :]) % w)
     visible = held >= _seq_tensor(batch.window_from, pos)[:, None]

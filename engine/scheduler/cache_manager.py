@@ -31,7 +31,10 @@ class PrefixMatch:
     replay_tokens: int  # tokens before hit_tokens to recompute for the window state
     slot_entry: RetainedSlot | None  # exact retained state to adopt (then replay_tokens == 0)
     approximate: bool = False  # a bounded replay: fewer tokens than an exact rebuild needs
-    host_entry: HostSlot | None = None  # exact state to load from the host slot pool
+    host_entry: HostSlot | None = None  # state to load from the host slot pool
+    # > 0: the host slot keeps only these first layers; the others are rebuilt by replaying
+    # replay_tokens (bounded) with those layers' exact windows kept
+    keep_layers: int = 0
 
     @property
     def start(self) -> int:
@@ -90,12 +93,15 @@ class CacheManager:
         # Then the host pool (looked up only when the device has no slot as good).
         pool = self.host if self.config.enable_prefix_caching else None
         host = pool.match(anchors, tokens, self.bs, max_hit) if pool is not None else None
-        if pool is not None and host is not None and max_hit - host.num_tokens <= max_hit - hit + replay:
-            lossy = pool.format != "native"
-            if not lossy or self.wants_bounded(req):  # a lossy slot is approximate state
-                blocks = tuple(cached[: host.num_tokens // self.bs])
-                return PrefixMatch(blocks, host.num_tokens, 0, None, approximate=lossy, host_entry=host)
         bounded = min(self.config.bounded_replay_tokens, hit)
+        if pool is not None and host is not None and (not pool.lossy or self.wants_bounded(req)):
+            # a lossy slot (MXFP8, or not every layer) is approximate state; one that keeps
+            # only the first layers also replays (bounded) to rebuild the others
+            again = min(self.config.bounded_replay_tokens, host.num_tokens) if pool.layers else 0
+            best_other = hit - (bounded if self.wants_bounded(req) else replay)
+            if host.num_tokens > again and host.num_tokens - again >= best_other:
+                blocks = tuple(cached[: host.num_tokens // self.bs])
+                return PrefixMatch(blocks, host.num_tokens, again, None, pool.lossy, host, pool.layers or 0)
         if self.wants_bounded(req) and bounded < replay:
             return PrefixMatch(tuple(cached[: hit // self.bs]), hit, bounded, None, approximate=True)
         return PrefixMatch(tuple(cached[: hit // self.bs]), hit, replay, None)
@@ -152,7 +158,9 @@ class CacheManager:
             req.block_table = list(m.blocks)
         req.num_computed = m.start
         req.replay_until = m.hit_tokens
-        req.window_from = m.start if reset else 0
+        # a fresh slot, or one whose unkept layers are replayed: windows start at the replay
+        req.window_from = m.start if reset or m.keep_layers else 0
+        req.swa_keep = (m.keep_layers, m.hit_tokens) if m.keep_layers else (0, 0)
         req.num_registered = m.hit_tokens // self.bs
         # Each admission rebuilds the state from cached tokens, so only this one decides.
         req.approximate_from = m.hit_tokens if m.approximate else None

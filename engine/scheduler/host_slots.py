@@ -51,6 +51,7 @@ class HostSlotPool:
         budget_bytes: int,
         fmt: str = "native",
         on_change: Callable[[str, HostSlot], None] | None = None,
+        layers: int | None = None,
     ) -> None:
         if budget_bytes < 1:
             raise ValueError(f"the host slot pool needs a positive byte budget, got {budget_bytes}")
@@ -60,6 +61,11 @@ class HostSlotPool:
         # how slots are stored: "native" (the engine's dtype, exact) or "mxfp8" (about half of
         # bf16's bytes, lossy: only requests that accept approximate state use its entries)
         self.format = fmt
+        # the first ``layers`` layers of a slot are kept (None: every layer). Fewer is lossy:
+        # the others are rebuilt by a bounded replay on load (docs/engine-runtime.md)
+        if layers is not None and layers < 1:
+            raise ValueError(f"a host slot keeps at least 1 layer, got {layers}")
+        self.layers = layers
         # ("put" | "drop", entry) after each change, outside the lock: the SWA directory's
         # publish and withdraw (engine/kvconnector/swa_directory.py)
         self.on_change = on_change
@@ -68,6 +74,12 @@ class HostSlotPool:
         self._by_anchor: dict[BlockHash, set[tuple[int, ...]]] = {}
         self.nbytes = 0
         self.saved = self.evicted = self.refused = 0
+
+    @property
+    def lossy(self) -> bool:
+        """Its slots are approximate state (MXFP8, or not every layer): only requests that
+        accept approximate state use them."""
+        return self.format != "native" or self.layers is not None
 
     def __len__(self) -> int:
         return len(self._entries)

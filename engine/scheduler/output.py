@@ -23,6 +23,7 @@ class ScheduledSeq:
     reset_slot: bool  # the slot holds no state for this sequence: clear it before use
     replay_until: int  # positions below it have cached compressed rows: read, do not write
     window_from: int  # raw-window positions below it are not in the slot (replay into a fresh slot)
+    swa_keep: tuple[int, int]  # (layers, until): those layers' rings hold exact state below until: keep it
     sample: bool  # produce logits for the last token and sample the next one
     output_index: int  # index of the sampled token among this request's outputs (seeding)
     fork_children: tuple[str, ...] = ()  # n > 1: also sample each child's first token from this row

@@ -66,6 +66,9 @@ class Request:
     swa_slot: int | None = None
     replay_until: int = 0  # compressed rows below this position are cached: read, never written
     window_from: int = 0  # the slot was rebuilt from here: raw-window positions below are absent
+    # (layers, until): a host slot kept only the first ``layers`` layers' exact windows up to
+    # ``until``; the replay that rebuilds the others must not overwrite them (0, 0): none
+    swa_keep: tuple[int, int] = (0, 0)
     num_cached_tokens: int = -1  # prefix tokens not computed at first admission
     num_preemptions: int = 0
     error: str | None = None  # why it finished with FINISHED_ERROR

@@ -279,6 +279,7 @@ class Scheduler:
             reset_slot=reset,
             replay_until=req.replay_until,
             window_from=req.window_from,
+            swa_keep=req.swa_keep,
             sample=sample,
             output_index=req.num_outputs_with_pending if sample else -1,
             fork_children=children,
@@ -317,6 +318,7 @@ class Scheduler:
         req.num_computed = 0
         req.replay_until = 0
         req.window_from = 0
+        req.swa_keep = (0, 0)
         req.num_registered = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING

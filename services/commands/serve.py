@@ -124,6 +124,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "by requests that accept approximate state)",
     )  # fmt: skip
     p.add_argument(
+        "--host-swa-layers", type=int, default=None, metavar="N",
+        help="host slots keep the first N layers' windows only (default: every layer, exact); "
+        "fewer is lossy: the other layers are rebuilt by a bounded replay on load",
+    )  # fmt: skip
+    p.add_argument(
         "--swa-directory", default=None, metavar="URL",
         help="share the host pool's slots with other engines through this SWA directory "
         "('memory' or a Redis URL); needs --host-swa-mib",
@@ -212,6 +217,8 @@ def engine_kwargs_from(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["host_swa_bytes"] = args.host_swa_mib << 20
     if args.host_swa_format is not None:
         kwargs["host_swa_format"] = args.host_swa_format
+    if args.host_swa_layers is not None:
+        kwargs["host_swa_layers"] = args.host_swa_layers
     if args.swa_directory is not None:
         kwargs["swa_directory"] = args.swa_directory
     if args.swa_lease_s is not None:

@@ -77,6 +77,7 @@ class PoolSpec(_Strict):
     # per engine: a host-memory pool of the sliding-window slots of ended turns (0: off)
     host_swa_bytes: int = Field(default=0, ge=0)
     host_swa_format: Literal["native", "mxfp8"] = "native"
+    host_swa_layers: int | None = Field(default=None, ge=1)  # None: every layer's window (exact)
 
 
 class PrefillPoolSpec(PoolSpec):
@@ -374,6 +375,7 @@ def _engine_fields(
         "swa_replay": spec.swa_replay,
         "host_swa_bytes": pool.host_swa_bytes,
         "host_swa_format": pool.host_swa_format,
+        "host_swa_layers": pool.host_swa_layers,
         **pool_fields,
     }
     seqs = fields.get("max_num_seqs", EngineConfig.max_num_seqs)

@@ -110,7 +110,12 @@ def test_derive_maps_engine_fields_into_engine_config():
                 "chunk_token_budget": 4096,
                 "host_swa_bytes": 1 << 30,
             },
-            "decode": {"replicas": 3, "max_running_requests": 100, "host_swa_format": "mxfp8"},
+            "decode": {
+                "replicas": 3,
+                "max_running_requests": 100,
+                "host_swa_format": "mxfp8",
+                "host_swa_layers": 2,
+            },
             "swa_replay": "bounded",
         }
     )
@@ -122,6 +127,7 @@ def test_derive_maps_engine_fields_into_engine_config():
     dec = plan.decode.engine_config()
     assert (dec.device, dec.dtype, dec.max_num_seqs) == ("cpu", "float32", 100)
     assert (dec.swa_replay, dec.host_swa_bytes, dec.host_swa_format) == ("bounded", 0, "mxfp8")
+    assert (pre.host_swa_layers, dec.host_swa_layers) == (None, 2)
     assert dec.num_swa_slots >= 100  # EngineConfig needs a slot per running sequence
     assert dec.cache_event_capacity == 0
     lay = plan.prefill.layout
