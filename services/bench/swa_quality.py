@@ -11,6 +11,13 @@ nats, the exact-replay control (``L * (W - 1)`` tokens replayed: agreement must 
 ~0), the mean length of the bounded path's own greedy decode before it first leaves the exact
 one, and the wall time.
 
+Host-slot variants (``--slot-variants``), each measured the same way from the exact slot at
+``H`` stored as a host slot pool stores it (`engine.replay_quality.SlotVariant`): ``mxfp8``
+(every layer, no replay: MXFP8 against the native dtype's exact state) and ``native:K`` /
+``mxfp8:K`` (the first K layers kept, the others rebuilt by the bounded replay). By default:
+``mxfp8``, ``native:K`` for every K from 1 to L - 1, and ``mxfp8:K`` at V4.1-Flash's share of
+kept layers (20 of 43, rounded).
+
 Prompts: for a checkpoint whose ``config.json`` names the ``trained`` preset, windows of the
 held-out split of this interpreter's stdlib (`engine.replay_quality.heldout_prompts`: starts
 evenly spread over the held-out token stream); for any other (random) checkpoint, seeded
@@ -28,6 +35,12 @@ from services.bench import Report, progress
 
 TARGET_AGREEMENT = 0.90
 DEFAULT_PRESETS = ("trained", "small")
+FLASH_KEPT, FLASH_LAYERS = 20, 43  # V4.1-Flash keeps the first 20 of its 43 layers' windows
+
+
+def default_variants(layers: int) -> list[str]:
+    share = max(1, round(layers * FLASH_KEPT / FLASH_LAYERS))
+    return ["mxfp8", *(f"native:{k}" for k in range(1, layers)), f"mxfp8:{share}"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,6 +58,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-free-run", action="store_true", help="skip the bounded path's own greedy decode")
     p.add_argument("--threads", type=int, default=0, help="torch intra-op threads (default 0: all cores)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts and the slot noise")
+    p.add_argument(
+        "--slot-variants", default=None, metavar="LIST",
+        help="host-slot forms to measure, comma-separated native|mxfp8[:LAYERS] ('' for none; "
+        "default: mxfp8, native:K for K < L, mxfp8 at 20/43 of the layers)",
+    )  # fmt: skip
 
 
 def _model_dirs(args: argparse.Namespace) -> list[tuple[str, Path]]:
@@ -63,7 +81,7 @@ def _is_trained(model_dir: Path) -> bool:
 
 def _measure(name: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     from engine.config import ModelConfig
-    from engine.replay_quality import default_hit, heldout_prompts, measure, random_prompts
+    from engine.replay_quality import SlotVariant, default_hit, heldout_prompts, measure, random_prompts
 
     cfg = ModelConfig.from_dir(model_dir)
     hit = args.hit if args.hit is not None else default_hit(cfg.num_hidden_layers, cfg.sliding_window)
@@ -75,6 +93,12 @@ def _measure(name: str, model_dir: Path, args: argparse.Namespace) -> dict[str, 
     else:
         prompts = random_prompts(cfg.vocab_size, args.prompts, length, args.seed)
         source = f"uniform random ids (seed {args.seed})"
+    names = (
+        default_variants(cfg.num_hidden_layers)
+        if args.slot_variants is None
+        else args.slot_variants.split(",")
+    )
+    variants = [SlotVariant.parse(v) for v in names if v]
     progress(f"{name}: {len(prompts)} prompts of {hit}+{args.suffix} tokens, decode {args.decode}")
 
     def tick(done: int, total: int) -> None:
@@ -82,7 +106,7 @@ def _measure(name: str, model_dir: Path, args: argparse.Namespace) -> dict[str, 
 
     q = measure(
         model_dir, prompts, hit, args.decode, batch=args.batch, free_run=not args.no_free_run,
-        progress=tick, seed=args.seed,
+        progress=tick, seed=args.seed, variants=variants,
     )  # fmt: skip
     return {
         "model": name, "dir": str(model_dir), "trained": trained, "prompt_source": source,
@@ -119,6 +143,14 @@ def run(args: argparse.Namespace) -> Report:
                 "wall_s": round(r["wall_s"], 1),
             }
         )  # fmt: skip
+        for v in r["variants"]:
+            report.rows.append(
+                {
+                    "model": f"{name} {v['variant']}", "prompts": r["prompts"], "H": r["hit"],
+                    "S": r["suffix"], "D": r["decode"], "agree": v["mean_agreement"],
+                    "p10": v["p10_agreement"], "KL": v["mean_kl"],
+                }
+            )  # fmt: skip
     report.results = {"models": results}
     trained = [r for r in results if r["trained"]]
     if trained:

@@ -14,7 +14,14 @@ from pathlib import Path
 import pytest
 
 from engine.config import BLOCK_TOKENS
-from engine.replay_quality import default_hit, exact_replay, heldout_prompts, measure, random_prompts
+from engine.replay_quality import (
+    SlotVariant,
+    default_hit,
+    exact_replay,
+    heldout_prompts,
+    measure,
+    random_prompts,
+)
 
 TRAINED = Path(__file__).resolve().parents[3] / "models" / "trained"
 CONTROL_KL = 1e-9  # KL of the exact-replay control: float64 log-softmax of fp32 logits, rounding only
@@ -56,12 +63,34 @@ def test_harness_shapes_and_exact_control_on_a_tiny_random_checkpoint(checkpoint
         measure(path, prompts, 128, decode)  # not a block multiple
 
 
+def test_host_slot_variants_on_a_tiny_random_checkpoint(checkpoint_factory) -> None:
+    """A native slot of every layer is exact; keeping layer 0 only is bounded replay (its window
+    is exact under any replay: it depends on the embeddings alone); keeping all but the last
+    layer is closer to exact than bounded replay; MXFP8 moves the distributions a little."""
+    path = checkpoint_factory("tiny")
+    prompts = random_prompts(1024, 3, 256 + 20, seed=1)
+    names = ["native", "mxfp8", "native:1", "native:3"]
+    q = measure(
+        path, prompts, 256, 6, batch=3, free_run=False, variants=[SlotVariant.parse(n) for n in names]
+    )
+    got = {v["variant"]: v for v in q.summary()["variants"]}
+    assert list(got) == names
+    assert got["native"]["mean_agreement"] == 1.0 and got["native"]["mean_kl"] < CONTROL_KL
+    assert got["native:1"]["mean_kl"] == pytest.approx(q.mean_kl, rel=1e-6)
+    assert got["native:3"]["mean_kl"] < q.mean_kl / 10
+    assert 0 < got["mxfp8"]["mean_kl"] < q.mean_kl
+    for bad in ("fp4", "native:0", "mxfp8:x"):
+        with pytest.raises(ValueError, match="slot variant"):
+            SlotVariant.parse(bad)
+
+
 def test_bounded_replay_keeps_greedy_agreement_on_held_out_text() -> None:
     hit = default_hit(8, 128)
     prompts = heldout_prompts(TRAINED, 16, hit + 64)
     assert len(prompts) == 16 and all(len(p) == hit + 64 and p[0] == 0 for p in prompts)
     assert len({tuple(p) for p in prompts}) == 16
-    q = measure(TRAINED, prompts, hit, 64, batch=16, free_run=False)
+    variants = [SlotVariant("mxfp8"), SlotVariant("native", 4)]  # host slots: MXFP8; half the layers kept
+    q = measure(TRAINED, prompts, hit, 64, batch=16, free_run=False, variants=variants)
     assert (q.layers, q.window, q.hit) == (8, 128, 1024) and q.hit > q.exact_replay
     assert len(q.prompts) == 16
     # the control: the harness sees only the truncation (the fresh slots start as noise)
@@ -69,3 +98,5 @@ def test_bounded_replay_keeps_greedy_agreement_on_held_out_text() -> None:
     # the truncation is real: every prompt's distributions move
     assert q.mean_kl > MEAN_KL and q.min_kl > PROMPT_KL, q.summary()
     assert q.mean_agreement >= 0.90, q.summary()
+    for k in range(len(variants)):
+        assert q.variant_summary(k)["mean_agreement"] >= 0.90, q.summary()
