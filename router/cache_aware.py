@@ -73,11 +73,14 @@ class CacheAware(Policy):
         ):
             e = argmin_tiebreak(loads.astype(np.float64), cands)
         else:
-            matched = self.tree.match(request.blocks)[cands]
-            best = int(matched.max())
-            rate = request.cached_tokens(best) / request.input_len
-            if best > 0 and rate > cfg.cache_threshold:
-                e = int(cands[np.flatnonzero(matched == best)].min())
+            matched = self.tree.match(request.blocks)[cands].tolist()
+            # the best-matching worker: most tokens saved (a holder of the request's directory
+            # slot saves its window replay: RequestView.cached_tokens), then longest match
+            saved = [request.cached_tokens(m, int(c)) for m, c in zip(matched, cands.tolist())]
+            pos = min(range(len(matched)), key=lambda i: (-saved[i], -matched[i], int(cands[i])))
+            rate = saved[pos] / request.input_len
+            if matched[pos] > 0 and rate > cfg.cache_threshold:
+                e = int(cands[pos])
             else:
                 sizes = np.array([self.tree.engine_blocks(int(c)) for c in cands], dtype=np.float64)
                 e = argmin_tiebreak(sizes, cands)

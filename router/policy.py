@@ -18,6 +18,7 @@ Prefill and decode have one registry each; the four names (``round_robin``,
 
 from __future__ import annotations
 
+import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
@@ -50,6 +51,15 @@ class RequestView:
     # A hit found without its sliding-window state recomputes this many of its last tokens
     # to rebuild it (exact replay: layers x (window - 1); bounded: window - 1); 0: free hits.
     swa_replay_tokens: int = 0
+    # A sliding-window slot of the SWA directory that this prompt extends (0 tokens: none
+    # known): its position, the blocks up to and including its anchor (0: the root), the
+    # engines that hold it, and what fetching it costs any other engine, in prefill tokens
+    # (``slot_fetch_tokens``). Only ``cached_tokens(m, engine)`` reads them.
+    swa_slot_tokens: int = 0
+    swa_slot_blocks: int = 0
+    swa_slot_holders: frozenset[int] = frozenset()
+    swa_fetch_tokens: int = 0
+    swa_slot_replay: int = 0  # tokens a hit on the slot still replays (layers it does not keep)
 
     def __post_init__(self) -> None:
         if self.input_len < 1:
@@ -58,12 +68,59 @@ class RequestView:
             raise ValueError(f"RequestView.block_size must be >= 1, got {self.block_size}")
         if self.swa_replay_tokens < 0:
             raise ValueError(f"RequestView.swa_replay_tokens must be >= 0, got {self.swa_replay_tokens}")
+        if self.swa_slot_tokens:
+            start = self.swa_slot_blocks * self.block_size
+            if not start <= self.swa_slot_tokens < min(start + self.block_size, self.input_len):
+                raise ValueError(
+                    f"RequestView: a slot at {self.swa_slot_tokens} tokens must lie in the block after its "
+                    f"anchor ({self.swa_slot_blocks} blocks of {self.block_size}) and before the prompt's "
+                    f"last token ({self.input_len})"
+                )
+        if min(self.swa_slot_tokens, self.swa_slot_blocks, self.swa_fetch_tokens, self.swa_slot_replay) < 0:
+            raise ValueError(
+                "RequestView: swa_slot_tokens, swa_slot_blocks, swa_fetch_tokens and swa_slot_replay must be >= 0"
+            )
 
-    def cached_tokens(self, matched_blocks: int) -> int:
+    def cached_tokens(self, matched_blocks: int, engine: int | None = None) -> int:
         """Prompt tokens a hit of ``matched_blocks`` saves: the hit less its window replay
-        (the engine recomputes the whole prompt when the replay would cover the hit)."""
+        (the engine recomputes the whole prompt when the replay would cover the hit).
+
+        With ``engine`` and a directory slot (``swa_slot_tokens``) whose anchor block is among
+        the engine's ``matched_blocks``, the engine rebuilds the window from the slot instead
+        when that saves more: its holders save the slot's position, with no replay; any other
+        engine fetches it first, which costs ``swa_fetch_tokens``; a slot that keeps only some
+        layers still replays ``swa_slot_replay`` tokens. Never more than the hit
+        plus the slot's tail."""
         hit = min(int(matched_blocks) * self.block_size, self.input_len)
-        return hit - min(self.swa_replay_tokens, hit)
+        saved = hit - min(self.swa_replay_tokens, hit)
+        if engine is None or not self.swa_slot_tokens or matched_blocks < self.swa_slot_blocks:
+            return saved
+        slot = self.swa_slot_tokens - min(self.swa_slot_replay, self.swa_slot_tokens)
+        if engine not in self.swa_slot_holders:
+            slot -= self.swa_fetch_tokens
+        # the anchor is within the hit and the tail within one block (__post_init__), so the
+        # slot never saves more than the hit plus its tail
+        return max(saved, slot)
+
+
+def slot_fetch_tokens(
+    cost: CostModel, position: int, slot_bytes: float, bytes_per_s: float, round_trip_s: float
+) -> int:
+    """What fetching a ``slot_bytes`` sliding-window slot at ``position`` from its holder costs
+    another engine, in prefill token-equivalents (docs/router.md, "SWA slots"): the transfer
+    (bytes over the link's bandwidth) plus one round trip, divided by the prefill cost
+    model's marginal time of one token computed after ``position`` cached ones
+    (``a * position + b + d``). At most ``position``: a fetch never saves less than nothing."""
+    if slot_bytes < 0 or bytes_per_s <= 0 or round_trip_s < 0:
+        raise ValueError(
+            f"slot_fetch_tokens: need slot_bytes >= 0, bytes_per_s > 0 and round_trip_s >= 0, "
+            f"got {slot_bytes}, {bytes_per_s}, {round_trip_s}"
+        )
+    seconds = slot_bytes / bytes_per_s + round_trip_s
+    per_token = cost.a * position + cost.b + cost.d
+    if per_token <= 0:
+        return position
+    return min(position, math.ceil(seconds / per_token))
 
 
 @dataclass(frozen=True)

@@ -117,10 +117,13 @@ class SluicePrefill(Policy):
         n = request.input_len
         fetch_s = self.config.store_fetch_s_per_block
         remote = self.index.store_match(request.blocks) if fetch_s is not None else 0
-        # (predicted seconds, seconds of compute) per distinct match length: few distinct
-        times = {m: self._prefill(request, m, remote, fetch_s or 0.0) for m in set(matched)}
-        pred = [times[m][0] for m in matched]
-        compute = [times[m][1] for m in matched]
+        # (predicted seconds, seconds of compute) per distinct match length, and whether the
+        # engine holds the request's directory slot (RequestView.cached_tokens): few distinct
+        holders = request.swa_slot_holders
+        keys = [(m, c in holders) for m, c in zip(matched, cands)]
+        times = {k: self._prefill(request, k[0], remote, fetch_s or 0.0, c) for k, c in zip(keys, cands)}
+        pred = [times[k][0] for k in keys]
+        compute = [times[k][1] for k in keys]
         # rho weighs recomputed tokens only: a fetch uses the engine's link, not pool compute
         rho, cmin = self._rho(), min(compute)
         if self.config.wait_estimate == "outstanding":
@@ -141,15 +144,16 @@ class SluicePrefill(Policy):
         return score, pred, matched
 
     def _prefill(
-        self, request: RequestView, matched: int, remote: int, fetch_s: float
+        self, request: RequestView, matched: int, remote: int, fetch_s: float, engine: int | None = None
     ) -> tuple[float, float]:
-        """(predicted seconds, compute seconds) of a prefill with ``matched`` blocks cached on
-        the engine and ``remote`` in the KV store, whose fetch costs ``fetch_s`` per block.
-        A hit's window replay is compute (``RequestView.cached_tokens``)."""
+        """(predicted seconds, compute seconds) of a prefill on ``engine`` with ``matched``
+        blocks cached there and ``remote`` in the KV store, whose fetch costs ``fetch_s`` per
+        block. A hit's window replay, or the fetch of its directory slot, is compute
+        (``RequestView.cached_tokens``)."""
         cost, n = self.ctx.cost, request.input_len
-        c = cost.prefill_time(n, request.cached_tokens(matched))
+        c = cost.prefill_time(n, request.cached_tokens(matched, engine))
         if remote > matched:  # the engine may fetch the store's longer prefix instead
-            c_store = cost.prefill_time(n, request.cached_tokens(remote))
+            c_store = cost.prefill_time(n, request.cached_tokens(remote, engine))
             if c_store + (remote - matched) * fetch_s < c:
                 return c_store + (remote - matched) * fetch_s, c_store
         return c, c

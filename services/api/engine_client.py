@@ -131,6 +131,16 @@ class ModelInfo:
     # replay, bounded replay); and the replay requests get when they do not choose.
     swa_replay_tokens: tuple[int, int] = (0, 0)
     swa_replay_default: str = "exact"
+    # With SWA slot sharing (after ``start``): this replica's slot server, as it names itself
+    # in the SWA directory ("host:port"; None: no sharing), the directory's URL, and whether
+    # its host slots are exact state (False: lossy, e.g. MXFP8; they serve only requests
+    # that accept bounded replay).
+    swa_holder: str | None = None
+    swa_directory: str | None = None
+    swa_slot_exact: bool = True
+    # tokens a hit on one of its host slots still replays (bounded) to rebuild the layers the
+    # slot does not keep (EngineConfig.host_swa_layers); 0 when a slot keeps every layer
+    swa_slot_replay: int = 0
 
 
 @runtime_checkable

@@ -31,7 +31,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -131,6 +131,14 @@ class InProcessEngineClient:
                 ep_size=self.ep.size, ep_rank=self.ep.rank,
             )  # fmt: skip
             self._core = await asyncio.to_thread(self._join_group, config)
+        sharing = self._core.slot_sharing
+        if sharing is not None:  # the replica's slot server, for a router reading the directory
+            pool = sharing.pool
+            self._info = replace(
+                self._info, swa_holder=sharing.holder, swa_directory=config.swa_directory,
+                swa_slot_exact=not pool.lossy,
+                swa_slot_replay=self._info.swa_replay_tokens[1] if pool.layers is not None else 0,
+            )  # fmt: skip
         if config.cache_event_capacity and self._core.records_events():
             from engine.scheduler.cache_events import CacheEventOutbox
 

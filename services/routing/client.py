@@ -21,6 +21,15 @@ the 2D balancer, decides only when prefill and decode pools are split). Per requ
 4. when the request finishes, is aborted (client gone, ``abort``) or fails, the policy's
    ``on_complete`` releases what ``select`` charged.
 
+With SWA slot sharing (the replicas report their slot server, ``ModelInfo.swa_holder``, and
+one SWA directory that is not ``memory``), step 3 first looks the prompt's slot up in the
+directory when some candidate's prefix index matched a block: the longest slot the prompt
+extends, the replicas that hold it and what fetching it costs the others
+(``router.policy.slot_fetch_tokens``, with ``SlotLookupConfig``) go into the
+``RequestView``, so a policy costs each replica's hit with ``cached_tokens(m, engine)``. The
+lookup runs on a worker thread, bounded by ``SlotLookupConfig.timeout_s``; on an error or
+timeout the request is routed as without it (counted: ``sluice_router_swa_lookup_failures``).
+
 A replica that is down (its engine thread stopped or died, or it raised
 ``EngineUnavailable``) is dropped from the index and from the candidates; a request that it
 refused before producing anything is routed again to another replica.
@@ -30,19 +39,22 @@ refused before producing anything is routed again to another replica.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, cast, runtime_checkable
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from costmodel import CostModel
 from engine.kvconnector.connector import ConnectorConfig
+from engine.kvconnector.swa_directory import SlotDirectory, SlotLocation, open_slot_directory
 from engine.scheduler.cache_events import CacheEventBatch
-from engine.scheduler.hashing import ExtraKeys, chain_hashes
-from router.policy import RequestView
+from engine.scheduler.hashing import ROOT_HASH, ExtraKeys, chain_hashes
+from router.policy import RequestView, slot_fetch_tokens
 from services.api.engine_client import (
     EngineBusy,
     EngineClient,
@@ -58,6 +70,54 @@ ROUTER_POLICIES = ("round_robin", "least_load", "cache_aware", "sluice")
 # Engine stats that are per-replica means, not counters: ``stats()`` averages them over the
 # replicas that measured one (> 0) instead of summing them.
 MEAN_EXTRA_STATS = frozenset({"kv_store_fetch_s_per_block"})
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SlotLookupConfig:
+    """How the router finds and costs a prompt's SWA slot (docs/router.md, "SWA slots").
+
+    A fetch costs ``slot bytes / bytes_per_s + round_trip_s`` seconds: the link between two
+    engines' slot servers and one gRPC request/response over it.
+    """
+
+    bytes_per_s: float = 25e9  # a 200 Gb/s host NIC
+    round_trip_s: float = 2e-4  # one request/response between hosts of a cluster
+    timeout_s: float = 0.05  # a directory lookup slower than this is skipped (and counted)
+
+    def __post_init__(self) -> None:
+        if not self.bytes_per_s > 0 or not self.round_trip_s >= 0 or not self.timeout_s > 0:
+            raise ValueError(
+                f"SlotLookupConfig needs bytes_per_s > 0, round_trip_s >= 0 and timeout_s > 0, got "
+                f"{self.bytes_per_s}, {self.round_trip_s}, {self.timeout_s}"
+            )
+
+
+def usable_slot(
+    found: Iterable[SlotLocation], anchors: Sequence[bytes], prompt: Sequence[int], block_size: int
+) -> tuple[int, int, frozenset[str]] | None:
+    """The longest slot of ``found`` that ``prompt`` extends, as an engine would take it
+    (``SlotSharing.find``): its anchor is one of ``anchors`` (``ROOT_HASH`` then the prompt's
+    block hashes, so the anchor at index k closes k blocks), its tail is shorter than a block
+    and equals the prompt's tokens after the anchor, and its position is before the prompt's
+    last token. (position, anchor blocks, holders of that slot), or None."""
+    index = {bytes(a): k for k, a in enumerate(anchors)}
+    best: tuple[int, int, bytes, tuple[int, ...]] | None = None
+    holders: set[str] = set()
+    for loc in found:
+        k = index.get(bytes(loc.anchor))
+        if k is None or len(loc.tail) >= block_size:
+            continue
+        start = k * block_size
+        n = start + len(loc.tail)
+        if not 0 < n <= len(prompt) - 1 or tuple(prompt[start:n]) != loc.tail:
+            continue
+        if best is not None and (best[2], best[3]) == (bytes(loc.anchor), loc.tail):
+            holders.add(loc.holder)
+        elif best is None or n > best[0]:
+            best, holders = (n, k, bytes(loc.anchor), loc.tail), {loc.holder}
+    return None if best is None else (best[0], best[1], frozenset(holders))
 
 
 @dataclass(frozen=True)
@@ -77,6 +137,8 @@ class RoutingConfig:
     # blocks the router's view of the KV store keeps (LRU); None: replicas x the blocks one
     # engine keeps for the router to drain (ConnectorConfig.stored_events, 65,536)
     store_capacity_blocks: int | None = None
+    # with SWA slot sharing: how the router looks up and costs a prompt's slot
+    slot_lookup: SlotLookupConfig = SlotLookupConfig()
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -149,7 +211,11 @@ class RoutedEngineClient:
         policy: str = "sluice",
         cost: CostModel | None = None,
         store_capacity_blocks: int | None = None,
+        slot_lookup: SlotLookupConfig | None = None,
+        slot_directory: SlotDirectory | None = None,
     ) -> None:
+        """``slot_directory``: the SWA directory to look slots up in (default: the one the
+        replicas report after ``start``, opened then; see the module doc)."""
         if not replicas:
             raise ValueError("RoutedEngineClient needs at least one replica")
         infos = [r.model_info() for r in replicas]
@@ -182,6 +248,11 @@ class RoutedEngineClient:
         self._down: set[int] = set()
         self._identity: tuple[int, ExtraKeys] | None = None
         self._t0 = time.monotonic()
+        self.slot_lookup = slot_lookup or SlotLookupConfig()
+        self._slots = slot_directory
+        self._own_slots = False  # opened by start: closed by close
+        self._slot_worker: ThreadPoolExecutor | None = None
+        self.swa_lookups = self.swa_lookup_failures = self.swa_slots_found = 0
 
     @classmethod
     def in_process(
@@ -196,7 +267,7 @@ class RoutedEngineClient:
         replicas = [InProcessEngineClient(model_dir, **kwargs) for _ in range(cfg.replicas)]
         path = cfg.cost_model_path or Path(model_dir) / COST_MODEL_FILE
         cost = CostModel.from_json(path.read_text()) if path.is_file() else None
-        return cls(replicas, cfg.policy, cost, cfg.store_capacity_blocks)
+        return cls(replicas, cfg.policy, cost, cfg.store_capacity_blocks, cfg.slot_lookup)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -205,9 +276,22 @@ class RoutedEngineClient:
         if len(identities) != 1:
             raise ValueError("replicas hash cached blocks differently (block size or extra keys differ)")
         self._identity = self.replicas[0].cache_identity()
+        if self._slots is None:
+            infos = [r.model_info() for r in self.replicas]
+            urls = {i.swa_directory for i in infos if i.swa_holder is not None and i.swa_directory}
+            if len(urls) == 1 and (url := urls.pop()) != "memory":  # "memory": each engine's own
+                self._slots, self._own_slots = open_slot_directory(url), True
+        if self._slots is not None:
+            self._slot_worker = ThreadPoolExecutor(2, thread_name_prefix="sluice-swa-lookup")
 
     async def close(self) -> None:
         await asyncio.gather(*(r.close() for r in self.replicas), return_exceptions=True)
+        if self._slot_worker is not None:
+            self._slot_worker.shutdown(wait=False, cancel_futures=True)
+            self._slot_worker = None
+        if self._own_slots and self._slots is not None:
+            self._slots.close()
+            self._slots, self._own_slots = None, False
 
     # -- EngineClient ----------------------------------------------------------------------
     def model_info(self) -> ModelInfo:
@@ -249,7 +333,7 @@ class RoutedEngineClient:
         view = await self._view(request)
         tried: set[int] = set()
         while True:
-            engine = await self._route(view, tried)
+            engine = await self._route(view, tried, request)
             produced = False
             self._where[request.request_id] = engine
             outputs = self.replicas[engine].generate(request)
@@ -293,18 +377,80 @@ class RoutedEngineClient:
             swa_replay_tokens=bounded if mode == "bounded" else exact,
         )  # fmt: skip
 
-    async def _route(self, view: RequestView, tried: set[int]) -> int:
+    async def _route(self, view: RequestView, tried: set[int], request: EngineRequest | None = None) -> int:
         await self._sync()
         candidates = [i for i, r in enumerate(self.replicas) if r.alive and i not in tried]
         if not candidates:
             raise EngineUnavailable(f"no engine replica is up ({len(self.replicas)} configured)")
         matched = self.router.index.match_list(view.blocks)  # before select inserts the blocks
+        if request is not None:
+            view = await self._with_slot(view, request, max(matched[c] for c in candidates))
         engine = await self.router.route_prefill(view, candidates)
         self.routed[engine] += 1
         self._prefilling[engine][str(view.request_id)] = self.router.config.cost.prefill_time(
-            view.input_len, view.cached_tokens(matched[engine])
+            view.input_len, view.cached_tokens(matched[engine], engine)
         )
         return engine
+
+    async def _with_slot(self, view: RequestView, request: EngineRequest, covered: int) -> RequestView:
+        """``view`` with the directory slot the prompt extends (module doc), looked up when
+        some candidate matched ``covered`` >= 1 blocks; ``view`` unchanged when there is no
+        directory, no usable slot, or the lookup failed or timed out."""
+        if self._slots is None or self._slot_worker is None or covered < 1:
+            return view
+        mode = request.swa_replay or self._info.swa_replay_default
+        infos = [r.model_info() for r in self.replicas]
+        if mode != "bounded" and not all(i.swa_slot_exact for i in infos if i.swa_holder):
+            return view  # a lossy slot (MXFP8, ...) serves only requests that accept bounded replay
+        prompt, bs = request.prompt_token_ids, view.block_size
+        hashes = cast(Sequence[bytes], view.blocks)  # chain_hashes: this client's blocks are bytes
+        anchors = [ROOT_HASH, *hashes[: min(covered, (len(prompt) - 1) // bs)]]
+        self.swa_lookups += 1
+        loop = asyncio.get_running_loop()
+        try:
+            found = await asyncio.wait_for(
+                loop.run_in_executor(self._slot_worker, self._slots.locate, anchors),
+                self.slot_lookup.timeout_s,
+            )
+        except Exception:  # the directory is down or slow: route as without it
+            self.swa_lookup_failures += 1
+            log.debug("SWA directory lookup failed; routing without it", exc_info=True)
+            return view
+        slot = usable_slot(found, anchors, prompt, bs)
+        if slot is None:
+            return view
+        self.swa_slots_found += 1
+        position, blocks, holders = slot
+        index = {i.swa_holder: k for k, i in enumerate(infos) if i.swa_holder is not None}
+        mine = frozenset(index[h] for h in holders if h in index)
+        fetch = position  # slot size unknown: another engine's fetch is costed as saving nothing
+        slot_bytes = self._slot_bytes(mine)
+        if slot_bytes is not None:
+            cfg = self.slot_lookup
+            fetch = slot_fetch_tokens(
+                self.router.config.cost, position, slot_bytes, cfg.bytes_per_s, cfg.round_trip_s
+            )
+        return replace(
+            view,
+            swa_slot_tokens=position,
+            swa_slot_blocks=blocks,
+            swa_slot_holders=mine,
+            swa_fetch_tokens=fetch,
+            swa_slot_replay=max((i.swa_slot_replay for i in infos if i.swa_holder), default=0),
+        )
+
+    def _slot_bytes(self, holders: Iterable[int]) -> float | None:
+        """Mean bytes of one host slot (what a fetch moves), from the holders' host pools,
+        else any replica's; None when no replica holds a slot."""
+        for group in (list(holders), range(len(self.replicas))):
+            sizes = []
+            for k in group:
+                extra = self.replicas[k].stats().extra
+                if extra.get("host_swa_slots", 0.0) > 0:
+                    sizes.append(extra["host_swa_bytes"] / extra["host_swa_slots"])
+            if sizes:
+                return sum(sizes) / len(sizes)
+        return None
 
     async def _sync(self) -> None:
         """Cache events into the index and replica loads into the policy (see module doc)."""
@@ -397,3 +543,11 @@ class RoutedEngineClient:
             "Requests re-routed after a replica refused them.",
             value=self.failovers,
         )
+        slots = (
+            ("sluice_router_swa_lookups", "SWA directory lookups of prompts with a prefix hit.", self.swa_lookups),
+            ("sluice_router_swa_lookup_failures", "SWA directory lookups that failed or timed out (routed without).",
+             self.swa_lookup_failures),
+            ("sluice_router_swa_slots_found", "Lookups that found a slot the prompt extends.", self.swa_slots_found),
+        )  # fmt: skip
+        for name, doc, value in slots:
+            yield CounterMetricFamily(name, doc, value=value)
