@@ -201,6 +201,21 @@ class EngineCore:
                 f"({self.capacity_tokens} tokens = num_blocks x block size)"
             )
 
+    def check_images(self, creq: CoreRequest) -> None:
+        """Raise ValueError unless the request's images are spans of its prompt, in order and
+        apart, each with one embedding row of the model's width per position."""
+        end, hidden = 0, self.runner.model_cfg.hidden_size
+        for i, img in enumerate(creq.images):
+            if img.offset < end or img.offset + img.length > len(creq.prompt_token_ids):
+                raise ValueError(
+                    f"image {i}: span [{img.offset}, {img.offset + img.length}) overlaps the previous "
+                    f"image or leaves the {len(creq.prompt_token_ids)}-token prompt"
+                )
+            shape = tuple(getattr(img.embeds, "shape", ()))
+            if shape != (img.length, hidden):
+                raise ValueError(f"image {i}: embeddings must be [{img.length}, {hidden}], got {list(shape)}")
+            end = img.offset + img.length
+
     def resolve_seed(self, request_id: str, params: SamplingParams) -> int:
         """The request's own seed, or one derived from the engine seed and its id."""
         return (
@@ -218,6 +233,7 @@ class EngineCore:
         if params.n != 1:
             raise ValueError("EngineCore takes one sequence per request (n=1); expand n with fork_of")
         self.check_prompt(creq.prompt_token_ids, params.max_tokens)
+        self.check_images(creq)
         if grammar is None and params.structured is not None:
             grammar = self.compile_grammar(params.structured)
         seed = creq.seed if creq.seed is not None else self.resolve_seed(creq.request_id, params)
@@ -225,7 +241,7 @@ class EngineCore:
         req = Request(
             creq.request_id, list(creq.prompt_token_ids), params.max_tokens, stop_ids, creq.priority,
             self.extra_keys, fork_of=creq.fork_of, traffic_class=creq.traffic_class,
-            swa_replay=creq.swa_replay,
+            swa_replay=creq.swa_replay, images=creq.images,
         )  # fmt: skip
         fetch = self._start_fetch(req)
         slot_fetch = self._start_slot_fetch(req)

@@ -103,6 +103,7 @@ class ModelExecutor:
                     rows_cached_until=s.replay_until,
                     window_from=s.window_from,
                     swa_keep=s.swa_keep,
+                    embeds=s.embeds,
                 )
             )
         logits = self.runner.execute(ForwardBatch.from_sequences(seqs, device=self.device)).logits  # [R, V]

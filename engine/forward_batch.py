@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -43,6 +44,9 @@ class SequenceInput:
     # positions below ``until`` (a host slot that kept only those layers): the step computes
     # those positions but does not write them there. (0, 0) = write everything.
     swa_keep: tuple[int, int] = (0, 0)
+    # (offset among token_ids, rows [n, hidden]): these tokens' embeddings are replaced by the
+    # rows (an image's vision-encoder output); () = every token embeds from its id
+    embeds: Sequence[tuple[int, Any]] = ()
 
 
 @dataclass(frozen=True)
@@ -63,6 +67,8 @@ class ForwardBatch:
     rows_cached_until_cpu: tuple[int, ...] = ()
     window_from_cpu: tuple[int, ...] = ()
     swa_keep_cpu: tuple[tuple[int, int], ...] = ()
+    # (flat token index, rows [n, hidden]) replacing those tokens' embeddings (images)
+    embeds: tuple[tuple[int, Any], ...] = ()
 
     def kept_until(self, layer: int) -> tuple[int, ...]:
         """Per sequence: ring writes of ``layer`` for positions below this are skipped (swa_keep)."""
@@ -145,6 +151,7 @@ class ForwardBatch:
             rows_cached_until_cpu=tuple(s.rows_cached_until for s in seqs),
             window_from_cpu=tuple(s.window_from for s in seqs),
             swa_keep_cpu=tuple(s.swa_keep for s in seqs) if any(s.swa_keep[0] for s in seqs) else (),
+            embeds=tuple((start + off, rows) for start, s in zip(starts, seqs) for off, rows in s.embeds),
         )
         batch.validate()
         return batch

@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from engine.sampling.params import SamplingParams
+from engine.scheduler.request import ImageInput
+
+__all__ = ["CoreRequest", "CoreStats", "ImageInput", "SeqOutput"]
 
 
 @dataclass(frozen=True)
@@ -21,6 +24,7 @@ class CoreRequest:
     fork_of: str | None = None  # share this request's prompt computation (n > 1)
     seed: int | None = None  # None: params.seed, else derived from the engine seed and the id
     swa_replay: str | None = None  # "exact" | "bounded" (a hit without its SWA state); None: default
+    images: tuple[ImageInput, ...] = ()  # in prompt order, spans within the prompt, not overlapping
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,9 @@ class SequenceState:
     # none of the blocks past it (None: the state is exact).
     approximate_from: int | None = None
     bounded_replays: int = 0
+    # The prompt's images as (offset, length, key): their keys are in the block hashes; their
+    # embedding rows travel as the payload's last sections, one per image, in this order
+    images: tuple[tuple[int, int, str], ...] = ()
 
     def to_meta(self) -> dict[str, Any]:
         params = dataclasses.asdict(self.params)
@@ -69,6 +72,7 @@ class SequenceState:
             "has_tail": self.has_tail,
             "approximate_from": self.approximate_from,
             "bounded_replays": self.bounded_replays,
+            "images": [list(i) for i in self.images],
         }
 
     @classmethod
@@ -109,6 +113,7 @@ class SequenceState:
             has_tail=bool(meta["has_tail"]),
             approximate_from=None if meta.get("approximate_from") is None else int(meta["approximate_from"]),
             bounded_replays=int(meta.get("bounded_replays", 0)),
+            images=tuple((int(o), int(n), str(k)) for o, n, k in meta.get("images", ())),
         )
 
     def _check(self, block_size: int, vocab_size: int) -> None:
@@ -132,6 +137,13 @@ class SequenceState:
             )
         if self.bounded_replays < 0:
             raise ValueError(f"bounded_replays must be >= 0, got {self.bounded_replays}")
+        end = 0
+        for offset, length, _ in self.images:
+            if offset < end or length < 1 or offset + length > len(self.prompt_token_ids):
+                raise ValueError(
+                    f"image span [{offset}, {offset + length}) out of order or outside the prompt"
+                )
+            end = offset + length
         if len(self.output_token_ids) >= self.params.max_tokens:
             raise ValueError("the sequence has already produced max_tokens tokens")
         if len(self.block_hashes) != self.num_computed // block_size:

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from engine.executor import SamplingState
 from engine.kvconnector import payload as fmt
 from engine.kvconnector.handoff import SequenceState
-from engine.scheduler.hashing import chain_hashes
-from engine.scheduler.request import Request, RequestStatus
+from engine.scheduler.hashing import ImageSpan, chain_hashes
+from engine.scheduler.request import ImageInput, Request, RequestStatus
 
 if TYPE_CHECKING:
     from engine.core import EngineCore
@@ -64,17 +66,25 @@ def export_sequence(core: EngineCore, request_id: str) -> bytes:
         has_tail=bool(n % bs),
         approximate_from=req.approximate_from,
         bounded_replays=req.bounded_replays,
+        images=tuple((i.offset, i.length, i.key) for i in req.images),
     )
     sections = [kv.pack_slot(runner.swa, req.swa_slot)]
     if state.has_tail:
         sections.append(kv.pack_block(runner.pool, req.block_table[full]))
     sections += [kv.pack_block(runner.pool, b) for b in req.block_table[:full]]
+    # the images' rows: a preempted or replayed sequence recomputes their positions
+    sections += [
+        i.embeds.to(kv.dtype).contiguous().reshape(-1).view(torch.uint8).cpu().numpy().tobytes()
+        for i in req.images
+    ]
     payload = fmt.encode(fmt.KIND_SEQUENCE, kv.fingerprint, kv.digest, kv.dtype, sections, state.to_meta())
     sched.finish(req, RequestStatus.FINISHED_ABORTED)  # handed over: no message, blocks stay cached
     return payload
 
 
-def _parse(core: EngineCore, payload: bytes) -> tuple[SequenceState, bytes, bytes | None, list[bytes]]:
+def _parse(
+    core: EngineCore, payload: bytes
+) -> tuple[SequenceState, bytes, bytes | None, list[bytes], tuple[ImageInput, ...]]:
     kv = core.kv
     dec = fmt.decode(
         payload, kind=fmt.KIND_SEQUENCE, fingerprint=kv.fingerprint, digest=kv.digest, dtype=kv.dtype
@@ -84,9 +94,11 @@ def _parse(core: EngineCore, payload: bytes) -> tuple[SequenceState, bytes, byte
     except ValueError as exc:
         raise fmt.PayloadError(f"sequence payload refused: {exc}") from None
     sections = [bytes(s) for s in dec.sections]
-    want = 1 + int(state.has_tail) + len(state.block_hashes)
+    want = 1 + int(state.has_tail) + len(state.block_hashes) + len(state.images)
     if len(sections) != want:
         raise fmt.PayloadError(f"sequence payload has {len(sections)} sections, its metadata needs {want}")
+    images = _images(core, state, sections[len(sections) - len(state.images) :])
+    sections = sections[: len(sections) - len(state.images)]
     slot = sections[0]
     fmt.decode(slot, kind=fmt.KIND_SLOT, fingerprint=kv.fingerprint, digest=kv.digest, dtype=kv.dtype)
     tail = sections[1] if state.has_tail else None
@@ -95,18 +107,33 @@ def _parse(core: EngineCore, payload: bytes) -> tuple[SequenceState, bytes, byte
         kv.verify_block(b)
     tokens = list(state.prompt_token_ids + state.output_token_ids)
     full = len(state.block_hashes)
-    if chain_hashes(tokens[: full * core.block_size], core.block_size, core.extra_keys) != list(
+    spans = [ImageSpan(o, n, k) for o, n, k in state.images]
+    if chain_hashes(tokens[: full * core.block_size], core.block_size, core.extra_keys, images=spans) != list(
         state.block_hashes
     ):
         raise fmt.PayloadError(
             "block hashes do not match this engine's (another model, device kind, cache salt or image)"
         )
-    return state, slot, tail, blocks
+    return state, slot, tail, blocks, images
+
+
+def _images(core: EngineCore, state: SequenceState, sections: list[bytes]) -> tuple[ImageInput, ...]:
+    """The images' embedding rows, one section each ([length, hidden] in the payload's dtype)."""
+    hidden, width = core.runner.model_cfg.hidden_size, torch.tensor([], dtype=core.kv.dtype).element_size()
+    out = []
+    for (offset, length, key), raw in zip(state.images, sections):
+        if len(raw) != length * hidden * width:
+            raise fmt.PayloadError(
+                f"image at {offset}: {len(raw)} bytes, [{length}, {hidden}] rows need {length * hidden * width}"
+            )
+        rows = torch.frombuffer(bytearray(raw), dtype=core.kv.dtype).view(length, hidden)
+        out.append(ImageInput(offset, length, key, rows))
+    return tuple(out)
 
 
 def import_sequence(core: EngineCore, payload: bytes) -> tuple[Request, int]:
     """Returns the adopted request and how many of its outputs were already delivered."""
-    state, slot_payload, tail, block_payloads = _parse(core, payload)
+    state, slot_payload, tail, block_payloads, images = _parse(core, payload)
     sched = core.scheduler
     if state.request_id in sched.requests:
         raise ValueError(f"request id {state.request_id!r} is already in this engine")
@@ -118,7 +145,7 @@ def import_sequence(core: EngineCore, payload: bytes) -> tuple[Request, int]:
                 grammar.accept(tok)
     req = Request(
         state.request_id, list(state.prompt_token_ids), state.params.max_tokens, frozenset(state.stop_token_ids),
-        state.priority, core.extra_keys, traffic_class=state.traffic_class,
+        state.priority, core.extra_keys, traffic_class=state.traffic_class, images=images,
     )  # fmt: skip
     req.output_token_ids = list(state.output_token_ids)
     req.approximate_from, req.bounded_replays = state.approximate_from, state.bounded_replays

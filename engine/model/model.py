@@ -61,6 +61,8 @@ class DeepseekV4(nn.Module):
         """-> (logits [num_sampled, vocab] fp32, final hc streams [T, hc, D] for the MTP head)."""
         ids = batch.input_ids
         emb = self.model.embed_tokens(ids)  # [T, D]
+        for at, rows in batch.embeds:  # image positions: the vision encoder's rows
+            emb[at : at + rows.shape[0]] = rows.to(device=emb.device, dtype=emb.dtype)
         streams = emb.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, hc, D]
         for i, layer in enumerate(self.model.layers):
             streams = layer(streams, batch, pool, swa, i, ids)

@@ -66,7 +66,7 @@ class CacheManager:
 
     def hasher_for(self, req: Request) -> BlockHasher:
         if req.hasher is None:
-            req.hasher = BlockHasher(self.bs, req.extra_keys)
+            req.hasher = BlockHasher(self.bs, req.extra_keys, req.images)
         return req.hasher
 
     def match(self, req: Request) -> PrefixMatch:

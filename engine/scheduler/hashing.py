@@ -10,7 +10,15 @@ Layout hashed for one block::
 
     b"sluice-block-v1" | parent (32 bytes, zeros for the first block)
     | u32 len(extra) | for each extra key: u32 len | utf-8 bytes
+    [| b"\x02img" | u32 n | for each image overlapping the block: u32 len | utf-8 key]
     | u32 n_tokens | n_tokens x u32 little-endian
+
+Images: a prompt's image occupies a span of placeholder tokens (``ImageSpan``: offset, length,
+key). The token ids of two images' spans are equal, so each block that overlaps a span also
+hashes that image's key (its content hash, preprocessing options and encoder fingerprint);
+through the chain, so does every block after it. The same image in the same prefix hits the
+cache; another image misses from the block that holds its first token on. A block that
+overlaps no image hashes exactly as it did before images existed.
 """
 
 from __future__ import annotations
@@ -26,6 +34,30 @@ BlockHash = bytes  # 32 bytes
 ROOT_HASH: BlockHash = b"\x00" * 32
 _DOMAIN = b"sluice-block-v1"
 _U32_MAX = 0xFFFFFFFF
+
+
+@dataclass(frozen=True)
+class ImageSpan:
+    """An image's placeholder tokens in a sequence: ``tokens[offset : offset + length]``."""
+
+    offset: int
+    length: int
+    key: str
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.length < 1:
+            raise ValueError(
+                f"an image span needs offset >= 0 and length >= 1, got {self.offset}, {self.length}"
+            )
+
+
+def image_keys(spans: Sequence[ImageSpan], start: int, end: int) -> bytes:
+    """The extra bytes of block ``[start, end)``: the keys of the images it overlaps, in order
+    (empty when none)."""
+    keys = [s.key.encode("utf-8") for s in spans if s.offset < end and s.offset + s.length > start]
+    if not keys:
+        return b""
+    return b"\x02img" + struct.pack("<I", len(keys)) + b"".join(struct.pack("<I", len(k)) + k for k in keys)
 
 
 @dataclass(frozen=True)
@@ -71,14 +103,18 @@ def chain_hashes(
     block_size: int,
     extra: ExtraKeys | None = None,
     parent: BlockHash = ROOT_HASH,
+    images: Sequence[ImageSpan] = (),
 ) -> list[BlockHash]:
-    """Hashes of every *full* block of ``tokens`` (a trailing partial block is not hashed)."""
+    """Hashes of every *full* block of ``tokens`` (a trailing partial block is not hashed);
+    ``parent`` is the hash before ``tokens[0]``, which sits at position 0 of the sequence
+    whose ``images`` are given."""
     if block_size <= 0:
         raise ValueError(f"block_size must be positive, got {block_size}")
     extra_b = (extra or ExtraKeys()).encode()
     out: list[BlockHash] = []
     for start in range(0, len(tokens) - block_size + 1, block_size):
-        parent = block_hash(parent, tokens[start : start + block_size], extra_b)
+        end = start + block_size
+        parent = block_hash(parent, tokens[start:end], extra_b + image_keys(images, start, end))
         out.append(parent)
     return out
 
@@ -86,19 +122,26 @@ def chain_hashes(
 class BlockHasher:
     """Incremental hashes of a growing token sequence (prompt, then generated tokens)."""
 
-    def __init__(self, block_size: int, extra: ExtraKeys | None = None) -> None:
+    def __init__(
+        self, block_size: int, extra: ExtraKeys | None = None, images: Sequence[ImageSpan] = ()
+    ) -> None:
         if block_size <= 0:
             raise ValueError(f"block_size must be positive, got {block_size}")
         self.block_size = block_size
         self._extra = (extra or ExtraKeys()).encode()
+        self.images = tuple(images)
         self.hashes: list[BlockHash] = []
+
+    def _block_extra(self, start: int, end: int) -> bytes:
+        return self._extra + image_keys(self.images, start, end)
 
     def update(self, tokens: Sequence[int]) -> list[BlockHash]:
         """Extend the hashes to cover every full block of ``tokens`` (the whole sequence)."""
         bs = self.block_size
         for i in range(len(self.hashes), len(tokens) // bs):
             parent = self.hashes[-1] if self.hashes else ROOT_HASH
-            self.hashes.append(block_hash(parent, tokens[i * bs : (i + 1) * bs], self._extra))
+            s, e = i * bs, (i + 1) * bs
+            self.hashes.append(block_hash(parent, tokens[s:e], self._block_extra(s, e)))
         return self.hashes
 
     def tail_hash(self, tokens: Sequence[int], length: int) -> BlockHash:
@@ -106,4 +149,5 @@ class BlockHasher:
         full = length // self.block_size
         self.update(tokens[: full * self.block_size])
         parent = self.hashes[full - 1] if full else ROOT_HASH
-        return block_hash(parent, tokens[full * self.block_size : length], self._extra + b"\x01tail")
+        start = full * self.block_size
+        return block_hash(parent, tokens[start:length], self._block_extra(start, length) + b"\x01tail")

@@ -9,6 +9,7 @@ of its own except each sequence's last sampled token (for ``PENDING_TOKEN``).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 PENDING_TOKEN = -1  # an input token sampled by the previous, still in-flight step
 
@@ -24,6 +25,8 @@ class ScheduledSeq:
     replay_until: int  # positions below it have cached compressed rows: read, do not write
     window_from: int  # raw-window positions below it are not in the slot (replay into a fresh slot)
     swa_keep: tuple[int, int]  # (layers, until): those layers' rings hold exact state below until: keep it
+    # (offset among token_ids, rows [n, hidden]): image embeddings replacing those tokens' embeddings
+    embeds: tuple[tuple[int, Any], ...]
     sample: bool  # produce logits for the last token and sample the next one
     output_index: int  # index of the sampled token among this request's outputs (seeding)
     fork_children: tuple[str, ...] = ()  # n > 1: also sample each child's first token from this row

@@ -19,8 +19,26 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
-from engine.scheduler.hashing import BlockHasher, ExtraKeys
+from engine.scheduler.hashing import BlockHasher, ExtraKeys, ImageSpan
+
+
+@dataclass(frozen=True)
+class ImageInput(ImageSpan):
+    """An image in a prompt: its span of placeholder tokens, its key (``ImageSpan``) and what
+    replaces those positions' token embeddings: ``embeds`` [length, hidden_size], the vision
+    encoder's output rows (a torch tensor of any float dtype; cast to the model's)."""
+
+    embeds: Any = None
+
+    def rows(self, start: int, end: int) -> tuple[int, Any] | None:
+        """(offset in ``[start, end)``, its embedding rows) for the part of the span that a step
+        computing positions ``[start, end)`` covers; None when it covers none."""
+        lo, hi = max(start, self.offset), min(end, self.offset + self.length)
+        if lo >= hi:
+            return None
+        return lo - start, self.embeds[lo - self.offset : hi - self.offset]
 
 
 class RequestStatus(enum.Enum):
@@ -56,6 +74,9 @@ class Request:
     traffic_class: str = "chat"  # the store's TTL class of the blocks it writes ("agent" | "chat")
     # A prefix hit whose SWA state is gone: "exact" or "bounded" replay; None: the engine's default
     swa_replay: str | None = None
+    # Images of the prompt (engine.messages.ImageInput: span, key, embedding rows), in order:
+    # their keys enter the block hashes and their rows replace the token embeddings
+    images: tuple[ImageInput, ...] = ()
     # -- state, owned by the scheduler --
     arrival: int = -1
     status: RequestStatus = RequestStatus.WAITING

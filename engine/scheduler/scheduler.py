@@ -280,6 +280,7 @@ class Scheduler:
             replay_until=req.replay_until,
             window_from=req.window_from,
             swa_keep=req.swa_keep,
+            embeds=tuple(r for img in req.images if (r := img.rows(start, start + n)) is not None),
             sample=sample,
             output_index=req.num_outputs_with_pending if sample else -1,
             fork_children=children,
