@@ -27,6 +27,8 @@ from engine.structured.tokenizer import control_tokens
 from services.api.config import ApiConfig
 from services.api.engine_client import EngineRequest, ModelInfo, StructuredSpec
 from services.api.errors import ApiError, from_recipe, limit_error
+from services.api.images import ImageIntake, resolve_images
+from services.api.limits import image_limits
 from services.api.tool_grammar import tool_call_grammar
 from services.api.traffic_class import DEFAULT_TRAFFIC_CLASS
 
@@ -62,6 +64,9 @@ class Prepared:
     # Control tokens kept out of the text (see ``Converter.hidden_ids``); empty when the client
     # sent ``skip_special_tokens: false``.
     hidden_ids: frozenset[int] = frozenset()
+    # recipe's preprocessed images and their V4.1 token counts, in placeholder order (None:
+    # no images). Not sent to the engine yet: the prompt keeps one placeholder per image.
+    images: ImageIntake | None = None
 
 
 def is_tool_call_markup(spelling: str) -> bool:
@@ -140,6 +145,7 @@ class Converter:
             conv = req.convert(self.options_for(model))
         except dr.ConversionError as exc:
             raise from_recipe(exc.status_code, exc.body) from None
+        images = self.resolve_images(conv)
         try:
             prompt_ids = self.encoding.encode(conv.conversation)
         except RuntimeError as exc:
@@ -173,7 +179,15 @@ class Converter:
             conv.parsing_options,
             end_id,
             self.hidden_ids(body, conv.parsing_options),
+            images,
         )
+
+    def resolve_images(self, conv: dr.ConversationRequest) -> ImageIntake | None:
+        """recipe's resolver over the image sources, in the order of their placeholders."""
+        if not any(m.image_sources for m in conv.conversation.messages):
+            return None
+        sources = self.encoding.render_conversation(conv.conversation).image_sources
+        return resolve_images(list(sources), image_limits(self.cfg))
 
     def resolve_max_tokens(self, conv: dr.ConversationRequest, prompt_tokens: int) -> int:
         limit = self.cfg.context_limit

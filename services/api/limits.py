@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from services.api.config import ApiConfig
 from services.api.errors import ApiError, limit_error
-from services.api.images import ImageLimits, check_image_bytes, check_remote_url, decode_data_url
+from services.api.images import ImageLimits, check_image_ref
 
 MAX_JSON_NODES = 2_000_000
 
@@ -187,23 +187,17 @@ def _image_ref(node: dict[str, Any]) -> str | None:
 
 
 def check_images(facts: BodyFacts, cfg: ApiConfig) -> list[tuple[int, int]]:
-    """Count, bytes and header pixels of every image; remote URLs by policy. Returns sizes."""
+    """Count, media type, bytes, header canvas and framing of every image, without decoding
+    any; remote URLs by policy (fetched later, by ``images.resolve_images``). Returns the
+    declared sizes of the data-URL images."""
     limits = image_limits(cfg)
     if len(facts.images) > cfg.max_images:
         raise limit_error("max_images", f"{len(facts.images)} images, more than {cfg.max_images}")
     sizes = []
     for where, ref in facts.images:
-        if ref.startswith("data:"):
-            sizes.append(check_image_bytes(decode_data_url(ref, limits, where), limits, where))
-        elif ref.startswith(("http://", "https://")):
-            from services.api.images import fetch_remote
-
-            check_remote_url(ref, limits, where)
-            sizes.append(check_image_bytes(fetch_remote(ref, limits), limits, where))
-        else:
-            raise ApiError(
-                400, f"{where}: image must be a data: URL (or an allowed http(s) URL)", param=where
-            )
+        header = check_image_ref(ref, limits, where)
+        if header is not None:
+            sizes.append((header.width, header.height))
     return sizes
 
 

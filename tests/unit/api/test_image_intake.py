@@ -1,0 +1,232 @@
+"""Image intake on the hostile corpus: each case refused with its 4xx and message in < 1 s,
+bombs and broken files before any decoder runs; good images resolved by recipe with their
+V4.1 token counts, in placeholder order; remote URLs through the allow-list filter."""
+
+from __future__ import annotations
+
+import http.server
+import json
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import replace
+
+import deepseek_recipe as dr
+import pytest
+
+from services.api import images
+from services.api.config import ApiConfig
+from services.api.convert import Converter
+from services.api.errors import ApiError
+from services.api.images import ImageLimits, check_image_ref, resolve_images
+from tests.data.hostile_images import accepted, corpus, data_url, gif, jpeg, png
+
+OFF = ImageLimits(
+    max_images=8, max_image_bytes=4 * 2**20, max_image_pixels=16 * 2**20, max_image_side_px=8192,
+    allow_remote_images=False, allow_hosts=(),
+)  # fmt: skip
+ON = replace(OFF, allow_remote_images=True, allow_hosts=("localhost",))
+WHERE = "messages.0.content[1]"
+CASES = corpus()
+
+
+def source(url: str, detail: str = "high") -> dr.ImageSource:
+    if url.startswith("data:"):
+        return dr.DataUrlImageSource(url, detail, path=WHERE)  # type: ignore[arg-type]
+    return dr.UrlImageSource(url, detail, path=WHERE)  # type: ignore[arg-type]
+
+
+def test_the_corpus_covers_the_required_cases():
+    names = [c.name for c in CASES]
+    assert len(CASES) >= 30 and len(set(names)) == len(names)
+    required = [
+        "truncated PNG", "truncated JPEG", "decompression bomb", "1 x 100,000", "wrong content type",
+        "SVG", "animated GIF", "zero bytes", "URL while remote URLs are off",
+        "private-address URL while remote URLs are on",
+    ]  # fmt: skip
+    for fragment in required:
+        assert any(fragment in n for n in names), fragment
+    assert any("CMYK" in n for n, _ in accepted())  # CMYK JPEG: decided accepted
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_every_hostile_case_is_refused_with_its_status_and_message(case):
+    limits = ON if case.remote_on else OFF
+    t0 = time.monotonic()
+    with pytest.raises(ApiError) as exc:
+        resolve_images([source(case.url)], limits)
+    elapsed = time.monotonic() - t0
+    assert exc.value.status == case.status, exc.value.message
+    assert case.expect in exc.value.message, exc.value.message
+    assert WHERE in exc.value.message  # the user can tell which image
+    assert elapsed < 1.0
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_the_pre_admission_check_refuses_all_but_decoder_cases(case):
+    """``limits.check_body`` runs this before admission: no decoding, no slot taken."""
+    limits = ON if case.remote_on else OFF
+    if case.at_decode:
+        assert check_image_ref(case.url, limits, "x") is not None
+        return
+    with pytest.raises(ApiError) as exc:
+        check_image_ref(case.url, limits, "messages[0].content[1]")
+    assert exc.value.status == case.status and case.expect in exc.value.message
+
+
+def test_refusals_happen_before_any_decoding(monkeypatch):
+    """A resolver that fails the test if called: only decoder cases may reach it."""
+
+    class Tripwire:
+        def resolve(self, sources, quota):
+            raise AssertionError("the decoder was reached")
+
+    monkeypatch.setattr(images, "_components", lambda limits: (None, Tripwire()))
+    for case in CASES:
+        if case.at_decode:
+            continue
+        with pytest.raises(ApiError):
+            resolve_images([source(case.url)], ON if case.remote_on else OFF)
+
+
+@pytest.mark.parametrize("name,url", accepted(), ids=[n for n, _ in accepted()])
+def test_good_images_resolve_with_their_token_counts(name, url):
+    intake = resolve_images([source(url)], OFF)
+    (image,) = intake.images
+    info = intake.data.images[0]
+    assert (image.width, image.height) == (info.width, info.height)
+    assert image.tokens == dr.MultiModalData([info]).image_token_adjustment() + 1 > 1
+    assert intake.extra_tokens == intake.data.image_token_adjustment()
+    assert image.detail == "high" and image.path == WHERE
+
+
+def test_detail_selects_recipe_preprocessing():
+    url = data_url(png(2000, 1000))
+    counts = {d: resolve_images([source(url, d)], OFF).images[0].tokens for d in ("low", "high", "auto")}
+    assert counts["low"] < counts["high"] == counts["auto"]
+    intake = resolve_images([source(url, "low"), source(url, "original")], OFF)
+    assert [im.detail for im in intake.images] == ["low", "original"]
+
+
+def test_count_limit_applies_to_the_sources():
+    with pytest.raises(ApiError) as exc:
+        resolve_images([source(data_url(png(2, 2)))] * 3, replace(OFF, max_images=2))
+    assert exc.value.param == "max_images"
+
+
+def test_converter_resolves_in_placeholder_order():
+    """Two messages, three images of different shapes: the intake follows the prompt."""
+    conv_obj = Converter.__new__(Converter)
+    conv_obj.cfg = ApiConfig()
+    conv_obj.encoding = dr.DeepseekV41Encoding()
+    wide, tall, square = (
+        data_url(jpeg(400, 100, 3), "image/jpeg"),
+        data_url(png(100, 400)),
+        data_url(gif(8, 8), "image/gif"),
+    )
+
+    def part(url: str, detail: str = "high") -> dict:
+        return {"type": "image_url", "image_url": {"url": url, "detail": detail}}
+
+    body = {"model": "DeepSeek-V4.1-Flash", "messages": [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, part(wide), part(tall, "low")]},
+        {"role": "assistant", "content": "ok"},
+        {"role": "user", "content": [part(square)]},
+    ]}  # fmt: skip
+    conv = dr.ChatCompletionRequest(json.dumps(body)).convert(dr.ConversionOptions())
+    intake = conv_obj.resolve_images(conv)
+    assert intake is not None
+    assert [(im.source_width, im.source_height, im.detail) for im in intake.images] == [
+        (400, 100, "high"), (100, 400, "low"), (8, 8, "high"),
+    ]  # fmt: skip
+    text_only = {"model": "DeepSeek-V4.1-Flash", "messages": [{"role": "user", "content": "hi"}]}
+    assert (
+        conv_obj.resolve_images(dr.ChatCompletionRequest(text_only).convert(dr.ConversionOptions())) is None
+    )
+
+
+# -- remote URLs: a loopback server stands in for the public host ------------------------------
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    routes: dict[str, bytes] = {}
+
+    def do_GET(self) -> None:  # noqa: N802
+        if self.path == "/redirect":
+            self.send_response(302)
+            self.send_header("Location", f"http://127.0.0.1:{self.server.server_address[1]}/good.png")
+            self.end_headers()
+            return
+        body = self.routes.get(self.path)
+        self.send_response(200 if body is not None else 404)
+        self.end_headers()
+        self.wfile.write(body or b"")
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def image_host() -> Iterator[int]:
+    _Handler.routes = {
+        "/good.png": png(32, 32),
+        "/bomb.png": png(8000, 8000),
+        "/pic.svg": b'<svg xmlns="http://www.w3.org/2000/svg"/>',
+        "/huge.png": png(16, 16) + bytes(5 * 2**20),
+    }
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    yield srv.server_address[1]
+    srv.shutdown()
+
+
+@pytest.fixture
+def loopback_is_public(monkeypatch):
+    """Treat 127.0.0.1 as public (only the address rule; the allow-list still applies)."""
+    real = images.is_public_address
+    monkeypatch.setattr(images, "is_public_address", lambda a: a == "127.0.0.1" or real(a))
+    images._components.cache_clear()
+    yield
+    images._components.cache_clear()
+
+
+def test_loopback_is_refused_for_an_allow_listed_host(image_host):
+    with pytest.raises(ApiError) as exc:
+        resolve_images([source(f"http://localhost:{image_host}/good.png")], ON)
+    assert exc.value.param == "image_url_allow_hosts" and "private, loopback" in exc.value.message
+
+
+def test_remote_images_are_fetched_then_pre_checked(image_host, loopback_is_public):
+    base = f"http://localhost:{image_host}"
+    intake = resolve_images([source(f"{base}/good.png")], ON)
+    assert intake.images[0].source_width == 32 and intake.images[0].tokens > 1
+    for path, fragment in [
+        ("/bomb.png", "max_image_pixels"),  # fetched, then refused from its header, not decoded
+        ("/pic.svg", "not a PNG"),
+        ("/huge.png", "max_image_bytes"),  # the fetcher's byte cap
+        ("/missing.png", "error status"),
+        ("/redirect", "allow-list"),  # to 127.0.0.1, a host not on the allow-list
+    ]:
+        t0 = time.monotonic()
+        with pytest.raises(ApiError) as exc:
+            resolve_images([source(base + path)], ON)
+        assert fragment in exc.value.message, (path, exc.value.message)
+        assert exc.value.status == 400 and time.monotonic() - t0 < 1.0
+    with pytest.raises(ApiError) as exc:  # remote off: never fetched
+        resolve_images([source(f"{base}/good.png")], OFF)
+    assert exc.value.param == "allow_remote_images"
+
+
+def test_a_silent_image_host_times_out(loopback_is_public, monkeypatch):
+    monkeypatch.setattr(images, "FETCH_TIMEOUT_S", 0.5)
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(4)  # accepts connections, never answers
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(ApiError) as exc:
+            resolve_images([source(f"http://localhost:{listener.getsockname()[1]}/slow.png")], ON)
+        assert "took longer than 0.5 s" in exc.value.message and time.monotonic() - t0 < 2.0
+    finally:
+        listener.close()
