@@ -3,6 +3,9 @@
 Writes config.json (``model_type: deepseek_v4``), generation_config.json, the tokenizer and
 safetensors weights under transformers' module key names, plus one MTP layer under
 ``mtp.0.*`` (a decoder layer's keys and the MTP projections, which transformers ignores).
+Presets with a vision encoder (``VISION_PRESETS``: tiny, small) also get config.json's
+``vision`` section and ``vision/model.safetensors`` (`engine.model.vision`); the subfolder
+keeps those tensors out of the language model's shards, quantisation and loaders.
 
 Every tensor is drawn from its own generator seeded by (seed, tensor name), so a tensor's
 values do not depend on which other tensors exist, and the file is written one tensor at a
@@ -23,7 +26,7 @@ from typing import Any
 
 import torch
 
-from engine.checkpoint.presets import preset_config
+from engine.checkpoint.presets import VISION_PRESETS, preset_config
 from engine.checkpoint.quant import QUANT_MODES, quantize_checkpoint
 from engine.checkpoint.safetensors_stream import TensorPlan, write_streaming
 from engine.checkpoint.tokenizer import write_tokenizer
@@ -41,7 +44,8 @@ class GeneratedCheckpoint:
     path: Path
     num_parameters: int
     num_bytes: int
-    files: tuple[str, ...]
+    files: tuple[str, ...]  # the language model's shards
+    vision_files: tuple[str, ...] = ()  # the vision encoder's weights, if any
 
 
 def _seed_for(seed: int, name: str) -> int:
@@ -144,12 +148,38 @@ def _shard(plans: list[TensorPlan], shard_bytes: int) -> list[list[TensorPlan]]:
     return shards
 
 
+def _write_vision(
+    out: Path, preset: str, seed: int, config: dict[str, Any]
+) -> tuple[dict[str, Any], int, int]:
+    """Random vision-encoder weights for ``preset`` -> (config section, parameters, bytes).
+
+    Each tensor has its own generator seeded by (seed, name), like the language model's.
+    """
+    from engine.model.vision import VISION_PREFIX, VISION_WEIGHTS, VisionConfig, VisionEncoder, random_init
+
+    vcfg = VisionConfig(**VISION_PRESETS[preset], text_hidden_size=int(config["hidden_size"]))
+    with torch.device("meta"):
+        state = VisionEncoder(vcfg).state_dict()
+    dtype = getattr(torch, config["dtype"])
+    plans = [TensorPlan(VISION_PREFIX + n, tuple(t.shape), dtype) for n, t in state.items()]
+
+    def produce(plan: TensorPlan) -> Iterator[torch.Tensor]:
+        gen = torch.Generator().manual_seed(_seed_for(seed, plan.name))
+        yield random_init(plan.name.removeprefix(VISION_PREFIX), plan.shape, gen).to(plan.dtype)
+
+    path = out / VISION_WEIGHTS
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_streaming(path, plans, produce)
+    return vcfg.to_dict(), sum(math.prod(p.shape) for p in plans), path.stat().st_size
+
+
 def generate_checkpoint(
     preset: str,
     out_dir: Path | str,
     seed: int = 0,
     shard_bytes: int = SHARD_BYTES,
     quant: str | None = None,
+    vision: bool = True,
     **overrides: Any,
 ) -> GeneratedCheckpoint:
     """Write a random checkpoint of ``preset`` (with config ``overrides``) into ``out_dir``.
@@ -157,6 +187,8 @@ def generate_checkpoint(
     ``quant="fp8"`` stores the linears (and experts) as FP8 e4m3 with 128x128 ue8m0 block
     scales, ``quant="fp4"`` additionally stores the routed experts as packed FP4 e2m1 with one
     ue8m0 scale per 32 values (DeepSeek's released formats, `engine.checkpoint.quant`).
+    ``vision`` writes the preset's vision encoder (if ``VISION_PRESETS`` has one; never
+    quantised); ``vision=False`` leaves it out.
     """
     if quant is not None and quant not in QUANT_MODES:
         raise ValueError(f"unknown quant {quant!r}; known: {', '.join(QUANT_MODES)}")
@@ -183,6 +215,13 @@ def generate_checkpoint(
         (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     config["architectures"] = ["DeepseekV4ForCausalLM"]
     config["sluice"] = {"preset": preset, "seed": seed}
+    vision_files: tuple[str, ...] = ()
+    vision_params = vision_bytes = 0
+    if vision and preset in VISION_PRESETS:
+        from engine.model.vision import VISION_WEIGHTS
+
+        config["vision"], vision_params, vision_bytes = _write_vision(out, preset, seed, config)
+        vision_files = (VISION_WEIGHTS,)
     (out / "config.json").write_text(json.dumps(config, indent=2))
     gen_cfg = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
@@ -190,4 +229,6 @@ def generate_checkpoint(
     if quant is not None:
         quantize_checkpoint(out, out, quant)
         total = sum((out / f).stat().st_size for f in files)
-    return GeneratedCheckpoint(out, n_params, total, tuple(files))
+    return GeneratedCheckpoint(
+        out, n_params + vision_params, total + vision_bytes, tuple(files), vision_files
+    )

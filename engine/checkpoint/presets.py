@@ -113,6 +113,20 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# The vision encoder (`engine.model.vision.VisionConfig`) written beside a preset's random weights,
+# as config.json's ``vision`` section and ``vision/model.safetensors``; its ``text_hidden_size``
+# is the preset's ``hidden_size``. A preset without an entry (flash-shape) gets no encoder.
+VISION_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {"hidden_size": 32, "num_layers": 2, "num_heads": 2, "intermediate_size": 64, "position_grid": 8},
+    "small": {
+        "hidden_size": 64,
+        "num_layers": 2,
+        "num_heads": 4,
+        "intermediate_size": 128,
+        "position_grid": 16,
+    },
+}
+
 COMMON: dict[str, Any] = {
     "model_type": "deepseek_v4",
     "rope_theta": 10000.0,
