@@ -12,6 +12,7 @@ from engine.vision.preprocess import (
     ImageRejected,
     PreparedImage,
     image_key,
+    pixels_of,
     prepare,
 )
 
@@ -22,5 +23,6 @@ __all__ = [
     "ImageRejected",
     "PreparedImage",
     "image_key",
+    "pixels_of",
     "prepare",
 ]

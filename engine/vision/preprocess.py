@@ -138,6 +138,22 @@ def _decode_rgb(encoded: bytes, width: int, height: int) -> np.ndarray:
     return rgb
 
 
+def pixels_of(
+    encoded: bytes,
+    width: int,
+    height: int,
+    mean: tuple[float, ...] = SIGLIP_MEAN,
+    std: tuple[float, ...] = SIGLIP_STD,
+) -> torch.Tensor:
+    """The recipe's preprocessed bytes (``ImageInfo.data``, WebP, ``width`` x ``height``) ->
+    normalised float32 pixels ``[3, height, width]``."""
+    rgb = _decode_rgb(encoded, width, height)
+    # (x / 255 - mean) / std as one multiply-add per value: x * (1 / (255 std)) - mean / std
+    scale = torch.tensor([1.0 / (255.0 * s) for s in std]).view(3, 1, 1)
+    shift = torch.tensor([-m / s for m, s in zip(mean, std)]).view(3, 1, 1)
+    return torch.from_numpy(rgb).permute(2, 0, 1).contiguous().to(torch.float32).mul_(scale).add_(shift)
+
+
 def prepare(
     data: bytes,
     detail: str,
@@ -165,11 +181,7 @@ def prepare(
         num_tokens = dr.MultiModalData([info]).image_token_adjustment() + 1
     except (dr.ImageError, dr.CalcResizeError) as err:
         raise _rejected(err, max_dimension_px) from err
-    rgb = _decode_rgb(info.data, info.width, info.height)
-    # (x / 255 - mean) / std as one multiply-add per value: x * (1 / (255 std)) - mean / std
-    scale = torch.tensor([1.0 / (255.0 * s) for s in std]).view(3, 1, 1)
-    shift = torch.tensor([-m / s for m, s in zip(mean, std)]).view(3, 1, 1)
-    pixels = torch.from_numpy(rgb).permute(2, 0, 1).contiguous().to(torch.float32).mul_(scale).add_(shift)
+    pixels = pixels_of(info.data, info.width, info.height, mean, std)
     key = image_key(
         data, detail, max_dimension_px, low_detail_max_dimension_px, encoder_fingerprint, mean, std
     )

@@ -15,6 +15,7 @@ DeepSeek's API. Any other name is refused by recipe with the list of accepted na
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import uuid
 from collections.abc import Callable
@@ -91,6 +92,7 @@ class Converter:
         self.options_thinking = base
         self.options_plain = base.with_default_thinking_mode(False)
         self.bos_id = self._special_id(dr.SpecialToken.Bos)
+        self.image_id = self._special_id(dr.SpecialToken.Image)
         self.think_end_id = self._special_id(dr.SpecialToken.ThinkingEnd)
         controls = control_tokens(info.tokenizer_path)
         self.control_ids = frozenset(controls.values())
@@ -150,12 +152,17 @@ class Converter:
             prompt_ids = self.encoding.encode(conv.conversation)
         except RuntimeError as exc:
             raise ApiError(400, f"cannot encode the prompt: {exc}", param="messages") from None
+        parts: tuple[Any, ...] = ()
+        if images is not None:
+            prompt_ids, parts = self.expand_images(prompt_ids, images)
         rid = f"{_ID_PREFIX[kind]}-{uuid.uuid4().hex}"
         max_tokens = self.resolve_max_tokens(conv, len(prompt_ids))
         engine_req = self.engine_request(
             rid, prompt_ids, max_tokens, conv, _single_tool_call(body), traffic_class=traffic_class,
             swa_replay=body.get("swa_replay"),
         )  # fmt: skip
+        if parts:
+            engine_req = dataclasses.replace(engine_req, images=parts)
         gen_type = _REQUEST_TYPES[kind]
 
         def make_generator() -> Any:
@@ -188,6 +195,32 @@ class Converter:
             return None
         sources = self.encoding.render_conversation(conv.conversation).image_sources
         return resolve_images(list(sources), image_limits(self.cfg))
+
+    def expand_images(self, prompt_ids: list[int], images: ImageIntake) -> tuple[list[int], tuple[Any, ...]]:
+        """Each image's one placeholder becomes its V4.1 token count of placeholders (positions,
+        the block chain, usage and the context check all see the expanded prompt); the spans
+        and the recipe's preprocessed images go to the engine client, which encodes them."""
+        from engine.vision.stage import ImagePart
+
+        at = [i for i, t in enumerate(prompt_ids) if t == self.image_id]
+        if not self.info.vision:
+            raise ApiError(
+                400, f"model {self.info.model_id!r} has no vision encoder: send text only", param="messages"
+            )
+        if len(at) != len(images.images):  # recipe rendered one placeholder per image
+            raise ApiError(
+                500, f"the prompt has {len(at)} image placeholders for {len(images.images)} images"
+            )
+        out: list[int] = []
+        parts = []
+        prev = 0
+        for pos, img, info in zip(at, images.images, images.data.images):
+            out += prompt_ids[prev:pos]
+            parts.append(ImagePart(len(out), img.tokens, bytes(info.data), info.width, info.height))
+            out += [self.image_id] * img.tokens
+            prev = pos + 1
+        out += prompt_ids[prev:]
+        return out, tuple(parts)
 
     def resolve_max_tokens(self, conv: dr.ConversationRequest, prompt_tokens: int) -> int:
         limit = self.cfg.context_limit

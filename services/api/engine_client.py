@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from kvstore.shardfmt import TRAFFIC_CLASSES
 
@@ -61,6 +61,9 @@ class EngineRequest:
     # A prefix hit whose sliding-window state is gone: "exact" or "bounded" replay (approximate,
     # cheaper); None: the engine's default.
     swa_replay: str | None = None
+    # The prompt's images (engine.vision.stage.ImagePart: span of placeholder tokens and the
+    # recipe's preprocessed image), in order; the engine client encodes them
+    images: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -131,6 +134,7 @@ class ModelInfo:
     # replay, bounded replay); and the replay requests get when they do not choose.
     swa_replay_tokens: tuple[int, int] = (0, 0)
     swa_replay_default: str = "exact"
+    vision: bool = False  # the checkpoint has a vision encoder: requests may carry images
     # With SWA slot sharing (after ``start``): this replica's slot server, as it names itself
     # in the SWA directory ("host:port"; None: no sharing), the directory's URL, and whether
     # its host slots are exact state (False: lossy, e.g. MXFP8; they serve only requests

@@ -107,6 +107,7 @@ class InProcessEngineClient:
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._core: Any = None  # engine.core.EngineCore, owned by the engine thread
+        self._vision: Any = None  # engine.vision.stage.VisionStage when the checkpoint has an encoder
         self._dead: BaseException | None = None
         self._counters = _Counters()
         self._stats = EngineStats(0, 0, 0, 0, 0, 0, 0, 0)
@@ -131,6 +132,12 @@ class InProcessEngineClient:
                 ep_size=self.ep.size, ep_rank=self.ep.rank,
             )  # fmt: skip
             self._core = await asyncio.to_thread(self._join_group, config)
+        if self._info.vision:
+            from engine.vision.stage import VisionStage
+
+            self._vision = await asyncio.to_thread(
+                VisionStage.from_model_dir, self.model_dir, config.device, self._core.runner.cfg.torch_dtype
+            )
         sharing = self._core.slot_sharing
         if sharing is not None:  # the replica's slot server, for a router reading the directory
             pool = sharing.pool
@@ -332,12 +339,24 @@ class InProcessEngineClient:
             request.priority,
             request.traffic_class,
             swa_replay=request.swa_replay,
+            images=self._encode(request),
         )
         if params.structured is None:
             return core_req, None
         try:
             return core_req, self._core.compile_grammar(params.structured)
         except GrammarError as exc:
+            raise EngineRequestError(str(exc)) from None
+
+    def _encode(self, request: EngineRequest) -> tuple[Any, ...]:
+        """The request's images as engine inputs (key, encoder rows; cached by key)."""
+        if not request.images:
+            return ()
+        if self._vision is None:
+            raise EngineRequestError(f"model {self._info.model_id!r} has no vision encoder: send text only")
+        try:
+            return tuple(self._vision.encode(request.images))
+        except ValueError as exc:
             raise EngineRequestError(str(exc)) from None
 
     # -- engine thread ---------------------------------------------------------------------
@@ -623,6 +642,7 @@ class InProcessEngineClient:
                 "reservations_refused": float(self.reservations.refused),
                 "stats_version": float(self._stats_version),  # orders snapshots read elsewhere
                 **self._eplb_stats(),
+                **(self._vision.stats() if self._vision is not None else {}),
             },
         )
 
@@ -663,4 +683,5 @@ def _read_model_info(model_dir: Path, engine_kwargs: dict[str, Any]) -> ModelInf
     return ModelInfo(
         model_dir.resolve().name, context, int(cfg["vocab_size"]), eos_ids, str(tokenizer),
         (layers * (window - 1), window - 1), str(engine_kwargs.get("swa_replay", "exact")),
+        vision=bool(cfg.get("vision")),
     )  # fmt: skip

@@ -57,6 +57,36 @@ def _kv_store_families(extra: dict[str, float]) -> Iterator[Metric]:
         yield family
 
 
+def _vision_families(extra: dict[str, float]) -> Iterator[Metric]:
+    """The vision stage (engine/vision/stage.py): images encoded, encoder-cache hits, time
+    spent encoding, images waiting for the encoder, and the cache's bytes."""
+    for name, key, doc, kind in (
+        (
+            "sluice_vision_images_encoded",
+            "vision_images_encoded",
+            "Images run through the vision encoder.",
+            "c",
+        ),
+        (
+            "sluice_vision_cache_hits",
+            "vision_cache_hits",
+            "Images whose rows came from the encoder cache.",
+            "c",
+        ),
+        ("sluice_vision_encode_seconds", "vision_encode_s", "Seconds spent in the vision encoder.", "c"),
+        ("sluice_vision_queue", "vision_queue", "Images waiting for or in the vision encoder.", "g"),
+        ("sluice_vision_cache_bytes", "vision_cache_bytes", "Bytes of rows in the encoder cache.", "g"),
+    ):
+        if kind == "c":
+            counter = CounterMetricFamily(name, doc)
+            counter.add_metric([], extra.get(key, 0.0))
+            yield counter
+        else:
+            gauge = GaugeMetricFamily(name, doc)
+            gauge.add_metric([], extra.get(key, 0.0))
+            yield gauge
+
+
 def _swa_families(extra: dict[str, float]) -> Iterator[Metric]:
     """Sliding-window state of prefix hits (engine ``stats().extra``): slots adopted, replays
     by kind and the tokens they recomputed, and the slot pool's occupancy."""
@@ -143,6 +173,8 @@ class _EngineCollector:
         yield from _kv_store_families(s.extra)
         if "total_swa_slots" in s.extra:
             yield from _swa_families(s.extra)
+        if "vision_images_encoded" in s.extra:
+            yield from _vision_families(s.extra)
 
 
 @runtime_checkable

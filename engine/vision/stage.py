@@ -1,0 +1,140 @@
+"""The vision stage: a prompt's preprocessed images -> the embedding rows of their spans.
+
+The API resolves each image with deepseek-recipe (decode, resize to the V4.1 grid) and
+expands its one placeholder to the image's token count; what reaches the engine side is an
+`ImagePart` per image: the recipe's preprocessed bytes (WebP), their size, and the span of
+placeholder tokens. `VisionStage.encode` turns each into an ``engine.messages.ImageInput``:
+
+- its **key** is a SHA-256 over the preprocessed bytes, their size and the encoder's
+  fingerprint (`engine.model.vision.vision_fingerprint`: its config and weights). Equal keys
+  mean equal rows, so the key names the image in the block hash chain and in the cache;
+- its **rows** come from the encoder cache (least recently used first out, bounded in
+  bytes) or from `VisionEncoder` (`engine/model/vision.py`), which must produce exactly the
+  span's length (the recipe's count): a mismatch is refused, never padded or cut.
+
+Thread-safe: API workers encode concurrently; the encoder runs one image at a time under a
+lock (its own threads parallelise each forward).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.scheduler.request import ImageInput
+from engine.vision.preprocess import pixels_of
+
+DEFAULT_CACHE_BYTES = 256 << 20
+_KEY_DOMAIN = b"sluice-image-rows-v1"
+
+
+@dataclass(frozen=True)
+class ImagePart:
+    """One image of a prompt as the API hands it on: its span of placeholder tokens and the
+    recipe's preprocessed image (``ImageInfo``: WebP bytes, width, height in pixels)."""
+
+    offset: int
+    length: int
+    data: bytes
+    width: int
+    height: int
+
+
+class VisionStage:
+    def __init__(self, encoder: Any, fingerprint: str, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
+        if cache_bytes < 0:
+            raise ValueError(f"the encoder cache needs a byte budget >= 0, got {cache_bytes}")
+        self.encoder = encoder
+        self.fingerprint = fingerprint
+        self.cache_bytes = cache_bytes
+        self._cache: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self._cached_bytes = 0
+        self._lock = threading.Lock()  # the cache and the counters
+        self._run = threading.Lock()  # one forward at a time
+        self.encoded = self.hits = self.waiting = 0
+        self.encode_s = 0.0
+
+    @classmethod
+    def from_model_dir(
+        cls, model_dir: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32,
+        cache_bytes: int = DEFAULT_CACHE_BYTES,
+    ) -> VisionStage | None:  # fmt: skip
+        """The checkpoint's encoder behind a cache, or None when it has no vision section."""
+        from engine.model.vision import load_vision_encoder, vision_fingerprint
+
+        encoder = load_vision_encoder(model_dir, device, dtype)
+        return None if encoder is None else cls(encoder, vision_fingerprint(model_dir), cache_bytes)
+
+    def key(self, part: ImagePart) -> str:
+        h = hashlib.sha256(_KEY_DOMAIN)
+        for piece in (part.data, f"{part.width}x{part.height}".encode(), self.fingerprint.encode()):
+            h.update(len(piece).to_bytes(8, "little"))
+            h.update(piece)
+        return h.hexdigest()
+
+    def encode(self, parts: Sequence[ImagePart]) -> tuple[ImageInput, ...]:
+        """Each part's key and rows (cached, else encoded); ValueError when the encoder's row
+        count is not the span's length (the API and the encoder disagree on the image)."""
+        return tuple(
+            ImageInput(p.offset, p.length, k, self._rows(p, k)) for p in parts for k in [self.key(p)]
+        )
+
+    def _rows(self, part: ImagePart, key: str) -> torch.Tensor:
+        with self._lock:
+            rows = self._cache.get(key)
+            if rows is not None:
+                self._cache.move_to_end(key)
+                self.hits += 1
+                return rows
+            self.waiting += 1
+        try:
+            pixels = pixels_of(part.data, part.width, part.height, *self._norm())
+            with self._run, torch.inference_mode():
+                t0 = time.perf_counter()
+                rows = self.encoder(pixels).detach().cpu()
+                took = time.perf_counter() - t0
+        finally:
+            with self._lock:
+                self.waiting -= 1
+        if rows.shape[0] != part.length:
+            raise ValueError(
+                f"the vision encoder made {rows.shape[0]} rows for a {part.width}x{part.height} image "
+                f"whose prompt span is {part.length} tokens"
+            )
+        with self._lock:
+            self.encoded += 1
+            self.encode_s += took
+            self._put(key, rows)
+        return rows
+
+    def _norm(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        cfg = self.encoder.config
+        return tuple(cfg.image_mean), tuple(cfg.image_std)
+
+    def _put(self, key: str, rows: torch.Tensor) -> None:
+        size = rows.numel() * rows.element_size()
+        if size > self.cache_bytes:
+            return
+        while self._cache and self._cached_bytes + size > self.cache_bytes:
+            _, old = self._cache.popitem(last=False)
+            self._cached_bytes -= old.numel() * old.element_size()
+        self._cache[key] = rows
+        self._cached_bytes += size
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            return {
+                "vision_images_encoded": float(self.encoded),
+                "vision_cache_hits": float(self.hits),
+                "vision_encode_s": self.encode_s,
+                "vision_queue": float(self.waiting),
+                "vision_cache_bytes": float(self._cached_bytes),
+            }
