@@ -67,6 +67,7 @@ class LLM:
         self._tokenizer: Any = None
         self._controls: frozenset[int] | None = None
         self._ids = itertools.count()
+        self._vision: Any = None  # engine.vision.stage.VisionStage, loaded on the first image
 
     @property
     def scheduler(self):  # -> engine.scheduler.scheduler.Scheduler
@@ -98,8 +99,13 @@ class LLM:
     def eos_token_id(self) -> int:
         return self.core.eos_token_id
 
-    def render_chat(self, messages: ChatMessages) -> list[int]:
-        """Token ids of a chat prompt, rendered by deepseek-recipe (the official encoding)."""
+    def render_chat(self, messages: ChatMessages, thinking: bool | None = None) -> list[int]:
+        """Token ids of a chat prompt, rendered by deepseek-recipe (the official encoding);
+        one placeholder token per image (``chat`` expands and encodes them). ``thinking``:
+        the default thinking mode (None: recipe's default; the API's ``deepseek-chat`` is False)."""
+        return self._render(messages, thinking)[0]
+
+    def _render(self, messages: ChatMessages, thinking: bool | None) -> tuple[list[int], Any]:
         import deepseek_recipe as recipe
 
         # V4.1's encoding needs <｜System｜> (generated checkpoints' tokenizers have it; the
@@ -110,18 +116,53 @@ class LLM:
             if v41
             else ("DeepSeek-V4-Pro", recipe.DeepseekV4Encoding)
         )
-        conv = recipe.ChatCompletionRequest({"model": name, "messages": messages}).convert(
-            recipe.ConversionOptions()
-        )
+        options = recipe.ConversionOptions()
+        if thinking is not None:
+            options = options.with_default_thinking_mode(thinking)
+        conv = recipe.ChatCompletionRequest({"model": name, "messages": messages}).convert(options)
         tok = recipe.Tokenizer.from_file(str(self.core.tokenizer_path))
-        return list(encoding().with_tokenizer(tok).encode(conv.conversation))
+        enc = encoding().with_tokenizer(tok)
+        return list(enc.encode(conv.conversation)), enc.render_conversation(conv.conversation).image_sources
+
+    def _images(self, ids: list[int], sources: Any) -> tuple[list[int], tuple[Any, ...]]:
+        """Resolve a rendered chat's images (data URLs or bytes; no network), expand their
+        placeholders and encode them: (expanded ids, the engine's ImageInputs)."""
+        if not sources:
+            return ids, ()
+        import deepseek_recipe as recipe
+
+        from engine.vision.stage import VisionStage, expand_placeholders
+
+        if self._vision is None:
+            self._vision = VisionStage.from_model_dir(
+                self.config.model, self.config.device, self.core.runner.cfg.torch_dtype
+            )
+            if self._vision is None:
+                raise ValueError(f"{self.config.model} has no vision encoder: send text only")
+        offline = recipe.ReqwestImageFetcher().with_destination_filter(lambda host, address: False)
+        resolver = recipe.ImageResolver(offline, recipe.OpenCvImagePreprocessor())
+        infos = resolver.resolve(list(sources), recipe.ImageQuota()).images
+        pairs = [(info, recipe.MultiModalData([info]).image_token_adjustment() + 1) for info in infos]
+        image_id = self.tokenizer.token_to_id(recipe.SpecialToken.Image.default_str())
+        expanded, parts = expand_placeholders(ids, image_id, pairs)
+        return expanded, self._vision.encode(parts)
 
     # -- generation ------------------------------------------------------------------------
     def chat(
-        self, messages: ChatMessages | Sequence[ChatMessages], sampling_params=None
+        self,
+        messages: ChatMessages | Sequence[ChatMessages],
+        sampling_params=None,
+        thinking: bool | None = None,
     ) -> list[RequestOutput]:
+        """Chat prompts rendered by deepseek-recipe; images (``image_url`` data URLs) are
+        resolved, expanded to their token counts and encoded by the checkpoint's vision encoder."""
         convs = [messages] if messages and isinstance(messages[0], dict) else list(messages)
-        return self.generate(convs, sampling_params)  # type: ignore[arg-type]
+        rendered = [self._render(c, thinking) for c in convs]  # type: ignore[arg-type]
+        prompts = [self._images(ids, sources) for ids, sources in rendered]
+        ids = [p[0] for p in prompts]
+        return self.generate(
+            sampling_params=sampling_params, prompt_token_ids=ids, images=[p[1] for p in prompts]
+        )
 
     def generate(
         self,
@@ -129,23 +170,30 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         priority: Sequence[int] | None = None,
+        images: Sequence[tuple[Any, ...]] | None = None,
     ) -> list[RequestOutput]:
+        """``images``: per prompt, its ``engine.messages.ImageInput``s (spans of its token ids
+        and their embedding rows; ``chat`` builds them)."""
         texts, ids = self._prompts(prompts, prompt_token_ids)
         params = self._params(sampling_params, len(ids))
         prios = list(priority) if priority is not None else [0] * len(ids)
         if len(prios) != len(ids):
             raise ValueError(f"priority has {len(prios)} entries for {len(ids)} prompts")
-        for p, sp in zip(ids, params):
+        imgs = list(images) if images is not None else [()] * len(ids)
+        if len(imgs) != len(ids):
+            raise ValueError(f"images has {len(imgs)} entries for {len(ids)} prompts")
+        for p, sp, im in zip(ids, params, imgs):
             self.core.check_prompt(p, sp.max_tokens)
+            self.core.check_images(CoreRequest("check", tuple(p), sp, images=tuple(im)))
         grammars = [  # may raise: nothing added
             [self.core.compile_grammar(sp.structured) if sp.structured else None for _ in range(sp.n)]
             for sp in params
         ]
         tracks: dict[str, _Track] = {}
         order: list[tuple[str, list[str]]] = []
-        for p, sp, prio, gs in zip(ids, params, prios, grammars):
+        for p, sp, prio, gs, im in zip(ids, params, prios, grammars, imgs):
             rid = str(next(self._ids))
-            order.append((rid, self._add(rid, p, sp, prio, gs, tracks)))
+            order.append((rid, self._add(rid, p, sp, prio, gs, tracks, im)))
         self._run(tracks)
         outs = []
         for (rid, children), text, p in zip(order, texts, ids):
@@ -181,7 +229,7 @@ class LLM:
             raise ValueError(f"got {len(sp)} sampling params for {n} prompts")
         return list(sp)
 
-    def _add(self, rid, prompt, sp: SamplingParams, prio, grammars, tracks) -> list[str]:
+    def _add(self, rid, prompt, sp: SamplingParams, prio, grammars, tracks, images=()) -> list[str]:
         """Completion i of n is request ``{rid}-{i}``; with n > 1 the children fork from the
         first one's prompt and each has its own seed derived from the request's."""
         base = sp.seed if sp.seed is not None else derive_seed(self.config.seed, f"request:{rid}")
@@ -191,7 +239,10 @@ class LLM:
             cid = f"{rid}-{i}"
             seed = base if sp.n == 1 else derive_seed(base, f"child:{i}")
             fork_of = f"{rid}-0" if i else None
-            self.core.add(CoreRequest(cid, tuple(prompt), one, prio, fork_of=fork_of, seed=seed), grammars[i])
+            creq = CoreRequest(
+                cid, tuple(prompt), one, prio, fork_of=fork_of, seed=seed, images=tuple(images)
+            )
+            self.core.add(creq, grammars[i])
             tracks[cid] = _Track(i, sp, StopStringMatcher(sp.stop, sp.include_stop_str_in_output))
             children.append(cid)
         return children

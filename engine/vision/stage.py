@@ -48,6 +48,28 @@ class ImagePart:
     height: int
 
 
+def expand_placeholders(
+    prompt_ids: Sequence[int], image_id: int, images: Sequence[tuple[Any, int]]
+) -> tuple[list[int], tuple[ImagePart, ...]]:
+    """Each image's one placeholder (``image_id``, as deepseek-recipe renders it) becomes its
+    token count of placeholders. ``images``: per placeholder in order, (the recipe's
+    ``ImageInfo``, its V4.1 token count). Returns the expanded ids and each image's
+    `ImagePart`; ValueError when the placeholders and the images do not pair up."""
+    at = [i for i, t in enumerate(prompt_ids) if t == image_id]
+    if len(at) != len(images):
+        raise ValueError(f"the prompt has {len(at)} image placeholders for {len(images)} images")
+    out: list[int] = []
+    parts = []
+    prev = 0
+    for pos, (info, tokens) in zip(at, images):
+        out += prompt_ids[prev:pos]
+        parts.append(ImagePart(len(out), int(tokens), bytes(info.data), int(info.width), int(info.height)))
+        out += [image_id] * int(tokens)
+        prev = pos + 1
+    out += prompt_ids[prev:]
+    return out, tuple(parts)
+
+
 class VisionStage:
     def __init__(self, encoder: Any, fingerprint: str, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         if cache_bytes < 0:

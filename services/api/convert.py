@@ -200,27 +200,17 @@ class Converter:
         """Each image's one placeholder becomes its V4.1 token count of placeholders (positions,
         the block chain, usage and the context check all see the expanded prompt); the spans
         and the recipe's preprocessed images go to the engine client, which encodes them."""
-        from engine.vision.stage import ImagePart
+        from engine.vision.stage import expand_placeholders
 
-        at = [i for i, t in enumerate(prompt_ids) if t == self.image_id]
         if not self.info.vision:
             raise ApiError(
                 400, f"model {self.info.model_id!r} has no vision encoder: send text only", param="messages"
             )
-        if len(at) != len(images.images):  # recipe rendered one placeholder per image
-            raise ApiError(
-                500, f"the prompt has {len(at)} image placeholders for {len(images.images)} images"
-            )
-        out: list[int] = []
-        parts = []
-        prev = 0
-        for pos, img, info in zip(at, images.images, images.data.images):
-            out += prompt_ids[prev:pos]
-            parts.append(ImagePart(len(out), img.tokens, bytes(info.data), info.width, info.height))
-            out += [self.image_id] * img.tokens
-            prev = pos + 1
-        out += prompt_ids[prev:]
-        return out, tuple(parts)
+        pairs = [(info, img.tokens) for img, info in zip(images.images, images.data.images)]
+        try:
+            return expand_placeholders(prompt_ids, self.image_id, pairs)
+        except ValueError as exc:  # recipe renders one placeholder per image: a bug of ours
+            raise ApiError(500, str(exc)) from None
 
     def resolve_max_tokens(self, conv: dr.ConversationRequest, prompt_tokens: int) -> int:
         limit = self.cfg.context_limit

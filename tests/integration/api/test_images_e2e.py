@@ -102,3 +102,38 @@ def test_an_anthropic_base64_image_block_is_served(api_server):
         ]}],
     )  # fmt: skip
     assert msg.usage.input_tokens > prepare(_png(2), "auto", 8192, 512).num_tokens
+
+
+@pytest.fixture()
+def served_tokens(api_server, monkeypatch) -> dict[str, list[int]]:
+    """request id -> every token id the served engine produced for it (read on its thread)."""
+    client = api_server.engine
+    seen: dict[str, list[int]] = {}
+    apply = client._apply
+
+    def recording(outputs, live):
+        for out in outputs:
+            seen.setdefault(out.request_id, []).extend(out.new_token_ids)
+        return apply(outputs, live)
+
+    monkeypatch.setattr(client, "_apply", recording)
+    return seen
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_served_greedy_tokens_equal_an_offline_llm_chat_with_the_same_images(
+    count, oai, api_server, tiny_model, served_tokens
+):
+    from engine import LLM, SamplingParams
+
+    content: list[dict] = [{"type": "text", "text": TEXT}]
+    for k in range(count):
+        content.append({"type": "image_url", "image_url": {"url": _url(_png(10 + k))}})
+    messages = [{"role": "user", "content": content}]
+    r = oai.chat.completions.create(model="deepseek-chat", messages=messages, max_tokens=8, temperature=0.0)
+    served = served_tokens[r.id]
+    with LLM(tiny_model) as llm:
+        (out,) = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=8), thinking=False)
+    offline = out.outputs[0].token_ids
+    assert len(out.prompt_token_ids) == r.usage.prompt_tokens
+    assert offline and served[: len(offline)] == offline
