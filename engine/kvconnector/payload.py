@@ -5,7 +5,7 @@ are little-endian. Byte layout (offsets in bytes; n = sections, M = metadata len
 
      0          magic          4s   b"SLKV"
      4          version        u16  FORMAT_VERSION (1)
-     6          kind           u8   KIND_BLOCK 1, KIND_SLOT 2, KIND_SEQUENCE 3
+     6          kind           u8   KIND_BLOCK 1, KIND_SLOT 2, KIND_SEQUENCE 3, KIND_EMBEDDING 4
      7          dtype          u8   DTYPE_CODES: float32 1, bfloat16 2, float16 3
      8          fingerprint    16s  first 16 bytes of the engine's sha256 model fingerprint
     24          layout         8s   layout_digest(spec, dtype)
@@ -61,8 +61,11 @@ LAYOUT_VERSION = 1
 KIND_BLOCK = 1
 KIND_SLOT = 2
 KIND_SEQUENCE = 3
+#: A vision encoder's rows for one image (``engine.vision.stage.RowsFormat``): one section
+#: of [length, hidden] rows; fingerprint and layout name the encoder, not the KV cache.
+KIND_EMBEDDING = 4
 KIND_NAMES: Mapping[int, str] = MappingProxyType(
-    {KIND_BLOCK: "block", KIND_SLOT: "slot", KIND_SEQUENCE: "sequence"}
+    {KIND_BLOCK: "block", KIND_SLOT: "slot", KIND_SEQUENCE: "sequence", KIND_EMBEDDING: "embedding"}
 )
 
 #: dtype -> header code. Codes are part of the format: never renumber.

@@ -14,11 +14,17 @@ placeholder tokens. `VisionStage.encode` turns each into an ``engine.messages.Im
 
 Thread-safe: API workers encode concurrently; the encoder runs one image at a time under a
 lock (its own threads parallelise each forward).
+
+Rows computed in another process (a vision-pool instance on Ray, ``services/ray/vision.py``)
+travel as an `EncodedImage`: the span, the key and the rows as one payload in the engine's
+byte format (``engine.kvconnector.payload``, kind ``KIND_EMBEDDING``, never pickled):
+`RowsFormat` packs and verifies them (`VisionStage.encode_payloads` makes them).
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 import time
 from collections import OrderedDict
@@ -70,6 +76,101 @@ def expand_placeholders(
     return out, tuple(parts)
 
 
+@dataclass(frozen=True)
+class EncodedImage:
+    """An image whose rows were computed elsewhere: its span of placeholder tokens, its key
+    (`VisionStage.key`) and its rows as a ``KIND_EMBEDDING`` payload (`RowsFormat.pack`)."""
+
+    offset: int
+    length: int
+    key: str
+    rows: bytes
+
+
+@dataclass(frozen=True)
+class RowsFormat:
+    """How an encoder's rows for one image travel as bytes: a ``KIND_EMBEDDING`` payload of
+    ``engine.kvconnector.payload`` with one section (the [length, hidden] rows' raw bytes,
+    row-major) and metadata ``{key, length, hidden}``. The payload's fingerprint names the
+    encoder (its ``vision_fingerprint``), its layout digest the row width and dtype, so a
+    receiver refuses rows from another encoder, of another width or dtype."""
+
+    fingerprint: str  # the encoder's vision_fingerprint
+    hidden: int  # the language model's hidden_size: the width of a row
+    dtype: torch.dtype
+
+    def _identity(self) -> tuple[bytes, bytes]:
+        fp = hashlib.sha256(_KEY_DOMAIN + b"\0" + self.fingerprint.encode()).digest()
+        desc = {"rows_version": 1, "hidden": int(self.hidden), "dtype": str(self.dtype)}
+        digest = hashlib.sha256(json.dumps(desc, sort_keys=True).encode()).digest()[:8]
+        return fp, digest
+
+    def pack(self, key: str, rows: torch.Tensor) -> bytes:
+        """One image's rows [length, hidden] (cast to this format's dtype) as a payload."""
+        from engine.kvconnector import payload
+
+        if rows.dim() != 2 or rows.shape[1] != self.hidden:
+            raise payload.PayloadError(f"rows must be [length, {self.hidden}], got {list(rows.shape)}")
+        fp, digest = self._identity()
+        meta = {"key": key, "length": int(rows.shape[0]), "hidden": int(self.hidden)}
+        body = rows.detach().to("cpu", self.dtype).contiguous()
+        return payload.encode(payload.KIND_EMBEDDING, fp, digest, self.dtype, [body], meta)
+
+    def verify(self, buf: bytes | bytearray | memoryview) -> tuple[str, int]:
+        """(key, row count) of a payload made by `pack` with this format, verified without
+        materialising the rows: ``PayloadError`` (a ValueError) for corrupt bytes, rows of
+        another encoder, width or dtype, or metadata that does not match the body."""
+        return self._open(buf)[:2]
+
+    def unpack(self, buf: bytes | bytearray | memoryview) -> tuple[str, torch.Tensor]:
+        """(key, rows [length, hidden]) of a payload made by `pack` with this format (a copy
+        of its bytes); ``PayloadError`` as `verify`."""
+        key, length, body = self._open(buf)
+        rows = (
+            torch.frombuffer(bytearray(body), dtype=self.dtype)
+            if len(body)
+            else torch.empty(0, dtype=self.dtype)
+        )
+        return key, rows.reshape(length, self.hidden)
+
+    def _open(self, buf: bytes | bytearray | memoryview) -> tuple[str, int, memoryview]:
+        from engine.kvconnector import payload
+
+        fp, digest = self._identity()
+        dec = payload.decode(
+            buf, kind=payload.KIND_EMBEDDING, fingerprint=fp, digest=digest, dtype=self.dtype
+        )
+        meta = dec.meta
+        key, length, hidden = meta.get("key"), meta.get("length"), meta.get("hidden")
+        if not isinstance(key, str) or not isinstance(length, int) or length < 0 or hidden != self.hidden:
+            raise payload.PayloadError(
+                f"embedding metadata must be {{key, length, hidden: {self.hidden}}}, got {meta!r:.200}"
+            )
+        if len(dec.sections) != 1:
+            raise payload.PayloadError(f"an embedding payload has 1 section, got {len(dec.sections)}")
+        (body,) = dec.sections
+        itemsize = torch.empty(0, dtype=self.dtype).element_size()
+        if len(body) != length * self.hidden * itemsize:
+            raise payload.PayloadError(
+                f"embedding body is {len(body)} bytes; {length} rows of {self.hidden} need "
+                f"{length * self.hidden * itemsize}"
+            )
+        return key, length, body
+
+    def image_input(self, image: EncodedImage) -> ImageInput:
+        """The engine's input for an image encoded elsewhere; ``PayloadError`` unless the
+        payload's key and row count are the image's."""
+        from engine.kvconnector.payload import PayloadError
+
+        key, rows = self.unpack(image.rows)
+        if key != image.key or rows.shape[0] != image.length:
+            raise PayloadError(
+                f"embedding payload holds {rows.shape[0]} rows of image {key[:12]}..., the prompt "
+                f"expects {image.length} of {image.key[:12]}..."
+            )
+        return ImageInput(image.offset, image.length, key, rows)
+
+
 class VisionStage:
     def __init__(self, encoder: Any, fingerprint: str, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         if cache_bytes < 0:
@@ -108,6 +209,14 @@ class VisionStage:
         return tuple(
             ImageInput(p.offset, p.length, k, self._rows(p, k)) for p in parts for k in [self.key(p)]
         )
+
+    def rows_format(self, dtype: torch.dtype) -> RowsFormat:
+        """How this encoder's rows travel, at ``dtype`` (the encoder's and the engines')."""
+        return RowsFormat(self.fingerprint, int(self.encoder.config.text_hidden_size), dtype)
+
+    def encode_payloads(self, parts: Sequence[ImagePart], fmt: RowsFormat) -> list[bytes]:
+        """`encode`, each image's rows packed as a payload of ``fmt`` (one per part, in order)."""
+        return [fmt.pack(img.key, img.embeds) for img in self.encode(parts)]
 
     def _rows(self, part: ImagePart, key: str) -> torch.Tensor:
         with self._lock:

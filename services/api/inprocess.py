@@ -108,6 +108,7 @@ class InProcessEngineClient:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._core: Any = None  # engine.core.EngineCore, owned by the engine thread
         self._vision: Any = None  # engine.vision.stage.VisionStage when the checkpoint has an encoder
+        self._rows_format: Any = None  # engine.vision.stage.RowsFormat: rows encoded elsewhere
         self._dead: BaseException | None = None
         self._counters = _Counters()
         self._stats = EngineStats(0, 0, 0, 0, 0, 0, 0, 0)
@@ -138,6 +139,8 @@ class InProcessEngineClient:
             self._vision = await asyncio.to_thread(
                 VisionStage.from_model_dir, self.model_dir, config.device, self._core.runner.cfg.torch_dtype
             )
+            if self._vision is not None:  # rows a vision pool made must come from this encoder
+                self._rows_format = self._vision.rows_format(self._core.runner.cfg.torch_dtype)
         sharing = self._core.slot_sharing
         if sharing is not None:  # the replica's slot server, for a router reading the directory
             pool = sharing.pool
@@ -349,14 +352,35 @@ class InProcessEngineClient:
             raise EngineRequestError(str(exc)) from None
 
     def _encode(self, request: EngineRequest) -> tuple[Any, ...]:
-        """The request's images as engine inputs (key, encoder rows; cached by key)."""
+        """The request's images as engine inputs (key, encoder rows). Each image is an
+        ``ImagePart`` (encoded here; cached by key), an ``EncodedImage`` (rows a vision-pool
+        instance made, as a payload verified against this checkpoint's encoder: not encoded
+        again) or an ``ImageInput`` (rows given as a tensor, taken as they are)."""
         if not request.images:
             return ()
-        if self._vision is None:
+        from engine.scheduler.request import ImageInput
+        from engine.vision.stage import EncodedImage, ImagePart
+
+        raw = [im for im in request.images if isinstance(im, ImagePart)]
+        rows = [im for im in request.images if isinstance(im, EncodedImage)]
+        if (raw and self._vision is None) or (rows and self._rows_format is None):
             raise EngineRequestError(f"model {self._info.model_id!r} has no vision encoder: send text only")
         try:
-            return tuple(self._vision.encode(request.images))
-        except ValueError as exc:
+            encoded = iter(self._vision.encode(raw) if raw else ())
+            out = []
+            for im in request.images:
+                if isinstance(im, ImagePart):
+                    out.append(next(encoded))
+                elif isinstance(im, EncodedImage):
+                    out.append(self._rows_format.image_input(im))
+                elif isinstance(im, ImageInput):
+                    out.append(im)
+                else:
+                    raise ValueError(
+                        f"an image must be an ImagePart, EncodedImage or ImageInput, got {type(im).__name__}"
+                    )
+            return tuple(out)
+        except ValueError as exc:  # PayloadError is a ValueError
             raise EngineRequestError(str(exc)) from None
 
     # -- engine thread ---------------------------------------------------------------------

@@ -52,6 +52,22 @@ def pool_config(plan: PoolPlan, kv_store: str | None) -> Any:
     return PoolConfig(lay.instances, engine, resources, cpus, expert_parallel=lay.expert_parallel, eplb=eplb)
 
 
+def vision_config(plan: ClusterPlan) -> Any:
+    """The ``PoolConfig`` of the plan's vision pool (None without one): its instances and
+    the Ray resources of each (one ``ve`` per GPU; on CPU one CPU slot and one ``ve``). The
+    encoders run on the pool's device, at the prefill engines' dtype (the rows' on the wire)."""
+    from services.ray.serving import PoolConfig
+
+    lay = plan.vision
+    if lay.instances == 0:
+        return None
+    resources = dict(lay.resources_per_rank)
+    cpus = float(resources.pop("CPU", 0.0))
+    device = "cuda" if lay.gpus_per_rank else "cpu"
+    dtype = plan.prefill.engine.get("dtype", "float32")
+    return PoolConfig(lay.instances, {"device": device, "dtype": dtype}, resources, cpus)
+
+
 def local_ray_resources(plan: ClusterPlan) -> tuple[int, dict[str, float]]:
     """(CPUs, custom resources) a local Ray instance needs to place the plan's engines."""
     need = plan.resources()
@@ -107,13 +123,15 @@ def serve_cluster(
             pool_config(plan.prefill, store_spec),
             pool_config(plan.decode, store_spec),
             policy=plan.router.policy,
+            vision=vision_config(plan),
         )
         app = create_app(cfg, client)
         port = sock.getsockname()[1]
         log.info(
-            "serving %s on http://%s:%d: %s prefill and %s decode engine(s) on Ray, KV store %s, %d API replica(s)",
-            model, host, port, plan.prefill.layout.instances, plan.decode.layout.instances, store_spec,
-            spec.api.replicas,
+            "serving %s on http://%s:%d: %s prefill and %s decode engine(s) on Ray, %s vision encoder(s), "
+            "KV store %s, %d API replica(s)",
+            model, host, port, plan.prefill.layout.instances, plan.decode.layout.instances,
+            plan.vision.instances, store_spec, spec.api.replicas,
         )  # fmt: skip
         if spec.api.replicas > 1:
             if config_path is None:
@@ -219,6 +237,7 @@ def _serve_api_replica(
             policy=plan.router.policy,
             deployment=deployment,
             attach=True,
+            vision=vision_config(plan),
         )
         app = create_app(cfg, client)
         log.info("API replica of deployment %s (pid %d)", deployment, os.getpid())

@@ -407,7 +407,8 @@ class RayEngineReplica:
             resumed = True
             clock.hand_to(target.name)
             try:
-                async for out in target._stream("resume", request, payload_ref):
+                # the payload holds the computed prompt: its images (rows included) stay here
+                async for out in target._stream("resume", replace(request, images=()), payload_ref):
                     kept = skip(out)
                     if kept is not None:
                         clock.tokens(kept)

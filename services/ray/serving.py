@@ -8,7 +8,10 @@ Ray resources), loads them in parallel, then routes over them:
   prefill engine per request, from state the engines push (``RayEngineReplica``);
 * each prefill engine hands its requests to the ``DecodeSet`` (2D balancer, reservation);
 * with no decode pool (``decode.engines == 0``) the prefill pool's engines run requests
-  whole: colocated serving over Ray, the baseline the benchmarks compare against.
+  whole: colocated serving over Ray, the baseline the benchmarks compare against;
+* with a vision pool (``vision``: ``VisionActor``s, ``services.ray.vision``) a request's
+  images are encoded there first (least outstanding image tokens) and reach the prefill
+  engine as rows in the engine's byte format; without one the engines encode them.
 
 The router lives in the API process and is fed by the engines' pushed streams; with more
 than one API process each keeps its own router (see docs/disaggregation.md).
@@ -21,7 +24,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -74,6 +77,7 @@ class RayServingClient:
         call_timeout_s: float = 120.0,
         deployment: str | None = None,
         attach: bool = False,
+        vision: PoolConfig | None = None,
     ) -> None:
         from services.api.inprocess import _read_model_info
 
@@ -92,6 +96,10 @@ class RayServingClient:
         ]
         self._info = min(infos, key=lambda i: i.context_limit)
         self.actors: list[Any] = []
+        # the vision pool: ``engines`` instances; ``engine_config`` may set its ``device``,
+        # ``dtype`` (default: the prefill engines', the dtype rows travel in) and ``cache_bytes``
+        self.vision_pool = vision if vision is not None and vision.engines > 0 else None
+        self.vision: Any = None  # services.ray.vision.VisionPool, once started
         self._groups: list[_EPInstance] = []  # the EP instances (expert_parallel > 1)
         self._supervisor: asyncio.Task[None] | None = None
         self.prefill: list[RayEngineReplica] = []
@@ -123,9 +131,19 @@ class RayServingClient:
                     else:
                         made[role] += self._instance(role, i, pool)
             every = [a for role in made.values() for a, _ in role]
+            seers = await self._vision_actors()
             infos = await asyncio.wait_for(
-                asyncio.gather(*(a.start.remote() for a in every)), self.start_timeout_s
+                asyncio.gather(*(a.start.remote() for a in [*every, *(a for a, _ in seers)])),
+                self.start_timeout_s,
             )
+            if seers:
+                from services.ray.vision import VisionPool
+
+                self.vision = VisionPool(
+                    [a for a, _ in seers], infos[len(every) :], [n for _, n in seers],
+                    call_timeout_s=self.call_timeout_s,
+                )  # fmt: skip
+                infos = infos[: len(every)]
             by_actor = dict(zip([id(a) for a in every], infos, strict=True))
             if self.disaggregated:
                 decode = [
@@ -164,6 +182,29 @@ class RayServingClient:
         except BaseException:
             await self.close()
             raise
+
+    async def _vision_actors(self) -> list[tuple[Any, str]]:
+        """The vision pool's actors and names (created here, or found when attached)."""
+        pool = self.vision_pool
+        if pool is None:
+            return []
+        names = [f"vision-{i}" for i in range(pool.engines)]
+        if self.attach:
+            return [(await self._find(n), n) for n in names]
+        from services.ray.vision import DEFAULT_CACHE_BYTES, remote_vision_actor
+
+        front = self.prefill_pool.engine_config
+        cfg = {"device": front.get("device", "cpu"), "dtype": front.get("dtype", "float32"),
+               "cache_bytes": DEFAULT_CACHE_BYTES, **dict(pool.engine_config)}  # fmt: skip
+        out = []
+        for n in names:
+            actor = remote_vision_actor(
+                str(self.checkpoint), str(cfg["device"]), str(cfg["dtype"]), int(cfg["cache_bytes"]),
+                num_cpus=pool.num_cpus, resources=dict(pool.resources), name=self.actor_name(n),
+            )  # fmt: skip
+            self.actors.append(actor)
+            out.append((actor, n))
+        return out
 
     # -- actor names: API replicas find the engines another process started ------------------
     @staticmethod
@@ -356,6 +397,7 @@ class RayServingClient:
         if self.router is not None:
             await self.router.close()
             self.router = None
+        self.vision = None
         if self.decode is not None:
             await asyncio.gather(*(r.close() for r in self.decode.replicas), return_exceptions=True)
         if self.attach:  # the engines belong to the process that started them
@@ -391,6 +433,13 @@ class RayServingClient:
             await self.router.abort(request_id)
 
     def stats(self) -> EngineStats:
+        """The engines' counters; ``extra`` also has the vision pool's totals (``vision_pool_*``)."""
+        out = self._engine_stats()
+        if self.vision is None:
+            return out
+        return replace(out, extra={**out.extra, **self.vision.stats()})
+
+    def _engine_stats(self) -> EngineStats:
         if self.router is None:
             return EngineStats(0, 0, 0, 0, 0, 0, 0, 0)
         front = self.router.stats()
@@ -416,6 +465,8 @@ class RayServingClient:
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         if self.router is None:
             raise EngineUnavailable("the Ray serving client is not started")
+        if self.vision is not None and request.images:
+            request = await self.vision.encode(request)
         async for out in self.router.generate(request):
             yield out
 
@@ -430,6 +481,8 @@ class RayServingClient:
         if self.decode is not None:
             engines += [("decode", r) for r in self.decode.replicas]
         yield from self.metrics.families(engines)
+        if self.vision is not None:
+            yield from self.vision.families()
         if self.decode is None:
             return
         placed = CounterMetricFamily(

@@ -8,7 +8,7 @@ themselves. Each pair round-trips exactly (tested).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from engine.scheduler.cache_events import CacheEvent, CacheEventBatch
@@ -17,9 +17,10 @@ from services.api.engine_client import EngineOutput, EngineRequest, StructuredSp
 
 
 def request_to_wire(request: EngineRequest) -> dict[str, Any]:
-    out = asdict(request)
+    out = asdict(replace(request, images=()))
     out["prompt_token_ids"] = [int(t) for t in request.prompt_token_ids]
     out["stop_token_ids"] = [int(t) for t in request.stop_token_ids]
+    out["images"] = [image_to_wire(im) for im in request.images]
     return out
 
 
@@ -29,7 +30,38 @@ def request_from_wire(raw: Mapping[str, Any]) -> EngineRequest:
     fields["stop_token_ids"] = tuple(int(t) for t in fields.get("stop_token_ids", ()))
     if fields.get("structured") is not None:
         fields["structured"] = StructuredSpec(**fields["structured"])
+    fields["images"] = tuple(image_from_wire(im) for im in fields.get("images", ()))
     return EngineRequest(**fields)
+
+
+def image_to_wire(image: Any) -> dict[str, Any]:
+    """One image of a request: the preprocessed image (``ImagePart``: ``data`` with its
+    ``width`` and ``height``, the engine encodes it) or the rows a vision-pool instance made
+    (``EncodedImage``: ``key`` and ``rows``, a ``KIND_EMBEDDING`` payload); both with the
+    span (``offset``, ``length``). Rows as tensors (``ImageInput``) do not travel: pack them."""
+    from engine.vision.stage import EncodedImage, ImagePart
+
+    if isinstance(image, ImagePart):
+        return {
+            "offset": int(image.offset), "length": int(image.length), "data": bytes(image.data),
+            "width": int(image.width), "height": int(image.height),
+        }  # fmt: skip
+    if isinstance(image, EncodedImage):
+        return {
+            "offset": int(image.offset), "length": int(image.length), "key": str(image.key),
+            "rows": bytes(image.rows),
+        }  # fmt: skip
+    raise TypeError(f"an image travels as an ImagePart or an EncodedImage, got {type(image).__name__}")
+
+
+def image_from_wire(raw: Mapping[str, Any]) -> Any:
+    from engine.vision.stage import EncodedImage, ImagePart
+
+    if "rows" in raw:
+        return EncodedImage(int(raw["offset"]), int(raw["length"]), str(raw["key"]), bytes(raw["rows"]))
+    return ImagePart(
+        int(raw["offset"]), int(raw["length"]), bytes(raw["data"]), int(raw["width"]), int(raw["height"])
+    )
 
 
 def output_to_wire(output: EngineOutput) -> dict[str, Any]:
