@@ -270,6 +270,20 @@ def _ray_store(name: str) -> Any:
     return store
 
 
+def ray_options(opts: dict[str, Any]) -> dict[str, Any]:
+    """``opts`` for ``ray.remote(...).options`` with ``GPU`` and ``CPU`` moved out of
+    ``resources`` into ``num_gpus`` / ``num_cpus``: Ray refuses them as custom resources
+    (a pool's per-rank resources name them together with the pool's own)."""
+    out = dict(opts)
+    resources = dict(out.pop("resources", None) or {})
+    if "GPU" in resources:
+        out["num_gpus"] = resources.pop("GPU")
+    if "CPU" in resources:
+        out["num_cpus"] = resources.pop("CPU")
+    out["resources"] = resources
+    return out
+
+
 def remote_engine_actor(
     role: str,
     checkpoint: str,
@@ -296,7 +310,7 @@ def remote_engine_actor(
         opts["resources"] = {resource: 1, **opts.get("resources", {})}
     return (
         ray.remote(EngineActor)
-        .options(**opts)
+        .options(**ray_options(opts))
         .remote(
             role,
             str(checkpoint),

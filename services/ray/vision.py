@@ -36,7 +36,7 @@ from dataclasses import replace
 from typing import Any
 
 from services.api.engine_client import EngineRequest, EngineRequestError, EngineUnavailable
-from services.ray.actors import DEFAULT_MAX_RESTARTS, error_of, raise_error
+from services.ray.actors import DEFAULT_MAX_RESTARTS, error_of, raise_error, ray_options
 
 log = logging.getLogger(__name__)
 DEFAULT_CACHE_BYTES = 256 << 20
@@ -160,14 +160,10 @@ def remote_vision_actor(
     import ray
 
     opts: dict[str, Any] = {"max_concurrency": 1000, "max_restarts": DEFAULT_MAX_RESTARTS, **options}
-    resources = dict(opts.pop("resources", None) or {})
-    if "GPU" in resources:  # Ray takes GPUs (and CPUs) as keywords, not as resources
-        opts["num_gpus"] = resources.pop("GPU")
-    if "CPU" in resources:
-        opts["num_cpus"] = resources.pop("CPU")
-    opts["resources"] = resources
     return (
-        ray.remote(VisionActor).options(**opts).remote(str(checkpoint), device, str(dtype), int(cache_bytes))
+        ray.remote(VisionActor)
+        .options(**ray_options(opts))
+        .remote(str(checkpoint), device, str(dtype), int(cache_bytes))
     )
 
 

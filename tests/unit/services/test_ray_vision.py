@@ -231,3 +231,11 @@ def test_a_spec_with_a_vision_pool_launches_its_instances_with_the_pools_resourc
         g.num_cpus == 0 and dict(g.resources) == {"GPU": 1, "ve": 1} and g.engine_config["device"] == "cuda"
     )
     assert vision_config(derive(ClusterSpec.model_validate({"model": model}))) is None
+
+
+def test_gpus_and_cpus_leave_the_custom_resources_as_ray_wants():
+    from services.ray.actors import ray_options
+
+    opts = ray_options({"name": "e", "resources": {"GPU": 1.0, "prefill": 1.0, "CPU": 2.0}})
+    assert opts == {"name": "e", "num_gpus": 1.0, "num_cpus": 2.0, "resources": {"prefill": 1.0}}
+    assert ray_options({"num_cpus": 0})["resources"] == {}
