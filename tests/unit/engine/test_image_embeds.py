@@ -138,3 +138,48 @@ def test_a_sequence_with_an_image_hands_off_with_its_rows_and_keys(model):
     (req,) = [r for r in b.scheduler.requests.values() if r.request_id == "r"]
     assert req.images[0].key == "image-4" and torch.equal(req.images[0].embeds, img.embeds)
     assert first + steps(b, "r") == want
+
+
+def test_one_pixel_changes_the_states_from_the_images_position_on_and_not_before(model):
+    """Through the real path: recipe preprocessing, the checkpoint's vision encoder, the rows
+    in place of the span. The final streams are bit-equal before the image and at its first
+    position (the learned image-begin row, which no pixel changes), and differ at every
+    position after it (the tower attends over all patches, so every cell's row moves)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    from engine.vision.stage import ImagePart, VisionStage
+
+    stage = VisionStage.from_model_dir(model)
+    assert stage is not None
+    rgb = np.random.default_rng(5).integers(0, 256, size=(40, 60, 3), dtype=np.uint8)
+    poked = rgb.copy()
+    poked[10, 20] = 255 - poked[10, 20]
+
+    def part(pixels: np.ndarray, offset: int) -> ImagePart:
+        import deepseek_recipe as dr
+
+        buf = io.BytesIO()
+        Image.fromarray(pixels).save(buf, format="PNG")
+        info = dr.OpenCvImagePreprocessor().preprocess(
+            buf.getvalue(), dr.PreprocessOptions("auto", 8192, 512)
+        )
+        n = dr.MultiModalData([info]).image_token_adjustment() + 1
+        return ImagePart(offset, n, bytes(info.data), info.width, info.height)
+
+    a, b = part(rgb, 100), part(poked, 100)
+    assert a.length == b.length and a.data != b.data
+    (img_a,), (img_b,) = stage.encode([a]), stage.encode([b])
+    assert img_a.key != img_b.key
+    runner = ModelRunner(model, RunnerConfig(num_blocks=8, num_slots=2, with_mtp=False))
+    tokens = _with_span(prompt(100 + a.length + 40, 6), 100, a.length)
+
+    def hidden(img: ImageInput, slot: int, table: list[int]) -> torch.Tensor:
+        seq = SequenceInput(tokens, 0, slot, table, True, embeds=[img.rows(0, len(tokens))])
+        return runner.execute(ForwardBatch.from_sequences([seq])).hidden
+
+    ha, hb = hidden(img_a, 0, [0, 1]), hidden(img_b, 1, [2, 3])
+    same = (ha - hb).abs().flatten(1).amax(1) == 0
+    assert same[:101].all() and not same[101:].any()
