@@ -8,12 +8,14 @@ Targets are computed in the run that reports them; an unmet target stays in the 
 
 from __future__ import annotations
 
+import argparse
 import json
 import operator
 import os
 import platform
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from importlib import metadata
 from typing import Any
@@ -114,6 +116,21 @@ def emit(report: Report, as_json: bool) -> None:
         print(json.dumps(report.to_json(), indent=2, sort_keys=False))
     else:
         print(render_table(report))
+
+
+def module_main(
+    area: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], Report],
+    argv: Sequence[str] | None = None,
+) -> None:
+    """``python -m services.bench.<area>``: the same as ``sluice bench <area>``, for hosts that
+    lack the CLI's service dependencies (the GPU machine)."""
+    p = argparse.ArgumentParser(prog=f"sluice bench {area}")
+    add_arguments(p)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    emit(run(args), args.json)
 
 
 def progress(message: str) -> None:

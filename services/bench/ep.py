@@ -19,7 +19,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from services.bench import Report, emit, progress
+from services.bench import Report, module_main, progress
 
 DEEPSEEK_IMBALANCE = {2: 1.045, 4: 1.074, 8: 1.090}  # the issue's reference figures per EP size
 SCALING_TARGET = 0.8
@@ -155,12 +155,8 @@ def run(args: argparse.Namespace) -> Report:
 
 
 def main() -> None:
-    """``python -m services.bench.ep`` (same as ``sluice bench ep``), for hosts without the CLI's deps."""
-    p = argparse.ArgumentParser(prog="sluice bench ep")
-    add_arguments(p)
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args()
-    emit(run(args), args.json)
+    """``python -m services.bench.ep`` (same as ``sluice bench ep``)."""
+    module_main("ep", add_arguments, run, None)
 
 
 if __name__ == "__main__":

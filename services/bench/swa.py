@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from services.bench import Report, emit, progress
+from services.bench import Report, module_main, progress
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TRACE = REPO / "data/traces/conversation_trace.jsonl"
@@ -500,12 +500,8 @@ def target_cell(timing: Sequence[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def main() -> None:
-    """``python -m services.bench.swa`` (same as ``sluice bench swa``), for hosts without the CLI's deps."""
-    p = argparse.ArgumentParser(prog="sluice bench swa")
-    add_arguments(p)
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args()
-    emit(run(args), args.json)
+    """``python -m services.bench.swa`` (same as ``sluice bench swa``)."""
+    module_main("swa", add_arguments, run, None)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from services.bench import Report, emit, progress
+from services.bench import Report, module_main, progress
 
 SIZES: tuple[tuple[int, int], ...] = ((64, 48), (320, 240), (640, 480), (1024, 768))
 TTFT_SIZE = (640, 480)
@@ -400,11 +400,7 @@ def run(args: argparse.Namespace) -> Report:
 
 def main(argv: Sequence[str] | None = None) -> None:
     """``python -m services.bench.vision`` (same as ``sluice bench vision``)."""
-    p = argparse.ArgumentParser(prog="sluice bench vision")
-    add_arguments(p)
-    p.add_argument("--json", action="store_true")
-    args = p.parse_args(argv)
-    emit(run(args), args.json)
+    module_main("vision", add_arguments, run, argv)
 
 
 if __name__ == "__main__":
