@@ -1,0 +1,428 @@
+"""DSpark: confidence-scheduled speculative decoding, the pure scheduling core.
+
+The draft (MTP layer) proposes up to ``max_k`` tokens per sequence per step and a confidence
+head predicts, for request ``r`` and draft position ``j`` (1-based), the probability
+``c(r, j)`` that draft ``j`` is accepted given that drafts ``1..j-1`` were. Then
+
+* survival ``a(r, j) = prod_{i<=j} c(r, i)``: the probability that drafts ``1..j`` are all
+  accepted (non-increasing in ``j``);
+* verifying the first ``k_r`` drafts costs ``k_r + 1`` tokens of the verification batch and
+  yields ``E_r(k_r) = 1 + sum_{j<=k_r} a(r, j)`` expected tokens (the 1 is the token the
+  target always produces);
+* a choice ``{k_r}`` has expected throughput ``(sum_r E_r(k_r)) * steps_per_s(T)`` with
+  ``T = sum_r (k_r + 1)``, ``steps_per_s`` from a profiled :class:`StepProfile`.
+
+**Optimality** (what :func:`plan_dspark` computes, and what the tests check against brute
+force). Write ``D = sum_r k_r`` (so ``T = B + D``). For a fixed ``D`` the throughput is
+``(B + sum of the admitted a(r, j)) * steps_per_s(B + D)``, maximised by admitting the ``D``
+largest survivals. Because ``a(r, j)`` is non-increasing in ``j``, the ``D`` largest
+(ties broken by smaller ``j``) are prefix-closed, so they are a valid choice: greedy
+admission by decreasing ``a(r, j)`` is optimal for every ``D``. Evaluating the throughput
+of each greedy prefix ``D = 0..N`` and taking the argmax (smallest ``D`` among ties) is
+therefore the global optimum over all ``{k_r}``. The paper's rule "stop when throughput
+stops rising" (``stop="first_peak"``) reaches the same point whenever the throughput of
+the greedy prefixes is unimodal in ``D``, which holds for an affine step time
+``seconds(T) = c0 + c1 * T`` (each step's marginal test ``a_{D+1} > c1 * thr(D)`` fails
+forever once it fails, by the mediant inequality) but not for an arbitrary profiled table,
+so the default is the argmax.
+
+Cost: one sort of the ``N <= B * max_k`` survivals plus vectorised cumsum / interpolation,
+``O(N log N)``.
+
+Baselines: :func:`select_fixed` (``k_r = min(K, n_r)``), :func:`select_oracle` (``k_r = L_r``,
+the true accepted length: it verifies exactly the drafts that will be accepted, so every
+verified token is accepted; this maximises accepted tokens per verified token, not
+necessarily throughput), no speculation (``k_r = 0``, :func:`select_fixed` with ``K = 0``).
+:func:`choose_policy` picks between DSpark and fixed-K by predicted throughput.
+
+The asynchronous variant schedules with confidences two steps old; :class:`LaggedConfidence`
+keeps them. Pure numpy; nothing here imports torch or the engine.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+import numpy.typing as npt
+
+FloatArray = npt.NDArray[np.float64]
+IntArray = npt.NDArray[np.int64]
+Confidences = Sequence[npt.ArrayLike] | npt.NDArray[Any]
+
+# ---------------------------------------------------------------------------------------
+# Step profile
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepProfile:
+    """Profiled steps per second against tokens in a step, linearly interpolated.
+
+    ``tokens`` strictly increasing and positive; ``steps_per_s`` positive, finite and
+    non-increasing (a bigger step is never faster). Outside the table the end values are
+    used (clamped).
+    """
+
+    tokens: tuple[float, ...]
+    rates: tuple[float, ...]
+
+    def __init__(self, tokens: Iterable[float], steps_per_s: Iterable[float]) -> None:
+        t = tuple(float(x) for x in tokens)
+        s = tuple(float(x) for x in steps_per_s)
+        if not t or len(t) != len(s):
+            raise ValueError(f"need equal, non-empty tokens and steps_per_s ({len(t)} vs {len(s)})")
+        if not all(math.isfinite(x) and x > 0 for x in t):
+            raise ValueError("token counts must be finite and positive")
+        if any(b <= a for a, b in zip(t, t[1:])):
+            raise ValueError("token counts must be strictly increasing")
+        if not all(math.isfinite(x) and x > 0 for x in s):
+            raise ValueError("steps_per_s must be finite and positive")
+        if any(b > a for a, b in zip(s, s[1:])):
+            raise ValueError("steps_per_s must be non-increasing in tokens")
+        object.__setattr__(self, "tokens", t)
+        object.__setattr__(self, "rates", s)
+
+    def steps_per_s(self, tokens: npt.ArrayLike) -> Any:
+        """Steps per second at ``tokens`` (scalar -> float, array -> array)."""
+        out = np.interp(np.asarray(tokens, dtype=np.float64), self.tokens, self.rates)
+        return float(out) if np.ndim(out) == 0 else out
+
+    def seconds(self, tokens: npt.ArrayLike) -> Any:
+        """Seconds of one step of ``tokens`` tokens (``1 / steps_per_s``)."""
+        out = 1.0 / np.interp(np.asarray(tokens, dtype=np.float64), self.tokens, self.rates)
+        return float(out) if np.ndim(out) == 0 else out
+
+    def to_dict(self) -> dict[str, list[float]]:
+        return {"tokens": list(self.tokens), "steps_per_s": list(self.rates)}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> StepProfile:
+        return cls(d["tokens"], d["steps_per_s"])
+
+    @classmethod
+    def from_cost_model(cls, seconds: Callable[[float], float], points: Iterable[float]) -> StepProfile:
+        """Sample a step-time model ``seconds(tokens)`` at ``points`` (sorted, deduplicated)."""
+        pts = sorted(set(float(p) for p in points))
+        return cls(pts, [1.0 / float(seconds(p)) for p in pts])
+
+
+def throughput(expected_total: float, tokens: float, profile: StepProfile) -> float:
+    """Expected accepted tokens per second: ``expected_total * steps_per_s(tokens)``."""
+    return float(expected_total) * float(profile.steps_per_s(tokens))
+
+
+# ---------------------------------------------------------------------------------------
+# Survival and expected accepted tokens
+# ---------------------------------------------------------------------------------------
+
+
+def _as_conf(c: npt.ArrayLike) -> FloatArray:
+    arr = np.asarray(c, dtype=np.float64).reshape(-1)
+    if arr.size and (not np.all(np.isfinite(arr)) or arr.min() < 0.0 or arr.max() > 1.0):
+        raise ValueError("confidences must be finite probabilities in [0, 1]")
+    return arr
+
+
+def survival(conf: npt.ArrayLike) -> FloatArray:
+    """``a[j-1] = prod_{i<=j} conf[i-1]`` for one request (cumulative products)."""
+    return _cumprod(_as_conf(conf))
+
+
+def _cumprod(c: npt.NDArray[np.float64]) -> FloatArray:
+    return np.asarray(np.cumprod(c, axis=-1), dtype=np.float64)
+
+
+def expected_accepted(a: npt.ArrayLike, k: int) -> float:
+    """``E(k) = 1 + sum_{j<=k} a(j)`` for one request's survivals ``a``."""
+    arr = np.asarray(a, dtype=np.float64).reshape(-1)
+    if k < 0 or k > arr.size:
+        raise ValueError(f"k={k} outside 0..{arr.size}")
+    return 1.0 + float(arr[:k].sum())
+
+
+def _padded(conf: Confidences) -> tuple[FloatArray, npt.NDArray[np.bool_]]:
+    """[B, K] confidences (1.0 where a request has no such draft) and the mask of real drafts."""
+    if isinstance(conf, np.ndarray) and conf.ndim == 2:
+        c = conf.astype(np.float64, copy=False)
+        mask = np.ones(c.shape, dtype=bool)
+    else:
+        rows = [np.asarray(x, dtype=np.float64).reshape(-1) for x in conf]
+        lengths = np.fromiter((r.size for r in rows), dtype=np.int64, count=len(rows))
+        kmax = int(lengths.max()) if lengths.size else 0
+        mask = np.arange(kmax)[None, :] < lengths[:, None]
+        c = np.ones((len(rows), kmax), dtype=np.float64)
+        if kmax:
+            c[mask] = np.concatenate(rows)
+    if c.size and (not np.all(np.isfinite(c)) or c.min() < 0.0 or c.max() > 1.0):
+        raise ValueError("confidences must be finite probabilities in [0, 1]")
+    return c, mask
+
+
+# ---------------------------------------------------------------------------------------
+# Policies
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DSparkPlan:
+    """One DSpark decision: ``ks[r]`` drafts to verify per request and its prediction."""
+
+    ks: IntArray
+    expected_accepted: float  # sum_r E_r(k_r)
+    tokens: int  # T = sum_r (k_r + 1)
+    throughput: float  # expected accepted tokens per second
+
+
+def _plan(
+    a: FloatArray,
+    mask: npt.NDArray[np.bool_],
+    profile: StepProfile,
+    max_tokens: int | None,
+    stop: str,
+) -> DSparkPlan:
+    batch = a.shape[0]
+    if batch == 0:
+        return DSparkPlan(np.zeros(0, dtype=np.int64), 0.0, 0, 0.0)
+    rows = np.nonzero(mask)[0]  # row-major: j ascending within each request
+    cand = a[mask]
+    # stable: ties keep j ascending (and equal survivals give equal E whatever the order, as
+    # only the per-request counts are used), so the admitted set is prefix-closed
+    order = np.argsort(-cand, kind="stable")
+    n = cand.size
+    if max_tokens is not None:
+        n = max(0, min(n, int(max_tokens) - batch))
+    expected = np.empty(n + 1, dtype=np.float64)
+    expected[0] = 0.0
+    np.cumsum(cand[order[:n]], out=expected[1:])
+    expected += batch
+    thr = expected * profile.steps_per_s(batch + np.arange(n + 1, dtype=np.float64))
+    if stop == "argmax":
+        d = int(np.argmax(thr))  # first maximum: the fewest tokens among ties
+    elif stop == "first_peak":
+        falls = np.nonzero(thr[1:] <= thr[:-1])[0]
+        d = int(falls[0]) if falls.size else n
+    else:
+        raise ValueError(f"unknown stop rule {stop!r}")
+    ks = np.bincount(rows[order[:d]], minlength=batch).astype(np.int64)
+    return DSparkPlan(ks, float(expected[d]), batch + d, float(thr[d]))
+
+
+def plan_dspark(
+    conf: Confidences,
+    profile: StepProfile,
+    *,
+    max_tokens: int | None = None,
+    stop: Literal["argmax", "first_peak"] = "argmax",
+) -> DSparkPlan:
+    """Greedy admission of ``(r, j)`` by decreasing survival; the best prefix by throughput.
+
+    ``conf``: per request an array of its drafts' confidences (lengths may differ, 0 allowed),
+    or a [B, K] array. ``max_tokens`` caps ``T`` (never below ``B``: every request's own
+    token is always verified). ``stop``: "argmax" (global optimum, see the module doc) or
+    "first_peak" (stop at the first greedy step that does not raise throughput).
+    """
+    c, mask = _padded(conf)
+    return _plan(_cumprod(c), mask, profile, max_tokens, stop)
+
+
+def select_dspark(
+    conf: Confidences,
+    profile: StepProfile,
+    *,
+    max_tokens: int | None = None,
+    stop: Literal["argmax", "first_peak"] = "argmax",
+) -> list[int]:
+    """``k_r`` per request chosen by DSpark (see :func:`plan_dspark`)."""
+    return plan_dspark(conf, profile, max_tokens=max_tokens, stop=stop).ks.tolist()
+
+
+def select_fixed(n_drafts: Sequence[int] | npt.ArrayLike, K: int) -> list[int]:
+    """Fixed-K speculation: ``k_r = min(K, n_r)``; ``K = 0`` is no speculation."""
+    if K < 0:
+        raise ValueError("K must be >= 0")
+    n = np.asarray(n_drafts, dtype=np.int64).reshape(-1)
+    if n.size and n.min() < 0:
+        raise ValueError("draft counts must be >= 0")
+    return np.minimum(n, K).tolist()
+
+
+def select_oracle(
+    accepted_lengths: Sequence[int] | npt.ArrayLike, n_drafts: Sequence[int] | npt.ArrayLike | None = None
+) -> list[int]:
+    """Oracle: ``k_r = L_r``, exactly the drafts that will be accepted (clipped to ``n_r``)."""
+    lengths = np.asarray(accepted_lengths, dtype=np.int64).reshape(-1)
+    if lengths.size and lengths.min() < 0:
+        raise ValueError("accepted lengths must be >= 0")
+    if n_drafts is not None:
+        lengths = np.minimum(lengths, np.asarray(n_drafts, dtype=np.int64).reshape(-1))
+    return lengths.tolist()
+
+
+def _expected(a: FloatArray, mask: npt.NDArray[np.bool_], ks: IntArray) -> float:
+    if ks.size != a.shape[0]:
+        raise ValueError(f"{ks.size} ks for {a.shape[0]} requests")
+    take = np.arange(a.shape[1])[None, :] < ks[:, None]
+    if np.any(take & ~mask):
+        raise ValueError("k_r exceeds the drafts available")
+    return float(ks.size + a[take].sum())
+
+
+def expected_total(conf: Confidences, ks: Sequence[int] | npt.ArrayLike) -> float:
+    """``sum_r E_r(k_r)`` under the confidences (``k_r`` must not exceed ``r``'s drafts)."""
+    c, mask = _padded(conf)
+    return _expected(_cumprod(c), mask, np.asarray(ks, dtype=np.int64).reshape(-1))
+
+
+def fixed_k_from_means(
+    conf: Confidences, profile: StepProfile, max_k: int = 5, *, max_tokens: int | None = None
+) -> int:
+    """The K of fixed-K: the best ``K <= max_k`` when every request has the mean confidences.
+
+    Per draft position, the mean confidence over the requests that have that draft; each
+    request is modelled with those means (its survival their cumulative product) and
+    ``min(K, n_r)`` drafts; the K of highest throughput wins (the smallest among ties), among
+    those whose batch fits ``max_tokens``.
+    """
+    c, mask = _padded(conf)
+    return _fixed_k(c, mask, profile, max_k, max_tokens)
+
+
+def _fixed_k(
+    c: FloatArray, mask: npt.NDArray[np.bool_], profile: StepProfile, max_k: int, max_tokens: int | None
+) -> int:
+    batch, kmax = c.shape
+    if batch == 0 or kmax == 0:
+        return 0
+    n = mask.sum(axis=1)
+    mean_c = (c * mask).sum(axis=0) / np.maximum(mask.sum(axis=0), 1)
+    cum = np.concatenate([[0.0], np.cumsum(np.cumprod(mean_c))])
+    best_k, best = 0, -1.0
+    for k in range(min(max_k, kmax) + 1):
+        kr = np.minimum(n, k)
+        tokens = int(batch + kr.sum())
+        if max_tokens is not None and tokens > max_tokens and k > 0:
+            break
+        thr = float((1.0 + cum[kr]).sum()) * float(profile.steps_per_s(tokens))
+        if thr > best:
+            best_k, best = k, thr
+    return best_k
+
+
+def choose_policy(
+    conf: Confidences,
+    profile: StepProfile,
+    max_k: int = 5,
+    *,
+    margin: float = 0.01,
+    dspark_overhead_s: float = 0.0,
+    max_tokens: int | None = None,
+) -> tuple[list[int], str]:
+    """DSpark selection or fixed-K, whichever the expected-throughput model predicts higher.
+
+    Fixed-K takes ``K`` from :func:`fixed_k_from_means` (the draft length "from the same
+    profile", with mean confidences) and verifies ``min(K, n_r)`` drafts of every request.
+    Both candidates are then scored by the same per-request expected model; DSpark's step
+    time carries ``dspark_overhead_s`` extra seconds (confidence head and selection; 0 by
+    default). DSpark is chosen only if it beats fixed-K by more than ``margin`` (relative):
+    with calibrated confidences and no overhead DSpark is never worse, since fixed-K is one
+    of the choices it optimises over, so the margin is what keeps the uniform "verify every
+    draft" batch where selection does not pay (cheap tokens: both verify nearly everything).
+
+    Returns ``(ks, name)``, ``name`` in {"dspark", "fixed-K", "none"} ("none" whenever the
+    chosen ``ks`` are all zero).
+    """
+    if max_k < 0:
+        raise ValueError("max_k must be >= 0")
+    c, mask = _padded(conf)
+    if c.shape[0] == 0:
+        return [], "none"
+    c, mask = c[:, :max_k], mask[:, :max_k]
+    a = _cumprod(c)
+    k_fixed = _fixed_k(c, mask, profile, max_k, max_tokens)
+    ks_fixed = np.minimum(mask.sum(axis=1), k_fixed).astype(np.int64)
+    thr_fixed = throughput(_expected(a, mask, ks_fixed), float((ks_fixed + 1).sum()), profile)
+    plan = _plan(a, mask, profile, max_tokens, "argmax")
+    thr_dspark = plan.expected_accepted / (float(profile.seconds(plan.tokens)) + dspark_overhead_s)
+    if thr_dspark > thr_fixed * (1.0 + margin):
+        ks, name = plan.ks, "dspark"
+    else:
+        ks, name = ks_fixed, "fixed-K"
+    if not np.any(ks):
+        name = "none"
+    return ks.tolist(), name
+
+
+# ---------------------------------------------------------------------------------------
+# Async variant: confidences two steps old
+# ---------------------------------------------------------------------------------------
+
+
+class LaggedConfidence:
+    """Per request, the confidences of its last ``lag`` steps; hands out the oldest.
+
+    In the asynchronous pipeline the confidences of step ``t-1`` are still being computed
+    when step ``t`` is scheduled, so the newest usable ones are ``lag = 2`` steps old.
+    Call :meth:`record` once per step a request took part in (with that step's
+    confidences) and :meth:`get` when scheduling it.
+
+    Fallback for a request with fewer than ``lag`` recorded steps (or for draft positions
+    its lagged record lacks): the per-position mean of the lagged confidences of all
+    requests currently tracked that have them; if none has, ``prior`` (default 1.0: treat
+    the drafts as certain, i.e. verify them all, like fixed-K, until evidence arrives).
+    Ages count the request's own recorded steps, not global steps.
+    """
+
+    def __init__(self, lag: int = 2, prior: float = 1.0) -> None:
+        if lag < 1:
+            raise ValueError("lag must be >= 1")
+        if not 0.0 <= prior <= 1.0:
+            raise ValueError("prior must be in [0, 1]")
+        self.lag = lag
+        self.prior = prior
+        self._hist: dict[Hashable, deque[FloatArray]] = {}
+
+    def record(self, rid: Hashable, conf: npt.ArrayLike) -> None:
+        """Confidences produced for ``rid`` in the step just finished."""
+        h = self._hist.get(rid)
+        if h is None:
+            h = self._hist[rid] = deque(maxlen=self.lag)
+        h.append(_as_conf(conf).copy())
+
+    def drop(self, rid: Hashable) -> None:
+        """Forget a finished request."""
+        self._hist.pop(rid, None)
+
+    def age(self, rid: Hashable) -> int:
+        h = self._hist.get(rid)
+        return len(h) if h is not None else 0
+
+    def __len__(self) -> int:
+        return len(self._hist)
+
+    def _population_mean(self, n: int) -> FloatArray:
+        sums = np.zeros(n)
+        counts = np.zeros(n)
+        for h in self._hist.values():
+            if len(h) == self.lag:
+                c = h[0][:n]
+                sums[: c.size] += c
+                counts[: c.size] += 1
+        return np.where(counts > 0, sums / np.maximum(counts, 1), self.prior)
+
+    def get(self, rid: Hashable, n_drafts: int) -> FloatArray:
+        """Confidences to schedule ``rid``'s ``n_drafts`` drafts with (``lag`` steps old)."""
+        h = self._hist.get(rid)
+        lagged = h[0][:n_drafts] if h is not None and len(h) == self.lag else np.zeros(0)
+        if lagged.size == n_drafts:
+            return lagged.copy()
+        out = self._population_mean(n_drafts)
+        out[: lagged.size] = lagged
+        return out
+
+    def get_batch(self, rids: Sequence[Hashable], n_drafts: Sequence[int]) -> list[FloatArray]:
+        return [self.get(r, int(n)) for r, n in zip(rids, n_drafts)]
