@@ -11,7 +11,7 @@ TEST_MARKERS ?= not slow and not gpu
 MYPY_TARGETS ?= costmodel router kvstore services/envs.py services/bench/__init__.py \
 	engine/eplb.py services/eplb/controller.py services/eplb/rank.py services/api services/ray services/routing \
 	engine/scheduler engine/loop.py engine/executor.py engine/llm.py engine/core.py engine/messages.py engine/engine_config.py \
-	engine/kvconnector engine/train engine/sampling engine/structured services/commands/train.py \
+	engine/kvconnector engine/train engine/sampling engine/structured engine/spec engine/vision services/commands/train.py \
 	services/bench/_e2e_sim.py services/bench/_e2e_handoff.py services/bench/_e2e_trace.py
 
 .PHONY: install proto test test-slow test-gpu lint run clean redis-server
