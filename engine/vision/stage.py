@@ -171,6 +171,16 @@ class RowsFormat:
         return ImageInput(image.offset, image.length, key, rows)
 
 
+def rows_key(part: ImagePart, fingerprint: str) -> str:
+    """An image's key (module doc): SHA-256 over its preprocessed bytes, their size and the
+    encoder's fingerprint. The router computes it too, to hash prompts as the engines do."""
+    h = hashlib.sha256(_KEY_DOMAIN)
+    for piece in (part.data, f"{part.width}x{part.height}".encode(), fingerprint.encode()):
+        h.update(len(piece).to_bytes(8, "little"))
+        h.update(piece)
+    return h.hexdigest()
+
+
 class VisionStage:
     def __init__(self, encoder: Any, fingerprint: str, cache_bytes: int = DEFAULT_CACHE_BYTES) -> None:
         if cache_bytes < 0:
@@ -197,11 +207,7 @@ class VisionStage:
         return None if encoder is None else cls(encoder, vision_fingerprint(model_dir), cache_bytes)
 
     def key(self, part: ImagePart) -> str:
-        h = hashlib.sha256(_KEY_DOMAIN)
-        for piece in (part.data, f"{part.width}x{part.height}".encode(), self.fingerprint.encode()):
-            h.update(len(piece).to_bytes(8, "little"))
-            h.update(piece)
-        return h.hexdigest()
+        return rows_key(part, self.fingerprint)
 
     def encode(self, parts: Sequence[ImagePart]) -> tuple[ImageInput, ...]:
         """Each part's key and rows (cached, else encoded); ValueError when the encoder's row

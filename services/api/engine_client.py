@@ -135,6 +135,7 @@ class ModelInfo:
     swa_replay_tokens: tuple[int, int] = (0, 0)
     swa_replay_default: str = "exact"
     vision: bool = False  # the checkpoint has a vision encoder: requests may carry images
+    vision_fingerprint: str = ""  # its identity (engine.model.vision.vision_fingerprint): image keys
     # With SWA slot sharing (after ``start``): this replica's slot server, as it names itself
     # in the SWA directory ("host:port"; None: no sharing), the directory's URL, and whether
     # its host slots are exact state (False: lossy, e.g. MXFP8; they serve only requests

@@ -707,5 +707,13 @@ def _read_model_info(model_dir: Path, engine_kwargs: dict[str, Any]) -> ModelInf
     return ModelInfo(
         model_dir.resolve().name, context, int(cfg["vocab_size"]), eos_ids, str(tokenizer),
         (layers * (window - 1), window - 1), str(engine_kwargs.get("swa_replay", "exact")),
-        vision=bool(cfg.get("vision")),
+        vision=bool(cfg.get("vision")), vision_fingerprint=_vision_fingerprint(model_dir, cfg),
     )  # fmt: skip
+
+
+def _vision_fingerprint(model_dir: Path, cfg: dict[str, Any]) -> str:
+    if not cfg.get("vision"):
+        return ""
+    from engine.model.vision import vision_fingerprint
+
+    return vision_fingerprint(model_dir)

@@ -53,7 +53,7 @@ from costmodel import CostModel
 from engine.kvconnector.connector import ConnectorConfig
 from engine.kvconnector.swa_directory import SlotDirectory, SlotLocation, open_slot_directory
 from engine.scheduler.cache_events import CacheEventBatch
-from engine.scheduler.hashing import ROOT_HASH, ExtraKeys, chain_hashes
+from engine.scheduler.hashing import ROOT_HASH, ExtraKeys, ImageSpan, chain_hashes
 from router.policy import RequestView, slot_fetch_tokens
 from services.api.engine_client import (
     EngineBusy,
@@ -368,7 +368,7 @@ class RoutedEngineClient:
         if self._identity is None:
             raise EngineUnavailable("the routed engine client is not started")
         block_size, extra = self._identity
-        blocks = chain_hashes(request.prompt_token_ids, block_size, extra)
+        blocks = chain_hashes(request.prompt_token_ids, block_size, extra, images=self._image_spans(request))
         arrival = time.monotonic() - self._t0
         exact, bounded = self._info.swa_replay_tokens
         mode = request.swa_replay or self._info.swa_replay_default
@@ -376,6 +376,17 @@ class RoutedEngineClient:
             request.request_id, len(request.prompt_token_ids), blocks, arrival, 0, block_size,
             swa_replay_tokens=bounded if mode == "bounded" else exact,
         )  # fmt: skip
+
+    def _image_spans(self, request: EngineRequest) -> list[ImageSpan]:
+        """The request's images as the engines key them (their block hashes include the keys):
+        an image encoded by a vision pool carries its key; a preprocessed one is keyed here."""
+        from engine.vision.stage import rows_key
+
+        spans = []
+        for img in request.images:
+            key = getattr(img, "key", None) or rows_key(img, self._info.vision_fingerprint)
+            spans.append(ImageSpan(img.offset, img.length, key))
+        return spans
 
     async def _route(self, view: RequestView, tried: set[int], request: EngineRequest | None = None) -> int:
         await self._sync()
