@@ -1,12 +1,12 @@
 import pytest
 
 from services.api.errors import ApiError
+from services.api.image_headers import image_dimensions
 from services.api.images import (
     ImageLimits,
     check_image_bytes,
     check_remote_url,
     decode_data_url,
-    image_dimensions,
     is_public_address,
 )
 from tests.unit.api.images_fixtures import data_url, gif_header, jpeg_header, png
