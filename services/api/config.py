@@ -53,6 +53,9 @@ class ApiConfig:
     max_image_side_px: int = 8192
     allow_remote_images: bool = False
     image_url_allow_hosts: tuple[str, ...] = ()  # exact host names; empty = none even if allowed
+    # recipe's preprocessed images kept by (original bytes, detail): a conversation re-sends
+    # its images every turn; a hit skips the decode and resize (0 = off)
+    image_cache_bytes: int = 64 * 2**20
     # -- admission (429) --
     max_concurrency: int = 8  # requests generating at once
     max_queue: int = 16  # requests waiting for a slot; beyond it 429 at once
@@ -79,7 +82,9 @@ class ApiConfig:
         for name in positive:
             if getattr(self, name) < 1:
                 raise ValueError(f"ApiConfig.{name} must be >= 1, got {getattr(self, name)}")
-        for name in ("max_top_logprobs", "max_stop_sequences", "max_tools", "max_images", "max_queue"):
+        for name in (
+            "max_top_logprobs", "max_stop_sequences", "max_tools", "max_images", "max_queue", "image_cache_bytes",
+        ):  # fmt: skip
             if getattr(self, name) < 0:
                 raise ValueError(f"ApiConfig.{name} must be >= 0, got {getattr(self, name)}")
         if self.max_top_logprobs > 20:

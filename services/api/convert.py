@@ -28,7 +28,7 @@ from engine.structured.tokenizer import control_tokens
 from services.api.config import ApiConfig
 from services.api.engine_client import EngineRequest, ModelInfo, StructuredSpec
 from services.api.errors import ApiError, from_recipe, limit_error
-from services.api.images import ImageIntake, resolve_images
+from services.api.images import ImageIntake, PreprocessCache, resolve_images
 from services.api.limits import image_limits
 from services.api.tool_grammar import tool_call_grammar
 from services.api.traffic_class import DEFAULT_TRAFFIC_CLASS
@@ -93,6 +93,7 @@ class Converter:
         self.options_plain = base.with_default_thinking_mode(False)
         self.bos_id = self._special_id(dr.SpecialToken.Bos)
         self.image_id = self._special_id(dr.SpecialToken.Image)
+        self.image_cache = PreprocessCache(cfg.image_cache_bytes) if cfg.image_cache_bytes else None
         self.think_end_id = self._special_id(dr.SpecialToken.ThinkingEnd)
         controls = control_tokens(info.tokenizer_path)
         self.control_ids = frozenset(controls.values())
@@ -194,7 +195,7 @@ class Converter:
         if not any(m.image_sources for m in conv.conversation.messages):
             return None
         sources = self.encoding.render_conversation(conv.conversation).image_sources
-        return resolve_images(list(sources), image_limits(self.cfg))
+        return resolve_images(list(sources), image_limits(self.cfg), self.image_cache)
 
     def expand_images(self, prompt_ids: list[int], images: ImageIntake) -> tuple[list[int], tuple[Any, ...]]:
         """Each image's one placeholder becomes its V4.1 token count of placeholders (positions,

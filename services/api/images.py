@@ -33,9 +33,11 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
+import hashlib
 import ipaddress
 import socket
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote_to_bytes, urlsplit
@@ -312,8 +314,52 @@ def _fetch_error(exc: Exception, url: str, limits: ImageLimits, where: str) -> A
 # -- stage 2: recipe's resolver ----------------------------------------------------------------
 
 
-def resolve_images(sources: list[dr.ImageSource], limits: ImageLimits) -> ImageIntake:
-    """Pre-check every source, then preprocess them all with recipe's resolver.
+class PreprocessCache:
+    """Recipe's preprocessed images (its WebP bytes, size and V4.1 token count) by the SHA-256
+    of the original bytes and the ``detail``: a conversation re-sends every image each turn,
+    and a hit skips the decode and resize. Least recently used first out, bounded in bytes;
+    thread-safe. An image still passes ``inspect_image`` before it is looked up."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._items: OrderedDict[tuple[bytes, str], tuple[bytes, int, int, int]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+        self.hits = self.misses = 0
+
+    @staticmethod
+    def key(data: bytes, detail: str) -> tuple[bytes, str]:
+        return hashlib.sha256(data).digest(), detail
+
+    def get(self, key: tuple[bytes, str]) -> tuple[bytes, int, int, int] | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is None:
+                self.misses += 1
+                return None
+            self._items.move_to_end(key)
+            self.hits += 1
+            return item
+
+    def put(self, key: tuple[bytes, str], item: tuple[bytes, int, int, int]) -> None:
+        size = len(item[0])
+        if size > self.max_bytes:
+            return
+        with self._lock:
+            if key in self._items:
+                return
+            while self._items and self._bytes + size > self.max_bytes:
+                _, old = self._items.popitem(last=False)
+                self._bytes -= len(old[0])
+            self._items[key] = item
+            self._bytes += size
+
+
+def resolve_images(
+    sources: list[dr.ImageSource], limits: ImageLimits, cache: PreprocessCache | None = None
+) -> ImageIntake:
+    """Pre-check every source, then preprocess them all with recipe's resolver (those
+    ``cache`` does not hold).
 
     ``sources`` are recipe's, in placeholder order (``RenderedPrompt.image_sources``). Each
     becomes a ``BytesImageSource`` (same detail and path) only after its bytes pass
@@ -339,29 +385,47 @@ def resolve_images(sources: list[dr.ImageSource], limits: ImageLimits) -> ImageI
             data = bytes(src.data or b"")
         header = inspect_image(data, limits, where)
         checked.append((header, dr.BytesImageSource(data, src.detail, path=where)))
+    keys = [PreprocessCache.key(bytes(s.data or b""), str(s.detail)) for _, s in checked]
+    found = [cache.get(k) if cache is not None else None for k in keys]
+    todo = [s for (_, s), f in zip(checked, found) if f is None]
+    fresh = iter(_preprocess(todo, limits) if todo else [])
+    infos, images = [], []
+    for (header, src), key, hit in zip(checked, keys, found):
+        if hit is None:
+            info = next(fresh)
+            hit = (bytes(info.data), int(info.width), int(info.height), _tokens(info, header, src.path))
+            if cache is not None:
+                cache.put(key, hit)
+        data, width, height, tokens = hit
+        infos.append(dr.ImageInfo(data, width, height))
+        images.append(ResolvedImage(src.path, src.detail, header.width, header.height, width, height, tokens))
+    return ImageIntake(dr.MultiModalData(infos), tuple(images))
+
+
+def _preprocess(sources: list[Any], limits: ImageLimits) -> list[Any]:
+    """Recipe's resolver over checked ``BytesImageSource``s: their ``ImageInfo``s, in order."""
+    import deepseek_recipe as dr
+
     _, resolver = _components(limits)
     try:
-        mm = resolver.resolve([s for _, s in checked], dr.ImageQuota())
+        return list(resolver.resolve(sources, dr.ImageQuota()).images)
     except dr.ImageError as exc:
         raise _resolve_error(exc, limits) from None
-    infos = mm.images
-    images = []
-    for (header, src), info in zip(checked, infos, strict=True):
-        try:
-            tokens = dr.MultiModalData([info]).image_token_adjustment() + 1
-        except dr.CalcResizeError:
-            raise ApiError(
-                400,
-                f"{src.path}: the {header.width}x{header.height} image cannot be fitted to the model's "
-                "image grid (aspect ratio too extreme)",
-                param=src.path,
-            ) from None
-        images.append(
-            ResolvedImage(
-                src.path, src.detail, header.width, header.height, info.width, info.height, int(tokens)
-            )
-        )
-    return ImageIntake(mm, tuple(images))
+
+
+def _tokens(info: Any, header: ImageHeader, path: str) -> int:
+    """One image's V4.1 token count (``image_token_adjustment`` counts those beyond one)."""
+    import deepseek_recipe as dr
+
+    try:
+        return int(dr.MultiModalData([info]).image_token_adjustment()) + 1
+    except dr.CalcResizeError:
+        raise ApiError(
+            400,
+            f"{path}: the {header.width}x{header.height} image cannot be fitted to the model's "
+            "image grid (aspect ratio too extreme)",
+            param=path,
+        ) from None
 
 
 def _resolve_error(exc: Exception, limits: ImageLimits) -> ApiError:

@@ -109,6 +109,28 @@ def test_detail_selects_recipe_preprocessing():
     assert [im.detail for im in intake.images] == ["low", "original"]
 
 
+def test_a_cached_image_skips_preprocessing_and_resolves_the_same(monkeypatch):
+    from services.api import images
+
+    cache = images.PreprocessCache(1 << 20)
+    a, b = data_url(png(300, 200)), data_url(png(64, 48))
+    first = resolve_images([source(a), source(b, "low")], OFF, cache)
+    calls: list[int] = []
+    real = images._preprocess
+    monkeypatch.setattr(images, "_preprocess", lambda todo, lim: calls.append(len(todo)) or real(todo, lim))
+    again = resolve_images([source(b, "low"), source(a)], OFF, cache)  # both held: no recipe call
+    assert calls == [] and (cache.hits, cache.misses) == (2, 2)
+    assert again.images == first.images[::-1]
+    assert [i.data for i in again.data.images] == [i.data for i in first.data.images][::-1]
+    assert again.data.image_token_adjustment() == first.data.image_token_adjustment()
+    resolve_images([source(a, "low")], OFF, cache)  # another detail is another entry
+    assert calls == [1]
+    tiny = images.PreprocessCache(10)  # an entry larger than the budget is not kept
+    resolve_images([source(a)], OFF, tiny)
+    resolve_images([source(a)], OFF, tiny)
+    assert tiny.hits == 0
+
+
 def test_count_limit_applies_to_the_sources():
     with pytest.raises(ApiError) as exc:
         resolve_images([source(data_url(png(2, 2)))] * 3, replace(OFF, max_images=2))
@@ -120,6 +142,7 @@ def test_converter_resolves_in_placeholder_order():
     conv_obj = Converter.__new__(Converter)
     conv_obj.cfg = ApiConfig()
     conv_obj.encoding = dr.DeepseekV41Encoding()
+    conv_obj.image_cache = None
     wide, tall, square = (
         data_url(jpeg(400, 100, 3), "image/jpeg"),
         data_url(png(100, 400)),
