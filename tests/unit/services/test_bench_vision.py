@@ -35,8 +35,8 @@ def test_tiny_run_reports_the_declared_targets_and_sane_values(checkpoint_factor
     targets = {t["name"]: t for t in out["targets"]}
     assert set(targets) == {
         "images/s: 2 pinned encoder instances / 1",
-        "image TTFT / (encode + text TTFT)",
-        "encoder-cache hit TTFT / text TTFT",
+        "image TTFT / (preprocess + encode + same-length text TTFT)",
+        "encoder-cache hit TTFT / same-length text TTFT",
     }
     assert [(t["op"], t["target"]) for t in out["targets"]] == [(">=", 1.6), ("<=", 1.1), ("<=", 1.05)]
     for t in out["targets"]:
@@ -61,7 +61,9 @@ def test_tiny_run_reports_the_declared_targets_and_sane_values(checkpoint_factor
     med = tt["median_s"]
     assert set(med) == {"text", "image", "hit", "same_len", "encode", "preprocess"}
     assert all(0 < v < 30 for v in med.values())
-    assert targets["encoder-cache hit TTFT / text TTFT"]["value"] == pytest.approx(med["hit"] / med["text"])
+    hit = targets["encoder-cache hit TTFT / same-length text TTFT"]["value"]
+    assert hit == pytest.approx(med["hit"] / med["same_len"])
+    assert tt["hit_over_text"] == pytest.approx(med["hit"] / med["text"])
     vs = tt["server_vision_stats"]
     assert vs["vision_images_encoded"] >= 2 and vs["vision_cache_hits"] >= 2  # warm-up + 1 repeat
     table = render_table(report)
