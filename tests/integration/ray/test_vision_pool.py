@@ -36,12 +36,16 @@ def _png(seed: int) -> bytes:
     return buf.getvalue()
 
 
-def _messages(seed: int) -> list[dict]:
-    url = "data:image/png;base64," + base64.b64encode(_png(seed)).decode()
+def _messages(*seeds: int) -> list[dict]:
+    images = [
+        {
+            "type": "image_url",
+            "image_url": {"url": "data:image/png;base64," + base64.b64encode(_png(s)).decode()},
+        }
+        for s in seeds
+    ]
     return [{"role": "user", "content": [
-        {"type": "text", "text": TEXT},
-        {"type": "image_url", "image_url": {"url": url}},
-        {"type": "text", "text": "What is in the picture?"},
+        {"type": "text", "text": TEXT}, *images, {"type": "text", "text": "What is in the picture?"},
     ]}]  # fmt: skip
 
 
@@ -93,6 +97,23 @@ def test_a_chat_with_an_image_equals_an_offline_llm_chat_and_is_encoded_in_the_p
     assert all(e.stats().extra.get("vision_images_encoded", 0.0) == 0.0 for e in _engines(client))
     assert client.stats().extra["vision_pool_images_encoded"] == 1
     assert client.stats().extra["vision_pool_outstanding_image_tokens"] == 0  # released
+
+
+def test_a_chat_with_two_images_equals_an_offline_llm_chat(stack, model):
+    from engine import LLM, SamplingParams
+
+    url, client = stack
+    messages = _messages(20, 21)
+    r = _oai(url).chat.completions.create(
+        model="deepseek-chat", messages=messages, max_tokens=MAX_TOKENS, temperature=0.0
+    )
+    with LLM(model) as llm:
+        (out,) = llm.chat(messages, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), thinking=False)
+    assert r.usage.prompt_tokens == len(out.prompt_token_ids)
+    assert r.usage.completion_tokens == len(out.outputs[0].token_ids)
+    # the server holds back a trailing incomplete UTF-8 sequence; LLM decodes it as U+FFFD
+    assert r.choices[0].message.content == out.outputs[0].text.rstrip("\ufffd")
+    assert all(e.stats().extra.get("vision_images_encoded", 0.0) == 0.0 for e in _engines(client))
 
 
 def test_the_same_image_again_is_a_cache_hit_on_the_idle_first_instance(stack):
