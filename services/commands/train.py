@@ -3,7 +3,9 @@
 * ``data``: corpus manifest, held-out split, cut vocabulary, token arrays, baselines;
 * ``model``: train ``DeepseekV4ForCausalLM`` plus its MTP layer on a data directory, and
   score it on the held-out split (perplexity beside the baselines, MTP acceptance);
-* ``headers``: greedy continuations of 20 held-out function headers through the engine.
+* ``headers``: greedy continuations of 20 held-out function headers through the engine;
+* ``confidence``: fit the MTP drafts' confidence head on the model's own drafts over the
+  training split, and report its calibration on the held-out split.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from typing import Any
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("train", help="train the small trained preset (stages: data, model, headers)")
+    p = sub.add_parser(
+        "train", help="train the small trained preset (stages: data, model, headers, confidence)"
+    )
     stages = p.add_subparsers(dest="stage", metavar="STAGE")
     stages.required = True
     d = stages.add_parser(
@@ -90,6 +94,30 @@ def register(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--markdown", type=Path, default=None, help="also write the markdown report here")
     h.add_argument("--json", action="store_true", help="print the JSON report")
     h.set_defaults(func=run_headers)
+
+    from engine.train.confidence import ConfidenceSettings
+
+    c = stages.add_parser(
+        "confidence",
+        help="fit the MTP drafts' confidence head on the model's own drafts; calibration on heldout-v1",
+    )
+    _checkpoint_args(c)
+    c.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="directory to write confidence/model.safetensors and confidence/confidence.json into "
+        "(e.g. the checkpoint directory; nothing else there is touched)",
+    )
+    c.add_argument("--json", action="store_true", help="print confidence.json")
+    for field in dataclasses.fields(ConfidenceSettings):
+        c.add_argument(
+            "--" + field.name.replace("_", "-"),
+            type=type(field.default),
+            default=field.default,
+            help=f"(default {field.default})",
+        )
+    c.set_defaults(func=run_confidence)
 
 
 def _checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -202,4 +230,29 @@ def run_headers(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=1))
         return 0
     print(f"{report['parsed']} of {report['n']} held-out header continuations parse with ast")
+    return 0
+
+
+def run_confidence(args: argparse.Namespace) -> int:
+    from engine.train.confidence import ConfidenceSettings, train_confidence
+
+    names = [f.name for f in dataclasses.fields(ConfidenceSettings)]
+    settings = ConfidenceSettings(**{n: getattr(args, n) for n in names})
+    report = train_confidence(args.model, args.data, args.out, settings, device=args.device)
+    if args.json:
+        print(json.dumps(report, indent=1))
+        return 0
+    held = report["heldout"]
+    auc = "n/a" if held["auc"] is None else f"{held['auc']:.3f}"
+    print(
+        f"heldout-v1: {held['n']} drafts, Brier {held['brier']:.4f} (constant rate {held['brier_constant_train_rate']:.4f}, "
+        f"per-position rates {held['brier_constant_per_position']:.4f}), AUC {auc}, ECE {held['ece']:.4f}"
+    )
+    print(
+        "mean confidence / observed acceptance at positions 1-5: "
+        + ", ".join(
+            f"{p['mean_confidence']:.3f}/{p['observed']:.3f}" if p["n"] else "-/-" for p in held["positions"]
+        )
+    )
+    print(f"fitted in {report['timings']['total_s']:.0f} s; wrote {args.out / 'confidence'}")
     return 0
