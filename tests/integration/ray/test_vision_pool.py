@@ -22,7 +22,8 @@ from services.ray.serving import PoolConfig, RayServingClient
 from tests.integration.ray.conftest import served, wait_until
 from tests.integration.services.test_local_services import LOOPBACK_PREFIXES, _pids_of_tree, _sockets_of
 
-pytestmark = pytest.mark.integration
+# slow: a Ray deployment with a vision pool (~60-85 s on 2 cores); `make test-slow` runs it
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ENGINE = {"num_blocks": 32, "max_num_batched_tokens": 256}
 TEXT = "Here is a long preamble so that the prompt spans full cache blocks. " * 12

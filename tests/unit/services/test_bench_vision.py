@@ -26,6 +26,7 @@ def test_defaults_are_the_small_preset() -> None:
 
 
 @pytest.mark.timeout(120)
+@pytest.mark.slow  # a bench smoke run (~7 s): `make test-slow`
 def test_tiny_run_reports_the_declared_targets_and_sane_values(checkpoint_factory) -> None:
     model = checkpoint_factory("tiny")
     report = vision.run(_args("--model", str(model), "--images", "2", "--rounds", "1", "--repeats", "1"))
