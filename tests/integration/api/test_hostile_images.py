@@ -22,7 +22,9 @@ from services.api.config import ApiConfig
 from tests.data.hostile_images import Hostile, accepted, corpus
 from tests.integration.api.conftest import RunningServer, _serve
 
-pytestmark = pytest.mark.integration
+# slow: 41 cases through two SDKs beside a long stream (~17 s): `make test-slow`; the unit
+# tests hold every case to its 400 in under 1 s in `make test`
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ANTHROPIC_CASES = (
     "truncated PNG (cut inside IDAT)", "PNG decompression bomb (8000x8000, real zlib)", "SVG (image/svg+xml)",

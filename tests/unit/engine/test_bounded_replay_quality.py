@@ -84,6 +84,7 @@ def test_host_slot_variants_on_a_tiny_random_checkpoint(checkpoint_factory) -> N
             SlotVariant.parse(bad)
 
 
+@pytest.mark.slow  # 16 held-out prompts x 64 decode steps (~36 s): `make test-slow`
 def test_bounded_replay_keeps_greedy_agreement_on_held_out_text() -> None:
     hit = default_hit(8, 128)
     prompts = heldout_prompts(TRAINED, 16, hit + 64)

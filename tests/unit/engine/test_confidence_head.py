@@ -155,6 +155,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return data_dir, model_dir
 
 
+@pytest.mark.slow  # ~10 s of drafting and fitting: `make test-slow`
 def test_training_stage_end_to_end_is_deterministic_and_fits(
     tiny: tuple[Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

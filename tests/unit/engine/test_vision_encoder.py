@@ -64,6 +64,7 @@ def encoder() -> VisionEncoder:
     return VisionEncoder(cfg).eval()
 
 
+@pytest.mark.slow  # 200 recipe preprocessings (~11 s): `make test-slow`
 def test_token_count_agrees_for_every_size_and_detail(encoder: VisionEncoder) -> None:
     rows_by_size: dict[tuple[int, int], int] = {}  # the encoder's output depends on (W, H) only
     seen_details: dict[str, set[int]] = {d: set() for d in DETAILS}
