@@ -50,7 +50,6 @@ import dataclasses
 import hashlib
 import json
 import math
-import platform
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -71,7 +70,7 @@ from engine.model.confidence import (
 from engine.train.data import read_array
 from engine.train.evaluate import greedy_chains, prompt_offsets
 from engine.train.model import TrainModel
-from engine.train.trainer import Log, Streams
+from engine.train.trainer import Log, Streams, run_environment
 
 SOURCES = ("train", "valid", "fit")
 CHAINS = ("engine", "recompute")
@@ -476,14 +475,7 @@ def train_confidence(
             "heldout_sha256": data.header["arrays"]["heldout"]["sha256"],
             "source_tokens": len(stream),
         },
-        "environment": {
-            "device": torch.cuda.get_device_name(dev)
-            if dev.type == "cuda"
-            else platform.processor() or "cpu",
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "threads": torch.get_num_threads(),
-        },
+        "environment": run_environment(dev),
         "timings": timings,
         "fit": {
             "examples": len(train_ex.label),

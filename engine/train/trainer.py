@@ -136,6 +136,16 @@ def _eval_batch(dev: torch.device, seq_len: int, micro_batch: int) -> int:
     return max(micro_batch, (32768 if dev.type == "cuda" else 8192) // seq_len)
 
 
+def run_environment(dev: torch.device) -> dict[str, Any]:
+    """Where a training stage ran, for its JSON record."""
+    return {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+    }
+
+
 def _fmt_eta(seconds: float) -> str:
     m, sec = divmod(int(seconds), 60)
     return f"{m}m{sec:02d}s"
@@ -262,12 +272,7 @@ def train(
             "train_tokens_used": int(len(data.train)),
         },
         "environment": {
-            "device": torch.cuda.get_device_name(dev)
-            if dev.type == "cuda"
-            else platform.processor() or "cpu",
-            "torch": torch.__version__,
-            "python": platform.python_version(),
-            "threads": torch.get_num_threads(),
+            **run_environment(dev),
             "peak_gpu_memory_gb": round(torch.cuda.max_memory_allocated(dev) / 1e9, 2)
             if dev.type == "cuda"
             else None,
