@@ -39,9 +39,11 @@ from engine.scheduler.hashing import BlockHash, ExtraKeys
 from engine.scheduler.host_slots import HostSlotPool
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.scheduler import Scheduler, StepUpdate
+from engine.spec.policy import SPEC_STEPS_FILE, SpecPolicy, SpecProfile
 
 if TYPE_CHECKING:
     from engine.kvconnector.slot_sharing import SlotSharing
+    from engine.spec.drafter import Drafter
 
 __all__ = ["CoreRequest", "CoreStats", "EngineConfig", "EngineCore", "SeqOutput", "block_keys"]
 _FETCH_POLL_S = 0.002  # how long an otherwise idle step waits for a store fetch
@@ -76,7 +78,7 @@ class EngineCore:
             cfg.model,
             RunnerConfig(
                 num_blocks=cfg.num_blocks, num_slots=cfg.num_swa_slots, dtype=cfg.dtype, device=cfg.device,
-                with_mtp=False, ep_size=cfg.ep_size, ep_rank=cfg.ep_rank,
+                with_mtp=cfg.speculative is not None, ep_size=cfg.ep_size, ep_rank=cfg.ep_rank,
             ),
             ep_group=ep_group,
             placement=placement,
@@ -99,9 +101,16 @@ class EngineCore:
             if cfg.host_swa_bytes
             else None
         )
-        self.scheduler = Scheduler(self._scheduler_config(), self.host_slots)
-        self.executor = ModelExecutor(self.runner, cfg.device, self.kv, self.host_slots)
-        self.loop = EngineLoop(self.scheduler, self.executor.execute, cfg.async_scheduling)
+        self.spec = self._spec_policy()
+        self.scheduler = Scheduler(self._scheduler_config(), self.host_slots, self.spec)
+        self.executor = ModelExecutor(
+            self.runner, cfg.device, self.kv, self.host_slots, self._drafter(),
+            self.spec.config.num_drafts if self.spec is not None else 0,
+        )  # fmt: skip
+        # speculation is synchronous: a step's drafts are the next step's input
+        self.loop = EngineLoop(
+            self.scheduler, self.executor.execute, cfg.async_scheduling and self.spec is None
+        )
         self._tracks: dict[str, _Track] = {}
         self._out: list[SeqOutput] = []
         self._fetches: dict[str, PendingFetch] = {}
@@ -117,6 +126,31 @@ class EngineCore:
         self._grammar: Any = None
         self._grammar_lock = threading.Lock()
         self.eos_token_id = _eos(self.tokenizer_path)
+
+    def _spec_policy(self) -> SpecPolicy | None:
+        """Speculation's policy with its step profile, after checking the slot's rings can
+        stage every draft (each staged position needs its own row)."""
+        spec = self.config.spec
+        if spec is None:
+            return None
+        swa = self.runner.swa
+        rings = [t.shape[1] for t in swa.layer_rings(range(swa.num_layers))]
+        if spec.num_drafts > min(rings):
+            raise ValueError(
+                f"{spec.num_drafts} drafts per step exceed the smallest SWA ring ({min(rings)} rows)"
+            )
+        path = Path(spec.profile_path) if spec.profile_path else Path(self.config.model) / SPEC_STEPS_FILE
+        profile = SpecProfile.load(path) if path.is_file() else None
+        return SpecPolicy(spec, profile)
+
+    def _drafter(self) -> Drafter | None:
+        if self.spec is None:
+            return None
+        from engine.model.confidence import load_confidence_head
+        from engine.spec.drafter import Drafter
+
+        head = load_confidence_head(self.config.model, self.config.device)
+        return Drafter(self.runner.model, self.runner.pool, self.runner.swa, head)
 
     def _host_swa_layers(self) -> int | None:
         """EngineConfig.host_swa_layers checked against the slot's layers (None: all kept)."""
@@ -376,7 +410,11 @@ class EngineCore:
             if track is None or req is None:
                 continue
             new = tuple(req.output_token_ids[track.sent :])
-            lps = (upd.logprobs.get(rid),) if len(new) == 1 else (None,) * len(new)
+            lp = upd.logprobs.get(rid)
+            if isinstance(lp, tuple):  # one per token of a step that accepted drafts
+                lps = lp[: len(new)] + (None,) * (len(new) - len(lp))
+            else:
+                lps = (lp,) if len(new) == 1 else (None,) * len(new)
             reason = req.status.value if rid in finished else None
             if reason is not None:
                 del self._tracks[rid]
@@ -414,6 +452,8 @@ class EngineCore:
             **{f"swa_replays_{k}": float(v) for k, v in sched.cache.replays.items()},
             **{f"swa_replayed_tokens_{k}": float(v) for k, v in sched.cache.replayed_tokens.items()},
         }
+        if self.spec is not None:
+            extra.update(self.spec.stats.as_dict())
         if self.store is not None:
             extra.update(self.store.stats.as_dict())
         if self.slot_sharing is not None:

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.spec.policy import SpecConfig
 
 COST_MODEL_FILE = "sluice_cost_model.json"
 # decode step times measured on this hardware (``router.steptable.StepTable``), beside the
@@ -50,6 +54,12 @@ class EngineConfig:
     swa_server_host: str = "127.0.0.1"
     swa_lease_s: float = 10.0
     swa_fetch_timeout_s: float = 5.0
+    # Speculative decoding with the checkpoint's MTP layer (engine/spec/): "dspark",
+    # "dspark-lagged" or "fixed-K", optionally ":N" drafts per step (engine.spec.policy.SpecConfig.parse);
+    # None: off. It runs the step loop synchronously (a step's drafts feed the next step).
+    speculative: str | None = None
+    # the verification steps' profile (default: <model>/sluice_spec_steps.json if present)
+    spec_profile_path: str | None = None
     ep_size: int = 1  # > 1: this engine is one rank of an expert-parallel group (lockstep)
     ep_rank: int = 0
 
@@ -80,7 +90,20 @@ class EngineConfig:
             raise ValueError(f"ep_rank must be within [0, ep_size), got {self.ep_rank} of {self.ep_size}")
         if self.ep_size > 1 and self.async_scheduling:
             raise ValueError("an EP rank steps in lockstep with its group: set async_scheduling=False")
+        if self.speculative is not None:
+            from engine.spec.policy import SpecConfig
+
+            SpecConfig.parse(self.speculative)  # raises ValueError with the accepted forms
         if self.kv_store is not None and not Path(self.kv_store).is_file():
             raise ValueError(
                 f"kv_store must be a store spec file (sluice store cluster --spec-out), got {self.kv_store!r}"
             )
+
+    @property
+    def spec(self) -> SpecConfig | None:
+        """The parsed ``speculative`` setting (None: off)."""
+        from engine.spec.policy import SpecConfig
+
+        if self.speculative is None:
+            return None
+        return replace(SpecConfig.parse(self.speculative), profile_path=self.spec_profile_path)

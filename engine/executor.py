@@ -3,6 +3,16 @@
 The executor owns each live request's sampling state (params, seed, token history, grammar)
 so that it can run on the device thread while the scheduler prepares the next step: it
 never reads the scheduler's mutable ``Request`` objects.
+
+**Speculation** (with a `Drafter`). A sequence scheduled with ``num_drafts = k`` brings its
+input token and ``k`` drafts. The target is sampled at each of the ``k + 1`` positions in
+order, exactly as plain decoding would sample them (same logits row, same per-request
+``(seed, output index)`` noise, same penalties and grammar state), and the drafts are kept
+up to the first one that differs from the target's token, which is emitted in its place. A
+seed therefore gives the same tokens with and without speculation, and each emitted token
+follows the target's distribution. Ring rows the rejected positions overwrote are put back
+(`SWASlots.stage`), so the slot is exactly the state of the accepted tokens. Then the MTP
+layer drafts the next step's tokens (`engine.spec.drafter`).
 """
 
 from __future__ import annotations
@@ -15,7 +25,8 @@ from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import RowInput, TokenLogprobs, sample_row
 from engine.scheduler.host_slots import HostSlot
-from engine.scheduler.output import PENDING_TOKEN, RunnerOutput, SchedulerOutput, SlotSave
+from engine.scheduler.output import PENDING_TOKEN, RunnerOutput, ScheduledSeq, SchedulerOutput, SlotSave
+from engine.spec.drafter import Drafter, DraftRun
 from engine.structured.grammar import GrammarError
 from engine.structured.matcher import GrammarState
 
@@ -27,6 +38,7 @@ class LogitsRunner(Protocol):
 
     pool: Any
     swa: Any
+    model_cfg: Any
 
     def execute(self, batch: ForwardBatch) -> Any: ...
 
@@ -50,14 +62,24 @@ class SamplingState:
 
 class ModelExecutor:
     def __init__(
-        self, runner: LogitsRunner, device: str = "cpu", kv: Any = None, host_slots: Any = None
+        self,
+        runner: LogitsRunner,
+        device: str = "cpu",
+        kv: Any = None,
+        host_slots: Any = None,
+        drafter: Drafter | None = None,
+        num_drafts: int = 0,
     ) -> None:
         self.runner = runner
         self.device = device
         self.kv = kv  # engine.kvconnector.worker.KVWorker: loads and write-through snapshots
         self.host_slots = host_slots  # engine.scheduler.host_slots.HostSlotPool: ended turns' slots
+        self.drafter = drafter  # speculation: proposes num_drafts tokens per sequence per step
+        self.num_drafts = num_drafts
         self.states: dict[str, SamplingState] = {}
         self._failed: dict[str, str] = {}  # request id -> why its grammar failed
+        # per request: (first position whose MTP window entry is valid, next position to write)
+        self._mtp: dict[str, tuple[int, int]] = {}
 
     def save_slots(self, saves: Sequence[SlotSave]) -> None:
         """Copy retained slots (and their partial blocks) into the host slot pool."""
@@ -82,6 +104,7 @@ class ModelExecutor:
         for rid in out.finished_ids:
             self.states.pop(rid, None)
             self._failed.pop(rid, None)
+            self._mtp.pop(rid, None)
         for src, dst in out.block_copies:  # forks made by the previous step
             self.runner.pool.copy_block(src, dst)
         for src, dst in out.slot_copies:
@@ -104,24 +127,131 @@ class ModelExecutor:
                     window_from=s.window_from,
                     swa_keep=s.swa_keep,
                     embeds=s.embeds,
+                    num_logits=s.num_drafts + 1,
                 )
             )
-        logits = self.runner.execute(ForwardBatch.from_sequences(seqs, device=self.device)).logits  # [R, V]
+        verifying = [s for s in out.seqs if s.num_drafts]
+        staged = (
+            self.runner.swa.stage(
+                range(self.runner.model_cfg.num_hidden_layers),  # the MTP layer's window: drafter
+                [s.swa_slot for s in verifying for _ in range(s.num_drafts)],
+                [s.start_pos + j for s in verifying for j in range(1, s.num_drafts + 1)],
+            )
+            if verifying
+            else None
+        )
+        result = self.runner.execute(ForwardBatch.from_sequences(seqs, device=self.device))
+        logits = result.logits  # [rows, V]: num_drafts + 1 rows per sampled sequence
         if out.kv_saves and self.kv is not None:
             self.kv.save(self.runner.pool, out.kv_saves)
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs | None] = {}
+        emitted: dict[str, tuple[int, ...]] = {}
+        emitted_lps: dict[str, tuple[object, ...]] = {}
         row = 0
         for s in out.seqs:
             if not s.sample:
+                continue
+            if s.num_drafts:
+                toks, lps = self._verify(s, logits[row : row + s.num_drafts + 1])
+                sampled[s.request_id], logprobs[s.request_id] = toks[0], lps[0]
+                if len(toks) > 1:
+                    emitted[s.request_id], emitted_lps[s.request_id] = tuple(toks), tuple(lps)
+                row += s.num_drafts + 1
                 continue
             for rid in (s.request_id, *s.fork_children):  # fork children share the parent's row
                 tok, lp = self._sample(rid, logits[row], s.output_index)
                 sampled[rid] = tok
                 logprobs[rid] = lp
             row += 1
+        if staged is not None:  # undo the rows of every position past the accepted ones
+            rejected = [
+                s.start_pos + j >= s.start_pos + len(emitted.get(s.request_id, (0,)))
+                for s in verifying
+                for j in range(1, s.num_drafts + 1)
+            ]
+            staged.undo(rejected)
+        drafts = self._draft(out, result.hidden, sampled, emitted) if self.drafter is not None else {}
         failed = {rid: self._failed[rid] for rid in sampled if rid in self._failed}
-        return RunnerOutput(out.step, sampled, dict(logprobs), failed)
+        return RunnerOutput(out.step, sampled, dict(logprobs), failed, emitted, emitted_lps, drafts)
+
+    def _verify(self, s: ScheduledSeq, rows: Any) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """Sample the target at the input token and each draft, in order; stop after the
+        first token that differs from the next draft (or that ends the request)."""
+        rid, k = s.request_id, s.num_drafts
+        st = self.states[rid]
+        drafts = s.token_ids[-k:]
+        toks: list[int] = []
+        lps: list[TokenLogprobs | None] = []
+        for j in range(k + 1):
+            tok, lp = self._sample(rid, rows[j], s.output_index + j)
+            toks.append(tok)
+            lps.append(lp)
+            ended = st.done or rid in self._failed or len(st.output_token_ids) >= st.params.max_tokens
+            if ended or j == k or tok != drafts[j]:
+                break
+        return toks, lps
+
+    def _draft(
+        self,
+        out: SchedulerOutput,
+        hidden: Any,
+        sampled: dict[str, int],
+        emitted: dict[str, tuple[int, ...]],
+    ) -> dict[str, tuple[tuple[int, ...], tuple[float, ...]]]:
+        """Pass-1 runs of every sequence whose next tokens are known, then chained drafts for
+        those that continue (`engine.spec.drafter`)."""
+        assert self.drafter is not None
+        runs: list[DraftRun] = []
+        flat = 0
+        for s in out.seqs:
+            rid, n0, q = s.request_id, s.start_pos, s.num_new
+            start_row = flat
+            flat += q
+            st = self.states.get(rid)
+            if st is None or rid in self._failed:
+                continue
+            history = len(st.prompt_token_ids) + len(st.output_token_ids)
+            if s.num_drafts:  # positions of the input token and each accepted draft
+                next_ids = list(emitted.get(rid, (sampled[rid],)))
+            elif s.sample:  # a decode or a prompt's last chunk
+                known = [self._resolve(rid, t) for t in s.token_ids]
+                next_ids = known[1:] + [sampled[rid]]
+            elif n0 + q < history:  # an earlier prefill chunk: its next tokens are all known
+                next_ids = (st.prompt_token_ids + st.output_token_ids)[n0 + 1 : n0 + q + 1]
+            else:
+                continue
+            continues = s.sample and not st.done and len(st.output_token_ids) < st.params.max_tokens
+            end = n0 + len(next_ids)
+            lo = max(n0, history - self.drafter.window)  # the MTP layer is window-only
+            if lo >= end:
+                continue
+            valid_from, upto = self._mtp.get(rid, (lo, lo))
+            if upto != lo:
+                valid_from = lo  # not contiguous with what this slot's MTP window holds
+            self._mtp[rid] = (valid_from, end)
+            runs.append(
+                DraftRun(
+                    rid, s.swa_slot, s.block_table, lo, next_ids[lo - n0 :], start_row + (lo - n0),
+                    valid_from, self.num_drafts if continues else 0,
+                )
+            )  # fmt: skip
+        drafts = self.drafter.draft(hidden, runs)
+        out_drafts = {}
+        for rid, d in drafts.items():
+            keep = self._grammar_prefix(rid, d.tokens)
+            out_drafts[rid] = (d.tokens[:keep], d.confidence[:keep])
+        return out_drafts
+
+    def _grammar_prefix(self, rid: str, tokens: tuple[int, ...]) -> int:
+        """How many leading drafts the request's grammar allows (all without a grammar)."""
+        grammar = self.states[rid].grammar
+        if grammar is None or rid in self._failed:
+            return len(tokens)
+        try:
+            return grammar.valid_prefix(tokens)
+        except GrammarError:
+            return 0
 
     def _resolve(self, request_id: str, token: int) -> int:
         if token != PENDING_TOKEN:

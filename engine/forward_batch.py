@@ -47,6 +47,9 @@ class SequenceInput:
     # (offset among token_ids, rows [n, hidden]): these tokens' embeddings are replaced by the
     # rows (an image's vision-encoder output); () = every token embeds from its id
     embeds: Sequence[tuple[int, Any]] = ()
+    # with sample=True: logits for this many trailing tokens (speculative verification: the
+    # last token and the drafts before it, k + 1); 1 = the last token only
+    num_logits: int = 1
 
 
 @dataclass(frozen=True)
@@ -69,6 +72,8 @@ class ForwardBatch:
     swa_keep_cpu: tuple[tuple[int, int], ...] = ()
     # (flat token index, rows [n, hidden]) replacing those tokens' embeddings (images)
     embeds: tuple[tuple[int, Any], ...] = ()
+    # per sequence: logits rows of its trailing tokens (with sample); () = one each
+    num_logits_cpu: tuple[int, ...] = ()
 
     def kept_until(self, layer: int) -> tuple[int, ...]:
         """Per sequence: ring writes of ``layer`` for positions below this are skipped (swa_keep)."""
@@ -108,6 +113,22 @@ class ForwardBatch:
         """[num_sampled] flat index of the last new token of every sequence with sample=True."""
         last = self.query_start + self.query_len - 1
         return last[self.sample]
+
+    @property
+    def logit_indices(self) -> torch.Tensor:
+        """Flat indices of every token the model produces logits for: each sampled sequence's
+        last ``num_logits`` tokens, in order (``sample_indices`` when every count is 1)."""
+        if not self.num_logits_cpu:
+            return self.sample_indices
+        rows = [
+            start + qlen - n + j
+            for start, qlen, n, s in zip(
+                self.query_start_cpu, self.query_len_cpu, self.num_logits_cpu, self.sample.tolist()
+            )
+            if s
+            for j in range(n)
+        ]
+        return torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
 
     @classmethod
     def from_sequences(
@@ -152,6 +173,7 @@ class ForwardBatch:
             window_from_cpu=tuple(s.window_from for s in seqs),
             swa_keep_cpu=tuple(s.swa_keep for s in seqs) if any(s.swa_keep[0] for s in seqs) else (),
             embeds=tuple((start + off, rows) for start, s in zip(starts, seqs) for off, rows in s.embeds),
+            num_logits_cpu=tuple(s.num_logits for s in seqs) if any(s.num_logits != 1 for s in seqs) else (),
         )
         batch.validate()
         return batch
@@ -163,13 +185,22 @@ class ForwardBatch:
             raise ValueError("per-sequence host metadata must all have one entry per sequence")
         if any(
             len(t) not in (0, b)
-            for t in (self.rows_cached_until_cpu, self.window_from_cpu, self.swa_keep_cpu)
+            for t in (
+                self.rows_cached_until_cpu,
+                self.window_from_cpu,
+                self.swa_keep_cpu,
+                self.num_logits_cpu,
+            )
         ):
             raise ValueError("per-sequence host metadata must all have one entry per sequence")
         expect = 0
         for i in range(b):
             if self.query_start_cpu[i] != expect or self.query_len_cpu[i] < 1:
                 raise ValueError(f"sequence {i}: runs must be contiguous, in order and non-empty")
+            if self.num_logits_cpu and not 1 <= self.num_logits_cpu[i] <= self.query_len_cpu[i]:
+                raise ValueError(
+                    f"sequence {i}: num_logits must be in [1, query_len={self.query_len_cpu[i]}]"
+                )
             expect += self.query_len_cpu[i]
             need = -(-(self.num_computed_cpu[i] + self.query_len_cpu[i]) // BLOCK_TOKENS)
             have = int((self.block_table[i] >= 0).sum())

@@ -30,6 +30,9 @@ computed from truncated windows. `tests/unit/engine/test_prefix_and_mtp.py` chec
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from dataclasses import dataclass
+
 import torch
 
 from engine.cache.spec import CacheSpec
@@ -83,6 +86,23 @@ class SWASlots:
             raise IndexError(f"layers {layers} out of range [1, {self.num_layers}]")
         return [t[slot] for t in self._all(layers)]
 
+    def layer_rings(self, layers: Iterable[int]) -> list[torch.Tensor]:
+        """Every ring of the given layers (window, compressor and indexer inputs)."""
+        rings = [self.state_kv, self.state_gate, self.index_kv, self.index_gate]
+        return [t for layer in layers for t in (self.window[layer], *(r[layer] for r in rings if layer in r))]
+
+    def stage(self, layers: Iterable[int], slots: list[int], positions: list[int]) -> StagedRows:
+        """Save the ring rows that writes of ``positions`` (``slots[i]`` at ``positions[i]``)
+        will overwrite, in every ring of ``layers``, so that the writes can be undone
+        (`StagedRows.undo`): speculative verification writes drafts that may be rejected.
+        Positions of one slot must map to distinct rows of every ring (at most R of them)."""
+        rings = self.layer_rings(layers)
+        device = self.window[0].device
+        slot_t = torch.tensor(slots, dtype=torch.long, device=device)
+        pos_t = torch.tensor(positions, dtype=torch.long, device=device)
+        saved = [ring[slot_t, pos_t % ring.shape[1]].clone() for ring in rings]
+        return StagedRows(rings, slot_t, pos_t, saved)
+
     def copy_slot(self, src: int, dst: int) -> None:
         """Make slot ``dst`` an exact copy of slot ``src`` (prefix hit on another sequence's state, n>1 forks)."""
         for t in self._all():
@@ -133,3 +153,23 @@ class SWASlots:
         skip = min(values.shape[0], max(0, keep_until - start))
         if skip < values.shape[0]:
             SWASlots.ring_write(ring, slot, start + skip, values[skip:])
+
+
+@dataclass
+class StagedRows:
+    """Ring rows saved by `SWASlots.stage` before a step writes over them."""
+
+    rings: list[torch.Tensor]
+    slots: torch.Tensor  # [N]
+    positions: torch.Tensor  # [N]
+    saved: list[torch.Tensor]  # per ring [N, C]
+
+    def undo(self, rejected: list[bool]) -> None:
+        """Put back the saved rows of the staged positions marked rejected (their writes
+        never happened, as far as any later step can see); the rest keep what was written."""
+        if not any(rejected):
+            return
+        sel = torch.tensor(rejected, dtype=torch.bool, device=self.slots.device)
+        slots, pos = self.slots[sel], self.positions[sel]
+        for ring, rows in zip(self.rings, self.saved):
+            ring[slots, pos % ring.shape[1]] = rows[sel]

@@ -58,7 +58,7 @@ class DeepseekV4(nn.Module):
     def forward(
         self, batch: ForwardBatch, pool: CompressedPool, swa: SWASlots
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """-> (logits [num_sampled, vocab] fp32, final hc streams [T, hc, D] for the MTP head)."""
+        """-> (logits [rows, vocab] fp32 at ``batch.logit_indices``, final hc streams [T, hc, D] for the MTP head)."""
         ids = batch.input_ids
         emb = self.model.embed_tokens(ids)  # [T, D]
         for at, rows in batch.embeds:  # image positions: the vision encoder's rows
@@ -66,7 +66,7 @@ class DeepseekV4(nn.Module):
         streams = emb.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, hc, D]
         for i, layer in enumerate(self.model.layers):
             streams = layer(streams, batch, pool, swa, i, ids)
-        rows = batch.sample_indices
+        rows = batch.logit_indices
         h = self.model.norm(self.model.hc_head(streams[rows]))
         return self.lm_head(h).float(), streams
 

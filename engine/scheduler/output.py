@@ -30,6 +30,10 @@ class ScheduledSeq:
     sample: bool  # produce logits for the last token and sample the next one
     output_index: int  # index of the sampled token among this request's outputs (seeding)
     fork_children: tuple[str, ...] = ()  # n > 1: also sample each child's first token from this row
+    # speculative verification: the last ``num_drafts`` tokens are drafts; the step samples
+    # the target at every one of the last num_drafts + 1 positions and keeps the drafts up
+    # to the first that differs from the target's token (RunnerOutput.tokens)
+    num_drafts: int = 0
 
     @property
     def num_new(self) -> int:
@@ -93,3 +97,10 @@ class RunnerOutput:
     # Requests whose own input failed in this step (a grammar the matcher cannot follow):
     # they end with FINISHED_ERROR and this message; the rest of the batch is unaffected.
     failed: dict[str, str] = field(default_factory=dict)
+    # Speculation. ``tokens``: every token a request emitted this step when it is more than
+    # ``sampled``'s one (its accepted drafts and the target's token after them), with their
+    # ``token_logprobs``; ``drafts``: the drafts (tokens, confidences) each request proposes
+    # for its next step.
+    tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    token_logprobs: dict[str, tuple[object, ...]] = field(default_factory=dict)
+    drafts: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)

@@ -102,6 +102,10 @@ class Request:
     # Blocks of its prefix held for it while it waits (local hits, blocks loaded from the
     # store): one reference each, released at admission (which takes its own) or at finish.
     pinned_blocks: list[int] = field(default_factory=list)
+    # Speculation: the drafts the last step proposed for this sequence's next tokens, and
+    # each one's confidence (empty: none; cleared when the sequence is preempted)
+    drafts: tuple[int, ...] = ()
+    draft_conf: tuple[float, ...] = ()
 
     def __post_init__(self) -> None:
         if self.swa_replay not in (None, "exact", "bounded"):

@@ -9,6 +9,10 @@ budget:
 2. if nothing was preempted, waiting requests are admitted in priority order with their
    prefix-cache hit (``cache_manager.py``), as long as blocks, slots and budget last.
 
+With speculation (``spec``), a decoding sequence that has drafts brings the ones the
+policy picks (`engine.spec.policy`); it advances by one position at schedule time and by
+its accepted drafts at ``update`` (speculation needs the synchronous loop).
+
 ``update()`` applies the runner's sampled tokens, finishes sequences on stop tokens or
 ``max_tokens``, and frees them. State advances optimistically at schedule time, so step
 N+1 can be scheduled while step N runs (asynchronous scheduling): inputs not yet sampled
@@ -27,6 +31,7 @@ from engine.scheduler.config import SchedulerConfig
 from engine.scheduler.host_slots import HostSlotPool
 from engine.scheduler.output import PENDING_TOKEN, RunnerOutput, ScheduledSeq, SchedulerOutput, SlotSave
 from engine.scheduler.request import Request, RequestStatus
+from engine.spec.policy import SpecPolicy
 
 
 @dataclass
@@ -46,8 +51,11 @@ class StepUpdate:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, host_slots: HostSlotPool | None = None) -> None:
+    def __init__(
+        self, config: SchedulerConfig, host_slots: HostSlotPool | None = None, spec: SpecPolicy | None = None
+    ) -> None:
         self.config = config
+        self.spec = spec
         self.cache = CacheManager(config, host_slots)
         self.waiting: list[Request] = []  # sorted by (priority, arrival)
         self.running: list[Request] = []
@@ -152,6 +160,8 @@ class Scheduler:
         req.status = status
         self.requests.pop(req.request_id, None)
         self._finished_ids.add(req.request_id)
+        if self.spec is not None:
+            self.spec.finished(req.request_id)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self._forks)
@@ -209,6 +219,7 @@ class Scheduler:
     def _schedule_running(self, budget: _Budget, seqs: list[ScheduledSeq]) -> set[str]:
         preempted: set[str] = set()
         running = sorted(self.running, key=Request.sort_key)
+        drafts = self._plan_drafts(running, budget.tokens) if self.spec is not None else {}
         i = 0
         while i < len(running):
             req = running[i]
@@ -216,17 +227,31 @@ class Scheduler:
             if n == 0:
                 i += 1
                 continue
-            while not self.cache.grow(req, req.num_computed + n):
+            verify = drafts.get(req.request_id, ()) if n == 1 else ()
+            while not self.cache.grow(req, req.num_computed + n + len(verify)):
                 victim = running.pop()  # lowest priority, latest arrival
                 self._preempt(victim)
                 preempted.add(victim.request_id)
                 if victim is req:
                     break
             else:
-                seqs.append(self._emit(req, n, reset=False, budget=budget))
+                seqs.append(self._emit(req, n, reset=False, budget=budget, drafts=verify))
                 i += 1
         self.running = running
         return preempted
+
+    def _plan_drafts(self, running: list[Request], tokens: int) -> dict[str, tuple[int, ...]]:
+        """The drafts each decoding sequence verifies this step (the policy's choice)."""
+        assert self.spec is not None
+        cands = [r for r in running if r.drafts and r.num_pending == 0 and r.tokens_to_compute == 1]
+        if not cands:
+            return {}
+        # drafts past max_tokens could never be emitted
+        room = [min(len(r.drafts), r.max_tokens - len(r.output_token_ids) - 1) for r in cands]
+        ks, _ = self.spec.choose(
+            [r.request_id for r in cands], [r.draft_conf[: max(n, 0)] for r, n in zip(cands, room)], tokens
+        )
+        return {r.request_id: r.drafts[:k] for r, k in zip(cands, ks) if k}
 
     def _admit_waiting(self, budget: _Budget, seqs: list[ScheduledSeq]) -> None:
         for req in list(self.waiting):
@@ -262,10 +287,14 @@ class Scheduler:
         )
         return max(n, 1) if first else n
 
-    def _emit(self, req: Request, n: int, reset: bool, budget: _Budget) -> ScheduledSeq:
+    def _emit(
+        self, req: Request, n: int, reset: bool, budget: _Budget, drafts: tuple[int, ...] = ()
+    ) -> ScheduledSeq:
+        """``drafts``: a decode (n = 1) that also verifies these drafts (num_computed advances
+        by the accepted ones at ``update``)."""
         start = req.num_computed
         known = req.all_token_ids[start : start + n]
-        tokens = tuple(known) + (PENDING_TOKEN,) * (n - len(known))
+        tokens = tuple(known) + (PENDING_TOKEN,) * (n - len(known)) + drafts
         sample = start + n == req.num_tokens_with_pending
         req.num_computed += n
         children = self._fork_children(req) if sample and req.num_outputs_with_pending == 0 else ()
@@ -284,13 +313,14 @@ class Scheduler:
             sample=sample,
             output_index=req.num_outputs_with_pending if sample else -1,
             fork_children=children,
+            num_drafts=len(drafts),
         )
         req.num_computed += n
         if sample:
             req.num_pending += 1
-        budget.tokens -= n
+        budget.tokens -= n + len(drafts)
         if self.config.cost_model is not None:
-            budget.predicted += seq_cost(self.config.cost_model, n, start)
+            budget.predicted += seq_cost(self.config.cost_model, n + len(drafts), start)
         return seq
 
     def _fork_children(self, parent: Request) -> tuple[str, ...]:
@@ -320,6 +350,7 @@ class Scheduler:
         req.replay_until = 0
         req.window_from = 0
         req.swa_keep = (0, 0)
+        req.drafts, req.draft_conf = (), ()
         req.num_registered = 0
         req.num_preemptions += 1
         req.status = RequestStatus.WAITING
@@ -335,16 +366,32 @@ class Scheduler:
         """Apply step ``out``'s sampled tokens. Tokens of requests finished meanwhile are dropped."""
         upd = StepUpdate()
         self.cache.blocks.release([block for block, _, _ in out.kv_saves])  # snapshots taken
-        for rid in (r for seq in out.seqs if seq.sample for r in (seq.request_id, *seq.fork_children)):
-            req = self.requests.get(rid)
-            if req is None or req.status.finished:
-                continue  # finished or aborted while this step was in flight
-            token = result.sampled[rid]
-            req.num_pending -= 1
+        for seq in out.seqs:
+            if not seq.sample:
+                continue
+            for rid in (seq.request_id, *seq.fork_children):
+                self._apply(rid, seq.num_drafts, result, upd)
+        return upd
+
+    def _apply(self, rid: str, num_drafts: int, result: RunnerOutput, upd: StepUpdate) -> None:
+        """One sampled sequence's tokens: every accepted draft and the token after them."""
+        req = self.requests.get(rid)
+        if req is None or req.status.finished:
+            return  # finished or aborted while this step was in flight
+        tokens = result.tokens.get(rid) or (result.sampled[rid],)
+        lps = result.token_logprobs.get(rid) or (result.logprobs.get(rid),)
+        req.num_pending -= 1
+        if num_drafts:  # the accepted drafts' positions are computed now
+            req.num_computed += len(tokens) - 1
+            if self.spec is not None:
+                self.spec.stats.accepted += len(tokens) - 1
+        d = result.drafts.get(rid)
+        req.drafts, req.draft_conf = d if d is not None else ((), ())
+        upd.new_tokens[rid] = tokens[-1]
+        if rid in result.logprobs:
+            upd.logprobs[rid] = lps if len(tokens) > 1 else lps[0]
+        for token in tokens:
             req.output_token_ids.append(token)
-            upd.new_tokens[req.request_id] = token
-            if rid in result.logprobs:
-                upd.logprobs[rid] = result.logprobs[rid]
             status = None
             if rid in result.failed:
                 req.error = result.failed[rid]
@@ -356,4 +403,4 @@ class Scheduler:
             if status is not None:
                 self.finish(req, status)
                 upd.finished.append(req)
-        return upd
+                return

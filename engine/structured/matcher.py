@@ -38,6 +38,13 @@ class GrammarState:
         if not self.matcher.consume_token(token):
             raise GrammarError(f"token {token} violates the grammar: {self.matcher.get_error()}")
 
+    def valid_prefix(self, tokens: tuple[int, ...] | list[int]) -> int:
+        """How many leading ``tokens`` the grammar would accept from here (nothing consumed)."""
+        n = int(self.matcher.validate_tokens(list(tokens)))
+        if self.matcher.is_error():
+            raise GrammarError(f"grammar failed while checking drafts: {self.matcher.get_error()}")
+        return n
+
     @property
     def is_finished(self) -> bool:
         """The grammar cannot be extended any more (only EOS may follow)."""
