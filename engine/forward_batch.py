@@ -18,11 +18,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from functools import cached_property
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.config import BLOCK_TOKENS
+
+if TYPE_CHECKING:
+    from engine.model.verify import Layout
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,13 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         """Every sequence brings exactly one token (the vectorised decode path applies)."""
         return all(n == 1 for n in self.query_len_cpu)
+
+    @cached_property
+    def verify_layout(self) -> Layout:
+        """Where each token sits among its sequence's (engine.model.verify), built once per step."""
+        from engine.model.verify import Layout
+
+        return Layout(self)
 
     @property
     def sample_indices(self) -> torch.Tensor:

@@ -16,6 +16,7 @@ from engine.cache.swa import SWASlots
 from engine.checkpoint.quant import dequantize
 from engine.config import CSA, HCA, SLIDING, ModelConfig
 from engine.forward_batch import ForwardBatch
+from engine.model import verify
 from engine.model.compressor import CSACompressor, HCACompressor, Indexer, run_compressor
 from engine.model.decode import decode_attend, decode_compress, decode_keys, written
 from engine.model.norms import RMSNorm, rms_unweighted
@@ -104,6 +105,8 @@ class Attention(nn.Module):
         kv = self.rotary(self.kv_norm(self.kv_proj(x)), pos)  # [T, hd], K == V
         if batch.is_decode:
             return self._forward_decode(x, q, kv, q_latent, batch, pool, swa, layer)
+        if verify.applies(batch):
+            return self._forward_verify(x, q, kv, q_latent, batch, pool, swa, layer)
         meta = [
             (
                 batch.query_start_cpu[i],
@@ -159,6 +162,24 @@ class Attention(nn.Module):
                 iq, iw = ix.queries(self.rotary, q_latent, x, batch.positions)
                 csa = (ix, iq, iw, pool.index_rows[layer])
         keys, visible = decode_keys(kv, batch, swa.window[layer], compressed, csa, written(batch, layer))
+        out = decode_attend(q, keys, visible, self.sinks)
+        out = self.rotary(out, batch.positions, inverse=True)
+        return self.o_b_proj(self.o_a_proj(out.reshape(x.shape[0], self.o_groups, -1)))
+
+    def _forward_verify(self, x, q, kv, q_latent, batch, pool, swa, layer) -> torch.Tensor:
+        """A few tokens per sequence (speculative verification), no per-sequence loop
+        (engine.model.verify)."""
+        lay = batch.verify_layout
+        compressed = csa = None
+        if self.compressor is not None:
+            verify.verify_compress(self.compressor, self.rotary, x, lay, batch, pool, swa, layer, index=False)
+            compressed = (pool.rows[layer], self.compressor.rate)
+            if isinstance(self.compressor, CSACompressor):
+                ix = self.compressor.indexer
+                verify.verify_compress(ix, self.rotary, x, lay, batch, pool, swa, layer, index=True)
+                iq, iw = ix.queries(self.rotary, q_latent, x, batch.positions)
+                csa = (ix, iq, iw, pool.index_rows[layer])
+        keys, visible = verify.verify_keys(kv, lay, batch, swa.window[layer], self.window, compressed, csa)
         out = decode_attend(q, keys, visible, self.sinks)
         out = self.rotary(out, batch.positions, inverse=True)
         return self.o_b_proj(self.o_a_proj(out.reshape(x.shape[0], self.o_groups, -1)))

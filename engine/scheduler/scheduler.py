@@ -383,8 +383,9 @@ class Scheduler:
         req.num_pending -= 1
         if num_drafts:  # the accepted drafts' positions are computed now
             req.num_computed += len(tokens) - 1
-            if self.spec is not None:
-                self.spec.stats.accepted += len(tokens) - 1
+        if self.spec is not None:
+            self.spec.stats.accepted += len(tokens) - 1 if num_drafts else 0
+            self.spec.observe(rid, len(tokens) - 1 if num_drafts else 0)
         d = result.drafts.get(rid)
         req.drafts, req.draft_conf = d if d is not None else ((), ())
         upd.new_tokens[rid] = tokens[-1]

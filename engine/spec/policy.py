@@ -36,13 +36,15 @@ MAX_DRAFTS: Final = 5
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """``num_drafts``: drafts the MTP layer proposes per request per step (and, for
-    ``fixed``, how many are verified); ``margin``: DSpark's selection must beat verifying a
+    """``num_drafts``: drafts the MTP layer proposes per request per step; ``verify``: with
+    ``fixed``, how many of them are verified (default: all; fewer measures the cost of
+    drafting more than is verified, `engine.spec.profiling`); ``margin``: DSpark's selection must beat verifying a
     uniform K by this much (relative) to be used; ``profile_path``: the step profile
     (default: ``<model>/sluice_spec_steps.json`` when present)."""
 
     policy: str = "dspark"
     num_drafts: int = MAX_DRAFTS
+    verify: int | None = None
     margin: float = 0.01
     lag: int = 2
     profile_path: str | None = None
@@ -52,6 +54,8 @@ class SpecConfig:
             raise ValueError(f"speculative policy {self.policy!r} unknown; known: {', '.join(POLICIES)}")
         if not 1 <= self.num_drafts <= MAX_DRAFTS:
             raise ValueError(f"num_drafts must be in [1, {MAX_DRAFTS}], got {self.num_drafts}")
+        if self.verify is not None and (self.policy != "fixed" or not 0 <= self.verify <= self.num_drafts):
+            raise ValueError(f"verify={self.verify}: only the fixed policy takes it, within [0, num_drafts]")
         if not 0.0 <= self.margin < 1.0:
             raise ValueError(f"margin must be in [0, 1), got {self.margin}")
         if self.lag < 1:
@@ -59,15 +63,22 @@ class SpecConfig:
 
     @classmethod
     def parse(cls, text: str) -> SpecConfig:
-        """``"dspark"``, ``"dspark-lagged"``, ``"fixed-3"`` or ``"dspark:4"`` (4 drafts)."""
+        """``"dspark"``, ``"dspark-lagged"``, ``"dspark:4"`` (4 drafts per step), ``"fixed-3"``
+        (3 drafted, 3 verified) or ``"fixed-3:5"`` (5 drafted, 3 verified)."""
         name, _, drafts = text.partition(":")
-        if name.startswith("fixed-"):
-            name, drafts = "fixed", name.removeprefix("fixed-")
+        verify = None
         try:
-            n = int(drafts) if drafts else MAX_DRAFTS
+            if name.startswith("fixed-"):
+                name, k = "fixed", int(name.removeprefix("fixed-"))
+                n = int(drafts) if drafts else k
+                verify = k if drafts else None
+            else:
+                n = int(drafts) if drafts else MAX_DRAFTS
         except ValueError:
-            raise ValueError(f"speculative setting {text!r}: the draft count must be an integer") from None
-        return cls(policy=name, num_drafts=n)
+            raise ValueError(
+                f"speculative setting {text!r}: use dspark, dspark-lagged or fixed-K, optionally :N drafts"
+            ) from None
+        return cls(policy=name, num_drafts=n, verify=verify)
 
 
 @dataclass(frozen=True)
@@ -158,6 +169,9 @@ class SpecPolicy:
         self.profile = profile
         self.lagged = LaggedConfidence(config.lag) if config.policy == "dspark-lagged" else None
         self.stats = SpecStats()
+        # set to [] to record every step: per request (confidences, drafts verified, accepted)
+        self.trace: list[list[tuple[tuple[float, ...], int, int]]] | None = None
+        self._open: dict[str, tuple[tuple[float, ...], int]] = {}
 
     def choose(
         self, rids: Sequence[str], confidences: Sequence[Sequence[float]], max_tokens: int | None = None
@@ -171,7 +185,8 @@ class SpecPolicy:
             for rid, c in zip(rids, confidences):
                 self.lagged.record(rid, np.asarray(c, dtype=np.float64))
         if self.config.policy == "fixed" or self.profile is None:
-            ks = [min(self.config.num_drafts, k) for k in n]
+            cap = self.config.num_drafts if self.config.verify is None else self.config.verify
+            ks = [min(cap, k) for k in n]
             if max_tokens is not None:
                 ks = _cap(ks, max_tokens)
             name = f"fixed-{max(ks)}" if any(ks) else "none"
@@ -191,7 +206,16 @@ class SpecPolicy:
         self.stats.drafted += sum(n)
         self.stats.verified += sum(ks)
         self.stats.policies[name] += 1
+        if self.trace is not None:
+            self.trace.append([])
+            self._open = {rid: (tuple(float(x) for x in c), k) for rid, c, k in zip(rids, confidences, ks)}
         return ks, name
+
+    def observe(self, rid: str, accepted: int) -> None:
+        """The outcome of ``rid``'s verification in the step last chosen (with ``trace``)."""
+        entry = self._open.pop(rid, None) if self.trace is not None else None
+        if entry is not None and self.trace:
+            self.trace[-1].append((entry[0], entry[1], accepted))
 
     def finished(self, rid: str) -> None:
         if self.lagged is not None:

@@ -87,6 +87,27 @@ def _vision_families(extra: dict[str, float]) -> Iterator[Metric]:
             yield gauge
 
 
+def _spec_families(extra: dict[str, float]) -> Iterator[Metric]:
+    """Speculative decoding (engine/spec/): steps that had drafts, drafts proposed, verified
+    and accepted (per step: divide by the steps), and the policy each such step chose."""
+    for name, key, doc in (
+        ("sluice_spec_steps", "spec_steps", "Decode steps in which requests had drafts."),
+        ("sluice_spec_drafted_tokens", "spec_drafted_tokens", "Draft tokens the MTP layer proposed."),
+        ("sluice_spec_verified_tokens", "spec_verified_tokens", "Draft tokens put into verification."),
+        ("sluice_spec_accepted_tokens", "spec_accepted_tokens", "Verified drafts the target accepted."),
+    ):
+        counter = CounterMetricFamily(name, doc)
+        counter.add_metric([], extra.get(key, 0.0))
+        yield counter
+    chosen = CounterMetricFamily(
+        "sluice_spec_policy_steps", "Steps by the speculation policy chosen.", labels=["policy"]
+    )
+    for key, value in sorted(extra.items()):
+        if key.startswith("spec_policy_"):
+            chosen.add_metric([key.removeprefix("spec_policy_").replace("_", "-")], value)
+    yield chosen
+
+
 def _swa_families(extra: dict[str, float]) -> Iterator[Metric]:
     """Sliding-window state of prefix hits (engine ``stats().extra``): slots adopted, replays
     by kind and the tokens they recomputed, and the slot pool's occupancy."""
@@ -175,6 +196,8 @@ class _EngineCollector:
             yield from _swa_families(s.extra)
         if "vision_images_encoded" in s.extra:
             yield from _vision_families(s.extra)
+        if "spec_steps" in s.extra:
+            yield from _spec_families(s.extra)
 
 
 @runtime_checkable

@@ -4,7 +4,9 @@
 the fit as ``<checkpoint>/sluice_cost_model.json`` (or ``--out``), which ``LLM`` and the
 router load; with ``--model`` it also measures decode step times over running sequences x
 KV tokens into ``<checkpoint>/sluice_decode_steps.json``, which the Ray router's decode
-balancer fits its cost model to."""
+balancer fits its cost model to, and, for a checkpoint with an MTP layer, speculative
+verification step times into ``<checkpoint>/sluice_spec_steps.json``, which DSpark's
+scheduler prices steps with (``engine.spec.profiling``)."""
 
 from __future__ import annotations
 
@@ -141,6 +143,9 @@ def _measure(name: str, model_dir: Path, args: argparse.Namespace, report: Repor
         fit["saved_to"] = str(out)
         if args.model:  # the decode step times too, for the router's decode balancer
             fit["decode_steps_saved_to"] = str(_profile_decode(model_dir, args))
+            spec = _profile_spec(model_dir)
+            if spec is not None:
+                fit["spec_steps_saved_to"] = str(spec)
     report.results[name] = {**tput, **fit}
     skip = ("saved_to", "samples_chunk_prefix_s", "abs_fit_rel_rmse")
     report.rows.append({"model": name, **tput, **{k: v for k, v in fit.items() if k not in skip}})
@@ -160,6 +165,22 @@ def _profile_decode(model_dir: Path, args: argparse.Namespace) -> Path:
     table = profile_decode(model_dir=model_dir, repeats=args.repeats, threads=args.threads)
     out = model_dir / DECODE_STEPS_FILE
     out.write_text(json.dumps(table, indent=1) + "\n")
+    return out
+
+
+def _profile_spec(model_dir: Path) -> Path | None:
+    """Speculative verification step times (batch x drafts verified) of a checkpoint with an
+    MTP layer, saved beside it (``SPEC_STEPS_FILE``): DSpark's scheduler loads them."""
+    import json
+
+    from engine.spec.policy import SPEC_STEPS_FILE
+    from engine.spec.profiling import measure_spec_profile
+
+    if not json.loads((model_dir / "config.json").read_text()).get("num_nextn_predict_layers"):
+        return None
+    progress(f"{model_dir.name}: speculative verification step times (batch x drafts verified)")
+    out = model_dir / SPEC_STEPS_FILE
+    out.write_text(measure_spec_profile(model_dir, progress=progress).to_json() + "\n")
     return out
 
 

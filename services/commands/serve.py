@@ -129,6 +129,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "fewer is lossy: the other layers are rebuilt by a bounded replay on load",
     )  # fmt: skip
     p.add_argument(
+        "--speculative", default=None, metavar="POLICY",
+        help="speculative decoding with the checkpoint's MTP layer: dspark, dspark-lagged or fixed-K, "
+        "optionally :N drafts per step (default: off; see docs/speculative.md)",
+    )  # fmt: skip
+    p.add_argument(
+        "--spec-profile", default=None, metavar="FILE",
+        help="the verification step profile (default: <model>/sluice_spec_steps.json if present)",
+    )  # fmt: skip
+    p.add_argument(
         "--swa-directory", default=None, metavar="URL",
         help="share the host pool's slots with other engines through this SWA directory "
         "('memory' or a Redis URL); needs --host-swa-mib",
@@ -219,6 +228,10 @@ def engine_kwargs_from(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["host_swa_format"] = args.host_swa_format
     if args.host_swa_layers is not None:
         kwargs["host_swa_layers"] = args.host_swa_layers
+    if args.speculative is not None:
+        kwargs["speculative"] = args.speculative
+    if args.spec_profile is not None:
+        kwargs["spec_profile_path"] = args.spec_profile
     if args.swa_directory is not None:
         kwargs["swa_directory"] = args.swa_directory
     if args.swa_lease_s is not None:

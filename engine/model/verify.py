@@ -1,0 +1,164 @@
+"""Vectorised path for steps of a few tokens per sequence (speculative verification).
+
+Every sequence brings 1 to ``MAX_QUERY`` tokens (the input token and its drafts) at
+positions ``n0 .. n0 + q - 1``; nothing is replayed (no ``rows_cached_until``, no kept
+host-slot layers, no image rows). Like `engine.model.decode`, a step costs a fixed number
+of kernels per layer whatever the batch, where the general path loops over sequences.
+
+Sequences are padded to ``Q = max q``: ``[B, Q]``. Each step reads the slot's rings
+**before** writing any of its own positions (a write at ``n0 + j`` lands on the row of
+``n0 + j - R``, which an earlier token of the same step may still need), then writes them:
+
+* **window**: a token at ``p`` sees the ring's old rows holding positions in
+  ``(p - W, n0)`` and the step's own keys at ``n0 .. p``;
+* **compressors**: an entry closing at ``c`` in the step pools positions
+  ``c + 1 - span .. c`` taken from the old ring (below ``n0``) or the step's projections;
+  entries are written to the pool before attention, so a later token of the step sees
+  them, as in the per-sequence path;
+* **compressed keys**: each token reads its sequence's entries complete at its position
+  (CSA: the indexer's top-k for that token), through its sequence's block table.
+
+Results equal the general path (`tests/unit/engine/test_verify_path.py`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.cache.pool import CompressedPool
+from engine.cache.swa import SWASlots
+from engine.forward_batch import ForwardBatch
+from engine.model.compressor import Compressor, Indexer
+from engine.model.decode import _csa_select, _gather_entries
+from engine.model.rope import Rotary
+
+MAX_QUERY = 8  # tokens per sequence up to which a step takes this path
+
+
+def applies(batch: ForwardBatch) -> bool:
+    """Whether ``batch`` takes this path (several tokens per sequence, none replayed)."""
+    return (
+        max(batch.query_len_cpu) <= MAX_QUERY
+        and not any(batch.cached_until)
+        and not batch.swa_keep_cpu
+        and not batch.embeds
+    )
+
+
+class Layout:
+    """Where each flat token sits in the padded ``[B, Q]`` grid (built once per step)."""
+
+    def __init__(self, batch: ForwardBatch) -> None:
+        dev = batch.positions.device
+        self.q = max(batch.query_len_cpu)
+        seq = [i for i, n in enumerate(batch.query_len_cpu) for _ in range(n)]
+        col = [j for n in batch.query_len_cpu for j in range(n)]
+        self.seq = torch.tensor(seq, dtype=torch.long, device=dev)  # [T] sequence of each token
+        self.col = torch.tensor(col, dtype=torch.long, device=dev)  # [T] its index in the sequence
+        self.n0 = batch.num_computed  # [B]
+        self.slots = batch.swa_slot  # [B]
+        self.pos = batch.positions  # [T]
+        self.window_from = torch.tensor(batch.window_from, dtype=torch.long, device=dev)  # [B]
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[T, ...] -> [B, Q, ...] (padding rows are zero)."""
+        out = x.new_zeros(self.n0.shape[0], self.q, *x.shape[1:])
+        out[self.seq, self.col] = x
+        return out
+
+    def old_rows(self, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots' ring rows before the step [B, R, C] and the position each holds [B, R]
+        (the latest position below ``n0`` congruent to the row; negative: none)."""
+        r = ring.shape[1]
+        last = (self.n0 - 1)[:, None]
+        held = last - ((last - torch.arange(r, device=ring.device)[None, :]) % r)
+        return ring[self.slots], held
+
+    def write(self, ring: torch.Tensor, values: torch.Tensor) -> None:
+        """Store each token's row [T, C] at its position (after every read of the step)."""
+        ring[self.slots[self.seq], self.pos % ring.shape[1]] = values.to(ring.dtype)
+
+
+def verify_compress(
+    comp: Compressor,
+    rotary: Rotary,
+    x: torch.Tensor,  # [T, hidden]
+    lay: Layout,
+    batch: ForwardBatch,
+    pool: CompressedPool,
+    swa: SWASlots,
+    layer: int,
+    index: bool,
+) -> None:
+    """Emit the entries of windows closing in the step into the pool; update the ring."""
+    m, d = comp.rate, comp.dim
+    ring_kv = swa.index_kv[layer] if index else swa.state_kv[layer]
+    ring_gate = swa.index_gate[layer] if index else swa.state_gate[layer]
+    r = ring_kv.shape[1]
+    kv_new, gate_new = comp.kv_proj(x), comp.gate_proj(x)  # [T, C]
+    closing = ((lay.pos + 1) % m == 0).nonzero().flatten()
+    if closing.numel():
+        old_kv, _ = lay.old_rows(ring_kv)
+        old_gate, _ = lay.old_rows(ring_gate)
+        seq = lay.seq[closing]
+        both_kv = torch.cat([old_kv, lay.pad(kv_new.to(old_kv.dtype))], dim=1)  # [B, R + Q, C]
+        both_gate = torch.cat([old_gate, lay.pad(gate_new.to(old_gate.dtype))], dim=1)
+        c = lay.pos[closing]  # [n]
+        span = 2 * m if comp.overlap else m
+        offs = c[:, None] + 1 - span + torch.arange(span, device=c.device)[None, :]  # [n, span]
+        n0 = lay.n0[seq][:, None]
+        where = torch.where(offs < n0, offs % r, r + (offs - n0))
+        kv = both_kv[seq[:, None], where]  # [n, span, C]
+        gate = both_gate[seq[:, None], where] + (
+            comp.position_bias.repeat(2, 1) if comp.overlap else comp.position_bias
+        )
+        if comp.overlap:  # previous window's Ca half, then this window's Cb half
+            kv = torch.cat([kv[:, :m, :d], kv[:, m:, d:]], dim=1)
+            gate = torch.cat([gate[:, :m, :d], gate[:, m:, d:]], dim=1)
+            gate[:, :m] = gate[:, :m].masked_fill((offs[:, :m] < 0).unsqueeze(-1), float("-inf"))
+        pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)  # [n, d]
+        entries = rotary(comp.kv_norm(pooled), c + 1 - m)
+        store = pool.index_rows[layer] if index else pool.rows[layer]
+        rpb = store.shape[1]
+        w = (c + 1) // m - 1
+        store[batch.block_table[seq, w // rpb], w % rpb] = entries.to(store.dtype)
+    lay.write(ring_kv, kv_new)
+    lay.write(ring_gate, gate_new)
+
+
+def verify_keys(
+    kv: torch.Tensor,  # [T, hd] this step's keys (rotated)
+    lay: Layout,
+    batch: ForwardBatch,
+    window_ring: torch.Tensor,
+    window: int,
+    compressed: tuple[torch.Tensor, int] | None,  # (pool rows of this layer, rate)
+    csa: tuple[Indexer, torch.Tensor, torch.Tensor, torch.Tensor] | None,  # (indexer, iq, iw, index rows)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys [T, K, hd] and visibility [T, K] of every token; writes the window ring."""
+    old, held = lay.old_rows(window_ring)  # [B, W, hd], [B, W]
+    new = lay.pad(kv.to(old.dtype))  # [B, Q, hd]
+    s, p = lay.seq, lay.pos[:, None]
+    keys = torch.cat([old[s], new[s]], dim=1)  # [T, W + Q, hd]
+    old_vis = (held[s] > p - window) & (held[s] >= lay.window_from[s][:, None]) & (held[s] >= 0)
+    cols = torch.arange(lay.q, device=kv.device)[None, :]
+    new_vis = (cols <= lay.col[:, None]) & (cols < batch.query_len[s][:, None])
+    visible = torch.cat([old_vis, new_vis], dim=1)
+    lay.write(window_ring, kv)
+    if compressed is None:
+        return keys, visible
+    rows, rate = compressed
+    count = (lay.pos + 1) // rate  # [T] entries complete at each token
+    e_max = int(max(n0 + q for n0, q in zip(batch.num_computed_cpu, batch.query_len_cpu))) // rate
+    if e_max == 0:
+        return keys, visible
+    table = batch.block_table[s]  # [T, nb]
+    if csa is not None:
+        ix, iq, iw, irows = csa
+        top, cvis = _csa_select(ix, iq, iw, _gather_entries(irows, table, e_max), count)
+        rpb = rows.shape[1]
+        comp = rows[table.gather(1, top // rpb).clamp(min=0), top % rpb]  # [T, k, hd]
+    else:
+        comp = _gather_entries(rows, table, e_max)  # [T, E, hd]
+        cvis = torch.arange(e_max, device=kv.device)[None, :] < count[:, None]
+    return torch.cat([keys, comp.to(keys.dtype)], dim=1), torch.cat([visible, cvis], dim=1)

@@ -1,0 +1,142 @@
+"""Speculative decoding in the engine (the trained preset and its MTP layer): the tokens are
+those of plain decoding, greedy or seeded, for every policy; prefix hits and JSON-schema
+constraints included; and the blocks it publishes hold exactly what plain decoding's hold.
+
+The DSpark runs use a synthetic step profile whose verification cost rises steeply with the
+drafts verified, so that the selection verifies some drafts of some requests and not others
+(the profile of this machine would pick whatever it measured); identity must hold for any
+selection.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.llm import LLM
+from engine.replay_quality import heldout_prompts
+from engine.sampling.params import SamplingParams, StructuredOutput
+from engine.spec.policy import SpecProfile
+
+MODEL = Path(__file__).resolve().parents[4] / "models" / "trained"
+SCHEMA = json.dumps(
+    {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 12}, "size": {"type": "integer"}},
+        "required": ["name", "size"],
+    }
+)
+
+
+@pytest.fixture(scope="module")
+def steep_profile(tmp_path_factory) -> str:
+    batch = (1, 8, 32, 128)
+    secs = tuple(tuple(0.01 * b**0.5 * (1 + 0.6 * k * k) for k in range(6)) for b in batch)
+    path = tmp_path_factory.mktemp("spec") / "steps.json"
+    path.write_text(SpecProfile(batch, tuple(range(6)), secs).to_json())
+    return str(path)
+
+
+def _prompts(n: int) -> list[list[int]]:
+    """Held-out windows of varied lengths (8 to 300 tokens)."""
+    rows = heldout_prompts(MODEL, n, 300)
+    return [r[: 8 + (53 * i) % 293] for i, r in enumerate(rows)]
+
+
+def _generate(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> list[list[int]]:
+    return [
+        list(o.outputs[0].token_ids) for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)
+    ]
+
+
+def _workload(n: int) -> list[tuple[list[list[int]], list[SamplingParams]]]:
+    """Rounds run in order on one engine: held-out prompts (every 8th under a JSON schema),
+    then prompts that extend round 1's first prompts past a full block (prefix hits)."""
+    greedy = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    json_sp = SamplingParams(temperature=0.0, max_tokens=24, structured=StructuredOutput(json_schema=SCHEMA))
+    first = _prompts(n)
+    params = [json_sp if i % 8 == 3 else greedy for i in range(n)]
+    long = [p for p in first if len(p) > 260][:4]
+    hits = [p + p[-16:] for p in long]
+    return [(first, params), (hits, [greedy] * len(hits))]
+
+
+def _outputs(n: int, **engine: object) -> list[list[list[int]]]:
+    llm = LLM(MODEL, max_num_seqs=16, num_swa_slots=32, **engine)
+    try:
+        return [_generate(llm, prompts, params) for prompts, params in _workload(n)]
+    finally:
+        llm.close()
+
+
+def _check_identity(n: int, steep_profile: str) -> None:
+    base = _outputs(n)
+    for policy in ("fixed-5", "dspark", "dspark-lagged", "fixed-2:5"):
+        spec = _outputs(n, speculative=policy, spec_profile_path=steep_profile)
+        for r, (a, b) in enumerate(zip(base, spec)):
+            bad = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+            assert not bad, f"{policy}, round {r}: prompts {bad[:5]} differ"
+
+
+def test_greedy_tokens_equal_plain_decoding(steep_profile) -> None:
+    _check_identity(24, steep_profile)
+
+
+@pytest.mark.slow
+def test_greedy_tokens_equal_plain_decoding_on_100_prompts(steep_profile) -> None:
+    _check_identity(100, steep_profile)
+
+
+def test_seeded_sampling_equals_plain_decoding_and_dspark_selects(steep_profile) -> None:
+    prompts = _prompts(16)
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=32, ignore_eos=True)
+        for i in range(len(prompts))
+    ]
+    plain = LLM(MODEL, max_num_seqs=16)
+    try:
+        want = _generate(plain, prompts, params)
+    finally:
+        plain.close()
+    llm = LLM(MODEL, max_num_seqs=16, speculative="dspark", spec_profile_path=steep_profile)
+    try:
+        assert _generate(llm, prompts, params) == want
+        stats = llm.core.stats().extra
+    finally:
+        llm.close()
+    # the selection did verify drafts, fewer than it had, and some were accepted
+    assert 0 < stats["spec_verified_tokens"] < stats["spec_drafted_tokens"]
+    assert stats["spec_accepted_tokens"] > 0
+    assert stats.get("spec_policy_dspark", 0) > 0
+
+
+def test_published_blocks_equal_plain_decodings(steep_profile) -> None:
+    """Every block the speculating engine publishes (prefix cache, hence the store) holds the
+    same compressed rows as plain decoding's block of that hash: rejected drafts never reach
+    one."""
+    prompts = [p for p in _prompts(40) if len(p) > 200][:6]
+    sp = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+
+    def blocks(**engine: object) -> dict[bytes, list[torch.Tensor]]:
+        llm = LLM(MODEL, max_num_seqs=8, num_blocks=64, **engine)
+        try:
+            llm.generate(prompt_token_ids=prompts, sampling_params=sp)
+            core = llm.core
+            table = core.scheduler.cache.blocks
+            out = {}
+            for h in core.cached_hashes():
+                block = table.lookup([h], count=False)[0]
+                out[bytes(h)] = [t.clone() for t in core.runner.pool.block_tensors(block)]
+            return out
+        finally:
+            llm.close()
+
+    want = blocks()
+    got = blocks(speculative="fixed-5", spec_profile_path=steep_profile)
+    assert got.keys() == want.keys() and len(got) >= 6
+    for h, tensors in got.items():
+        for a, b in zip(tensors, want[h]):
+            assert (a - b).abs().max().item() < 1e-4, h.hex()
