@@ -171,7 +171,8 @@ class ModelExecutor:
                 for j in range(1, s.num_drafts + 1)
             ]
             staged.undo(rejected)
-        drafts = self._draft(out, result.hidden, sampled, emitted) if self.drafter is not None else {}
+        depth = out.draft_depth if out.draft_depth >= 0 else self.num_drafts
+        drafts = self._draft(out, result.hidden, sampled, emitted, depth) if self.drafter and depth else {}
         failed = {rid: self._failed[rid] for rid in sampled if rid in self._failed}
         return RunnerOutput(out.step, sampled, dict(logprobs), failed, emitted, emitted_lps, drafts)
 
@@ -198,6 +199,7 @@ class ModelExecutor:
         hidden: Any,
         sampled: dict[str, int],
         emitted: dict[str, tuple[int, ...]],
+        depth: int,
     ) -> dict[str, tuple[tuple[int, ...], tuple[float, ...]]]:
         """Pass-1 runs of every sequence whose next tokens are known, then chained drafts for
         those that continue (`engine.spec.drafter`)."""
@@ -233,7 +235,7 @@ class ModelExecutor:
             runs.append(
                 DraftRun(
                     rid, s.swa_slot, s.block_table, lo, next_ids[lo - n0 :], start_row + (lo - n0),
-                    valid_from, self.num_drafts if continues else 0,
+                    valid_from, depth if continues else 0,
                 )
             )  # fmt: skip
         drafts = self.drafter.draft(hidden, runs)

@@ -73,6 +73,9 @@ class SchedulerOutput:
     # Before anything else: retained slots to copy into the host slot pool (turns that ended),
     # while their state (and their partial block) is still the one they retained.
     slot_saves: tuple[SlotSave, ...] = ()
+    # Speculation: drafts per sequence the step proposes for the next (0: no MTP work at
+    # all); -1: the executor's own setting
+    draft_depth: int = -1
 
     @property
     def num_tokens(self) -> int:

@@ -204,6 +204,7 @@ class Scheduler:
             tuple(self._slot_loads) if seqs else (),
             tuple(self.cache.pending_saves) if seqs else (),
             tuple(self.cache.host_saves) if seqs else (),
+            self.spec.depth if self.spec is not None else -1,
         )
         if seqs:  # an empty step is not executed: keep the ids, copies and loads for the next one
             self._finished_ids.clear()
@@ -241,15 +242,16 @@ class Scheduler:
         return preempted
 
     def _plan_drafts(self, running: list[Request], tokens: int) -> dict[str, tuple[int, ...]]:
-        """The drafts each decoding sequence verifies this step (the policy's choice)."""
+        """The drafts each decoding sequence verifies this step (the policy's choice; it also
+        sets how many the step drafts for the next, ``spec.depth``)."""
         assert self.spec is not None
-        cands = [r for r in running if r.drafts and r.num_pending == 0 and r.tokens_to_compute == 1]
-        if not cands:
+        cands = [r for r in running if r.num_pending == 0 and r.tokens_to_compute == 1]
+        if not cands or not (self.spec.adaptive or any(r.drafts for r in cands)):
             return {}
         # drafts past max_tokens could never be emitted
-        room = [min(len(r.drafts), r.max_tokens - len(r.output_token_ids) - 1) for r in cands]
+        room = [max(min(len(r.drafts), r.max_tokens - len(r.output_token_ids) - 1), 0) for r in cands]
         ks, _ = self.spec.choose(
-            [r.request_id for r in cands], [r.draft_conf[: max(n, 0)] for r, n in zip(cands, room)], tokens
+            [r.request_id for r in cands], [r.draft_conf[:n] for r, n in zip(cands, room)], tokens
         )
         return {r.request_id: r.drafts[:k] for r, k in zip(cands, ks) if k}
 

@@ -27,7 +27,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from engine.spec.dspark import LaggedConfidence, StepProfile, choose_policy
+from engine.spec.dspark import LaggedConfidence, StepProfile, choose_policy, plan_dspark
 
 SPEC_STEPS_FILE: Final = "sluice_spec_steps.json"
 POLICIES: Final = ("fixed", "dspark", "dspark-lagged")
@@ -83,14 +83,23 @@ class SpecConfig:
 
 @dataclass(frozen=True)
 class SpecProfile:
-    """Seconds of one decode step (verification forward, sampling and drafting) with
-    ``batch[i]`` requests each verifying ``drafts[j]`` drafts: ``seconds[i][j]``, measured on
-    the serving machine with the drafter proposing ``drafted`` tokens per request."""
+    """Step times of a decode step on the serving machine, per batch size ``batch[i]``:
+
+    * ``seconds[i][k]``: every request verifies ``k`` drafts (verification forward, sampling,
+      then drafting ``drafted`` tokens per request for the next step);
+    * ``draft_pass[i]``: one chained drafting pass (what drafting one token fewer saves);
+    * ``plain[i]``: a step without speculation (no MTP work at all).
+
+    A step drafting ``d`` tokens costs ``seconds[i][k] - (drafted - d) * draft_pass[i]``.
+    Without ``draft_pass``/``plain`` (an older profile) the depth is fixed at ``drafted``
+    and speculation is never turned off."""
 
     batch: tuple[int, ...]
     drafts: tuple[int, ...]
     seconds: tuple[tuple[float, ...], ...]
     drafted: int = MAX_DRAFTS
+    draft_pass: tuple[float, ...] = ()
+    plain: tuple[float, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -102,29 +111,51 @@ class SpecProfile:
             raise ValueError("profile seconds must be [len(batch)][len(drafts)]")
         if not all(math.isfinite(s) and s > 0 for row in self.seconds for s in row):
             raise ValueError("profile seconds must be finite and positive")
+        for name in ("draft_pass", "plain"):
+            v = getattr(self, name)
+            if v and (len(v) != len(self.batch) or not all(math.isfinite(x) and x >= 0 for x in v)):
+                raise ValueError(f"profile {name} must be empty or one finite value >= 0 per batch size")
 
-    def step_seconds(self, batch: int, drafts: int) -> float:
-        """Interpolated linearly in the batch size; beyond the largest profiled batch, scaled
-        in proportion (the step is then bound by its tokens); draft counts are clamped."""
-        j = min(max(drafts, 0), len(self.drafts) - 1)
-        col = [row[j] for row in self.seconds]
+    @property
+    def adaptive(self) -> bool:
+        """Whether the profile prices other drafting depths and plain decoding."""
+        return bool(self.draft_pass) and bool(self.plain)
+
+    def _at(self, batch: int, col: Sequence[float]) -> float:
+        """Linear in the batch size; beyond the largest profiled batch, in proportion (the
+        step is then bound by its tokens); below the smallest, clamped."""
         top = self.batch[-1]
         if batch > top:
             return col[-1] * batch / top
         return float(np.interp(batch, self.batch, col))
 
-    def for_batch(self, batch: int) -> StepProfile:
-        """The step-profile table of a step of ``batch`` decoding requests: tokens
-        ``batch * (k + 1)`` against steps per second (made non-increasing, as a larger
-        step never runs faster: measurement noise is removed by a running maximum)."""
-        secs = np.maximum.accumulate([self.step_seconds(batch, k) for k in self.drafts])
+    def step_seconds(self, batch: int, drafts: int, drafted: int | None = None) -> float:
+        """A step of ``batch`` requests verifying ``drafts`` drafts each and drafting
+        ``drafted`` (default the profile's) for the next step; ``drafted = 0`` with no drafts
+        verified is plain decoding."""
+        d = self.drafted if drafted is None or not self.adaptive else drafted
+        if d == 0 and drafts == 0 and self.adaptive:
+            return self._at(batch, self.plain)
+        j = min(max(drafts, 0), len(self.drafts) - 1)
+        full = self._at(batch, [row[j] for row in self.seconds])
+        saved = (self.drafted - d) * self._at(batch, self.draft_pass) if self.adaptive else 0.0
+        return max(full - saved, 1e-9)
+
+    def for_batch(self, batch: int, drafted: int | None = None) -> StepProfile:
+        """The step-profile table of a step of ``batch`` decoding requests that drafts
+        ``drafted`` tokens each: tokens ``batch * (k + 1)`` against steps per second (made
+        non-increasing, as a larger step never runs faster: noise is removed by a running
+        maximum)."""
+        d = max(drafted if drafted is not None else self.drafted, 1)
+        secs = np.maximum.accumulate([self.step_seconds(batch, k, d) for k in self.drafts])
         tokens = [batch * (k + 1) for k in self.drafts]
         return StepProfile(tokens, [1.0 / s for s in secs])
 
     def to_json(self) -> str:
         return json.dumps(
             {"batch": list(self.batch), "drafts": list(self.drafts), "seconds": [list(r) for r in self.seconds],
-             "drafted": self.drafted, "meta": self.meta},
+             "drafted": self.drafted, "draft_pass": list(self.draft_pass), "plain": list(self.plain),
+             "meta": self.meta},
             indent=1,
         )  # fmt: skip
 
@@ -134,6 +165,7 @@ class SpecProfile:
         return cls(
             tuple(int(b) for b in d["batch"]), tuple(int(k) for k in d["drafts"]),
             tuple(tuple(float(s) for s in row) for row in d["seconds"]), int(d.get("drafted", MAX_DRAFTS)),
+            tuple(float(x) for x in d.get("draft_pass", ())), tuple(float(x) for x in d.get("plain", ())),
             dict(d.get("meta", {})),
         )  # fmt: skip
 
@@ -164,42 +196,87 @@ class SpecStats:
 
 
 class SpecPolicy:
+    """Per step: how many drafts of each request to verify (`choose`), and how many the
+    MTP layer drafts for the next step (``depth``).
+
+    With a ``dspark`` policy and a profile that prices drafting (`SpecProfile.adaptive`),
+    the depth follows the profile: each step compares the expected throughput of plain
+    decoding (depth 0: no MTP work at all), of verifying a uniform K drafted tokens
+    (depth K) and of DSpark's selection over ``num_drafts`` drafts, using the acceptance
+    rates observed lately (per draft position, decayed by ``DECAY`` per step) and this
+    step's confidences; it switches only for a gain above ``margin``. Otherwise the depth
+    is ``num_drafts``."""
+
+    DECAY: Final = 0.98  # per step: observations fade over ~50 steps
+
     def __init__(self, config: SpecConfig, profile: SpecProfile | None) -> None:
         self.config = config
         self.profile = profile
         self.lagged = LaggedConfidence(config.lag) if config.policy == "dspark-lagged" else None
         self.stats = SpecStats()
+        self.depth = config.num_drafts  # drafts per request the next step's drafting makes
+        self.mode = "dspark" if config.policy != "fixed" else f"fixed-{config.num_drafts}"
+        self._hits = np.zeros(config.num_drafts)
+        self._tries = np.zeros(config.num_drafts)
         # set to [] to record every step: per request (confidences, drafts verified, accepted)
         self.trace: list[list[tuple[tuple[float, ...], int, int]]] | None = None
         self._open: dict[str, tuple[tuple[float, ...], int]] = {}
 
+    @property
+    def adaptive(self) -> bool:
+        return self.config.policy != "fixed" and self.profile is not None and self.profile.adaptive
+
+    def rates(self) -> np.ndarray | None:
+        """Observed P(draft j accepted | drafts before it accepted), per position (None
+        before any observation; unobserved positions take the last observed one's)."""
+        if self._tries[0] == 0:
+            return None
+        r = np.where(self._tries > 0, self._hits / np.maximum(self._tries, 1e-12), np.nan)
+        for j in range(1, r.size):
+            if np.isnan(r[j]):
+                r[j] = r[j - 1]
+        return r
+
     def choose(
-        self, rids: Sequence[str], confidences: Sequence[Sequence[float]], max_tokens: int | None = None
+        self,
+        rids: Sequence[str],
+        confidences: Sequence[Sequence[float]],
+        max_tokens: int | None = None,
+        batch: int | None = None,
     ) -> tuple[list[int], str]:
         """How many drafts of each request to verify this step (``confidences[i]`` has one
-        entry per draft request ``i`` has; the step's tokens stay within ``max_tokens``)."""
+        entry per draft request ``i`` has; the step's tokens stay within ``max_tokens``);
+        ``batch``: requests decoding this step (default ``len(rids)``). Also sets ``depth``."""
         n = [len(c) for c in confidences]
         if not rids:
             return [], "none"
+        b = batch if batch is not None else len(rids)
+        self._hits *= self.DECAY
+        self._tries *= self.DECAY
         if self.lagged is not None:
             for rid, c in zip(rids, confidences):
-                self.lagged.record(rid, np.asarray(c, dtype=np.float64))
-        if self.config.policy == "fixed" or self.profile is None:
+                if len(c):
+                    self.lagged.record(rid, np.asarray(c, dtype=np.float64))
+        conf = (
+            [np.asarray(c, dtype=np.float64) for c in confidences]
+            if self.lagged is None
+            else self.lagged.get_batch(rids, n)
+        )
+        if self.adaptive:
+            self._set_depth(b, conf)
+        if not any(n):
+            ks, name = [0] * len(rids), "off" if self.depth == 0 or self.mode == "off" else "none"
+        elif self.config.policy == "fixed" or self.profile is None:
             cap = self.config.num_drafts if self.config.verify is None else self.config.verify
             ks = [min(cap, k) for k in n]
             if max_tokens is not None:
                 ks = _cap(ks, max_tokens)
             name = f"fixed-{max(ks)}" if any(ks) else "none"
         else:
-            conf = (
-                [np.asarray(c, dtype=np.float64) for c in confidences]
-                if self.lagged is None
-                else self.lagged.get_batch(rids, n)
-            )
+            table = self.profile.for_batch(b, self.depth)
             ks, name = choose_policy(
-                conf, self.profile.for_batch(len(rids)), self.config.num_drafts, margin=self.config.margin,
-                max_tokens=max_tokens,
-            )  # fmt: skip
+                conf, table, self.config.num_drafts, margin=self.config.margin, max_tokens=max_tokens
+            )
             if name == "fixed-K":
                 name = f"fixed-{max(ks)}"
         self.stats.steps += 1
@@ -208,14 +285,43 @@ class SpecPolicy:
         self.stats.policies[name] += 1
         if self.trace is not None:
             self.trace.append([])
-            self._open = {rid: (tuple(float(x) for x in c), k) for rid, c, k in zip(rids, confidences, ks)}
+        self._open = {rid: (tuple(float(x) for x in c), k) for rid, c, k in zip(rids, confidences, ks)}
         return ks, name
 
+    def _set_depth(self, b: int, conf: Sequence[np.ndarray]) -> None:
+        """The next step's drafting depth: plain decoding, a uniform K, or DSpark over all."""
+        assert self.profile is not None
+        rates = self.rates()
+        if rates is None:
+            return  # nothing observed yet: keep drafting num_drafts
+        p, full = self.profile, self.config.num_drafts
+        surv = np.cumprod(rates)
+        options = {"off": (b / p.step_seconds(b, 0, 0), 0)}
+        for k in range(1, full + 1):
+            options[f"fixed-{k}"] = (b * (1.0 + surv[:k].sum()) / p.step_seconds(b, k, k), k)
+        if any(c.size for c in conf):  # DSpark on this step's confidences, missing positions at the rates
+            padded = [np.concatenate([c[:full], rates[c.size : full]]) for c in conf]
+            plan = plan_dspark(padded, p.for_batch(b, full))
+            options["dspark"] = (plan.throughput, full)
+        best = max(options, key=lambda m: options[m][0])
+        current = options.get(self.mode, (0.0, 0))[0]
+        if best != self.mode and options[best][0] > current * (1.0 + self.config.margin):
+            self.mode = best
+        self.depth = options[self.mode][1] if self.mode in options else full
+
     def observe(self, rid: str, accepted: int) -> None:
-        """The outcome of ``rid``'s verification in the step last chosen (with ``trace``)."""
-        entry = self._open.pop(rid, None) if self.trace is not None else None
-        if entry is not None and self.trace:
-            self.trace[-1].append((entry[0], entry[1], accepted))
+        """The outcome of ``rid``'s verification in the step last chosen."""
+        entry = self._open.pop(rid, None)
+        if entry is None:
+            return
+        k = entry[1]
+        for j in range(k):
+            self._tries[j] += 1
+            if accepted <= j:
+                break
+            self._hits[j] += 1
+        if self.trace:
+            self.trace[-1].append((entry[0], k, accepted))
 
     def finished(self, rid: str) -> None:
         if self.lagged is not None:

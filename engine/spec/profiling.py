@@ -1,5 +1,9 @@
 """Measure a `SpecProfile`: the wall time of whole engine steps (schedule, verification
-forward, sampling, drafting, update) with ``B`` requests each verifying ``k`` drafts.
+forward, sampling, drafting, update) with ``B`` requests each verifying ``k`` drafts; for
+each ``B`` also a plain decode step (no speculation) and a step drafting one token (the cost
+of one chained drafting pass is the difference to drafting ``drafted``, per pass).
+Each cell keeps the smallest of ``rounds`` medians: on a shared machine, interference only
+ever adds time.
 
 For every batch size ``B`` and draft count ``k = 0 .. drafted`` an `EngineCore` runs the
 ``fixed-k:drafted`` policy (the MTP layer drafts ``drafted`` tokens per request, ``k`` are
@@ -26,6 +30,8 @@ def _cell(
     model: Path, batch: int, k: int, drafted: int, prompt_tokens: int, warmup: int, steps: int, seed: int,
     engine_kwargs: dict[str, Any],
 ) -> float:  # fmt: skip
+    """Median seconds of a step verifying ``k`` drafts per request and drafting ``drafted``;
+    ``drafted = 0``: plain decoding (no speculation)."""
     import random
 
     from engine.core import EngineCore
@@ -36,7 +42,8 @@ def _cell(
     per_req = prompt_tokens + (warmup + steps + 4) * (k + 1)
     blocks = batch * (-(-per_req // 256) + 1) + 4
     cfg = EngineConfig(
-        model=str(model), speculative=f"fixed-{k}:{drafted}", max_num_seqs=batch, num_swa_slots=batch,
+        model=str(model), speculative=f"fixed-{k}:{drafted}" if drafted else None, max_num_seqs=batch,
+        num_swa_slots=batch,
         num_blocks=blocks, max_num_batched_tokens=max(32_768, batch * prompt_tokens),
         enable_prefix_caching=False, async_scheduling=False, **engine_kwargs,
     )  # fmt: skip
@@ -48,16 +55,16 @@ def _cell(
             prompt = [rng.randrange(3, core.vocab_size) for _ in range(prompt_tokens)]
             core.add(CoreRequest(f"p{i}", tuple(prompt), params))
         spec = core.spec
-        assert spec is not None
         times: list[float] = []
         seen = 0
-        for _ in range(warmup + 4 * steps + 8):
-            before = (spec.stats.steps, spec.stats.verified)
+        for i in range(warmup + 4 * steps + 8):
+            before = (spec.stats.steps, spec.stats.verified) if spec is not None else (0, 0)
             t0 = time.perf_counter()
             core.step()
             dt = time.perf_counter() - t0
-            if (spec.stats.steps - before[0], spec.stats.verified - before[1]) != (1, batch * k):
-                continue
+            after = (spec.stats.steps, spec.stats.verified) if spec is not None else (1, 0)
+            if i == 0 or (after[0] - before[0], after[1] - before[1]) != (1, batch * k):
+                continue  # the prefill step, or not every request verified k drafts
             if core.stats().running != batch:
                 break
             seen += 1
@@ -77,28 +84,47 @@ def measure_spec_profile(
     batches: Sequence[int] = (1, 8, 16, 32, 64, 128),
     drafted: int = MAX_DRAFTS,
     prompt_tokens: int = 256,
-    warmup: int = 2,
-    steps: int = 6,
+    warmup: int = 4,
+    steps: int = 8,
+    rounds: int = 2,
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
     **engine_kwargs: Any,
 ) -> SpecProfile:
     model = Path(model)
-    seconds = []
+    seconds, draft_pass, plain = [], [], []
     t_start = time.perf_counter()
+
+    def cell(b: int, k: int, d: int) -> float:
+        t = min(
+            _cell(model, b, k, d, prompt_tokens, warmup, steps, seed, engine_kwargs) for _ in range(rounds)
+        )
+        if progress is not None:
+            what = f"{k} of {d} drafts verified" if d else "plain decoding"
+            progress(f"spec profile: batch {b}, {what}: {t * 1e3:.1f} ms/step")
+        return t
+
     for b in batches:
-        row = []
-        for k in range(drafted + 1):
-            row.append(_cell(model, b, k, drafted, prompt_tokens, warmup, steps, seed, engine_kwargs))
-            if progress is not None:
-                progress(f"spec profile: batch {b}, {k} drafts verified: {row[-1] * 1e3:.1f} ms/step")
+        row = [cell(b, k, drafted) for k in range(drafted + 1)]
         seconds.append(tuple(row))
+        plain.append(cell(b, 0, 0))
+        # one chained pass: what drafting one token instead of ``drafted`` saves, per pass
+        draft_pass.append(max(row[0] - cell(b, 0, 1), 0.0) / max(drafted - 1, 1))
     meta = {
         "method": "median wall time of engine steps (engine.spec.profiling)",
         "prompt_tokens": prompt_tokens,
         "steps": steps,
         "warmup": warmup,
+        "rounds": rounds,
         "wall_s": round(time.perf_counter() - t_start, 1),
         **{k: str(v) for k, v in engine_kwargs.items()},
     }
-    return SpecProfile(tuple(batches), tuple(range(drafted + 1)), tuple(seconds), drafted, meta)
+    return SpecProfile(
+        tuple(batches),
+        tuple(range(drafted + 1)),
+        tuple(seconds),
+        drafted,
+        tuple(draft_pass),
+        tuple(plain),
+        meta,
+    )
