@@ -94,6 +94,11 @@ class EngineConfig:
             from engine.spec.policy import SpecConfig
 
             SpecConfig.parse(self.speculative)  # raises ValueError with the accepted forms
+            if self.ep_size > 1:
+                raise ValueError(
+                    "speculative decoding with expert parallelism is not built: the ranks' drafting "
+                    "passes differ and would desynchronise their MoE all-to-all"
+                )
         if self.kv_store is not None and not Path(self.kv_store).is_file():
             raise ValueError(
                 f"kv_store must be a store spec file (sluice store cluster --spec-out), got {self.kv_store!r}"

@@ -208,6 +208,14 @@ class SpecPolicy:
     is ``num_drafts``."""
 
     DECAY: Final = 0.98  # per step: observations fade over ~50 steps
+    # The depth leaves num_drafts only on this much (decayed) evidence of position 1: the
+    # rate's standard error is then below 0.09 whatever it is.
+    MIN_EVIDENCE: Final = 32.0
+    # Pseudo-observations of the prior (the confidence head's mean per position).
+    PRIOR_WEIGHT: Final = 4.0
+    # With speculation off, one step in this many drafts again, so the rates stay current
+    # (at most 1/64 of a drafting step's cost).
+    PROBE_EVERY: Final = 64
 
     def __init__(self, config: SpecConfig, profile: SpecProfile | None) -> None:
         self.config = config
@@ -218,6 +226,9 @@ class SpecPolicy:
         self.mode = "dspark" if config.policy != "fixed" else f"fixed-{config.num_drafts}"
         self._hits = np.zeros(config.num_drafts)
         self._tries = np.zeros(config.num_drafts)
+        self._conf_sum = np.zeros(config.num_drafts)  # the head's predictions, decayed alike
+        self._conf_n = np.zeros(config.num_drafts)
+        self._off_steps = 0
         # set to [] to record every step: per request (confidences, drafts verified, accepted)
         self.trace: list[list[tuple[tuple[float, ...], int, int]]] | None = None
         self._open: dict[str, tuple[tuple[float, ...], int]] = {}
@@ -227,15 +238,13 @@ class SpecPolicy:
         return self.config.policy != "fixed" and self.profile is not None and self.profile.adaptive
 
     def rates(self) -> np.ndarray | None:
-        """Observed P(draft j accepted | drafts before it accepted), per position (None
-        before any observation; unobserved positions take the last observed one's)."""
+        """P(draft j accepted | drafts before it accepted) per position: the observed rate,
+        smoothed towards the confidence head's mean prediction for that position by
+        ``PRIOR_WEIGHT`` pseudo-observations (None before any observation)."""
         if self._tries[0] == 0:
             return None
-        r = np.where(self._tries > 0, self._hits / np.maximum(self._tries, 1e-12), np.nan)
-        for j in range(1, r.size):
-            if np.isnan(r[j]):
-                r[j] = r[j - 1]
-        return r
+        prior = np.where(self._conf_n > 0, self._conf_sum / np.maximum(self._conf_n, 1e-12), 0.5)
+        return (self._hits + self.PRIOR_WEIGHT * prior) / (self._tries + self.PRIOR_WEIGHT)
 
     def choose(
         self,
@@ -251,8 +260,12 @@ class SpecPolicy:
         if not rids:
             return [], "none"
         b = batch if batch is not None else len(rids)
-        self._hits *= self.DECAY
-        self._tries *= self.DECAY
+        for acc in (self._hits, self._tries, self._conf_sum, self._conf_n):
+            acc *= self.DECAY
+        for c in confidences:
+            m = min(len(c), self._conf_sum.size)
+            self._conf_sum[:m] += np.asarray(c[:m], dtype=np.float64)
+            self._conf_n[:m] += 1
         if self.lagged is not None:
             for rid, c in zip(rids, confidences):
                 if len(c):
@@ -292,8 +305,8 @@ class SpecPolicy:
         """The next step's drafting depth: plain decoding, a uniform K, or DSpark over all."""
         assert self.profile is not None
         rates = self.rates()
-        if rates is None:
-            return  # nothing observed yet: keep drafting num_drafts
+        if rates is None or self._tries[0] < self.MIN_EVIDENCE:
+            return  # too little evidence yet: keep drafting num_drafts
         p, full = self.profile, self.config.num_drafts
         surv = np.cumprod(rates)
         options = {"off": (b / p.step_seconds(b, 0, 0), 0)}
@@ -308,6 +321,10 @@ class SpecPolicy:
         if best != self.mode and options[best][0] > current * (1.0 + self.config.margin):
             self.mode = best
         self.depth = options[self.mode][1] if self.mode in options else full
+        if self.depth == 0:  # probe now and then, so that the rates follow the traffic
+            self._off_steps += 1
+            if self._off_steps % self.PROBE_EVERY == 0:
+                self.depth = full
 
     def observe(self, rid: str, accepted: int) -> None:
         """The outcome of ``rid``'s verification in the step last chosen."""

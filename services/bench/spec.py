@@ -50,6 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--save-profile", action="store_true", help="also write the measured profile beside the checkpoint"
     )
+    p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    p.add_argument("--dtype", default=None, help="engine dtype (default float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--repeats", type=int, default=3, help="runs per policy, interleaved; the median is kept")
     p.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (default 1: stable on shared CPUs)"
@@ -57,7 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _run(
-    model: Path, prompts: list[list[int]], tokens: int, policy: str, profile_path: Path | None
+    model: Path,
+    prompts: list[list[int]],
+    tokens: int,
+    policy: str,
+    profile_path: Path | None,
+    engine_kwargs: dict[str, Any],
 ) -> dict[str, Any]:
     from engine.core import EngineCore
     from engine.engine_config import EngineConfig
@@ -70,7 +77,7 @@ def _run(
         model=str(model), max_num_seqs=c, num_swa_slots=c, num_blocks=c * (-(-per_req // 256) + 1) + 4,
         max_num_batched_tokens=max(32_768, c * len(prompts[0])), enable_prefix_caching=False,
         async_scheduling=False, speculative=None if policy == "none" else policy,
-        spec_profile_path=str(profile_path) if profile_path is not None else None,
+        spec_profile_path=str(profile_path) if profile_path is not None else None, **engine_kwargs,
     )  # fmt: skip
     core = EngineCore(cfg)
     try:
@@ -174,14 +181,16 @@ def run(args: argparse.Namespace) -> Report:
             "repeats": args.repeats,
         },
     )  # fmt: skip
+    engine_kwargs = {
+        "device": args.device,
+        "dtype": args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"),
+    }
+    report.config.update(engine_kwargs)
     t_start = time.perf_counter()
     profile: SpecProfile = measure_spec_profile(
-        model,
-        sorted(set(conc)),
-        prompt_tokens=args.prompt_tokens,
-        steps=args.profile_steps,
-        progress=progress,
-    )
+        model, sorted(set(conc)), prompt_tokens=args.prompt_tokens, steps=args.profile_steps, progress=progress,
+        **engine_kwargs,
+    )  # fmt: skip
     progress(f"profile measured in {time.perf_counter() - t_start:.0f} s")
     report.results["profile"] = {
         "machine": "this run's",
@@ -190,6 +199,9 @@ def run(args: argparse.Namespace) -> Report:
         "step_seconds": [list(r) for r in profile.seconds],
         "steps_per_s": [[1.0 / s for s in r] for r in profile.seconds],
         "drafted_per_step": profile.drafted,
+        "draft_pass_seconds": list(profile.draft_pass),
+        "plain_step_seconds": list(profile.plain),
+        "meta": profile.meta,
     }
     report.results["h200_profile"] = (
         "not measured: the H200 decode kernels (the GPU decode issue) have not landed"
@@ -206,7 +218,7 @@ def run(args: argparse.Namespace) -> Report:
             for rep in range(args.repeats):  # interleaved, so that a burst of load hits every policy alike
                 for policy in policies:
                     t0 = time.perf_counter()
-                    r = _run(model, prompts_all[:c], args.tokens, policy, ppath)
+                    r = _run(model, prompts_all[:c], args.tokens, policy, ppath, engine_kwargs)
                     tries[policy].append(r)
                     progress(
                         f"c={c} {policy} #{rep + 1}: {r['tokens_per_s']:.1f} tok/s, {r['verified_per_step']:.1f} "
@@ -219,7 +231,7 @@ def run(args: argparse.Namespace) -> Report:
                 median["tokens_per_s_runs"] = [round(r["tokens_per_s"], 2) for r in rs]
                 runs[c][policy] = median
             trace = runs[c].get("fixed-5", {}).get("_trace")
-            extra = {}
+            extra: dict[str, Any] = {}
             if trace:
                 extra = _modelled(trace, profile, c) | {"acceptance_by_position": _acceptance(trace)}
             for r in runs[c].values():
@@ -268,3 +280,13 @@ def _targets(report: Report, c: int, runs: dict[str, dict[str, Any]]) -> None:
         report.target(
             "c=60: dspark / fixed-5 throughput", ds["tokens_per_s"] / f5["tokens_per_s"], ">=", 1.04
         )
+
+
+def main(argv: list[str] | None = None) -> None:
+    from services.bench import module_main
+
+    module_main("spec", add_arguments, run, argv)
+
+
+if __name__ == "__main__":
+    main()

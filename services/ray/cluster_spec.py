@@ -94,6 +94,22 @@ class PrefillPoolSpec(PoolSpec):
 class DecodePoolSpec(PoolSpec):
     eplb: EplbSpec = Field(default_factory=_decode_eplb)
     max_running_requests: int = Field(default=256, ge=1)
+    # speculative decoding in the decode engines (EngineConfig.speculative: "dspark",
+    # "dspark-lagged", "fixed-K[:N]"); None: off. Needs expert_parallel 1.
+    speculative: str | None = None
+
+    @model_validator(mode="after")
+    def _speculation(self) -> DecodePoolSpec:
+        if self.speculative is not None:
+            from engine.spec.policy import SpecConfig
+
+            SpecConfig.parse(self.speculative)
+            if self.expert_parallel > 1:
+                raise ValueError(
+                    "decode.speculative needs expert_parallel 1: an EP group's ranks run their MoE "
+                    "all-to-all in lockstep, and their drafting passes differ from rank to rank"
+                )
+        return self
 
 
 class StoreSpec(_Strict):
@@ -422,7 +438,13 @@ def derive(spec: ClusterSpec) -> ClusterPlan:
     decode = PoolPlan(
         decode_layout,
         MappingProxyType(
-            _engine_fields(spec, decode_layout, spec.decode, max_num_seqs=spec.decode.max_running_requests)
+            _engine_fields(
+                spec,
+                decode_layout,
+                spec.decode,
+                max_num_seqs=spec.decode.max_running_requests,
+                speculative=spec.decode.speculative,
+            )  # fmt: skip
         ),
         EplbConfig.from_cluster_spec("decode", spec.decode.eplb),
     )

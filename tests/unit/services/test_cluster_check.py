@@ -83,6 +83,8 @@ def test_example_shapes():
         ("store: {ttl_seconds: {batch: 60}}", "unknown traffic classes ['batch']"),
         ("{mode: two-datacenters, decode: {datacenter: b}}", "set redis_url"),
         ("decode: {replicas: 0}", "decode.replicas must be >= 1"),
+        ("decode: {speculative: medusa}", "speculative policy 'medusa' unknown"),
+        ("decode: {speculative: dspark, expert_parallel: 2}", "decode.speculative needs expert_parallel 1"),
     ],
 )
 def test_a_broken_spec_exits_2_saying_what_to_fix(capsys, tmp_path, text, needle):
@@ -115,6 +117,7 @@ def test_derive_maps_engine_fields_into_engine_config():
                 "max_running_requests": 100,
                 "host_swa_format": "mxfp8",
                 "host_swa_layers": 2,
+                "speculative": "dspark",
             },
             "swa_replay": "bounded",
         }
@@ -128,6 +131,7 @@ def test_derive_maps_engine_fields_into_engine_config():
     assert (dec.device, dec.dtype, dec.max_num_seqs) == ("cpu", "float32", 100)
     assert (dec.swa_replay, dec.host_swa_bytes, dec.host_swa_format) == ("bounded", 0, "mxfp8")
     assert (pre.host_swa_layers, dec.host_swa_layers) == (None, 2)
+    assert (pre.speculative, dec.speculative) == (None, "dspark")
     assert dec.num_swa_slots >= 100  # EngineConfig needs a slot per running sequence
     assert dec.cache_event_capacity == 0
     lay = plan.prefill.layout

@@ -1,0 +1,136 @@
+"""`engine.spec.policy`: the speculative settings, the measured step profile and the per-step
+policy (drafts verified, drafting depth)."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.spec.policy import SpecConfig, SpecPolicy, SpecProfile
+
+DRAFTS = tuple(range(6))
+
+
+def _profile(verify_s: float, pass_s: float, plain_s: float, batch=(1, 32)) -> SpecProfile:
+    """Step seconds: plain decoding ``plain_s``; verifying k drafts while drafting 5 costs
+    ``plain_s + 5 * pass_s + k * verify_s`` (per request in the batch, for b > 1)."""
+    secs = tuple(tuple(b * (plain_s + 5 * pass_s + k * verify_s) for k in DRAFTS) for b in batch)
+    return SpecProfile(
+        batch, DRAFTS, secs, 5, tuple(b * pass_s for b in batch), tuple(b * plain_s for b in batch)
+    )
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("dspark", SpecConfig("dspark", 5)),
+        ("dspark-lagged", SpecConfig("dspark-lagged", 5)),
+        ("dspark:3", SpecConfig("dspark", 3)),
+        ("fixed-2", SpecConfig("fixed", 2)),
+        ("fixed-2:5", SpecConfig("fixed", 5, verify=2)),
+        ("fixed-0:1", SpecConfig("fixed", 1, verify=0)),
+    ],
+)
+def test_settings_parse(text: str, want: SpecConfig) -> None:
+    assert SpecConfig.parse(text) == want
+
+
+@pytest.mark.parametrize("text", ["medusa", "dspark:9", "fixed-0", "fixed-x", "dspark:two", "fixed-6:5"])
+def test_bad_settings_say_what_is_accepted(text: str) -> None:
+    with pytest.raises(ValueError):
+        SpecConfig.parse(text)
+
+
+def test_profile_prices_depth_plain_and_batch_and_round_trips() -> None:
+    p = _profile(verify_s=0.002, pass_s=0.004, plain_s=0.010)
+    assert p.adaptive
+    assert p.step_seconds(1, 0, 0) == pytest.approx(0.010)  # plain
+    assert p.step_seconds(1, 2) == pytest.approx(0.010 + 0.020 + 0.004)  # drafting 5
+    assert p.step_seconds(1, 2, 1) == pytest.approx(0.010 + 0.004 + 0.004)  # drafting 1
+    assert p.step_seconds(64, 0, 0) == pytest.approx(2 * p.step_seconds(32, 0, 0))  # beyond: proportional
+    mid = p.step_seconds(16, 3)
+    assert p.step_seconds(1, 3) < mid < p.step_seconds(32, 3)
+    table = p.for_batch(8, 2)
+    assert table.tokens == tuple(float(8 * (k + 1)) for k in DRAFTS)
+    assert list(table.rates) == sorted(table.rates, reverse=True)
+    assert SpecProfile.from_json(p.to_json()) == p
+    old = SpecProfile(p.batch, p.drafts, p.seconds)  # no drafting or plain figures: depth fixed
+    assert not old.adaptive and old.step_seconds(1, 2, 0) == pytest.approx(p.step_seconds(1, 2))
+
+
+def test_profile_refuses_bad_tables() -> None:
+    with pytest.raises(ValueError):
+        SpecProfile((4, 2), DRAFTS, ((1.0,) * 6, (1.0,) * 6))
+    with pytest.raises(ValueError):
+        SpecProfile((1,), (0, 2), ((1.0, 1.0),))
+    with pytest.raises(ValueError):
+        SpecProfile((1,), DRAFTS, ((1.0,) * 6,), plain=(1.0, 2.0))
+
+
+def test_fixed_verifies_k_within_the_token_budget_and_records_the_trace() -> None:
+    pol = SpecPolicy(SpecConfig("fixed", 5, verify=3), None)
+    pol.trace = []
+    ks, name = pol.choose(["a", "b", "c"], [[0.9] * 5, [0.9] * 2, []])
+    assert (ks, name) == ([3, 2, 0], "fixed-3")
+    ks, _ = pol.choose(["a", "b"], [[0.9] * 5, [0.9] * 5], max_tokens=6)
+    assert sum(k + 1 for k in ks) <= 6
+    pol.observe("a", 1)
+    assert pol.trace[-1] == [((0.9,) * 5, ks[0], 1)]
+    assert pol.stats.steps == 2 and pol.stats.verified == 5 + sum(ks)
+
+
+def _observe(pol: SpecPolicy, rate: float, steps: int = 40, batch: int = 32) -> None:
+    """Steps in which every request verified all 5 drafts and accepted a leading run whose
+    per-position acceptance is ``rate`` (deterministic: the expected counts)."""
+    for _ in range(steps):
+        rids = [f"r{i}" for i in range(batch)]
+        pol._open = {r: ((0.5,) * 5, 5) for r in rids}
+        for i, r in enumerate(rids):
+            # request i accepts j drafts with probability rate^j (1 - rate)
+            u = (i + 0.5) / batch
+            acc = 0
+            while acc < 5 and u < rate ** (acc + 1):
+                acc += 1
+            pol.observe(r, acc)
+
+
+def test_depth_turns_speculation_off_where_drafting_costs_more_than_it_brings() -> None:
+    # drafting a token costs as much as a whole plain step: never worth it at 30 % acceptance
+    pol = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.001, pass_s=0.010, plain_s=0.010))
+    assert pol.rates() is None and pol.depth == 5
+    _observe(pol, 0.3)
+    assert pol.rates()[0] == pytest.approx(0.3, abs=0.05)
+    ks, _ = pol.choose([f"r{i}" for i in range(32)], [[0.3] * 5] * 32)
+    assert (pol.mode, pol.depth) == ("off", 0)
+    ks, name = pol.choose([f"r{i}" for i in range(32)], [[] for _ in range(32)])
+    assert (ks, name) == ([0] * 32, "off")
+
+
+def test_depth_keeps_every_draft_where_drafting_is_cheap() -> None:
+    pol = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.0001, pass_s=0.0001, plain_s=0.010))
+    _observe(pol, 0.8)
+    pol.choose([f"r{i}" for i in range(32)], [[0.8] * 5] * 32)
+    assert pol.depth == 5 and pol.mode in ("dspark", "fixed-5")
+
+
+def test_depth_settles_on_a_uniform_k_in_between() -> None:
+    # each drafted-and-verified token costs 40 % of a plain step; acceptance 0.6 per position
+    pol = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.001, pass_s=0.003, plain_s=0.010))
+    _observe(pol, 0.6)
+    for _ in range(3):
+        pol.choose([f"r{i}" for i in range(32)], [[0.6] * 5] * 32)
+    assert 0 < pol.depth < 5 and pol.mode == f"fixed-{pol.depth}"
+
+
+def test_depth_waits_for_evidence_and_probes_while_off() -> None:
+    pol = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.001, pass_s=0.010, plain_s=0.010))
+    # a few bad first steps are not enough evidence to stop drafting
+    _observe(pol, 0.0, steps=1, batch=8)
+    pol.choose([f"r{i}" for i in range(8)], [[0.3] * 5] * 8)
+    assert pol.depth == 5
+    _observe(pol, 0.3)
+    depths = []
+    for _ in range(2 * SpecPolicy.PROBE_EVERY):
+        pol.choose([f"r{i}" for i in range(32)], [[] for _ in range(32)])
+        depths.append(pol.depth)
+    assert pol.mode == "off"
+    assert depths.count(5) == 2 and depths.count(0) == len(depths) - 2  # one probe step in 64
