@@ -90,18 +90,22 @@ class EngineConfig:
             raise ValueError(f"ep_rank must be within [0, ep_size), got {self.ep_rank} of {self.ep_size}")
         if self.ep_size > 1 and self.async_scheduling:
             raise ValueError("an EP rank steps in lockstep with its group: set async_scheduling=False")
-        if self.speculative is not None:
-            from engine.spec.policy import SpecConfig
-
-            SpecConfig.parse(self.speculative)  # raises ValueError with the accepted forms
-            if self.ep_size > 1:
-                raise ValueError(
-                    "speculative decoding with expert parallelism is not built: the ranks' drafting "
-                    "passes differ and would desynchronise their MoE all-to-all"
-                )
+        self._check_speculative()
         if self.kv_store is not None and not Path(self.kv_store).is_file():
             raise ValueError(
                 f"kv_store must be a store spec file (sluice store cluster --spec-out), got {self.kv_store!r}"
+            )
+
+    def _check_speculative(self) -> None:
+        if self.speculative is None:
+            return
+        from engine.spec.policy import SpecConfig
+
+        SpecConfig.parse(self.speculative)  # raises ValueError with the accepted forms
+        if self.ep_size > 1:
+            raise ValueError(
+                "speculative decoding with expert parallelism is not built: the ranks' drafting "
+                "passes differ and would desynchronise their MoE all-to-all"
             )
 
     @property
