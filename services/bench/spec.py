@@ -5,7 +5,9 @@ the same run.
 For each concurrency ``c`` and policy, an `EngineCore` takes ``c`` held-out prompts
 (heldout-v1 windows of ``--prompt-tokens`` tokens) at once and decodes ``--tokens``
 greedy tokens for each (EOS ignored, prefix caching off). Only the decode phase is timed:
-the first step (every prefill, the first tokens) is not. Reported per run:
+the first step (every prefill, the first tokens) is not, nor an untimed warm-up round on the
+same engine before it (``--warmup-tokens``: the policy's acceptance estimates and torch are
+then warm, as on a serving engine). Reported per run:
 
 * **verified per step**: drafts put into verification per step, summed over the batch;
 * **accepted length**: tokens a request emits per step (1 + its accepted drafts);
@@ -50,6 +52,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--save-profile", action="store_true", help="also write the measured profile beside the checkpoint"
     )
+    p.add_argument(
+        "--profile-from", default=None, metavar="FILE",
+        help="use this profile (a sluice_spec_steps.json measured on this machine) instead of measuring one",
+    )  # fmt: skip
+    p.add_argument(
+        "--warmup-tokens", type=int, default=16,
+        help="an untimed round first on each engine: every request's first 64 prompt tokens, this many "
+        "generated (the policy's acceptance rates and torch warm up, as on a serving engine; default 16)",
+    )  # fmt: skip
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", default=None, help="engine dtype (default float32 on cpu, bfloat16 on cuda)")
     p.add_argument("--repeats", type=int, default=3, help="runs per policy, interleaved; the median is kept")
@@ -65,6 +76,7 @@ def _run(
     policy: str,
     profile_path: Path | None,
     engine_kwargs: dict[str, Any],
+    warmup_tokens: int = 0,
 ) -> dict[str, Any]:
     from engine.core import EngineCore
     from engine.engine_config import EngineConfig
@@ -81,6 +93,14 @@ def _run(
     )  # fmt: skip
     core = EngineCore(cfg)
     try:
+        if warmup_tokens:
+            warm = SamplingParams(temperature=0.0, max_tokens=warmup_tokens, ignore_eos=True)
+            for i, p in enumerate(prompts):
+                core.add(CoreRequest(f"w{i}", tuple(p[:64]), warm))
+            while core.has_work():
+                core.step()
+            if core.spec is not None:
+                core.spec.stats = type(core.spec.stats)()  # count the timed round only
         if core.spec is not None:
             core.spec.trace = []
         params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
@@ -178,7 +198,7 @@ def run(args: argparse.Namespace) -> Report:
         config={
             "model": str(model), "concurrency": conc, "tokens": args.tokens, "prompt_tokens": args.prompt_tokens,
             "policies": policies, "torch_threads": torch.get_num_threads(), "prompts": "heldout-v1 windows",
-            "repeats": args.repeats,
+            "repeats": args.repeats, "warmup_tokens": args.warmup_tokens,
         },
     )  # fmt: skip
     engine_kwargs = {
@@ -187,13 +207,18 @@ def run(args: argparse.Namespace) -> Report:
     }
     report.config.update(engine_kwargs)
     t_start = time.perf_counter()
-    profile: SpecProfile = measure_spec_profile(
-        model, sorted(set(conc)), prompt_tokens=args.prompt_tokens, steps=args.profile_steps, progress=progress,
-        **engine_kwargs,
-    )  # fmt: skip
-    progress(f"profile measured in {time.perf_counter() - t_start:.0f} s")
+    if args.profile_from:
+        profile = SpecProfile.load(args.profile_from)
+        source = f"loaded from {args.profile_from}"
+    else:
+        profile = measure_spec_profile(
+            model, sorted(set(conc)), prompt_tokens=args.prompt_tokens, steps=args.profile_steps,
+            progress=progress, **engine_kwargs,
+        )  # fmt: skip
+        source = "measured by this run"
+        progress(f"profile measured in {time.perf_counter() - t_start:.0f} s")
     report.results["profile"] = {
-        "machine": "this run's",
+        "source": source,
         "batch": list(profile.batch),
         "drafts_verified": list(profile.drafts),
         "step_seconds": [list(r) for r in profile.seconds],
@@ -218,7 +243,9 @@ def run(args: argparse.Namespace) -> Report:
             for rep in range(args.repeats):  # interleaved, so that a burst of load hits every policy alike
                 for policy in policies:
                     t0 = time.perf_counter()
-                    r = _run(model, prompts_all[:c], args.tokens, policy, ppath, engine_kwargs)
+                    r = _run(
+                        model, prompts_all[:c], args.tokens, policy, ppath, engine_kwargs, args.warmup_tokens
+                    )
                     tries[policy].append(r)
                     progress(
                         f"c={c} {policy} #{rep + 1}: {r['tokens_per_s']:.1f} tok/s, {r['verified_per_step']:.1f} "

@@ -13,7 +13,9 @@ from engine import LLM, SamplingParams
 from engine.checkpoint.presets import SHIPPED
 from tests.integration.serve_proc import ServeProcess
 
-pytestmark = pytest.mark.integration
+# make test-slow: a server subprocess plus the offline engine (the identity itself is in
+# tests/unit/engine/spec/test_speculation.py, under make test)
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 MESSAGES = [{"role": "user", "content": "Write a Python function that parses a config file."}]
 

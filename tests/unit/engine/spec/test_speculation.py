@@ -72,9 +72,9 @@ def _outputs(n: int, **engine: object) -> list[list[list[int]]]:
         llm.close()
 
 
-def _check_identity(n: int, steep_profile: str) -> None:
+def _check_identity(n: int, steep_profile: str, policies: tuple[str, ...]) -> None:
     base = _outputs(n)
-    for policy in ("fixed-5", "dspark", "dspark-lagged", "fixed-2:5"):
+    for policy in policies:
         spec = _outputs(n, speculative=policy, spec_profile_path=steep_profile)
         for r, (a, b) in enumerate(zip(base, spec)):
             bad = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
@@ -82,12 +82,12 @@ def _check_identity(n: int, steep_profile: str) -> None:
 
 
 def test_greedy_tokens_equal_plain_decoding(steep_profile) -> None:
-    _check_identity(24, steep_profile)
+    _check_identity(24, steep_profile, ("dspark", "fixed-2:5"))
 
 
 @pytest.mark.slow
 def test_greedy_tokens_equal_plain_decoding_on_100_prompts(steep_profile) -> None:
-    _check_identity(100, steep_profile)
+    _check_identity(100, steep_profile, ("fixed-5", "dspark", "dspark-lagged", "fixed-2:5"))
 
 
 def test_seeded_sampling_equals_plain_decoding_and_dspark_selects(steep_profile) -> None:
@@ -117,8 +117,8 @@ def test_published_blocks_equal_plain_decodings(steep_profile) -> None:
     """Every block the speculating engine publishes (prefix cache, hence the store) holds the
     same compressed rows as plain decoding's block of that hash: rejected drafts never reach
     one."""
-    prompts = [p for p in _prompts(40) if len(p) > 200][:6]
-    sp = SamplingParams(temperature=0.0, max_tokens=300, ignore_eos=True)
+    prompts = [p for p in _prompts(40) if len(p) > 240][:4]  # + 280 tokens: block 1 is decoded
+    sp = SamplingParams(temperature=0.0, max_tokens=280, ignore_eos=True)
 
     def blocks(**engine: object) -> dict[bytes, list[torch.Tensor]]:
         llm = LLM(MODEL, max_num_seqs=8, num_blocks=64, **engine)
@@ -136,7 +136,7 @@ def test_published_blocks_equal_plain_decodings(steep_profile) -> None:
 
     want = blocks()
     got = blocks(speculative="fixed-5", spec_profile_path=steep_profile)
-    assert got.keys() == want.keys() and len(got) >= 6
+    assert got.keys() == want.keys() and len(got) >= 2 * len(prompts) == 8
     for h, tensors in got.items():
         for a, b in zip(tensors, want[h]):
             assert (a - b).abs().max().item() < 1e-4, h.hex()
