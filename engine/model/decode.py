@@ -41,7 +41,7 @@ def decode_compress(
     index: bool,
 ) -> None:
     """Append each sequence's projections to its ring; emit the entries of windows that close now."""
-    m, d = comp.rate, comp.dim
+    m = comp.rate
     ring_kv = swa.index_kv[layer] if index else swa.state_kv[layer]
     ring_gate = swa.index_gate[layer] if index else swa.state_gate[layer]
     r = ring_kv.shape[1]
@@ -62,22 +62,44 @@ def decode_compress(
         return
     sel = _seq_tensor(tuple(closing), pos)
     p, s = pos[sel], slots[sel]  # [n]
-    span = 2 * m if comp.overlap else m
-    offs = p[:, None] + 1 - span + torch.arange(span, device=p.device)[None, :]  # [n, span] positions
+    offs = closing_offsets(comp, p)
     kv = ring_kv[s[:, None], offs % r]  # [n, span, C]
-    gate = ring_gate[s[:, None], offs % r] + (
-        comp.position_bias.repeat(2, 1) if comp.overlap else comp.position_bias
-    )
+    gate = ring_gate[s[:, None], offs % r]
+    store_entries(comp, rotary, kv, gate, offs, p, batch.block_table[sel], pool, layer, index)
+
+
+def closing_offsets(comp: Compressor, closing: torch.Tensor) -> torch.Tensor:
+    """[n, span] positions an entry closing at each of ``closing`` [n] pools."""
+    span = 2 * comp.rate if comp.overlap else comp.rate
+    return closing[:, None] + 1 - span + torch.arange(span, device=closing.device)[None, :]
+
+
+def store_entries(
+    comp: Compressor,
+    rotary: Rotary,
+    kv: torch.Tensor,  # [n, span, C] projected kv at ``offs``
+    gate: torch.Tensor,  # [n, span, C] projected gates there (before position_bias)
+    offs: torch.Tensor,  # [n, span] their positions (closing_offsets)
+    closing: torch.Tensor,  # [n] the position closing each entry
+    tables: torch.Tensor,  # [n, max_blocks] each entry's sequence's block table
+    pool: CompressedPool,
+    layer: int,
+    index: bool,
+) -> None:
+    """Pool each closing window into its entry (softmax-gated, with the overlapping previous
+    window's Ca half for CSA), normalise, rotate and store it in the pool."""
+    m, d = comp.rate, comp.dim
+    gate = gate + (comp.position_bias.repeat(2, 1) if comp.overlap else comp.position_bias)
     if comp.overlap:  # previous window's Ca half, then this window's Cb half
         kv = torch.cat([kv[:, :m, :d], kv[:, m:, d:]], dim=1)
         gate = torch.cat([gate[:, :m, :d], gate[:, m:, d:]], dim=1)
         gate[:, :m] = gate[:, :m].masked_fill((offs[:, :m] < 0).unsqueeze(-1), float("-inf"))
     pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)  # [n, d]
-    entries = rotary(comp.kv_norm(pooled), p + 1 - m)
+    entries = rotary(comp.kv_norm(pooled), closing + 1 - m)
     store = pool.index_rows[layer] if index else pool.rows[layer]
     rpb = store.shape[1]
-    w = (p + 1) // m - 1
-    store[batch.block_table[sel, w // rpb], w % rpb] = entries.to(store.dtype)
+    w = (closing + 1) // m - 1
+    store[tables.gather(1, (w // rpb)[:, None]).squeeze(1), w % rpb] = entries.to(store.dtype)
 
 
 def _gather_entries(store: torch.Tensor, table: torch.Tensor, e_max: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ from engine.cache.pool import CompressedPool
 from engine.cache.swa import SWASlots
 from engine.forward_batch import ForwardBatch
 from engine.model.compressor import Compressor, Indexer
-from engine.model.decode import _csa_select, _gather_entries
+from engine.model.decode import _csa_select, _gather_entries, closing_offsets, store_entries
 from engine.model.rope import Rotary
 
 MAX_QUERY = 8  # tokens per sequence up to which a step takes this path
@@ -91,7 +91,7 @@ def verify_compress(
     index: bool,
 ) -> None:
     """Emit the entries of windows closing in the step into the pool; update the ring."""
-    m, d = comp.rate, comp.dim
+    m = comp.rate
     ring_kv = swa.index_kv[layer] if index else swa.state_kv[layer]
     ring_gate = swa.index_gate[layer] if index else swa.state_gate[layer]
     r = ring_kv.shape[1]
@@ -104,24 +104,12 @@ def verify_compress(
         both_kv = torch.cat([old_kv, lay.pad(kv_new.to(old_kv.dtype))], dim=1)  # [B, R + Q, C]
         both_gate = torch.cat([old_gate, lay.pad(gate_new.to(old_gate.dtype))], dim=1)
         c = lay.pos[closing]  # [n]
-        span = 2 * m if comp.overlap else m
-        offs = c[:, None] + 1 - span + torch.arange(span, device=c.device)[None, :]  # [n, span]
+        offs = closing_offsets(comp, c)
         n0 = lay.n0[seq][:, None]
-        where = torch.where(offs < n0, offs % r, r + (offs - n0))
+        where = torch.where(offs < n0, offs % r, r + (offs - n0))  # old ring row, or R + new index
         kv = both_kv[seq[:, None], where]  # [n, span, C]
-        gate = both_gate[seq[:, None], where] + (
-            comp.position_bias.repeat(2, 1) if comp.overlap else comp.position_bias
-        )
-        if comp.overlap:  # previous window's Ca half, then this window's Cb half
-            kv = torch.cat([kv[:, :m, :d], kv[:, m:, d:]], dim=1)
-            gate = torch.cat([gate[:, :m, :d], gate[:, m:, d:]], dim=1)
-            gate[:, :m] = gate[:, :m].masked_fill((offs[:, :m] < 0).unsqueeze(-1), float("-inf"))
-        pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)  # [n, d]
-        entries = rotary(comp.kv_norm(pooled), c + 1 - m)
-        store = pool.index_rows[layer] if index else pool.rows[layer]
-        rpb = store.shape[1]
-        w = (c + 1) // m - 1
-        store[batch.block_table[seq, w // rpb], w % rpb] = entries.to(store.dtype)
+        gate = both_gate[seq[:, None], where]
+        store_entries(comp, rotary, kv, gate, offs, c, batch.block_table[seq], pool, layer, index)
     lay.write(ring_kv, kv_new)
     lay.write(ring_gate, gate_new)
 

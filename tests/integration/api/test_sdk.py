@@ -210,6 +210,7 @@ def test_completions_non_streaming_and_streaming(oai):
     assert "".join(c.choices[0].text for c in streamed if c.choices) == r.choices[0].text
 
 
+@pytest.mark.slow  # make test-slow: keeps make test under 15 minutes on 2 cores
 def test_ignore_eos_runs_a_completion_to_max_tokens(oai):
     """vLLM's ``ignore_eos`` extension (what load generators send for fixed-length outputs):
     greedy, this prompt ends at the model's EOS well before 400 tokens; with it, it does not."""

@@ -72,6 +72,7 @@ def test_chat_content_has_no_control_tokens_unless_asked(oai, controls):
     assert shown >= 3  # the opt-out really shows them: this test can fail
 
 
+@pytest.mark.slow  # make test-slow: keeps make test under 15 minutes on 2 cores
 def test_streamed_chat_and_legacy_completions_hide_them_too(oai, controls):
     for seed in SEEDS:
         stream = oai.chat.completions.create(

@@ -198,6 +198,7 @@ def test_two_nodes_down_still_hits(
     assert tokens == run(cold, p2)[0]
 
 
+@pytest.mark.slow  # make test-slow: keeps make test under 15 minutes on 2 cores
 def test_three_nodes_down_recomputes(
     store: LocalStore, client: Any, cold: EngineCore, engines: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -307,6 +308,7 @@ def test_bit_flip_in_a_shard_file_is_rebuilt_from_parity(
     assert tokens == run(cold, p2)[0]
 
 
+@pytest.mark.slow  # make test-slow: keeps make test under 15 minutes on 2 cores
 def test_fingerprint_isolation(
     store: LocalStore, checkpoint_factory, cold: EngineCore, engines: Any, model: Path, tmp_path: Path
 ) -> None:

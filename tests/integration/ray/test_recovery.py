@@ -97,6 +97,7 @@ def test_a_decode_engine_killed_mid_stream_the_client_gets_the_rest_unchanged(st
     assert completion_text(url, "after the restart", 8) == completion_text(reference, "after the restart", 8)
 
 
+@pytest.mark.slow  # make test-slow: keeps make test under 15 minutes on 2 cores
 def test_a_prefill_engine_killed_mid_prompt_is_retried_on_the_other(stack, reference):
     url, client = stack
     prompt = " ".join(f"word{i}" for i in range(1500))  # many 128-token chunks

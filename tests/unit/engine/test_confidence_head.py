@@ -227,6 +227,7 @@ def test_shipped_head_is_tiny_and_belongs_to_the_shipped_weights() -> None:
     assert held["brier"] < held["brier_constant_train_rate"] and held["auc"] > 0.6
 
 
+@pytest.mark.slow  # make test-slow: keeps make test under 15 minutes on 2 cores
 def test_shipped_head_beats_a_constant_on_a_held_out_sample() -> None:
     """Drafts along 16 greedy chains from three heldout-v1 stdlib files (tokenised as
     `sluice train data` does): the head's Brier score is below the constant training

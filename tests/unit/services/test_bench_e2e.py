@@ -33,6 +33,7 @@ def test_scale_trace() -> None:
     assert reqs[0].prompt[:32] == reqs[1].prompt[:32]
 
 
+@pytest.mark.slow  # make test-slow: keeps make test under 15 minutes on 2 cores
 def test_bench_e2e_json(ray_local, checkpoint_factory, capsys) -> None:
     from services.cli import main
 

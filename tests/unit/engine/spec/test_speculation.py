@@ -113,6 +113,7 @@ def test_seeded_sampling_equals_plain_decoding_and_dspark_selects(steep_profile)
     assert stats.get("spec_policy_dspark", 0) > 0
 
 
+@pytest.mark.slow  # make test-slow: keeps make test under 15 minutes on 2 cores
 def test_published_blocks_equal_plain_decodings(steep_profile) -> None:
     """Every block the speculating engine publishes (prefix cache, hence the store) holds the
     same compressed rows as plain decoding's block of that hash: rejected drafts never reach

@@ -64,6 +64,7 @@ def test_no_model_stage_yet():
         main(["train", "model"])
 
 
+@pytest.mark.slow  # make test-slow: keeps make test under 15 minutes on 2 cores
 def test_model_and_eval_stages_through_the_cli(built, tmp_path, capsys):
     """The shipped shape, one tiny step on the CPU, then its stored weights scored again."""
     out = tmp_path / "model"

@@ -88,6 +88,7 @@ def test_checkpoint_has_the_generators_tensors_and_loads_in_transformers(trained
     assert len((trained / "curve.jsonl").read_text().splitlines()) == SETTINGS.steps + 2  # 2 valid points
 
 
+@pytest.mark.slow  # make test-slow: keeps make test under 15 minutes on 2 cores
 def test_training_is_deterministic_for_a_seed(built: Path, trained: Path, tmp_path: Path) -> None:
     again = tmp_path / "again"
     train(built, again, SETTINGS, model_overrides=SMALL)
