@@ -86,6 +86,12 @@ class SWASlots:
             raise IndexError(f"layers {layers} out of range [1, {self.num_layers}]")
         return [t[slot] for t in self._all(layers)]
 
+    def compressor_rings(self, layer: int, index: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """The (kv, gate) input rings of a layer's compressor, or of its indexer's."""
+        if index:
+            return self.index_kv[layer], self.index_gate[layer]
+        return self.state_kv[layer], self.state_gate[layer]
+
     def layer_rings(self, layers: Iterable[int]) -> list[torch.Tensor]:
         """Every ring of the given layers (window, compressor and indexer inputs)."""
         rings = [self.state_kv, self.state_gate, self.index_kv, self.index_gate]

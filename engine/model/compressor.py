@@ -159,8 +159,7 @@ def run_compressor(
     state below that position (``ForwardBatch.kept_until``), which the step does not overwrite.
     """
     kv_all, gate_all = comp.kv_proj(x), comp.gate_proj(x)  # [T, C]
-    ring_kv = swa.index_kv[layer] if index else swa.state_kv[layer]
-    ring_gate = swa.index_gate[layer] if index else swa.state_gate[layer]
+    ring_kv, ring_gate = swa.compressor_rings(layer, index)
     for i, (start, qlen, n0, slot, cached_until, table) in enumerate(batch_meta):
         keep_from = cached_until // comp.rate
         sl = slice(start, start + qlen)

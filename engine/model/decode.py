@@ -42,8 +42,7 @@ def decode_compress(
 ) -> None:
     """Append each sequence's projections to its ring; emit the entries of windows that close now."""
     m = comp.rate
-    ring_kv = swa.index_kv[layer] if index else swa.state_kv[layer]
-    ring_gate = swa.index_gate[layer] if index else swa.state_gate[layer]
+    ring_kv, ring_gate = swa.compressor_rings(layer, index)
     r = ring_kv.shape[1]
     slots, pos = batch.swa_slot, batch.positions
     live = written(batch, layer)

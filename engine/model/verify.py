@@ -92,8 +92,7 @@ def verify_compress(
 ) -> None:
     """Emit the entries of windows closing in the step into the pool; update the ring."""
     m = comp.rate
-    ring_kv = swa.index_kv[layer] if index else swa.state_kv[layer]
-    ring_gate = swa.index_gate[layer] if index else swa.state_gate[layer]
+    ring_kv, ring_gate = swa.compressor_rings(layer, index)
     r = ring_kv.shape[1]
     kv_new, gate_new = comp.kv_proj(x), comp.gate_proj(x)  # [T, C]
     closing = ((lay.pos + 1) % m == 0).nonzero().flatten()
