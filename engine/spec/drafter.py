@@ -97,7 +97,9 @@ class Drafter:
             if n:
                 drafted[i].append(int(tokens[i]))
                 confs[i].append(float(conf[i]))
-        streams = out[batch.sample_indices]  # [B, hc, D] each run's last position
+        streams = out[
+            batch.sample_indices
+        ]  # [B, hc, D] each run's last position (a copy: written in place below)
         depth = max(wanted)
         if depth > 1:
             live = [i for i, n in enumerate(wanted) if n > 1]
@@ -126,7 +128,6 @@ class Drafter:
                     for n, i in enumerate(live):
                         drafted[i].append(int(tokens[n]))
                         confs[i].append(float(conf[n]))
-                    streams = streams.clone()
                     streams[idx] = out
             finally:
                 staged.undo([True] * int(staged.positions.shape[0]))
