@@ -105,7 +105,11 @@ class LLM:
         the default thinking mode (None: recipe's default; the API's ``deepseek-chat`` is False)."""
         return self._render(messages, thinking)[0]
 
-    def _render(self, messages: ChatMessages, thinking: bool | None) -> tuple[list[int], Any]:
+    def _render(
+        self, messages: ChatMessages, thinking: bool | None, system: Any = None, api: str = "chat"
+    ) -> tuple[list[int], Any]:
+        """(token ids, image sources) of a chat, rendered by recipe from a Chat Completions
+        (``api="chat"``) or an Anthropic Messages (``api="messages"``) message list."""
         import deepseek_recipe as recipe
 
         # V4.1's encoding needs <｜System｜> (generated checkpoints' tokenizers have it; the
@@ -119,7 +123,13 @@ class LLM:
         options = recipe.ConversionOptions()
         if thinking is not None:
             options = options.with_default_thinking_mode(thinking)
-        conv = recipe.ChatCompletionRequest({"model": name, "messages": messages}).convert(options)
+        if api == "messages":  # max_tokens is required by the type, not used by the rendering
+            body: dict[str, Any] = {"model": name, "messages": messages, "max_tokens": 1}
+            if system is not None:
+                body["system"] = system
+            conv = recipe.MessagesRequest(body).convert(options)
+        else:
+            conv = recipe.ChatCompletionRequest({"model": name, "messages": messages}).convert(options)
         tok = recipe.Tokenizer.from_file(str(self.core.tokenizer_path))
         enc = encoding().with_tokenizer(tok)
         return list(enc.encode(conv.conversation)), enc.render_conversation(conv.conversation).image_sources
@@ -163,6 +173,21 @@ class LLM:
         return self.generate(
             sampling_params=sampling_params, prompt_token_ids=ids, images=[p[1] for p in prompts]
         )
+
+    def messages(
+        self,
+        messages: ChatMessages,
+        sampling_params=None,
+        system: str | list[dict[str, Any]] | None = None,
+        thinking: bool | None = None,
+    ) -> RequestOutput:
+        """One Anthropic Messages conversation (``messages`` and ``system`` as ``POST /v1/messages``
+        takes them; images as base64 ``image`` blocks), rendered by recipe's Messages conversion
+        as the API renders it, then generated like ``chat``."""
+        ids, sources = self._render(messages, thinking, system=system, api="messages")
+        ids, images = self._images(ids, sources)
+        (out,) = self.generate(sampling_params=sampling_params, prompt_token_ids=[ids], images=[images])
+        return out
 
     def generate(
         self,

@@ -120,6 +120,16 @@ def served_tokens(api_server, monkeypatch) -> dict[str, list[int]]:
     return seen
 
 
+def _anthropic_messages(count: int) -> list[dict]:
+    blocks: list[dict] = [{"type": "text", "text": TEXT}]
+    for k in range(count):
+        data = base64.b64encode(_png(10 + k)).decode()
+        blocks.append(
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": data}}
+        )
+    return [{"role": "user", "content": blocks}]
+
+
 @pytest.mark.parametrize("count", [1, 2])
 def test_served_greedy_tokens_equal_an_offline_llm_chat_with_the_same_images(
     count, oai, api_server, tiny_model, served_tokens
@@ -137,3 +147,29 @@ def test_served_greedy_tokens_equal_an_offline_llm_chat_with_the_same_images(
     offline = out.outputs[0].token_ids
     assert len(out.prompt_token_ids) == r.usage.prompt_tokens
     assert offline and served[: len(offline)] == offline
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_anthropic_greedy_tokens_equal_an_offline_llm_messages_with_the_same_images(
+    count, api_server, tiny_model, served_tokens
+):
+    """Base64 image blocks through the ``anthropic`` SDK (whose 2.x ``create`` has no
+    ``temperature``: it goes in the body) equal ``LLM.messages``, recipe's Messages rendering."""
+    from engine import LLM, SamplingParams
+
+    claude = anthropic.Anthropic(
+        base_url=api_server.url, api_key=api_server.api_key, timeout=120, max_retries=0
+    )
+    messages = _anthropic_messages(count)
+    msg = claude.messages.create(
+        model="deepseek-chat", max_tokens=8, messages=messages, extra_body={"temperature": 0.0}
+    )
+    with LLM(tiny_model) as llm:
+        out = llm.messages(messages, SamplingParams(temperature=0.0, max_tokens=8), thinking=False)
+    offline = out.outputs[0].token_ids
+    u = msg.usage  # Anthropic's input_tokens leaves out the tokens read from the cache
+    assert u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens == len(
+        out.prompt_token_ids
+    )
+    assert msg.usage.output_tokens == len(offline)
+    assert offline and served_tokens[msg.id][: len(offline)] == offline

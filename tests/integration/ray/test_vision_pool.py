@@ -95,7 +95,8 @@ def test_a_chat_with_an_image_equals_an_offline_llm_chat_and_is_encoded_in_the_p
     per = _vision_stats(client)
     assert sum(s["vision_images_encoded"] for s in per) == 1
     assert sum(s["vision_payload_bytes"] for s in per) > 0
-    assert all(e.stats().extra.get("vision_images_encoded", 0.0) == 0.0 for e in _engines(client))
+    # the engines hold no encoder at all (their stats would carry its counters)
+    assert all("vision_images_encoded" not in e.stats().extra for e in _engines(client))
     assert client.stats().extra["vision_pool_images_encoded"] == 1
     assert client.stats().extra["vision_pool_outstanding_image_tokens"] == 0  # released
 
@@ -114,6 +115,35 @@ def test_a_chat_with_two_images_equals_an_offline_llm_chat(stack, model):
     assert r.usage.completion_tokens == len(out.outputs[0].token_ids)
     # the server holds back a trailing incomplete UTF-8 sequence; LLM decodes it as U+FFFD
     assert r.choices[0].message.content == out.outputs[0].text.rstrip("\ufffd")
+    assert all(e.stats().extra.get("vision_images_encoded", 0.0) == 0.0 for e in _engines(client))
+
+
+def test_an_anthropic_chat_with_two_images_equals_an_offline_llm_messages(stack, model):
+    """Base64 image blocks through the ``anthropic`` SDK, encoded on the pool, equal
+    ``LLM.messages`` (recipe's Messages rendering) with the same images."""
+    import anthropic
+
+    from engine import LLM, SamplingParams
+
+    url, client = stack
+    images = [
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                     "data": base64.b64encode(_png(s)).decode()}}
+        for s in (30, 31)
+    ]  # fmt: skip
+    messages = [{"role": "user", "content": [{"type": "text", "text": TEXT}, *images]}]
+    claude = anthropic.Anthropic(base_url=url, api_key="unused", timeout=120, max_retries=0)
+    msg = claude.messages.create(
+        model="deepseek-chat", max_tokens=MAX_TOKENS, messages=messages, extra_body={"temperature": 0.0}
+    )
+    with LLM(model) as llm:
+        out = llm.messages(messages, SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS), thinking=False)
+    u = msg.usage  # input_tokens leaves out the tokens read from the cache
+    assert u.input_tokens + u.cache_read_input_tokens + u.cache_creation_input_tokens == len(
+        out.prompt_token_ids
+    )
+    assert u.output_tokens == len(out.outputs[0].token_ids)
+    assert msg.content[0].text == out.outputs[0].text.rstrip("\ufffd")
     assert all(e.stats().extra.get("vision_images_encoded", 0.0) == 0.0 for e in _engines(client))
 
 
