@@ -99,6 +99,19 @@ class RowsFormat:
     hidden: int  # the language model's hidden_size: the width of a row
     dtype: torch.dtype
 
+    @classmethod
+    def from_model_dir(cls, model_dir: str | Path, dtype: torch.dtype) -> RowsFormat | None:
+        """The format of rows made by the checkpoint's encoder, read from its config and
+        weight file's digest without building the encoder (for an engine whose images a
+        vision pool encodes); None when the checkpoint has no vision section."""
+        from engine.model.vision import VisionConfig, vision_fingerprint
+
+        section = json.loads((Path(model_dir) / "config.json").read_text()).get("vision")
+        if not section:
+            return None
+        hidden = VisionConfig.from_dict(section).text_hidden_size
+        return cls(vision_fingerprint(model_dir), int(hidden), dtype)
+
     def _identity(self) -> tuple[bytes, bytes]:
         fp = hashlib.sha256(_KEY_DOMAIN + b"\0" + self.fingerprint.encode()).digest()
         desc = {"rows_version": 1, "hidden": int(self.hidden), "dtype": str(self.dtype)}

@@ -78,6 +78,7 @@ class InProcessEngineClient:
         ep: Any = None,
         eplb: Any = None,
         ep_store: Any = None,
+        encode_images: bool = True,
         **engine_kwargs: Any,
     ) -> None:
         """``ep``: an ``engine.distributed.lockstep.EPMember`` (or its fields as a dict) when
@@ -85,10 +86,13 @@ class InProcessEngineClient:
         the group's other ranks. ``eplb``: ``services.eplb.controller.EplbConfig`` (or its
         fields) to balance the group's experts while it serves (EP only). ``ep_store``: a
         function returning the group's rendezvous store, called when the rank joins
-        (default: the file ``ep`` names)."""
+        (default: the file ``ep`` names). ``encode_images=False``: a vision pool encodes this
+        engine's images, so it loads no encoder of its own; it takes rows the pool made
+        (``EncodedImage``, verified against the checkpoint's encoder) and refuses raw images."""
         from engine.distributed.lockstep import EPMember
 
         self.model_dir = Path(model_dir)
+        self.encode_images = encode_images
         self.engine_kwargs = dict(engine_kwargs)
         self.ep: EPMember | None = EPMember(**ep) if isinstance(ep, dict) else ep
         if eplb is not None and self.ep is None:
@@ -134,13 +138,15 @@ class InProcessEngineClient:
             )  # fmt: skip
             self._core = await asyncio.to_thread(self._join_group, config)
         if self._info.vision:
-            from engine.vision.stage import VisionStage
+            from engine.vision.stage import RowsFormat, VisionStage
 
-            self._vision = await asyncio.to_thread(
-                VisionStage.from_model_dir, self.model_dir, config.device, self._core.runner.cfg.torch_dtype
-            )
-            if self._vision is not None:  # rows a vision pool made must come from this encoder
-                self._rows_format = self._vision.rows_format(self._core.runner.cfg.torch_dtype)
+            dtype = self._core.runner.cfg.torch_dtype
+            if self.encode_images:
+                self._vision = await asyncio.to_thread(
+                    VisionStage.from_model_dir, self.model_dir, config.device, dtype
+                )
+            # rows a vision pool made must come from this checkpoint's encoder
+            self._rows_format = await asyncio.to_thread(RowsFormat.from_model_dir, self.model_dir, dtype)
         sharing = self._core.slot_sharing
         if sharing is not None:  # the replica's slot server, for a router reading the directory
             pool = sharing.pool
@@ -364,6 +370,10 @@ class InProcessEngineClient:
         raw = [im for im in request.images if isinstance(im, ImagePart)]
         rows = [im for im in request.images if isinstance(im, EncodedImage)]
         if (raw and self._vision is None) or (rows and self._rows_format is None):
+            if self._rows_format is not None:  # a deployment's engine: its vision pool encodes
+                raise EngineRequestError(
+                    "this engine takes images encoded by its vision pool, not raw images"
+                )
             raise EngineRequestError(f"model {self._info.model_id!r} has no vision encoder: send text only")
         try:
             encoded = iter(self._vision.encode(raw) if raw else ())

@@ -285,6 +285,11 @@ class RayServingClient:
         path = self.checkpoint / COST_MODEL_FILE
         return CostModel.from_json(path.read_text()) if path.is_file() else None
 
+    def _actor_config(self, pool: PoolConfig) -> dict[str, Any]:
+        """An engine actor's configuration: its pool's, and with a vision pool no encoder of
+        its own (the pool encodes every image; the engine only verifies the rows it is sent)."""
+        return {**pool.engine_config, **({"encode_images": False} if self.vision_pool else {})}
+
     def _instance(self, role: str, index: int, pool: PoolConfig) -> list[tuple[Any, str]]:
         """The actors of one model instance: one engine, or one per EP rank in a placement
         group (``PACK``: as few nodes as hold it, one when it fits) whose ranks meet through
@@ -295,7 +300,7 @@ class RayServingClient:
         if pool.expert_parallel == 1:
             (name,) = self._engine_names(role, index, pool)
             actor = remote_engine_actor(
-                role, str(self.checkpoint), dict(pool.engine_config), pool_resource=False,
+                role, str(self.checkpoint), self._actor_config(pool), pool_resource=False,
                 name=self.actor_name(name), **opts,
             )  # fmt: skip
             self.actors.append(actor)
@@ -329,7 +334,7 @@ class RayServingClient:
                 remote_engine_actor(
                     inst.role,
                     str(self.checkpoint),
-                    dict(pool.engine_config),
+                    self._actor_config(pool),
                     pool_resource=False,
                     ep=ep,
                     eplb=pool.eplb,

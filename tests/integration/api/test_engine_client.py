@@ -101,3 +101,41 @@ def test_request_timeout_ends_streams_in_band_and_plain_requests_with_504(tiny_m
     assert streamed.status_code == 200 and len(events) > 2
     assert json.loads(events[-1])["error"]["param"] == "request_timeout_s"  # in-band, last event
     assert stats.running == 0 and stats.aborted_total == 2
+
+
+def test_an_engine_behind_a_vision_pool_loads_no_encoder_and_takes_only_pool_rows(tiny_model):
+    """``encode_images=False`` (a deployment with a vision pool): no encoder in the engine; rows
+    a pool made from this checkpoint's encoder are served; a raw image is refused."""
+    import io
+
+    import numpy as np
+    import torch
+    from PIL import Image
+
+    from engine.model.vision import image_tokens
+    from engine.vision.stage import EncodedImage, ImagePart, RowsFormat, VisionStage
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(0).integers(0, 256, (42, 84, 3), dtype=np.uint8)).save(buf, "PNG")
+    n = image_tokens(84, 42)
+    part = ImagePart(1, n, buf.getvalue(), 84, 42)
+    stage = VisionStage.from_model_dir(tiny_model)
+    fmt = RowsFormat.from_model_dir(tiny_model, torch.float32)
+    assert stage is not None and fmt == stage.rows_format(torch.float32)
+    (img,) = stage.encode([part])
+    pooled = EncodedImage(1, n, img.key, fmt.pack(img.key, img.embeds))
+    prompt = (0, *([5] * n), 6, 7)
+
+    async def scenario():
+        client = InProcessEngineClient(tiny_model, encode_images=False)
+        await client.start()
+        try:
+            assert "vision_images_encoded" not in client.stats().extra  # no encoder, no counters
+            out = await anext(client.generate(EngineRequest("pooled", prompt, 2, images=(pooled,))))
+            assert out.token_ids
+            with pytest.raises(EngineRequestError, match="encoded by its vision pool"):
+                await anext(client.generate(EngineRequest("raw", prompt, 2, images=(part,))))
+        finally:
+            await client.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 120))
