@@ -100,6 +100,13 @@ class ImageIntake:
 
 def split_data_url(url: str, limits: ImageLimits, where: str) -> tuple[str, bytes]:
     """(media type, bytes) of a ``data:`` URL; size and media type refused before decoding."""
+    media, payload, is_b64 = check_data_url(url, limits, where)
+    return media, _decode_data_url(payload, is_b64, where)
+
+
+def check_data_url(url: str, limits: ImageLimits, where: str) -> tuple[str, str, bool]:
+    """(media type, payload text, is base64) of a ``data:`` URL, its declared media type and
+    size checked; nothing decoded."""
     head, sep, payload = url.partition(",")
     if not sep or not head.startswith("data:"):
         raise ApiError(
@@ -113,11 +120,14 @@ def split_data_url(url: str, limits: ImageLimits, where: str) -> tuple[str, byte
         raise limit_error(
             "max_image_bytes", f"{where}: image of ~{estimate} bytes exceeds {limits.max_image_bytes}"
         )
+    return media, payload, is_b64
+
+
+def _decode_data_url(payload: str, is_b64: bool, where: str) -> bytes:
     try:
-        data = base64.b64decode(payload, validate=True) if is_b64 else unquote_to_bytes(payload)
+        return base64.b64decode(payload, validate=True) if is_b64 else unquote_to_bytes(payload)
     except (binascii.Error, ValueError):
         raise ApiError(400, f"{where}: data URL is not valid base64", param=where) from None
-    return media, data
 
 
 def decode_data_url(url: str, limits: ImageLimits, where: str) -> bytes:
@@ -314,24 +324,45 @@ def _fetch_error(exc: Exception, url: str, limits: ImageLimits, where: str) -> A
 # -- stage 2: recipe's resolver ----------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class Preprocessed:
+    """One image as recipe's preprocessor left it, and what the pre-check read from it."""
+
+    data: bytes  # recipe's WebP bytes
+    width: int  # after preprocessing
+    height: int
+    tokens: int  # V4.1 image token count
+    header: ImageHeader  # the original file's format and declared size
+
+
 class PreprocessCache:
-    """Recipe's preprocessed images (its WebP bytes, size and V4.1 token count) by the SHA-256
-    of the original bytes and the ``detail``: a conversation re-sends every image each turn,
-    and a hit skips the decode and resize. Least recently used first out, bounded in bytes;
-    thread-safe. An image still passes ``inspect_image`` before it is looked up."""
+    """Preprocessed images by the SHA-256 of what the client sent and the ``detail``: a
+    conversation re-sends every image each turn, and a hit skips the decode and resize.
+
+    A data URL's key hashes its base64 text, so a hit also skips decoding the base64 and the
+    pre-check (strict base64 text names its bytes exactly, and those bytes passed
+    ``inspect_image`` under this server's fixed limits when the entry was made); other
+    sources (downloads) are keyed by their bytes, after the pre-check. Least recently used
+    first out, bounded in bytes; thread-safe."""
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
-        self._items: OrderedDict[tuple[bytes, str], tuple[bytes, int, int, int]] = OrderedDict()
+        self._items: OrderedDict[tuple[bytes, str], Preprocessed] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
     @staticmethod
     def key(data: bytes, detail: str) -> tuple[bytes, str]:
-        return hashlib.sha256(data).digest(), detail
+        """The key of an image's bytes."""
+        return hashlib.sha256(b"bytes\0" + data).digest(), detail
 
-    def get(self, key: tuple[bytes, str]) -> tuple[bytes, int, int, int] | None:
+    @staticmethod
+    def base64_key(text: str, detail: str) -> tuple[bytes, str]:
+        """The key of a data URL's base64 text (not decoded)."""
+        return hashlib.sha256(b"base64\0" + text.encode("ascii", "replace")).digest(), detail
+
+    def get(self, key: tuple[bytes, str]) -> Preprocessed | None:
         with self._lock:
             item = self._items.get(key)
             if item is None:
@@ -341,8 +372,8 @@ class PreprocessCache:
             self.hits += 1
             return item
 
-    def put(self, key: tuple[bytes, str], item: tuple[bytes, int, int, int]) -> None:
-        size = len(item[0])
+    def put(self, key: tuple[bytes, str], item: Preprocessed) -> None:
+        size = len(item.data)
         if size > self.max_bytes:
             return
         with self._lock:
@@ -350,9 +381,21 @@ class PreprocessCache:
                 return
             while self._items and self._bytes + size > self.max_bytes:
                 _, old = self._items.popitem(last=False)
-                self._bytes -= len(old[0])
+                self._bytes -= len(old.data)
             self._items[key] = item
             self._bytes += size
+
+
+@dataclass
+class _Pending:
+    """One source on its way through ``resolve_images``."""
+
+    where: str
+    detail: Any
+    key: tuple[bytes, str]
+    found: Preprocessed | None = None
+    header: ImageHeader | None = None
+    source: Any = None  # recipe's BytesImageSource, when it must be preprocessed
 
 
 def resolve_images(
@@ -363,42 +406,59 @@ def resolve_images(
 
     ``sources`` are recipe's, in placeholder order (``RenderedPrompt.image_sources``). Each
     becomes a ``BytesImageSource`` (same detail and path) only after its bytes pass
-    ``inspect_image``; a remote one is fetched first, within the allow-list filter.
+    ``inspect_image``; a remote one is fetched first, within the allow-list filter. A data
+    URL ``cache`` holds is neither decoded nor pre-checked again (see ``PreprocessCache``).
     """
     import deepseek_recipe as dr
 
     if len(sources) > limits.max_images:
         raise limit_error("max_images", f"{len(sources)} images, more than {limits.max_images}")
-    checked: list[tuple[ImageHeader, Any]] = []
+    pending: list[_Pending] = []
     for i, src in enumerate(sources):
-        where = src.path or f"image[{i}]"
-        if src.kind == "data_url":
-            _, data = split_data_url(src.data_url or "", limits, where)
-        elif src.kind == "url":
-            url = src.url or ""
-            if url.startswith("data:"):
-                _, data = split_data_url(url, limits, where)
-            else:
-                check_image_ref(url, limits, where)
-                data = fetch_remote(url, limits, where)
+        where, detail = src.path or f"image[{i}]", str(src.detail)
+        url = {"data_url": src.data_url, "url": src.url}.get(src.kind)
+        key = None
+        if url is not None and url.startswith("data:"):
+            _, text, is_b64 = check_data_url(url, limits, where)
+            if is_b64:
+                key = PreprocessCache.base64_key(text, detail)
+                found = cache.get(key) if cache is not None else None
+                if found is not None:  # seen before: not decoded nor pre-checked again
+                    pending.append(_Pending(where, src.detail, key, found))
+                    continue
+            data = _decode_data_url(text, is_b64, where)
+        elif url is not None:
+            check_image_ref(url, limits, where)
+            data = fetch_remote(url, limits, where)
         else:
             data = bytes(src.data or b"")
         header = inspect_image(data, limits, where)
-        checked.append((header, dr.BytesImageSource(data, src.detail, path=where)))
-    keys = [PreprocessCache.key(bytes(s.data or b""), str(s.detail)) for _, s in checked]
-    found = [cache.get(k) if cache is not None else None for k in keys]
-    todo = [s for (_, s), f in zip(checked, found) if f is None]
+        if key is None:
+            key = PreprocessCache.key(data, detail)
+            found = cache.get(key) if cache is not None else None
+        else:
+            found = None
+        source = None if found is not None else dr.BytesImageSource(data, src.detail, path=where)
+        pending.append(_Pending(where, src.detail, key, found, header, source))
+    todo = [p.source for p in pending if p.found is None]
     fresh = iter(_preprocess(todo, limits) if todo else [])
     infos, images = [], []
-    for (header, src), key, hit in zip(checked, keys, found):
+    for p in pending:
+        hit = p.found
         if hit is None:
-            info = next(fresh)
-            hit = (bytes(info.data), int(info.width), int(info.height), _tokens(info, header, src.path))
+            info, checked = next(fresh), p.header
+            assert checked is not None  # every source preprocessed here was pre-checked
+            hit = Preprocessed(
+                bytes(info.data), int(info.width), int(info.height), _tokens(info, checked, p.where), checked
+            )
             if cache is not None:
-                cache.put(key, hit)
-        data, width, height, tokens = hit
-        infos.append(dr.ImageInfo(data, width, height))
-        images.append(ResolvedImage(src.path, src.detail, header.width, header.height, width, height, tokens))
+                cache.put(p.key, hit)
+        infos.append(dr.ImageInfo(hit.data, hit.width, hit.height))
+        images.append(
+            ResolvedImage(
+                p.where, p.detail, hit.header.width, hit.header.height, hit.width, hit.height, hit.tokens
+            )
+        )
     return ImageIntake(dr.MultiModalData(infos), tuple(images))
 
 

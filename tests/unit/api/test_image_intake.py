@@ -131,6 +131,30 @@ def test_a_cached_image_skips_preprocessing_and_resolves_the_same(monkeypatch):
     assert tiny.hits == 0
 
 
+def test_a_cached_data_url_is_neither_decoded_nor_prechecked_again(monkeypatch):
+    """The key of a data URL is its base64 text: a hit skips the base64 decode and the header
+    pre-check; any other text (here the same file with its last bytes cut) is a miss and is
+    checked and refused as before."""
+    import base64 as b64
+
+    from services.api import images
+
+    cache = images.PreprocessCache(1 << 20)
+    raw = png(300, 200)
+    url = data_url(raw)
+    first = resolve_images([source(url)], OFF, cache)
+    seen: list[str] = []
+    for name in ("_decode_data_url", "inspect_image"):
+        real = getattr(images, name)
+        monkeypatch.setattr(images, name, lambda *a, _r=real, _n=name: seen.append(_n) or _r(*a))
+    assert resolve_images([source(url)], OFF, cache).images == first.images
+    assert seen == [] and cache.hits == 1
+    cut = "data:image/png;base64," + b64.b64encode(raw[:-40]).decode()
+    with pytest.raises(ApiError):
+        resolve_images([source(cut)], OFF, cache)
+    assert seen == ["_decode_data_url", "inspect_image"]
+
+
 def test_count_limit_applies_to_the_sources():
     with pytest.raises(ApiError) as exc:
         resolve_images([source(data_url(png(2, 2)))] * 3, replace(OFF, max_images=2))
