@@ -21,7 +21,8 @@ from services.api.inprocess import InProcessEngineClient
 from services.ray.serving import PoolConfig, RayServingClient
 from tests.integration.ray.conftest import completion_stream, completion_text, served, wait_until
 
-pytestmark = pytest.mark.integration
+# slow: a Ray stack with a store, killed engines (~45 s on 2 cores); `make test-slow` runs it
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 ENGINE = {"num_blocks": 32, "max_num_batched_tokens": 128}
 

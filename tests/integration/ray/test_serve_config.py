@@ -30,6 +30,7 @@ store: {{nodes: 12, data_shards: 10, parity_shards: 2, capacity_bytes: 107374182
 """
 
 
+@pytest.mark.slow  # make test-slow: keeps make test under 15 minutes on 2 cores (~30 s)
 def test_serve_config_brings_the_stack_up_answers_and_stops_cleanly(model, tmp_path):
     path = tmp_path / "cluster.yaml"
     path.write_text(_spec(model))
