@@ -28,7 +28,7 @@ from engine.structured.tokenizer import control_tokens
 from services.api.config import ApiConfig
 from services.api.engine_client import EngineRequest, ModelInfo, StructuredSpec
 from services.api.errors import ApiError, from_recipe, limit_error
-from services.api.images import ImageIntake, PreprocessCache, resolve_images
+from services.api.images import ImageIntake, PreprocessCache, lift_images, resolve_images
 from services.api.limits import image_limits
 from services.api.tool_grammar import tool_call_grammar
 from services.api.traffic_class import DEFAULT_TRAFFIC_CLASS
@@ -137,8 +137,10 @@ class Converter:
             from services.api.completions import prepare_completion
 
             return prepare_completion(self, raw, body, traffic_class)
+        # base64 images go to recipe as stand-ins (see ``lift_images``): it only passes them through
+        lifted = lift_images(body) if b";base64," in raw else None
         try:
-            req = _REQUEST_TYPES[kind](raw)
+            req = _REQUEST_TYPES[kind](raw if lifted is None else lifted.body)
         except ValueError as exc:  # recipe's serde errors: wrong types, overflows, missing fields
             raise ApiError(400, str(exc), param=_serde_param(str(exc))) from None
         model = req.model
@@ -148,7 +150,7 @@ class Converter:
             conv = req.convert(self.options_for(model))
         except dr.ConversionError as exc:
             raise from_recipe(exc.status_code, exc.body) from None
-        images = self.resolve_images(conv)
+        images = self.resolve_images(conv, lifted.originals if lifted is not None else None)
         try:
             prompt_ids = self.encoding.encode(conv.conversation)
         except RuntimeError as exc:
@@ -190,12 +192,15 @@ class Converter:
             images,
         )
 
-    def resolve_images(self, conv: dr.ConversationRequest) -> ImageIntake | None:
-        """recipe's resolver over the image sources, in the order of their placeholders."""
+    def resolve_images(
+        self, conv: dr.ConversationRequest, originals: dict[str, str] | None = None
+    ) -> ImageIntake | None:
+        """recipe's resolver over the image sources, in the order of their placeholders
+        (``originals``: the client's data URLs behind a lifted request's stand-ins)."""
         if not any(m.image_sources for m in conv.conversation.messages):
             return None
         sources = self.encoding.render_conversation(conv.conversation).image_sources
-        return resolve_images(list(sources), image_limits(self.cfg), self.image_cache)
+        return resolve_images(list(sources), image_limits(self.cfg), self.image_cache, originals)
 
     def expand_images(self, prompt_ids: list[int], images: ImageIntake) -> tuple[list[int], tuple[Any, ...]]:
         """Each image's one placeholder becomes its V4.1 token count of placeholders (positions,

@@ -91,7 +91,7 @@ async def handle_generation(request: Request, kind: Kind, endpoint: str) -> Resp
     )
     raw = await request.body()
     body = parse_json_object(raw)
-    await asyncio.to_thread(check_body, body, kind, state.config)
+    await asyncio.to_thread(check_body, body, kind, state.config, state.converter.image_cache)
     await state.admission.acquire()
     released = False
 

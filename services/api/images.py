@@ -35,6 +35,7 @@ import binascii
 import functools
 import hashlib
 import ipaddress
+import secrets
 import socket
 import threading
 from collections import OrderedDict
@@ -230,13 +231,22 @@ def check_remote_url(url: str, limits: ImageLimits, where: str) -> str:
     return host
 
 
-def check_image_ref(ref: str, limits: ImageLimits, where: str) -> ImageHeader | None:
+def check_image_ref(
+    ref: str, limits: ImageLimits, where: str, cache: PreprocessCache | None = None
+) -> ImageHeader | None:
     """The pre-admission check of one image reference (a URL string from the JSON body):
-    a data URL is decoded and pre-checked; a remote URL is checked against the policy (its
-    bytes are fetched and pre-checked later, in ``resolve_images``)."""
+    a data URL is decoded and pre-checked (unless ``cache`` remembers that its text passed);
+    a remote URL is checked against the policy (its bytes are fetched and pre-checked later,
+    in ``resolve_images``)."""
     if ref.startswith("data:"):
-        _, data = split_data_url(ref, limits, where)
-        return inspect_image(data, limits, where)
+        _, text, is_b64 = check_data_url(ref, limits, where)
+        digest = PreprocessCache.base64_digest(text) if cache is not None and is_b64 else None
+        if cache is not None and digest is not None and (known := cache.checked(digest)) is not None:
+            return known
+        header = inspect_image(_decode_data_url(text, is_b64, where), limits, where)
+        if cache is not None and digest is not None:
+            cache.remember_checked(digest, header)
+        return header
     if ref.startswith(("http://", "https://")) or (limits.allow_remote_images and "://" in ref):
         check_remote_url(ref, limits, where)
         return None
@@ -343,24 +353,46 @@ class PreprocessCache:
     pre-check (strict base64 text names its bytes exactly, and those bytes passed
     ``inspect_image`` under this server's fixed limits when the entry was made); other
     sources (downloads) are keyed by their bytes, after the pre-check. Least recently used
-    first out, bounded in bytes; thread-safe."""
+    first out, bounded in bytes; thread-safe.
+
+    It also remembers the pre-check's verdict on the last ``MAX_CHECKED`` data URLs that
+    passed it (by the same digest), so the admission check (``limits.check_body``) and the
+    preprocessing decode and inspect a new image once between them, and a re-sent one never."""
+
+    MAX_CHECKED = 4096  # headers are a few dozen bytes each
 
     def __init__(self, max_bytes: int) -> None:
         self.max_bytes = max_bytes
         self._items: OrderedDict[tuple[bytes, str], Preprocessed] = OrderedDict()
+        self._checked: OrderedDict[bytes, ImageHeader] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
         self.hits = self.misses = 0
 
     @staticmethod
+    def base64_digest(text: str) -> bytes:
+        """What names a data URL's base64 text (not decoded)."""
+        return hashlib.sha256(b"base64\0" + text.encode("ascii", "replace")).digest()
+
+    def checked(self, digest: bytes) -> ImageHeader | None:
+        """The pre-check's header for base64 text that passed it, if remembered."""
+        with self._lock:
+            header = self._checked.get(digest)
+            if header is not None:
+                self._checked.move_to_end(digest)
+            return header
+
+    def remember_checked(self, digest: bytes, header: ImageHeader) -> None:
+        with self._lock:
+            self._checked[digest] = header
+            self._checked.move_to_end(digest)
+            while len(self._checked) > self.MAX_CHECKED:
+                self._checked.popitem(last=False)
+
+    @staticmethod
     def key(data: bytes, detail: str) -> tuple[bytes, str]:
         """The key of an image's bytes."""
         return hashlib.sha256(b"bytes\0" + data).digest(), detail
-
-    @staticmethod
-    def base64_key(text: str, detail: str) -> tuple[bytes, str]:
-        """The key of a data URL's base64 text (not decoded)."""
-        return hashlib.sha256(b"base64\0" + text.encode("ascii", "replace")).digest(), detail
 
     def get(self, key: tuple[bytes, str]) -> Preprocessed | None:
         with self._lock:
@@ -398,8 +430,66 @@ class _Pending:
     source: Any = None  # recipe's BytesImageSource, when it must be preprocessed
 
 
+@dataclass
+class Lifted:
+    """A request body whose base64 image payloads were swapped for short stand-ins before
+    recipe's conversion (which otherwise copies and re-renders megabytes of base64 it only
+    passes through), and the way back: stand-in data URL -> the client's data URL."""
+
+    body: dict[str, Any]
+    originals: dict[str, str]
+
+
+def lift_images(body: dict[str, Any]) -> Lifted | None:
+    """``body`` with every base64 image payload (Chat Completions ``image_url``, Responses
+    ``input_image``, Anthropic ``image`` blocks) replaced by a stand-in that names it (a
+    random per-request nonce and its index, as valid base64); None when it has none. The
+    containers on the way are copied; ``body`` is not changed."""
+    nonce = secrets.token_hex(8)
+    originals: dict[str, str] = {}
+
+    def stand_in(media: str, payload: str) -> str:
+        token = base64.b64encode(f"sluice-lifted-{nonce}-{len(originals)}".encode()).decode()
+        originals[f"data:{media};base64,{token}"] = f"data:{media};base64,{payload}"
+        return token
+
+    def data_url(url: Any) -> Any:
+        if not isinstance(url, str) or not url.startswith("data:"):
+            return url
+        head, sep, payload = url.partition(",")
+        if not sep or not head.endswith(";base64"):
+            return url
+        return f"{head},{stand_in(head[5:-7], payload)}"
+
+    def visit(node: Any) -> Any:
+        if isinstance(node, list):
+            return [visit(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        kind = node.get("type")
+        if kind == "image_url" and isinstance(node.get("image_url"), dict):
+            return {**node, "image_url": {**node["image_url"], "url": data_url(node["image_url"].get("url"))}}
+        if kind == "image_url":
+            return {**node, "image_url": data_url(node.get("image_url"))}
+        if kind == "input_image":
+            return {**node, "image_url": data_url(node.get("image_url"))}
+        src = node.get("source")
+        if kind == "image" and isinstance(src, dict) and src.get("type") == "base64":
+            data = src.get("data")
+            if isinstance(data, str) and isinstance(src.get("media_type"), str):
+                return {**node, "source": {**src, "data": stand_in(src["media_type"], data)}}
+            return node
+        return {k: visit(v) for k, v in node.items()}
+
+    lifted = visit(body)
+    return Lifted(lifted, originals) if originals else None
+
+
 def resolve_images(
-    sources: list[dr.ImageSource], limits: ImageLimits, cache: PreprocessCache | None = None
+    sources: list[dr.ImageSource],
+    limits: ImageLimits,
+    cache: PreprocessCache | None = None,
+    originals: dict[str, str] | None = None,
 ) -> ImageIntake:
     """Pre-check every source, then preprocess them all with recipe's resolver (those
     ``cache`` does not hold).
@@ -408,6 +498,7 @@ def resolve_images(
     becomes a ``BytesImageSource`` (same detail and path) only after its bytes pass
     ``inspect_image``; a remote one is fetched first, within the allow-list filter. A data
     URL ``cache`` holds is neither decoded nor pre-checked again (see ``PreprocessCache``).
+    ``originals``: a `Lifted` request's way back from stand-ins to the client's data URLs.
     """
     import deepseek_recipe as dr
 
@@ -417,27 +508,32 @@ def resolve_images(
     for i, src in enumerate(sources):
         where, detail = src.path or f"image[{i}]", str(src.detail)
         url = {"data_url": src.data_url, "url": src.url}.get(src.kind)
-        key = None
+        if originals and url is not None:
+            url = originals.get(url, url)
+        key, header = None, None
         if url is not None and url.startswith("data:"):
             _, text, is_b64 = check_data_url(url, limits, where)
             if is_b64:
-                key = PreprocessCache.base64_key(text, detail)
+                key = (PreprocessCache.base64_digest(text), detail)
                 found = cache.get(key) if cache is not None else None
                 if found is not None:  # seen before: not decoded nor pre-checked again
                     pending.append(_Pending(where, src.detail, key, found))
                     continue
+                header = cache.checked(key[0]) if cache is not None else None
             data = _decode_data_url(text, is_b64, where)
         elif url is not None:
             check_image_ref(url, limits, where)
             data = fetch_remote(url, limits, where)
         else:
             data = bytes(src.data or b"")
-        header = inspect_image(data, limits, where)
+        if header is None:
+            header = inspect_image(data, limits, where)
+            if key is not None and cache is not None:
+                cache.remember_checked(key[0], header)
+        found = None
         if key is None:
             key = PreprocessCache.key(data, detail)
             found = cache.get(key) if cache is not None else None
-        else:
-            found = None
         source = None if found is not None else dr.BytesImageSource(data, src.detail, path=where)
         pending.append(_Pending(where, src.detail, key, found, header, source))
     todo = [p.source for p in pending if p.found is None]

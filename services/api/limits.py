@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from services.api.config import ApiConfig
 from services.api.errors import ApiError, limit_error
-from services.api.images import ImageLimits, check_image_ref
+from services.api.images import ImageLimits, PreprocessCache, check_image_ref
 
 MAX_JSON_NODES = 2_000_000
 
@@ -186,16 +186,19 @@ def _image_ref(node: dict[str, Any]) -> str | None:
     return None
 
 
-def check_images(facts: BodyFacts, cfg: ApiConfig) -> list[tuple[int, int]]:
+def check_images(
+    facts: BodyFacts, cfg: ApiConfig, cache: PreprocessCache | None = None
+) -> list[tuple[int, int]]:
     """Count, media type, bytes, header canvas and framing of every image, without decoding
     any; remote URLs by policy (fetched later, by ``images.resolve_images``). Returns the
-    declared sizes of the data-URL images."""
+    declared sizes of the data-URL images. ``cache``: the server's preprocessing cache, which
+    remembers data URLs that passed (a re-sent image is not decoded again)."""
     limits = image_limits(cfg)
     if len(facts.images) > cfg.max_images:
         raise limit_error("max_images", f"{len(facts.images)} images, more than {cfg.max_images}")
     sizes = []
     for where, ref in facts.images:
-        header = check_image_ref(ref, limits, where)
+        header = check_image_ref(ref, limits, where, cache)
         if header is not None:
             sizes.append((header.width, header.height))
     return sizes
@@ -208,7 +211,9 @@ def image_limits(cfg: ApiConfig) -> ImageLimits:
     )  # fmt: skip
 
 
-def check_body(body: dict[str, Any], kind: str, cfg: ApiConfig) -> BodyFacts:
+def check_body(
+    body: dict[str, Any], kind: str, cfg: ApiConfig, image_cache: PreprocessCache | None = None
+) -> BodyFacts:
     """All pre-conversion checks for one request; returns what the walk found."""
     check_generation(body, kind, cfg)
     check_tools_and_formats(body, cfg)
@@ -217,5 +222,5 @@ def check_body(body: dict[str, Any], kind: str, cfg: ApiConfig) -> BodyFacts:
         raise limit_error(
             "max_prompt_chars", f"request text is {facts.text_chars} chars, more than {cfg.max_prompt_chars}"
         )
-    check_images(facts, cfg)
+    check_images(facts, cfg, image_cache)
     return facts

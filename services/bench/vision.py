@@ -15,9 +15,14 @@ Two parts, on a checkpoint with a vision encoder (``small`` preset by default, r
    own CPU time (``time.process_time``): CPU / wall well below 1 means it waited for a core.
 2. ``ttft``: an embedded API server (``create_app`` + ``ServerThread`` +
    ``InProcessEngineClient``, as the API integration tests use) with prefix caching **off**,
-   driven with the ``openai`` SDK. TTFT = the wall time of a non-streaming chat completion
-   with ``max_tokens=1`` (prefill + one sampled token + the HTTP round trip; the same for
-   every kind). For ``--repeats`` repeats, in alternating order:
+   driven with the ``openai`` SDK from a client process of its own (as a real client is: its
+   JSON encoding of a 1.2 MB image does not share the server's interpreter). TTFT = the time
+   of a non-streaming chat completion with ``max_tokens=1`` (prefill + one sampled token +
+   the HTTP round trip; the same for every kind), from the moment the SDK hands the built
+   request to its HTTP client (an ``httpx`` request event hook) to the parsed answer: the
+   client's own request building (~5 ms of JSON encoding for the image) comes before a
+   request exists and is reported apart (``client_build_median_s``). For ``--repeats`` repeats, in
+   alternating order (text, image, hit, same_len; then same_len, image, hit, text):
 
    - ``text``: the text-only prompt;
    - ``image``: the same prompt with one image (640x480 PNG) never sent before, so it is
@@ -34,6 +39,12 @@ Two parts, on a checkpoint with a vision encoder (``small`` preset by default, r
    blocks (the image key enters the block hashes), which measures the prefix cache, not the
    encoder cache. Varying the text per request was the other way; it changes the prompt
    between the kinds compared, so we did not take it.
+
+The targets' statistic is the median over repeats of each repeat's own ratio (its ``hit`` over
+its ``same_len``, sent within about a second of each other): on a shared machine the same
+request's TTFT drifts by tens of percent within a run, and a ratio of two medians taken
+over different moments moved by +-5 % from run to run, the size of the effect measured.
+The ratios of medians stay in the JSON.
 
 Targets (the issue's, read with one stated choice): ``image`` <= 1.1 x (its image work +
 the same prompt without the image); ``hit`` <= 1.05 x the same prompt without the image; two
@@ -271,8 +282,44 @@ def _messages(image: bytes | None, filler_words: int = 0) -> list[dict[str, Any]
     return [{"role": "user", "content": content}]
 
 
-def ttft_report(model_dir: Path, repeats: int, seed: int) -> dict[str, Any]:
+def _client_worker(base_url: str, conn: Any) -> None:
+    """The TTFT client (a spawned process, as a real client is: its request building and
+    JSON encoding do not share the server's interpreter). Each command is a message list as
+    JSON bytes; it answers ``{"took": s, "built_s": s, "prompt_tokens": n}`` (or
+    ``{"error": ...}``); an empty command stops it. ``took`` runs from the moment the built
+    request is handed to the HTTP client (its ``request`` event hook) to the parsed answer;
+    ``built_s`` is the SDK's own request building before that (JSON-encoding the body)."""
+    import json
+
     import openai
+
+    logging.getLogger("httpx2").setLevel(logging.WARNING)
+    sent: list[float] = []
+    http = openai.DefaultHttpxClient(
+        event_hooks={"request": [lambda _request: sent.append(time.perf_counter())]}
+    )
+    oai = openai.OpenAI(base_url=base_url, api_key="sk-bench", max_retries=0, timeout=600, http_client=http)
+    while cmd := conn.recv_bytes():
+        try:
+            messages = json.loads(cmd)
+            sent.clear()
+            t0 = time.perf_counter()
+            r = oai.chat.completions.create(
+                model="deepseek-chat", messages=messages, max_tokens=1, temperature=0.0
+            )
+            t1 = time.perf_counter()
+            answer: dict[str, Any] = {
+                "took": t1 - sent[-1], "built_s": sent[-1] - t0,
+                "prompt_tokens": r.usage.prompt_tokens if r.usage else -1,
+            }  # fmt: skip
+        except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises
+            answer = {"error": repr(exc)}
+        conn.send_bytes(json.dumps(answer).encode())
+
+
+def ttft_report(model_dir: Path, repeats: int, seed: int) -> dict[str, Any]:
+    import json
+    import multiprocessing
 
     from engine.vision.stage import ImagePart, VisionStage
     from services.api.app import create_app
@@ -280,23 +327,26 @@ def ttft_report(model_dir: Path, repeats: int, seed: int) -> dict[str, Any]:
     from services.api.inprocess import InProcessEngineClient
     from services.api.server import ServerThread
 
-    logging.getLogger("httpx2").setLevel(logging.WARNING)  # the openai SDK's client: a line per request
     engine = InProcessEngineClient(model_dir, enable_prefix_caching=False)
     app = create_app(ApiConfig(), engine)
     alone = VisionStage.from_model_dir(model_dir, cache_bytes=0)  # the encode time alone, same process
     if alone is None:
         raise RuntimeError(f"{model_dir} has no vision encoder")
+    ctx = multiprocessing.get_context("spawn")
     with ServerThread(app, app.state.sluice.config) as srv:
-        oai = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="sk-bench", max_retries=0, timeout=600)
+        ours, theirs = ctx.Pipe()
+        client = ctx.Process(target=_client_worker, args=(f"{srv.url}/v1", theirs), daemon=True)
+        client.start()
+
+        built: list[float] = []  # the client's request building, per call (not in the TTFT)
 
         def ask(messages: list[dict[str, Any]]) -> tuple[float, int]:
-            t0 = time.perf_counter()
-            r = oai.chat.completions.create(
-                model="deepseek-chat", messages=messages, max_tokens=1, temperature=0.0
-            )  # type: ignore[arg-type]
-            took = time.perf_counter() - t0
-            assert r.usage is not None
-            return took, r.usage.prompt_tokens
+            ours.send_bytes(json.dumps(messages).encode())
+            answer = json.loads(ours.recv_bytes())
+            if "error" in answer:
+                raise RuntimeError(f"vision ttft: the client failed: {answer['error']}")
+            built.append(float(answer["built_s"]))
+            return float(answer["took"]), int(answer["prompt_tokens"])
 
         # warm-up (every kind once) and the filler calibration for the same-length control
         warm = png(seed * 100_000 + 99_999, *TTFT_SIZE)
@@ -319,10 +369,13 @@ def ttft_report(model_dir: Path, repeats: int, seed: int) -> dict[str, Any]:
         times: dict[str, list[float]] = {
             k: [] for k in ("text", "image", "hit", "same_len", "encode", "preprocess")
         }
+        client_build: dict[str, list[float]] = {k: [] for k in ("text", "image", "hit", "same_len")}
         for rep in range(repeats):
             image = png(seed * 100_000 + 50_000 + rep, *TTFT_SIZE)  # never sent before: encoded
+            # image then hit (its first sending encodes it); same_len next to that pair, so each
+            # repeat's ratios compare requests sent within about a second of each other
             plan = (
-                ("text", "same_len", "image", "hit") if rep % 2 == 0 else ("image", "hit", "same_len", "text")
+                ("text", "image", "hit", "same_len") if rep % 2 == 0 else ("same_len", "image", "hit", "text")
             )
             for kind in plan:
                 msgs = _messages(
@@ -330,6 +383,7 @@ def ttft_report(model_dir: Path, repeats: int, seed: int) -> dict[str, Any]:
                 )
                 took, n = ask(msgs)
                 times[kind].append(took)
+                client_build[kind].append(built[-1])
             t0 = time.perf_counter()
             n, data, w, h = preprocess(image)
             times["preprocess"].append(time.perf_counter() - t0)
@@ -341,19 +395,32 @@ def ttft_report(model_dir: Path, repeats: int, seed: int) -> dict[str, Any]:
                 + ", ".join(f"{k} {v[-1]:.3f} s" for k, v in times.items())
             )
         stats = engine.stats().extra
+        ours.send_bytes(b"")
+        client.join(30)
     med = {k: statistics.median(v) for k, v in times.items()}
     return {
-        "definition": "wall time of a non-streaming chat completion, max_tokens=1, openai SDK over loopback HTTP; "
-        "prefix caching off",
+        "definition": "non-streaming chat completion, max_tokens=1, openai SDK in its own process over "
+        "loopback HTTP, from the built request's hand-off to the HTTP client to the parsed answer; prefix "
+        "caching off",
         "prompt_tokens": {"text": text_tokens, "image": image_tokens, "hit": image_tokens, "same_len": same_tokens},
         "image_size": f"{TTFT_SIZE[0]}x{TTFT_SIZE[1]}",
         "repeats": repeats,
         "median_s": med,
         "all_s": times,
+        # before each TTFT: the SDK building the request (JSON-encoding a 1.2 MB image takes ms)
+        "client_build_median_s": {k: statistics.median(v) for k, v in client_build.items()},
         "image_over_encode_plus_text": med["image"] / (med["encode"] + med["text"]),
         "hit_over_text": med["hit"] / med["text"],
         "hit_over_same_len": med["hit"] / med["same_len"],
         "image_over_encode_preprocess_same_len": med["image"] / (med["encode"] + med["preprocess"] + med["same_len"]),
+        # the targets' statistic: the median over repeats of each repeat's own ratio, which a
+        # shared machine's slow drift (the same request's TTFT moves by 30 % within a run) cancels from
+        "paired": {
+            "hit_over_same_len": statistics.median(h / s for h, s in zip(times["hit"], times["same_len"])),
+            "image_over_encode_preprocess_same_len": statistics.median(
+                i / (e + p + s) for i, e, p, s in zip(times["image"], times["encode"], times["preprocess"], times["same_len"])
+            ),
+        },
         "server_vision_stats": {k: v for k, v in stats.items() if k.startswith("vision_")},
     }  # fmt: skip
 
@@ -398,12 +465,13 @@ def run(args: argparse.Namespace) -> Report:
                     "median s": round(tt["median_s"][kind], 4), "prompt tokens": tt["prompt_tokens"].get(kind, ""),
                 })  # fmt: skip
             report.target(
-                "image TTFT / (preprocess + encode + same-length text TTFT)",
-                tt["image_over_encode_preprocess_same_len"], "<=", TARGET_IMAGE,
+                "image TTFT / (preprocess + encode + same-length text TTFT), median of per-repeat ratios",
+                tt["paired"]["image_over_encode_preprocess_same_len"], "<=", TARGET_IMAGE,
             )  # fmt: skip
             report.target(
-                "encoder-cache hit TTFT / same-length text TTFT", tt["hit_over_same_len"], "<=", TARGET_HIT
-            )
+                "encoder-cache hit TTFT / same-length text TTFT, median of per-repeat ratios",
+                tt["paired"]["hit_over_same_len"], "<=", TARGET_HIT,
+            )  # fmt: skip
     report.results["wall_s"] = time.perf_counter() - t_all
     return report
 

@@ -138,6 +138,7 @@ def test_a_cached_data_url_is_neither_decoded_nor_prechecked_again(monkeypatch):
     import base64 as b64
 
     from services.api import images
+    from services.api.image_headers import ImageHeader
 
     cache = images.PreprocessCache(1 << 20)
     raw = png(300, 200)
@@ -149,10 +150,21 @@ def test_a_cached_data_url_is_neither_decoded_nor_prechecked_again(monkeypatch):
         monkeypatch.setattr(images, name, lambda *a, _r=real, _n=name: seen.append(_n) or _r(*a))
     assert resolve_images([source(url)], OFF, cache).images == first.images
     assert seen == [] and cache.hits == 1
+    assert images.check_image_ref(url, OFF, "image[0]", cache) == ImageHeader("png", 300, 200)  # admission
+    assert seen == []
     cut = "data:image/png;base64," + b64.b64encode(raw[:-40]).decode()
-    with pytest.raises(ApiError):
-        resolve_images([source(cut)], OFF, cache)
-    assert seen == ["_decode_data_url", "inspect_image"]
+    for check in (
+        lambda: images.check_image_ref(cut, OFF, "image[0]", cache),
+        lambda: resolve_images([source(cut)], OFF, cache),
+    ):
+        with pytest.raises(ApiError):
+            check()
+        assert seen == ["_decode_data_url", "inspect_image"]  # checked, and refused
+        seen.clear()
+    fresh = data_url(png(30, 20))  # a new image: admission and preprocessing decode it once
+    images.check_image_ref(fresh, OFF, "image[0]", cache)
+    resolve_images([source(fresh)], OFF, cache)
+    assert seen == ["_decode_data_url", "inspect_image", "_decode_data_url"]
 
 
 def test_count_limit_applies_to_the_sources():
@@ -277,3 +289,47 @@ def test_a_silent_image_host_times_out(loopback_is_public, monkeypatch):
         assert "took longer than 0.5 s" in exc.value.message and time.monotonic() - t0 < 2.0
     finally:
         listener.close()
+
+
+def test_lifted_images_render_as_the_originals_and_leave_the_body_alone():
+    """Base64 payloads in the three request shapes become short stand-ins for recipe; mapped
+    back, recipe's sources resolve to the same images as the body itself gives."""
+    import copy
+
+    from services.api.images import lift_images
+
+    a, b = data_url(png(64, 48)), data_url(png(300, 200))
+    b64 = b.partition(",")[2]
+    body = {"model": "m", "messages": [{"role": "user", "content": [
+        {"type": "text", "text": "x"},
+        {"type": "image_url", "image_url": {"url": a, "detail": "low"}},
+        {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": b64}},
+        {"type": "input_image", "image_url": a},
+        {"type": "image_url", "image_url": {"url": "https://example.com/x.png"}},
+    ]}]}  # fmt: skip
+    before = copy.deepcopy(body)
+    lifted = lift_images(body)
+    assert body == before and lifted is not None
+    parts = lifted.body["messages"][0]["content"]
+    assert len(json.dumps(lifted.body)) < 1000  # the megabytes stayed behind
+    assert parts[1]["image_url"]["detail"] == "low" and parts[4] == body["messages"][0]["content"][4]
+    assert set(lifted.originals.values()) == {a, b}  # a twice, under two stand-ins
+    assert lifted.originals[parts[1]["image_url"]["url"]] == a
+    assert lifted.originals[f"data:image/png;base64,{parts[2]['source']['data']}"] == b
+    assert lifted.originals[parts[3]["image_url"]] == a
+    assert lift_images({"messages": [{"role": "user", "content": "no images"}]}) is None
+    assert lift_images(body).originals.keys().isdisjoint(lifted.originals)  # a fresh nonce each time
+    chat = {"model": "m", "messages": [{"role": "user", "content": body["messages"][0]["content"][:2]}]}
+    opts = dr.ConversionOptions().with_model_alias("m", dr.ModelVersion.DeepseekV41Flash)
+    enc = dr.DeepseekV41Encoding()
+
+    def sources(req: dict) -> list:
+        conv = dr.ChatCompletionRequest(req).convert(opts)
+        return list(enc.render_conversation(conv.conversation).image_sources)
+
+    direct = resolve_images(sources(chat), OFF)
+    small = lift_images(chat)
+    assert small is not None
+    via = resolve_images(sources(small.body), OFF, None, small.originals)
+    assert via.images == direct.images
+    assert [i.data for i in via.data.images] == [i.data for i in direct.data.images]
