@@ -118,9 +118,10 @@ def test_a_chat_with_two_images_equals_an_offline_llm_chat(stack, model):
     assert all(e.stats().extra.get("vision_images_encoded", 0.0) == 0.0 for e in _engines(client))
 
 
-def test_an_anthropic_chat_with_two_images_equals_an_offline_llm_messages(stack, model):
-    """Base64 image blocks through the ``anthropic`` SDK, encoded on the pool, equal
-    ``LLM.messages`` (recipe's Messages rendering) with the same images."""
+@pytest.mark.parametrize("seeds", [(30,), (31, 32)])
+def test_an_anthropic_chat_with_images_equals_an_offline_llm_messages(stack, model, seeds):
+    """Base64 image blocks through the ``anthropic`` SDK (one, then two), encoded on the pool,
+    equal ``LLM.messages`` (recipe's Messages rendering) with the same images."""
     import anthropic
 
     from engine import LLM, SamplingParams
@@ -129,7 +130,7 @@ def test_an_anthropic_chat_with_two_images_equals_an_offline_llm_messages(stack,
     images = [
         {"type": "image", "source": {"type": "base64", "media_type": "image/png",
                                      "data": base64.b64encode(_png(s)).decode()}}
-        for s in (30, 31)
+        for s in seeds
     ]  # fmt: skip
     messages = [{"role": "user", "content": [{"type": "text", "text": TEXT}, *images]}]
     claude = anthropic.Anthropic(base_url=url, api_key="unused", timeout=120, max_retries=0)
