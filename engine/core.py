@@ -74,18 +74,25 @@ class EngineCore:
         from engine.runner import ModelRunner, RunnerConfig
 
         self.config = cfg = config
-        self.runner = ModelRunner(
-            cfg.model,
-            RunnerConfig(
-                num_blocks=cfg.num_blocks, num_slots=cfg.num_swa_slots, dtype=cfg.dtype, device=cfg.device,
-                with_mtp=cfg.speculative is not None, ep_size=cfg.ep_size, ep_rank=cfg.ep_rank,
-            ),
-            ep_group=ep_group,
-            placement=placement,
+        runner_cfg = RunnerConfig(
+            num_blocks=cfg.num_blocks, num_slots=cfg.num_swa_slots, dtype=cfg.dtype, device=cfg.device,
+            with_mtp=cfg.speculative is not None, ep_size=cfg.ep_size, ep_rank=cfg.ep_rank,
         )  # fmt: skip
+        if cfg.random_weights is None:
+            self.runner = ModelRunner(cfg.model, runner_cfg, ep_group=ep_group, placement=placement)
+            self.fingerprint = model_fingerprint(cfg.model, cfg.dtype, fmt.LAYOUT_VERSION)
+        else:
+            from engine.checkpoint.fingerprint import random_weights_fingerprint
+            from engine.config import ModelConfig
+
+            self.runner = ModelRunner.random(
+                ModelConfig.from_dir(cfg.model), runner_cfg, ep_group, [placement], seed=cfg.random_weights
+            )
+            self.fingerprint = random_weights_fingerprint(
+                cfg.model, cfg.random_weights, cfg.dtype, fmt.LAYOUT_VERSION
+            )
         mc = self.runner.model_cfg
         self.vocab_size = mc.vocab_size
-        self.fingerprint = model_fingerprint(cfg.model, cfg.dtype, fmt.LAYOUT_VERSION)
         self.extra_keys = block_keys(self.fingerprint, cfg.device)
         dtype = self.runner.cfg.torch_dtype
         if store_client is None and cfg.kv_store:

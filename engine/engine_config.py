@@ -62,6 +62,10 @@ class EngineConfig:
     spec_profile_path: str | None = None
     ep_size: int = 1  # > 1: this engine is one rank of an expert-parallel group (lockstep)
     ep_rank: int = 0
+    # A seed: seeded random weights built on the device from config.json instead of the
+    # checkpoint's (benchmarks at real widths; the directory needs config.json and a
+    # tokenizer only, `engine.checkpoint.generate.write_config_dir`). None: load the weights.
+    random_weights: int | None = None
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():

@@ -234,3 +234,16 @@ def model_fingerprint(model_dir: str | Path, dtype: str, layout_version: int) ->
     _frame(h, dtype.removeprefix("torch.").encode())
     _frame(h, str(layout_version).encode())
     return h.hexdigest()
+
+
+def random_weights_fingerprint(model_dir: str | Path, seed: int, dtype: str, layout_version: int) -> str:
+    """The fingerprint of an engine serving seeded random weights (``EngineConfig.random_weights``):
+    config, seed, dtype and layout, in a domain of its own, so its blocks never meet a real
+    checkpoint's."""
+    h = hashlib.sha256()
+    _frame(h, (DOMAIN + ":random-weights").encode())
+    _frame(h, canonical_config(model_dir))
+    _frame(h, str(int(seed)).encode())
+    _frame(h, dtype.removeprefix("torch.").encode())
+    _frame(h, str(layout_version).encode())
+    return h.hexdigest()

@@ -173,6 +173,24 @@ def _write_vision(
     return vcfg.to_dict(), sum(math.prod(p.shape) for p in plans), path.stat().st_size
 
 
+def write_config_dir(preset: str, out_dir: Path | str, seed: int = 0, **overrides: Any) -> Path:
+    """``preset``'s config.json, generation config and tokenizer in ``out_dir``, with no
+    weights: a model directory for ``EngineConfig(random_weights=seed)``, which builds the
+    weights on the device (flash-shape widths hold ~13 GB of experts per layer)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    config = preset_config(preset, **overrides)
+    vocab_limit = None if int(config["vocab_size"]) >= 129280 else int(config["vocab_size"])
+    tok = write_tokenizer(out, vocab_limit=vocab_limit)
+    config.update(vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config["architectures"] = ["DeepseekV4ForCausalLM"]
+    config["sluice"] = {"preset": preset, "seed": seed, "weights": "random, built on the device"}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    gen_cfg = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "do_sample": False}
+    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
+    return out
+
+
 def generate_checkpoint(
     preset: str,
     out_dir: Path | str,

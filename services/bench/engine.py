@@ -6,7 +6,11 @@ router load; with ``--model`` it also measures decode step times over running se
 KV tokens into ``<checkpoint>/sluice_decode_steps.json``, which the Ray router's decode
 balancer fits its cost model to, and, for a checkpoint with an MTP layer, speculative
 verification step times into ``<checkpoint>/sluice_spec_steps.json``, which DSpark's
-scheduler prices steps with (``engine.spec.profiling``)."""
+scheduler prices steps with (``engine.spec.profiling``).
+
+``--preset P`` runs the decode report instead (``services/bench/_engine_decode.py``): decode
+tokens/s through the engine at ``P``'s real widths on ``--device``, beside the memory
+roofline and transformers' ``DeepseekV4ForCausalLM`` at the same batch."""
 
 from __future__ import annotations
 
@@ -42,6 +46,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (default 1: stable on shared CPUs)"
     )
+    d = p.add_argument_group("decode at real widths (--preset; services/bench/_engine_decode.py)")
+    d.add_argument(
+        "--preset", help="the decode report on a weightless PRESET with random weights built on the device"
+    )
+    d.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
+    d.add_argument("--dtype", help="default bfloat16 on cuda, float32 on cpu")
+    d.add_argument(
+        "--layers", default="2", help="decoder layers, a comma list fits per-layer time (default 2)"
+    )
+    d.add_argument("--decode-batches", help="requests per step (default 1,16,64,256 on cuda, 1,16 on cpu)")
+    d.add_argument(
+        "--context", type=int, help="prompt tokens before decoding (default 4096 on cuda, 128 on cpu)"
+    )
+    d.add_argument("--tf-context", type=int, default=128, help="transformers' prompt tokens (default 128)")
+    d.add_argument("--steps", type=int, default=32, help="timed decode steps (default 32)")
+    d.add_argument("--no-transformers", action="store_true", help="skip transformers' DeepseekV4ForCausalLM")
 
 
 def _throughput(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
@@ -184,6 +204,66 @@ def _profile_spec(model_dir: Path) -> Path | None:
     return out
 
 
+def _decode(args: argparse.Namespace, report: Report) -> None:
+    """The decode report (``--preset``) and its targets: fractions of the memory roofline
+    (CUDA) and speedups over transformers at the same batch and context."""
+    from services.bench._engine_decode import DecodeArgs, decode_report
+
+    cuda = args.device.startswith("cuda")
+    a = DecodeArgs(
+        device=args.device, dtype=args.dtype or ("bfloat16" if cuda else "float32"), preset=args.preset,
+        layers=tuple(int(x) for x in args.layers.split(",")),
+        batches=tuple(int(x) for x in (args.decode_batches or ("1,16,64,256" if cuda else "1,16")).split(",")),
+        context=args.context or (4096 if cuda else 128), tf_context=args.tf_context, steps=args.steps,
+        transformers=not args.no_transformers, seed=0,
+    )  # fmt: skip
+    report.config.update({"decode": a.__dict__})
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-decode-") as tmp:
+        out = decode_report(a, Path(tmp))
+    report.results["decode"] = out
+    for r in out["engine"]:
+        report.rows.append({
+            "part": f"sluice decode, {r['layers']} layers", "batch": r["batch"], "context": r["context"],
+            "ms/step": round(r["ms_per_step"], 3), "tok/s": round(r["tokens_per_s"], 1),
+            "roofline ms": round(r["roofline_ms"], 3), "of roofline": round(r["fraction_of_roofline"], 3),
+        })  # fmt: skip
+    for r in out["engine_at_tf_context"]:
+        report.rows.append({
+            "part": f"sluice decode, {r['layers']} layers", "batch": r["batch"], "context": r["context"],
+            "ms/step": round(r["ms_per_step"], 3), "tok/s": round(r["tokens_per_s"], 1),
+        })  # fmt: skip
+    for t in out["transformers"]:
+        report.rows.append({
+            "part": "transformers decode", "batch": t["batch"], "context": t.get("context"),
+            "ms/step": round(t["ms_per_step"], 3) if "ms_per_step" in t else t.get("error"),
+            "tok/s": round(t["tokens_per_s"], 1) if "tokens_per_s" in t else "",
+        })  # fmt: skip
+    first = [r for r in out["engine"] if r["layers"] == a.layers[0]]
+    if cuda:
+        for r in first:
+            if r["batch"] == 1:
+                report.target(
+                    "decode at batch 1: fraction of the memory roofline",
+                    r["fraction_of_roofline"],
+                    ">=",
+                    0.30,
+                )
+            if r["batch"] >= 64:
+                report.target(
+                    f"decode at batch {r['batch']}: fraction of the memory roofline",
+                    r["fraction_of_roofline"],
+                    ">=",
+                    0.50,
+                )
+    bars = {1: 5.0, 64: 2.5} if cuda else {16: 1.5}
+    for v in out["versus_transformers"]:
+        if v["batch"] in bars:
+            report.target(
+                f"decode at batch {v['batch']}, context {v['context']}: sluice / transformers tokens/s",
+                v["speedup"], ">=", bars[v["batch"]],
+            )  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> Report:
     import torch
 
@@ -196,6 +276,9 @@ def run(args: argparse.Namespace) -> Report:
         }
         | {"grid_chunk": GRID_C, "grid_prefix": GRID_H, "torch_threads": torch.get_num_threads()},
     )
+    if args.preset:
+        _decode(args, report)
+        return report
     if args.model:
         model_dir = Path(args.model)
         _measure(

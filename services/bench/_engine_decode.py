@@ -1,0 +1,305 @@
+"""`sluice bench engine --preset P`: decode tokens/s through the engine at real widths, beside
+the memory-bandwidth roofline and transformers' `DeepseekV4ForCausalLM` on the same config.
+
+The engine. A weightless model directory of preset ``P`` (`write_config_dir`, with
+``--layers`` decoder layers) served by an `EngineCore` over seeded random weights built on the
+device (``EngineConfig.random_weights``), prefix caching off, the default asynchronous loop.
+For each batch ``B`` it admits ``B`` requests of ``context`` random token ids (greedy,
+``ignore_eos``), steps until every request has its first token, then times ``steps`` whole
+engine steps (scheduling, the forward pass, sampling, output handling): ms per step and
+tokens/s = tokens emitted / wall time.
+
+The roofline (bytes per decode step over the copy bandwidth). The numerator comes from the
+model, not from the implementation: every weight of the decoder layers that is not a routed
+expert; of the routed experts, those the step's routing selected, each counted once (the MoE
+layers' load counters of a timed step); the embedding rows of the batch's tokens; the whole
+``lm_head``; the final norm and hc head; and the KV each sequence reads per layer: its window
+(``min(context, sliding_window)`` rows of ``head_dim``), an HCA layer's compressed entries
+(``context / hca_rate`` rows), a CSA layer's indexer keys (``context / csa_rate`` rows of
+``index_head_dim``) and its ``index_topk`` selected entries. Bytes are at the serving dtype
+(parameters transformers keeps in fp32 counted at fp32). The denominator is a device-to-device
+copy of 1 GiB (0.25 GiB on CPU) timed here, read + write bytes over the median time; on CUDA
+never below ``MIN_CUDA_COPY_BPS`` (4.0 TB/s; 4.26 TB/s was measured on an H200). Per layer:
+the layers' share of the bytes, and, with two or more ``--layers``, step time = fixed +
+layers x per-layer fitted over the depths.
+
+transformers. The same config (eager attention), random weights of its own init, the same
+device and dtype, batch ``B``: one forward over a ``tf_context``-token prompt with its cache,
+then ``steps`` single-token forwards with that cache and a device argmax, each synchronised and
+timed. Its eager prefill materialises ``[B, heads, T, T + entries]`` attention scores, so its
+context is ``--tf-context`` (default 128, the context of the 2026-12-01 reference figures);
+the engine is timed at that context too, for the like-for-like ratio.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from services.bench import progress
+
+MIN_CUDA_COPY_BPS = 4.0e12
+#: transformers 5.24's step times on one H200 (bf16, flash-shape widths, 2 layers, eager), 2026-12-01
+TF_REFERENCE_MS = {1: 15.4, 64: 18.6}
+
+
+@dataclass(frozen=True)
+class DecodeArgs:
+    device: str
+    dtype: str
+    preset: str
+    layers: tuple[int, ...]
+    batches: tuple[int, ...]
+    context: int
+    tf_context: int
+    steps: int
+    transformers: bool
+    seed: int = 0
+
+
+def _sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device: str, repeats: int = 7) -> float:
+    """Bytes/s of a device-to-device copy (read + write counted), median of ``repeats``."""
+    import torch
+
+    n = (1 << 30) if device.startswith("cuda") else (1 << 28)
+    src = torch.empty(n, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    del src, dst
+    return 2 * n / statistics.median(times[1:])
+
+
+def _param_bytes(model: Any, batch: int) -> tuple[float, float, list[tuple[Any, float]]]:
+    """(layer bytes without routed experts, fixed bytes, [(moe, bytes per expert)])."""
+    layers = fixed = 0.0
+    moes: list[tuple[Any, float]] = []
+    for name, p in model.named_parameters():
+        size = p.numel() * p.element_size()
+        if name.startswith("mtp.") or ".experts." in name:
+            continue
+        if name.startswith("model.embed"):
+            fixed += batch * p.shape[-1] * p.element_size()  # the batch's rows
+        elif name.startswith("model.layers."):
+            layers += size
+        else:
+            fixed += size  # lm_head, final norm, hc head
+    for layer in model.model.layers:
+        moe = layer.mlp
+        ex = moe.experts
+        per = sum(t.numel() * t.element_size() for t in (ex.gate_up_proj, ex.down_proj)) / ex.num_local
+        moes.append((moe, per))
+    return layers, fixed, moes
+
+
+def kv_bytes(mc: Any, context: int, batch: int, elem: int) -> float:
+    """KV bytes one decode step reads, from the config (see the module docstring)."""
+    from engine.config import CSA, HCA
+
+    per_seq = 0.0
+    for kind in mc.layer_types:
+        per_seq += min(context, mc.sliding_window) * mc.head_dim
+        if kind == HCA:
+            per_seq += (context // mc.hca_rate) * mc.head_dim
+        elif kind == CSA:
+            per_seq += (context // mc.csa_rate) * mc.index_head_dim
+            per_seq += min(mc.index_topk, context // mc.csa_rate) * mc.head_dim
+    return per_seq * batch * elem
+
+
+def engine_decode(model_dir: Path, a: DecodeArgs, batch: int, context: int) -> dict[str, Any]:
+    import torch
+
+    from engine.core import EngineCore
+    from engine.engine_config import EngineConfig
+    from engine.messages import CoreRequest
+    from engine.sampling.params import SamplingParams
+
+    per_seq = -(-(context + a.steps + 8) // 256)
+    cfg = EngineConfig(
+        model=str(model_dir), random_weights=a.seed, device=a.device, dtype=a.dtype,
+        num_blocks=batch * per_seq + 4, num_swa_slots=batch, max_num_seqs=batch,
+        max_num_batched_tokens=max(context, 16_384 if a.device.startswith("cuda") else 4096),
+        enable_prefix_caching=False,
+    )  # fmt: skip
+    core = EngineCore(cfg)
+    try:
+        gen = torch.Generator().manual_seed(a.seed + batch)
+        vocab = core.vocab_size
+        params = SamplingParams(temperature=0.0, max_tokens=a.steps + 16, ignore_eos=True)
+        for i in range(batch):
+            ids = torch.randint(3, vocab, (context,), generator=gen).tolist()
+            core.add(CoreRequest(f"d{i}", tuple(ids), params))
+        started: set[str] = set()
+        t0 = time.perf_counter()
+        while len(started) < batch:  # prefill (untimed)
+            started.update(o.request_id for o in core.step() if o.new_token_ids)
+        prefill_s = time.perf_counter() - t0
+        for _ in range(2):  # the first decode steps (allocation, the asynchronous pipeline)
+            core.step()
+        runner = core.runner
+        emitted = 0
+        times = []
+        _sync(a.device)
+        t_all = time.perf_counter()
+        for _ in range(a.steps):
+            t = time.perf_counter()
+            emitted += sum(len(o.new_token_ids) for o in core.step())
+            times.append(time.perf_counter() - t)
+        _sync(a.device)
+        wall = time.perf_counter() - t_all
+        mc = runner.model_cfg
+        layer_w, fixed_w, moes = _param_bytes(runner.model, batch)
+        hit = sum(int((moe.last_load > 0).sum()) * per for moe, per in moes)
+        elem = runner.cfg.torch_dtype.itemsize
+        kv = kv_bytes(mc, context + a.steps, batch, elem)
+        return {
+            "batch": batch, "context": context, "layers": mc.num_hidden_layers, "steps": a.steps,
+            "ms_per_step": wall / a.steps * 1e3, "ms_per_step_median": statistics.median(times) * 1e3,
+            "tokens_per_s": emitted / wall, "emitted": emitted, "prefill_s": prefill_s,
+            "bytes": {"layer_weights": layer_w, "experts_selected": hit, "fixed": fixed_w, "kv": kv,
+                      "total": layer_w + hit + fixed_w + kv, "layers_share": (layer_w + hit + kv) / (layer_w + hit + fixed_w + kv)},
+        }  # fmt: skip
+    finally:
+        core.close()
+        del core
+        gc.collect()
+        if a.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def transformers_decode(model_dir: Path, a: DecodeArgs, batch: int) -> dict[str, Any]:
+    import torch
+    from transformers import AutoConfig, DeepseekV4ForCausalLM
+
+    dtype = getattr(torch, a.dtype)
+    config = AutoConfig.from_pretrained(str(model_dir))
+    config._attn_implementation = "eager"
+    torch.manual_seed(a.seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(a.device):
+            model = DeepseekV4ForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+    try:
+        gen = torch.Generator().manual_seed(a.seed + batch)
+        ids = torch.randint(3, config.vocab_size, (batch, a.tf_context), generator=gen).to(a.device)
+        times = []
+        with torch.inference_mode():
+            out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+            cache = out.cache
+            nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+            for _ in range(a.steps + 2):
+                _sync(a.device)
+                t = time.perf_counter()
+                out = model(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1)
+                nxt = out.logits[:, -1].argmax(-1, keepdim=True)
+                _sync(a.device)
+                times.append(time.perf_counter() - t)
+        ms = statistics.median(times[2:]) * 1e3
+        return {"batch": batch, "context": a.tf_context, "ms_per_step": ms, "tokens_per_s": batch / ms * 1e3}
+    finally:
+        del model
+        gc.collect()
+        if a.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def _fit_per_layer(rows: list[dict[str, Any]]) -> dict[int, dict[str, float]]:
+    """Per batch: step ms = fixed + layers x per_layer, least squares over the depths run."""
+    out: dict[int, dict[str, float]] = {}
+    for b in sorted({r["batch"] for r in rows}):
+        pts = [(r["layers"], r["ms_per_step"]) for r in rows if r["batch"] == b]
+        if len({x for x, _ in pts}) < 2:
+            continue
+        mx = statistics.fmean(x for x, _ in pts)
+        my = statistics.fmean(y for _, y in pts)
+        slope = sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts)
+        out[b] = {"per_layer_ms": slope, "fixed_ms": my - slope * mx}
+    return out
+
+
+def decode_report(a: DecodeArgs, workdir: Path) -> dict[str, Any]:
+    from engine.checkpoint.generate import write_config_dir
+
+    bw = copy_bandwidth(a.device)
+    floor = MIN_CUDA_COPY_BPS if a.device.startswith("cuda") else 0.0
+    denom = max(bw, floor)
+    progress(f"engine decode: copy bandwidth {bw / 1e9:.0f} GB/s (roofline uses {denom / 1e9:.0f})")
+    rows: list[dict[str, Any]] = []
+    like: list[dict[str, Any]] = []
+    tf: list[dict[str, Any]] = []
+    for layers in a.layers:
+        model_dir = write_config_dir(
+            a.preset, workdir / f"{a.preset}-{layers}", seed=a.seed, num_hidden_layers=layers
+        )
+        for b in a.batches:
+            r = engine_decode(model_dir, a, b, a.context)
+            r["roofline_ms"] = r["bytes"]["total"] / denom * 1e3
+            r["fraction_of_roofline"] = r["roofline_ms"] / r["ms_per_step"]
+            rows.append(r)
+            progress(
+                f"engine decode: {layers} layers, batch {b}, context {a.context}: {r['ms_per_step']:.2f} ms/step, "
+                f"{r['tokens_per_s']:.0f} tok/s, {r['fraction_of_roofline']:.1%} of the roofline"
+            )
+            if a.tf_context != a.context:
+                s = engine_decode(model_dir, a, b, a.tf_context)
+                like.append(s)
+        if a.transformers and layers == a.layers[0]:
+            for b in a.batches:
+                try:
+                    t = transformers_decode(model_dir, a, b)
+                except Exception as exc:  # noqa: BLE001 - reported, the engine's figures stand
+                    t = {"batch": b, "error": f"{type(exc).__name__}: {exc}"}
+                tf.append(t)
+                progress(
+                    f"engine decode: transformers batch {b}: {t.get('ms_per_step', float('nan')):.2f} ms/step"
+                )
+    same_ctx = like or rows
+    versus = []
+    for t in tf:
+        if "error" in t:
+            continue
+        ours = next(r for r in same_ctx if r["batch"] == t["batch"] and r["layers"] == a.layers[0])
+        ref = TF_REFERENCE_MS.get(t["batch"])
+        versus.append({
+            "batch": t["batch"], "context": t["context"], "sluice_ms": ours["ms_per_step"],
+            "transformers_ms": t["ms_per_step"], "speedup": t["ms_per_step"] / ours["ms_per_step"],
+            "transformers_vs_reference": (t["ms_per_step"] / ref) if ref and a.device.startswith("cuda") else None,
+        })  # fmt: skip
+    return {
+        "copy_bandwidth_Bps": bw,
+        "roofline_bandwidth_Bps": denom,
+        "engine": rows,
+        "engine_at_tf_context": like,
+        "transformers": tf,
+        "versus_transformers": versus,
+        "per_layer_fit": {str(k): v for k, v in _fit_per_layer(rows).items()},
+        "method": __doc__,
+    }
+
+
+def batch_fraction(report: dict[str, Any], batch: int) -> float | None:
+    """The fraction of the roofline at ``batch`` (the first depth run), or None."""
+    for r in report["engine"]:
+        if r["batch"] == batch:
+            return float(r["fraction_of_roofline"])
+    return None

@@ -1,0 +1,60 @@
+"""``sluice bench engine --preset``: the decode report on a weightless tiny model, with the
+roofline's bytes from the config, the per-layer fit and transformers beside it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from services.bench import engine
+from services.bench._engine_decode import kv_bytes
+
+
+def _args(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    engine.add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_kv_bytes_follow_the_layer_types() -> None:
+    from engine.checkpoint.presets import preset_config
+    from engine.config import ModelConfig
+
+    mc = ModelConfig.from_dict(preset_config("small"))
+    one = kv_bytes(mc, 4096, 1, 2)
+    assert kv_bytes(mc, 4096, 8, 2) == 8 * one and kv_bytes(mc, 4096, 1, 4) == 2 * one
+    window = mc.num_hidden_layers * mc.sliding_window * mc.head_dim * 2
+    assert one > window  # compressed entries and indexer keys on top of every layer's window
+    assert kv_bytes(mc, 64, 1, 2) < one  # a shorter context reads less
+
+
+@pytest.mark.slow  # a bench smoke run (~20 s): `make test-slow`
+def test_tiny_decode_report_has_the_roofline_per_layer_fit_and_transformers() -> None:
+    report = engine.run(
+        _args("--preset", "tiny", "--layers", "1,2", "--decode-batches", "1,16", "--context", "40",
+              "--tf-context", "24", "--steps", "3")
+    )  # fmt: skip
+    out = json.loads(json.dumps(report.to_json()))
+    dec = out["results"]["decode"]
+    assert dec["copy_bandwidth_Bps"] > 0 and dec["roofline_bandwidth_Bps"] == dec["copy_bandwidth_Bps"]
+    assert {(r["layers"], r["batch"]) for r in dec["engine"]} == {(1, 1), (1, 16), (2, 1), (2, 16)}
+    for r in dec["engine"]:
+        b = r["bytes"]
+        assert r["emitted"] == r["batch"] * 3 and r["ms_per_step"] > 0
+        assert b["total"] == pytest.approx(b["layer_weights"] + b["experts_selected"] + b["fixed"] + b["kv"])
+        assert b["experts_selected"] > 0 and r["fraction_of_roofline"] > 0
+    deeper = {r["batch"]: r["bytes"]["layer_weights"] for r in dec["engine"] if r["layers"] == 2}
+    shallow = {r["batch"]: r["bytes"]["layer_weights"] for r in dec["engine"] if r["layers"] == 1}
+    assert all(deeper[b] > shallow[b] for b in deeper)
+    assert set(dec["per_layer_fit"]) == {"1", "16"}
+    assert {r["context"] for r in dec["engine_at_tf_context"]} == {24}
+    assert [t["batch"] for t in dec["transformers"]] == [1, 16] and all(
+        "ms_per_step" in t for t in dec["transformers"]
+    )
+    (target,) = out["targets"]  # on CPU: batch 16 against transformers
+    assert (
+        target["name"].startswith("decode at batch 16, context 24: sluice / transformers")
+        and target["op"] == ">="
+    )
