@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.sampling.params import SamplingParams
-from engine.sampling.sampler import RowInput, TokenLogprobs, sample_row
+from engine.sampling.sampler import RowInput, TokenLogprobs, plain_greedy, sample_row, token_logprobs
 from engine.scheduler.host_slots import HostSlot
 from engine.scheduler.output import PENDING_TOKEN, RunnerOutput, ScheduledSeq, SchedulerOutput, SlotSave
 from engine.spec.drafter import Drafter, DraftRun
@@ -148,19 +148,24 @@ class ModelExecutor:
         logprobs: dict[str, TokenLogprobs | None] = {}
         emitted: dict[str, tuple[int, ...]] = {}
         emitted_lps: dict[str, tuple[object, ...]] = {}
+        # every row's argmax in one device op and one transfer: a plain greedy request's token
+        # (argmax is exact and row by row, so batching changes nothing; lowest id on ties)
+        top: list[int] = logits.argmax(-1).tolist() if logits.shape[0] else []
         row = 0
         for s in out.seqs:
             if not s.sample:
                 continue
             if s.num_drafts:
-                toks, lps = self._verify(s, logits[row : row + s.num_drafts + 1])
+                toks, lps = self._verify(
+                    s, logits[row : row + s.num_drafts + 1], top[row : row + s.num_drafts + 1]
+                )
                 sampled[s.request_id], logprobs[s.request_id] = toks[0], lps[0]
                 if len(toks) > 1:
                     emitted[s.request_id], emitted_lps[s.request_id] = tuple(toks), tuple(lps)
                 row += s.num_drafts + 1
                 continue
             for rid in (s.request_id, *s.fork_children):  # fork children share the parent's row
-                tok, lp = self._sample(rid, logits[row], s.output_index)
+                tok, lp = self._sample(rid, logits[row], s.output_index, top[row])
                 sampled[rid] = tok
                 logprobs[rid] = lp
             row += 1
@@ -176,7 +181,9 @@ class ModelExecutor:
         failed = {rid: self._failed[rid] for rid in sampled if rid in self._failed}
         return RunnerOutput(out.step, sampled, dict(logprobs), failed, emitted, emitted_lps, drafts)
 
-    def _verify(self, s: ScheduledSeq, rows: Any) -> tuple[list[int], list[TokenLogprobs | None]]:
+    def _verify(
+        self, s: ScheduledSeq, rows: Any, top: list[int]
+    ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """Sample the target at the input token and each draft, in order; stop after the
         first token that differs from the next draft (or that ends the request)."""
         rid, k = s.request_id, s.num_drafts
@@ -185,7 +192,7 @@ class ModelExecutor:
         toks: list[int] = []
         lps: list[TokenLogprobs | None] = []
         for j in range(k + 1):
-            tok, lp = self._sample(rid, rows[j], s.output_index + j)
+            tok, lp = self._sample(rid, rows[j], s.output_index + j, top[j])
             toks.append(tok)
             lps.append(lp)
             ended = st.done or rid in self._failed or len(st.output_token_ids) >= st.params.max_tokens
@@ -260,12 +267,20 @@ class ModelExecutor:
             return token
         return self.states[request_id].output_token_ids[-1]
 
-    def _sample(self, rid: str, row_logits, output_index: int) -> tuple[int, TokenLogprobs | None]:
+    def _sample(self, rid: str, row_logits, output_index: int, top: int) -> tuple[int, TokenLogprobs | None]:
+        """``top``: the row's argmax, the token of a plain greedy request (no grammar, no
+        penalties), which then never copies its row to the host unless it asks for logprobs."""
         st = self.states[rid]
         if st.done:  # stopped in the previous step; the scheduler drops this result
             return st.output_token_ids[-1], None
         if output_index != len(st.output_token_ids):
             raise RuntimeError(f"{rid}: sampling output {output_index}, have {len(st.output_token_ids)}")
+        if st.grammar is None and plain_greedy(st.params):
+            lps = None
+            if st.params.logprobs is not None:
+                lps = token_logprobs(row_logits, top, st.params.logprobs)
+            st.output_token_ids.append(top)
+            return top, lps
         mask = self._grammar_step(rid, lambda g: g.allowed_mask())
         res = sample_row(
             row_logits,

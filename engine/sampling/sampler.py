@@ -105,6 +105,19 @@ def _logprobs(raw: torch.Tensor, token: int, k: int) -> TokenLogprobs:
     return TokenLogprobs(token, tok_lp, rank, top)
 
 
+def plain_greedy(p: SamplingParams) -> bool:
+    """Greedy with no penalty: the token is the raw logits' argmax (what ``sample_row`` gives
+    without a grammar mask), so a batch's tokens can come from one argmax over its rows."""
+    return (
+        p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+    )
+
+
+def token_logprobs(raw_logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    """The logprobs ``sample_row`` reports for ``token`` of a row ``[V]`` (top ``k``)."""
+    return _logprobs(raw_logits.detach().to(device="cpu", dtype=torch.float32), token, k)
+
+
 def sample_row(raw_logits: torch.Tensor, row: RowInput) -> SampleResult:
     """Sample one token from ``raw_logits`` ``[V]`` (any float dtype; computed in fp32)."""
     raw = raw_logits.detach().to(device="cpu", dtype=torch.float32)  # [V]

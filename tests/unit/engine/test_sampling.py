@@ -132,3 +132,23 @@ def test_stop_strings_hold_back_partial_matches():
     inc = StopStringMatcher(("lo",), include_stop=True)
     assert inc.feed("hello world")[1].text == "hello"
     assert StopStringMatcher(()).feed("abc\ufffd")[0] == "abc"
+
+
+def test_a_batch_argmax_equals_each_rows_greedy_sample_ties_included():
+    """The executor takes plain greedy tokens from one argmax over the step's rows: it must be
+    what ``sample_row`` gives row by row (lowest id on ties), with the same logprobs."""
+    from engine.sampling.sampler import plain_greedy, token_logprobs
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(9, 50, generator=g)
+    logits[2, 7] = logits[2, 31] = logits[2].max() + 1.0  # a tie: 7 wins
+    logits[5] = 0.0  # all equal: 0 wins
+    params = SamplingParams(temperature=0.0, logprobs=3)
+    assert plain_greedy(params) and not plain_greedy(SamplingParams(temperature=0.0, repetition_penalty=1.2))
+    assert not plain_greedy(SamplingParams(temperature=0.7))
+    top = logits.argmax(-1).tolist()
+    for i in range(9):
+        want = sample_row(logits[i], RowInput(params, 0, 0, [1], []))
+        assert top[i] == want.token_id
+        assert token_logprobs(logits[i], top[i], 3) == want.logprobs
+    assert top[2] == 7 and top[5] == 0

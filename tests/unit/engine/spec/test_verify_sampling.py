@@ -38,7 +38,7 @@ def _verify(rows: torch.Tensor, drafts: tuple[int, int], seed: int) -> list[int]
     seq = ScheduledSeq(
         "r", (4, *drafts), 10, (0,), 0, False, 0, 0, (0, 0), (), sample=True, output_index=0, num_drafts=2
     )
-    return ex._verify(seq, rows)[0]
+    return ex._verify(seq, rows, rows.argmax(-1).tolist())[0]
 
 
 def _plain(rows: torch.Tensor, drafts: tuple[int, int], seed: int) -> list[int]:
