@@ -19,6 +19,7 @@ import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass
+from typing import Any
 
 import deepseek_recipe as dr
 
@@ -40,6 +41,26 @@ class Usage:
     reasoning_tokens: int = 0
     first_token_at: float | None = None
     bounded_replay: bool = False  # the engine rebuilt a prefix hit's window approximately
+
+
+SETTLE_TIMEOUT_S = 10.0  # an engine client's cleanup (its abort) gets this long
+
+
+async def _settle(task: asyncio.Future[Any]) -> None:
+    """Cancel ``task`` once and wait for it to finish, even while our own task is cancelled
+    repeatedly (the cancellation is re-raised after); give up after ``SETTLE_TIMEOUT_S``."""
+    task.cancel()
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    cancelled = False
+    while not task.done() and time.monotonic() < deadline:
+        try:
+            await asyncio.wait({task}, timeout=deadline - time.monotonic())
+        except asyncio.CancelledError:
+            cancelled = True
+    if task.done() and not task.cancelled():
+        task.exception()  # retrieved: the stream's own error is not this request's concern now
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 class Generation:
@@ -114,15 +135,27 @@ class Generation:
         return ids, [(out.logprobs[i][0], list(out.logprobs[i][1])) for i in keep]
 
     async def _next(self, outs: AsyncIterator[EngineOutput]) -> EngineOutput | None:
+        """The engine stream's next output (None at its end), within the request's deadline.
+
+        The stream runs in a task of its own, cancelled at most once: a client gone mid-stream
+        cancels this task again and again (anyio's cancel scopes re-deliver), and a cancellation
+        landing in the engine client's cleanup would cut its abort short, leaving the request
+        running on the engine. So on any exit but a result, the stream's task is cancelled
+        once and its cleanup is waited for (``_settle``) before this one ends."""
         left = self.deadline - time.monotonic()
+        task = asyncio.ensure_future(anext(outs))
         try:
-            return await asyncio.wait_for(anext(outs), max(left, 0.001))
+            done, _ = await asyncio.wait({task}, timeout=max(left, 0.001))
+        except BaseException:
+            await _settle(task)
+            raise
+        if not done:
+            await _settle(task)
+            raise ApiError(504, "generation exceeded the server's time limit", param="request_timeout_s")
+        try:
+            return task.result()
         except StopAsyncIteration:
             return None
-        except TimeoutError:
-            raise ApiError(
-                504, "generation exceeded the server's time limit", param="request_timeout_s"
-            ) from None
 
     def _account(self, out: EngineOutput) -> None:
         u = self.usage
@@ -202,11 +235,22 @@ class Generation:
             yield self._error_event(ApiError(500, "internal error while streaming", code="internal_error"))
             return
         finally:
-            await self._stream.aclose()  # the consumer left mid-stream: abort the engine request
+            await self._close_stream()  # the consumer left mid-stream: abort the engine request
             self.metrics.latency.labels(endpoint=self.endpoint).observe(time.monotonic() - self.started)
         done = rtype.sse_done_data()
         if done is not None:
             yield f"data: {done}\n\n".encode()
+
+    async def _close_stream(self) -> None:
+        """Close the stream (its generator aborts the engine request); if it cannot be closed
+        (still running somewhere), abort the request directly. Shielded: this runs while the
+        client's cancellation is being delivered."""
+        assert self._stream is not None
+        try:
+            await asyncio.shield(self._stream.aclose())
+        except RuntimeError:
+            log.warning("stream %s could not be closed; aborting its request", self.prep.request_id)
+            await asyncio.shield(self.engine.abort(self.prep.engine_request.request_id))
 
     def _format(self, rtype: type, chunk: object) -> bytes:
         data = self._fix_usage(chunk.to_json())  # type: ignore[attr-defined]
