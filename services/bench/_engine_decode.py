@@ -34,6 +34,7 @@ the engine is timed at that context too, for the like-for-like ratio.
 from __future__ import annotations
 
 import gc
+import inspect
 import statistics
 import time
 from dataclasses import dataclass
@@ -186,6 +187,7 @@ def engine_decode(model_dir: Path, a: DecodeArgs, batch: int, context: int) -> d
 
 def transformers_decode(model_dir: Path, a: DecodeArgs, batch: int) -> dict[str, Any]:
     import torch
+    import transformers
     from transformers import AutoConfig, DeepseekV4ForCausalLM
 
     dtype = getattr(torch, a.dtype)
@@ -203,19 +205,24 @@ def transformers_decode(model_dir: Path, a: DecodeArgs, batch: int) -> dict[str,
         gen = torch.Generator().manual_seed(a.seed + batch)
         ids = torch.randint(3, config.vocab_size, (batch, a.tf_context), generator=gen).to(a.device)
         times = []
+        # the cache argument is `cache` from transformers 5.24 on, `past_key_values` before
+        key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         with torch.inference_mode():
             out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-            cache = out.cache
+            cache = getattr(out, key)
             nxt = out.logits[:, -1].argmax(-1, keepdim=True)
             for _ in range(a.steps + 2):
                 _sync(a.device)
                 t = time.perf_counter()
-                out = model(input_ids=nxt, cache=cache, use_cache=True, logits_to_keep=1)
+                out = model(input_ids=nxt, use_cache=True, logits_to_keep=1, **{key: cache})
                 nxt = out.logits[:, -1].argmax(-1, keepdim=True)
                 _sync(a.device)
                 times.append(time.perf_counter() - t)
         ms = statistics.median(times[2:]) * 1e3
-        return {"batch": batch, "context": a.tf_context, "ms_per_step": ms, "tokens_per_s": batch / ms * 1e3}
+        return {
+            "batch": batch, "context": a.tf_context, "ms_per_step": ms, "tokens_per_s": batch / ms * 1e3,
+            "transformers": transformers.__version__,
+        }  # fmt: skip
     finally:
         del model
         gc.collect()

@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.bench import Report, progress
+from services.bench import Report, module_main, progress
 
 GRID_C = (16, 64, 128, 256, 512)
 GRID_H = (0, 256, 768)
@@ -294,3 +294,12 @@ def run(args: argparse.Namespace) -> Report:
             generate_checkpoint(preset, Path(tmp))
             _measure(preset, Path(tmp), args, report, out_dir / f"{preset}.json")
     return report
+
+
+def main() -> None:
+    """``python -m services.bench.engine`` (same as ``sluice bench engine``)."""
+    module_main("engine", add_arguments, run, None)
+
+
+if __name__ == "__main__":
+    main()
