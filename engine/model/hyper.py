@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.kernels import sinkhorn as sinkhorn_kernel
 from engine.model.norms import rms_unweighted
 
 
@@ -35,12 +36,22 @@ class HyperConnection(nn.Module):
         pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.hc_eps
         post = 2 * torch.sigmoid(post_w * post_s + post_b)
         comb = torch.softmax(comb_w.view(-1, n, n) * comb_s + comb_b.view(n, n), dim=-1) + self.hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        if sinkhorn_kernel.usable(comb):
+            comb = sinkhorn_kernel.sinkhorn(comb, self.iters, self.hc_eps)
+        else:
+            comb = sinkhorn_eager(comb, self.iters, self.hc_eps)
         collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
         return post, comb, collapsed
+
+
+def sinkhorn_eager(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """Sinkhorn normalisation of ``comb`` [T, n, n]: columns, then ``iters - 1`` rounds of
+    rows and columns, each divided by its sum + eps (transformers' order)."""
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    return comb
 
 
 def hc_merge(
