@@ -7,7 +7,11 @@ not rescaled). Inverse rotation = the same call with ``inverse=True`` (cos, -sin
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import threading
+from collections import OrderedDict
+from typing import Any
 
 import torch
 from torch import nn
@@ -38,6 +42,45 @@ def inv_freq(cfg: RopeConfig) -> torch.Tensor:
     return inter * (1 - extra_factor) + extra * extra_factor
 
 
+class _CosSinCache:
+    """The latest cos/sin tables, shared by every `Rotary` of one RoPE flavour: a forward pass
+    asks each layer's rotary (queries, keys, the output's inverse, compressors, indexer) for
+    the same positions, and the trig then ran ~6 times per layer. An entry is found only for
+    the very positions tensor it was made from (held here, so its id cannot be reused) at the
+    same version, so a hit returns exactly what a recomputation would. Tensors made under
+    ``torch.inference_mode`` keep no version: for them this relies on positions never being
+    changed in place, which no code in ``engine/`` does (a forward's positions are built per
+    batch and only read)."""
+
+    SIZE = 8
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._items: OrderedDict[tuple[Any, ...], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = (
+            OrderedDict()
+        )
+
+    def get(self, key: tuple[Any, ...], positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        with self._lock:
+            item = self._items.get(key)
+            if item is None or item[0] is not positions:
+                return None
+            self._items.move_to_end(key)
+            return item[1], item[2]
+
+    def put(
+        self, key: tuple[Any, ...], positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+    ) -> None:
+        with self._lock:
+            self._items[key] = (positions, cos, sin)
+            self._items.move_to_end(key)
+            while len(self._items) > self.SIZE:
+                self._items.popitem(last=False)
+
+
+_COS_SIN = _CosSinCache()
+
+
 class Rotary(nn.Module):
     """Applies interleaved RoPE at given absolute positions."""
 
@@ -46,13 +89,20 @@ class Rotary(nn.Module):
     def __init__(self, cfg: RopeConfig) -> None:
         super().__init__()
         self.rope_dim = cfg.rope_dim
+        self.flavour = dataclasses.astuple(cfg)  # rotaries of one flavour share cos/sin tables
         self.register_buffer("inv_freq", inv_freq(cfg), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [N] -> cos, sin [N, rope_dim] (pairs repeated)."""
+        version = -1 if positions.is_inference() else positions._version
+        key = (self.flavour, id(positions), version, dtype, positions.device)
+        found = _COS_SIN.get(key, positions)
+        if found is not None:
+            return found
         freqs = positions.float()[:, None] * self.inv_freq.to(positions.device)[None, :]  # [N, rope_dim/2]
         cos = freqs.cos().to(dtype).repeat_interleave(2, dim=-1)
         sin = freqs.sin().to(dtype).repeat_interleave(2, dim=-1)
+        _COS_SIN.put(key, positions, cos, sin)
         return cos, sin
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
