@@ -24,7 +24,9 @@ import pytest
 from services.local.store import LocalStore
 from tests.integration.serve_proc import ServeProcess, serve_side_by_side
 
-pytestmark = pytest.mark.integration
+# slow: two API servers over a 12-node store (~40 s on 2 cores); `make test-slow` runs it. The
+# store's cross-engine hit stays in make test at the engine level (test_store_connector.py).
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 BLOCK = 256
 REPLAY = 4 * (32 - 1)  # num_hidden_layers * (sliding_window - 1) of the tiny preset
