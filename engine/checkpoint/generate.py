@@ -173,21 +173,33 @@ def _write_vision(
     return vcfg.to_dict(), sum(math.prod(p.shape) for p in plans), path.stat().st_size
 
 
-def write_config_dir(preset: str, out_dir: Path | str, seed: int = 0, **overrides: Any) -> Path:
-    """``preset``'s config.json, generation config and tokenizer in ``out_dir``, with no
-    weights: a model directory for ``EngineConfig(random_weights=seed)``, which builds the
-    weights on the device (flash-shape widths hold ~13 GB of experts per layer)."""
-    out = Path(out_dir)
+def _config_and_tokenizer(preset: str, out: Path, overrides: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    """``preset``'s config (with ``overrides``) and its tokenizer, written into ``out``; the
+    config's vocabulary and special ids are the tokenizer's."""
     out.mkdir(parents=True, exist_ok=True)
     config = preset_config(preset, **overrides)
     vocab_limit = None if int(config["vocab_size"]) >= 129280 else int(config["vocab_size"])
     tok = write_tokenizer(out, vocab_limit=vocab_limit)
     config.update(vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    config["architectures"] = ["DeepseekV4ForCausalLM"]
-    config["sluice"] = {"preset": preset, "seed": seed, "weights": "random, built on the device"}
+    return config, tok
+
+
+def _write_configs(out: Path, config: dict[str, Any], tok: Any) -> None:
+    """config.json and generation_config.json (greedy by default, the tokenizer's ids)."""
     (out / "config.json").write_text(json.dumps(config, indent=2))
     gen_cfg = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "do_sample": False}
     (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
+
+
+def write_config_dir(preset: str, out_dir: Path | str, seed: int = 0, **overrides: Any) -> Path:
+    """``preset``'s config.json, generation config and tokenizer in ``out_dir``, with no
+    weights: a model directory for ``EngineConfig(random_weights=seed)``, which builds the
+    weights on the device (flash-shape widths hold ~13 GB of experts per layer)."""
+    out = Path(out_dir)
+    config, tok = _config_and_tokenizer(preset, out, overrides)
+    config["architectures"] = ["DeepseekV4ForCausalLM"]
+    config["sluice"] = {"preset": preset, "seed": seed, "weights": "random, built on the device"}
+    _write_configs(out, config, tok)
     return out
 
 
@@ -211,11 +223,7 @@ def generate_checkpoint(
     if quant is not None and quant not in QUANT_MODES:
         raise ValueError(f"unknown quant {quant!r}; known: {', '.join(QUANT_MODES)}")
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    config = preset_config(preset, **overrides)
-    vocab_limit = None if int(config["vocab_size"]) >= 129280 else int(config["vocab_size"])
-    tok = write_tokenizer(out, vocab_limit=vocab_limit)
-    config.update(vocab_size=tok.vocab_size, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config, tok = _config_and_tokenizer(preset, out, overrides)
     plans = _plan_shapes(config)
     shards = _shard(plans, shard_bytes)
     files = []
@@ -240,9 +248,7 @@ def generate_checkpoint(
 
         config["vision"], vision_params, vision_bytes = _write_vision(out, preset, seed, config)
         vision_files = (VISION_WEIGHTS,)
-    (out / "config.json").write_text(json.dumps(config, indent=2))
-    gen_cfg = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "do_sample": False}
-    (out / "generation_config.json").write_text(json.dumps(gen_cfg, indent=2))
+    _write_configs(out, config, tok)
     n_params = sum(math.prod(p.shape) for p in plans)
     if quant is not None:
         quantize_checkpoint(out, out, quant)
