@@ -28,7 +28,9 @@ from engine.structured.tokenizer import control_tokens
 from services.api.config import ApiConfig
 from services.api.engine_client import EngineRequest, ModelInfo, StructuredSpec
 from services.api.errors import ApiError, from_recipe, limit_error
-from services.api.images import ImageIntake, PreprocessCache, lift_images, resolve_images
+from services.api.image_cache import PreprocessCache
+from services.api.image_lift import lift_images
+from services.api.images import ImageIntake, resolve_images
 from services.api.limits import image_limits
 from services.api.tool_grammar import tool_call_grammar
 from services.api.traffic_class import DEFAULT_TRAFFIC_CLASS

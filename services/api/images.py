@@ -33,17 +33,15 @@ from __future__ import annotations
 import base64
 import binascii
 import functools
-import hashlib
 import ipaddress
-import secrets
 import socket
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote_to_bytes, urlsplit
 
 from services.api.errors import ApiError, limit_error
+from services.api.image_cache import PreprocessCache, Preprocessed
 from services.api.image_headers import PARSERS, ImageHeader, looks_like, sniff
 
 if TYPE_CHECKING:
@@ -334,90 +332,6 @@ def _fetch_error(exc: Exception, url: str, limits: ImageLimits, where: str) -> A
 # -- stage 2: recipe's resolver ----------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class Preprocessed:
-    """One image as recipe's preprocessor left it, and what the pre-check read from it."""
-
-    data: bytes  # recipe's WebP bytes
-    width: int  # after preprocessing
-    height: int
-    tokens: int  # V4.1 image token count
-    header: ImageHeader  # the original file's format and declared size
-
-
-class PreprocessCache:
-    """Preprocessed images by the SHA-256 of what the client sent and the ``detail``: a
-    conversation re-sends every image each turn, and a hit skips the decode and resize.
-
-    A data URL's key hashes its base64 text, so a hit also skips decoding the base64 and the
-    pre-check (strict base64 text names its bytes exactly, and those bytes passed
-    ``inspect_image`` under this server's fixed limits when the entry was made); other
-    sources (downloads) are keyed by their bytes, after the pre-check. Least recently used
-    first out, bounded in bytes; thread-safe.
-
-    It also remembers the pre-check's verdict on the last ``MAX_CHECKED`` data URLs that
-    passed it (by the same digest), so the admission check (``limits.check_body``) and the
-    preprocessing decode and inspect a new image once between them, and a re-sent one never."""
-
-    MAX_CHECKED = 4096  # headers are a few dozen bytes each
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._items: OrderedDict[tuple[bytes, str], Preprocessed] = OrderedDict()
-        self._checked: OrderedDict[bytes, ImageHeader] = OrderedDict()
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
-
-    @staticmethod
-    def base64_digest(text: str) -> bytes:
-        """What names a data URL's base64 text (not decoded)."""
-        return hashlib.sha256(b"base64\0" + text.encode("ascii", "replace")).digest()
-
-    def checked(self, digest: bytes) -> ImageHeader | None:
-        """The pre-check's header for base64 text that passed it, if remembered."""
-        with self._lock:
-            header = self._checked.get(digest)
-            if header is not None:
-                self._checked.move_to_end(digest)
-            return header
-
-    def remember_checked(self, digest: bytes, header: ImageHeader) -> None:
-        with self._lock:
-            self._checked[digest] = header
-            self._checked.move_to_end(digest)
-            while len(self._checked) > self.MAX_CHECKED:
-                self._checked.popitem(last=False)
-
-    @staticmethod
-    def key(data: bytes, detail: str) -> tuple[bytes, str]:
-        """The key of an image's bytes."""
-        return hashlib.sha256(b"bytes\0" + data).digest(), detail
-
-    def get(self, key: tuple[bytes, str]) -> Preprocessed | None:
-        with self._lock:
-            item = self._items.get(key)
-            if item is None:
-                self.misses += 1
-                return None
-            self._items.move_to_end(key)
-            self.hits += 1
-            return item
-
-    def put(self, key: tuple[bytes, str], item: Preprocessed) -> None:
-        size = len(item.data)
-        if size > self.max_bytes:
-            return
-        with self._lock:
-            if key in self._items:
-                return
-            while self._items and self._bytes + size > self.max_bytes:
-                _, old = self._items.popitem(last=False)
-                self._bytes -= len(old.data)
-            self._items[key] = item
-            self._bytes += size
-
-
 @dataclass
 class _Pending:
     """One source on its way through ``resolve_images``."""
@@ -428,61 +342,6 @@ class _Pending:
     found: Preprocessed | None = None
     header: ImageHeader | None = None
     source: Any = None  # recipe's BytesImageSource, when it must be preprocessed
-
-
-@dataclass
-class Lifted:
-    """A request body whose base64 image payloads were swapped for short stand-ins before
-    recipe's conversion (which otherwise copies and re-renders megabytes of base64 it only
-    passes through), and the way back: stand-in data URL -> the client's data URL."""
-
-    body: dict[str, Any]
-    originals: dict[str, str]
-
-
-def lift_images(body: dict[str, Any]) -> Lifted | None:
-    """``body`` with every base64 image payload (Chat Completions ``image_url``, Responses
-    ``input_image``, Anthropic ``image`` blocks) replaced by a stand-in that names it (a
-    random per-request nonce and its index, as valid base64); None when it has none. The
-    containers on the way are copied; ``body`` is not changed."""
-    nonce = secrets.token_hex(8)
-    originals: dict[str, str] = {}
-
-    def stand_in(media: str, payload: str) -> str:
-        token = base64.b64encode(f"sluice-lifted-{nonce}-{len(originals)}".encode()).decode()
-        originals[f"data:{media};base64,{token}"] = f"data:{media};base64,{payload}"
-        return token
-
-    def data_url(url: Any) -> Any:
-        if not isinstance(url, str) or not url.startswith("data:"):
-            return url
-        head, sep, payload = url.partition(",")
-        if not sep or not head.endswith(";base64"):
-            return url
-        return f"{head},{stand_in(head[5:-7], payload)}"
-
-    def visit(node: Any) -> Any:
-        if isinstance(node, list):
-            return [visit(v) for v in node]
-        if not isinstance(node, dict):
-            return node
-        kind = node.get("type")
-        if kind == "image_url" and isinstance(node.get("image_url"), dict):
-            return {**node, "image_url": {**node["image_url"], "url": data_url(node["image_url"].get("url"))}}
-        if kind == "image_url":
-            return {**node, "image_url": data_url(node.get("image_url"))}
-        if kind == "input_image":
-            return {**node, "image_url": data_url(node.get("image_url"))}
-        src = node.get("source")
-        if kind == "image" and isinstance(src, dict) and src.get("type") == "base64":
-            data = src.get("data")
-            if isinstance(data, str) and isinstance(src.get("media_type"), str):
-                return {**node, "source": {**src, "data": stand_in(src["media_type"], data)}}
-            return node
-        return {k: visit(v) for k, v in node.items()}
-
-    lifted = visit(body)
-    return Lifted(lifted, originals) if originals else None
 
 
 def resolve_images(

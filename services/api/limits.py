@@ -15,7 +15,8 @@ from typing import Any, Literal
 
 from services.api.config import ApiConfig
 from services.api.errors import ApiError, limit_error
-from services.api.images import ImageLimits, PreprocessCache, check_image_ref
+from services.api.image_cache import PreprocessCache
+from services.api.images import ImageLimits, check_image_ref
 
 MAX_JSON_NODES = 2_000_000
 

@@ -296,7 +296,7 @@ def test_lifted_images_render_as_the_originals_and_leave_the_body_alone():
     back, recipe's sources resolve to the same images as the body itself gives."""
     import copy
 
-    from services.api.images import lift_images
+    from services.api.image_lift import lift_images
 
     a, b = data_url(png(64, 48)), data_url(png(300, 200))
     b64 = b.partition(",")[2]
