@@ -302,11 +302,3 @@ def decode_report(a: DecodeArgs, workdir: Path) -> dict[str, Any]:
         "per_layer_fit": {str(k): v for k, v in _fit_per_layer(rows).items()},
         "method": __doc__,
     }
-
-
-def batch_fraction(report: dict[str, Any], batch: int) -> float | None:
-    """The fraction of the roofline at ``batch`` (the first depth run), or None."""
-    for r in report["engine"]:
-        if r["batch"] == batch:
-            return float(r["fraction_of_roofline"])
-    return None
