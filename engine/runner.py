@@ -14,10 +14,11 @@ from engine.cache.swa import SWASlots
 from engine.checkpoint.loader import load_weights
 from engine.checkpoint.random_init import randomize_
 from engine.config import ModelConfig
+from engine.cuda_graphs import DecodeGraphs, graphable
 from engine.distributed.ep import select_dispatch
 from engine.forward_batch import ForwardBatch
 from engine.model.model import DeepseekV4
-from engine.model.moe import ExpertPlacement
+from engine.model.moe import GROUPED_MM, ExpertPlacement
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -32,8 +33,13 @@ class RunnerConfig:
     keep_quantized: bool = False  # FP8/FP4 weights stay quantised on the device, dequantised per use
     ep_size: int = 1
     ep_rank: int = 0
+    # decode steps as CUDA graphs (engine.cuda_graphs): "auto" = on CUDA without expert
+    # parallelism; "off"; "padded" = the graphs' padded batches run eagerly (tests, debugging)
+    decode_graphs: str = "auto"
 
     def __post_init__(self) -> None:
+        if self.decode_graphs not in ("auto", "off", "padded"):
+            raise ValueError(f"decode_graphs must be auto, off or padded, not {self.decode_graphs!r}")
         if self.dtype not in _DTYPES:
             raise ValueError(f"dtype {self.dtype!r} unknown; known: {sorted(_DTYPES)}")
         if self.num_blocks < 1 or self.num_slots < 1:
@@ -131,15 +137,31 @@ class ModelRunner:
         self.spec = CacheSpec.from_model(
             self.model_cfg, elem_bytes=cfg.torch_dtype.itemsize, state_bytes=cfg.torch_dtype.itemsize
         )
-        self.pool = CompressedPool(self.spec, cfg.num_blocks, cfg.torch_dtype, cfg.device)
-        self.swa = SWASlots(self.spec, cfg.num_slots, cfg.torch_dtype, cfg.device)
+        # a graph cannot capture a host round trip: the MoE must take the grouped GEMM (bf16,
+        # weights not kept quantised) and no expert-parallel all-to-all (data-dependent sizes)
+        capturable = (
+            torch.device(cfg.device).type == "cuda" and cfg.ep_size == 1 and GROUPED_MM
+            and cfg.torch_dtype == torch.bfloat16 and not cfg.keep_quantized
+        )  # fmt: skip
+        graphs = cfg.decode_graphs == "padded" or (cfg.decode_graphs == "auto" and capturable)
+        # padded decode rows need a block and a slot of their own, past the scheduler's
+        spare = 1 if graphs else 0
+        self.pool = CompressedPool(self.spec, cfg.num_blocks + spare, cfg.torch_dtype, cfg.device)
+        self.swa = SWASlots(self.spec, cfg.num_slots + spare, cfg.torch_dtype, cfg.device)
+        self.graphs: DecodeGraphs | None = None
+        if graphs:
+            self.graphs = DecodeGraphs(
+                self.model, self.pool, self.swa, cfg.num_blocks, cfg.num_slots, cfg.device,
+                capture=cfg.decode_graphs == "auto",
+            )  # fmt: skip
 
     def check(self, batch: ForwardBatch) -> None:
         """Raise ValueError if the batch addresses slots or blocks this runner does not have."""
         bad_slots = [s for s in batch.swa_slot_cpu if not 0 <= s < self.cfg.num_slots]
         if bad_slots:
             raise ValueError(f"SWA slots {bad_slots} out of range [0, {self.cfg.num_slots})")
-        top = int(batch.block_table.max())
+        table = batch.block_table if batch.block_table_cpu is None else batch.block_table_cpu
+        top = int(table.max())
         if top >= self.cfg.num_blocks:
             raise ValueError(f"block id {top} out of range [0, {self.cfg.num_blocks})")
 
@@ -147,7 +169,10 @@ class ModelRunner:
     def execute(self, batch: ForwardBatch) -> RunnerOutput:
         self.check(batch)
         self.forwards += 1
-        logits, hidden = self.model(batch, self.pool, self.swa)
+        if self.graphs is not None and graphable(batch):
+            logits, hidden = self.graphs.run(batch)
+        else:
+            logits, hidden = self.model(batch, self.pool, self.swa)
         return RunnerOutput(logits, hidden)
 
     @torch.inference_mode()

@@ -37,6 +37,7 @@ import torch
 
 from engine.cache.spec import CacheSpec
 from engine.config import CSA
+from engine.forward_batch import upload
 
 
 class SWASlots:
@@ -104,8 +105,8 @@ class SWASlots:
         Positions of one slot must map to distinct rows of every ring (at most R of them)."""
         rings = self.layer_rings(layers)
         device = self.window[0].device
-        slot_t = torch.tensor(slots, dtype=torch.long, device=device)
-        pos_t = torch.tensor(positions, dtype=torch.long, device=device)
+        slot_t = upload(torch.tensor(slots, dtype=torch.long), device)
+        pos_t = upload(torch.tensor(positions, dtype=torch.long), device)
         saved = [ring[slot_t, pos_t % ring.shape[1]].clone() for ring in rings]
         return StagedRows(rings, slot_t, pos_t, saved)
 
@@ -175,7 +176,7 @@ class StagedRows:
         never happened, as far as any later step can see); the rest keep what was written."""
         if not any(rejected):
             return
-        sel = torch.tensor(rejected, dtype=torch.bool, device=self.slots.device)
+        sel = upload(torch.tensor(rejected, dtype=torch.bool), self.slots.device)
         slots, pos = self.slots[sel], self.positions[sel]
         for ring, rows in zip(self.rings, self.saved):
             ring[slots, pos % ring.shape[1]] = rows[sel]

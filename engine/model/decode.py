@@ -12,13 +12,13 @@ import torch.nn.functional as F
 
 from engine.cache.pool import CompressedPool
 from engine.cache.swa import SWASlots
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch, upload
 from engine.model.compressor import Compressor, Indexer, topk_lowest_index
 from engine.model.rope import Rotary
 
 
 def _seq_tensor(values: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.long, device=like.device)
+    return upload(torch.tensor(values, dtype=torch.long), like.device)
 
 
 def written(batch: ForwardBatch, layer: int) -> torch.Tensor | None:
@@ -27,7 +27,7 @@ def written(batch: ForwardBatch, layer: int) -> torch.Tensor | None:
     if not batch.any_kept(layer):
         return None
     rows = [p >= until for p, until in zip(batch.num_computed_cpu, batch.kept_until(layer))]
-    return torch.tensor(rows, dtype=torch.bool, device=batch.positions.device)
+    return upload(torch.tensor(rows, dtype=torch.bool), batch.positions.device)
 
 
 def decode_compress(
@@ -46,6 +46,17 @@ def decode_compress(
     r = ring_kv.shape[1]
     slots, pos = batch.swa_slot, batch.positions
     live = written(batch, layer)
+    if batch.padded is not None:  # fixed shapes: every row pools; rows not closing go to scratch
+        ring_kv[slots, pos % r] = comp.kv_proj(x).to(ring_kv.dtype)
+        ring_gate[slots, pos % r] = comp.gate_proj(x).to(ring_gate.dtype)
+        offs = closing_offsets(comp, pos)
+        kv, gate = ring_kv[slots[:, None], offs % r], ring_gate[slots[:, None], offs % r]
+        closes = (pos + 1) % m == 0
+        store_entries(
+            comp, rotary, kv, gate, offs, pos, batch.block_table, pool, layer, index,
+            (closes, batch.padded.scratch_block),
+        )  # fmt: skip
+        return
     if live is None:
         ring_kv[slots, pos % r] = comp.kv_proj(x).to(ring_kv.dtype)
         ring_gate[slots, pos % r] = comp.gate_proj(x).to(ring_gate.dtype)
@@ -84,9 +95,11 @@ def store_entries(
     pool: CompressedPool,
     layer: int,
     index: bool,
+    only: tuple[torch.Tensor, int] | None = None,
 ) -> None:
     """Pool each closing window into its entry (softmax-gated, with the overlapping previous
-    window's Ca half for CSA), normalise, rotate and store it in the pool."""
+    window's Ca half for CSA), normalise, rotate and store it in the pool. ``only`` = (closes
+    [n] bool, scratch block): rows whose window does not close write to the scratch block."""
     m, d = comp.rate, comp.dim
     gate = gate + (comp.position_bias.repeat(2, 1) if comp.overlap else comp.position_bias)
     if comp.overlap:  # previous window's Ca half, then this window's Cb half
@@ -98,7 +111,14 @@ def store_entries(
     store = pool.index_rows[layer] if index else pool.rows[layer]
     rpb = store.shape[1]
     w = (closing + 1) // m - 1
-    store[tables.gather(1, (w // rpb)[:, None]).squeeze(1), w % rpb] = entries.to(store.dtype)
+    if only is None:
+        blocks = tables.gather(1, (w // rpb)[:, None]).squeeze(1)
+    else:
+        closes, scratch = only
+        w = w.clamp(min=0)
+        blocks = tables.gather(1, (w // rpb).clamp(max=tables.shape[1] - 1)[:, None]).squeeze(1)
+        blocks = torch.where(closes & (blocks >= 0), blocks, scratch)
+    store[blocks, w % rpb] = entries.to(store.dtype)
 
 
 def _gather_entries(store: torch.Tensor, table: torch.Tensor, e_max: int) -> torch.Tensor:
@@ -139,12 +159,20 @@ def decode_keys(
         window_ring[slots[live], pos[live] % w] = kv[live].to(window_ring.dtype)
     keys = window_ring[slots]  # [B, W, hd]: row r holds position pos - ((pos - r) mod W)
     held = pos[:, None] - ((pos[:, None] - torch.arange(w, device=pos.device)[None, :]) % w)
-    visible = held >= _seq_tensor(batch.window_from, pos)[:, None]
+    if batch.padded is not None:
+        visible = held >= batch.padded.window_from[:, None]
+    elif any(batch.window_from):
+        visible = held >= _seq_tensor(batch.window_from, pos)[:, None]
+    else:
+        visible = held >= 0  # rows never written hold negative positions
     if compressed is None:
         return keys, visible
     rows, rate = compressed
     count = (pos + 1) // rate  # [B] complete entries
-    e_max = max((p + 1) // rate for p in batch.num_computed_cpu)
+    if batch.padded is not None:  # a fixed shape: entries past a row's count are masked
+        e_max = batch.padded.context // rate
+    else:
+        e_max = max((p + 1) // rate for p in batch.num_computed_cpu)
     if e_max == 0:
         return keys, visible
     if csa is not None:  # attend to the k selected entries only: gather them, not all E

@@ -46,5 +46,6 @@ class DecoderLayer(nn.Module):
         out = self.self_attn(self.input_layernorm(x), batch, pool, swa, cache_layer, batch.cached_until)
         streams = hc_merge(streams, out, post, comb)
         post, comb, x = self.ffn_hc(streams)
-        out = self.mlp(self.post_attention_layernorm(x), input_ids)
+        real = None if batch.padded is None else batch.padded.real
+        out = self.mlp(self.post_attention_layernorm(x), input_ids, real)
         return hc_merge(streams, out, post, comb)

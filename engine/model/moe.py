@@ -79,18 +79,43 @@ class ExpertPlacement:
     def identity(cls, num_experts: int, ep_size: int = 1) -> ExpertPlacement:
         return cls(torch.arange(num_experts), num_experts, ep_size)
 
+    def device_tables(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """``tables`` on ``device``, copied there once (a copy per MoE layer per step would
+        wait for the device, and a CUDA graph cannot capture it)."""
+        cache: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = self.__dict__.setdefault(
+            "_device_tables", {}
+        )
+        if device not in cache:
+            cache[device] = tuple(t.to(device) for t in self.tables)  # type: ignore[assignment]
+        return cache[device]
+
     def physical(self, logical: torch.Tensor) -> torch.Tensor:
         """Logical ids [N, k] -> physical slot ids [N, k]."""
-        log2phy, logcnt = (t.to(logical.device) for t in self.tables)
+        log2phy, logcnt = self.device_tables(logical.device)
         if int(log2phy.shape[1]) == 1:
             return log2phy[logical, 0]
         flat = logical.reshape(-1)
-        counts = torch.bincount(flat, minlength=self.num_logical)
+        counts = count_ids(flat, self.num_logical)
         starts = torch.cumsum(counts, 0) - counts
         order = torch.argsort(flat, stable=True)
         occ = torch.empty_like(flat)
         occ[order] = torch.arange(flat.numel(), device=flat.device) - starts[flat[order]]
         return log2phy[flat, (occ + self.offset) % logcnt[flat]].reshape(logical.shape)
+
+
+def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """[n] occurrences of each id in ``ids`` (values in [0, n)). ``torch.bincount`` on CUDA
+    reads the largest id back to the host first; this never leaves the device."""
+    return torch.zeros(n, dtype=torch.long, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
+
+
+#: bumped whenever an MoE layer's placement or expert tensors are replaced: a CUDA graph
+#: captured before reads the old tensors and must be dropped (`engine.cuda_graphs`)
+_WEIGHT_EPOCH = [0]
+
+
+def weight_epoch() -> int:
+    return _WEIGHT_EPOCH[0]
 
 
 #: one grouped GEMM per projection for all local experts (CPU and CUDA); else a loop over experts
@@ -161,7 +186,7 @@ class Experts(nn.Module):
         if self.quantized or not GROUPED_MM or x.shape[0] == 0 or (x.is_cuda and x.dtype != torch.bfloat16):
             return self._run_rows_loop(x, local_ids)
         order = torch.argsort(local_ids, stable=True)  # rows grouped by expert
-        offs = torch.cumsum(torch.bincount(local_ids, minlength=self.num_local), 0).to(torch.int32)
+        offs = torch.cumsum(count_ids(local_ids, self.num_local), 0).to(torch.int32)
         gate_up = torch._grouped_mm(x[order], self.gate_up_proj.transpose(1, 2), offs=offs)  # [N, 2I]
         gate, up = gate_up.chunk(2, dim=-1)
         y = torch._grouped_mm(swiglu_clamped(gate, up, self.limit), self.down_proj.transpose(1, 2), offs=offs)
@@ -249,6 +274,7 @@ class MoE(nn.Module):
         if placement.experts_per_rank != self.experts.num_local:
             raise ValueError("a new placement must keep the number of physical experts per rank")
         self.placement = placement
+        _WEIGHT_EPOCH[0] += 1
 
     def expert_weights(self) -> dict[str, torch.Tensor]:
         """This rank's physical expert tensors [slots, ...] by name (dense layout only)."""
@@ -263,10 +289,16 @@ class MoE(nn.Module):
             if t.shape != dst.shape:
                 raise ValueError(f"{name}: new shape {tuple(t.shape)} != {tuple(dst.shape)}")
             dst.data = t.to(device=dst.device, dtype=dst.dtype)
+        _WEIGHT_EPOCH[0] += 1
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        """x [T, D] -> [T, D]."""
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor, real: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x [T, D] -> [T, D]. ``real`` [T] (1 or 0): which rows the load counters count
+        (a padded CUDA-graph batch's padding rows are not load)."""
         weights, ids = self.gate(x, input_ids)
-        self.last_load.zero_().index_add_(0, ids.reshape(-1), torch.ones_like(ids.reshape(-1)))
+        flat = ids.reshape(-1)
+        counted = torch.ones_like(flat) if real is None else real.repeat_interleave(ids.shape[1])
+        self.last_load.zero_().index_add_(0, flat, counted)
         routed = self.dispatch(x, self.placement.physical(ids), weights, self.experts)
         return routed + self.shared_experts(x)

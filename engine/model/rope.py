@@ -68,6 +68,10 @@ class _CosSinCache:
             self._items.move_to_end(key)
             return item[1], item[2]
 
+    def clear(self) -> None:
+        with self._lock:
+            self._items.clear()
+
     def put(
         self, key: tuple[Any, ...], positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> None:
@@ -79,6 +83,12 @@ class _CosSinCache:
 
 
 _COS_SIN = _CosSinCache()
+
+
+def clear_cos_sin_cache() -> None:
+    """Forget every table. A CUDA graph capture calls it first: a table found in the cache
+    would be read as a constant by the graph instead of being recomputed at each replay."""
+    _COS_SIN.clear()
 
 
 class Rotary(nn.Module):

@@ -27,7 +27,7 @@ import torch
 
 from engine.cache.pool import CompressedPool
 from engine.cache.swa import SWASlots
-from engine.forward_batch import ForwardBatch
+from engine.forward_batch import ForwardBatch, upload
 from engine.model.compressor import Compressor, Indexer
 from engine.model.decode import _csa_select, _gather_entries, closing_offsets, store_entries
 from engine.model.rope import Rotary
@@ -53,12 +53,12 @@ class Layout:
         self.q = max(batch.query_len_cpu)
         seq = [i for i, n in enumerate(batch.query_len_cpu) for _ in range(n)]
         col = [j for n in batch.query_len_cpu for j in range(n)]
-        self.seq = torch.tensor(seq, dtype=torch.long, device=dev)  # [T] sequence of each token
-        self.col = torch.tensor(col, dtype=torch.long, device=dev)  # [T] its index in the sequence
+        self.seq = upload(torch.tensor(seq, dtype=torch.long), dev)  # [T] sequence of each token
+        self.col = upload(torch.tensor(col, dtype=torch.long), dev)  # [T] its index in the sequence
         self.n0 = batch.num_computed  # [B]
         self.slots = batch.swa_slot  # [B]
         self.pos = batch.positions  # [T]
-        self.window_from = torch.tensor(batch.window_from, dtype=torch.long, device=dev)  # [B]
+        self.window_from = upload(torch.tensor(batch.window_from, dtype=torch.long), dev)  # [B]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
         """[T, ...] -> [B, Q, ...] (padding rows are zero)."""

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, cast
 
 import torch
 
-from engine.forward_batch import ForwardBatch, SequenceInput
+from engine.forward_batch import ForwardBatch, SequenceInput, upload
 
 if TYPE_CHECKING:
     from engine.cache.pool import CompressedPool
@@ -123,7 +123,7 @@ class Drafter:
                         ],
                         device=dev,
                     )  # fmt: skip
-                    idx = torch.tensor(live, dtype=torch.long, device=dev)
+                    idx = upload(torch.tensor(live, dtype=torch.long), dev)
                     tokens, conf, out = self._pass(streams[idx], step)
                     for n, i in enumerate(live):
                         drafted[i].append(int(tokens[n]))

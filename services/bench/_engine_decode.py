@@ -60,6 +60,7 @@ class DecodeArgs:
     steps: int
     transformers: bool
     seed: int = 0
+    decode_graphs: str = "auto"  # EngineConfig.decode_graphs
 
 
 def _sync(device: str) -> None:
@@ -132,18 +133,22 @@ def engine_decode(model_dir: Path, a: DecodeArgs, batch: int, context: int) -> d
     from engine.messages import CoreRequest
     from engine.sampling.params import SamplingParams
 
-    per_seq = -(-(context + a.steps + 8) // 256)
+    budget = max(context, 16_384 if a.device.startswith("cuda") else 4096)
+    # requests admitted first decode while the others prefill: none may finish, or the timed
+    # batch would shrink, so each may emit one token per prefill step besides the timed ones
+    max_tokens = a.steps + 16 + -(-batch * context // budget)
+    per_seq = -(-(context + max_tokens + 8) // 256)
     cfg = EngineConfig(
         model=str(model_dir), random_weights=a.seed, device=a.device, dtype=a.dtype,
         num_blocks=batch * per_seq + 4, num_swa_slots=batch, max_num_seqs=batch,
-        max_num_batched_tokens=max(context, 16_384 if a.device.startswith("cuda") else 4096),
-        enable_prefix_caching=False,
+        max_num_batched_tokens=budget,
+        enable_prefix_caching=False, decode_graphs=a.decode_graphs,
     )  # fmt: skip
     core = EngineCore(cfg)
     try:
         gen = torch.Generator().manual_seed(a.seed + batch)
         vocab = core.vocab_size
-        params = SamplingParams(temperature=0.0, max_tokens=a.steps + 16, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         for i in range(batch):
             ids = torch.randint(3, vocab, (context,), generator=gen).tolist()
             core.add(CoreRequest(f"d{i}", tuple(ids), params))
@@ -155,6 +160,8 @@ def engine_decode(model_dir: Path, a: DecodeArgs, batch: int, context: int) -> d
         for _ in range(2):  # the first decode steps (allocation, the asynchronous pipeline)
             core.step()
         runner = core.runner
+        graphs = runner.graphs
+        captured = graphs.captures if graphs else 0
         emitted = 0
         times = []
         _sync(a.device)
@@ -174,6 +181,9 @@ def engine_decode(model_dir: Path, a: DecodeArgs, batch: int, context: int) -> d
             "batch": batch, "context": context, "layers": mc.num_hidden_layers, "steps": a.steps,
             "ms_per_step": wall / a.steps * 1e3, "ms_per_step_median": statistics.median(times) * 1e3,
             "tokens_per_s": emitted / wall, "emitted": emitted, "prefill_s": prefill_s,
+            "decode_graphs": a.decode_graphs, "graph_replays": graphs.replays if graphs else 0,
+            "graph_captures": graphs.captures if graphs else 0,
+            "graph_captures_timed": (graphs.captures if graphs else 0) - captured,
             "bytes": {"layer_weights": layer_w, "experts_selected": hit, "fixed": fixed_w, "kv": kv,
                       "total": layer_w + hit + fixed_w + kv, "layers_share": (layer_w + hit + kv) / (layer_w + hit + fixed_w + kv)},
         }  # fmt: skip

@@ -62,6 +62,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument("--tf-context", type=int, default=128, help="transformers' prompt tokens (default 128)")
     d.add_argument("--steps", type=int, default=32, help="timed decode steps (default 32)")
     d.add_argument("--no-transformers", action="store_true", help="skip transformers' DeepseekV4ForCausalLM")
+    d.add_argument(
+        "--decode-graphs", default="auto", choices=("auto", "off", "padded"),
+        help="decode steps as CUDA graphs: auto (on CUDA), off, padded (their padded batches, eagerly)",
+    )  # fmt: skip
 
 
 def _throughput(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
@@ -215,7 +219,7 @@ def _decode(args: argparse.Namespace, report: Report) -> None:
         layers=tuple(int(x) for x in args.layers.split(",")),
         batches=tuple(int(x) for x in (args.decode_batches or ("1,16,64,256" if cuda else "1,16")).split(",")),
         context=args.context or (4096 if cuda else 128), tf_context=args.tf_context, steps=args.steps,
-        transformers=not args.no_transformers, seed=0,
+        transformers=not args.no_transformers, seed=0, decode_graphs=args.decode_graphs,
     )  # fmt: skip
     report.config.update({"decode": a.__dict__})
     with tempfile.TemporaryDirectory(prefix="sluice-bench-decode-") as tmp:

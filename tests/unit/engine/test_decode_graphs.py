@@ -1,0 +1,112 @@
+"""The padded decode batches that CUDA graphs replay (engine/cuda_graphs.py), run eagerly on CPU.
+
+A graph fixes every shape: the batch is padded to a bucket of rows that read and write a
+scratch slot and block, attention gathers a bucketed number of compressed entries, and every
+row's compressor pools its window whether it closes or not. None of that may change a real
+row's logits, its caches, or the MoE load counters. The capture itself runs in tests/gpu.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.cuda_graphs import batch_bucket, context_bucket, graphable, round_up_eighth
+from engine.forward_batch import ForwardBatch, SequenceInput
+from engine.runner import ModelRunner, RunnerConfig
+from tests.unit.engine.conftest import reference_logits
+
+#: nine rows (bucket 10: one padding row), lengths across window, CSA (rate 4) and HCA (rate
+#: 16) closings; the decode steps cross HCA windows
+PROMPTS, STEPS = [1, 3, 14, 30, 47, 5, 9, 16, 22], 18
+
+
+def _seqs() -> list[list[int]]:
+    return [
+        torch.randint(0, 256, (n + STEPS,), generator=torch.Generator().manual_seed(40 + i)).tolist()
+        for i, n in enumerate(PROMPTS)
+    ]
+
+
+def _run(
+    path, mode: str, seqs: list[list[int]]
+) -> tuple[ModelRunner, list[torch.Tensor], list[torch.Tensor]]:
+    """Prefill each prompt, then STEPS decode steps of the whole batch: (runner, logits per
+    step, the MoE layers' load counters per step)."""
+    n = len(seqs)
+    runner = ModelRunner(path, RunnerConfig(num_blocks=n, num_slots=n, decode_graphs=mode))
+    prefill = [SequenceInput(s[:p], 0, i, [i]) for i, (s, p) in enumerate(zip(seqs, PROMPTS))]
+    runner.execute(ForwardBatch.from_sequences(prefill))
+    logits, loads = [], []
+    for t in range(STEPS):
+        dec = [SequenceInput([s[p + t]], p + t, i, [i]) for i, (s, p) in enumerate(zip(seqs, PROMPTS))]
+        batch = ForwardBatch.from_sequences(dec)
+        assert graphable(batch)
+        logits.append(runner.execute(batch).logits.clone())
+        loads.append(runner.expert_load().clone())
+    return runner, logits, loads
+
+
+def test_buckets_pad_by_less_than_a_quarter_and_never_shrink() -> None:
+    for n in range(1, 5000):
+        b = batch_bucket(n)
+        assert n <= b < 1.25 * n or n <= 8 and b == n
+    assert [batch_bucket(n) for n in (1, 8, 9, 17, 200, 257)] == [1, 8, 10, 20, 224, 320]
+    assert [context_bucket(n) for n in (1, 256, 257, 2049, 4097, 131_072)] == [
+        256, 256, 512, 2560, 5120, 131_072,
+    ]  # fmt: skip
+    assert all(context_bucket(n) % 256 == 0 for n in range(1, 20_000, 37))
+    assert round_up_eighth(0) == 0
+
+
+def test_padded_decode_equals_the_reference_and_the_eager_path(reference) -> None:
+    path, ref = reference("mixed_hc2")
+    seqs = _seqs()
+    eager, want, want_load = _run(path, "off", seqs)
+    padded, got, got_load = _run(path, "padded", seqs)
+    refs = [reference_logits(ref, torch.tensor(s)) for s in seqs]
+    for t in range(STEPS):
+        assert (got[t] - want[t]).abs().max().item() < 1e-5, f"step {t}: padded != eager"
+        for i, p in enumerate(PROMPTS):
+            err = (got[t][i] - refs[i][p + t]).abs().max().item()
+            assert err < 1e-4, f"step {t}, sequence {i}: {err} from the reference"
+        # padding rows route too, but are not load
+        assert torch.equal(got_load[t], want_load[t]), f"step {t}: load counters differ"
+    # the real rows of every cache hold what the eager path left (up to fp32 rounding: the
+    # padded batch's matmuls have more rows); the scratch block and slot are extra
+    n = len(seqs)
+    caches = [
+        *(("rows", layer, padded.pool.rows[layer], t) for layer, t in eager.pool.rows.items()),
+        *(
+            ("index rows", layer, padded.pool.index_rows[layer], t)
+            for layer, t in eager.pool.index_rows.items()
+        ),
+        *(("window", layer, padded.swa.window[layer], t) for layer, t in enumerate(eager.swa.window)),
+    ]
+    for what, layer, got_t, want_t in caches:
+        err = (got_t[:n] - want_t).abs().max().item()
+        assert err < 1e-5, f"layer {layer}: {what} differ by {err}"
+    assert padded.pool.num_blocks == n + 1 and eager.pool.num_blocks == n
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(sample=False),
+        dict(num_logits=2, token_ids=[5, 6]),
+        dict(swa_keep=(1, 3)),
+        dict(rows_cached_until=4),
+        dict(embeds=((0, torch.zeros(1, 64)),)),
+        dict(token_ids=[5, 6]),
+    ],
+)
+def test_only_plain_decode_batches_are_graphed(change) -> None:
+    base = dict(token_ids=[5], num_computed=7, swa_slot=0, block_table=[0])
+    other = SequenceInput([9], 3, 1, [1])
+    assert graphable(ForwardBatch.from_sequences([SequenceInput(**base), other]))
+    assert not graphable(ForwardBatch.from_sequences([SequenceInput(**{**base, **change}), other]))
+
+
+def test_runner_config_refuses_an_unknown_graph_mode() -> None:
+    with pytest.raises(ValueError, match="decode_graphs"):
+        RunnerConfig(decode_graphs="always")
