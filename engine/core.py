@@ -117,7 +117,7 @@ class EngineCore:
         )  # fmt: skip
         # speculation is synchronous: a step's drafts are the next step's input
         self.loop = EngineLoop(
-            self.scheduler, self.executor.execute, cfg.async_scheduling and self.spec is None
+            self.scheduler, self.executor.execute, cfg.overlaps_steps and self.spec is None
         )
         self._tracks: dict[str, _Track] = {}
         self._out: list[SeqOutput] = []

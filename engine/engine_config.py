@@ -27,7 +27,11 @@ class EngineConfig:
     step_time_budget_s: float | None = None
     cost_model_path: str | None = None  # default: <model>/sluice_cost_model.json if present
     enable_prefix_caching: bool = True
-    async_scheduling: bool = True
+    # schedule step N+1 and apply step N-1 on the caller's thread while a worker runs step N.
+    # None (auto): on a CUDA device without expert parallelism. The overlap needs the worker
+    # to wait on a device with the GIL released; on CPU the forward already uses every core
+    # and the two threads only contend (measured: docs/engine-runtime.md)
+    async_scheduling: bool | None = None
     dtype: str = "float32"
     device: str = "cpu"
     # decode steps as CUDA graphs (engine/cuda_graphs.py): "auto" (on CUDA without expert
@@ -70,6 +74,13 @@ class EngineConfig:
     # tokenizer only, `engine.checkpoint.generate.write_config_dir`). None: load the weights.
     random_weights: int | None = None
 
+    @property
+    def overlaps_steps(self) -> bool:
+        """Whether the engine runs its steps asynchronously (``async_scheduling`` resolved)."""
+        if self.async_scheduling is not None:
+            return self.async_scheduling
+        return self.device.startswith("cuda") and self.ep_size == 1
+
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
             raise ValueError(f"model must be a checkpoint directory, got {self.model!r}")
@@ -95,7 +106,7 @@ class EngineConfig:
             raise ValueError(f"swa_replay must be 'exact' or 'bounded', got {self.swa_replay!r}")
         if self.ep_size < 1 or not 0 <= self.ep_rank < self.ep_size:
             raise ValueError(f"ep_rank must be within [0, ep_size), got {self.ep_rank} of {self.ep_size}")
-        if self.ep_size > 1 and self.async_scheduling:
+        if self.ep_size > 1 and self.async_scheduling is True:
             raise ValueError("an EP rank steps in lockstep with its group: set async_scheduling=False")
         self._check_speculative()
         if self.kv_store is not None and not Path(self.kv_store).is_file():

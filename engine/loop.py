@@ -69,10 +69,14 @@ class EngineLoop:
     def step(self) -> StepUpdate:
         """Advance by one update: schedule (and submit) the next step if there is one, then
         apply the oldest in-flight step's result. Returns what that update changed."""
-        if self.scheduler.has_unfinished() and (not self._inflight or self.async_scheduling):
+        # asynchronous: keep the next step queued behind the running one, so the worker starts
+        # it as soon as the running one returns while this thread applies results
+        depth = 2 if self.async_scheduling else 1
+        while self.scheduler.has_unfinished() and len(self._inflight) < depth:
             out = self.scheduler.schedule()
-            if not out.is_empty:
-                self._submit(out)
+            if out.is_empty:
+                break
+            self._submit(out)
         if not self._inflight:
             if self.scheduler.has_ready():
                 raise RuntimeError(

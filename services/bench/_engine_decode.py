@@ -61,6 +61,7 @@ class DecodeArgs:
     transformers: bool
     seed: int = 0
     decode_graphs: str = "auto"  # EngineConfig.decode_graphs
+    async_scheduling: bool | None = None  # EngineConfig.async_scheduling (None: auto)
 
 
 def _sync(device: str) -> None:
@@ -142,7 +143,7 @@ def engine_decode(model_dir: Path, a: DecodeArgs, batch: int, context: int) -> d
         model=str(model_dir), random_weights=a.seed, device=a.device, dtype=a.dtype,
         num_blocks=batch * per_seq + 4, num_swa_slots=batch, max_num_seqs=batch,
         max_num_batched_tokens=budget,
-        enable_prefix_caching=False, decode_graphs=a.decode_graphs,
+        enable_prefix_caching=False, decode_graphs=a.decode_graphs, async_scheduling=a.async_scheduling,
     )  # fmt: skip
     core = EngineCore(cfg)
     try:
@@ -181,7 +182,7 @@ def engine_decode(model_dir: Path, a: DecodeArgs, batch: int, context: int) -> d
             "batch": batch, "context": context, "layers": mc.num_hidden_layers, "steps": a.steps,
             "ms_per_step": wall / a.steps * 1e3, "ms_per_step_median": statistics.median(times) * 1e3,
             "tokens_per_s": emitted / wall, "emitted": emitted, "prefill_s": prefill_s,
-            "decode_graphs": a.decode_graphs, "graph_replays": graphs.replays if graphs else 0,
+            "decode_graphs": a.decode_graphs, "async_scheduling": core.config.overlaps_steps, "graph_replays": graphs.replays if graphs else 0,
             "graph_captures": graphs.captures if graphs else 0,
             "graph_captures_timed": (graphs.captures if graphs else 0) - captured,
             "bytes": {"layer_weights": layer_w, "experts_selected": hit, "fixed": fixed_w, "kv": kv,

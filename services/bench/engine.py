@@ -66,6 +66,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--decode-graphs", default="auto", choices=("auto", "off", "padded"),
         help="decode steps as CUDA graphs: auto (on CUDA), off, padded (their padded batches, eagerly)",
     )  # fmt: skip
+    d.add_argument(
+        "--async-scheduling", default="auto", choices=("auto", "on", "off"),
+        help="overlap scheduling with the running step: auto (on CUDA), on, off",
+    )  # fmt: skip
 
 
 def _throughput(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
@@ -220,6 +224,7 @@ def _decode(args: argparse.Namespace, report: Report) -> None:
         batches=tuple(int(x) for x in (args.decode_batches or ("1,16,64,256" if cuda else "1,16")).split(",")),
         context=args.context or (4096 if cuda else 128), tf_context=args.tf_context, steps=args.steps,
         transformers=not args.no_transformers, seed=0, decode_graphs=args.decode_graphs,
+        async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
     )  # fmt: skip
     report.config.update({"decode": a.__dict__})
     with tempfile.TemporaryDirectory(prefix="sluice-bench-decode-") as tmp:
