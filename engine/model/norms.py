@@ -1,8 +1,13 @@
-"""RMSNorms: weighted (fp32 weight, fp32 math) and unweighted (per-head query norm, hc input norm)."""
+"""RMSNorms: weighted (fp32 weight, fp32 math) and unweighted (per-head query norm, hc input norm).
+
+Both use ``F.rms_norm`` (one fused kernel on CUDA) wherever its rounding is the reference's:
+fp32 math throughout. An unweighted norm of a bf16 tensor keeps the reference's order (the
+scale cast to the tensor's dtype, then the product in that dtype)."""
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -13,11 +18,10 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight.float() * h).to(dtype)
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
 def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), None, eps)
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
