@@ -21,9 +21,20 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+import torch
+
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.sampling.params import SamplingParams
-from engine.sampling.sampler import RowInput, TokenLogprobs, plain_greedy, sample_row, token_logprobs
+from engine.sampling.sampler import (
+    RowInput,
+    TokenLogprobs,
+    draw_seed,
+    no_penalties,
+    plain_greedy,
+    sample_row,
+    sample_rows,
+    token_logprobs,
+)
 from engine.scheduler.host_slots import HostSlot
 from engine.scheduler.output import PENDING_TOKEN, RunnerOutput, ScheduledSeq, SchedulerOutput, SlotSave
 from engine.spec.drafter import Drafter, DraftRun
@@ -80,6 +91,7 @@ class ModelExecutor:
         self._failed: dict[str, str] = {}  # request id -> why its grammar failed
         # per request: (first position whose MTP window entry is valid, next position to write)
         self._mtp: dict[str, tuple[int, int]] = {}
+        self._drawn: dict[tuple[str, int], int] = {}  # this step's tokens drawn together
 
     def save_slots(self, saves: Sequence[SlotSave]) -> None:
         """Copy retained slots (and their partial blocks) into the host slot pool."""
@@ -151,21 +163,22 @@ class ModelExecutor:
         # every row's argmax in one device op and one transfer: a plain greedy request's token
         # (argmax is exact and row by row, so batching changes nothing; lowest id on ties)
         top: list[int] = logits.argmax(-1).tolist() if logits.shape[0] else []
+        host = self._host_rows(out, logits)
+        self._drawn = self._draw_together(out, logits)
         row = 0
         for s in out.seqs:
             if not s.sample:
                 continue
             if s.num_drafts:
-                toks, lps = self._verify(
-                    s, logits[row : row + s.num_drafts + 1], top[row : row + s.num_drafts + 1]
-                )
+                rows = [host.get(r, logits[r]) for r in range(row, row + s.num_drafts + 1)]
+                toks, lps = self._verify(s, rows, top[row : row + s.num_drafts + 1])
                 sampled[s.request_id], logprobs[s.request_id] = toks[0], lps[0]
                 if len(toks) > 1:
                     emitted[s.request_id], emitted_lps[s.request_id] = tuple(toks), tuple(lps)
                 row += s.num_drafts + 1
                 continue
             for rid in (s.request_id, *s.fork_children):  # fork children share the parent's row
-                tok, lp = self._sample(rid, logits[row], s.output_index, top[row])
+                tok, lp = self._sample(rid, host.get(row, logits[row]), s.output_index, top[row])
                 sampled[rid] = tok
                 logprobs[rid] = lp
             row += 1
@@ -180,6 +193,68 @@ class ModelExecutor:
         drafts = self._draft(out, result.hidden, sampled, emitted, depth) if self.drafter and depth else {}
         failed = {rid: self._failed[rid] for rid in sampled if rid in self._failed}
         return RunnerOutput(out.step, sampled, dict(logprobs), failed, emitted, emitted_lps, drafts)
+
+    @staticmethod
+    def _drawn_together(st: SamplingState) -> bool:
+        """A sampled request with neither a grammar nor penalties: its tokens come from one
+        `sample_rows` over the step's such rows."""
+        return st.grammar is None and not st.params.greedy and no_penalties(st.params)
+
+    def _needs_row(self, rid: str) -> bool:
+        """Whether sampling ``rid`` reads its logits row on the host: the per-row sampler
+        (a grammar or penalties) or logprobs."""
+        st = self.states.get(rid)
+        if st is None or st.done:
+            return False
+        per_row = not (st.grammar is None and plain_greedy(st.params)) and not self._drawn_together(st)
+        return per_row or st.params.logprobs is not None
+
+    def _draw_together(self, out: SchedulerOutput, logits: Any) -> dict[tuple[str, int], int]:
+        """(request id, output index) -> token for every row drawn together (`_drawn_together`),
+        verified drafts' positions included: each draw depends on its own (seed, index) only,
+        so drawing a position that verification then discards consumes nothing."""
+        rows: list[int] = []
+        keys: list[tuple[str, int]] = []
+        params: list[SamplingParams] = []
+        seeds: list[int] = []
+        row = 0
+        for s in out.seqs:
+            if not s.sample:
+                continue
+            for j in range(s.num_drafts + 1):
+                for rid in (s.request_id, *(() if s.num_drafts else s.fork_children)):
+                    st = self.states.get(rid)
+                    if st is None or st.done or not self._drawn_together(st):
+                        continue
+                    rows.append(row + j)
+                    keys.append((rid, s.output_index + j))
+                    params.append(st.params)
+                    seeds.append(draw_seed(st.seed, s.output_index + j))
+            row += s.num_drafts + 1
+        if not rows:
+            return {}
+        picked = logits[torch.tensor(rows, device=logits.device)] if len(rows) != logits.shape[0] else logits
+        return dict(zip(keys, sample_rows(picked, params, seeds)))
+
+    def _host_rows(self, out: SchedulerOutput, logits: Any) -> dict[int, Any]:
+        """Every logits row the per-row sampler will read, copied to the host in one transfer
+        (a copy per row would wait for the device once per row)."""
+        need: list[int] = []
+        row = 0
+        for s in out.seqs:
+            if not s.sample:
+                continue
+            width = s.num_drafts + 1
+            if any(self._needs_row(rid) for rid in (s.request_id, *s.fork_children)):
+                need.extend(range(row, row + width))
+            row += width
+        if not need:
+            return {}
+        if len(need) == logits.shape[0]:
+            rows = logits.cpu()
+        else:
+            rows = logits[torch.tensor(need, device=logits.device)].cpu()
+        return dict(zip(need, rows))
 
     def _verify(
         self, s: ScheduledSeq, rows: Any, top: list[int]
@@ -275,12 +350,14 @@ class ModelExecutor:
             return st.output_token_ids[-1], None
         if output_index != len(st.output_token_ids):
             raise RuntimeError(f"{rid}: sampling output {output_index}, have {len(st.output_token_ids)}")
-        if st.grammar is None and plain_greedy(st.params):
+        drawn = self._drawn.get((rid, output_index))
+        if drawn is not None or (st.grammar is None and plain_greedy(st.params)):
+            token = top if drawn is None else drawn
             lps = None
             if st.params.logprobs is not None:
-                lps = token_logprobs(row_logits, top, st.params.logprobs)
-            st.output_token_ids.append(top)
-            return top, lps
+                lps = token_logprobs(row_logits, token, st.params.logprobs)
+            st.output_token_ids.append(token)
+            return token, lps
         mask = self._grammar_step(rid, lambda g: g.allowed_mask())
         res = sample_row(
             row_logits,

@@ -1,12 +1,13 @@
-"""Deterministic, batch-invariant sampling (torch, fp32).
+"""Deterministic, batch-invariant sampling (torch, fp32, on the logits' device).
 
-Every row is processed on its own 1-D ``[V]`` tensor: no operation mixes rows, so a row's
-result cannot depend on which other requests share the batch. Randomness comes from a
-``torch.Generator`` seeded with ``derive(request seed, output index)``: the k-th token of a
-seeded request sees the same random numbers alone, in any batch, under any chunking, in
-synchronous or asynchronous mode. Sampling is the exponential race
-``argmax(p_i / E_i), E_i ~ Exp(1)``, an exact draw from ``p``; greedy is ``argmax`` with the
-lowest token id on ties.
+No operation mixes rows, so a row's result cannot depend on which other requests share the
+batch. Randomness is one number per token, ``uniform(derive(request seed, output index))``:
+the k-th token of a seeded request sees the same number alone, in any batch, under any
+chunking, in synchronous or asynchronous mode, with or without speculation. The draw is the
+inverse CDF (the first token whose cumulative probability exceeds that number), an exact
+draw from ``p``; greedy is ``argmax`` with the lowest token id on ties. Rows with neither a
+grammar nor penalties are drawn together (`sample_rows`, one pass over ``[R, V]`` on the
+device); a row with either goes through `sample_row`, which runs the same code on one row.
 
 Order per row: grammar mask -> repetition/presence/frequency penalties -> temperature ->
 top-k -> top-p -> min-p -> draw. Logprobs are those of the model's raw distribution
@@ -66,32 +67,72 @@ def _apply_penalties(logits: torch.Tensor, row: RowInput) -> torch.Tensor:
     return logits
 
 
-def _truncate(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
-    """Top-k, top-p and min-p on temperature-scaled logits; removed tokens get -inf."""
-    neg_inf = torch.tensor(float("-inf"))
-    if p.top_k and p.top_k < logits.shape[0]:
-        kth = torch.topk(logits, p.top_k).values[-1]
+def _truncate_rows(
+    logits: torch.Tensor,  # [R, V] temperature-scaled
+    top_k: list[int],
+    top_p: list[float],
+    min_p: list[float],
+) -> torch.Tensor:
+    """Top-k, top-p and min-p, each row with its own settings; removed tokens get -inf. A
+    setting that is off leaves its row untouched (not even a rounding-level mask)."""
+    r, v = logits.shape
+    dev = logits.device
+    neg_inf = torch.tensor(float("-inf"), device=dev)
+    if any(0 < k < v for k in top_k):
+        k = torch.tensor([k if 0 < k < v else v for k in top_k], device=dev)
+        kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
         logits = torch.where(logits >= kth, logits, neg_inf)
-    if p.top_p < 1.0:
-        order = torch.sort(logits, descending=True, stable=True).indices
-        probs = torch.softmax(logits[order], dim=0)
-        cum = torch.cumsum(probs, dim=0)
-        drop_sorted = (cum - probs) >= p.top_p  # keep the smallest prefix reaching top_p
-        drop = torch.zeros_like(drop_sorted)
-        drop[order] = drop_sorted
+    if any(p < 1.0 for p in top_p):
+        order = torch.sort(logits, dim=-1, descending=True, stable=True).indices
+        probs = torch.softmax(logits.gather(1, order), dim=-1)
+        cum = torch.cumsum(probs, dim=-1)
+        limit = torch.tensor(top_p, dtype=logits.dtype, device=dev)[:, None]
+        on = torch.tensor([p < 1.0 for p in top_p], device=dev)[:, None]
+        drop_sorted = ((cum - probs) >= limit) & on  # keep the smallest prefix reaching top_p
+        drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
         logits = torch.where(drop, neg_inf, logits)
-    if p.min_p > 0.0:
-        probs = torch.softmax(logits, dim=0)
-        logits = torch.where(probs >= p.min_p * probs.max(), logits, neg_inf)
+    if any(p > 0.0 for p in min_p):
+        probs = torch.softmax(logits, dim=-1)
+        floor = (
+            torch.tensor(min_p, dtype=logits.dtype, device=dev)[:, None] * probs.max(-1, keepdim=True).values
+        )
+        logits = torch.where(probs >= floor, logits, neg_inf)
     return logits
 
 
-def _draw(logits: torch.Tensor, seed: int) -> int:
-    gen = torch.Generator(device="cpu")
-    gen.manual_seed(seed)
-    noise = torch.empty(logits.shape[0], dtype=torch.float32).exponential_(generator=gen)  # [V]
-    probs = torch.softmax(logits, dim=0)
-    return int(torch.argmax(probs / noise).item())
+def uniform(seed: int) -> float:
+    """The draw's one random number in [0, 1) for a derived seed (63 uniform bits)."""
+    return (seed >> 10) / float(1 << 53)
+
+
+def _draw_rows(logits: torch.Tensor, seeds: list[int]) -> list[int]:
+    """Inverse-CDF draws, one per row of ``logits`` ``[R, V]``: the first token whose
+    cumulative probability exceeds ``uniform(seed)`` of the total, an exact draw from the
+    row's softmax. Zero-probability tokens never are (their cumulative sum does not rise)."""
+    probs = torch.softmax(logits, dim=-1)
+    cum = torch.cumsum(probs, dim=-1)
+    u = torch.tensor([uniform(s) for s in seeds], dtype=cum.dtype, device=cum.device)[:, None]
+    target = u * cum[:, -1:]
+    tokens = torch.searchsorted(cum, target, right=True).squeeze(1)
+    # a u that rounds the target up to the total lands past the end: the last possible token
+    ids = torch.arange(logits.shape[1], device=logits.device)
+    last = torch.where(probs > 0, ids, -1).max(dim=-1).values
+    return [int(t) for t in torch.minimum(tokens, last).tolist()]
+
+
+def draw_seed(seed: int, output_index: int) -> int:
+    """The derived seed of a request's ``output_index``-th token."""
+    return derive_seed(seed, f"tok:{output_index}")
+
+
+def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int]) -> list[int]:
+    """Tokens of rows ``logits [R, V]`` (any device and float dtype; computed in fp32), row i
+    with ``params[i]`` (temperature > 0, no penalties) and the derived seed ``seeds[i]``
+    (`draw_seed`). Every operation is row by row: a row's token does not depend on the
+    others. `sample_row` runs the same code on one row."""
+    x = logits.float() / torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+    x = _truncate_rows(x, [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params])
+    return _draw_rows(x, list(seeds))
 
 
 def _logprobs(raw: torch.Tensor, token: int, k: int) -> TokenLogprobs:
@@ -105,12 +146,14 @@ def _logprobs(raw: torch.Tensor, token: int, k: int) -> TokenLogprobs:
     return TokenLogprobs(token, tok_lp, rank, top)
 
 
+def no_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+
+
 def plain_greedy(p: SamplingParams) -> bool:
     """Greedy with no penalty: the token is the raw logits' argmax (what ``sample_row`` gives
     without a grammar mask), so a batch's tokens can come from one argmax over its rows."""
-    return (
-        p.greedy and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-    )
+    return p.greedy and no_penalties(p)
 
 
 def token_logprobs(raw_logits: torch.Tensor, token: int, k: int) -> TokenLogprobs:
@@ -131,8 +174,7 @@ def sample_row(raw_logits: torch.Tensor, row: RowInput) -> SampleResult:
     if p.greedy:
         token = int(torch.argmax(logits).item())  # first maximum: lowest id on ties
     else:
-        logits = _truncate(logits / p.temperature, p)
-        token = _draw(logits, derive_seed(row.seed, f"tok:{row.output_index}"))
+        token = sample_rows(logits[None], [p], [draw_seed(row.seed, row.output_index)])[0]
     lps = _logprobs(raw, token, p.logprobs) if p.logprobs is not None else None
     return SampleResult(token, lps)
 
