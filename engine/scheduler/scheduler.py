@@ -295,7 +295,7 @@ class Scheduler:
         """``drafts``: a decode (n = 1) that also verifies these drafts (num_computed advances
         by the accepted ones at ``update``)."""
         start = req.num_computed
-        known = req.all_token_ids[start : start + n]
+        known = req.token_ids_between(start, start + n)
         tokens = tuple(known) + (PENDING_TOKEN,) * (n - len(known)) + drafts
         sample = start + n == req.num_tokens_with_pending
         req.num_computed += n
