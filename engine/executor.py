@@ -162,7 +162,14 @@ class ModelExecutor:
         emitted_lps: dict[str, tuple[object, ...]] = {}
         # every row's argmax in one device op and one transfer: a plain greedy request's token
         # (argmax is exact and row by row, so batching changes nothing; lowest id on ties)
-        top: list[int] = logits.argmax(-1).tolist() if logits.shape[0] else []
+        greedy = any(
+            st.grammar is None and plain_greedy(st.params)
+            for s in out.seqs
+            if s.sample
+            for rid in (s.request_id, *s.fork_children)
+            if (st := self.states.get(rid)) is not None
+        )
+        top: list[int] = logits.argmax(-1).tolist() if greedy and logits.shape[0] else [-1] * logits.shape[0]
         host = self._host_rows(out, logits)
         self._drawn = self._draw_together(out, logits)
         row = 0
