@@ -96,7 +96,10 @@ def test_logprobs_are_per_token_and_ranked(oai):
         model="deepseek-chat", messages=USER, max_tokens=8, logprobs=True, top_logprobs=3, seed=5
     )
     content = r.choices[0].logprobs.content
-    assert len(content) == r.usage.completion_tokens
+    # items follow the visible text, not the token count: hidden control tokens have none,
+    # and recipe's stream processor can hold a partial UTF-8 character's bytes into one item
+    # (seen with the random model: 8 tokens, 7 items, the first item two bytes of a character)
+    assert 0 < len(content) <= r.usage.completion_tokens
     for item in content:
         tops = [t.logprob for t in item.top_logprobs]
         assert len(tops) == 3 and tops == sorted(tops, reverse=True)

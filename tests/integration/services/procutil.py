@@ -9,7 +9,11 @@ from pathlib import Path
 def children(pid: int) -> set[int]:
     """Direct children of ``pid`` (every thread's), empty once it is gone."""
     out: set[int] = set()
-    for f in Path(f"/proc/{pid}/task").glob("*/children"):
+    try:  # the process can exit while its task directory is listed
+        tasks = list(Path(f"/proc/{pid}/task").glob("*/children"))
+    except OSError:
+        return out
+    for f in tasks:
         try:
             out.update(int(x) for x in f.read_text().split())
         except OSError:
