@@ -1,8 +1,10 @@
 """Decode steps as CUDA graphs: one graph per (batch bucket, context bucket), captured on first use.
 
 An eager decode step at real widths launches about a thousand kernels, and at small batches
-the GPU waits on the host that launches them. A graph replays the whole forward pass (every
-layer, the final norm and the lm_head) with one launch.
+the GPU waits on the host that launches them. A graph replays the forward pass up to the
+``lm_head`` (every layer, the hc head and the final norm) with one launch; the ``lm_head``
+runs after it, eagerly (one matmul), so a graph's output is ``[B, hidden]``, not a
+``[B, vocab]`` fp32 buffer per graph (132 MB at batch 256).
 
 A graph fixes every shape, so a decode batch of ``n`` rows whose longest row has ``L``
 tokens runs in the graph of ``(batch_bucket(n), context_bucket(L))``, padded
@@ -44,7 +46,7 @@ from engine.model.moe import weight_epoch
 from engine.model.rope import clear_cos_sin_cache
 
 #: graphs kept at once (least recently used dropped first); each holds only its inputs and
-#: outputs, its activations share one memory pool
+#: outputs ([B, hidden] and [B, hc, hidden]), its activations share one memory pool
 MAX_GRAPHS = 64
 
 
@@ -86,8 +88,8 @@ class _Graph:
     # read by every replay, so they must live as long as the graph (freed, their memory would
     # be handed to other tensors)
     batch: ForwardBatch
-    logits: torch.Tensor  # [B, vocab]
-    hidden: torch.Tensor  # [B, hc, D]
+    final: torch.Tensor  # [B, D] normed hidden rows (the lm_head's input)
+    hidden: torch.Tensor  # [B, hc, D] final hc streams
 
 
 class DecodeGraphs:
@@ -168,19 +170,19 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up (kernel selection, Triton compiles) off the capture
             clear_cos_sin_cache()
-            self.model(static, self.pool, self.swa)
+            self.model.final_hidden(static, self.pool, self.swa)
         torch.cuda.current_stream(self.device).wait_stream(side)
         clear_cos_sin_cache()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
-            logits, hidden = self.model(static, self.pool, self.swa)
+            final, hidden = self.model.final_hidden(static, self.pool, self.swa)
         clear_cos_sin_cache()
         self.captures += 1
-        return _Graph(graph, inputs, static, logits, hidden)
+        return _Graph(graph, inputs, static, final, hidden)
 
     def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward pass of a `graphable` batch -> (logits [n, vocab], hidden [n, hc, D]).
-        Both are views of the graph's outputs: valid until the next step."""
+        ``hidden`` is a view of the graph's output: valid until the next step."""
         if weight_epoch() != self.epoch:
             self.graphs.clear()
             self.epoch = weight_epoch()
@@ -189,8 +191,10 @@ class DecodeGraphs:
         context = context_bucket(max(batch.num_computed_cpu) + 1)
         if not self.capture:
             inputs = upload(self._host_inputs(batch, b, context // BLOCK_TOKENS), self.device)
-            logits, hidden = self.model(self._static_batch(inputs, b, context), self.pool, self.swa)
-            return logits[:n], hidden[:n]
+            final, hidden = self.model.final_hidden(
+                self._static_batch(inputs, b, context), self.pool, self.swa
+            )
+            return self.model.logits(final[:n]), hidden[:n]
         key = (b, context)
         entry = self.graphs.get(key)
         if entry is None:
@@ -203,7 +207,7 @@ class DecodeGraphs:
         entry.inputs.copy_(host.pin_memory(), non_blocking=True)  # the host allocator keeps it until copied
         entry.graph.replay()
         self.replays += 1
-        return entry.logits[:n], entry.hidden[:n]
+        return self.model.logits(entry.final[:n]), entry.hidden[:n]
 
 
 def _empty_like_decode() -> ForwardBatch:

@@ -59,6 +59,18 @@ class DeepseekV4(nn.Module):
         self, batch: ForwardBatch, pool: CompressedPool, swa: SWASlots
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """-> (logits [rows, vocab] fp32 at ``batch.logit_indices``, final hc streams [T, hc, D] for the MTP head)."""
+        h, streams = self.final_hidden(batch, pool, swa)
+        return self.logits(h), streams
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final hidden rows [rows, D] -> logits [rows, vocab] fp32."""
+        return self.lm_head(h).float()
+
+    def final_hidden(
+        self, batch: ForwardBatch, pool: CompressedPool, swa: SWASlots
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The forward up to the ``lm_head``: (normed hidden rows [rows, D] at
+        ``batch.logit_indices``, final hc streams [T, hc, D])."""
         ids = batch.input_ids
         emb = self.model.embed_tokens(ids)  # [T, D]
         for at, rows in batch.embeds:  # image positions: the vision encoder's rows
@@ -67,8 +79,7 @@ class DeepseekV4(nn.Module):
         for i, layer in enumerate(self.model.layers):
             streams = layer(streams, batch, pool, swa, i, ids)
         rows = batch.logit_indices
-        h = self.model.norm(self.model.hc_head(streams[rows]))
-        return self.lm_head(h).float(), streams
+        return self.model.norm(self.model.hc_head(streams[rows])), streams
 
     def forward_mtp(
         self,
@@ -94,5 +105,4 @@ class DeepseekV4(nn.Module):
             next_ids,
         )
         rows = batch.sample_indices
-        h = layer.norm(layer.hc_head(out[rows]))
-        return self.lm_head(h).float(), out
+        return self.logits(layer.norm(layer.hc_head(out[rows]))), out
