@@ -139,24 +139,31 @@ class DecodeGraphs:
             padded=PaddedDecode(context, window_from, real, self.scratch_block),
         )
 
-    def _host_inputs(self, batch: ForwardBatch, b: int, blocks: int) -> torch.Tensor:
-        """The static inputs of ``batch`` padded to ``b`` rows and ``blocks`` table columns."""
-        n = batch.num_seqs
+    def _host_inputs(self, batch: ForwardBatch | None, b: int, blocks: int) -> torch.Tensor:
+        """The static inputs of ``batch`` padded to ``b`` rows and ``blocks`` table columns
+        (``None``: every row padding)."""
+        n = 0 if batch is None else batch.num_seqs
         pad = b - n
+        ids, computed, slots, window_from = (
+            ((), (), (), ())
+            if batch is None
+            else (batch.input_ids_cpu, batch.num_computed_cpu, batch.swa_slot_cpu, batch.window_from)
+        )
         head = torch.tensor(
-            list(batch.input_ids_cpu) + [0] * pad
-            + list(batch.num_computed_cpu) + [0] * pad  # positions: one token per row
-            + list(batch.num_computed_cpu) + [0] * pad
-            + list(batch.swa_slot_cpu) + [self.scratch_slot] * pad
-            + list(batch.window_from) + [0] * pad
+            [*ids] + [0] * pad
+            + [*computed] + [0] * pad  # positions: one token per row
+            + [*computed] + [0] * pad
+            + [*slots] + [self.scratch_slot] * pad
+            + [*window_from] + [0] * pad
             + [1] * n + [0] * pad,
             dtype=torch.long,
         )  # fmt: skip
         table = torch.full((b, blocks), -1, dtype=torch.long)
-        src = batch.block_table_cpu
-        assert src is not None
-        width = min(blocks, src.shape[1])
-        table[:n, :width] = src[:, :width]
+        if batch is not None:
+            src = batch.block_table_cpu
+            assert src is not None
+            width = min(blocks, src.shape[1])
+            table[:n, :width] = src[:, :width]
         table[n:] = self.scratch_block
         return torch.cat([head, table.flatten()])
 
@@ -165,7 +172,7 @@ class DecodeGraphs:
         inputs = torch.zeros(sum(self._layout(b, blocks)), dtype=torch.long, device=self.device)
         static = self._static_batch(inputs, b, context)
         # every row padding while warming up and capturing: the caches' real rows stay untouched
-        inputs.copy_(self._host_inputs(_empty_like_decode(), b, blocks).to(self.device))
+        inputs.copy_(self._host_inputs(None, b, blocks).to(self.device))
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up (kernel selection, Triton compiles) off the capture
@@ -208,19 +215,3 @@ class DecodeGraphs:
         entry.graph.replay()
         self.replays += 1
         return self.model.logits(entry.final[:n]), entry.hidden[:n]
-
-
-def _empty_like_decode() -> ForwardBatch:
-    """A zero-row stand-in: `DecodeGraphs._host_inputs` pads it to all-padding inputs."""
-    empty = torch.zeros(0, dtype=torch.long)
-    return ForwardBatch(
-        input_ids=empty,
-        positions=empty,
-        query_start=empty,
-        query_len=empty,
-        num_computed=empty,
-        swa_slot=empty,
-        block_table=empty.view(0, 1),
-        sample=empty.bool(),
-        block_table_cpu=empty.view(0, 1),
-    )

@@ -23,7 +23,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.forward_batch import ForwardBatch, SequenceInput
+from engine.forward_batch import ForwardBatch, SequenceInput, upload
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import (
     RowInput,
@@ -240,8 +240,7 @@ class ModelExecutor:
             row += s.num_drafts + 1
         if not rows:
             return {}
-        picked = logits[torch.tensor(rows, device=logits.device)] if len(rows) != logits.shape[0] else logits
-        return dict(zip(keys, sample_rows(picked, params, seeds)))
+        return dict(zip(keys, sample_rows(_pick(logits, rows), params, seeds)))
 
     def _host_rows(self, out: SchedulerOutput, logits: Any) -> dict[int, Any]:
         """Every logits row the per-row sampler will read, copied to the host in one transfer
@@ -257,11 +256,7 @@ class ModelExecutor:
             row += width
         if not need:
             return {}
-        if len(need) == logits.shape[0]:
-            rows = logits.cpu()
-        else:
-            rows = logits[torch.tensor(need, device=logits.device)].cpu()
-        return dict(zip(need, rows))
+        return dict(zip(need, _pick(logits, need).cpu()))
 
     def _verify(
         self, s: ScheduledSeq, rows: Any, top: list[int]
@@ -386,3 +381,10 @@ class ModelExecutor:
         except GrammarError as exc:
             self._failed[rid] = str(exc)
             return None
+
+
+def _pick(logits: Any, rows: list[int]) -> Any:
+    """``logits[rows]`` (the tensor itself when that is every row, in order)."""
+    if rows == list(range(logits.shape[0])):
+        return logits
+    return logits[upload(torch.tensor(rows, dtype=torch.long), logits.device)]
