@@ -78,6 +78,7 @@ class EngineCore:
             num_blocks=cfg.num_blocks, num_slots=cfg.num_swa_slots, dtype=cfg.dtype, device=cfg.device,
             with_mtp=cfg.speculative is not None, ep_size=cfg.ep_size, ep_rank=cfg.ep_rank,
             decode_graphs=cfg.decode_graphs,
+            batch_invariant=cfg.batch_invariant,
         )  # fmt: skip
         if cfg.random_weights is None:
             self.runner = ModelRunner(cfg.model, runner_cfg, ep_group=ep_group, placement=placement)
@@ -197,6 +198,8 @@ class EngineCore:
             bounded_replay_tokens=mc.sliding_window - 1,
             bounded_replay=cfg.swa_replay == "bounded",
             save_new_blocks=self.store is not None,
+            batch_invariant=cfg.batch_invariant,
+            invariant_chunk_tokens=min(2048, cfg.max_num_batched_tokens // 256 * 256),
         )
 
     # -- identity --------------------------------------------------------------------------

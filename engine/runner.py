@@ -17,6 +17,7 @@ from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs, graphable
 from engine.distributed.ep import select_dispatch
 from engine.forward_batch import ForwardBatch
+from engine.kernels import batch_invariant
 from engine.model.model import DeepseekV4
 from engine.model.moe import GROUPED_MM, ExpertPlacement
 
@@ -36,6 +37,9 @@ class RunnerConfig:
     # decode steps as CUDA graphs (engine.cuda_graphs): "auto" = on CUDA without expert
     # parallelism; "off"; "padded" = the graphs' padded batches run eagerly (tests, debugging)
     decode_graphs: str = "auto"
+    # CUDA: a request's results do not depend on its batch (engine/kernels/batch_invariant.py;
+    # process-wide once on). CPU: nothing to switch; its kernels already are for these models
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.decode_graphs not in ("auto", "off", "padded"):
@@ -130,6 +134,8 @@ class ModelRunner:
     def _finish(self, model_cfg: ModelConfig, cfg: RunnerConfig, model: DeepseekV4, ep_group: object) -> None:
         self.forwards = 0  # forward passes run (EP lockstep counts them: engine.distributed.lockstep)
         self.cfg, self.model_cfg = cfg, model_cfg
+        if cfg.batch_invariant and torch.device(cfg.device).type == "cuda":
+            batch_invariant.enable()
         self.model = model.eval()
         dispatch = select_dispatch(ep_group, cfg.ep_size, torch.device(cfg.device))
         for moe in self.model.moe_layers():

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from engine.cache.pool import CompressedPool
 from engine.cache.swa import SWASlots
 from engine.forward_batch import ForwardBatch, upload
+from engine.kernels import batch_invariant
 from engine.model.compressor import Compressor, Indexer, topk_lowest_index
 from engine.model.rope import Rotary
 
@@ -135,7 +136,10 @@ def _csa_select(
     head weights [B, nI] and every entry's indexer key [B, E, dI]."""
     e_max = ikeys.shape[1]
     scores = F.relu(torch.einsum("bhd,bed->bhe", iq.float(), ikeys.float())) * ix.dim**-0.5
-    scores = (scores * iw.unsqueeze(-1)).sum(dim=1)  # [B, E]
+    if batch_invariant.enabled():  # a matmul: its order is fixed; torch's sum's is not
+        scores = torch.einsum("bhe,bh->be", scores, iw)  # [B, E]
+    else:
+        scores = (scores * iw.unsqueeze(-1)).sum(dim=1)  # [B, E]
     ent = torch.arange(e_max, device=iq.device)[None, :]
     scores = scores.masked_fill(ent >= count[:, None], float("-inf"))
     top = topk_lowest_index(scores, ix.topk)  # [B, k]
@@ -157,8 +161,10 @@ def decode_keys(
         window_ring[slots, pos % w] = kv.to(window_ring.dtype)
     else:  # a kept layer's ring already holds this position's exact key: attend to that one
         window_ring[slots[live], pos[live] % w] = kv[live].to(window_ring.dtype)
-    keys = window_ring[slots]  # [B, W, hd]: row r holds position pos - ((pos - r) mod W)
-    held = pos[:, None] - ((pos[:, None] - torch.arange(w, device=pos.device)[None, :]) % w)
+    # keys in position order, pos - W + 1 .. pos (ring row p % W holds position p), as the
+    # verification path lays them out: a token's attention sums in the same order either way
+    held = pos[:, None] - (w - 1) + torch.arange(w, device=pos.device)[None, :]  # [B, W]
+    keys = window_ring[slots[:, None], held % w]  # [B, W, hd]
     if batch.padded is not None:
         visible = held >= batch.padded.window_from[:, None]
     elif any(batch.window_from):
@@ -191,6 +197,8 @@ def decode_attend(
     q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor
 ) -> torch.Tensor:
     """q [B, H, hd], keys [B, K, hd] (also values), visible [B, K] -> [B, H, hd]."""
+    if batch_invariant.applies(q):
+        return batch_invariant.attend(q, keys, visible, sinks)
     logits = torch.einsum("bhd,bkd->bhk", q, keys) * q.shape[-1] ** -0.5
     logits = logits.masked_fill(~visible[:, None, :], float("-inf"))
     sink = sinks.to(logits.dtype).view(1, -1, 1).expand(q.shape[0], -1, 1)

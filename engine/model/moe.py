@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.checkpoint.quant import dequantize
 from engine.config import ModelConfig
+from engine.kernels import batch_invariant
 
 
 @dataclass(frozen=True)
@@ -148,6 +149,8 @@ class Router(nn.Module):
             ids = self.tid2eid[input_ids].long()
         else:
             ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
+            if batch_invariant.enabled():  # unsorted top-k's order may follow the batch's shape;
+                ids = ids.sort(dim=-1).values  # the experts' outputs are summed in this order
         w = scores.gather(1, ids)
         return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scale, ids
 
@@ -187,9 +190,16 @@ class Experts(nn.Module):
             return self._run_rows_loop(x, local_ids)
         order = torch.argsort(local_ids, stable=True)  # rows grouped by expert
         offs = torch.cumsum(count_ids(local_ids, self.num_local), 0).to(torch.int32)
-        gate_up = torch._grouped_mm(x[order], self.gate_up_proj.transpose(1, 2), offs=offs)  # [N, 2I]
-        gate, up = gate_up.chunk(2, dim=-1)
-        y = torch._grouped_mm(swiglu_clamped(gate, up, self.limit), self.down_proj.transpose(1, 2), offs=offs)
+        if batch_invariant.applies(x):  # tiles fixed whatever rows each expert has
+            gate_up = batch_invariant.grouped_matmul(x[order], self.gate_up_proj, offs)
+            gate, up = gate_up.chunk(2, dim=-1)
+            y = batch_invariant.grouped_matmul(swiglu_clamped(gate, up, self.limit), self.down_proj, offs)
+        else:
+            gate_up = torch._grouped_mm(x[order], self.gate_up_proj.transpose(1, 2), offs=offs)  # [N, 2I]
+            gate, up = gate_up.chunk(2, dim=-1)
+            y = torch._grouped_mm(
+                swiglu_clamped(gate, up, self.limit), self.down_proj.transpose(1, 2), offs=offs
+            )
         out = torch.empty_like(x)
         out[order] = y.to(out.dtype)
         return out

@@ -122,15 +122,19 @@ def verify_keys(
     compressed: tuple[torch.Tensor, int] | None,  # (pool rows of this layer, rate)
     csa: tuple[Indexer, torch.Tensor, torch.Tensor, torch.Tensor] | None,  # (indexer, iq, iw, index rows)
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keys [T, K, hd] and visibility [T, K] of every token; writes the window ring."""
-    old, held = lay.old_rows(window_ring)  # [B, W, hd], [B, W]
-    new = lay.pad(kv.to(old.dtype))  # [B, Q, hd]
+    """Keys [T, K, hd] and visibility [T, K] of every token; writes the window ring.
+
+    A token at ``p`` gets its window in position order, ``p - W + 1 .. p``, as the decode path
+    lays it out (`engine.model.decode.decode_keys`): positions below ``n0`` from the ring
+    (read before this step writes it), the others from the step's own keys."""
+    w = window_ring.shape[1]
     s, p = lay.seq, lay.pos[:, None]
-    keys = torch.cat([old[s], new[s]], dim=1)  # [T, W + Q, hd]
-    old_vis = (held[s] > p - window) & (held[s] >= lay.window_from[s][:, None]) & (held[s] >= 0)
-    cols = torch.arange(lay.q, device=kv.device)[None, :]
-    new_vis = (cols <= lay.col[:, None]) & (cols < batch.query_len[s][:, None])
-    visible = torch.cat([old_vis, new_vis], dim=1)
+    held = p - (w - 1) + torch.arange(w, device=kv.device)[None, :]  # [T, W] positions
+    n0 = lay.n0[s][:, None]
+    old = window_ring[lay.slots[s][:, None], held % w]  # [T, W, hd]
+    new = lay.pad(kv.to(old.dtype))[s[:, None], (held - n0).clamp(0, lay.q - 1)]
+    keys = torch.where((held < n0)[..., None], old, new)
+    visible = (held >= 0) & (held >= lay.window_from[s][:, None]) & (held > p - window)
     lay.write(window_ring, kv)
     if compressed is None:
         return keys, visible

@@ -37,11 +37,27 @@ class SchedulerConfig:
     # KV connector write-through: every newly published block is listed in the step's
     # ``kv_saves`` (and pinned until that step ran) for the worker to snapshot for the store.
     save_new_blocks: bool = False
+    # Batch-invariant steps (the engine's batch-invariant mode): a step holds decodes (with
+    # their drafts) or prefill chunks, never both, alternating when both wait, so a decode
+    # always takes the decode path; and a prompt is cut only at multiples of
+    # ``invariant_chunk_tokens`` from position 0 (the time budget does not size chunks), so
+    # its chunks are the same whatever shares the step.
+    batch_invariant: bool = False
+    invariant_chunk_tokens: int = 2048
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "num_swa_slots", "block_size", "max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"SchedulerConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.batch_invariant and (
+            self.invariant_chunk_tokens % self.block_size
+            or not 0 < self.invariant_chunk_tokens <= self.max_num_batched_tokens
+        ):
+            raise ValueError(
+                f"SchedulerConfig.invariant_chunk_tokens ({self.invariant_chunk_tokens}) must be a "
+                f"multiple of block_size ({self.block_size}) and at most max_num_batched_tokens "
+                f"({self.max_num_batched_tokens})"
+            )
         if self.cache_event_capacity < 0:
             raise ValueError(
                 f"SchedulerConfig.cache_event_capacity must be >= 0 (0 = off), got {self.cache_event_capacity}"

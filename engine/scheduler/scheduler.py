@@ -63,6 +63,7 @@ class Scheduler:
         self._arrivals = itertools.count()
         self._finished_ids: set[str] = set()
         self._step = 0
+        self._decoded_last = False  # batch-invariant steps alternate decodes and prefills
         self.num_preemptions = 0
         self._forks: dict[str, list[Request]] = {}  # parent id -> children waiting for its prompt
         self._forked: list[Request] = []  # children forked in this schedule() call
@@ -183,9 +184,19 @@ class Scheduler:
         block_copies, slot_copies = tuple(self._block_copies), tuple(self._slot_copies)
         self._block_copies.clear()
         self._slot_copies.clear()
-        preempted = self._schedule_running(budget, seqs)
-        if not preempted:
-            self._admit_waiting(budget, seqs)
+        if cfg.batch_invariant:  # one kind per step; the other when the first has nothing
+            first = self._phase()
+            for phase in (first, "prefill" if first == "decode" else "decode"):
+                preempted = self._schedule_running(budget, seqs, phase)
+                if not preempted and phase == "prefill":
+                    self._admit_waiting(budget, seqs)
+                if seqs or preempted:
+                    self._decoded_last = phase == "decode"
+                    break
+        else:
+            preempted = self._schedule_running(budget, seqs)
+            if not preempted:
+                self._admit_waiting(budget, seqs)
         self.running.extend(self._forked)
         self._forked.clear()
         for req in self.running:
@@ -217,13 +228,26 @@ class Scheduler:
             self._slot_copies[:0] = slot_copies
         return out
 
-    def _schedule_running(self, budget: _Budget, seqs: list[ScheduledSeq]) -> set[str]:
+    def _phase(self) -> str:
+        """Batch-invariant steps: "decode" or "prefill", alternating when both have work."""
+        decodes = any(r.tokens_to_compute == 1 for r in self.running)
+        prefills = bool(self.waiting) or any(r.tokens_to_compute > 1 for r in self.running)
+        if decodes and prefills:
+            return "prefill" if self._decoded_last else "decode"
+        return "decode" if decodes else "prefill"
+
+    def _schedule_running(
+        self, budget: _Budget, seqs: list[ScheduledSeq], phase: str | None = None
+    ) -> set[str]:
         preempted: set[str] = set()
         running = sorted(self.running, key=Request.sort_key)
         drafts = self._plan_drafts(running, budget.tokens) if self.spec is not None else {}
         i = 0
         while i < len(running):
             req = running[i]
+            if phase is not None and (req.tokens_to_compute == 1) != (phase == "decode"):
+                i += 1  # the other kind's step
+                continue
             n = self._num_new(req, req.num_computed, req.tokens_to_compute, budget, not seqs)
             if n == 0:
                 i += 1
@@ -280,6 +304,11 @@ class Scheduler:
             return 0  # its last token is being sampled by a step in flight
         if remaining == 1:
             return 1  # decodes are never held back by the time budget
+        if self.config.batch_invariant:  # chunks end at multiples of the chunk size, or wait
+            n = min(
+                remaining, self.config.invariant_chunk_tokens - start % self.config.invariant_chunk_tokens
+            )
+            return n if n <= budget.tokens else 0
         model = self.config.cost_model
         time_left = None if budget.time is None else budget.time - budget.predicted
         n = (

@@ -62,6 +62,7 @@ class DecodeArgs:
     seed: int = 0
     decode_graphs: str = "auto"  # EngineConfig.decode_graphs
     async_scheduling: bool | None = None  # EngineConfig.async_scheduling (None: auto)
+    batch_invariant: bool = False  # EngineConfig.batch_invariant
 
 
 def _sync(device: str) -> None:
@@ -144,6 +145,7 @@ def engine_decode(model_dir: Path, a: DecodeArgs, batch: int, context: int) -> d
         num_blocks=batch * per_seq + 4, num_swa_slots=batch, max_num_seqs=batch,
         max_num_batched_tokens=budget,
         enable_prefix_caching=False, decode_graphs=a.decode_graphs, async_scheduling=a.async_scheduling,
+        batch_invariant=a.batch_invariant,
     )  # fmt: skip
     core = EngineCore(cfg)
     try:
@@ -183,6 +185,7 @@ def engine_decode(model_dir: Path, a: DecodeArgs, batch: int, context: int) -> d
             "ms_per_step": wall / a.steps * 1e3, "ms_per_step_median": statistics.median(times) * 1e3,
             "tokens_per_s": emitted / wall, "emitted": emitted, "prefill_s": prefill_s,
             "decode_graphs": a.decode_graphs, "async_scheduling": core.config.overlaps_steps, "graph_replays": graphs.replays if graphs else 0,
+            "batch_invariant": a.batch_invariant,
             "graph_captures": graphs.captures if graphs else 0,
             "graph_captures_timed": (graphs.captures if graphs else 0) - captured,
             "bytes": {"layer_weights": layer_w, "experts_selected": hit, "fixed": fixed_w, "kv": kv,
@@ -194,6 +197,10 @@ def engine_decode(model_dir: Path, a: DecodeArgs, batch: int, context: int) -> d
         gc.collect()
         if a.device.startswith("cuda"):
             torch.cuda.empty_cache()
+        if a.batch_invariant:  # process-wide: transformers' run must have torch's kernels
+            from engine.kernels import batch_invariant
+
+            batch_invariant.disable()
 
 
 def transformers_decode(model_dir: Path, a: DecodeArgs, batch: int) -> dict[str, Any]:

@@ -70,6 +70,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--async-scheduling", default="auto", choices=("auto", "on", "off"),
         help="overlap scheduling with the running step: auto (on CUDA), on, off",
     )  # fmt: skip
+    d.add_argument(
+        "--batch-invariant", action="store_true",
+        help="the batch-invariant mode (EngineConfig.batch_invariant; its own kernels on CUDA)",
+    )  # fmt: skip
 
 
 def _throughput(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
@@ -225,6 +229,7 @@ def _decode(args: argparse.Namespace, report: Report) -> None:
         context=args.context or (4096 if cuda else 128), tf_context=args.tf_context, steps=args.steps,
         transformers=not args.no_transformers, seed=0, decode_graphs=args.decode_graphs,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+        batch_invariant=args.batch_invariant,
     )  # fmt: skip
     report.config.update({"decode": a.__dict__})
     with tempfile.TemporaryDirectory(prefix="sluice-bench-decode-") as tmp:

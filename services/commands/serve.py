@@ -134,6 +134,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         "optionally :N drafts per step (default: off; see docs/speculative.md)",
     )  # fmt: skip
     p.add_argument(
+        "--batch-invariant", action="store_true", default=None,
+        help="a request's tokens do not depend on what shares its steps (CUDA: Triton kernels "
+        "with fixed reduction orders; steps never mix decodes and prefill; docs/engine.md)",
+    )  # fmt: skip
+    p.add_argument(
         "--spec-profile", default=None, metavar="FILE",
         help="the verification step profile (default: <model>/sluice_spec_steps.json if present)",
     )  # fmt: skip
@@ -232,6 +237,8 @@ def engine_kwargs_from(args: argparse.Namespace) -> dict[str, Any]:
         kwargs["speculative"] = args.speculative
     if args.spec_profile is not None:
         kwargs["spec_profile_path"] = args.spec_profile
+    if args.batch_invariant:
+        kwargs["batch_invariant"] = True
     if args.swa_directory is not None:
         kwargs["swa_directory"] = args.swa_directory
     if args.swa_lease_s is not None:

@@ -111,6 +111,37 @@ def test_batch_invariance_alone_together_and_other_chunk_budget(mixed):
     assert len({tuple(t) for t in together}) > 8  # sampled, not degenerate
 
 
+def test_batch_invariant_mode_keeps_tokens_and_never_mixes_a_step(mixed):
+    """``batch_invariant=True`` on CPU: the kernels are torch's (there is nothing to switch),
+    the scheduling is the mode's: no step holds both decodes and prefill chunks, and the
+    tokens are the same alone and together (the GPU test: tests/gpu/test_batch_invariance_gpu.py)."""
+    path, _ = mixed
+    prompts = [ids(300 + 7 * i, 5 + 3 * i) for i in range(6)]  # 300+ tokens: two chunks of 256
+    params = [_seeded(i) for i in range(6)]
+    llm = make(
+        path,
+        num_blocks=40,
+        max_num_seqs=8,
+        num_swa_slots=8,
+        max_num_batched_tokens=1024,
+        batch_invariant=True,
+    )
+    try:
+        together = [
+            o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        ]
+        stats = list(llm.loop.stats)
+        alone = [
+            llm.generate(prompt_token_ids=[p], sampling_params=sp)[0].outputs[0].token_ids
+            for p, sp in zip(prompts, params)
+        ]
+    finally:
+        llm.close()
+    assert together == alone
+    assert not [s for s in stats if s.prefill_tokens and s.decode_tokens]
+    assert max(s.prefill_tokens for s in stats) > 256  # several prompts' chunks share a step
+
+
 def test_preemption_loses_nothing_and_changes_no_greedy_output(mixed):
     path, _ = mixed
     prompts = [ids(250 + i, 200 + i) for i in range(4)]  # each crosses into a second block

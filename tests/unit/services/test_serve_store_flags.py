@@ -132,11 +132,11 @@ def test_startup_log_names_the_spec_and_its_nodes(
 def test_window_state_flags_reach_the_engine_config() -> None:
     args = build_parser().parse_args(
         ["serve", "--swa-replay", "bounded", "--host-swa-mib", "64", "--host-swa-format", "mxfp8",
-         "--host-swa-layers", "20"]
+         "--host-swa-layers", "20", "--batch-invariant"]
     )  # fmt: skip
     assert serve.engine_kwargs_from(args) == {
         "swa_replay": "bounded", "host_swa_bytes": 64 << 20, "host_swa_format": "mxfp8",
-        "host_swa_layers": 20,
+        "host_swa_layers": 20, "batch_invariant": True,
     }  # fmt: skip
     with pytest.raises(ValueError, match="--host-swa-mib"):
         serve.engine_kwargs_from(build_parser().parse_args(["serve", "--host-swa-mib", "-1"]))

@@ -73,6 +73,14 @@ CONFIGS = {
     "memory-pressure": SchedulerConfig(
         num_blocks=24, num_swa_slots=6, block_size=8, max_num_batched_tokens=48
     ),
+    "batch-invariant": SchedulerConfig(
+        num_blocks=200,
+        num_swa_slots=32,
+        block_size=8,
+        max_num_batched_tokens=48,
+        batch_invariant=True,
+        invariant_chunk_tokens=16,
+    ),  # fmt: skip
 }
 
 
@@ -230,3 +238,51 @@ def test_aborting_fork_children_and_parent_leaves_nothing_behind():
     assert sched.abort("p")  # c2 was never forked: it becomes an ordinary waiting request
     assert [r.request_id for r in sched.waiting] == ["c2"]
     assert sched.abort("c2") and not sched.has_unfinished()
+
+
+def test_batch_invariant_steps_never_mix_and_cut_prompts_alike_alone_and_in_a_crowd():
+    """The batch-invariant mode's scheduling: a step holds decodes or prefill chunks, never
+    both, and a prompt's chunks are the same alone and beside 12 other requests (cut at
+    multiples of the chunk size), so the model computes each token the same way."""
+    cfg = SchedulerConfig(
+        num_blocks=300, num_swa_slots=32, block_size=8, max_num_batched_tokens=48,
+        batch_invariant=True, invariant_chunk_tokens=16,
+    )  # fmt: skip
+    target = ("t", [(7 * i) % (VOCAB - 1) + 1 for i in range(70)], 12)
+
+    def chunks(work):
+        sched = Scheduler(cfg)
+        dev = SimDevice(cfg.block_size, VOCAB)
+        for rid, prompt, mx in work:
+            sched.add_request(Request(rid, list(prompt), mx, STOP))
+        seen: list[tuple[int, int]] = []
+
+        def execute(out):
+            kinds = {seq.num_new - seq.num_drafts == 1 for seq in out.seqs}
+            assert len(kinds) == 1, f"step {out.step} mixes decodes and prefill chunks"
+            seen.extend((q.start_pos, q.num_new) for q in out.seqs if q.request_id == "t" and q.num_new > 1)
+            return dev.execute(out)
+
+        loop = EngineLoop(sched, execute)
+        done = {}
+        for _ in range(10_000):
+            if not loop.has_work():
+                break
+            for r in loop.step().finished:
+                done[r.request_id] = list(r.output_token_ids)
+        loop.close()
+        check_against_reference(work, done)
+        return seen
+
+    alone = chunks([target])
+    assert alone == [(0, 16), (16, 16), (32, 16), (48, 16), (64, 6)]
+    assert chunks(make_workload(5, 12) + [target]) == alone
+    with pytest.raises(ValueError, match="invariant_chunk_tokens"):
+        SchedulerConfig(
+            num_blocks=8,
+            num_swa_slots=2,
+            block_size=8,
+            max_num_batched_tokens=12,
+            batch_invariant=True,
+            invariant_chunk_tokens=16,
+        )
