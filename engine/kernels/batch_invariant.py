@@ -317,7 +317,8 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor) -> t
     ``torch._grouped_mm``'s ``offs``), experts' weights ``w`` [E, N, K] -> [R, N] = x @ w[e].T.
 
     Tiles never mix experts; the tile map is built on the device, so the call never waits for
-    it (a CUDA graph can capture it). The grid is sized for the worst case: R / BM + E tiles."""
+    it (a CUDA graph can capture it). The grid is sized for the worst case: R / BM tiles plus
+    one partial tile per expert that has rows (at most min(E, R))."""
     _check(x, w)
     r, k = x.shape
     e, n, _ = w.shape
@@ -329,7 +330,7 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor) -> t
     starts = torch.cat([ends.new_zeros(1), ends[:-1]])
     tiles = (ends - starts + bm - 1) // bm  # [E]
     tile_end = torch.cumsum(tiles, 0)
-    most = _cdiv(r, bm) + e
+    most = _cdiv(r, bm) + min(e, r)  # each expert with rows adds at most one partial tile
     t = torch.arange(most, device=x.device)
     expert = torch.searchsorted(tile_end, t, right=True)  # [most]; E past the last tile
     first = (tile_end - tiles).index_select(0, expert.clamp(max=e - 1))

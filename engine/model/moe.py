@@ -15,7 +15,8 @@ from torch import nn
 
 from engine.checkpoint.quant import dequantize
 from engine.config import ModelConfig
-from engine.kernels import batch_invariant
+from engine.kernels import batch_invariant, triton_available
+from engine.model.compressor import topk_lowest_index
 
 
 @dataclass(frozen=True)
@@ -148,11 +149,33 @@ class Router(nn.Module):
         if self.hashed:
             ids = self.tid2eid[input_ids].long()
         else:
-            ids = torch.topk(scores + self.e_score_correction_bias, self.top_k, dim=-1, sorted=False).indices
-            if batch_invariant.enabled():  # unsorted top-k's order may follow the batch's shape;
-                ids = ids.sort(dim=-1).values  # the experts' outputs are summed in this order
+            biased = scores + self.e_score_correction_bias
+            if batch_invariant.enabled():
+                # bf16 scores tie often, and top-k's pick among equals (and its order) may
+                # follow the batch's shape: ties go to the lowest id, then ids ascend (the
+                # experts' outputs are summed in this order)
+                ids = topk_lowest_index(biased, self.top_k).sort(dim=-1).values
+            else:
+                ids = torch.topk(biased, self.top_k, dim=-1, sorted=False).indices
         w = scores.gather(1, ids)
         return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scale, ids
+
+
+#: CUDA bf16 batches of decode size take the fixed-tile grouped kernel
+#: (engine/kernels/batch_invariant.py), which reads each selected expert once per 64-row tile;
+#: others keep torch's grouped GEMM. The band of average rows per expert is where the kernel
+#: was faster in `sluice bench moe` on the H200 at flash-shape widths (docs/benchmarks.md,
+#: "Routed experts at decode sizes"): 1.23-1.33x at 0.38-6 rows per expert, slower at 0.02
+#: (0.28x) and 24 (0.95x); each bound is the geometric midpoint of the bracketing cells.
+TRITON_ROWS_PER_EXPERT = (0.09, 12.0)
+
+
+def _few_rows_per_expert(x: torch.Tensor, experts: int) -> bool:
+    lo, hi = TRITON_ROWS_PER_EXPERT
+    return (
+        x.is_cuda and x.dtype == torch.bfloat16 and triton_available()
+        and lo * experts <= x.shape[0] <= hi * experts
+    )  # fmt: skip
 
 
 class Experts(nn.Module):
@@ -190,7 +213,7 @@ class Experts(nn.Module):
             return self._run_rows_loop(x, local_ids)
         order = torch.argsort(local_ids, stable=True)  # rows grouped by expert
         offs = torch.cumsum(count_ids(local_ids, self.num_local), 0).to(torch.int32)
-        if batch_invariant.applies(x):  # tiles fixed whatever rows each expert has
+        if batch_invariant.applies(x) or _few_rows_per_expert(x, self.num_local):
             gate_up = batch_invariant.grouped_matmul(x[order], self.gate_up_proj, offs)
             gate, up = gate_up.chunk(2, dim=-1)
             y = batch_invariant.grouped_matmul(swiglu_clamped(gate, up, self.limit), self.down_proj, offs)

@@ -28,6 +28,7 @@ import torch
 from engine.cache.pool import CompressedPool
 from engine.cache.swa import SWASlots
 from engine.forward_batch import ForwardBatch, upload
+from engine.kernels import batch_invariant
 from engine.model.compressor import Compressor, Indexer
 from engine.model.decode import _csa_select, _gather_entries, closing_offsets, store_entries
 from engine.model.rope import Rotary
@@ -36,13 +37,20 @@ MAX_QUERY = 8  # tokens per sequence up to which a step takes this path
 
 
 def applies(batch: ForwardBatch) -> bool:
-    """Whether ``batch`` takes this path (several tokens per sequence, none replayed)."""
-    return (
+    """Whether ``batch`` takes this path (several tokens per sequence, none replayed). In the
+    batch-invariant mode, only decode and verification rows (logits at every token): a short
+    prompt chunk takes the general path whatever shares its step."""
+    if not (
         max(batch.query_len_cpu) <= MAX_QUERY
         and not any(batch.cached_until)
         and not batch.swa_keep_cpu
         and not batch.embeds
-    )
+    ):
+        return False
+    if not batch_invariant.enabled():
+        return True
+    logits = batch.num_logits_cpu or (1,) * batch.num_seqs
+    return all(q == 1 or n == q for q, n in zip(batch.query_len_cpu, logits))
 
 
 class Layout:

@@ -173,7 +173,7 @@ def _run(runner: ModelRunner, mates: int, per_step: int = 1) -> list[torch.Tenso
     while t + k <= STEPS:
         step = [SequenceInput(seqs[0][PROMPT + t : PROMPT + t + k], PROMPT + t, 0, tables[0], num_logits=k)]
         step += [
-            SequenceInput(s[n + t : n + t + k], n + t, i + 1, tables[i + 1])
+            SequenceInput(s[n + t : n + t + k], n + t, i + 1, tables[i + 1], num_logits=k)
             for i, (s, n) in enumerate(zip(seqs[1:], lens[1:]))
         ]
         logits = runner.execute(ForwardBatch.from_sequences(step, device="cuda")).logits
@@ -255,3 +255,40 @@ def test_the_engine_gives_a_request_the_same_tokens_alone_in_batches_and_with_sp
         assert answers(spec, 62) == alone
     finally:
         bi.disable()
+
+
+def test_the_mode_keeps_the_reference_accuracy_in_bf16(tmp_path) -> None:
+    """The mode's kernels, graphs on, against transformers' fp32 reference (the CUDA-graph
+    test's sequences): their largest logit error is the stock bf16 path's, within a factor of
+    two plus 1e-3, and greedy agreement is reported beside it."""
+    from tests.gpu.test_decode_graphs import PROMPTS, STEPS, _decode, _seqs
+    from tests.unit.engine.refmodel import build_reference
+
+    ref = build_reference(tmp_path, "mixed_hc2")
+    seqs = _seqs(ref.config.vocab_size)
+    n = len(PROMPTS)
+
+    def runner(invariant: bool) -> ModelRunner:
+        cfg = RunnerConfig(
+            num_blocks=n, num_slots=n, dtype="bfloat16", device="cuda", batch_invariant=invariant
+        )
+        return ModelRunner(tmp_path, cfg)
+
+    try:
+        got = _decode(runner(True), seqs)
+    finally:
+        bi.disable()
+    stock = _decode(runner(False), seqs)
+    with torch.no_grad():
+        want = [ref(torch.tensor(s)[None], use_cache=False).logits[0].float() for s in seqs]
+    err, agree = {"invariant": 0.0, "stock": 0.0}, {"invariant": 0, "stock": 0}
+    for t in range(STEPS):
+        for i, p in enumerate(PROMPTS):
+            for name, out in (("invariant", got), ("stock", stock)):
+                err[name] = max(err[name], (out[t][i] - want[i][p + t]).abs().max().item())
+                agree[name] += int(out[t][i].argmax() == want[i][p + t].argmax())
+    print(
+        f"bf16 vs fp32 reference: max |logit error| invariant {err['invariant']:.4f}, stock {err['stock']:.4f}; "
+        f"greedy agreement invariant {agree['invariant'] / (STEPS * n):.3f}, stock {agree['stock'] / (STEPS * n):.3f}"
+    )
+    assert err["invariant"] <= 2 * err["stock"] + 1e-3
