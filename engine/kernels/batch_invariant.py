@@ -20,7 +20,11 @@ Per-row elementwise kernels and per-row reductions of torch are left alone: test
 checks end to end that a request's logits are bitwise equal alone and in batches.
 
 The mode is process-wide (the overrides are registered on the CUDA dispatch key, as
-batch_invariant_ops, vLLM and SGLang do it) and is switched on once by ``enable``.
+batch_invariant_ops, vLLM and SGLang do it) and is switched on once by ``enable``. The
+experts' kernel also serves decode-sized batches outside the mode (`engine.model.moe`),
+where it beats torch's grouped GEMM. ``enable("cpu")`` with ``TRITON_INTERPRET=1`` runs the
+kernels in Triton's interpreter, to check their logic without a GPU (fp32 and fp16: the
+interpreter's bf16 products are wrong).
 """
 
 from __future__ import annotations

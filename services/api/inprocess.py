@@ -31,6 +31,7 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -257,16 +258,18 @@ class InProcessEngineClient:
         self._send("abort", request_id)
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
-        async for item in self._stream("add", request, None):
-            assert isinstance(item, EngineOutput)
-            yield item
+        async with aclosing(self._stream("add", request, None)) as items:  # closed now, not at GC
+            async for item in items:
+                assert isinstance(item, EngineOutput)
+                yield item
 
     async def prefill(self, request: EngineRequest) -> AsyncIterator[EngineOutput | Handoff]:
         """Compute the prompt and sample the first token here; yields the outputs, then (if
         the request has not ended) a ``Handoff``: the sequence is gone from this engine (its
         blocks stay in the prefix cache). Refusals and failures as ``generate``."""
-        async for item in self._stream("add", request, "handoff"):
-            yield item
+        async with aclosing(self._stream("add", request, "handoff")) as items:
+            async for item in items:
+                yield item
 
     async def resume(self, request: EngineRequest, payload: bytes) -> AsyncIterator[EngineOutput]:
         """Continue a sequence another engine handed off (``prefill``'s ``Handoff``) and stream
@@ -274,9 +277,10 @@ class InProcessEngineClient:
         without one the import may not take room promised to others. ``EngineRequestError``
         for a payload this engine must not use; ``EngineFull`` (nothing changed) when there
         is no room."""
-        async for item in self._stream("import", request, bytes(payload)):
-            assert isinstance(item, EngineOutput)
-            yield item
+        async with aclosing(self._stream("import", request, bytes(payload))) as items:
+            async for item in items:
+                assert isinstance(item, EngineOutput)
+                yield item
 
     async def reserve(self, request_id: str, n_tokens: int, max_tokens: int = 0) -> bool:
         """Promise room for a sequence of ``n_tokens`` that may decode ``max_tokens`` more

@@ -30,6 +30,7 @@ import os
 import socket
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
+from contextlib import aclosing
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
@@ -229,13 +230,15 @@ class RayEngineReplica:
             raise EngineUnavailable(f"engine {self.name} is down")
         if self.decode is None:
             clock = RequestClock(self.metrics, request.request_id, self.pool, self.name)
-            async for out in self._stream("generate", request):
-                clock.tokens(out)
-                yield out
+            async with aclosing(self._stream("generate", request)) as outs:
+                async for out in outs:
+                    clock.tokens(out)
+                    yield out
             clock.done()
             return
-        async for out in self._disaggregated(request):
-            yield out
+        async with aclosing(self._disaggregated(request)) as outs:
+            async for out in outs:
+                yield out
 
     async def reserve(self, request_id: str, n_tokens: int, max_tokens: int) -> bool:
         """Ask the actor to reserve room (decode role); its answer carries its stats after
@@ -309,8 +312,9 @@ class RayEngineReplica:
         handoff = self.handoffs[request.request_id] = _Handoff()
         handoff.clock = RequestClock(self.metrics, request.request_id, self.pool, self.name)
         try:
-            async for out in self._recovering(request, sent, handoff):
-                yield out
+            async with aclosing(self._recovering(request, sent, handoff)) as outs:
+                async for out in outs:
+                    yield out
             handoff.clock.done()
         finally:
             self.handoffs.pop(request.request_id, None)
@@ -323,11 +327,12 @@ class RayEngineReplica:
         attempt = 0
         while True:
             try:
-                async for out in self._handoff_once(request, sent, handoff):
-                    if cached is None:
-                        cached = out.cached_tokens  # the first prefill's hits are the request's
-                    sent.extend(out.token_ids)
-                    yield replace(out, cached_tokens=cached)
+                async with aclosing(self._handoff_once(request, sent, handoff)) as outs:
+                    async for out in outs:
+                        if cached is None:
+                            cached = out.cached_tokens  # the first prefill's hits are the request's
+                        sent.extend(out.token_ids)
+                        yield replace(out, cached_tokens=cached)
                 return
             except _DecodeLost as lost:
                 attempt += 1
@@ -408,11 +413,13 @@ class RayEngineReplica:
             clock.hand_to(target.name)
             try:
                 # the payload holds the computed prompt: its images (rows included) stay here
-                async for out in target._stream("resume", replace(request, images=()), payload_ref):
-                    kept = skip(out)
-                    if kept is not None:
-                        clock.tokens(kept)
-                        yield kept
+                resume = target._stream("resume", replace(request, images=()), payload_ref)
+                async with aclosing(resume) as outs:
+                    async for out in outs:
+                        kept = skip(out)
+                        if kept is not None:
+                            clock.tokens(kept)
+                            yield kept
             except ActorDied as exc:  # the handoff point may still be there: resume from it
                 raise _DecodeLost(str(exc), payload_ref) from None
             except CallFailed as exc:  # the payload could not be read: prefill again

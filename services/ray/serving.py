@@ -24,6 +24,7 @@ import contextlib
 import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
+from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -472,8 +473,9 @@ class RayServingClient:
             raise EngineUnavailable("the Ray serving client is not started")
         if self.vision is not None and request.images:
             request = await self.vision.encode(request)
-        async for out in self.router.generate(request):
-            yield out
+        async with aclosing(self.router.generate(request)) as outs:  # closed now, not at GC
+            async for out in outs:
+                yield out
 
     # -- metrics (services.api.metrics.MetricsSource) ---------------------------------------
     def metric_families(self) -> Iterator[Any]:
