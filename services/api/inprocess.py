@@ -30,7 +30,7 @@ import json
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -309,7 +309,7 @@ class InProcessEngineClient:
 
     async def _stream(
         self, kind: str, request: EngineRequest, extra: Any
-    ) -> AsyncIterator[EngineOutput | Handoff]:
+    ) -> AsyncGenerator[EngineOutput | Handoff, None]:
         if self._dead is not None or self._thread is None or self._loop is None:
             raise EngineUnavailable(f"engine is not running: {self._dead or 'not started'}")
         core_req, grammar = await asyncio.to_thread(self._prepare, request)

@@ -29,7 +29,7 @@ import logging
 import os
 import socket
 import time
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from contextlib import aclosing
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
@@ -263,7 +263,9 @@ class RayEngineReplica:
             self._stats = EngineStats(**stats)
 
     # -- the request paths -----------------------------------------------------------------
-    async def _stream(self, method: str, request: EngineRequest, *args: Any) -> AsyncIterator[EngineOutput]:
+    async def _stream(
+        self, method: str, request: EngineRequest, *args: Any
+    ) -> AsyncGenerator[EngineOutput, None]:
         """Outputs of this actor's streaming call ``method``; the request is aborted here
         unless it ended."""
         from services.ray.wire import output_from_wire, request_to_wire
@@ -294,7 +296,7 @@ class RayEngineReplica:
         except ray.exceptions.RayError as exc:  # e.g. an argument (a handoff payload) was lost
             raise CallFailed(f"engine actor {self.name} could not run the call: {exc}") from None
 
-    async def _disaggregated(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
+    async def _disaggregated(self, request: EngineRequest) -> AsyncGenerator[EngineOutput, None]:
         """Reserve on a decode engine, prefill here, hand over (see the module doc). The
         reservation comes first, so a full decode pool refuses before any work is done.
 
@@ -321,7 +323,7 @@ class RayEngineReplica:
 
     async def _recovering(
         self, request: EngineRequest, sent: list[int], handoff: _Handoff
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         """The request's outputs across recoveries (see ``_disaggregated``)."""
         cached: int | None = None
         attempt = 0
@@ -364,7 +366,7 @@ class RayEngineReplica:
 
     async def _handoff_once(
         self, request: EngineRequest, sent: list[int], handoff: _Handoff
-    ) -> AsyncIterator[EngineOutput]:
+    ) -> AsyncGenerator[EngineOutput, None]:
         """One try: reserve, prefill (unless ``handoff`` holds a payload already), resume.
         Yields the outputs beyond the ``sent`` tokens; ``handoff`` keeps the payload's ref and
         how many tokens it holds beyond the prompt."""
