@@ -8,6 +8,7 @@ preemption and asynchronous scheduling.
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -244,10 +245,7 @@ def test_batch_invariant_steps_never_mix_and_cut_prompts_alike_alone_and_in_a_cr
     """The batch-invariant mode's scheduling: a step holds decodes or prefill chunks, never
     both, and a prompt's chunks are the same alone and beside 12 other requests (cut at
     multiples of the chunk size), so the model computes each token the same way."""
-    cfg = SchedulerConfig(
-        num_blocks=300, num_swa_slots=32, block_size=8, max_num_batched_tokens=48,
-        batch_invariant=True, invariant_chunk_tokens=16,
-    )  # fmt: skip
+    cfg = CONFIGS["batch-invariant"]
     target = ("t", [(7 * i) % (VOCAB - 1) + 1 for i in range(70)], 12)
 
     def chunks(work):
@@ -278,11 +276,4 @@ def test_batch_invariant_steps_never_mix_and_cut_prompts_alike_alone_and_in_a_cr
     assert alone == [(0, 16), (16, 16), (32, 16), (48, 16), (64, 6)]
     assert chunks(make_workload(5, 12) + [target]) == alone
     with pytest.raises(ValueError, match="invariant_chunk_tokens"):
-        SchedulerConfig(
-            num_blocks=8,
-            num_swa_slots=2,
-            block_size=8,
-            max_num_batched_tokens=12,
-            batch_invariant=True,
-            invariant_chunk_tokens=16,
-        )
+        dataclasses.replace(cfg, max_num_batched_tokens=12)
