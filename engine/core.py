@@ -34,7 +34,7 @@ from engine.loop import EngineLoop
 from engine.messages import CoreRequest, CoreStats, SeqOutput
 from engine.sampling.params import SamplingParams, StructuredOutput, derive_seed
 from engine.scheduler.cache_events import CacheEventBatch
-from engine.scheduler.config import SchedulerConfig
+from engine.scheduler.config import INVARIANT_CHUNK_TOKENS, SchedulerConfig
 from engine.scheduler.hashing import BlockHash, ExtraKeys
 from engine.scheduler.host_slots import HostSlotPool
 from engine.scheduler.request import Request, RequestStatus
@@ -199,7 +199,7 @@ class EngineCore:
             bounded_replay=cfg.swa_replay == "bounded",
             save_new_blocks=self.store is not None,
             batch_invariant=cfg.batch_invariant,
-            invariant_chunk_tokens=min(2048, cfg.max_num_batched_tokens // 256 * 256),
+            invariant_chunk_tokens=min(INVARIANT_CHUNK_TOKENS, cfg.max_num_batched_tokens // 256 * 256),
         )
 
     # -- identity --------------------------------------------------------------------------

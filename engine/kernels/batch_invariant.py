@@ -309,7 +309,7 @@ def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alph
     if beta == 1 and alpha == 1 and bias.dim() == 1 and bias.shape[0] == b.shape[1] and bias.dtype == a.dtype:
         return _matmul(a[None], b[None], bias, split_k=True)[0]
     out = _matmul(a[None], b[None], split_k=True)[0]  # elementwise from here: invariant as it is
-    return out * alpha + bias * beta if alpha != 1 else out + bias * beta
+    return out * alpha + bias * beta
 
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

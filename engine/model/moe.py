@@ -170,6 +170,12 @@ class Router(nn.Module):
 TRITON_ROWS_PER_EXPERT = (0.09, 12.0)
 
 
+def torch_grouped_matmul(x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor) -> torch.Tensor:
+    """torch's grouped GEMM with ``batch_invariant.grouped_matmul``'s arguments: rows sorted by
+    expert, their cumulative counts, weights [E, N, K] -> [R, N]."""
+    return torch._grouped_mm(x, w.transpose(1, 2), offs=row_end)
+
+
 def _few_rows_per_expert(x: torch.Tensor, experts: int) -> bool:
     lo, hi = TRITON_ROWS_PER_EXPERT
     return (
@@ -213,16 +219,10 @@ class Experts(nn.Module):
             return self._run_rows_loop(x, local_ids)
         order = torch.argsort(local_ids, stable=True)  # rows grouped by expert
         offs = torch.cumsum(count_ids(local_ids, self.num_local), 0).to(torch.int32)
-        if batch_invariant.applies(x) or _few_rows_per_expert(x, self.num_local):
-            gate_up = batch_invariant.grouped_matmul(x[order], self.gate_up_proj, offs)
-            gate, up = gate_up.chunk(2, dim=-1)
-            y = batch_invariant.grouped_matmul(swiglu_clamped(gate, up, self.limit), self.down_proj, offs)
-        else:
-            gate_up = torch._grouped_mm(x[order], self.gate_up_proj.transpose(1, 2), offs=offs)  # [N, 2I]
-            gate, up = gate_up.chunk(2, dim=-1)
-            y = torch._grouped_mm(
-                swiglu_clamped(gate, up, self.limit), self.down_proj.transpose(1, 2), offs=offs
-            )
+        ours = batch_invariant.applies(x) or _few_rows_per_expert(x, self.num_local)
+        gemm = batch_invariant.grouped_matmul if ours else torch_grouped_matmul
+        gate, up = gemm(x[order], self.gate_up_proj, offs).chunk(2, dim=-1)  # [N, 2I]
+        y = gemm(swiglu_clamped(gate, up, self.limit), self.down_proj, offs)
         out = torch.empty_like(x)
         out[order] = y.to(out.dtype)
         return out

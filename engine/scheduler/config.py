@@ -8,6 +8,10 @@ from typing import Literal
 from engine.scheduler.chunking import StepCostModel
 
 DEFAULT_TOKEN_BUDGET = 32_768
+#: the batch-invariant mode's prompt chunk: eight 256-token blocks, so chunk ends fall on block
+#: and compressor-window boundaries (an engine with a smaller token budget takes that, rounded
+#: down to a block)
+INVARIANT_CHUNK_TOKENS = 2048
 
 
 @dataclass(frozen=True)
@@ -43,7 +47,7 @@ class SchedulerConfig:
     # ``invariant_chunk_tokens`` from position 0 (the time budget does not size chunks), so
     # its chunks are the same whatever shares the step.
     batch_invariant: bool = False
-    invariant_chunk_tokens: int = 2048
+    invariant_chunk_tokens: int = INVARIANT_CHUNK_TOKENS
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "num_swa_slots", "block_size", "max_num_seqs", "max_num_batched_tokens"):

@@ -305,9 +305,8 @@ class Scheduler:
         if remaining == 1:
             return 1  # decodes are never held back by the time budget
         if self.config.batch_invariant:  # chunks end at multiples of the chunk size, or wait
-            n = min(
-                remaining, self.config.invariant_chunk_tokens - start % self.config.invariant_chunk_tokens
-            )
+            chunk = self.config.invariant_chunk_tokens
+            n = min(remaining, chunk - start % chunk)
             return n if n <= budget.tokens else 0
         model = self.config.cost_model
         time_left = None if budget.time is None else budget.time - budget.predicted

@@ -48,6 +48,7 @@ def run(args: argparse.Namespace) -> Report:
 
     from engine.checkpoint.presets import preset_config
     from engine.kernels import batch_invariant, triton_available
+    from engine.model.moe import torch_grouped_matmul
     from services.bench._engine_decode import copy_bandwidth
 
     if not (torch.cuda.is_available() and triton_available()):
@@ -71,9 +72,9 @@ def run(args: argparse.Namespace) -> Report:
         x = torch.randn(rows, d, device="cuda", dtype=torch.bfloat16, generator=gen)
         h = torch.randn(rows, inter, device="cuda", dtype=torch.bfloat16, generator=gen)
         calls = {
-            "torch_gate_up": (lambda a, w, o: torch._grouped_mm(a, w.transpose(1, 2), offs=o), x, gate_up),
+            "torch_gate_up": (torch_grouped_matmul, x, gate_up),
             "triton_gate_up": (batch_invariant.grouped_matmul, x, gate_up),
-            "torch_down": (lambda a, w, o: torch._grouped_mm(a, w.transpose(1, 2), offs=o), h, down),
+            "torch_down": (torch_grouped_matmul, h, down),
             "triton_down": (batch_invariant.grouped_matmul, h, down),
         }
         t = {n: _time_ms(f, a, w, ends, args.repeats) for n, (f, a, w) in calls.items()}
