@@ -25,6 +25,11 @@ class EngineUnavailable(RuntimeError):
     """The engine is not running or died: a 503."""
 
 
+class HandoffLost(EngineUnavailable):
+    """A disaggregated request's handoff payload could not be had by its decode engine (its
+    holder died, dropped or evicted it, or the link failed): it is prefilled again."""
+
+
 class EngineBusy(EngineUnavailable):
     """The engines are up but none has room for the request now (backpressure): a 503 with
     Retry-After. Nothing is held for the request; a router does not count it against the

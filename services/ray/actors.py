@@ -9,10 +9,12 @@ Every call takes and returns plain data (``services.ray.wire``); the handoff pay
 engine's versioned byte format, never a pickled object. Errors travel as data too
 (``{"error": {"kind", "message"}}``), so no exception object is pickled across processes:
 
-* ``prefill(request)`` (two returns): the first outputs, then the payload bytes (``b""``
-  when the request ended here). The caller passes the payload's ObjectRef on to a decode
-  actor without fetching it.
+* ``prefill(request)`` (two returns): the first outputs, then the payload (``b""`` when
+  the request ended here): its bytes, or under the gRPC transport a ticket to fetch them
+  by (``services.ray.handoff``). The caller passes its ObjectRef on to a decode actor
+  without fetching it.
 * ``resume(request, payload)`` / ``generate(request)``: streaming generators of outputs.
+* ``drop_handoff(request_id)``: the request ended; a payload held for it goes.
 * ``reserve`` / ``release`` / ``room``: room promised before a handoff arrives.
 * ``watch(interval_s)``: a streaming generator that *pushes* this engine's state (load
   counters, prefix-cache events, blocks seen in the KV store) whenever it changed, at most
@@ -25,6 +27,7 @@ import asyncio
 import logging
 import os
 import sys
+import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import asdict
 from typing import Any
@@ -35,7 +38,7 @@ ROLES = ("prefill", "decode", "colocated")
 # Ray restarts a crashed engine actor this many times (its process, then ``start`` loads the
 # engine again); a crash loop beyond that leaves the engine down for good.
 DEFAULT_MAX_RESTARTS = 3
-ERROR_KINDS = ("request", "full", "unavailable")
+ERROR_KINDS = ("request", "full", "unavailable", "lost")
 LOG_FORMAT = "%(asctime)s %(levelname)s sluice.engine[%(role)s pid %(process)d] %(message)s"
 
 
@@ -55,7 +58,9 @@ def engine_log(role: str) -> logging.LoggerAdapter[logging.Logger]:
 
 def error_of(exc: BaseException) -> dict[str, Any]:
     """An exception as plain data: kind "request" (the request's fault, a 4xx), "full" (no
-    room now: backpressure) or "unavailable" (the engine cannot serve)."""
+    room now: backpressure), "lost" (its handoff payload cannot be had: prefill it again) or
+    "unavailable" (the engine cannot serve)."""
+    from engine.kvconnector.handoff_server import HandoffFetchError
     from engine.kvconnector.transfer import EngineFull
     from services.api.engine_client import EngineRequestError
 
@@ -63,6 +68,8 @@ def error_of(exc: BaseException) -> dict[str, Any]:
         kind = "request"
     elif isinstance(exc, EngineFull):
         kind = "full"
+    elif isinstance(exc, HandoffFetchError):
+        kind = "lost"
     else:
         kind = "unavailable"
     return {"error": {"kind": kind, "message": str(exc) or repr(exc)}}
@@ -71,12 +78,14 @@ def error_of(exc: BaseException) -> dict[str, Any]:
 def raise_error(item: Mapping[str, Any]) -> None:
     """Raise what ``error_of`` encoded, if ``item`` carries an error."""
     from engine.kvconnector.transfer import EngineFull
-    from services.api.engine_client import EngineRequestError, EngineUnavailable
+    from services.api.engine_client import EngineRequestError, EngineUnavailable, HandoffLost
 
     err = item.get("error") if isinstance(item, Mapping) else None
     if not err:
         return
-    cls = {"request": EngineRequestError, "full": EngineFull}.get(err["kind"], EngineUnavailable)
+    cls = {"request": EngineRequestError, "full": EngineFull, "lost": HandoffLost}.get(
+        err["kind"], EngineUnavailable
+    )
     raise cls(err["message"])
 
 
@@ -90,12 +99,15 @@ class EngineActor:
         engine_config: Mapping[str, Any] | None = None,
         ep: Mapping[str, Any] | None = None,
         eplb: Mapping[str, Any] | None = None,
+        handoff: Mapping[str, Any] | None = None,
     ) -> None:
         """``ep``: ``engine.distributed.lockstep.EPMember`` fields when this engine is one rank
         of an expert-parallel group (``start`` then joins the group: every rank must start),
         plus ``rendezvous``: the name of the group's ``RendezvousActor`` to meet through;
-        ``eplb``: ``EplbConfig`` fields to balance the group's experts while serving."""
+        ``eplb``: ``EplbConfig`` fields to balance the group's experts while serving;
+        ``handoff``: ``services.ray.handoff.HandoffConfig`` fields (default: object store)."""
         from services.api.inprocess import InProcessEngineClient
+        from services.ray.handoff import ActorHandoffs, HandoffConfig
 
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
@@ -112,6 +124,7 @@ class EngineActor:
         self._closed = False
         self._starting = asyncio.Lock()
         self.log = engine_log(role)
+        self.handoffs = ActorHandoffs(HandoffConfig(**dict(handoff or {})), role, self.log)
         self.feeds = Feeds()  # the pushed state, once per router that follows this engine
 
     async def start(self) -> dict[str, Any]:
@@ -126,6 +139,7 @@ class EngineActor:
                 )
             if not self.client.alive:
                 await self.client.start()
+            self.handoffs.start()
         block_size, extra = self.client.cache_identity()
         return {
             "role": self.role,
@@ -133,10 +147,14 @@ class EngineActor:
             "block_size": int(block_size),
             "extra_keys": extra_keys_to_wire(extra),
             "model_info": asdict(self.client.model_info()),
+            "handoff": self.handoffs.config.transport,
+            "handoff_address": self.handoffs.server.address if self.handoffs.server else "",
         }
 
     # -- requests ----------------------------------------------------------------------------
-    async def prefill(self, request: Mapping[str, Any]) -> tuple[list[dict[str, Any]], bytes]:
+    async def prefill(
+        self, request: Mapping[str, Any]
+    ) -> tuple[list[dict[str, Any]], bytes | dict[str, Any]]:
         """Run the prompt, sample the first token, export the sequence (see the module doc)."""
         from services.api.handoff import Handoff
         from services.ray.wire import output_to_wire, request_from_wire
@@ -147,7 +165,7 @@ class EngineActor:
             async for item in self.client.prefill(request_from_wire(request)):
                 if isinstance(item, Handoff):
                     self.log.info("request %s: prefilled, handing off %d bytes", rid, len(item.payload))
-                    return outputs, item.payload
+                    return outputs, self.handoffs.offer(rid, item.payload)
                 outputs.append(output_to_wire(item))
         except Exception as exc:  # noqa: BLE001 - travels as data (see the module doc)
             self.log.warning("request %s: prefill failed: %s", rid, exc)
@@ -155,11 +173,30 @@ class EngineActor:
         self.log.info("request %s: ended in its prefill", rid)
         return outputs, b""
 
-    async def resume(self, request: Mapping[str, Any], payload: bytes) -> AsyncIterator[dict[str, Any]]:
-        """Import a handed-off sequence and stream the rest of it."""
+    async def resume(
+        self, request: Mapping[str, Any], payload: bytes | Mapping[str, Any]
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Import a handed-off sequence (its payload's bytes, or a ticket to fetch them by)
+        and stream the rest of it. A payload that cannot be fetched gives back the request's
+        reservation and answers kind "lost"."""
+        from engine.kvconnector.handoff_server import is_ticket
         from services.ray.wire import request_from_wire
 
         rid = request.get("request_id", "?")
+        if is_ticket(payload):
+            t0 = time.perf_counter()
+            try:
+                payload = await asyncio.to_thread(self.handoffs.fetch, payload)
+            except Exception as exc:  # noqa: BLE001 - travels as data
+                self.log.warning("request %s: handoff fetch failed: %s", rid, exc)
+                await self.client.release(rid)
+                yield error_of(exc)
+                return
+            self.log.info(
+                "request %s: fetched a %d-byte handoff in %.1f ms", rid, len(payload),
+                (time.perf_counter() - t0) * 1e3,
+            )  # fmt: skip
+        assert isinstance(payload, bytes)
         self.log.info("request %s: resuming from a %d-byte handoff", rid, len(payload))
         async for item in self._outputs(
             self.client.resume(request_from_wire(request), payload), rid, self.log
@@ -197,7 +234,12 @@ class EngineActor:
             )
 
     async def abort(self, request_id: str) -> None:
+        self.handoffs.drop(request_id)
         await self.client.abort(request_id)
+
+    async def drop_handoff(self, request_id: str) -> bool:
+        """The request ended: the payload held for it (gRPC transport) goes."""
+        return self.handoffs.drop(request_id)
 
     async def reserve(self, request_id: str, n_tokens: int, max_tokens: int = 0) -> bool:
         return await self.client.reserve(request_id, n_tokens, max_tokens)
@@ -224,6 +266,7 @@ class EngineActor:
         """``EngineStats`` as a dict, with this process's pid (a restarted engine has another)."""
         st = asdict(self.client.stats())
         st["extra"]["pid"] = float(os.getpid())
+        st["extra"].update(self.handoffs.stats())
         return st
 
     async def ready(self) -> bool:
@@ -254,6 +297,7 @@ class EngineActor:
 
     async def close(self) -> None:
         self._closed = True
+        self.handoffs.close()
         await self.client.close()
 
 
@@ -292,6 +336,7 @@ def remote_engine_actor(
     pool_resource: bool = True,
     ep: Mapping[str, Any] | None = None,
     eplb: Mapping[str, Any] | None = None,
+    handoff: Mapping[str, Any] | None = None,
     **options: Any,
 ) -> Any:
     """Start an ``EngineActor`` on Ray; returns its handle (call ``start`` next). With
@@ -317,5 +362,6 @@ def remote_engine_actor(
             dict(engine_config or {}),
             dict(ep) if ep else None,
             dict(eplb) if eplb else None,
+            dict(handoff) if handoff else None,
         )
     )

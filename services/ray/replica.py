@@ -10,12 +10,14 @@ died) is no longer ``alive``.
 A prefill replica with a ``DecodeSet`` serves a request disaggregated:
 
 1. ``prefill`` on its actor: the first token comes back and is yielded at once; the
-   handoff payload stays in Ray's object store (its ObjectRef is never fetched here);
+   handoff payload (its bytes, or a ticket under the gRPC transport: ``services.ray.handoff``)
+   stays in Ray's object store (its ObjectRef is never fetched here);
 2. ``DecodeSet.choose``: the router's decode policy (the 2D balancer by default) over the
    decode engines' pushed loads, then a reservation on the chosen one; a refusal tries the
    next best; all refusing is ``PoolFull`` (backpressure, nothing held);
 3. ``resume`` on the decode actor with the payload's ObjectRef (Ray moves the bytes
-   between the two actors); its outputs stream through.
+   between the two actors, or the decode actor fetches them from the prefill actor by the
+   ticket); its outputs stream through.
 
 If the consumer stops (client gone) or anything fails, the request is aborted on whichever
 actor holds it, which frees its blocks, slot and reservation there.
@@ -41,6 +43,7 @@ from services.api.engine_client import (
     EngineRequest,
     EngineStats,
     EngineUnavailable,
+    HandoffLost,
     ModelInfo,
 )
 from services.ray.actors import raise_error
@@ -103,6 +106,8 @@ class RayEngineReplica:
         self.restarts = 0  # times Ray restarted the actor and its engine came back
         self.recoveries = 0  # requests continued after their decode engine died
         self.handoffs: dict[str, _Handoff] = {}  # in-flight disaggregated requests: their handoff point
+        # the actor keeps each payload it exported until told the request ended (gRPC transport)
+        self.holds_payloads = info.get("handoff") == "grpc"
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -301,7 +306,8 @@ class RayEngineReplica:
         reservation comes first, so a full decode pool refuses before any work is done.
 
         Recovery: if the decode engine dies mid-stream, the sequence is resumed on another
-        decode engine from the same handoff payload (still in Ray's object store); if that
+        decode engine from the same handoff payload (still in Ray's object store, or in the
+        prefill engine's outbox under the gRPC transport); if that
         payload is gone too, the request is prefilled again here (its prefix blocks come
         from the KV store) and handed off anew. Either way the engine recomputes tokens the
         client already has: they are checked against what was sent and dropped, so no
@@ -320,6 +326,9 @@ class RayEngineReplica:
             handoff.clock.done()
         finally:
             self.handoffs.pop(request.request_id, None)
+            if self.holds_payloads:  # the handoff point is no longer needed
+                with contextlib.suppress(Exception):
+                    self.actor.drop_handoff.remote(request.request_id)
 
     async def _recovering(
         self, request: EngineRequest, sent: list[int], handoff: _Handoff
@@ -424,7 +433,7 @@ class RayEngineReplica:
                             yield kept
             except ActorDied as exc:  # the handoff point may still be there: resume from it
                 raise _DecodeLost(str(exc), payload_ref) from None
-            except CallFailed as exc:  # the payload could not be read: prefill again
+            except (CallFailed, HandoffLost) as exc:  # the payload could not be read: prefill again
                 raise _DecodeLost(str(exc), None) from None
             except EngineUnavailable as exc:  # its engine failed (an EP peer died): resume elsewhere
                 raise _DecodeLost(str(exc), payload_ref) from None

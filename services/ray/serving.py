@@ -25,12 +25,13 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from services.api.engine_client import EngineOutput, EngineRequest, EngineStats, EngineUnavailable, ModelInfo
 from services.ray.decode_set import DecodeSet
+from services.ray.handoff import HandoffConfig
 from services.ray.metrics import PoolMetrics
 from services.ray.replica import RayEngineReplica
 
@@ -63,7 +64,8 @@ class RayServingClient:
     engines). ``policy`` / ``decode_policy``: the router's prefill and decode policy names
     (``sluice``: prefix- and load-aware prefill, the 2D decode balancer). ``cost``: the router's prefill cost
     model (``costmodel.CostModel``; None: the checkpoint's fitted one, as the engines use,
-    else the router's default)."""
+    else the router's default). ``handoff``: how payloads travel from prefill to decode
+    (``services.ray.handoff``; default: Ray's object store)."""
 
     def __init__(
         self,
@@ -79,6 +81,7 @@ class RayServingClient:
         deployment: str | None = None,
         attach: bool = False,
         vision: PoolConfig | None = None,
+        handoff: HandoffConfig | None = None,
     ) -> None:
         from services.api.inprocess import _read_model_info
 
@@ -90,6 +93,7 @@ class RayServingClient:
         self.start_timeout_s, self.call_timeout_s = start_timeout_s, call_timeout_s
         if attach and not deployment:
             raise ValueError("attach=True needs the deployment whose engine actors to follow")
+        self.handoff = handoff or HandoffConfig()
         self.deployment = deployment or uuid.uuid4().hex[:12]
         self.attach = attach
         infos = [
@@ -302,7 +306,7 @@ class RayServingClient:
             (name,) = self._engine_names(role, index, pool)
             actor = remote_engine_actor(
                 role, str(self.checkpoint), self._actor_config(pool), pool_resource=False,
-                name=self.actor_name(name), **opts,
+                handoff=asdict(self.handoff), name=self.actor_name(name), **opts,
             )  # fmt: skip
             self.actors.append(actor)
             return [(actor, name)]
@@ -339,6 +343,7 @@ class RayServingClient:
                     pool_resource=False,
                     ep=ep,
                     eplb=pool.eplb,
+                    handoff=asdict(self.handoff),
                     num_cpus=pool.num_cpus,
                     resources=dict(pool.resources),
                     name=self.actor_name(inst.names[rank]),
