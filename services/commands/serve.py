@@ -184,11 +184,6 @@ def api_config_from(args: argparse.Namespace) -> tuple[object, str, int, Path]:
         from services.ray.cluster_spec import load_cluster_spec
 
         spec = load_cluster_spec(args.config)
-        if spec.mode == "two-datacenters":
-            raise ValueError(
-                f"{args.config}: mode {spec.mode!r} is not served by `sluice serve` yet; "
-                "use embedded, local-cluster or ray-cluster"
-            )
         host, port = spec.api.host, spec.api.port
         overrides.update(max_concurrency=spec.api.max_concurrency, max_queue=spec.api.max_queue)
         if model is None and args.preset is None and spec.model:

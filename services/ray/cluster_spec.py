@@ -30,6 +30,7 @@ if TYPE_CHECKING:  # the plan's component configs; imported where they are built
     from kvstore.spec import StoreSpec as KvStoreSpec
     from services.api.config import ApiConfig
     from services.eplb.controller import EplbConfig
+    from services.ray.handoff import HandoffConfig
     from services.routing.adapter import RouterAdapterConfig
 
 
@@ -129,6 +130,17 @@ class StoreSpec(_Strict):
         return self
 
 
+class HandoffSpec(_Strict):
+    """How handoff payloads travel from prefill to decode engines (services/ray/handoff.py):
+    ``auto`` is Ray's object store when both pools are in one datacentre and gRPC between
+    datacentres (a connection per engine pair, a deadline from ``interconnect_gbps``)."""
+
+    transport: Literal["auto", "object_store", "grpc"] = "auto"
+    bind_host: str = "127.0.0.1"  # the prefill engines' gRPC servers; 0.0.0.0 advertises the node's IP
+    max_held_bytes: int = Field(default=4 * 2**30, ge=1)  # per prefill engine (gRPC)
+    ttl_seconds: float = Field(default=600.0, gt=0)
+
+
 class ApiSpec(_Strict):
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
@@ -153,6 +165,8 @@ class ClusterSpec(_Strict):
     prefill: PrefillPoolSpec = Field(default_factory=PrefillPoolSpec)
     decode: DecodePoolSpec = Field(default_factory=DecodePoolSpec)
     store: StoreSpec = Field(default_factory=StoreSpec)
+    handoff: HandoffSpec = Field(default_factory=HandoffSpec)
+    # link rate between datacentres, "a-b": Gbit/s (either order); sets the handoff deadline
     interconnect_gbps: dict[str, float] = Field(default_factory=dict)
 
     @model_validator(mode="after")
@@ -166,7 +180,20 @@ class ClusterSpec(_Strict):
             raise ValueError(
                 f"prefill and decode are in different datacenters {sorted(dcs)}: set mode two-datacenters"
             )
+        known = dcs | {self.vision.datacenter}
+        for link, gbps in self.interconnect_gbps.items():
+            ends = link.split("-")
+            if len(ends) != 2 or not set(ends) <= known or ends[0] == ends[1]:
+                raise ValueError(
+                    f"interconnect_gbps: {link!r} is not 'x-y' for two of this spec's datacenters {sorted(known)}"
+                )
+            if gbps <= 0:
+                raise ValueError(f"interconnect_gbps: {link!r} must be > 0 Gbit/s, got {gbps}")
         return self
+
+    def link_gbps(self, a: str, b: str) -> float | None:
+        """The declared rate between datacentres ``a`` and ``b`` (either order), if any."""
+        return self.interconnect_gbps.get(f"{a}-{b}", self.interconnect_gbps.get(f"{b}-{a}"))
 
 
 def load_cluster_spec(path: Path | str) -> ClusterSpec:
@@ -192,10 +219,6 @@ DC_LABEL_SHARE = 0.001  # each rank's share of its host's ``dc:<name>`` label re
 # consumer (or removing it) is a change there too.
 UNUSED_FIELDS: tuple[tuple[str, str], ...] = (
     ("vision.expert_parallel", "the vision encoder is dense: there are no experts to shard"),
-    (
-        "interconnect_gbps",
-        "nothing reads link bandwidth yet: the router's cost models have no cross-datacenter transfer term",
-    ),
 )
 
 
@@ -306,6 +329,7 @@ class ClusterPlan:
     decode: PoolPlan
     router: RouterAdapterConfig
     store: StorePlan
+    handoff: HandoffConfig
     api_replicas: int = 1  # API processes on the port (each with api's limits)
     unused: tuple[tuple[str, str], ...] = UNUSED_FIELDS
 
@@ -349,6 +373,16 @@ class ClusterPlan:
             f"{self.router.num_decode} decode instance(s)"
         )
         lines.append(f"store: {self.store.describe()}")
+        h = self.handoff
+        lines.append(
+            f"handoff: {h.transport}"
+            + (
+                f" (servers on {h.host}, {_gib(h.max_held_bytes)} / {h.ttl_s:g} s held per prefill engine, "
+                f"link {h.link_gbps:g} Gbit/s)"
+                if h.transport == "grpc"
+                else ""
+            )
+        )
         gpus = self.vision.gpus + self.prefill.layout.gpus + self.decode.layout.gpus
         lines.append(f"needs: {gpus} GPUs; Ray resources {_fmt(self.resources())}")
         lines.append("unused spec fields:" if self.unused else "unused spec fields: none")
@@ -479,4 +513,20 @@ def derive(spec: ClusterSpec) -> ClusterPlan:
         max_concurrency=spec.api.max_concurrency,
         max_queue=spec.api.max_queue,
     )
-    return ClusterPlan(spec.mode, spec.model, api, vision, prefill, decode, router, store, spec.api.replicas)
+    return ClusterPlan(
+        spec.mode, spec.model, api, vision, prefill, decode, router, store, _handoff(spec), spec.api.replicas
+    )
+
+
+def _handoff(spec: ClusterSpec) -> HandoffConfig:
+    """The handoff transport: ``auto`` is gRPC exactly when the pools are in two datacentres;
+    the fetch deadline uses the declared link between them (else the default rate)."""
+    from services.ray.handoff import HandoffConfig
+
+    h = spec.handoff
+    transport = h.transport
+    if transport == "auto":
+        transport = "grpc" if spec.prefill.datacenter != spec.decode.datacenter else "object_store"
+    gbps = spec.link_gbps(spec.prefill.datacenter, spec.decode.datacenter)
+    kwargs: dict[str, Any] = {} if gbps is None else {"link_gbps": gbps}
+    return HandoffConfig(transport, h.bind_host, h.max_held_bytes, h.ttl_seconds, **kwargs)

@@ -5,7 +5,9 @@ the pools' resources, and the KV store started here (its nodes and a Redis direc
 loopback processes, ``services.local.store.LocalStore``) for the server's lifetime.
 ``ray-cluster``: the Ray cluster at ``--ray-address`` (``ray.init(address=...)``; "auto"
 finds a local head), and the store named by ``--store FILE`` (its nodes run where the
-operator put them).
+operator put them). ``two-datacenters``: the same, with each pool placed on the hosts that
+advertise its datacentre (``dc:<name>``) and handoffs over gRPC between the two
+(``services.ray.handoff``).
 
 Either way: the engine actors of both pools (``services.ray.serving.RayServingClient``, the
 router in this process), then the API on the socket already bound. SIGTERM or Ctrl-C stop
@@ -30,7 +32,7 @@ from services.api.server import uvicorn_config
 from services.ray.cluster_spec import ClusterPlan, ClusterSpec, PoolPlan, derive
 
 log = logging.getLogger("sluice.serve")
-SERVED_MODES = ("local-cluster", "ray-cluster")
+SERVED_MODES = ("local-cluster", "ray-cluster", "two-datacenters")
 
 
 def pool_config(plan: PoolPlan, kv_store: str | None) -> Any:
@@ -99,9 +101,9 @@ def serve_cluster(
     if spec.mode not in SERVED_MODES:
         raise ValueError(f"mode {spec.mode!r} is not served by `sluice serve` yet")
     plan = derive(spec)
-    if spec.mode == "ray-cluster" and store_spec is None:
+    if spec.mode != "local-cluster" and store_spec is None:
         raise ValueError(
-            "mode ray-cluster: name the KV store's spec with --store FILE (its nodes run elsewhere)"
+            f"mode {spec.mode}: name the KV store's spec with --store FILE (its nodes run elsewhere)"
         )
     if attach is not None:
         return _serve_api_replica(spec, cfg, sock, host, model, attach, ray_address, store_spec)
@@ -124,6 +126,7 @@ def serve_cluster(
             pool_config(plan.decode, store_spec),
             policy=plan.router.policy,
             vision=vision_config(plan),
+            handoff=plan.handoff,
         )
         app = create_app(cfg, client)
         port = sock.getsockname()[1]
@@ -238,6 +241,7 @@ def _serve_api_replica(
             deployment=deployment,
             attach=True,
             vision=vision_config(plan),
+            handoff=plan.handoff,
         )
         app = create_app(cfg, client)
         log.info("API replica of deployment %s (pid %d)", deployment, os.getpid())

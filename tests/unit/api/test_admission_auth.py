@@ -123,5 +123,5 @@ def test_serve_flags_beat_the_cluster_file_and_env(tmp_path, monkeypatch):
     assert (cfg.max_concurrency, cfg.max_queue, cfg.api_keys) == (3, 7, ("k1", "k2"))
     assert cfg.allow_remote_images and cfg.image_url_allow_hosts == ("img.example",)
     spec.write_text("mode: two-datacenters\nredis_url: redis://r:6379/0\ndecode: {datacenter: b}\n")
-    with pytest.raises(ValueError, match="not served"):
-        api_config_from(build_parser().parse_args(["serve", "--config", str(spec)]))
+    cfg, host, port, _ = api_config_from(build_parser().parse_args(["serve", "--config", str(spec)]))
+    assert (host, port) == ("127.0.0.1", 8000)  # served like ray-cluster (docs/disaggregation.md)

@@ -190,7 +190,7 @@ def test_derive_maps_store_router_api_and_datacenters():
 
 
 def test_the_unused_list_is_exactly_what_the_code_says(capsys):
-    assert [name for name, _ in UNUSED_FIELDS] == ["vision.expert_parallel", "interconnect_gbps"]
+    assert [name for name, _ in UNUSED_FIELDS] == ["vision.expert_parallel"]
     assert all(why for _, why in UNUSED_FIELDS)
     plan = derive(ClusterSpec())
     assert plan.unused == UNUSED_FIELDS
@@ -207,7 +207,6 @@ def test_the_unused_list_is_exactly_what_the_code_says(capsys):
                 "redis_url": "redis://r:6379/0",
                 "decode": {"datacenter": "b"},
                 "vision": {"replicas": 0, "expert_parallel": 8},
-                "interconnect_gbps": {"a-b": 400},
             }
         )
     )
@@ -233,3 +232,31 @@ def test_engines_with_a_host_slot_pool_share_slots_through_the_stores_redis(tmp_
     assert pool_config(plan.prefill, str(shared)).engine_config["swa_directory"] == "redis://127.0.0.1:6390/0"
     assert "swa_directory" not in pool_config(plan.decode, str(shared)).engine_config  # no host pool
     assert "swa_directory" not in pool_config(plan.prefill, str(alone)).engine_config  # one process only
+
+
+def test_the_handoff_transport_follows_the_datacentres_and_the_link():
+    """``auto`` is the object store within one datacentre and gRPC between two; the fetch
+    deadline takes the declared link between the pools' datacentres."""
+    from engine.kvconnector.handoff_server import DEFAULT_LINK_GBPS
+
+    one = derive(ClusterSpec()).handoff
+    assert (one.transport, one.host, one.link_gbps) == ("object_store", "127.0.0.1", DEFAULT_LINK_GBPS)
+    two_dc = {"mode": "two-datacenters", "redis_url": "redis://r:6379/0", "decode": {"datacenter": "b"}}
+    two = derive(ClusterSpec.model_validate({**two_dc, "interconnect_gbps": {"b-a": 400}})).handoff
+    assert (two.transport, two.link_gbps) == ("grpc", 400.0)
+    forced = ClusterSpec.model_validate(
+        {
+            "handoff": {
+                "transport": "grpc",
+                "bind_host": "0.0.0.0",
+                "max_held_bytes": 1 << 30,
+                "ttl_seconds": 30,
+            }
+        }
+    )
+    h = derive(forced).handoff
+    assert (h.transport, h.host, h.max_held_bytes, h.ttl_s) == ("grpc", "0.0.0.0", 1 << 30, 30.0)
+    assert "handoff: grpc (servers on 0.0.0.0" in "\n".join(derive(forced).summary())
+    for links, why in (({"a-c": 10}, "not 'x-y'"), ({"a-b-c": 10}, "not 'x-y'"), ({"a-b": 0}, "> 0")):
+        with pytest.raises(ValueError, match=why):
+            ClusterSpec.model_validate({**two_dc, "interconnect_gbps": links})
