@@ -73,7 +73,8 @@ from services.bench._e2e_trace import (  # noqa: F401  (re-exported: the bench's
 )
 
 TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "conversation_trace.jsonl"
-CONFIGS = ("colocated", "disaggregated")
+# the disaggregated configuration of each handoff transport (services/ray/handoff.py)
+DISAGGREGATED = {"object_store": "disaggregated", "grpc": "disaggregated_grpc"}
 PROBE_REPS = 3
 PROBE_MAX_TOKENS = 4
 T2_TARGET = 1.1
@@ -112,6 +113,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", type=int, default=512, help="engine max_num_batched_tokens")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds per request")
     p.add_argument("--seed", type=int, default=0, help="seed of the token runs")
+    p.add_argument(
+        "--transports", default="object_store,grpc",
+        help="handoff transports of the disaggregated configurations (default object_store,grpc)",
+    )  # fmt: skip
     p.add_argument(
         "--parts", default=",".join(DEFAULT_PARTS),
         help=f"sections to run, comma-separated from {', '.join(PARTS)} (default {','.join(DEFAULT_PARTS)})",
@@ -252,6 +257,7 @@ async def _settled_counters(client: Any, before: tuple[float, float], expected: 
 async def _run_config(
     name: str, model: Path, engine_cfg: dict[str, Any], args: argparse.Namespace, rows: list[dict[str, Any]],
 ) -> dict[str, Any]:  # fmt: skip
+    from services.ray.handoff import HandoffConfig
     from services.ray.serving import PoolConfig, RayServingClient
 
     if name == "colocated":
@@ -261,7 +267,8 @@ async def _run_config(
             PoolConfig(1, engine_cfg, resources={"prefill": 1}),
             PoolConfig(1, engine_cfg, resources={"decode": 1}),
         )
-    client = RayServingClient(model, *pools)
+    handoff = HandoffConfig(transport="grpc" if name == DISAGGREGATED["grpc"] else "object_store")
+    client = RayServingClient(model, *pools, handoff=handoff)
     t_start = time.perf_counter()
     await client.start()
     started_s = time.perf_counter() - t_start
@@ -347,6 +354,15 @@ def _handoff_bytes(
     }
 
 
+def configs_of(args: argparse.Namespace) -> tuple[str, ...]:
+    """colocated, then one disaggregated configuration per ``--transports`` entry."""
+    names = [t.strip() for t in args.transports.split(",") if t.strip()]
+    unknown = [t for t in names if t not in DISAGGREGATED]
+    if unknown or not names:
+        raise ValueError(f"--transports: give some of {', '.join(DISAGGREGATED)}, got {args.transports!r}")
+    return ("colocated", *(DISAGGREGATED[t] for t in dict.fromkeys(names)))
+
+
 def parts_of(args: argparse.Namespace) -> tuple[str, ...]:
     """The sections to run, in report order."""
     if args.sim_only and args.handoff_only:
@@ -424,6 +440,7 @@ def _run_real(args: argparse.Namespace, report: Report) -> None:
 
     if args.requests < 1:
         raise ValueError("--requests needs at least 1")
+    configs = configs_of(args)
     model = _model_dir(args)
     rows = load_trace(args.trace, args.requests)
     block = scaled_block(args.scale)
@@ -447,7 +464,10 @@ def _run_real(args: argparse.Namespace, report: Report) -> None:
             "engine": {"num_blocks": args.num_blocks, "max_num_batched_tokens": args.chunk},
             "configurations": {
                 "colocated": "PoolConfig(2, engine, resources={'prefill': 1}) + PoolConfig(0): requests run whole",
-                "disaggregated": "PoolConfig(1, engine, {'prefill': 1}) + PoolConfig(1, engine, {'decode': 1})",
+                "disaggregated": "PoolConfig(1, engine, {'prefill': 1}) + PoolConfig(1, engine, {'decode': 1}), "
+                "handoffs through Ray's object store",
+                "disaggregated_grpc": "the same, handoffs over gRPC (HandoffConfig(transport='grpc'))",
+                "run": list(configs),
             },
             "sampling": "greedy (temperature 0), ignore_eos",
             "probe": {"prompt_tokens_asked": args.probe_tokens, "reps": PROBE_REPS, "max_tokens": PROBE_MAX_TOKENS},
@@ -465,21 +485,27 @@ def _run_real(args: argparse.Namespace, report: Report) -> None:
             engine_cfg = {
                 "num_blocks": args.num_blocks, "max_num_batched_tokens": args.chunk, "kv_store": str(store.spec_path)
             }  # fmt: skip
-            for name in CONFIGS:
+            for name in configs:
                 report.results[name] = asyncio.run(_run_config(name, model, engine_cfg, args, rows))
     finally:
         if owns_ray:
             ray.shutdown()
-    dis = report.results["disaggregated"]
-    prompts = dis.pop("_handed_prompts")
     report.results["colocated"].pop("_handed_prompts")
-    dis["handoff"] = _handoff_bytes(model, "float32", dis["replay"].pop("handoff_measured"), prompts)
-    t2 = {n: report.results[n]["probe"]["t2_s"]["p50"] for n in CONFIGS}
-    ratio = t2["disaggregated"] / t2["colocated"] if t2["colocated"] > 0 else math.inf
-    report.results["t2_ratio_low_load"] = ratio
+    t2 = {n: report.results[n]["probe"]["t2_s"]["p50"] for n in configs}
+    ratios: dict[str, float] = {}
+    for name in configs[1:]:
+        dis = report.results[name]
+        prompts = dis.pop("_handed_prompts")
+        dis["handoff"] = _handoff_bytes(model, "float32", dis["replay"].pop("handoff_measured"), prompts)
+        ratios[name] = t2[name] / t2["colocated"] if t2["colocated"] > 0 else math.inf
+    if "disaggregated" in ratios:
+        report.results["t2_ratio_low_load"] = ratios["disaggregated"]
+    if "disaggregated_grpc" in ratios:
+        report.results["t2_ratio_low_load_grpc"] = ratios["disaggregated_grpc"]
     report.results["wall_s"] = time.perf_counter() - t_start
-    for name in CONFIGS:
+    for name in configs:
         rep, probe = report.results[name]["replay"], report.results[name]["probe"]
+        hand = report.results[name].get("handoff")
         report.rows.append({
             "config": name, "done": f"{rep['completed']}/{rep['requests']}",
             "ttft_p50_s": rep["ttft_s"]["p50"], "ttft_p99_s": rep["ttft_s"]["p99"],
@@ -487,11 +513,14 @@ def _run_real(args: argparse.Namespace, report: Report) -> None:
             "tpot_p50_ms": rep["tpot_s"]["p50"] * 1e3, "tpot_p99_ms": rep["tpot_s"]["p99"] * 1e3,
             "tok_s": rep["throughput_tok_s"],
             "probe_ttft_p50_s": probe["ttft_s"]["p50"], "probe_t2_p50_ms": probe["t2_s"]["p50"] * 1e3,
-            "handoff_B/req": dis["handoff"]["measured_bytes_per_request"] if name == "disaggregated" else "",
-            "formula_B/req": dis["handoff"]["formula_bytes_per_request"] if name == "disaggregated" else "",
+            "handoff_B/req": hand["measured_bytes_per_request"] if hand else "",
+            "formula_B/req": hand["formula_bytes_per_request"] if hand else "",
         })  # fmt: skip
     # the probe's t2 median, disaggregated / colocated (results: each configuration's "probe")
-    report.target("t2_ratio_low_load", ratio, "<=", T2_TARGET)
-    for name in CONFIGS:
+    for name, ratio in ratios.items():
+        report.target(
+            "t2_ratio_low_load" + ("" if name == "disaggregated" else " (grpc)"), ratio, "<=", T2_TARGET
+        )
+    for name in configs:
         failed = report.results[name]["replay"]["failed"] + report.results[name]["probe"]["failed"]
         report.target(f"failed requests ({name})", failed, "==", 0)

@@ -46,17 +46,19 @@ def test_bench_e2e_json(ray_local, checkpoint_factory, capsys) -> None:
     assert "simulator" not in out["results"] and "handoff_131k" not in out["results"]
     assert out["config"]["scaling"]["token_scale"] == pytest.approx(1 / 16)
     res = out["results"]
-    for name in ("colocated", "disaggregated"):
+    for name in ("colocated", "disaggregated", "disaggregated_grpc"):
         replay = res[name]["replay"]
         assert replay["completed"] == 3 and replay["failed"] == 0
         for key in ("ttft_s", "t2_s", "tpot_s"):
             assert replay[key]["p50"] > 0 and replay[key]["p99"] >= replay[key]["p50"]
         assert replay["throughput_tok_s"] > 0
         assert res[name]["probe"]["t2_s"]["p50"] > 0
-    handoff = res["disaggregated"]["handoff"]
-    assert handoff["handoffs_in"] == 3 and handoff["handoff_bytes_in"] > 0
-    assert handoff["formula_bytes_per_request"] > 0
-    assert 0.5 < handoff["measured_over_formula"] < 2.0
+    for name in ("disaggregated", "disaggregated_grpc"):  # the same bytes, either transport
+        handoff = res[name]["handoff"]
+        assert handoff["handoffs_in"] == 3 and handoff["handoff_bytes_in"] > 0
+        assert handoff["formula_bytes_per_request"] > 0
+        assert 0.5 < handoff["measured_over_formula"] < 2.0
     targets = {t["name"]: t for t in out["targets"]}
-    t2 = targets["t2_ratio_low_load"]
-    assert t2["op"] == "<=" and t2["target"] == 1.1 and math.isfinite(t2["value"])
+    for name in ("t2_ratio_low_load", "t2_ratio_low_load (grpc)"):
+        t2 = targets[name]
+        assert t2["op"] == "<=" and t2["target"] == 1.1 and math.isfinite(t2["value"])
