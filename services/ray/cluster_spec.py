@@ -81,6 +81,15 @@ class PoolSpec(_Strict):
     host_swa_layers: int | None = Field(default=None, ge=1)  # None: every layer's window (exact)
 
 
+class VisionPoolSpec(_Strict):
+    """The vision encoders: dense (no experts to shard) and without a KV cache, so only
+    their count, GPUs and datacentre."""
+
+    replicas: int = Field(default=0, ge=0)
+    gpus_per_replica: int = Field(default=0, ge=0)
+    datacenter: str = "a"
+
+
 class PrefillPoolSpec(PoolSpec):
     eplb: EplbSpec = Field(default_factory=_prefill_eplb)
     chunk_token_budget: int = Field(default=32768, ge=256)
@@ -161,7 +170,7 @@ class ClusterSpec(_Strict):
     # "exact" replay (output unchanged) or "bounded" (window - 1 tokens, approximate)
     swa_replay: Literal["exact", "bounded"] = "exact"
     api: ApiSpec = Field(default_factory=ApiSpec)
-    vision: PoolSpec = Field(default_factory=lambda: PoolSpec(replicas=0))
+    vision: VisionPoolSpec = Field(default_factory=VisionPoolSpec)
     prefill: PrefillPoolSpec = Field(default_factory=PrefillPoolSpec)
     decode: DecodePoolSpec = Field(default_factory=DecodePoolSpec)
     store: StoreSpec = Field(default_factory=StoreSpec)
@@ -214,12 +223,10 @@ def load_cluster_spec(path: Path | str) -> ClusterSpec:
 PREFILL_CACHE_EVENTS = 65_536  # prefix-cache events a prefill engine buffers for the router
 DC_LABEL_SHARE = 0.001  # each rank's share of its host's ``dc:<name>`` label resource (1 per host)
 
-# Spec fields that no component reads yet, each with the reason. ``derive`` consumes every
-# other field; tests/unit/services/test_cluster_check.py pins this list, so giving a field a
-# consumer (or removing it) is a change there too.
-UNUSED_FIELDS: tuple[tuple[str, str], ...] = (
-    ("vision.expert_parallel", "the vision encoder is dense: there are no experts to shard"),
-)
+# Spec fields that no component reads yet, each with the reason (none today: a field
+# without a consumer is removed instead). ``derive`` consumes every field;
+# tests/unit/services/test_cluster_check.py pins this list.
+UNUSED_FIELDS: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -398,8 +405,8 @@ def _gib(n: int) -> str:
     return f"{n / 2**30:,.1f} GiB"
 
 
-def _layout(pool: str, resource: str, spec: PoolSpec, mode: str) -> PoolLayout:
-    ep, gpus = spec.expert_parallel, spec.gpus_per_replica
+def _layout(pool: str, resource: str, spec: PoolSpec | VisionPoolSpec, mode: str) -> PoolLayout:
+    ep, gpus = getattr(spec, "expert_parallel", 1), spec.gpus_per_replica
     if gpus and gpus % ep:
         raise ValueError(
             f"{pool}: gpus_per_replica ({gpus}) must be a multiple of expert_parallel ({ep}): "
@@ -455,7 +462,7 @@ def derive(spec: ClusterSpec) -> ClusterPlan:
         )
     prefill_layout = _layout("prefill", "prefill", spec.prefill, spec.mode)
     decode_layout = _layout("decode", "decode", spec.decode, spec.mode)
-    vision = _layout("vision", "ve", spec.vision.model_copy(update={"expert_parallel": 1}), spec.mode)
+    vision = _layout("vision", "ve", spec.vision, spec.mode)
     prefill = PoolPlan(
         prefill_layout,
         MappingProxyType(

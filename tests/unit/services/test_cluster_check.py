@@ -189,32 +189,19 @@ def test_derive_maps_store_router_api_and_datacenters():
     assert plan.resources() == {"CPU": 1, "prefill": 1, "GPU": 4, "decode": 2, "ve": 2, "store": 6}
 
 
-def test_the_unused_list_is_exactly_what_the_code_says(capsys):
-    assert [name for name, _ in UNUSED_FIELDS] == ["vision.expert_parallel"]
-    assert all(why for _, why in UNUSED_FIELDS)
-    plan = derive(ClusterSpec())
-    assert plan.unused == UNUSED_FIELDS
-    # changing an unused field changes nothing in the plan
-    base = derive(
-        ClusterSpec.model_validate(
-            {"mode": "two-datacenters", "redis_url": "redis://r:6379/0", "decode": {"datacenter": "b"}}
-        )
-    )
-    other = derive(
-        ClusterSpec.model_validate(
-            {
-                "mode": "two-datacenters",
-                "redis_url": "redis://r:6379/0",
-                "decode": {"datacenter": "b"},
-                "vision": {"replicas": 0, "expert_parallel": 8},
-            }
-        )
-    )
-    assert base == other
+def test_every_field_is_used_and_the_vision_pool_takes_only_its_own(capsys, tmp_path):
+    """No spec field is accepted and then ignored: the unused list is empty, and the vision
+    pool refuses the engine pools' fields it has no use for (it has no experts to shard and
+    no KV cache)."""
+    assert UNUSED_FIELDS == ()
+    assert derive(ClusterSpec()).unused == ()
     rc, out, _ = _check(capsys, ROOT / EXAMPLES[0])
-    assert rc == 0
-    for name, why in UNUSED_FIELDS:
-        assert f"  {name}: {why}" in out
+    assert rc == 0 and "unused spec fields: none" in out
+    for field in ("expert_parallel: 8", "host_swa_bytes: 1024", "eplb: {}"):
+        path = tmp_path / "spec.yaml"
+        path.write_text(f"vision: {{replicas: 1, {field}}}\n")
+        with pytest.raises(ValueError, match=f"vision.{field.split(':')[0]}: Extra inputs are not permitted"):
+            load_cluster_spec(path)
 
 
 def test_engines_with_a_host_slot_pool_share_slots_through_the_stores_redis(tmp_path):
