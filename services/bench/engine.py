@@ -15,6 +15,7 @@ roofline and transformers' ``DeepseekV4ForCausalLM`` at the same batch."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import statistics
 import tempfile
@@ -188,23 +189,48 @@ def _profile_decode(model_dir: Path, args: argparse.Namespace) -> Path:
     """Decode step times of ``model_dir``'s architecture on this machine, over running
     sequences x KV tokens, saved beside it (``DECODE_STEPS_FILE``): the router fits its
     decode cost model to them (``services.ray.serving``)."""
-    import json
-
     from engine.engine_config import DECODE_STEPS_FILE
     from services.bench.router import profile_decode
 
     progress(f"{model_dir.name}: decode step times (batch x KV tokens)")
-    table = profile_decode(model_dir=model_dir, repeats=args.repeats, threads=args.threads)
+    table = profile_decode(
+        model_dir=model_dir, repeats=args.repeats, threads=args.threads, device=args.device
+    )
     out = model_dir / DECODE_STEPS_FILE
     out.write_text(json.dumps(table, indent=1) + "\n")
     return out
 
 
+def _profile_decode_on_gpu(model_dir: Path, args: argparse.Namespace, report: Report) -> None:
+    """``--profile --device cuda --model DIR``: the decode step table measured on this GPU
+    (bf16, CUDA graphs), saved beside the checkpoint, where the decode balancer of
+    ``sluice serve --config`` fits its cost model from it; the fit and its error are
+    reported. The prefill cost model is not written: its GPU profile is not built yet, and
+    a CPU fit beside a GPU checkpoint would mislead the scheduler."""
+    from router.steptable import StepTable
+
+    out = _profile_decode(model_dir, args)
+    table = StepTable.load(out)
+    context = int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
+    model = table.fit(max_tokens_per_sequence=context)
+    cells = table.samples(context)
+    rel = [(model.step_time(b, k) - t) / t for b, k, t in cells]
+    rmse = math.sqrt(statistics.fmean(r * r for r in rel))
+    report.results["decode_profile"] = {
+        "saved_to": str(out), "d0_s": model.d0, "d1_s_per_sequence": model.d1, "d2_s_per_kv_token": model.d2,
+        "cells_fitted": len(cells), "fit_rel_rmse": rmse, "fit_max_rel_err": max(abs(r) for r in rel),
+        "prefill_cost_model": "not written (measured on the CPU only)",
+    }  # fmt: skip
+    report.rows.append({
+        "model": model_dir.name, "decode d0 ms": round(model.d0 * 1e3, 3), "d1 us/seq": round(model.d1 * 1e6, 2),
+        "d2 ns/KV token": round(model.d2 * 1e9, 3), "fit rel RMSE": round(rmse, 3),
+    })  # fmt: skip
+    report.target("decode cost model fit_rel_rmse (GPU)", rmse, "<=", 0.25)
+
+
 def _profile_spec(model_dir: Path) -> Path | None:
     """Speculative verification step times (batch x drafts verified) of a checkpoint with an
     MTP layer, saved beside it (``SPEC_STEPS_FILE``): DSpark's scheduler loads them."""
-    import json
-
     from engine.spec.policy import SPEC_STEPS_FILE
     from engine.spec.profiling import measure_spec_profile
 
@@ -292,6 +318,9 @@ def run(args: argparse.Namespace) -> Report:
     )
     if args.preset:
         _decode(args, report)
+        return report
+    if args.model and args.profile and args.device.startswith("cuda"):
+        _profile_decode_on_gpu(Path(args.model), args, report)
         return report
     if args.model:
         model_dir = Path(args.model)

@@ -75,6 +75,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--preset", default="tiny", help="--profile-decode: gen-checkpoint preset (random weights)"
     )
+    p.add_argument("--device", default="cpu", help="--profile-decode: cpu, or cuda (bf16, CUDA graphs)")
+    p.add_argument("--layers", type=int, help="--profile-decode: resize the preset to this many layers")
+    p.add_argument(
+        "--kv-tokens",
+        help=f"--profile-decode: the KV grid, a comma list (default {','.join(map(str, PROFILE_KV))})",
+    )
     p.add_argument("--rounds", type=int, default=2, help="--profile-decode: passes over the grid")
     p.add_argument("--repeats", type=int, default=5, help="--profile-decode: timed steps per cell and pass")
 
@@ -111,11 +117,16 @@ def profile_decode(
     warmup: int = 2,
     threads: int = 1,
     model_dir: Path | None = None,
+    device: str = "cpu",
+    layers: int | None = None,
 ) -> dict[str, Any]:
     """Median seconds of one decode step of the engine's model runner over (batch, total KV).
 
-    The runner is built from the preset's config (or ``model_dir``'s) with seeded random
-    weights (``ModelRunner.random``) on the CPU. A cell runs ``batch`` sequences of one new token each, every sequence
+    The runner is built from the preset's config (or ``model_dir``'s; ``layers`` resizes the
+    preset) with seeded random weights (``ModelRunner.random``) on ``device``: fp32 on the
+    CPU; bf16 on CUDA, where decode steps run as the engine runs them (CUDA graphs per batch
+    bucket, captured during the warm-up steps) and each timed step ends with a
+    synchronisation. A cell runs ``batch`` sequences of one new token each, every sequence
     ``kv_tokens // batch`` tokens deep (at least 1) in its own blocks, so a step reads
     ``kv_tokens`` tokens of compressed state. The cost of a step depends on the cache's
     shape, not its content, so the blocks are not prefilled. ``rounds`` passes go over the
@@ -136,17 +147,20 @@ def profile_decode(
     t_start = time.perf_counter()
     import json
 
-    raw = (
-        json.loads((model_dir / "config.json").read_text())
-        if model_dir is not None
-        else preset_config(preset)
-    )
+    if model_dir is not None:
+        raw = json.loads((model_dir / "config.json").read_text())
+    else:
+        raw = preset_config(preset, **({"num_hidden_layers": layers} if layers else {}))
     mcfg = ModelConfig.from_dict(raw)
     per_seq = {(b, k): max(k // b, 1) for b in batches for k in kv_tokens}
     blocks = max(b * (per_seq[b, k] // BLOCK_TOKENS + 1) for b, k in per_seq)
-    runner = ModelRunner.random(
-        mcfg, RunnerConfig(num_blocks=blocks, num_slots=max(batches), with_mtp=False), seed=0
-    )
+    cuda = device.startswith("cuda")
+    rcfg = RunnerConfig(
+        num_blocks=blocks, num_slots=max(batches), with_mtp=False, device=device,
+        dtype="bfloat16" if cuda else "float32",
+    )  # fmt: skip
+    runner = ModelRunner.random(mcfg, rcfg, seed=0)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     def batch_of(b: int, k: int) -> ForwardBatch:
         n = per_seq[b, k] // BLOCK_TOKENS + 1
@@ -158,11 +172,13 @@ def profile_decode(
     for r in range(rounds):
         for b, k in cells:
             fb = batch_of(b, k)
-            for _ in range(warmup):  # the batch's blocks into cache, the allocator's sizes
+            for _ in range(warmup):  # the batch's blocks into cache, the allocator's sizes, graphs
                 runner.execute(fb)
+            sync()
             for _ in range(repeats):
                 t0 = time.perf_counter()
                 runner.execute(fb)
+                sync()
                 timings[b, k].append(time.perf_counter() - t0)
         progress(f"profile-decode: round {r + 1}/{rounds} done, load average {os.getloadavg()}")
     seconds = [[statistics.median(timings[b, k]) for k in kv_tokens] for b in batches]
@@ -176,9 +192,12 @@ def profile_decode(
         "kind": "decode_step_table",
         "preset": preset if model_dir is None else None,
         "model": str(model_dir) if model_dir is not None else None,
+        "layers": mcfg.num_hidden_layers,
         "weights": "random (ModelRunner.random, seed 0)",
         "dtype": runner.cfg.dtype,
-        "device": "cpu",
+        "device": device,
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "decode_graphs": runner.graphs is not None,
         "cpu": _cpu_name(),
         "cpu_count": os.cpu_count(),
         "torch": torch.__version__,
@@ -193,7 +212,9 @@ def profile_decode(
         "load_average_after": [round(x, 2) for x in os.getloadavg()],
         "wall_s": round(time.perf_counter() - t_start, 1),
         "command": f"python -m services.cli bench router --profile-decode --preset {preset} "
-        f"--rounds {rounds} --repeats {repeats}",
+        f"--rounds {rounds} --repeats {repeats}"
+        + (f" --device {device}" if cuda else "")
+        + (f" --layers {layers}" if layers else ""),
         "batch": list(batches),
         "kv_tokens": list(kv_tokens),
         "kv_tokens_per_sequence": [[per_seq[b, k] for k in kv_tokens] for b in batches],
@@ -215,12 +236,21 @@ def _cpu_name() -> str:
 def _run_profile_decode(args: argparse.Namespace) -> Report:
     import json
 
-    table = profile_decode(args.preset, rounds=args.rounds, repeats=args.repeats)
+    kv = tuple(int(k) for k in args.kv_tokens.split(",")) if args.kv_tokens else PROFILE_KV
+    table = profile_decode(
+        args.preset,
+        kv_tokens=kv,
+        rounds=args.rounds,
+        repeats=args.repeats,
+        device=args.device,
+        layers=args.layers,
+    )
     out = Path(args.step_table)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1) + "\n")
     report = Report("router", config={"mode": "profile-decode", "out": str(out)} | {
-        k: table[k] for k in ("preset", "device", "cpu", "torch", "torch_threads", "rounds", "repeats", "batch", "kv_tokens")
+        k: table[k] for k in ("preset", "layers", "device", "gpu", "cpu", "torch", "torch_threads", "rounds",
+                              "repeats", "batch", "kv_tokens")
     })  # fmt: skip
     report.results["decode_step_table"] = table
     for b, row in zip(table["batch"], table["seconds"]):

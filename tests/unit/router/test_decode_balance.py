@@ -223,9 +223,11 @@ def test_marginal_rule_counts_the_slowdown_of_requests_already_there():
 def test_profile_decode_times_the_engine_on_a_small_grid():
     from services.bench.router import profile_decode
 
-    raw = profile_decode("tiny", batches=(1, 2), kv_tokens=(0, 1024), rounds=1, repeats=2, warmup=1)
+    raw = profile_decode("tiny", batches=(1, 2), kv_tokens=(0, 1024), rounds=1, repeats=2, warmup=1, layers=2)
     t = StepTable.from_dict(raw)
     assert t.seconds.shape == (2, 2) and np.all(t.seconds > 0)
     assert raw["kv_tokens_per_sequence"] == [[1, 1024], [1, 512]]
+    assert (raw["layers"], raw["device"], raw["dtype"], raw["gpu"]) == (2, "cpu", "float32", None)
+    assert raw["decode_graphs"] is False and raw["command"].endswith("--layers 2")
     for key in ("preset", "device", "torch", "date", "load_average_before", "load_average_after", "command"):
         assert raw[key]

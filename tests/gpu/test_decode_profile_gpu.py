@@ -1,0 +1,26 @@
+"""The decode step table measured on the GPU (``sluice bench engine --profile --device cuda``):
+bf16, CUDA graphs, synchronised timings; the decode balancer's cost model fits it."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import torch
+
+
+def test_profile_decode_on_cuda_runs_graphs_and_fits(tmp_path):
+    from router.steptable import StepTable
+    from services.bench.router import profile_decode
+
+    raw = profile_decode(
+        "small", batches=(1, 8, 64), kv_tokens=(0, 65_536, 262_144), rounds=1, repeats=3, warmup=2, device="cuda"
+    )
+    assert (raw["device"], raw["dtype"], raw["decode_graphs"]) == ("cuda", "bfloat16", True)
+    assert raw["gpu"] == torch.cuda.get_device_name()
+    table = StepTable.from_dict(raw)
+    assert np.all(table.seconds > 0) and np.all(table.seconds < 1.0)
+    model = table.fit()
+    assert min(model.d0, model.d1, model.d2) >= 0 and model.step_time(64, 262_144) > model.step_time(1, 0)
+    (tmp_path / "t.json").write_text(json.dumps(raw))
+    assert StepTable.load(tmp_path / "t.json").seconds.shape == (3, 3)
