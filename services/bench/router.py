@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from services.bench import Report, progress
+from services.bench import Report, module_main, progress
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TRACES = (
@@ -438,3 +438,13 @@ def _run_peer(args: argparse.Namespace, report: Report, subset: Any, cfg: Any) -
     report.target(
         f"{name}: sluice ttft_p99_s / sglang_router ttft_p99_s", s["ttft_p99_s"] / g["ttft_p99_s"], "<", 1.0
     )
+
+
+def main() -> None:
+    """``python -m services.bench.router`` (same as ``sluice bench router``), for hosts that
+    lack the CLI's service dependencies (the GPU machine's ``--profile-decode --device cuda``)."""
+    module_main("router", add_arguments, run, None)
+
+
+if __name__ == "__main__":
+    main()

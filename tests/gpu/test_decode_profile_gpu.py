@@ -14,7 +14,13 @@ def test_profile_decode_on_cuda_runs_graphs_and_fits(tmp_path):
     from services.bench.router import profile_decode
 
     raw = profile_decode(
-        "small", batches=(1, 8, 64), kv_tokens=(0, 65_536, 262_144), rounds=1, repeats=3, warmup=2, device="cuda"
+        "small",
+        batches=(1, 8, 64),
+        kv_tokens=(0, 65_536, 262_144),
+        rounds=1,
+        repeats=3,
+        warmup=2,
+        device="cuda",
     )
     assert (raw["device"], raw["dtype"], raw["decode_graphs"]) == ("cuda", "bfloat16", True)
     assert raw["gpu"] == torch.cuda.get_device_name()
