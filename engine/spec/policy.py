@@ -204,8 +204,10 @@ class SpecPolicy:
     decoding (depth 0: no MTP work at all), of verifying a uniform K drafted tokens
     (depth K) and of DSpark's selection over ``num_drafts`` drafts, using the acceptance
     rates observed lately (per draft position, decayed by ``DECAY`` per step) and this
-    step's confidences; it switches only for a gain above ``margin``. Otherwise the depth
-    is ``num_drafts``."""
+    step's confidences; it switches only for a gain above ``margin``. Before there is
+    evidence enough the depth is ``num_drafts``, except at a batch size where plain
+    decoding beats speculation even with every draft accepted (``_never_pays``): there it
+    is 0 at once."""
 
     DECAY: Final = 0.98  # per step: observations fade over ~50 steps
     # The depth leaves num_drafts only on this much (decayed) evidence of position 1: the
@@ -229,6 +231,7 @@ class SpecPolicy:
         self._conf_sum = np.zeros(config.num_drafts)  # the head's predictions, decayed alike
         self._conf_n = np.zeros(config.num_drafts)
         self._off_steps = 0
+        self._off_by_bound = False  # off because no acceptance could pay (``_never_pays``)
         # set to [] to record every step: per request (confidences, drafts verified, accepted)
         self.trace: list[list[tuple[tuple[float, ...], int, int]]] | None = None
         self._open: dict[str, tuple[tuple[float, ...], int]] = {}
@@ -301,9 +304,25 @@ class SpecPolicy:
         self._open = {rid: (tuple(float(x) for x in c), k) for rid, c, k in zip(rids, confidences, ks)}
         return ks, name
 
+    def _never_pays(self, b: int) -> bool:
+        """Whether plain decoding beats speculation at ``b`` requests even if every draft were
+        accepted: the best uniform K (the cheapest step that verifies K drafts drafts only K)
+        then emits K + 1 tokens per request per step and still runs slower. No acceptance
+        rate is needed to know it, so no evidence is waited for."""
+        assert self.profile is not None
+        p = self.profile
+        plain = b / p.step_seconds(b, 0, 0)
+        best = max(b * (1 + k) / p.step_seconds(b, k, k) for k in range(1, self.config.num_drafts + 1))
+        return best <= plain
+
     def _set_depth(self, b: int, conf: Sequence[np.ndarray]) -> None:
         """The next step's drafting depth: plain decoding, a uniform K, or DSpark over all."""
         assert self.profile is not None
+        if self._never_pays(b):
+            self.mode, self.depth, self._off_by_bound = "off", 0, True
+            return
+        if self._off_by_bound:  # this batch size might pay: draft again and gather evidence
+            self.mode, self.depth, self._off_by_bound = "dspark", self.config.num_drafts, False
         rates = self.rates()
         if rates is None or self._tries[0] < self.MIN_EVIDENCE:
             return  # too little evidence yet: keep drafting num_drafts

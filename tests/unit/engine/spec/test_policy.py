@@ -122,7 +122,9 @@ def test_depth_settles_on_a_uniform_k_in_between() -> None:
 
 
 def test_depth_waits_for_evidence_and_probes_while_off() -> None:
-    pol = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.001, pass_s=0.010, plain_s=0.010))
+    # with every draft accepted speculation would pay (K = 1: 2 tokens for 1.5 plain steps);
+    # at 30 % acceptance it does not: only evidence can tell
+    pol = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.001, pass_s=0.004, plain_s=0.010))
     # a few bad first steps are not enough evidence to stop drafting
     _observe(pol, 0.0, steps=1, batch=8)
     pol.choose([f"r{i}" for i in range(8)], [[0.3] * 5] * 8)
@@ -134,3 +136,24 @@ def test_depth_waits_for_evidence_and_probes_while_off() -> None:
         depths.append(pol.depth)
     assert pol.mode == "off"
     assert depths.count(5) == 2 and depths.count(0) == len(depths) - 2  # one probe step in 64
+
+
+def test_speculation_that_cannot_pay_at_any_acceptance_is_off_without_evidence() -> None:
+    """A GPU whose eager verification costs ~10 plain graphed steps (the H200 measured 4.8 ms
+    plain, 93 ms verifying 5 drafts, at batch 1): even with every draft accepted speculation
+    loses, so the first step already decodes plainly, without probes; at a batch size where
+    it could pay, the policy drafts again to gather evidence."""
+    prof = SpecProfile(
+        (1, 32), DRAFTS,
+        tuple(tuple(b * (0.0048 + 0.03 + 0.012 * k) for k in DRAFTS) for b in (1, 32)),
+        5, (0.006, 0.006 * 32), (0.0048, 0.0048 * 32),
+    )  # fmt: skip
+    pol = SpecPolicy(SpecConfig("dspark"), prof)
+    assert pol.rates() is None
+    ks, _ = pol.choose(["a"], [[0.9] * 5])
+    assert (pol.mode, pol.depth) == ("off", 0)
+    for _ in range(2 * SpecPolicy.PROBE_EVERY):
+        assert pol.choose(["a"], [[]]) == ([0], "off") and pol.depth == 0  # no probe: none could pay
+    cheap = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.0001, pass_s=0.0001, plain_s=0.010))
+    cheap.choose(["a"], [[0.9] * 5])
+    assert cheap.depth == 5  # could pay: keeps drafting while it gathers evidence
