@@ -30,6 +30,7 @@ import json
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
@@ -48,6 +49,10 @@ from services.api.handoff import Handoff, Reservations
 
 log = logging.getLogger(__name__)
 _IDLE_WAIT_S = 0.05
+# An abort is remembered this long (and at most this many), so that a call whose abort raced
+# its start does not start the request afterwards (``aborted_since``).
+ABORT_MEMORY_S = 600.0
+ABORT_MEMORY = 65_536
 # An idle EP rank waits this long between agreements: a new request waits at most this long
 # (plus one collective) for its group to start stepping.
 _EP_IDLE_WAIT_S = 0.01
@@ -107,6 +112,9 @@ class InProcessEngineClient:
         self.ep_store = ep_store  # () -> torch.distributed.Store: the group's rendezvous (default: ep's file)
         self._info = _read_model_info(self.model_dir, self.engine_kwargs)
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
+        # request ids aborted lately (their time): a request whose abort arrived before it was
+        # sent to the engine (it raced its own start, e.g. during a handoff's fetch) never starts
+        self._aborted: dict[str, float] = {}
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -255,7 +263,27 @@ class InProcessEngineClient:
             return False
 
     async def abort(self, request_id: str) -> None:
+        self._remember_abort(request_id)
         self._send("abort", request_id)
+
+    def _remember_abort(self, request_id: str) -> None:
+        now = time.monotonic()
+        self._aborted[request_id] = now
+        if len(self._aborted) > ABORT_MEMORY:  # dicts keep insertion order: the oldest go first
+            for rid in list(self._aborted)[: len(self._aborted) - ABORT_MEMORY]:
+                del self._aborted[rid]
+        while self._aborted:
+            rid, at = next(iter(self._aborted.items()))
+            if now - at <= ABORT_MEMORY_S:
+                break
+            del self._aborted[rid]
+
+    def aborted_since(self, request_id: str, since: float) -> bool:
+        """Whether ``abort(request_id)`` was called at or after ``since`` (``time.monotonic()``):
+        a call that began at ``since`` lost the race with its own abort. An abort from before
+        the call (a failed earlier attempt of the request) does not count."""
+        at = self._aborted.get(request_id)
+        return at is not None and at >= since
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         async with aclosing(self._stream("add", request, None)) as items:  # closed now, not at GC
@@ -312,7 +340,11 @@ class InProcessEngineClient:
     ) -> AsyncGenerator[EngineOutput | Handoff, None]:
         if self._dead is not None or self._thread is None or self._loop is None:
             raise EngineUnavailable(f"engine is not running: {self._dead or 'not started'}")
+        began = time.monotonic()
         core_req, grammar = await asyncio.to_thread(self._prepare, request)
+        if self.aborted_since(request.request_id, began):  # aborted before it reached the engine: never start
+            log.info("request %s: aborted before it started", request.request_id)
+            return
         sink: asyncio.Queue[EngineOutput | Handoff | BaseException] = asyncio.Queue()
         added: asyncio.Future[None] = self._loop.create_future()
         finished = False

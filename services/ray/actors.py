@@ -161,9 +161,13 @@ class EngineActor:
 
         outputs: list[dict[str, Any]] = []
         rid = request.get("request_id", "?")
+        began = time.monotonic()
         try:
             async for item in self.client.prefill(request_from_wire(request)):
                 if isinstance(item, Handoff):
+                    if self.client.aborted_since(rid, began):  # aborted while it was exported: hold nothing
+                        self.log.info("request %s: aborted as it was handed off", rid)
+                        return outputs, b""
                     self.log.info("request %s: prefilled, handing off %d bytes", rid, len(item.payload))
                     return outputs, self.handoffs.offer(rid, item.payload)
                 outputs.append(output_to_wire(item))
@@ -184,7 +188,7 @@ class EngineActor:
 
         rid = request.get("request_id", "?")
         if is_ticket(payload):
-            t0 = time.perf_counter()
+            began, t0 = time.monotonic(), time.perf_counter()
             try:
                 payload = await asyncio.to_thread(self.handoffs.fetch, payload)
             except Exception as exc:  # noqa: BLE001 - travels as data
@@ -196,6 +200,9 @@ class EngineActor:
                 "request %s: fetched a %d-byte handoff in %.1f ms", rid, len(payload),
                 (time.perf_counter() - t0) * 1e3,
             )  # fmt: skip
+            if self.client.aborted_since(rid, began):  # the client left during the fetch: import nothing
+                self.log.info("request %s: aborted during its handoff's fetch", rid)
+                return
         assert isinstance(payload, bytes)
         self.log.info("request %s: resuming from a %d-byte handoff", rid, len(payload))
         async for item in self._outputs(

@@ -155,3 +155,44 @@ def test_abort_during_prefill_and_after_resume_frees_everything(tiny_model):
             await dec.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 300))
+
+
+def test_an_abort_that_races_the_start_of_its_call_wins(tiny_model):
+    """An abort that arrives after a call began but before its request reached the engine
+    (a handoff still being fetched, the request still being prepared) stops it: the import
+    never happens, and the reservation made for it is freed. An abort from before the call
+    (an earlier, failed attempt of the same request) does not stop a new attempt."""
+
+    async def scenario():
+        pre, dec = InProcessEngineClient(tiny_model, **KW), InProcessEngineClient(tiny_model, **KW)
+        await pre.start()
+        await dec.start()
+        try:
+            req = EngineRequest("raced", (0, *range(5, 40)), 12, temperature=0.0)
+            items = [i async for i in pre.prefill(req)]
+            payload = items[-1].payload
+            assert await dec.reserve("raced", len(req.prompt_token_ids) + 1, 11)
+            prepare = dec._prepare
+
+            def prepare_then_abort(request):  # the abort lands while the call prepares
+                out = prepare(request)
+                asyncio.run_coroutine_threadsafe(dec.abort(request.request_id), loop).result()
+                return out
+
+            loop = asyncio.get_running_loop()
+            dec._prepare = prepare_then_abort
+            assert [o async for o in dec.resume(req, payload)] == []
+            dec._prepare = prepare
+            for _ in range(200):
+                if _held(dec) == (0, 0) and dec.stats().extra.get("reserved", 0.0) == 0.0:
+                    break
+                await asyncio.sleep(0.02)
+            assert _held(dec) == (0, 0) and dec.stats().extra.get("reserved", 0.0) == 0.0
+            # a later attempt of the same request (a recovery) runs
+            tokens, outs = await _tokens(dec.resume(req, payload))
+            assert len(tokens) == 11 and outs[-1].finish_reason == "length"
+        finally:
+            await pre.close()
+            await dec.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 300))

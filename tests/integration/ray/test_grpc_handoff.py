@@ -61,7 +61,10 @@ def _holds(r) -> dict[str, float]:
 def _nothing_held(client: RayServingClient) -> None:
     engines = [*client.prefill, *client.decode.replicas]
     idle = dict.fromkeys(HELD, 0.0)
-    wait_until(lambda: all(_holds(r) == idle for r in engines), what="nothing held anywhere")
+    try:
+        wait_until(lambda: all(_holds(r) == idle for r in engines), what="nothing held anywhere")
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}: {[(r.name, _holds(r)) for r in engines]}") from None
 
 
 def test_outputs_equal_one_engine_and_the_payload_goes_over_grpc(stack, reference):
