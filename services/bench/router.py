@@ -129,7 +129,9 @@ def profile_decode(
     synchronisation. A cell runs ``batch`` sequences of one new token each, every sequence
     ``kv_tokens // batch`` tokens deep (at least 1) in its own blocks, so a step reads
     ``kv_tokens`` tokens of compressed state. The cost of a step depends on the cache's
-    shape, not its content, so the blocks are not prefilled. ``rounds`` passes go over the
+    shape, not its content, so the blocks are not prefilled; the sequences' tokens are
+    distinct ids drawn over the vocabulary, so the routed experts a step reads are those of
+    a batch of different requests. ``rounds`` passes go over the
     whole grid; in each, a cell runs ``warmup`` untimed steps and then ``repeats`` timed
     steps back to back (as an engine steps one batch after another), and each cell keeps
     the median of its ``rounds * repeats`` timings: a burst of load on the shared machine
@@ -162,9 +164,16 @@ def profile_decode(
     runner = ModelRunner.random(mcfg, rcfg, seed=0)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
+    # one token per sequence, spread over the vocabulary (seeded): the hash-MoE layers route
+    # by token id and the top-k layers by hidden state, so a batch of a few distinct tokens
+    # would read a few experts where real traffic reads many
+    token_ids = torch.randint(1, mcfg.vocab_size, (max(batches),), generator=torch.Generator().manual_seed(0))
+
     def batch_of(b: int, k: int) -> ForwardBatch:
         n = per_seq[b, k] // BLOCK_TOKENS + 1
-        seqs = [SequenceInput([1 + i % 7], per_seq[b, k], i, range(i * n, (i + 1) * n)) for i in range(b)]
+        seqs = [
+            SequenceInput([int(token_ids[i])], per_seq[b, k], i, range(i * n, (i + 1) * n)) for i in range(b)
+        ]
         return ForwardBatch.from_sequences(seqs)
 
     cells = [(b, k) for b in batches for k in kv_tokens]
