@@ -1,31 +1,36 @@
 """The ``simulator`` section of ``sluice bench e2e``: colocated vs disaggregated at DeepSeek's
 scale in ``router.pd_sim``, with step times from a cost model fitted to GPU measurements.
 
-**Fit data** (``MEASURED``; they stand in until the GPU engine's own fits land): one H200,
-bf16, the ``flash-shape`` preset's widths with 2 decoder layers (sliding window + hash MoE;
-CSA + top-k MoE), seeded random weights, EP1
-(``python3 -m services.bench.ep --device cuda --preset flash-shape --layers 2 --ep 1``):
-decode steps of 1 / 64 / 256 sequences (128-token prompts) and one prefill step of 4,096
-tokens (2 sequences of 2,048).
+**Decode fit data** (``DECODE_TABLES``): the engine's decode step tables measured on one
+H200 (``router/data/decode_step_table_h200_flash{2,4}.json``: bf16, CUDA graphs, the
+``flash-shape`` preset's widths with 2 and with 4 decoder layers, seeded random weights,
+EP1, distinct tokens per sequence; ``python3 -m services.bench.router --profile-decode
+--preset flash-shape --layers L --device cuda``): the median step over 9 batch sizes (1 to
+256 sequences) x 5 KV totals (0 to 4M tokens).
 
-**Step model** (``step_model``), per 2 measured layers, then scaled:
+**Prefill fit data** (``MEASURED``; it stands in until the GPU prefill profile lands): the
+same GPU, widths and weights, 2 layers, one prefill step of 4,096 tokens (2 sequences of
+2,048) on the eager path
+(``python3 -m services.bench.ep --device cuda --preset flash-shape --layers 2 --ep 1``).
 
-* ``c`` (fixed per step) and ``d1`` (per decode sequence): least squares over the three
-  decode steps, after taking off their small KV-read term;
-* ``d2`` (per KV token a decode step holds) and ``b`` (per context token of a prefill
-  piece): the model's paged cache bytes per token (``CacheSpec``, bf16) read once per step
-  at the measured H200 copy bandwidth;
+**Step model** (``step_model``):
+
+* decode, ``c`` (fixed per step), ``d1`` (per decode sequence) and ``d2`` (per KV token a
+  decode step holds): each cell of the tables extended to full depth by the measured cost of
+  a layer, ``T_full = T_4 + (full - 4) * (T_4 - T_2) / 2`` (layers 3-4 are one CSA and one
+  HCA layer, the mix of the full model's 22 CSA + 20 HCA), then least squares on relative
+  error (``relative_fit``) over the cells whose sequences are at most 1M tokens deep (V4's
+  context);
+* ``b`` (per context token of a prefill piece): the model's paged cache bytes per token
+  (``CacheSpec``, bf16) read once per step at the measured H200 copy bandwidth;
 * ``a`` (per new-token x context-token pair of a prefill piece): the attention FLOPs that
   grow with context (CSA's lightning indexer over one row per 4 tokens, HCA's attention over
   one row per 128 tokens; the sliding window and CSA's top-k are bounded) at the measured
   bf16 matmul rate;
-* ``d`` (per new prefill token): what is left of the 4,096-token prefill step.
-
-**Depth.** ``c``, ``d`` and ``d1`` are multiplied by ``full layers / measured layers``
-(43 / 2): the 2-layer steps cannot separate a per-step part from a per-layer part, and a
-decode step of one sequence (17 ms) is nearly all fixed cost of the un-graphed path, which
-launches its kernels layer by layer; ``a``, ``b``, ``d2`` are computed from the 43-layer
-config itself. No MTP layer, no speculative decoding.
+* ``d`` (per new prefill token): what is left of the 4,096-token prefill step once the
+  2-layer decode table's fixed cost and the attention terms are taken off, multiplied by
+  ``full layers / 2`` (43 / 2: all of it taken as per-layer work). ``a`` and ``b`` are
+  computed from the 43-layer config itself. No MTP layer, no speculative decoding.
 
 **EP.** An engine is one GPU: one data-parallel attention rank of a wide-EP group. Its step
 time is the single-GPU fit for its own batch: with experts spread evenly a rank's MoE work
@@ -49,13 +54,15 @@ import numpy as np
 
 from services.bench import progress
 
-TRACES = Path(__file__).resolve().parents[2] / "data" / "traces"
+REPO = Path(__file__).resolve().parents[2]
+TRACES = REPO / "data" / "traces"
 
-# One H200, bf16, flash-shape widths, 2 layers, EP1 (see the module docstring).
+# The decode step tables of one H200 at 2 and 4 flash-shape layers (see the module docstring).
+DECODE_TABLES = {layers: REPO / f"router/data/decode_step_table_h200_flash{layers}.json" for layers in (2, 4)}
+DECODE_FIT_MAX_TOKENS_PER_SEQUENCE = 1_048_576  # DeepSeek-V4's context
+# One H200, bf16, flash-shape widths, 2 layers, EP1: the prefill step (see the module docstring).
 MEASURED: dict[str, Any] = {
     "layers": 2,
-    "decode_context_tokens": 128,
-    "decode_step_s": {1: 17.1e-3, 64: 17.0e-3, 256: 25.6e-3},
     "prefill_step": {"tokens": 4096, "sequences": 2, "seconds": 70.7e-3},
     "copy_bytes_per_s": 4260e9,  # measured device copy (docs/development.md, the GPU machine)
     "matmul_flops_per_s": 786e12,  # measured bf16 matmul
@@ -124,40 +131,72 @@ def cache_bytes(cfg: Any) -> tuple[float, float]:
     return float(sum(spec.paged_bytes_per_token(t) for t in spec.layer_types)), float(spec.slot_bytes())
 
 
+def decode_full_depth(
+    tables: dict[int, Path] = DECODE_TABLES, full_layers: int = FULL_LAYERS
+) -> tuple[Any, Any, Any]:
+    """(the 2-layer table, its fit, the fit of every cell extended to ``full_layers``: see
+    the module docstring)."""
+    from router.steptable import StepTable
+
+    t2, t4 = StepTable.load(tables[2]), StepTable.load(tables[4])
+    if t2.batch != t4.batch or t2.kv_tokens != t4.kv_tokens:
+        raise ValueError("the 2- and 4-layer decode tables must share their grid")
+    per_layer = (t4.seconds - t2.seconds) / 2
+    full = StepTable(t2.batch, t2.kv_tokens, np.maximum(t4.seconds + (full_layers - 4) * per_layer, 1e-6))
+    cap = DECODE_FIT_MAX_TOKENS_PER_SEQUENCE
+    return t2, relative_fit(t2.samples(cap)), relative_fit(full.samples(cap))
+
+
+def relative_fit(samples: Sequence[tuple[float, float, float]]) -> Any:
+    """``DecodeCostModel`` by least squares on relative error over ``(batch, kv_tokens,
+    seconds)``: the step grows more slowly than linearly in the batch (a batch's routed
+    experts overlap more as it grows), and an absolute fit, ruled by the largest steps,
+    would put the unloaded step (the TPOT bound's base) ~60 % high; weighted, the worst
+    cell is within ~30 %."""
+    from costmodel import DecodeCostModel
+
+    arr = np.asarray(samples, dtype=np.float64)
+    x = np.stack([np.ones(len(arr)), arr[:, 0], arr[:, 1]], axis=1) / arr[:, 2:3]
+    coef, *_ = np.linalg.lstsq(x, np.ones(len(arr)), rcond=None)
+    return DecodeCostModel(*(max(float(v), 0.0) for v in coef))
+
+
 def step_model(
-    measured: dict[str, Any] = MEASURED, full_layers: int = FULL_LAYERS
+    measured: dict[str, Any] = MEASURED,
+    full_layers: int = FULL_LAYERS,
+    tables: dict[int, Path] = DECODE_TABLES,
 ) -> tuple[Any, dict[str, Any]]:
     """The full-depth ``StepModel`` and how it was derived (for the report)."""
     from router.pd_sim import StepModel
 
     lm, full = _layer_model(measured["layers"]), _layer_model(full_layers)
-    per_tok_m, _ = cache_bytes(lm)
     per_tok_f, slot_f = cache_bytes(full)
     bw, flops = measured["copy_bytes_per_s"], measured["matmul_flops_per_s"]
-    d2_m, a_m = per_tok_m / bw, pair_flops(lm) / flops
-    ctx = measured["decode_context_tokens"]
-    xs = np.array([[1.0, b] for b in measured["decode_step_s"]])
-    ys = np.array([t - d2_m * b * ctx for b, t in measured["decode_step_s"].items()])
-    (c_m, d1_m), *_ = np.linalg.lstsq(xs, ys, rcond=None)
-    c_m, d1_m = max(float(c_m), 0.0), max(float(d1_m), 0.0)
+    a_m = pair_flops(lm) / flops
+    t2, dec_m, dec_f = decode_full_depth(tables, full_layers)
     pf = measured["prefill_step"]
     chunk = pf["tokens"] // pf["sequences"]
-    var = pf["seconds"] - c_m - pf["sequences"] * (a_m * chunk * chunk + d2_m * chunk)
+    var = pf["seconds"] - dec_m.d0 - pf["sequences"] * (a_m * chunk * chunk + dec_m.d2 * chunk)
     d_m = max(var / pf["tokens"], 0.0)
     k = full_layers / measured["layers"]
     model = StepModel(
-        c=c_m * k, d=d_m * k, a=pair_flops(full) / flops, b=per_tok_f / bw, d1=d1_m * k, d2=per_tok_f / bw
+        c=dec_f.d0, d=d_m * k, a=pair_flops(full) / flops, b=per_tok_f / bw, d1=dec_f.d1, d2=dec_f.d2
     )
+    meta = t2.meta
     info = {
-        "fit_data": {**measured, "decode_step_s": {str(b): t for b, t in measured["decode_step_s"].items()}},
-        "fit_data_status": "stand-in GPU measurements (2 layers, random weights, EP1) until the GPU "
-        "engine's own fitted cost models land",
-        "measured_layers": {"c_s": c_m, "d_s_per_token": d_m, "d1_s_per_seq": d1_m, "a_s_per_pair": a_m,
-                            "d2_s_per_kv_token": d2_m},
+        "fit_data": {
+            "decode_tables": {str(n): str(p.relative_to(REPO)) for n, p in tables.items()},
+            "decode_gpu": meta.get("gpu"), "decode_date": meta.get("date"), "decode_command": meta.get("command"),
+            "prefill": measured,
+        },
+        "fit_data_status": "decode: the engine's step tables measured on the GPU (CUDA graphs); prefill: a "
+        "stand-in eager measurement until the GPU prefill profile lands",
+        "measured_layers": {"c_s": dec_m.d0, "d_s_per_token": d_m, "d1_s_per_seq": dec_m.d1, "a_s_per_pair": a_m,
+                            "d2_s_per_kv_token": dec_m.d2},
         "full_layers": full_layers,
         "depth_scale": k,
-        "depth_rule": f"c, d, d1 x {full_layers}/{measured['layers']} (all measured time taken as per-layer); "
-        "a, b, d2 from the full-depth config's attention FLOPs and cache bytes",
+        "depth_rule": f"decode: T_full = T_4 + ({full_layers} - 4) * (T_4 - T_2) / 2 per table cell, fitted; "
+        f"d x {full_layers}/{measured['layers']}; a, b from the full-depth config's attention FLOPs and cache bytes",
         "step_model": {"c_s": model.c, "d_s_per_token": model.d, "a_s_per_pair": model.a,
                        "b_s_per_context_token": model.b, "d1_s_per_seq": model.d1, "d2_s_per_kv_token": model.d2},
         "formula": "t = c + d*sum(C) + a*sum(C*(C+H)) + b*sum(C+H) + d1*B + d2*K",

@@ -12,16 +12,25 @@ import pytest
 from services.bench import _e2e_sim, e2e
 
 
-def test_step_model_scales_the_fit_to_full_depth() -> None:
+def test_step_model_extends_the_gpu_decode_tables_to_full_depth() -> None:
+    """Decode: each cell of the 2- and 4-layer H200 tables extended by the measured cost of a
+    layer, then fitted; prefill: the 2-layer prefill step minus the decode table's fixed
+    cost, per token, scaled by 43 / 2."""
+    from router.steptable import StepTable
+
     step, info = _e2e_sim.step_model()
     m = info["measured_layers"]
-    k = _e2e_sim.FULL_LAYERS / _e2e_sim.MEASURED["layers"]
-    assert info["depth_scale"] == k == 21.5
-    assert step.c == pytest.approx(m["c_s"] * k) and step.d == pytest.approx(m["d_s_per_token"] * k)
-    # the fit reproduces the measured 2-layer points it was fitted to, within the decode fit's residual
-    for batch, t in _e2e_sim.MEASURED["decode_step_s"].items():
-        fit = m["c_s"] + m["d1_s_per_seq"] * batch + m["d2_s_per_kv_token"] * batch * 128
-        assert fit == pytest.approx(t, rel=0.1)
+    assert info["depth_scale"] == _e2e_sim.FULL_LAYERS / 2 == 21.5
+    assert step.d == pytest.approx(m["d_s_per_token"] * 21.5)
+    t2, t4 = (StepTable.load(_e2e_sim.DECODE_TABLES[n]) for n in (2, 4))
+    assert t2.meta["device"] == "cuda" and t2.meta["decode_graphs"] and t4.meta["layers"] == 4
+    for i, b in enumerate(t2.batch):
+        for j, k in enumerate(t2.kv_tokens):
+            if k / b > _e2e_sim.DECODE_FIT_MAX_TOKENS_PER_SEQUENCE:
+                continue
+            full = t4.seconds[i, j] + 39 * (t4.seconds[i, j] - t2.seconds[i, j]) / 2
+            assert step.decode_step(int(b), k) == pytest.approx(full, rel=0.3)  # a linear fit's residual
+            assert full > t4.seconds[i, j] > t2.seconds[i, j]  # every layer costs time
     pf = _e2e_sim.MEASURED["prefill_step"]
     two = m["c_s"] + 2 * (
         m["d_s_per_token"] * 2048 + m["a_s_per_pair"] * 2048**2 + m["d2_s_per_kv_token"] * 2048
