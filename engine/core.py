@@ -37,6 +37,7 @@ from engine.scheduler.cache_events import CacheEventBatch
 from engine.scheduler.config import INVARIANT_CHUNK_TOKENS, SchedulerConfig
 from engine.scheduler.hashing import BlockHash, ExtraKeys
 from engine.scheduler.host_slots import HostSlotPool
+from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.scheduler import Scheduler, StepUpdate
 from engine.spec.policy import SPEC_STEPS_FILE, SpecPolicy, SpecProfile
@@ -116,10 +117,12 @@ class EngineCore:
             self.runner, cfg.device, self.kv, self.host_slots, self._drafter(),
             self.spec.config.num_drafts if self.spec is not None else 0,
         )  # fmt: skip
-        # speculation is synchronous: a step's drafts are the next step's input
+        # a speculating step's drafts and verified tokens are the next step's input: it
+        # overlaps only steps that neither drafted nor verified (speculation off)
         self.loop = EngineLoop(
-            self.scheduler, self.executor.execute, cfg.overlaps_steps and self.spec is None
-        )
+            self.scheduler, self.executor.execute, cfg.overlaps_steps,
+            overlap_after=_drafts_nothing if self.spec is not None else None,
+        )  # fmt: skip
         self._tracks: dict[str, _Track] = {}
         self._out: list[SeqOutput] = []
         self._fetches: dict[str, PendingFetch] = {}
@@ -553,3 +556,9 @@ def _eos(tokenizer_json: Path) -> int:
     from engine.structured.tokenizer import eos_token_id
 
     return eos_token_id(tokenizer_json)
+
+
+def _drafts_nothing(out: SchedulerOutput) -> bool:
+    """A step that drafted nothing for the next and verified no drafts: the next step can be
+    scheduled before its result is in."""
+    return out.draft_depth == 0 and not any(s.num_drafts for s in out.seqs)

@@ -34,10 +34,23 @@ class StepStat:
 
 
 class EngineLoop:
-    def __init__(self, scheduler: Scheduler, execute: ExecuteFn, async_scheduling: bool = False) -> None:
+    """``overlap_after(out)``: whether the step after ``out`` may be scheduled before ``out``'s
+    result is in (asynchronous mode). A speculating engine's steps need the previous step's
+    drafts and verified tokens, except when it neither drafted nor verified (speculation
+    off): then it overlaps as plain decoding does. Default: always."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        execute: ExecuteFn,
+        async_scheduling: bool = False,
+        overlap_after: Callable[[SchedulerOutput], bool] | None = None,
+    ) -> None:
         self.scheduler = scheduler
         self._execute = execute
         self.async_scheduling = async_scheduling
+        self._overlap_after = overlap_after or (lambda _out: True)
+        self.overlapped = 0  # steps submitted while another was in flight
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sluice-exec") if async_scheduling else None
         self._inflight: deque[tuple[SchedulerOutput, Future[RunnerOutput]]] = deque()
         self.steps = 0
@@ -73,9 +86,12 @@ class EngineLoop:
         # it as soon as the running one returns while this thread applies results
         depth = 2 if self.async_scheduling else 1
         while self.scheduler.has_unfinished() and len(self._inflight) < depth:
+            if self._inflight and not self._overlap_after(self._inflight[-1][0]):
+                break  # the next step needs this one's result
             out = self.scheduler.schedule()
             if out.is_empty:
                 break
+            self.overlapped += bool(self._inflight)
             self._submit(out)
         if not self._inflight:
             if self.scheduler.has_ready():

@@ -141,3 +141,34 @@ def test_published_blocks_equal_plain_decodings(steep_profile) -> None:
     for h, tensors in got.items():
         for a, b in zip(tensors, want[h]):
             assert (a - b).abs().max().item() < 1e-4, h.hex()
+
+
+def test_speculation_switched_off_overlaps_steps_and_keeps_the_tokens(tmp_path) -> None:
+    """A profile on which speculation never pays (verification at ~10 plain steps, as the
+    H200's eager verification): DSpark decodes plainly from the first step, and the engine
+    then schedules step N+1 while step N runs, as plain decoding does; the tokens are plain
+    decoding's."""
+    batch = (1, 8, 32)
+    secs = tuple(tuple(b * (0.01 + 0.03 + 0.05 * k) for k in range(6)) for b in batch)
+    path = tmp_path / "steps.json"
+    path.write_text(
+        SpecProfile(
+            batch, tuple(range(6)), secs, 5, tuple(b * 0.006 for b in batch), tuple(b * 0.01 for b in batch)
+        ).to_json()
+    )
+    prompts = _prompts(6)
+    greedy = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * len(prompts)
+    plain = LLM(MODEL, max_num_seqs=16, num_swa_slots=32)
+    try:
+        want = _generate(plain, prompts, greedy)
+    finally:
+        plain.close()
+    llm = LLM(
+        MODEL, max_num_seqs=16, num_swa_slots=32, speculative="dspark", spec_profile_path=str(path),
+        async_scheduling=True,
+    )  # fmt: skip
+    try:
+        assert _generate(llm, prompts, greedy) == want
+        assert llm.loop.overlapped > 0
+    finally:
+        llm.close()
