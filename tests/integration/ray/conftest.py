@@ -36,6 +36,16 @@ def store() -> Iterator[object]:
         yield s
 
 
+@pytest.fixture(scope="module")
+def reference(request, model) -> Iterator[str]:
+    """The API over one in-process engine with the test module's ``ENGINE`` settings: what
+    the served stack must answer (its base URL)."""
+    from services.api.inprocess import InProcessEngineClient
+
+    with served(InProcessEngineClient(model, **request.module.ENGINE)) as url:
+        yield url
+
+
 def wait_until(predicate: Callable[[], bool], timeout_s: float = 60.0, what: str = "condition") -> None:
     """Poll ``predicate`` (pushed engine state lags the calls by a few ms) until it holds."""
     deadline = time.monotonic() + timeout_s

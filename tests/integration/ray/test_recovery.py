@@ -17,7 +17,6 @@ from collections.abc import Iterator
 import openai
 import pytest
 
-from services.api.inprocess import InProcessEngineClient
 from services.ray.serving import PoolConfig, RayServingClient
 from tests.integration.ray.conftest import completion_stream, completion_text, served, wait_until
 
@@ -38,12 +37,6 @@ def stack(ray_local, model, store) -> Iterator[tuple[str, RayServingClient]]:
     )
     with served(client) as url:
         yield url, client
-
-
-@pytest.fixture(scope="module")
-def reference(model) -> Iterator[str]:
-    with served(InProcessEngineClient(model, **ENGINE)) as url:
-        yield url
 
 
 def _lost_object():
