@@ -15,6 +15,7 @@ from typing import Any
 
 from services.api.engine_client import EngineBusy, EngineUnavailable
 from services.ray.replica import RayEngineReplica
+from services.routing.client import accepting
 
 
 class PoolFull(EngineBusy):
@@ -70,9 +71,11 @@ class DecodeSet:
 
         max_tokens = max(int(max_tokens), 0)
         async with self._lock:  # one choice at a time, so each sees the previous reservation
-            candidates = [i for i, r in enumerate(self.replicas) if r.alive]
+            candidates = [i for i, r in enumerate(self.replicas) if accepting(r)]
             if not candidates:
-                raise EngineUnavailable(f"no decode engine is up ({len(self.replicas)} configured)")
+                raise EngineUnavailable(
+                    f"no decode engine is up and accepting ({len(self.replicas)} configured)"
+                )
             block_size = self.replicas[0].cache_identity()[0]
             view = RequestView(request_id, input_len=int(n_tokens), block_size=block_size)
             while candidates:

@@ -105,6 +105,8 @@ class RayEngineReplica:
         self.down_at: float | None = None  # time.monotonic() when it last went down
         self.restarts = 0  # times Ray restarted the actor and its engine came back
         self.recoveries = 0  # requests continued after their decode engine died
+        # finishing what it holds, taking nothing new (``RayServingClient.drain``)
+        self.draining = False
         self.handoffs: dict[str, _Handoff] = {}  # in-flight disaggregated requests: their handoff point
         # the actor keeps each payload it exported until told the request ended (gRPC transport)
         self.holds_payloads = info.get("handoff") == "grpc"

@@ -355,6 +355,33 @@ class RayServingClient:
             )
         return out
 
+    # -- draining one engine ---------------------------------------------------------------
+    def drain(self, engine: str) -> None:
+        """Take engine ``engine`` (a name such as ``decode-1``) out of the router's and the
+        decode balancer's candidates: it finishes the requests it holds and takes nothing
+        new, e.g. before maintenance of its host. ``drained`` says when it holds nothing;
+        ``undrain`` gives it work again. Thread-safe (one flag)."""
+        self._replica(engine).draining = True
+        log.info("engine %s: draining", engine)
+
+    def undrain(self, engine: str) -> None:
+        self._replica(engine).draining = False
+        log.info("engine %s: accepting requests again", engine)
+
+    def drained(self, engine: str) -> bool:
+        """Whether a draining engine holds nothing any more: no request running or waiting, no
+        reservation and no handoff payload (from its pushed state)."""
+        r = self._replica(engine)
+        st = r.stats()
+        held = st.running + st.waiting + st.extra.get("reserved", 0.0) + st.extra.get("handoffs_held", 0.0)
+        return r.draining and held == 0
+
+    def _replica(self, engine: str) -> RayEngineReplica:
+        for r in [*self.prefill, *(self.decode.replicas if self.decode else [])]:
+            if r.name == engine:
+                return r
+        raise KeyError(f"no engine {engine!r} in this deployment")
+
     # -- supervision of EP instances ---------------------------------------------------------
     async def _supervise(self) -> None:
         """Restart an EP instance whole when one of its ranks is down. Its peers' collectives

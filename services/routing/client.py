@@ -178,6 +178,11 @@ def _mean_measured(values: Iterable[float]) -> float | None:
     return sum(measured) / len(measured) if measured else None
 
 
+def accepting(replica: object) -> bool:
+    """Whether a replica may be given new work: up and not draining."""
+    return bool(getattr(replica, "alive", False)) and not getattr(replica, "draining", False)
+
+
 @runtime_checkable
 class ReplicaEngine(EngineClient, Protocol):
     """An ``EngineClient`` that also says how it names cached blocks and what it cached.
@@ -192,6 +197,8 @@ class ReplicaEngine(EngineClient, Protocol):
     ``take_store_events() -> list[bytes]``, the block hashes the engine saw in the KV
     store (written or fetched) since the previous call; never blocks. Its stats may carry
     ``kv_store_fetch_s_per_block`` (measured mean; 0.0 before the first answered fetch).
+    ``draining: bool``: the engine finishes what it holds and takes nothing new (absent:
+    never draining).
     """
 
     @property
@@ -390,7 +397,7 @@ class RoutedEngineClient:
 
     async def _route(self, view: RequestView, tried: set[int], request: EngineRequest | None = None) -> int:
         await self._sync()
-        candidates = [i for i, r in enumerate(self.replicas) if r.alive and i not in tried]
+        candidates = [i for i, r in enumerate(self.replicas) if accepting(r) and i not in tried]
         if not candidates:
             raise EngineUnavailable(f"no engine replica is up ({len(self.replicas)} configured)")
         matched = self.router.index.match_list(view.blocks)  # before select inserts the blocks

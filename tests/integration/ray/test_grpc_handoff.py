@@ -156,3 +156,40 @@ def test_the_handoff_server_listens_on_loopback(stack):
     addrs = [addr for addr, proc in listening_sockets() if f"pid={pid}," in proc]
     assert any(a.endswith(f":{port}") for a in addrs), f"the handoff server listens on {port}: {addrs}"
     assert all(a.startswith(LOOPBACK_PREFIXES) for a in addrs), addrs
+
+
+def test_a_drained_decode_engine_finishes_its_request_and_takes_no_new_one(stack, reference):
+    """``drain``: the engine streams the rest of the request it holds (text equal to a clean
+    run), new requests all go to the other decode engine, ``drained`` turns true once it holds
+    nothing, and ``undrain`` makes it a candidate again."""
+    url, client = stack
+    decode = client.decode
+    prompt, n = "drain this engine: ", 120
+    want = completion_text(reference, prompt, n)
+    chunks = iter(completion_stream(url, prompt, n))
+    got = [c.choices[0].text for c in [next(chunks)] if c.choices]
+    wait_until(lambda: sum(r.stats().running for r in decode.replicas) == 1, what="the request decoding")
+    busy = next(i for i, r in enumerate(decode.replicas) if r.stats().running == 1)
+    name = decode.replicas[busy].name
+    client.drain(name)
+    try:
+        assert not client.drained(name)  # it still holds the request
+        before = list(decode.placed)
+        for k in range(3):
+            completion_text(url, f"while draining {k}", 4)
+        assert decode.placed[busy] == before[busy] and sum(decode.placed) == sum(before) + 3
+        got += [c.choices[0].text for c in chunks if c.choices]
+        assert "".join(got) == want
+        wait_until(lambda: client.drained(name), what=f"{name} drained")
+    finally:
+        client.undrain(name)
+    with pytest.raises(KeyError, match="no engine"):
+        client.drain("decode-9")
+    other = decode.replicas[1 - busy].name
+    client.drain(other)  # now only the undrained engine can take the next request
+    try:
+        placed = decode.placed[busy]
+        completion_text(url, "after draining", 4)
+        assert decode.placed[busy] == placed + 1, "the undrained engine takes requests again"
+    finally:
+        client.undrain(other)
