@@ -201,9 +201,6 @@ class HandoffServer:
     ) -> None:
         pb, pb_grpc = _stubs()
         self.outbox = outbox
-        self.served_bytes = 0
-
-        outer = self
 
         class _Servicer(pb_grpc.HandoffServiceServicer):  # type: ignore[name-defined]
             def Fetch(self, request, context) -> Iterator[Any]:  # noqa: N802 - the generated name
@@ -211,7 +208,7 @@ class HandoffServer:
                 if not 0 < len(hid.encode()) <= MAX_ID_BYTES or len(token) != TOKEN_BYTES:
                     context.abort(grpc.StatusCode.INVALID_ARGUMENT, "a handoff id and a 16-byte token")
                 try:
-                    payload = outer.outbox.get(hid, token)
+                    payload = outbox.get(hid, token)
                 except KeyError:
                     context.abort(
                         grpc.StatusCode.NOT_FOUND, f"handoff {hid!r} is not held (ended or evicted)"
@@ -223,7 +220,6 @@ class HandoffServer:
                 view = memoryview(payload)
                 for start in range(0, len(payload), CHUNK_BYTES):
                     yield pb.HandoffChunk(data=bytes(view[start : start + CHUNK_BYTES]))
-                    outer.served_bytes += min(CHUNK_BYTES, len(payload) - start)
 
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
         pb_grpc.add_HandoffServiceServicer_to_server(_Servicer(), self._server)

@@ -67,14 +67,13 @@ class _RawSocket:
         host, port = address.rsplit(":", 1)
         self.sock = socket.create_connection((host, int(port)))
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.buf = bytearray()
 
     def fetch(self) -> int:
         self.sock.sendall(b"?")
         head = self._read(8)
         (n,) = struct.unpack("<Q", head)
-        self.buf = bytearray(n)  # fresh, as a receiver keeps what it received
-        view, got = memoryview(self.buf), 0
+        buf = bytearray(n)  # fresh, as a receiver keeps what it received
+        view, got = memoryview(buf), 0
         while got < n:
             k = self.sock.recv_into(view[got:n])
             if k == 0:
