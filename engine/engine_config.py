@@ -28,9 +28,11 @@ class EngineConfig:
     cost_model_path: str | None = None  # default: <model>/sluice_cost_model.json if present
     enable_prefix_caching: bool = True
     # schedule step N+1 and apply step N-1 on the caller's thread while a worker runs step N.
-    # None (auto): on a CUDA device without expert parallelism. The overlap needs the worker
-    # to wait on a device with the GIL released; on CPU the forward already uses every core
-    # and the two threads only contend (measured: docs/engine-runtime.md)
+    # None (auto): synchronous, measured no slower at any batch and faster from 64 requests
+    # on: on CPU the forward already uses every core and the threads only contend; on an
+    # H200 with CUDA-graphed decode the host work left is Python on both threads, and at
+    # large batches their contention for the GIL costs more than the overlap hides
+    # (docs/engine-runtime.md, "Asynchronous scheduling")
     async_scheduling: bool | None = None
     dtype: str = "float32"
     device: str = "cpu"
@@ -79,9 +81,7 @@ class EngineConfig:
     @property
     def overlaps_steps(self) -> bool:
         """Whether the engine runs its steps asynchronously (``async_scheduling`` resolved)."""
-        if self.async_scheduling is not None:
-            return self.async_scheduling
-        return self.device.startswith("cuda") and self.ep_size == 1
+        return bool(self.async_scheduling)
 
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():

@@ -270,7 +270,11 @@ class Scheduler:
         sets how many the step drafts for the next, ``spec.depth``)."""
         assert self.spec is not None
         cands = [r for r in running if r.num_pending == 0 and r.tokens_to_compute == 1]
-        if not cands or not (self.spec.adaptive or any(r.drafts for r in cands)):
+        if not cands:
+            return {}
+        if not any(r.drafts for r in cands):  # nothing to verify; an adaptive policy still sets the depth
+            if self.spec.adaptive:
+                self.spec.choose([r.request_id for r in cands], [()] * len(cands), tokens)
             return {}
         # drafts past max_tokens could never be emitted
         room = [max(min(len(r.drafts), r.max_tokens - len(r.output_token_ids) - 1), 0) for r in cands]

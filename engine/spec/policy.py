@@ -232,6 +232,7 @@ class SpecPolicy:
         self._conf_n = np.zeros(config.num_drafts)
         self._off_steps = 0
         self._off_by_bound = False  # off because no acceptance could pay (``_never_pays``)
+        self._never_pays_at: dict[int, bool] = {}
         # set to [] to record every step: per request (confidences, drafts verified, accepted)
         self.trace: list[list[tuple[tuple[float, ...], int, int]]] | None = None
         self._open: dict[str, tuple[tuple[float, ...], int]] = {}
@@ -265,6 +266,8 @@ class SpecPolicy:
         b = batch if batch is not None else len(rids)
         for acc in (self._hits, self._tries, self._conf_sum, self._conf_n):
             acc *= self.DECAY
+        if not any(n):
+            return self._choose_none(len(rids), b)
         for c in confidences:
             m = min(len(c), self._conf_sum.size)
             self._conf_sum[:m] += np.asarray(c[:m], dtype=np.float64)
@@ -280,9 +283,7 @@ class SpecPolicy:
         )
         if self.adaptive:
             self._set_depth(b, conf)
-        if not any(n):
-            ks, name = [0] * len(rids), "off" if self.depth == 0 or self.mode == "off" else "none"
-        elif self.config.policy == "fixed" or self.profile is None:
+        if self.config.policy == "fixed" or self.profile is None:
             cap = self.config.num_drafts if self.config.verify is None else self.config.verify
             ks = [min(cap, k) for k in n]
             if max_tokens is not None:
@@ -304,16 +305,34 @@ class SpecPolicy:
         self._open = {rid: (tuple(float(x) for x in c), k) for rid, c, k in zip(rids, confidences, ks)}
         return ks, name
 
+    def _choose_none(self, rows: int, b: int) -> tuple[list[int], str]:
+        """``choose`` for a step in which no request has a draft (speculation off, or the
+        step after a prefill): nothing to verify, so no per-request work, which at a
+        hundred requests would be a noticeable share of a graphed GPU step."""
+        if self.adaptive:
+            self._set_depth(b, ())
+        name = "off" if self.depth == 0 or self.mode == "off" else "none"
+        self.stats.steps += 1
+        self.stats.policies[name] += 1
+        if self.trace is not None:
+            self.trace.append([((), 0, 0)] * rows)  # what ``observe`` records for each
+        self._open = {}
+        return [0] * rows, name
+
     def _never_pays(self, b: int) -> bool:
         """Whether plain decoding beats speculation at ``b`` requests even if every draft were
         accepted: the best uniform K (the cheapest step that verifies K drafts drafts only K)
         then emits K + 1 tokens per request per step and still runs slower. No acceptance
-        rate is needed to know it, so no evidence is waited for."""
+        rate is needed to know it, so no evidence is waited for. Cached per batch size (the
+        profile does not change)."""
         assert self.profile is not None
-        p = self.profile
-        plain = b / p.step_seconds(b, 0, 0)
-        best = max(b * (1 + k) / p.step_seconds(b, k, k) for k in range(1, self.config.num_drafts + 1))
-        return best <= plain
+        hit = self._never_pays_at.get(b)
+        if hit is None:
+            p = self.profile
+            plain = b / p.step_seconds(b, 0, 0)
+            best = max(b * (1 + k) / p.step_seconds(b, k, k) for k in range(1, self.config.num_drafts + 1))
+            hit = self._never_pays_at[b] = best <= plain
+        return hit
 
     def _set_depth(self, b: int, conf: Sequence[np.ndarray]) -> None:
         """The next step's drafting depth: plain decoding, a uniform K, or DSpark over all."""

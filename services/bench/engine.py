@@ -69,7 +69,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     d.add_argument(
         "--async-scheduling", default="auto", choices=("auto", "on", "off"),
-        help="overlap scheduling with the running step: auto (on CUDA), on, off",
+        help="overlap scheduling with the running step: auto (the engine's default: off), on, off",
     )  # fmt: skip
     d.add_argument(
         "--batch-invariant", action="store_true",

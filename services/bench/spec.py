@@ -38,6 +38,13 @@ CONCURRENCY = (1, 8, 16, 32, 60, 128)
 POLICIES = ("none", "fixed-1", "fixed-2", "fixed-3", "fixed-4", "fixed-5", "dspark", "dspark-lagged")
 
 
+# the step profile an H200 measured for a checkpoint (`--save-profile --device cuda` there,
+# renamed), reported beside the profile of the machine the bench runs on
+H200_SPEC_STEPS_FILE = "sluice_spec_steps_h200.json"
+# --scheduling: EngineConfig.async_scheduling (a speculating step is synchronous either way)
+SCHEDULING = {"engine": None, "sync": False, "async": True}
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default="models/trained", help="checkpoint with an MTP layer (default the trained preset)"
@@ -63,6 +70,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", default=None, help="engine dtype (default float32 on cpu, bfloat16 on cuda)")
+    p.add_argument(
+        "--scheduling", choices=sorted(SCHEDULING), default="engine",
+        help="the engines' step loop: the engine's own choice (synchronous, what sluice serve runs), "
+        "or forced synchronous / asynchronous (default engine)",
+    )  # fmt: skip
     p.add_argument("--repeats", type=int, default=3, help="runs per policy, interleaved; the median is kept")
     p.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (default 1: stable on shared CPUs)"
@@ -88,7 +100,7 @@ def _run(
     cfg = EngineConfig(
         model=str(model), max_num_seqs=c, num_swa_slots=c, num_blocks=c * (-(-per_req // 256) + 1) + 4,
         max_num_batched_tokens=max(32_768, c * len(prompts[0])), enable_prefix_caching=False,
-        async_scheduling=False, speculative=None if policy == "none" else policy,
+        speculative=None if policy == "none" else policy,
         spec_profile_path=str(profile_path) if profile_path is not None else None, **engine_kwargs,
     )  # fmt: skip
     core = EngineCore(cfg)
@@ -134,10 +146,42 @@ def _run(
             "accepted_length": 1.0 + (stats.accepted / req_steps) if stats and req_steps else 1.0,
             "policies_chosen": dict(stats.policies) if stats else {"none": len(step_times)},
             "step_ms_median": statistics.median(step_times) * 1e3 if step_times else 0.0,
+            # asynchronous (--scheduling async): a step that neither drafts nor verifies
+            # overlaps the next one's scheduling, speculating or not
+            "async_scheduling": cfg.overlaps_steps,
             "_trace": trace,
         }
     finally:
         core.close()
+
+
+def _profile_table(profile: Any, source: str) -> dict[str, Any]:
+    return {
+        "source": source,
+        "batch": list(profile.batch),
+        "drafts_verified": list(profile.drafts),
+        "step_seconds": [list(r) for r in profile.seconds],
+        "steps_per_s": [[1.0 / s for s in r] for r in profile.seconds],
+        "drafted_per_step": profile.drafted,
+        "draft_pass_seconds": list(profile.draft_pass),
+        "plain_step_seconds": list(profile.plain),
+        "meta": profile.meta,
+    }
+
+
+def _h200_profile(model: Path, device: str) -> dict[str, Any] | str:
+    """The H200's table beside this machine's: this run's own on a GPU, else the one measured
+    on an H200 and shipped with the checkpoint (``H200_SPEC_STEPS_FILE``), when there is one."""
+    from engine.spec.policy import SpecProfile
+
+    if device.startswith("cuda"):
+        import torch
+
+        return f"this run's profile (measured on {torch.cuda.get_device_name(torch.device(device))})"
+    path = model / H200_SPEC_STEPS_FILE
+    if not path.is_file():
+        return f"none shipped with this checkpoint ({H200_SPEC_STEPS_FILE})"
+    return _profile_table(SpecProfile.load(path), f"measured on an H200, shipped as {path}")
 
 
 def _acceptance(trace: list[list[tuple[tuple[float, ...], int, int]]], depth: int = 5) -> list[float]:
@@ -204,6 +248,7 @@ def run(args: argparse.Namespace) -> Report:
     engine_kwargs = {
         "device": args.device,
         "dtype": args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32"),
+        "async_scheduling": SCHEDULING[args.scheduling],
     }
     report.config.update(engine_kwargs)
     t_start = time.perf_counter()
@@ -213,24 +258,12 @@ def run(args: argparse.Namespace) -> Report:
     else:
         profile = measure_spec_profile(
             model, sorted(set(conc)), prompt_tokens=args.prompt_tokens, steps=args.profile_steps,
-            progress=progress, **engine_kwargs,
+            progress=progress, device=engine_kwargs["device"], dtype=engine_kwargs["dtype"],
         )  # fmt: skip
         source = "measured by this run"
         progress(f"profile measured in {time.perf_counter() - t_start:.0f} s")
-    report.results["profile"] = {
-        "source": source,
-        "batch": list(profile.batch),
-        "drafts_verified": list(profile.drafts),
-        "step_seconds": [list(r) for r in profile.seconds],
-        "steps_per_s": [[1.0 / s for s in r] for r in profile.seconds],
-        "drafted_per_step": profile.drafted,
-        "draft_pass_seconds": list(profile.draft_pass),
-        "plain_step_seconds": list(profile.plain),
-        "meta": profile.meta,
-    }
-    report.results["h200_profile"] = (
-        "not measured: the H200 decode kernels (the GPU decode issue) have not landed"
-    )
+    report.results["profile"] = _profile_table(profile, source)
+    report.results["h200_profile"] = _h200_profile(model, args.device)
     prompts_all = heldout_prompts(model, max(conc), args.prompt_tokens)
     with tempfile.TemporaryDirectory(prefix="sluice-bench-spec-") as tmp:
         ppath = Path(tmp) / SPEC_STEPS_FILE

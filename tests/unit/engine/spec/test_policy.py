@@ -157,3 +157,39 @@ def test_speculation_that_cannot_pay_at_any_acceptance_is_off_without_evidence()
     cheap = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.0001, pass_s=0.0001, plain_s=0.010))
     cheap.choose(["a"], [[0.9] * 5])
     assert cheap.depth == 5  # could pay: keeps drafting while it gathers evidence
+
+
+@pytest.mark.parametrize("policy", ["dspark", "dspark-lagged"])
+def test_a_step_without_drafts_records_what_verification_would_have(policy: str) -> None:
+    """With speculation off no request has drafts, and ``choose`` skips its per-request work.
+    What it records must still be what an observed step records: one (no confidences, 0
+    verified, 0 accepted) entry per request, a counted step, the policy's name, and nothing
+    left open for ``observe``; a step with drafts afterwards is traced and observed as usual."""
+    slow = SpecProfile(
+        (1, 32), DRAFTS,
+        tuple(tuple(b * (0.0048 + 0.03 + 0.012 * k) for k in DRAFTS) for b in (1, 32)),
+        5, (0.006, 0.006 * 32), (0.0048, 0.0048 * 32),
+    )  # fmt: skip
+    pol = SpecPolicy(SpecConfig(policy), slow)
+    pol.trace = []
+    rids = [f"r{i}" for i in range(3)]
+    assert pol.choose(rids, [[], [], []]) == ([0, 0, 0], "off")
+    for rid in rids:
+        pol.observe(rid, 0)
+    assert pol.trace == [[((), 0, 0)] * 3]
+    assert (pol.stats.steps, pol.stats.drafted, pol.stats.verified, dict(pol.stats.policies)) == (
+        1,
+        0,
+        0,
+        {"off": 1},
+    )
+    assert pol.depth == 0
+    fixed = SpecPolicy(SpecConfig("fixed", 2), None)
+    fixed.trace = []
+    fixed.choose(["a"], [[]])
+    ks, name = fixed.choose(["a", "b"], [[0.9, 0.8], []])
+    assert (ks, name) == ([2, 0], "fixed-2")
+    fixed.observe("a", 1)
+    fixed.observe("b", 0)
+    assert fixed.trace == [[((), 0, 0)], [((0.9, 0.8), 2, 1), ((), 0, 0)]]
+    assert dict(fixed.stats.policies) == {"none": 1, "fixed-2": 1}
