@@ -25,6 +25,7 @@ from kvstore.retention import DEFAULT_TTL_S
 @dataclass(frozen=True)
 class LocalClusterConfig:
     nodes: int = 12
+    host: str = "127.0.0.1"  # the address every node binds and is reached at
     capacity_bytes: int = 1 << 30
     ttl_s: dict[str, float] = field(default_factory=lambda: dict(DEFAULT_TTL_S))
     high_watermark: float = 0.90
@@ -86,7 +87,9 @@ class LocalStoreCluster:
 
     @property
     def nodes(self) -> tuple[NodeAddress, ...]:
-        return tuple(NodeAddress(nid, f"127.0.0.1:{port}") for nid, port in zip(self.node_ids, self.ports))
+        return tuple(
+            NodeAddress(nid, f"{self.config.host}:{port}") for nid, port in zip(self.node_ids, self.ports)
+        )
 
     def _spawn(self, i: int, port: int) -> subprocess.Popen[bytes]:
         c = self.config
@@ -95,7 +98,7 @@ class LocalStoreCluster:
         for name in ("node.addr", "metrics.addr"):
             (d / name).unlink(missing_ok=True)
         args = [
-            "--node-id", self.node_ids[i], "--port", str(port), "--data-dir", str(d),
+            "--node-id", self.node_ids[i], "--host", c.host, "--port", str(port), "--data-dir", str(d),
             "--capacity", str(c.capacity_bytes),
             "--ttl-agent", str(c.ttl_s["agent"]), "--ttl-chat", str(c.ttl_s["chat"]),
             "--high-watermark", str(c.high_watermark), "--low-watermark", str(c.low_watermark),

@@ -95,6 +95,12 @@ API_KEYS: EnvVar[tuple[str, ...]] = _register(
 API_KEYS_FILE: EnvVar[Path | None] = _register(
     "SLUICE_API_KEYS_FILE", _parse_optional_path, None, "File with one API key (KEY or KEY:CLASS) per line."
 )
+ADMIN_KEYS: EnvVar[tuple[str, ...]] = _register(
+    "SLUICE_ADMIN_KEYS",
+    _parse_list,
+    (),
+    "Comma-separated keys of the operator endpoints under /admin (draining engines); empty turns them off.",
+)
 REDIS_URL = _register("SLUICE_REDIS_URL", str, "", "Redis URL for store metadata; empty means in-process.")
 LOG_LEVEL = _register("SLUICE_LOG_LEVEL", str, "INFO", "Python logging level name.")
 DEVICE = _register("SLUICE_DEVICE", str, "auto", "Engine device: auto, cpu or cuda[:N].")

@@ -17,6 +17,7 @@ from fastapi import FastAPI, Request
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
+from services.api.admin import install_admin_routes
 from services.api.admission import AdmissionController
 from services.api.auth import KeyChecker
 from services.api.config import ApiConfig
@@ -51,6 +52,7 @@ def create_app(config: ApiConfig, engine: EngineClient) -> FastAPI:
     app.state.sluice = state
     _install_handlers(app, metrics)
     _install_ops_routes(app, state)
+    install_admin_routes(app, engine, cfg.admin_keys)
     from services.api.routes_anthropic import router as anthropic_router
     from services.api.routes_openai import router as openai_router
 

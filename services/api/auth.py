@@ -19,6 +19,8 @@ from services.api.errors import ApiError
 from services.api.traffic_class import parse_api_keys
 
 OPEN_PATHS = frozenset({"/health"})
+# the operator endpoints check their own keys (ApiConfig.admin_keys, services/api/admin.py)
+ADMIN_PREFIX = "/admin/"
 
 
 class KeyChecker:
@@ -44,11 +46,12 @@ class KeyChecker:
         return self._match(presented)[0]
 
     def check(self, path: str, headers: Mapping[str, str]) -> str | None:
-        """Raise ``ApiError(401)`` unless auth is off, the path is open, or a key matches.
+        """Raise ``ApiError(401)`` unless auth is off, the path is open (or an operator path,
+        which checks the admin keys itself), or a key matches.
 
         Returns the matched key's traffic class (None: no class on the key, or no key needed).
         """
-        if not self._keys or path in OPEN_PATHS:
+        if not self._keys or path in OPEN_PATHS or path.startswith(ADMIN_PREFIX):
             return None
         presented = presented_key(headers)
         if presented is None:

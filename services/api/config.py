@@ -68,6 +68,9 @@ class ApiConfig:
     # services/api/traffic_class.py); a key's class beats the X-Sluice-Traffic-Class header
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     api_keys_file: Path | None = None
+    # keys of the operator endpoints under /admin (draining engines); none: those are off.
+    # Distinct from api_keys: a client's key never drains an engine
+    admin_keys: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         self._validate()
@@ -99,6 +102,10 @@ class ApiConfig:
             raise ValueError("ApiConfig.queue_timeout_s and request_timeout_s must be > 0")
         if any(not k for k in self.api_keys):
             raise ValueError("ApiConfig.api_keys must not contain empty keys")
+        if any(not k or ":" in k for k in self.admin_keys):
+            raise ValueError(
+                "ApiConfig.admin_keys must be non-empty keys without ':' (admin keys have no traffic class)"
+            )
         try:
             parse_api_keys(self.api_keys)
         except ValueError as exc:

@@ -183,3 +183,14 @@ class EngineClient(Protocol):
     def stats(self) -> EngineStats: ...
 
     def model_info(self) -> ModelInfo: ...
+
+
+@runtime_checkable
+class EnginePools(Protocol):
+    """An engine client over named engines that an operator can drain one by one (the Ray
+    deployment's pools). ``engines`` reads this process's pushed view (no engine round trip);
+    ``set_draining`` raises ``KeyError`` for an unknown name."""
+
+    def engines(self) -> list[dict[str, Any]]: ...
+
+    async def set_draining(self, engine: str, draining: bool) -> dict[str, Any]: ...

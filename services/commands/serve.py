@@ -196,7 +196,10 @@ def api_config_from(args: argparse.Namespace) -> tuple[object, str, int, Path]:
     if args.allow_image_host:
         overrides.update(allow_remote_images=True, image_url_allow_hosts=tuple(args.allow_image_host))
     keys = envs.API_KEYS.get()
-    cfg = ApiConfig(host=host, port=port, api_keys=keys, api_keys_file=envs.API_KEYS_FILE.get(), **overrides)
+    cfg = ApiConfig(
+        host=host, port=port, api_keys=keys, api_keys_file=envs.API_KEYS_FILE.get(),
+        admin_keys=envs.ADMIN_KEYS.get(), **overrides,
+    )  # fmt: skip
     if model is None:  # --model, --preset, the file's model, SLUICE_MODEL_DIR, the trained preset
         model = preset_dir(args.preset) if args.preset else default_model_dir()
     return cfg, host, port, model

@@ -1,7 +1,8 @@
 """``sluice store``: run one erasure-coded KV store node, or a local cluster of them.
 
 ``sluice store node --port 7000 --data-dir var/store/n00 --capacity 8GiB`` serves one node.
-``sluice store cluster --nodes 12`` starts twelve nodes on loopback in the foreground,
+``sluice store cluster --nodes 12`` starts twelve nodes on loopback (``--host``: another
+address) in the foreground,
 prints their addresses and stops them all on Ctrl-C or SIGTERM. ``--redis`` also starts a
 redis-server on loopback as the block directory; ``--spec-out FILE`` (which needs
 ``--redis``) writes the store spec (``kvstore.spec``) once every node is up, for other
@@ -32,6 +33,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     cluster.add_argument("--capacity", type=parse_size, default=parse_size("1GiB"), help="bytes per node")
     cluster.add_argument("--metrics", action="store_true", help="serve Prometheus metrics on free ports")
+    cluster.add_argument(
+        "--host", default="127.0.0.1",
+        help="the address the nodes and Redis bind (default loopback; another site's engines need "
+        "an address they can reach: the nodes speak plain gRPC, so bind only a private network)",
+    )  # fmt: skip
     cluster.add_argument(
         "--redis", action="store_true", help="also start a redis-server on loopback as the block directory"
     )
@@ -64,14 +70,16 @@ def run_cluster(args: argparse.Namespace) -> int:
             )
         if not spec_out.parent.is_dir():
             raise ValueError(f"--spec-out {spec_out}: directory {spec_out.parent} does not exist")
-    cfg = LocalClusterConfig(nodes=args.nodes, capacity_bytes=args.capacity, metrics=args.metrics)
+    cfg = LocalClusterConfig(
+        nodes=args.nodes, host=args.host, capacity_bytes=args.capacity, metrics=args.metrics
+    )
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())
     with LocalStore(cfg, spec_path=spec_out, root=args.data_dir, redis=args.redis) as store:
         cluster = store.cluster
         for i, node in enumerate(cluster.nodes):
-            extra = f" metrics http://127.0.0.1:{cluster.metrics_ports[i]}/metrics" if args.metrics else ""
+            extra = f" metrics http://{args.host}:{cluster.metrics_ports[i]}/metrics" if args.metrics else ""
             print(f"{node.node_id} {node.address} data {cluster.data_dir(i)}{extra}", flush=True)
         if store.redis is not None:
             print(f"directory {store.redis.url}", flush=True)

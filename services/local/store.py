@@ -51,7 +51,7 @@ class LocalStore:
             )
         self.directory = directory
         self.cluster = LocalStoreCluster(cluster or LocalClusterConfig(), root=root)
-        self.redis: RedisProcess | None = RedisProcess() if redis else None
+        self.redis: RedisProcess | None = RedisProcess(host=self.cluster.config.host) if redis else None
         self._tmp: Path | None = None
         self.spec_path: Path | None = spec_path
         self.spec: StoreSpec | None = None

@@ -126,6 +126,9 @@ class EngineActor:
         self.log = engine_log(role)
         self.handoffs = ActorHandoffs(HandoffConfig(**dict(handoff or {})), role, self.log)
         self.feeds = Feeds()  # the pushed state, once per router that follows this engine
+        # finishing what it holds, taking nothing new: pushed with the stats, so every router
+        # (one per API process) stops giving it work; a restarted actor starts undrained
+        self.draining = False
 
     async def start(self) -> dict[str, Any]:
         """Load the engine (once: later calls only answer); returns what a router needs to
@@ -265,6 +268,14 @@ class EngineActor:
     async def room(self) -> dict[str, int]:
         return await self.client.room()
 
+    async def set_draining(self, draining: bool) -> dict[str, Any]:
+        """Drain this engine (``True``: the routers stop giving it new requests; it finishes
+        the ones it holds) or make it a candidate again. Answers with the stats after it."""
+        if draining != self.draining:
+            self.log.info("draining" if draining else "accepting requests again")
+        self.draining = bool(draining)
+        return self._stats()
+
     # -- state -------------------------------------------------------------------------------
     def stats(self) -> dict[str, Any]:
         return self._stats()
@@ -273,6 +284,7 @@ class EngineActor:
         """``EngineStats`` as a dict, with this process's pid (a restarted engine has another)."""
         st = asdict(self.client.stats())
         st["extra"]["pid"] = float(os.getpid())
+        st["extra"]["draining"] = float(self.draining)
         st["extra"].update(self.handoffs.stats())
         return st
 

@@ -105,8 +105,6 @@ class RayEngineReplica:
         self.down_at: float | None = None  # time.monotonic() when it last went down
         self.restarts = 0  # times Ray restarted the actor and its engine came back
         self.recoveries = 0  # requests continued after their decode engine died
-        # finishing what it holds, taking nothing new (``RayServingClient.drain``)
-        self.draining = False
         self.handoffs: dict[str, _Handoff] = {}  # in-flight disaggregated requests: their handoff point
         # the actor keeps each payload it exported until told the request ended (gRPC transport)
         self.holds_payloads = info.get("handoff") == "grpc"
@@ -217,6 +215,23 @@ class RayEngineReplica:
 
     def stats(self) -> EngineStats:
         return self._stats
+
+    @property
+    def draining(self) -> bool:
+        """Finishing what it holds, taking nothing new (the engine's pushed flag: set from any
+        API process, seen by every router)."""
+        return bool(self._stats.extra.get("draining", 0.0))
+
+    def holds_nothing(self) -> bool:
+        """No request running or waiting, no reservation and no handoff payload (pushed state)."""
+        st = self._stats
+        return (
+            st.running + st.waiting + st.extra.get("reserved", 0.0) + st.extra.get("handoffs_held", 0.0) == 0
+        )
+
+    async def set_draining(self, draining: bool) -> None:
+        """Drain the engine, or make it a candidate again; this process's view follows at once."""
+        self._offer(await self._get(self.actor.set_draining.remote(draining)))
 
     async def ready(self, timeout_s: float = 5.0) -> bool:
         if not self._alive:

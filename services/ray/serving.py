@@ -356,25 +356,34 @@ class RayServingClient:
         return out
 
     # -- draining one engine ---------------------------------------------------------------
-    def drain(self, engine: str) -> None:
-        """Take engine ``engine`` (a name such as ``decode-1``) out of the router's and the
-        decode balancer's candidates: it finishes the requests it holds and takes nothing
-        new, e.g. before maintenance of its host. ``drained`` says when it holds nothing;
-        ``undrain`` gives it work again. Thread-safe (one flag)."""
-        self._replica(engine).draining = True
-        log.info("engine %s: draining", engine)
-
-    def undrain(self, engine: str) -> None:
-        self._replica(engine).draining = False
-        log.info("engine %s: accepting requests again", engine)
+    async def set_draining(self, engine: str, draining: bool) -> dict[str, Any]:
+        """Drain engine ``engine`` (a name such as ``decode-1``): the routers and the decode
+        balancer of every API process stop giving it new requests, and it finishes the ones
+        it holds, e.g. before maintenance of its host; ``draining=False`` gives it work
+        again. The flag lives in the engine actor and reaches the other API processes with
+        its pushed state. Returns the engine's row (``engines``). ``KeyError``: no such engine."""
+        r = self._replica(engine)
+        await r.set_draining(draining)
+        return self._row(r)
 
     def drained(self, engine: str) -> bool:
-        """Whether a draining engine holds nothing any more: no request running or waiting, no
-        reservation and no handoff payload (from its pushed state)."""
+        """Whether a draining engine holds nothing any more (from its pushed state)."""
         r = self._replica(engine)
+        return r.draining and r.holds_nothing()
+
+    def engines(self) -> list[dict[str, Any]]:
+        """One row per engine: name, pool, up, draining, drained, running and waiting
+        requests, KV tokens held (the pushed state this process sees)."""
+        return [self._row(r) for r in [*self.prefill, *(self.decode.replicas if self.decode else [])]]
+
+    @staticmethod
+    def _row(r: RayEngineReplica) -> dict[str, Any]:
         st = r.stats()
-        held = st.running + st.waiting + st.extra.get("reserved", 0.0) + st.extra.get("handoffs_held", 0.0)
-        return r.draining and held == 0
+        return {
+            "name": r.name, "pool": r.pool, "alive": r.alive, "draining": r.draining,
+            "drained": r.draining and r.holds_nothing(), "running": st.running, "waiting": st.waiting,
+            "kv_tokens": int(st.extra.get("kv_tokens", 0.0)),
+        }  # fmt: skip
 
     def _replica(self, engine: str) -> RayEngineReplica:
         for r in [*self.prefill, *(self.decode.replicas if self.decode else [])]:

@@ -56,13 +56,14 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 60.0, what: str
 
 
 @contextlib.contextmanager
-def served(client: object) -> Iterator[str]:
-    """The API (default limits) over ``client`` on 127.0.0.1: its base URL, until the block ends."""
+def served(client: object, **config: object) -> Iterator[str]:
+    """The API (default limits, or ``ApiConfig`` fields ``config``) over ``client`` on
+    127.0.0.1: its base URL, until the block ends."""
     from services.api.app import create_app
     from services.api.config import ApiConfig
     from services.api.server import ServerThread
 
-    app = create_app(ApiConfig(), client)  # type: ignore[arg-type]
+    app = create_app(ApiConfig(**config), client)  # type: ignore[arg-type]
     with ServerThread(app, app.state.sluice.config) as srv:
         yield srv.url
 

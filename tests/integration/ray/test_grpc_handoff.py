@@ -26,6 +26,7 @@ pytestmark = pytest.mark.integration
 
 ENGINE = {"num_blocks": 32, "max_num_batched_tokens": 128}
 HELD = ("running", "waiting", "reserved", "held_blocks", "held_swa_slots", "handoffs_held")
+ADMIN_KEY = "operator-key"
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +38,7 @@ def stack(ray_local, model, store) -> Iterator[tuple[str, RayServingClient]]:
         PoolConfig(2, engine, resources={"decode": 1}),
         handoff=HandoffConfig(transport="grpc"),
     )
-    with served(client) as url:
+    with served(client, admin_keys=(ADMIN_KEY,)) as url:
         yield url, client
 
 
@@ -158,11 +159,31 @@ def test_the_handoff_server_listens_on_loopback(stack):
     assert all(a.startswith(LOOPBACK_PREFIXES) for a in addrs), addrs
 
 
-def test_a_drained_decode_engine_finishes_its_request_and_takes_no_new_one(stack, reference):
-    """``drain``: the engine streams the rest of the request it holds (text equal to a clean
-    run), new requests all go to the other decode engine, ``drained`` turns true once it holds
-    nothing, and ``undrain`` makes it a candidate again."""
+def _admin(url: str, capsys, *argv: str) -> tuple[int, str]:
+    """``sluice admin ARGV --url URL --json``, in this process (real HTTP to the server)."""
+    from services.cli import main
+
+    capsys.readouterr()
+    rc = main(["admin", *argv, "--url", url, "--json"])
+    return rc, capsys.readouterr().out
+
+
+def test_a_drained_decode_engine_finishes_its_request_and_takes_no_new_one(
+    stack, reference, capsys, monkeypatch
+):
+    """``sluice admin drain`` (``POST /admin/engines/NAME/drain``): the engine streams the rest
+    of the request it holds (text equal to a clean run), new requests all go to the other
+    decode engine, ``--wait`` returns once it holds nothing, and ``undrain`` makes it a
+    candidate again. A drain set on the engine actor from outside this API process (as
+    another API replica's endpoint does) reaches this process's router with the engine's
+    pushed state. Wrong keys and unknown engines are refused with a message."""
+    import json
+
+    import httpx
+    import ray
+
     url, client = stack
+    monkeypatch.setenv("SLUICE_ADMIN_KEYS", ADMIN_KEY)
     decode = client.decode
     prompt, n = "drain this engine: ", 120
     want = completion_text(reference, prompt, n)
@@ -171,7 +192,8 @@ def test_a_drained_decode_engine_finishes_its_request_and_takes_no_new_one(stack
     wait_until(lambda: sum(r.stats().running for r in decode.replicas) == 1, what="the request decoding")
     busy = next(i for i, r in enumerate(decode.replicas) if r.stats().running == 1)
     name = decode.replicas[busy].name
-    client.drain(name)
+    rc, out = _admin(url, capsys, "drain", name)
+    assert rc == 0 and json.loads(out)["draining"] is True
     try:
         assert not client.drained(name)  # it still holds the request
         before = list(decode.placed)
@@ -180,16 +202,28 @@ def test_a_drained_decode_engine_finishes_its_request_and_takes_no_new_one(stack
         assert decode.placed[busy] == before[busy] and sum(decode.placed) == sum(before) + 3
         got += [c.choices[0].text for c in chunks if c.choices]
         assert "".join(got) == want
-        wait_until(lambda: client.drained(name), what=f"{name} drained")
+        rc, out = _admin(url, capsys, "drain", name, "--wait", "--timeout-s", "30", "--poll-s", "0.1")
+        assert rc == 0 and json.loads(out)["drained"] is True
+        rc, out = _admin(url, capsys, "engines")
+        rows = {r["name"]: r for r in json.loads(out)}
+        assert rows[name]["draining"] and rows[name]["drained"] and rows[name]["running"] == 0
+        assert set(rows) == {r.name for r in [*client.prefill, *decode.replicas]}
     finally:
-        client.undrain(name)
-    with pytest.raises(KeyError, match="no engine"):
-        client.drain("decode-9")
-    other = decode.replicas[1 - busy].name
-    client.drain(other)  # now only the undrained engine can take the next request
+        assert _admin(url, capsys, "undrain", name)[0] == 0
+    assert not decode.replicas[busy].draining
+    key = {"Authorization": f"Bearer {ADMIN_KEY}"}
+    refused = httpx.post(f"{url}/admin/engines/decode-9/drain", headers=key)
+    assert refused.status_code == 404 and name in refused.json()["error"]["message"]
+    assert httpx.get(f"{url}/admin/engines", headers={"Authorization": "Bearer not-it"}).status_code == 401
+    assert httpx.get(f"{url}/admin/engines").status_code == 401
+    # drained from outside this API process: on the actor, as another replica's endpoint does
+    other = decode.replicas[1 - busy]
+    ray.get(other.actor.set_draining.remote(True))
     try:
+        wait_until(lambda: other.draining, what=f"{other.name}'s pushed drain")
         placed = decode.placed[busy]
         completion_text(url, "after draining", 4)
         assert decode.placed[busy] == placed + 1, "the undrained engine takes requests again"
     finally:
-        client.undrain(other)
+        ray.get(other.actor.set_draining.remote(False))
+    wait_until(lambda: not other.draining, what=f"{other.name} accepting again")

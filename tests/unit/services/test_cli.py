@@ -33,3 +33,15 @@ def test_console_script_runs():
 def test_gen_checkpoint_rejects_bad_override(tmp_path, capsys):
     assert main(["gen-checkpoint", "--out", str(tmp_path), "--set", "novalue"]) == 2
     assert "KEY=JSON" in capsys.readouterr().err
+
+
+def test_admin_says_what_it_needs(monkeypatch, capsys):
+    monkeypatch.delenv("SLUICE_ADMIN_KEYS", raising=False)
+    assert main(["admin", "engines"]) == 2
+    assert "SLUICE_ADMIN_KEYS" in capsys.readouterr().err
+    monkeypatch.setenv("SLUICE_ADMIN_KEYS", "k")
+    assert main(["admin", "drain"]) == 2
+    assert "engine's name" in capsys.readouterr().err
+    # nothing listens on port 9 of loopback: refused, said plainly, no traceback
+    assert main(["admin", "engines", "--url", "http://127.0.0.1:9"]) == 2
+    assert "cannot reach" in capsys.readouterr().err
