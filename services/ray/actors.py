@@ -147,6 +147,7 @@ class EngineActor:
         return {
             "role": self.role,
             "pid": os.getpid(),
+            "node_ip": _node_ip(),
             "block_size": int(block_size),
             "extra_keys": extra_keys_to_wire(extra),
             "model_info": asdict(self.client.model_info()),
@@ -318,6 +319,13 @@ class EngineActor:
         self._closed = True
         self.handoffs.close()
         await self.client.close()
+
+
+def _node_ip() -> str:
+    """The address the Ray cluster knows this actor's host by."""
+    import ray
+
+    return str(ray.util.get_node_ip_address())
 
 
 def _ray_store(name: str) -> Any:

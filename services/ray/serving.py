@@ -372,15 +372,17 @@ class RayServingClient:
         return r.draining and r.holds_nothing()
 
     def engines(self) -> list[dict[str, Any]]:
-        """One row per engine: name, pool, up, draining, drained, running and waiting
-        requests, KV tokens held (the pushed state this process sees)."""
+        """One row per engine (each rank of an EP instance): name, pool, host (Ray node IP),
+        pid, up, draining, drained, running and waiting requests, KV tokens held (the
+        pushed state this process sees)."""
         return [self._row(r) for r in [*self.prefill, *(self.decode.replicas if self.decode else [])]]
 
     @staticmethod
     def _row(r: RayEngineReplica) -> dict[str, Any]:
         st = r.stats()
         return {
-            "name": r.name, "pool": r.pool, "alive": r.alive, "draining": r.draining,
+            "name": r.name, "pool": r.pool, "host": r.info.get("node_ip", ""), "pid": r.info.get("pid"),
+            "alive": r.alive, "draining": r.draining,
             "drained": r.draining and r.holds_nothing(), "running": st.running, "waiting": st.waiting,
             "kv_tokens": int(st.extra.get("kv_tokens", 0.0)),
         }  # fmt: skip
