@@ -5,6 +5,8 @@ that another process took first."""
 from __future__ import annotations
 
 import socket
+import tempfile
+from pathlib import Path
 
 import pytest
 import redis
@@ -40,3 +42,19 @@ def test_port_zero_tries_again_when_its_pick_is_taken(monkeypatch: pytest.Monkey
         with RedisProcess() as server:
             assert server.port != lost
             assert redis.Redis.from_url(server.url).ping()
+
+
+def test_a_password_reaches_redis_in_a_private_file_never_in_argv():
+    """Off loopback ``RedisProcess`` draws a password (protected mode refuses remote clients
+    without one); given one, it goes to redis-server through a 0600 config file that is gone
+    once the server answers, not through argv (which every local user can read)."""
+    secret = "pw-" + "9" * 29
+    with RedisProcess(password=secret) as r:
+        assert r.url == f"redis://:{secret}@127.0.0.1:{r.port}/0"
+        cmdline = Path(f"/proc/{r.proc.pid}/cmdline").read_bytes().decode()
+        assert secret not in cmdline
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            redis.Redis(port=r.port).ping()
+        assert redis.Redis.from_url(r.url).ping()
+        assert not any(Path(tempfile.gettempdir()).glob("sluice-redis-*.conf"))
+    assert "pw" not in repr(RedisProcess(password=secret))
