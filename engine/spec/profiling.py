@@ -7,12 +7,18 @@ ever adds time.
 
 For every batch size ``B`` and draft count ``k = 0 .. drafted`` an `EngineCore` runs the
 ``fixed-k:drafted`` policy (the MTP layer drafts ``drafted`` tokens per request, ``k`` are
-verified) over ``B`` requests of ``prompt_tokens`` seeded random tokens, decoding greedily
-without stopping. After ``warmup`` steps of the decode phase, a step counts when every one
-of the ``B`` requests verified exactly ``k`` drafts; the profile keeps the median of
-``steps`` such steps. Prefix caching is off so that no request starts from another's state.
-What is measured is the engine's cost of a step of that shape: token content does not
-change it beyond noise (MoE routing), acceptance only changes how fast contexts grow.
+verified) over ``B`` requests of ``prompt_tokens`` tokens, decoding greedily without
+stopping. After ``warmup`` steps of the decode phase, a step counts when every one of the
+``B`` requests verified exactly ``k`` drafts; the profile keeps the median of ``steps`` such
+steps. Prefix caching is off so that no request starts from another's state.
+
+The prompts are text (``heldout_prompts``: windows of the held-out split, through the
+checkpoint's tokenizer), falling back to seeded random tokens when the text cannot be had.
+Acceptance changes a step's cost, not only how fast contexts grow: the MTP layer's first
+pass runs over the input token and every accepted draft, so a request that accepted 3
+drafts gives it 4 rows where a rejected one gives 1. On random tokens almost nothing is
+accepted, and the trained preset's verification steps measured up to 1.8x what such a
+profile priced them at (docs/benchmarks.md, "Speculative decoding").
 """
 
 from __future__ import annotations
@@ -27,18 +33,17 @@ from engine.spec.policy import MAX_DRAFTS, SpecProfile
 
 
 def _cell(
-    model: Path, batch: int, k: int, drafted: int, prompt_tokens: int, warmup: int, steps: int, seed: int,
+    model: Path, batch: int, k: int, drafted: int, prompts: Sequence[Sequence[int]], warmup: int, steps: int,
     engine_kwargs: dict[str, Any],
 ) -> float:  # fmt: skip
     """Median seconds of a step verifying ``k`` drafts per request and drafting ``drafted``;
     ``drafted = 0``: plain decoding (no speculation)."""
-    import random
-
     from engine.core import EngineCore
     from engine.engine_config import EngineConfig
     from engine.messages import CoreRequest
     from engine.sampling.params import SamplingParams
 
+    prompt_tokens = max(len(p) for p in prompts)
     per_req = prompt_tokens + (warmup + steps + 4) * (k + 1)
     blocks = batch * (-(-per_req // 256) + 1) + 4
     cfg = EngineConfig(
@@ -49,11 +54,9 @@ def _cell(
     )  # fmt: skip
     core = EngineCore(cfg)
     try:
-        rng = random.Random(seed + batch)
         params = SamplingParams(temperature=0.0, max_tokens=per_req - prompt_tokens, ignore_eos=True)
         for i in range(batch):
-            prompt = [rng.randrange(3, core.vocab_size) for _ in range(prompt_tokens)]
-            core.add(CoreRequest(f"p{i}", tuple(prompt), params))
+            core.add(CoreRequest(f"p{i}", tuple(prompts[i % len(prompts)]), params))
         spec = core.spec
         times: list[float] = []
         seen = 0
@@ -94,11 +97,10 @@ def measure_spec_profile(
     model = Path(model)
     seconds, draft_pass, plain = [], [], []
     t_start = time.perf_counter()
+    prompts, source = _prompts(model, max(batches), prompt_tokens, seed)
 
     def cell(b: int, k: int, d: int) -> float:
-        t = min(
-            _cell(model, b, k, d, prompt_tokens, warmup, steps, seed, engine_kwargs) for _ in range(rounds)
-        )
+        t = min(_cell(model, b, k, d, prompts, warmup, steps, engine_kwargs) for _ in range(rounds))
         if progress is not None:
             what = f"{k} of {d} drafts verified" if d else "plain decoding"
             progress(f"spec profile: batch {b}, {what}: {t * 1e3:.1f} ms/step")
@@ -113,6 +115,7 @@ def measure_spec_profile(
     meta = {
         "method": "median wall time of engine steps (engine.spec.profiling)",
         "prompt_tokens": prompt_tokens,
+        "prompts": source,
         "steps": steps,
         "warmup": warmup,
         "rounds": rounds,
@@ -128,3 +131,16 @@ def measure_spec_profile(
         tuple(plain),
         meta,
     )
+
+
+def _prompts(model: Path, n: int, length: int, seed: int) -> tuple[list[list[int]], str]:
+    """``n`` prompts of ``length`` ids: held-out text, else seeded random tokens; and which."""
+    from engine.replay_quality import heldout_prompts, random_prompts
+
+    try:
+        return heldout_prompts(model, n, length), "heldout-v1 windows"
+    except Exception as exc:  # noqa: BLE001 - no tokenizer (tokenizers raises a bare Exception), no corpus
+        import json
+
+        vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
+        return random_prompts(vocab, n, length, seed), f"random tokens ({type(exc).__name__}: {exc})"
