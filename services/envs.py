@@ -122,6 +122,14 @@ def snapshot(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
     return {name: var.get(environ) for name, var in REGISTRY.items()}
 
 
+def foreign(name: str) -> str | None:
+    """A variable another library reads (e.g. gloo's ``GLOO_SOCKET_IFNAME``), so that an
+    operator's own setting is respected rather than overwritten; None when unset."""
+    if name.startswith(PREFIX):
+        raise ValueError(f"{name} is Sluice's own: read it through its registered EnvVar")
+    return os.environ.get(name)
+
+
 def export_to_children(values: Mapping[str, str]) -> None:
     """Set variables that child processes we start (Ray's raylet, workers) must inherit."""
     os.environ.update(values)

@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import json
 import logging
-import os
 import queue
 import threading
 import time
@@ -180,9 +179,10 @@ class InProcessEngineClient:
         from engine.distributed.lockstep import Lockstep
 
         assert self.ep is not None
-        if not config.device.startswith("cuda") and "GLOO_SOCKET_IFNAME" not in os.environ:
+        from services import envs
+
+        if not config.device.startswith("cuda") and envs.foreign("GLOO_SOCKET_IFNAME") is None:
             from engine.distributed.netif import gloo_interface
-            from services import envs
 
             # gloo's pair sockets on the interface of the address the cluster knows this host
             # by (Ray's node IP: loopback on one host, the host's network between hosts)

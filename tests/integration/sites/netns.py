@@ -82,7 +82,7 @@ class TwoSites:
             proc = subprocess.Popen(
                 ["ip", "netns", "exec", self.ns[site], *argv],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env={**os.environ, **(env or {})}, start_new_session=True,
+                env=host_env(env), start_new_session=True,
             )  # fmt: skip
         self.procs.append(proc)
         return proc
@@ -91,7 +91,7 @@ class TwoSites:
         """Run ``argv`` in the namespace to its end; its stdout (raises with its output on failure)."""
         r = subprocess.run(
             ["ip", "netns", "exec", self.ns[site], *argv],
-            capture_output=True, text=True, timeout=timeout_s, env={**os.environ, **(env or {})},
+            capture_output=True, text=True, timeout=timeout_s, env=host_env(env),
         )  # fmt: skip
         if r.returncode != 0:
             raise RuntimeError(
@@ -127,6 +127,14 @@ class TwoSites:
         time.sleep(0.2)
         for ns in self.ns.values():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+
+
+def host_env(extra: dict[str, str] | None) -> dict[str, str]:
+    """The environment of a process on an emulated host: this one's, less what the test
+    session's own loopback Ray and EP groups exported (``RAY_*``, ``GLOO_*``: a one-host
+    cluster's settings, wrong on a host of a two-host one), plus ``extra``."""
+    own = {k: v for k, v in os.environ.items() if not k.startswith(("RAY_", "GLOO_"))}
+    return {**own, **(extra or {})}
 
 
 def _ip(*args: str) -> None:
