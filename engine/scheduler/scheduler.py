@@ -270,7 +270,8 @@ class Scheduler:
         sets how many the step drafts for the next, ``spec.depth``)."""
         assert self.spec is not None
         cands = [r for r in running if r.num_pending == 0 and r.tokens_to_compute == 1]
-        if not cands:
+        if not cands:  # prompts only: the requests running or admitted now decode next
+            self.spec.prepare(min(len(running) + len(self.waiting), self.config.max_num_seqs))
             return {}
         if not any(r.drafts for r in cands):  # nothing to verify; an adaptive policy still sets the depth
             if self.spec.adaptive:

@@ -305,6 +305,17 @@ class SpecPolicy:
         self._open = {rid: (tuple(float(x) for x in c), k) for rid, c, k in zip(rids, confidences, ks)}
         return ks, name
 
+    def prepare(self, b: int) -> None:
+        """The drafting depth of a step in which no request decodes yet (prompts only), for
+        the ``b`` requests that will decode next: none where speculation never pays at that
+        batch, so that no prompt pays for drafts nobody will verify; else as it stands."""
+        if not self.adaptive or b < 1:
+            return
+        if self._never_pays(b):
+            self.mode, self.depth, self._off_by_bound = "off", 0, True
+        elif self._off_by_bound:  # this batch size might pay: draft again and gather evidence
+            self.mode, self.depth, self._off_by_bound = "dspark", self.config.num_drafts, False
+
     def _choose_none(self, rows: int, b: int) -> tuple[list[int], str]:
         """``choose`` for a step in which no request has a draft (speculation off, or the
         step after a prefill): nothing to verify, so no per-request work, which at a

@@ -145,9 +145,9 @@ def test_published_blocks_equal_plain_decodings(steep_profile) -> None:
 
 def test_speculation_switched_off_overlaps_steps_and_keeps_the_tokens(tmp_path) -> None:
     """A profile on which speculation never pays (verification at ~10 plain steps, as the
-    H200's eager verification): DSpark decodes plainly from the first step, and the engine
-    then schedules step N+1 while step N runs, as plain decoding does; the tokens are plain
-    decoding's."""
+    H200's eager verification): DSpark drafts nothing, not even in the prompts' step, and
+    decodes plainly from the first step; the engine then schedules step N+1 while step N
+    runs, as plain decoding does; the tokens are plain decoding's."""
     batch = (1, 8, 32)
     secs = tuple(tuple(b * (0.01 + 0.03 + 0.05 * k) for k in range(6)) for b in batch)
     path = tmp_path / "steps.json"
@@ -170,5 +170,8 @@ def test_speculation_switched_off_overlaps_steps_and_keeps_the_tokens(tmp_path) 
     try:
         assert _generate(llm, prompts, greedy) == want
         assert llm.loop.overlapped > 0
+        spec = llm.core.spec
+        assert (spec.stats.drafted, spec.stats.verified, spec.mode, spec.depth) == (0, 0, "off", 0)
+        assert set(spec.stats.policies) <= {"off"}, spec.stats.policies
     finally:
         llm.close()
