@@ -85,6 +85,7 @@ class InProcessEngineClient:
         eplb: Any = None,
         ep_store: Any = None,
         encode_images: bool = True,
+        ep_interface: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
         """``ep``: an ``engine.distributed.lockstep.EPMember`` (or its fields as a dict) when
@@ -92,7 +93,9 @@ class InProcessEngineClient:
         the group's other ranks. ``eplb``: ``services.eplb.controller.EplbConfig`` (or its
         fields) to balance the group's experts while it serves (EP only). ``ep_store``: a
         function returning the group's rendezvous store, called when the rank joins
-        (default: the file ``ep`` names). ``encode_images=False``: a vision pool encodes this
+        (default: the file ``ep`` names). ``ep_interface``: the network interface of the
+        group's gloo sockets on CPU (the one holding the address the cluster knows this host
+        by; default loopback: every rank on this host). ``encode_images=False``: a vision pool encodes this
         engine's images, so it loads no encoder of its own; it takes rows the pool made
         (``EncodedImage``, verified against the checkpoint's encoder) and refuses raw images."""
         from engine.distributed.lockstep import EPMember
@@ -110,6 +113,7 @@ class InProcessEngineClient:
         self.eplb = eplb if eplb is not None and eplb.enabled else None
         self._lockstep: Any = None
         self.ep_store = ep_store  # () -> torch.distributed.Store: the group's rendezvous (default: ep's file)
+        self.ep_interface = ep_interface or "lo"
         self._info = _read_model_info(self.model_dir, self.engine_kwargs)
         self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         # request ids aborted lately (their time): a request whose abort arrived before it was
@@ -182,11 +186,7 @@ class InProcessEngineClient:
         from services import envs
 
         if not config.device.startswith("cuda") and envs.foreign("GLOO_SOCKET_IFNAME") is None:
-            from engine.distributed.netif import gloo_interface
-
-            # gloo's pair sockets on the interface of the address the cluster knows this host
-            # by (Ray's node IP: loopback on one host, the host's network between hosts)
-            envs.export_to_children({"GLOO_SOCKET_IFNAME": gloo_interface(_ray_node_ip())})
+            envs.export_to_children({"GLOO_SOCKET_IFNAME": self.ep_interface})  # an operator's own wins
         group = self.ep.join(config.device, self.ep_store() if self.ep_store is not None else None)
         if self.eplb is None:
             core = EngineCore(config, ep_group=group)
@@ -766,14 +766,3 @@ def _vision_fingerprint(model_dir: Path, cfg: dict[str, Any]) -> str:
     from engine.model.vision import vision_fingerprint
 
     return vision_fingerprint(model_dir)
-
-
-def _ray_node_ip() -> str | None:
-    """This process's Ray node IP when it is a Ray worker (an engine actor), else None."""
-    import sys
-
-    if "ray" not in sys.modules:
-        return None
-    import ray
-
-    return str(ray.util.get_node_ip_address()) if ray.is_initialized() else None

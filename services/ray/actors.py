@@ -106,6 +106,7 @@ class EngineActor:
         plus ``rendezvous``: the name of the group's ``RendezvousActor`` to meet through;
         ``eplb``: ``EplbConfig`` fields to balance the group's experts while serving;
         ``handoff``: ``services.ray.handoff.HandoffConfig`` fields (default: object store)."""
+        from engine.distributed.netif import gloo_interface
         from services.api.inprocess import InProcessEngineClient
         from services.ray.handoff import ActorHandoffs, HandoffConfig
 
@@ -119,6 +120,8 @@ class EngineActor:
             ep=member,
             eplb=dict(eplb) if eplb else None,
             ep_store=_ray_store(rendezvous) if rendezvous else None,
+            # gloo on the interface of this host's Ray node IP: loopback on a one-host cluster
+            ep_interface=gloo_interface(_node_ip()) if member else None,
             **dict(engine_config or {}),
         )
         self._closed = False
