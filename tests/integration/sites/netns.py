@@ -127,6 +127,8 @@ class TwoSites:
         time.sleep(0.2)
         for ns in self.ns.values():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, check=False)
+        # a pair that never reached its namespaces (a failed start) is still here
+        subprocess.run(["ip", "link", "del", self.dev["a"]], capture_output=True, check=False)
 
 
 def host_env(extra: dict[str, str] | None) -> dict[str, str]:
