@@ -348,11 +348,9 @@ class SpecPolicy:
     def _set_depth(self, b: int, conf: Sequence[np.ndarray]) -> None:
         """The next step's drafting depth: plain decoding, a uniform K, or DSpark over all."""
         assert self.profile is not None
-        if self._never_pays(b):
-            self.mode, self.depth, self._off_by_bound = "off", 0, True
+        self.prepare(b)
+        if self._off_by_bound:
             return
-        if self._off_by_bound:  # this batch size might pay: draft again and gather evidence
-            self.mode, self.depth, self._off_by_bound = "dspark", self.config.num_drafts, False
         rates = self.rates()
         if rates is None or self._tries[0] < self.MIN_EVIDENCE:
             return  # too little evidence yet: keep drafting num_drafts

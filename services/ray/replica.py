@@ -229,6 +229,11 @@ class RayEngineReplica:
             st.running + st.waiting + st.extra.get("reserved", 0.0) + st.extra.get("handoffs_held", 0.0) == 0
         )
 
+    @property
+    def drained(self) -> bool:
+        """Draining, and holding nothing any more."""
+        return self.draining and self.holds_nothing()
+
     async def set_draining(self, draining: bool) -> None:
         """Drain the engine, or make it a candidate again; this process's view follows at once."""
         self._offer(await self._get(self.actor.set_draining.remote(draining)))

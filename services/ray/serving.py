@@ -179,7 +179,7 @@ class RayServingClient:
             ]
             self.router = RoutedEngineClient(self.prefill, self.policy, self.cost or self._fitted_cost())
             await self.router.start()
-            by_name = {r.name: r for r in [*self.prefill, *(self.decode.replicas if self.decode else [])]}
+            by_name = {r.name: r for r in self._engines()}
             for inst in self._groups:
                 inst.replicas = [by_name[n] for n in inst.names]
             if self._groups and not self.attach:
@@ -368,14 +368,13 @@ class RayServingClient:
 
     def drained(self, engine: str) -> bool:
         """Whether a draining engine holds nothing any more (from its pushed state)."""
-        r = self._replica(engine)
-        return r.draining and r.holds_nothing()
+        return self._replica(engine).drained
 
     def engines(self) -> list[dict[str, Any]]:
         """One row per engine (each rank of an EP instance): name, pool, host (Ray node IP),
         pid, up, draining, drained, running and waiting requests, KV tokens held (the
         pushed state this process sees)."""
-        return [self._row(r) for r in [*self.prefill, *(self.decode.replicas if self.decode else [])]]
+        return [self._row(r) for r in self._engines()]
 
     @staticmethod
     def _row(r: RayEngineReplica) -> dict[str, Any]:
@@ -383,12 +382,15 @@ class RayServingClient:
         return {
             "name": r.name, "pool": r.pool, "host": r.info.get("node_ip", ""), "pid": r.info.get("pid"),
             "alive": r.alive, "draining": r.draining,
-            "drained": r.draining and r.holds_nothing(), "running": st.running, "waiting": st.waiting,
+            "drained": r.drained, "running": st.running, "waiting": st.waiting,
             "kv_tokens": int(st.extra.get("kv_tokens", 0.0)),
         }  # fmt: skip
 
+    def _engines(self) -> list[RayEngineReplica]:
+        return [*self.prefill, *(self.decode.replicas if self.decode else [])]
+
     def _replica(self, engine: str) -> RayEngineReplica:
-        for r in [*self.prefill, *(self.decode.replicas if self.decode else [])]:
+        for r in self._engines():
             if r.name == engine:
                 return r
         raise KeyError(f"no engine {engine!r} in this deployment")
