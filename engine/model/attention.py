@@ -16,7 +16,7 @@ from engine.cache.swa import SWASlots
 from engine.checkpoint.quant import dequantize
 from engine.config import CSA, HCA, SLIDING, ModelConfig
 from engine.forward_batch import ForwardBatch
-from engine.model import verify
+from engine.model import prefill, verify
 from engine.model.compressor import CSACompressor, HCACompressor, Indexer, run_compressor
 from engine.model.decode import decode_attend, decode_compress, decode_keys, written
 from engine.model.norms import RMSNorm, rms_unweighted
@@ -132,19 +132,17 @@ class Attention(nn.Module):
         for i, (start, qlen, n0, slot, _, table) in enumerate(meta):
             sl = slice(start, start + qlen)
             kv_i = SWASlots.with_kept(swa.window[layer], slot, n0, kv[sl], kept[i])
-            keys, bias = self._keys(
-                kv_i,
-                pos[sl],
-                n0,
-                window_from[i],
-                slot,
-                table,
-                pool,
-                swa,
-                layer,
-                None if idx is None else (idx[0][sl], idx[1][sl]),
-            )
-            out[sl] = self._attend(q[sl], keys, bias)
+            lo = min(n0, max(window_from[i], n0 - self.window + 1, 0))  # what the ring holds
+            ring = SWASlots.ring_read(swa.window[layer], slot, lo, n0)
+            raw = prefill.window_rows(ring, kv_i, self.window)
+            compressed = csa = None
+            if self.compressor is not None:
+                n_entries = (n0 + qlen) // self.compressor.rate
+                compressed = (pool.read(layer, table, n_entries).to(q.dtype), self.compressor.rate)
+                if idx is not None and isinstance(self.compressor, CSACompressor):
+                    ikeys = pool.read(layer, table, n_entries, index=True)
+                    csa = (self.compressor.indexer, idx[0][sl], idx[1][sl], ikeys)
+            out[sl] = prefill.attend_sequence(q[sl], raw, n0, lo, self.window, self.sinks, compressed, csa)
             SWASlots.ring_write_from(swa.window[layer], slot, n0, kv_i, kept[i])
         out = self.rotary(out, pos, inverse=True)
         grouped = out.reshape(x.shape[0], self.o_groups, -1)
@@ -183,33 +181,3 @@ class Attention(nn.Module):
         out = decode_attend(q, keys, visible, self.sinks)
         out = self.rotary(out, batch.positions, inverse=True)
         return self.o_b_proj(self.o_a_proj(out.reshape(x.shape[0], self.o_groups, -1)))
-
-    def _keys(self, kv_new, qpos, n0, window_from, slot, table, pool, swa, layer, idx_q):
-        """Keys [K, hd] visible to a sequence's queries and the additive bias [q, K] (0 / -inf)."""
-        lo = min(n0, max(window_from, n0 - self.window + 1))
-        raw = torch.cat([SWASlots.ring_read(swa.window[layer], slot, lo, n0), kv_new], dim=0)
-        kpos = torch.arange(lo, n0 + kv_new.shape[0], device=kv_new.device)
-        d = qpos[:, None] - kpos[None, :]
-        visible = (d >= 0) & (d < self.window)  # [q, n_raw]
-        if self.compressor is not None:
-            rate = self.compressor.rate
-            n_entries = (n0 + kv_new.shape[0]) // rate
-            comp = pool.read(layer, table, n_entries)  # [E, hd]
-            if idx_q is not None and isinstance(self.compressor, CSACompressor):
-                ikeys = pool.read(layer, table, n_entries, index=True)
-                cvis = self.compressor.indexer.select(idx_q[0], idx_q[1], ikeys, qpos)
-            else:
-                cvis = torch.arange(n_entries, device=kv_new.device)[None, :] < ((qpos + 1) // rate)[:, None]
-            raw = torch.cat([raw, comp.to(raw.dtype)], dim=0)
-            visible = torch.cat([visible, cvis], dim=1)
-        bias = torch.zeros(visible.shape, dtype=torch.float32, device=kv_new.device)
-        return raw, bias.masked_fill(~visible, float("-inf"))
-
-    def _attend(self, q: torch.Tensor, keys: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-        """q [q, H, hd], keys [K, hd] (also values), bias [q, K] -> [q, H, hd]."""
-        logits = torch.einsum("qhd,kd->hqk", q, keys) * self.head_dim**-0.5 + bias.to(q.dtype)
-        sinks = self.sinks.to(logits.dtype).view(-1, 1, 1).expand(-1, q.shape[0], 1)
-        comb = torch.cat([logits, sinks], dim=-1)
-        comb = comb - comb.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(comb, dim=-1)[..., :-1]
-        return torch.einsum("hqk,kd->qhd", probs.to(keys.dtype), keys)

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import ModelConfig
+from engine.kernels import hyper as hyper_kernel
 from engine.kernels import sinkhorn as sinkhorn_kernel
 from engine.model.norms import rms_unweighted
 
@@ -40,8 +41,7 @@ class HyperConnection(nn.Module):
             comb = sinkhorn_kernel.sinkhorn(comb, self.iters, self.hc_eps)
         else:
             comb = sinkhorn_eager(comb, self.iters, self.hc_eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-        return post, comb, collapsed
+        return post, comb, hc_collapse(streams, pre)
 
 
 def sinkhorn_eager(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -54,10 +54,19 @@ def sinkhorn_eager(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     return comb
 
 
+def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """sum_j pre[j] * x[j] in fp32, in the streams' dtype. streams [T, n, D], pre [T, n] (fp32)."""
+    if hyper_kernel.usable(streams):
+        return hyper_kernel.collapse(streams, pre)
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+
+
 def hc_merge(
     streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:
     """x' = post * out + comb^T @ x (comb is consumed transposed). streams [T, n, D], out [T, D]."""
+    if hyper_kernel.usable(streams):
+        return hyper_kernel.merge(streams, out, post, comb)
     dtype = streams.dtype
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
         comb.to(dtype).transpose(-1, -2), streams
@@ -81,4 +90,4 @@ class HyperHead(nn.Module):
         flat = rms_unweighted(streams.flatten(1).float(), self.norm_eps)
         mixes = F.linear(flat, self.hc_fn.float())
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+        return hc_collapse(streams, pre)

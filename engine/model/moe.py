@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.checkpoint.quant import dequantize
 from engine.config import ModelConfig
-from engine.kernels import batch_invariant, triton_available
+from engine.kernels import batch_invariant, rowwise, triton_available
 from engine.model.compressor import topk_lowest_index
 
 
@@ -219,13 +219,34 @@ class Experts(nn.Module):
             return self._run_rows_loop(x, local_ids)
         order = torch.argsort(local_ids, stable=True)  # rows grouped by expert
         offs = torch.cumsum(count_ids(local_ids, self.num_local), 0).to(torch.int32)
-        ours = batch_invariant.applies(x) or _few_rows_per_expert(x, self.num_local)
-        gemm = batch_invariant.grouped_matmul if ours else torch_grouped_matmul
-        gate, up = gemm(x[order], self.gate_up_proj, offs).chunk(2, dim=-1)  # [N, 2I]
-        y = gemm(swiglu_clamped(gate, up, self.limit), self.down_proj, offs)
+        y = self._grouped(x[order], offs)
         out = torch.empty_like(x)
         out[order] = y.to(out.dtype)
         return out
+
+    def _grouped(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+        """Expert outputs of rows x [N, D] already grouped by expert (``offs``: each group's end)."""
+        ours = batch_invariant.applies(x) or _few_rows_per_expert(x, self.num_local)
+        gemm = batch_invariant.grouped_matmul if ours else torch_grouped_matmul
+        gate, up = gemm(x, self.gate_up_proj, offs).chunk(2, dim=-1)  # [N, 2I]
+        return gemm(swiglu_clamped(gate, up, self.limit), self.down_proj, offs)
+
+    def run_and_combine(
+        self, x: torch.Tensor, tokens: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor | None:
+        """`combine` of `run_rows` on rows ``x[tokens]`` in one pass, on CUDA: the grouped
+        rows are gathered from x at once and summed from where the GEMM left them
+        (`engine.kernels.rowwise.combine`). None where that path does not apply."""
+        if not (rowwise.usable(x) and GROUPED_MM and not self.quantized and x.dtype == torch.bfloat16):
+            return None
+        if tokens.shape[0] == 0:
+            return None
+        order = torch.argsort(local_ids, stable=True)
+        offs = torch.cumsum(count_ids(local_ids, self.num_local), 0).to(torch.int32)
+        y = self._grouped(x[tokens[order]], offs)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.shape[0], device=order.device)
+        return rowwise.combine(y, inverse, weights, x.dtype)
 
     def _run_rows_loop(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
@@ -257,8 +278,11 @@ def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch
     """Weighted sum of each token's expert outputs: y [N*k, D] token-major, weights [N, k] -> [N, D].
 
     A fixed-order fp32 sum (no atomics), so one rank and EP ranks combine bit for bit alike and
-    repeated runs agree."""
+    repeated runs agree. On CUDA every caller takes the one kernel (`engine.kernels.rowwise`),
+    as the single-rank path's `Experts.run_and_combine` does: its order is the kernel's."""
     n, k = weights.shape
+    if rowwise.usable(y) and n:
+        return rowwise.combine(y, torch.arange(n * k, device=y.device), weights, dtype)
     # the explicit width keeps an empty batch (an idle EP rank, n == 0) well defined
     return (y.view(n, k, y.shape[-1]).float() * weights.float().unsqueeze(-1)).sum(1).to(dtype)
 
@@ -269,7 +293,11 @@ def local_dispatch(
     """Single-rank MoE: every physical expert is local."""
     n, k = phys.shape
     rows = torch.arange(n, device=x.device).repeat_interleave(k)
-    y = experts.run_rows(x[rows], phys.reshape(-1) - experts.first)  # [N*k, D]
+    local = phys.reshape(-1) - experts.first
+    fused = experts.run_and_combine(x, rows, local, weights)
+    if fused is not None:
+        return fused
+    y = experts.run_rows(x[rows], local)  # [N*k, D]
     return combine(y, weights, x.dtype)
 
 

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.kernels import rowwise
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -24,4 +26,6 @@ class RMSNorm(nn.Module):
 def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
     if x.dtype == torch.float32:
         return F.rms_norm(x, (x.shape[-1],), None, eps)
+    if rowwise.usable(x) and x.shape[-1] <= 8192:  # one pass, the same order of roundings
+        return rowwise.rms_unweighted(x, eps)
     return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)

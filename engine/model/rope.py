@@ -116,7 +116,8 @@ class Rotary(nn.Module):
         return cos, sin
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, inverse: bool = False) -> torch.Tensor:
-        """x [N, ..., D] with positions [N]; rotates x[..., -rope_dim:]."""
+        """x [N, ..., D] with positions [N]; rotates x[..., -rope_dim:], in place unless x
+        requires grad (the caller's x is then the result)."""
         cos, sin = self.cos_sin(positions, x.dtype)
         if inverse:
             sin = -sin
@@ -126,4 +127,9 @@ class Rotary(nn.Module):
         x1, x2 = rope[..., 0::2], rope[..., 1::2]
         rot = torch.stack((-x2, x1), dim=-1).flatten(-2)
         out = (rope.float() * cos + rot.float() * sin).to(x.dtype)
-        return torch.cat([nope, out], dim=-1)
+        if x.requires_grad:  # training: autograd keeps ``rope`` for the backward pass
+            return torch.cat([nope, out], dim=-1)
+        # every caller hands over a tensor it made for this call: rotate its tail in place
+        # rather than copy the untouched ``nope`` part (7/8 of a flash-shape query) with a cat
+        x[..., -self.rope_dim :] = out
+        return x

@@ -8,9 +8,10 @@ balancer fits its cost model to, and, for a checkpoint with an MTP layer, specul
 verification step times into ``<checkpoint>/sluice_spec_steps.json``, which DSpark's
 scheduler prices steps with (``engine.spec.profiling``).
 
-``--preset P`` runs the decode report instead (``services/bench/_engine_decode.py``): decode
-tokens/s through the engine at ``P``'s real widths on ``--device``, beside the memory
-roofline and transformers' ``DeepseekV4ForCausalLM`` at the same batch."""
+``--preset P`` runs the real-width report instead: decode tokens/s through the engine at
+``P``'s widths on ``--device`` beside the memory roofline (``services/bench/_engine_decode.py``),
+and prefill tokens/s beside the compute roofline, with a long prompt's time and peak memory
+(``services/bench/_engine_prefill.py``), each beside transformers' ``DeepseekV4ForCausalLM``."""
 
 from __future__ import annotations
 
@@ -75,6 +76,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--batch-invariant", action="store_true",
         help="the batch-invariant mode (EngineConfig.batch_invariant; its own kernels on CUDA)",
     )  # fmt: skip
+    d.add_argument(
+        "--parts", default="decode,prefill",
+        help="which parts of the --preset report to run: decode, prefill (default both)",
+    )  # fmt: skip
+    f = p.add_argument_group("prefill at real widths (--preset; services/bench/_engine_prefill.py)")
+    f.add_argument(
+        "--prefill-tokens", help="one-chunk prefill sizes (default 4096,16384 on cuda, 256 on cpu)"
+    )
+    f.add_argument("--prefill-repeats", type=int, default=3, help="timed prefills per size (default 3)")
+    f.add_argument(
+        "--long-context", type=int,
+        help="a prompt this long prefilled in chunks, then decoded (default 131072 on cuda, 0 (off) on cpu)",
+    )  # fmt: skip
+    f.add_argument("--long-chunk", type=int, default=4096, help="the long prompt's chunk (default 4096)")
 
 
 def _throughput(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
@@ -304,6 +319,71 @@ def _decode(args: argparse.Namespace, report: Report) -> None:
             )  # fmt: skip
 
 
+def _prefill(args: argparse.Namespace, report: Report) -> None:
+    """The prefill report (``--preset``) and its targets: the fraction of the compute roofline
+    and the speedup over transformers at 4,096 tokens, the long prompt's peak memory."""
+    from engine.checkpoint.generate import write_config_dir
+    from services.bench._engine_prefill import PrefillArgs, prefill_report
+
+    cuda = args.device.startswith("cuda")
+    layers = int(args.layers.split(",")[0])
+    tokens = tuple(int(x) for x in (args.prefill_tokens or ("4096,16384" if cuda else "256")).split(","))
+    a = PrefillArgs(
+        device=args.device, dtype=args.dtype or ("bfloat16" if cuda else "float32"), preset=args.preset,
+        layers=layers, tokens=tokens, repeats=args.prefill_repeats, transformers=not args.no_transformers,
+        tf_tokens=tokens[0], long_context=args.long_context if args.long_context is not None else (131072 if cuda else 0),
+        long_chunk=args.long_chunk,
+    )  # fmt: skip
+    report.config.update({"prefill": a.__dict__})
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-prefill-") as tmp:
+        model_dir = write_config_dir(a.preset, Path(tmp) / a.preset, seed=a.seed, num_hidden_layers=layers)
+        out = prefill_report(a, model_dir)
+    report.results["prefill"] = out
+    for r in out["engine"]:
+        report.rows.append({
+            "part": f"sluice prefill, {r['layers']} layers", "tokens": r["tokens"], "ms": round(r["ms"], 2),
+            "tok/s": round(r["tokens_per_s"]), "roofline ms": round(r["roofline_ms"], 2),
+            "of roofline": round(r["fraction_of_roofline"], 3),
+        })  # fmt: skip
+    tf = out["transformers"]
+    if tf is not None:
+        report.rows.append({
+            "part": "transformers prefill", "tokens": tf["tokens"],
+            "ms": round(tf["ms"], 2) if "ms" in tf else tf.get("error"),
+            "tok/s": round(tf["tokens_per_s"]) if "ms" in tf else "",
+        })  # fmt: skip
+    long = out["long_context"]
+    if long is not None:
+        for m in long["marks"]:
+            report.rows.append({
+                "part": f"long prompt, chunks of {long['chunk']}", "tokens": m["tokens"],
+                "ms": round(m["seconds"] * 1e3), "peak GiB": None if m["peak_bytes"] is None else round(m["peak_bytes"] / 2**30, 2),
+                "bound GiB": round(m["bound_bytes"] / 2**30, 2),
+            })  # fmt: skip
+        report.rows.append({
+            "part": f"decode after {long['tokens']} tokens", "tokens": 1, "ms": round(long["decode_ms_median"], 2),
+        })  # fmt: skip
+    first = next((r for r in out["engine"] if r["tokens"] == 4096), None)
+    if cuda and first is not None:
+        report.target(
+            "prefill at 4096 tokens: fraction of the bf16 compute roofline",
+            first["fraction_of_roofline"],
+            ">=",
+            0.35,
+        )
+    if cuda and out["versus_transformers"] is not None:
+        v = out["versus_transformers"]
+        report.target(f"prefill at {v['tokens']} tokens: sluice / transformers", v["speedup"], ">=", 3.0)
+    if cuda and long is not None:
+        for m in long["marks"]:
+            report.target(
+                f"long prompt at {m['tokens']} tokens: peak memory / (weights + cache + 2 GiB)",
+                m["peak_over_bound"],
+                "<=",
+                1.10,
+            )
+
+
 def run(args: argparse.Namespace) -> Report:
     import torch
 
@@ -317,7 +397,13 @@ def run(args: argparse.Namespace) -> Report:
         | {"grid_chunk": GRID_C, "grid_prefix": GRID_H, "torch_threads": torch.get_num_threads()},
     )
     if args.preset:
-        _decode(args, report)
+        parts = {x.strip() for x in args.parts.split(",") if x.strip()}
+        if unknown := parts - {"decode", "prefill"}:
+            raise SystemExit(f"--parts: unknown {sorted(unknown)}; known: decode, prefill")
+        if "decode" in parts:
+            _decode(args, report)
+        if "prefill" in parts:
+            _prefill(args, report)
         return report
     if args.model and args.profile and args.device.startswith("cuda"):
         _profile_decode_on_gpu(Path(args.model), args, report)

@@ -1,0 +1,44 @@
+"""``sluice bench engine --preset P --parts prefill``: the FLOPs the roofline counts come from the
+config, and the report's parts (engine, transformers, the long prompt) are all there."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from engine.checkpoint.presets import preset_config
+from engine.config import ModelConfig
+from services.bench import engine
+from services.bench._engine_prefill import prefill_flops
+
+
+def test_prefill_flops_are_counted_from_the_config() -> None:
+    mc = ModelConfig.from_dict(preset_config("flash-shape", num_hidden_layers=2))
+    per_token = prefill_flops(mc, 4096) / 4096
+    assert 1.2e9 < per_token < 1.35e9  # ~1.3 GFLOP per token for two flash-shape layers
+    head = 2 * mc.hidden_size * mc.vocab_size  # the lm_head, once per sequence
+    one = prefill_flops(mc, 1)
+    assert prefill_flops(mc, 2) - one < one  # the head is not counted per token
+    assert prefill_flops(mc, 2) - head == pytest.approx(2 * (one - head), rel=0.01)
+    longer = prefill_flops(mc, 16384) / 16384
+    assert longer > per_token  # more compressed entries and indexer scores per query
+    deeper = ModelConfig.from_dict(preset_config("flash-shape", num_hidden_layers=4))
+    assert prefill_flops(deeper, 4096) > 1.9 * prefill_flops(mc, 4096) - head
+
+
+@pytest.mark.slow  # a bench smoke run (~10 s): `make test-slow`
+def test_tiny_prefill_report_has_the_roofline_transformers_and_the_long_prompt() -> None:
+    p = argparse.ArgumentParser()
+    engine.add_arguments(p)
+    args = p.parse_args(
+        ["--preset", "tiny", "--parts", "prefill", "--prefill-tokens", "64,128", "--long-context", "600",
+         "--long-chunk", "256", "--prefill-repeats", "1"]
+    )  # fmt: skip
+    out = json.loads(json.dumps(engine.run(args).to_json()))["results"]["prefill"]
+    assert [r["tokens"] for r in out["engine"]] == [64, 128]
+    assert all(r["fraction_of_roofline"] > 0 and r["flops"] > 0 for r in out["engine"])
+    assert out["transformers"]["tokens"] == 64 and out["versus_transformers"]["speedup"] > 0
+    assert [m["tokens"] for m in out["long_context"]["marks"]] == [600]
+    assert out["long_context"]["decode_steps"] == 32
