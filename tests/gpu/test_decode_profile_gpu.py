@@ -30,3 +30,21 @@ def test_profile_decode_on_cuda_runs_graphs_and_fits(tmp_path):
     assert min(model.d0, model.d1, model.d2) >= 0 and model.step_time(64, 262_144) > model.step_time(1, 0)
     (tmp_path / "t.json").write_text(json.dumps(raw))
     assert StepTable.load(tmp_path / "t.json").seconds.shape == (3, 3)
+
+
+def test_profile_prefill_on_cuda_fits_the_chunk_cost_model(tmp_path):
+    """The prefill half of ``--profile --device cuda``: bf16 step times over (chunk, prefix) on
+    the GPU, fitted to the chunk cost model the scheduler and the router load."""
+    from costmodel import CostModel
+    from engine.checkpoint.generate import write_config_dir
+    from services.bench.engine import _fit, profile_prefill
+
+    model = write_config_dir("small", tmp_path / "small", seed=0)
+    samples = profile_prefill(model, "cuda", (512, 2048, 8192), (0, 4096, 16384), repeats=3)
+    assert len(samples) == 9 and all(0 < t < 5.0 for _, _, t in samples)
+    fit = _fit(samples)
+    print(f"small on {torch.cuda.get_device_name()}: prefill fit rel RMSE {fit['fit_rel_rmse']:.3f}")
+    model_json = fit["model"].to_json()
+    assert CostModel.from_json(model_json).predict(8192, 16384) > CostModel.from_json(model_json).predict(
+        512, 0
+    )
