@@ -203,19 +203,45 @@ def profile_prefill(
     return samples
 
 
+def _nonnegative_lstsq(x: Any, y: Any) -> Any:
+    """min ||x w - y|| subject to w >= 0, exactly, for a few columns: the unconstrained
+    solution of every subset of columns, keeping the best one whose weights are all >= 0.
+    (Clipping the unconstrained solution's negative weights to 0 leaves the others fitted
+    for a term that is gone.)"""
+    import itertools
+
+    import numpy as np
+
+    cols = x.shape[1]
+    best, best_err = np.zeros(cols), float(np.sum(y * y))
+    for k in range(1, cols + 1):
+        for subset in itertools.combinations(range(cols), k):
+            idx = list(subset)
+            w, *_ = np.linalg.lstsq(x[:, idx], y, rcond=None)
+            if np.any(w < 0):
+                continue
+            err = float(np.sum((x[:, idx] @ w - y) ** 2))
+            if err < best_err:
+                best, best_err = np.zeros(cols), err
+                best[idx] = w
+    return best
+
+
 def _fit(samples: list[tuple[int, int, float]]) -> dict[str, Any]:
-    """Least squares on *relative* error (rows weighted by 1/t): the scheduler uses the model
-    for small and large chunks alike, so a 10 ms step mispredicted by 10 ms matters as much
-    as a 1 s step mispredicted by 1 s. ``CostModel.fit`` (absolute error) is reported too."""
+    """The chunk cost model ``a*C*(C+H) + b*(C+H) + d*C + c`` (``costmodel.CostModel``, all four
+    terms, each >= 0) by least squares on *relative* error (rows weighted by 1/t): the
+    scheduler uses the model for small and large chunks alike, so a 10 ms step mispredicted
+    by 10 ms matters as much as a 1 s step mispredicted by 1 s. ``CostModel.fit`` (absolute
+    error) is reported too."""
     import numpy as np
 
     from costmodel import CostModel
 
     arr = np.asarray(samples, dtype=np.float64)
     c, h, t = arr[:, 0], arr[:, 1], arr[:, 2]
-    x = np.stack([c * (c + h), c + h, np.ones_like(c)], axis=1) / t[:, None]  # [S, 3]
-    coef, *_ = np.linalg.lstsq(x, np.ones_like(t), rcond=None)
-    model = CostModel(*(max(float(v), 0.0) for v in coef))
+    x = np.stack([c * (c + h), c + h, c, np.ones_like(c)], axis=1) / t[:, None]  # [S, 4]
+    a, b, d, c0 = (float(v) for v in _nonnegative_lstsq(x, np.ones_like(t)))
+    model = CostModel(a=a, b=b, c=c0, d=d)
     absolute = CostModel.fit(samples)
     rel = [(model.predict(c, h) - t) / t for c, h, t in samples]
     abs_rel = [(absolute.predict(c, h) - t) / t for c, h, t in samples]
@@ -226,6 +252,7 @@ def _fit(samples: list[tuple[int, int, float]]) -> dict[str, Any]:
         "a": model.a,
         "b": model.b,
         "c": model.c,
+        "d": model.d,
         "fit_rel_rmse": math.sqrt(statistics.fmean(r * r for r in rel)),
         "fit_max_rel_err": max(abs(r) for r in rel),
     }
