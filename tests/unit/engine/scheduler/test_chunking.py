@@ -9,17 +9,23 @@ from engine.scheduler.request import Request
 from engine.scheduler.scheduler import Scheduler
 
 
-@pytest.mark.parametrize("a,b", [(1e-8, 1e-5), (0.0, 2e-5), (5e-8, 0.0)])
+@pytest.mark.parametrize(
+    "a,b,d",
+    [(1e-8, 1e-5, 0.0), (0.0, 2e-5, 0.0), (5e-8, 0.0, 0.0), (1e-8, 1e-6, 1.4e-5), (0.0, 0.0, 2.4e-4)],
+)
 @pytest.mark.parametrize("prefix", [0, 1000, 50_000])
 @pytest.mark.parametrize("time_left", [0.001, 0.05, 2.0])
-def test_largest_chunk_is_the_largest_that_fits(a, b, prefix, time_left):
-    model = CostModel(a=a, b=b, c=0.001)
+def test_largest_chunk_is_the_largest_that_fits(a, b, d, prefix, time_left):
+    """Every term of the fitted model counts, the per-new-token ``d`` too (a step linear in
+    its new tokens, as the CPU engine's are, fits with a = b = 0)."""
+    model = CostModel(a=a, b=b, c=0.001, d=d)
     c = largest_chunk(model, prefix, tokens_left=32_768, time_left=time_left)
     assert 0 <= c <= 32_768
     if c > 0:
         assert seq_cost(model, c, prefix) <= time_left * (1 + 1e-9)
     if c < 32_768:
         assert seq_cost(model, c + 1, prefix) > time_left
+    assert seq_cost(model, max(c, 1), prefix) == pytest.approx(model.predict(max(c, 1), prefix) - model.c)
 
 
 def test_token_budget_caps_and_no_time_budget_means_token_budget():
