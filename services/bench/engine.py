@@ -1,8 +1,9 @@
 """Engine throughput and the chunk cost model: prefill and decode tokens/s through
 ``LLM.generate``, step times over a (chunk, prefix) grid fitted to
-``t(C, H) = a*C*(C+H) + b*(C+H) + c`` (``costmodel.CostModel``). ``--profile`` saves
-the fit as ``<checkpoint>/sluice_cost_model.json`` (or ``--out``), which ``LLM`` and the
-router load; with ``--model`` it also measures decode step times over running sequences x
+``t(C, H) = a*C*(C+H) + b*(C+H) + d*C + c`` (``costmodel.CostModel``;
+``services/bench/_engine_costmodel.py``). ``--profile`` saves the fit as
+``<checkpoint>/sluice_cost_model.json`` (or ``--out``), which ``LLM`` and the router load
+(with ``--device cuda``, fitted to step times measured on the GPU); with ``--model`` it also measures decode step times over running sequences x
 KV tokens into ``<checkpoint>/sluice_decode_steps.json``, which the Ray router's decode
 balancer fits its cost model to, and, for a checkpoint with an MTP layer, speculative
 verification step times into ``<checkpoint>/sluice_spec_steps.json``, which DSpark's
@@ -22,12 +23,17 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 from services.bench import Report, module_main, progress
-
-GRID_C = (16, 64, 128, 256, 512)
-GRID_H = (0, 256, 768)
+from services.bench._engine_costmodel import (
+    GPU_GRID_C,
+    GPU_GRID_H,
+    GRID_C,
+    GRID_H,
+    fit_cost_model,
+    profile_prefill,
+    step_samples,
+)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -119,150 +125,11 @@ def _throughput(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
     }
 
 
-def _step_samples(model_dir: Path, repeats: int) -> list[tuple[int, int, float]]:
-    """(chunk, prefix, seconds) of single-sequence steps over the grid, timed on the runner."""
-    import torch
-
-    from engine.forward_batch import ForwardBatch, SequenceInput
-    from engine.runner import ModelRunner, RunnerConfig
-
-    blocks = -(-(max(GRID_H) + max(GRID_C)) // 256)
-    runner = ModelRunner(model_dir, RunnerConfig(num_blocks=blocks, num_slots=1, with_mtp=False))
-    vocab = runner.model_cfg.vocab_size
-    table = list(range(blocks))
-    samples = []
-    gen = torch.Generator().manual_seed(0)
-    warm = torch.randint(0, vocab, (max(GRID_C),), generator=gen).tolist()
-    for _ in range(2):  # first steps allocate and fault in pages: keep them out of the fit
-        runner.execute(ForwardBatch.from_sequences([SequenceInput(warm, 0, 0, table)]))
-    for h in GRID_H:
-        prefix = torch.randint(0, vocab, (h,), generator=gen).tolist()
-        for c in GRID_C:
-            chunk = torch.randint(0, vocab, (c,), generator=gen).tolist()
-            best = math.inf
-            for _ in range(repeats):
-                if h:
-                    runner.execute(ForwardBatch.from_sequences([SequenceInput(prefix, 0, 0, table)]))
-                batch = ForwardBatch.from_sequences([SequenceInput(chunk, h, 0, table)])
-                t0 = time.perf_counter()
-                runner.execute(batch)
-                best = min(best, time.perf_counter() - t0)
-            samples.append((c, h, best))
-    return samples
-
-
-#: the prefill grid on a GPU: chunks and prefixes of the sizes a GPU engine runs
-GPU_GRID_C = (512, 2048, 8192, 16384)
-GPU_GRID_H = (0, 4096, 16384, 32768)
-
-
-def profile_prefill(
-    model_dir: Path, device: str, chunks: tuple[int, ...], prefixes: tuple[int, ...], repeats: int
-) -> list[tuple[int, int, float]]:
-    """(chunk, prefix, seconds) of one sequence's prefill step over the grid, on ``device``
-    with seeded random weights at ``model_dir``'s config (bf16 on CUDA, fp32 elsewhere): a
-    step's time depends on the shapes, not the values. Each prefix is prefilled once, in
-    steps of at most the largest chunk; each chunk is then timed ``repeats`` times at that
-    prefix (synchronised; the minimum kept), after one untimed run."""
-    import torch
-
-    from engine.config import BLOCK_TOKENS, ModelConfig
-    from engine.forward_batch import ForwardBatch, SequenceInput
-    from engine.runner import ModelRunner, RunnerConfig
-
-    cuda = device.startswith("cuda")
-    mcfg = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
-    blocks = -(-(max(prefixes) + max(chunks)) // BLOCK_TOKENS)
-    rcfg = RunnerConfig(
-        num_blocks=blocks, num_slots=1, with_mtp=False, device=device, dtype="bfloat16" if cuda else "float32"
-    )
-    runner = ModelRunner.random(mcfg, rcfg, seed=0)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    table = list(range(blocks))
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, mcfg.vocab_size, (max(prefixes) + max(chunks),), generator=gen).tolist()
-
-    def step(start: int, n: int) -> None:
-        runner.execute(ForwardBatch.from_sequences([SequenceInput(ids[start : start + n], start, 0, table)]))
-
-    samples = []
-    for h in sorted(prefixes):
-        for s0 in range(0, h, max(chunks)):
-            step(s0, min(max(chunks), h - s0))
-        for c in chunks:
-            step(h, c)  # the chunk's shapes into the allocator; rewriting the same positions
-            best = math.inf
-            for _ in range(repeats):
-                sync()
-                t0 = time.perf_counter()
-                step(h, c)
-                sync()
-                best = min(best, time.perf_counter() - t0)
-            samples.append((c, h, best))
-            progress(f"profile-prefill: chunk {c} at prefix {h}: {best * 1e3:.2f} ms")
-    return samples
-
-
-def _nonnegative_lstsq(x: Any, y: Any) -> Any:
-    """min ||x w - y|| subject to w >= 0, exactly, for a few columns: the unconstrained
-    solution of every subset of columns, keeping the best one whose weights are all >= 0.
-    (Clipping the unconstrained solution's negative weights to 0 leaves the others fitted
-    for a term that is gone.)"""
-    import itertools
-
-    import numpy as np
-
-    cols = x.shape[1]
-    best, best_err = np.zeros(cols), float(np.sum(y * y))
-    for k in range(1, cols + 1):
-        for subset in itertools.combinations(range(cols), k):
-            idx = list(subset)
-            w, *_ = np.linalg.lstsq(x[:, idx], y, rcond=None)
-            if np.any(w < 0):
-                continue
-            err = float(np.sum((x[:, idx] @ w - y) ** 2))
-            if err < best_err:
-                best, best_err = np.zeros(cols), err
-                best[idx] = w
-    return best
-
-
-def _fit(samples: list[tuple[int, int, float]]) -> dict[str, Any]:
-    """The chunk cost model ``a*C*(C+H) + b*(C+H) + d*C + c`` (``costmodel.CostModel``, all four
-    terms, each >= 0) by least squares on *relative* error (rows weighted by 1/t): the
-    scheduler uses the model for small and large chunks alike, so a 10 ms step mispredicted
-    by 10 ms matters as much as a 1 s step mispredicted by 1 s. ``CostModel.fit`` (absolute
-    error) is reported too."""
-    import numpy as np
-
-    from costmodel import CostModel
-
-    arr = np.asarray(samples, dtype=np.float64)
-    c, h, t = arr[:, 0], arr[:, 1], arr[:, 2]
-    x = np.stack([c * (c + h), c + h, c, np.ones_like(c)], axis=1) / t[:, None]  # [S, 4]
-    a, b, d, c0 = (float(v) for v in _nonnegative_lstsq(x, np.ones_like(t)))
-    model = CostModel(a=a, b=b, c=c0, d=d)
-    absolute = CostModel.fit(samples)
-    rel = [(model.predict(c, h) - t) / t for c, h, t in samples]
-    abs_rel = [(absolute.predict(c, h) - t) / t for c, h, t in samples]
-    return {
-        "model": model,
-        "samples_chunk_prefix_s": [list(s) for s in samples],
-        "abs_fit_rel_rmse": math.sqrt(statistics.fmean(r * r for r in abs_rel)),
-        "a": model.a,
-        "b": model.b,
-        "c": model.c,
-        "d": model.d,
-        "fit_rel_rmse": math.sqrt(statistics.fmean(r * r for r in rel)),
-        "fit_max_rel_err": max(abs(r) for r in rel),
-    }
-
-
 def _measure(name: str, model_dir: Path, args: argparse.Namespace, report: Report, out: Path) -> None:
     progress(f"{name}: throughput")
     tput = _throughput(model_dir, args)
     progress(f"{name}: step-time grid {len(GRID_C)}x{len(GRID_H)}")
-    fit = _fit(_step_samples(model_dir, args.repeats))
+    fit = fit_cost_model(step_samples(model_dir, args.repeats))
     model = fit.pop("model")
     if args.profile:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -306,7 +173,7 @@ def _profile_decode_on_gpu(model_dir: Path, args: argparse.Namespace, report: Re
 
     progress(f"{model_dir.name}: prefill step times (chunk x prefix) on {args.device}")
     samples = profile_prefill(model_dir, args.device, GPU_GRID_C, GPU_GRID_H, args.repeats)
-    pre = _fit(samples)
+    pre = fit_cost_model(samples)
     cost_out = Path(args.out or model_dir / "sluice_cost_model.json")
     cost_out.parent.mkdir(parents=True, exist_ok=True)
     cost_out.write_text(pre.pop("model").to_json() + "\n")

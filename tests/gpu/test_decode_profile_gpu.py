@@ -37,12 +37,12 @@ def test_profile_prefill_on_cuda_fits_the_chunk_cost_model(tmp_path):
     the GPU, fitted to the chunk cost model the scheduler and the router load."""
     from costmodel import CostModel
     from engine.checkpoint.generate import write_config_dir
-    from services.bench.engine import _fit, profile_prefill
+    from services.bench._engine_costmodel import fit_cost_model, profile_prefill
 
     model = write_config_dir("small", tmp_path / "small", seed=0)
     samples = profile_prefill(model, "cuda", (512, 2048, 8192), (0, 4096, 16384), repeats=3)
     assert len(samples) == 9 and all(0 < t < 5.0 for _, _, t in samples)
-    fit = _fit(samples)
+    fit = fit_cost_model(samples)
     print(f"small on {torch.cuda.get_device_name()}: prefill fit rel RMSE {fit['fit_rel_rmse']:.3f}")
     model_json = fit["model"].to_json()
     assert CostModel.from_json(model_json).predict(8192, 16384) > CostModel.from_json(model_json).predict(

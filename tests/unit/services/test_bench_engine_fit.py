@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from costmodel import CostModel
-from services.bench.engine import GRID_C, GRID_H, _fit
+from services.bench._engine_costmodel import GRID_C, GRID_H, fit_cost_model
 
 
 def _grid(model: CostModel) -> list[tuple[int, int, float]]:
@@ -15,7 +15,7 @@ def _grid(model: CostModel) -> list[tuple[int, int, float]]:
 
 def test_a_model_of_the_form_is_recovered() -> None:
     truth = CostModel(a=3e-8, b=2e-6, c=0.004, d=5e-5)
-    fit = _fit(_grid(truth))
+    fit = fit_cost_model(_grid(truth))
     for name in ("a", "b", "c", "d"):
         assert fit[name] == pytest.approx(getattr(truth, name), rel=1e-6)
     assert fit["fit_rel_rmse"] < 1e-9
@@ -25,14 +25,14 @@ def test_a_step_linear_in_new_tokens_fits_without_borrowing_a_default() -> None:
     """The CPU engine's steps after the bounded-attention prefill: time ~ c + d*C, flat in
     the prefix. The old three-term fit had no d and took CostModel's H200 default for it."""
     truth = CostModel(a=0.0, b=0.0, c=0.023, d=2.9e-4)
-    fit = _fit(_grid(truth))
+    fit = fit_cost_model(_grid(truth))
     assert fit["model"].d == pytest.approx(2.9e-4, rel=1e-6) and fit["fit_rel_rmse"] < 1e-9
 
 
-def test_negative_terms_are_left_out_not_clipped_after_the_fit() -> None:
+def test_negative_terms_are_left_out_not_clipped_after_thefit_cost_model() -> None:
     """Time that falls with the prefix cannot be fitted with b >= 0: the fit drops b and fits
     the rest, every coefficient >= 0."""
     samples = [(c, h, 0.01 + 1e-4 * c - 2e-6 * h) for h in GRID_H for c in GRID_C]
-    fit = _fit(samples)
+    fit = fit_cost_model(samples)
     assert min(fit["a"], fit["b"], fit["c"], fit["d"]) >= 0
     assert fit["b"] == 0 and fit["d"] > 0 and fit["fit_rel_rmse"] < 0.1

@@ -49,12 +49,12 @@ def test_the_prefill_profile_times_every_cell_and_fits_the_cost_model(tmp_path) 
     at tiny widths: one sample per (chunk, prefix), positive, and a fit the scheduler loads."""
     from costmodel import CostModel
     from engine.checkpoint.generate import write_config_dir
-    from services.bench.engine import _fit, profile_prefill
+    from services.bench._engine_costmodel import fit_cost_model, profile_prefill
 
     model = write_config_dir("tiny", tmp_path / "tiny", seed=0)
     samples = profile_prefill(model, "cpu", (16, 64), (0, 300), repeats=1)
     assert sorted((c, h) for c, h, _ in samples) == [(16, 0), (16, 300), (64, 0), (64, 300)]
     assert all(t > 0 for _, _, t in samples)
-    fit = _fit(samples)
+    fit = fit_cost_model(samples)
     again = CostModel.from_json(fit["model"].to_json())
     assert again.predict(64, 300) == pytest.approx(fit["model"].predict(64, 300))
