@@ -19,3 +19,18 @@ def triton_available() -> bool:
     except ImportError:
         return False
     return True
+
+
+_ON = [True]
+
+
+def kernels_on() -> bool:
+    """Whether the kernels that replace eager code (not the batch-invariant mode's own) run:
+    Triton imports and `set_kernels` has not turned them off."""
+    return _ON[0] and triton_available()
+
+
+def set_kernels(on: bool) -> None:
+    """Process-wide: run the eager code instead of these kernels (``False``), e.g. to measure
+    what they are worth in one process (``sluice bench engine --preset P --no-kernels``)."""
+    _ON[0] = bool(on)

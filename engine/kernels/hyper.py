@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels import triton_available
+from engine.kernels import kernels_on
 
 BLOCK_D = 1024
 
@@ -68,7 +68,7 @@ _KERNELS: dict | None = None
 def usable(streams: torch.Tensor) -> bool:
     """CUDA streams [T, n, D] with n a power of two, with Triton."""
     n = streams.shape[1] if streams.dim() == 3 else 0
-    return streams.is_cuda and n > 0 and n & (n - 1) == 0 and triton_available()
+    return streams.is_cuda and n > 0 and n & (n - 1) == 0 and kernels_on()
 
 
 def _kernels() -> dict:

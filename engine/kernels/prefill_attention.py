@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from engine.kernels import triton_available
+from engine.kernels import kernels_on
 
 #: heads per program, keys per block, warps, pipeline stages. Swept once on an H200
 #: (2026-12-03; flash-shape, 4,096 queries, window 128 + 512 CSA entries each; BH 16/32/64 x
@@ -107,7 +107,7 @@ def usable(q: torch.Tensor) -> bool:
     d = q.shape[-1]
     return (
         q.is_cuda and q.dtype in (torch.bfloat16, torch.float16) and d >= 16 and d & (d - 1) == 0
-        and triton_available()
+        and kernels_on()
     )  # fmt: skip
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels import triton_available
+from engine.kernels import kernels_on
 
 BLOCK_D = 1024
 
@@ -61,7 +61,7 @@ def _kernels() -> dict:
 
 
 def usable(x: torch.Tensor) -> bool:
-    return x.is_cuda and triton_available()
+    return x.is_cuda and kernels_on()
 
 
 def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:

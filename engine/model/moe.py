@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.checkpoint.quant import dequantize
 from engine.config import ModelConfig
-from engine.kernels import batch_invariant, rowwise, triton_available
+from engine.kernels import batch_invariant, kernels_on, rowwise
 from engine.model.compressor import topk_lowest_index
 
 
@@ -179,7 +179,7 @@ def torch_grouped_matmul(x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor
 def _few_rows_per_expert(x: torch.Tensor, experts: int) -> bool:
     lo, hi = TRITON_ROWS_PER_EXPERT
     return (
-        x.is_cuda and x.dtype == torch.bfloat16 and triton_available()
+        x.is_cuda and x.dtype == torch.bfloat16 and kernels_on()
         and lo * experts <= x.shape[0] <= hi * experts
     )  # fmt: skip
 

@@ -83,6 +83,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="the batch-invariant mode (EngineConfig.batch_invariant; its own kernels on CUDA)",
     )  # fmt: skip
     d.add_argument(
+        "--no-kernels", action="store_true",
+        help="run the eager code instead of the Triton kernels that replace it (engine.kernels.set_kernels)",
+    )  # fmt: skip
+    d.add_argument(
         "--parts", default="decode,prefill",
         help="which parts of the --preset report to run: decode, prefill (default both)",
     )  # fmt: skip
@@ -355,6 +359,10 @@ def run(args: argparse.Namespace) -> Report:
         | {"grid_chunk": GRID_C, "grid_prefix": GRID_H, "torch_threads": torch.get_num_threads()},
     )
     if args.preset:
+        from engine.kernels import set_kernels
+
+        set_kernels(not args.no_kernels)  # process-wide, as the bench runs one configuration
+        report.config["kernels"] = not args.no_kernels
         parts = {x.strip() for x in args.parts.split(",") if x.strip()}
         if unknown := parts - {"decode", "prefill"}:
             raise SystemExit(f"--parts: unknown {sorted(unknown)}; known: decode, prefill")

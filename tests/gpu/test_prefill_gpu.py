@@ -41,12 +41,13 @@ def _torch_path(monkeypatch, *args, **kwargs) -> torch.Tensor:
         return prefill.attend_sequence(*args, **kwargs)
 
 
+@pytest.mark.parametrize("hidden", [0, 77])  # ring rows below the replay's window_from
 @pytest.mark.parametrize("layer", ["sliding", "hca", "csa"])
-def test_the_kernel_matches_the_torch_path_at_flash_widths(layer: str, monkeypatch) -> None:
+def test_the_kernel_matches_the_torch_path_at_flash_widths(layer: str, hidden: int, monkeypatch) -> None:
     n0, n = 3000, 1024
     rate = {"sliding": 1, "hca": 128, "csa": 4}[layer]
     q, raw, entries, sinks = _inputs(n0, n, rate)
-    lo = n0 - W + 1
+    lo = n0 - W + 1 + hidden
     compressed = None if layer == "sliding" else (entries, rate)
     csa = None
     if layer == "csa":

@@ -134,3 +134,19 @@ def test_the_kernel_paths_choices_are_the_whole_row_top_k_padded_with_minus_one(
     top, valid = _whole_row(ix, q, w, keys, count)
     assert got.shape == (n, 5)
     assert torch.equal(got, torch.where(valid, top, -1))
+
+
+def test_the_kernels_switch_off_process_wide() -> None:
+    """`set_kernels(False)` (``sluice bench engine --no-kernels``) leaves every replacing
+    kernel unused, so one process can measure what they are worth."""
+    from engine import kernels
+    from engine.kernels import hyper, prefill_attention, rowwise
+
+    x = torch.zeros(2, 4, 8)
+    try:
+        kernels.set_kernels(False)
+        assert not kernels.kernels_on()
+        assert not (hyper.usable(x) or rowwise.usable(x) or prefill_attention.usable(x))
+    finally:
+        kernels.set_kernels(True)
+    assert kernels.kernels_on() == kernels.triton_available()
