@@ -17,6 +17,10 @@ entries) and attending with the decode path's `decode_attend` has three conseque
 The CSA indexer scores entries in chunks too (`select_topk`): queries x entries tiles, with
 a running top-k merged tile by tile. Equal scores resolve to the lowest entry index, as in
 one sort over the whole row (`engine.model.compressor.topk_lowest_index`).
+
+On CUDA outside the batch-invariant mode, `engine.kernels.prefill_attention` replaces the
+gathered keys and their chunks: it reads every query's keys where they lie, given the
+indexer's choices (`_choices`).
 """
 
 from __future__ import annotations
@@ -38,6 +42,10 @@ INDEX_TILE_ELEMENTS = 32 << 20
 #: the indexer scores at least this many queries per tile (fewer entries per tile instead):
 #: a 131,072-token prompt's last steps score 32,768 entries per query
 INDEX_MIN_QUERIES = 64
+
+#: a CSA layer's indexer inputs for one sequence's step: (indexer, its queries [n, nI, dI],
+#: head weights [n, nI] fp32, every entry's indexer key [E, dI])
+IndexerInputs = tuple[Indexer, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 def query_chunk(n_keys: int, heads: int, dim: int, elem: int, budget: int = WORKSPACE_BYTES) -> int:
@@ -114,8 +122,7 @@ def attend_sequence(
     window: int,
     sinks: torch.Tensor,  # [H]
     compressed: tuple[torch.Tensor, int] | None = None,  # (this sequence's entries [E, hd], rate)
-    csa: tuple[Indexer, torch.Tensor, torch.Tensor, torch.Tensor]
-    | None = None,  # (indexer, iq [n, nI, dI], iw [n, nI], index keys [E, dI])
+    csa: IndexerInputs | None = None,
     workspace: int | None = None,  # bytes (None: WORKSPACE_BYTES)
 ) -> torch.Tensor:
     """Attention output [n, H, hd] of one sequence's prefill queries, in bounded query chunks."""
@@ -152,9 +159,7 @@ def attend_sequence(
     return out
 
 
-def _choices(
-    csa: tuple[Indexer, torch.Tensor, torch.Tensor, torch.Tensor], n0: int, n: int, rate: int, e_all: int
-) -> torch.Tensor:
+def _choices(csa: IndexerInputs, n0: int, n: int, rate: int, e_all: int) -> torch.Tensor:
     """The indexer's entry ids [n, k] for every query of the step, -1 where none: in query
     chunks whose (queries x heads x entries) scores fit one `INDEX_TILE_ELEMENTS` tile, or
     `INDEX_MIN_QUERIES` queries over several tiles of entries."""
