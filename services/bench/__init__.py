@@ -136,3 +136,19 @@ def module_main(
 def progress(message: str) -> None:
     """Progress for long runs goes to stderr so --json stdout stays one object."""
     print(f"[{time.strftime('%H:%M:%S')}] {message}", file=sys.stderr, flush=True)
+
+
+def cuda_mean_ms(fn: Callable[[], Any], repeats: int) -> float:
+    """Mean ms of ``fn()`` over ``repeats`` back-to-back launches after one warm-up, by CUDA
+    events (the kernel benches: `sluice bench moe`, `sluice bench attention`)."""
+    import torch
+
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats

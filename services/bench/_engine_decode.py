@@ -203,22 +203,30 @@ def engine_decode(model_dir: Path, a: DecodeArgs, batch: int, context: int) -> d
             batch_invariant.disable()
 
 
+def transformers_model(model_dir: Path, device: str, dtype: str, seed: int) -> Any:
+    """transformers' `DeepseekV4ForCausalLM` at ``model_dir``'s config, eager attention,
+    random weights of its own init (seeded), built on ``device`` at ``dtype``."""
+    import torch
+    from transformers import AutoConfig, DeepseekV4ForCausalLM
+
+    config = AutoConfig.from_pretrained(str(model_dir))
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(getattr(torch, dtype))
+    try:
+        with torch.device(device):
+            return DeepseekV4ForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(previous)
+
+
 def transformers_decode(model_dir: Path, a: DecodeArgs, batch: int) -> dict[str, Any]:
     import torch
     import transformers
-    from transformers import AutoConfig, DeepseekV4ForCausalLM
 
-    dtype = getattr(torch, a.dtype)
-    config = AutoConfig.from_pretrained(str(model_dir))
-    config._attn_implementation = "eager"
-    torch.manual_seed(a.seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(a.device):
-            model = DeepseekV4ForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
+    model = transformers_model(model_dir, a.device, a.dtype, a.seed)
+    config = model.config
     try:
         gen = torch.Generator().manual_seed(a.seed + batch)
         ids = torch.randint(3, config.vocab_size, (batch, a.tf_context), generator=gen).to(a.device)

@@ -187,18 +187,11 @@ def transformers_prefill(model_dir: Any, a: PrefillArgs) -> dict[str, Any]:
 
     import torch
     import transformers
-    from transformers import AutoConfig, DeepseekV4ForCausalLM
 
-    config = AutoConfig.from_pretrained(str(model_dir))
-    config._attn_implementation = "eager"
-    torch.manual_seed(a.seed)
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(getattr(torch, a.dtype))
-    try:
-        with torch.device(a.device):
-            model = DeepseekV4ForCausalLM(config).eval()
-    finally:
-        torch.set_default_dtype(previous)
+    from services.bench._engine_decode import transformers_model
+
+    model = transformers_model(model_dir, a.device, a.dtype, a.seed)
+    config = model.config
     try:
         key = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
         ids = torch.tensor([_ids(config.vocab_size, a.tf_tokens, a.seed)], device=a.device)

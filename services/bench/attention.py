@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-from typing import Any
 
-from services.bench import Report, module_main, progress
+from services.bench import Report, cuda_mean_ms, module_main, progress
 
 SWEEP = {"BLOCK_H": (16, 32, 64), "BLOCK_K": (16, 32, 64), "NUM_WARPS": (4, 8), "NUM_STAGES": (1, 2, 3)}
 
@@ -27,20 +26,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tokens", type=int, default=4096, help="queries (default 4096)")
     p.add_argument("--repeats", type=int, default=10, help="timed launches per cell (default 10)")
     p.add_argument("--sweep", action="store_true", help="time every kernel configuration of the grid")
-
-
-def _time_ms(fn: Any, repeats: int) -> float:
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def run(args: argparse.Namespace) -> Report:
@@ -74,14 +59,14 @@ def run(args: argparse.Namespace) -> Report:
 
     def kernel_ms(kind: str) -> float:
         ent, rate, ids = layers[kind]
-        return _time_ms(
+        return cuda_mean_ms(
             lambda: kernel.prefill_attention(q, raw, 0, w - 1, w, sinks, ent, rate, ids), args.repeats
         )
 
     def torch_ms(kind: str) -> float:
         ent, rate, ids = layers[kind]
         comp = None if ent is None else (ent, rate)
-        return _time_ms(lambda: _torch_path(q, raw, w, sinks, comp, ids), args.repeats)
+        return cuda_mean_ms(lambda: _torch_path(q, raw, w, sinks, comp, ids), args.repeats)
 
     chosen = {k: getattr(kernel, k) for k in SWEEP}
     for kind in layers:

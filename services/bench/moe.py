@@ -15,7 +15,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from services.bench import Report, machine_info, module_main, progress
+from services.bench import Report, cuda_mean_ms, machine_info, module_main, progress
 
 TOKENS = (1, 16, 64, 256, 1024, 4096)
 
@@ -26,21 +26,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tokens", default=",".join(map(str, TOKENS)), help="token counts, a comma list")
     p.add_argument("--repeats", type=int, default=20, help="timed launches per cell (default 20)")
-
-
-def _time_ms(fn, rows, weights, ends, repeats: int) -> float:
-    """Mean ms of ``fn(rows, weights, ends)`` over ``repeats`` launches after a warm-up."""
-    import torch
-
-    fn(rows, weights, ends)
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn(rows, weights, ends)
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def run(args: argparse.Namespace) -> Report:
@@ -77,7 +62,10 @@ def run(args: argparse.Namespace) -> Report:
             "torch_down": (torch_grouped_matmul, h, down),
             "triton_down": (batch_invariant.grouped_matmul, h, down),
         }
-        t = {n: _time_ms(f, a, w, ends, args.repeats) for n, (f, a, w) in calls.items()}
+        t = {
+            n: cuda_mean_ms(lambda f=f, a=a, w=w, e=ends: f(a, w, e), args.repeats)
+            for n, (f, a, w) in calls.items()
+        }
         hit = int((counts > 0).sum())
         floor = hit * 3 * inter * d * 2 / bw * 1e3
         row = {
