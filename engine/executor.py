@@ -17,6 +17,7 @@ layer drafts the next step's tokens (`engine.spec.drafter`).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -69,6 +70,18 @@ class SamplingState:
     def done(self) -> bool:
         """Its last sampled token stops it: a step already in flight samples nothing more."""
         return bool(self.output_token_ids) and self.output_token_ids[-1] in self.stop_token_ids
+
+    # params and grammar never change for a request: classify it once, not once per step
+    @functools.cached_property
+    def takes_argmax(self) -> bool:
+        """Plain greedy without a grammar: its token is the row's argmax."""
+        return self.grammar is None and plain_greedy(self.params)
+
+    @functools.cached_property
+    def drawn_together(self) -> bool:
+        """Sampled with neither a grammar nor penalties: drawn in one `sample_rows` over the
+        step's such rows."""
+        return self.grammar is None and not self.params.greedy and no_penalties(self.params)
 
 
 class ModelExecutor:
@@ -163,7 +176,7 @@ class ModelExecutor:
         # every row's argmax in one device op and one transfer: a plain greedy request's token
         # (argmax is exact and row by row, so batching changes nothing; lowest id on ties)
         greedy = any(
-            st.grammar is None and plain_greedy(st.params)
+            st.takes_argmax
             for s in out.seqs
             if s.sample
             for rid in (s.request_id, *s.fork_children)
@@ -201,23 +214,17 @@ class ModelExecutor:
         failed = {rid: self._failed[rid] for rid in sampled if rid in self._failed}
         return RunnerOutput(out.step, sampled, dict(logprobs), failed, emitted, emitted_lps, drafts)
 
-    @staticmethod
-    def _drawn_together(st: SamplingState) -> bool:
-        """A sampled request with neither a grammar nor penalties: its tokens come from one
-        `sample_rows` over the step's such rows."""
-        return st.grammar is None and not st.params.greedy and no_penalties(st.params)
-
     def _needs_row(self, rid: str) -> bool:
         """Whether sampling ``rid`` reads its logits row on the host: the per-row sampler
         (a grammar or penalties) or logprobs."""
         st = self.states.get(rid)
         if st is None or st.done:
             return False
-        per_row = not (st.grammar is None and plain_greedy(st.params)) and not self._drawn_together(st)
+        per_row = not st.takes_argmax and not st.drawn_together
         return per_row or st.params.logprobs is not None
 
     def _draw_together(self, out: SchedulerOutput, logits: Any) -> dict[tuple[str, int], int]:
-        """(request id, output index) -> token for every row drawn together (`_drawn_together`),
+        """(request id, output index) -> token for every row drawn together (`SamplingState.drawn_together`),
         verified drafts' positions included: each draw depends on its own (seed, index) only,
         so drawing a position that verification then discards consumes nothing."""
         rows: list[int] = []
@@ -231,7 +238,7 @@ class ModelExecutor:
             for j in range(s.num_drafts + 1):
                 for rid in (s.request_id, *(() if s.num_drafts else s.fork_children)):
                     st = self.states.get(rid)
-                    if st is None or st.done or not self._drawn_together(st):
+                    if st is None or st.done or not st.drawn_together:
                         continue
                     rows.append(row + j)
                     keys.append((rid, s.output_index + j))
@@ -353,7 +360,7 @@ class ModelExecutor:
         if output_index != len(st.output_token_ids):
             raise RuntimeError(f"{rid}: sampling output {output_index}, have {len(st.output_token_ids)}")
         drawn = self._drawn.get((rid, output_index))
-        if drawn is not None or (st.grammar is None and plain_greedy(st.params)):
+        if drawn is not None or st.takes_argmax:
             token = top if drawn is None else drawn
             lps = None
             if st.params.logprobs is not None:
