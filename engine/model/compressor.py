@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.cache.pool import CompressedPool
 from engine.cache.swa import SWASlots
+from engine.kernels import batch_invariant
 from engine.model.norms import RMSNorm
 from engine.model.rope import Rotary
 
@@ -91,7 +92,9 @@ class IndexerScorer(nn.Module):
 
 
 class Indexer(Compressor):
-    """Lightning indexer: its own overlapping compressor at index_head_dim plus multi-head ReLU scoring."""
+    """Lightning indexer: its own overlapping compressor at index_head_dim plus multi-head ReLU
+    scoring (`index_scores`; the top-k: `engine.model.prefill.select_topk` in prefill, in
+    tiles, and `engine.model.decode` for decode and verification)."""
 
     def __init__(
         self, hidden: int, q_lora: int, dim: int, n_heads: int, rate: int, topk: int, eps: float
@@ -110,23 +113,15 @@ class Indexer(Compressor):
         w = self.scorer.weights_proj(x).float() * self.n_heads**-0.5
         return q, w
 
-    def select(
-        self, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor, positions: torch.Tensor
-    ) -> torch.Tensor:
-        """Visible-entry mask [q, E] (bool) of the top-k entries per query; keys [E, dI]."""
-        e = keys.shape[0]
-        if e == 0:
-            return torch.zeros(q.shape[0], 0, dtype=torch.bool, device=q.device)
-        scores = F.relu(torch.einsum("qhd,ed->qhe", q.float(), keys.float())) * self.dim**-0.5
-        scores = (scores * w.unsqueeze(-1)).sum(dim=1)  # [q, E]
-        thresh = (positions + 1) // self.rate  # entries < thresh are complete at the query
-        future = torch.arange(e, device=q.device)[None, :] >= thresh[:, None]
-        scores = scores.masked_fill(future, float("-inf"))
-        top = topk_lowest_index(scores, self.topk)  # [q, k]
-        valid = top < thresh[:, None]
-        visible = torch.zeros(q.shape[0], e + 1, dtype=torch.bool, device=q.device)  # column e: discard
-        visible.scatter_(1, torch.where(valid, top, torch.full_like(top, e)), True)
-        return visible[:, :e]
+
+def index_scores(ix: Indexer, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``sum_h w_h relu(q_h . k) / sqrt(dI)`` in fp32: queries q [R, nI, dI], head weights
+    w [R, nI] and entry keys shared by every row ([E, dI]) or per row ([R, E, dI]) -> [R, E]."""
+    eq = "rhd,ed->rhe" if keys.dim() == 2 else "rhd,red->rhe"
+    scores = F.relu(torch.einsum(eq, q.float(), keys.float())) * ix.dim**-0.5
+    if batch_invariant.enabled():  # a matmul: its order is fixed; torch's sum's is not
+        return torch.einsum("rhe,rh->re", scores, w)
+    return (scores * w.unsqueeze(-1)).sum(dim=1)
 
 
 class CSACompressor(Compressor):

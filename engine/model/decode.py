@@ -8,13 +8,12 @@ equal the general per-sequence path (tests/unit/engine/test_decode_path.py).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.cache.pool import CompressedPool
 from engine.cache.swa import SWASlots
 from engine.forward_batch import ForwardBatch, upload
 from engine.kernels import batch_invariant
-from engine.model.compressor import Compressor, Indexer, topk_lowest_index
+from engine.model.compressor import Compressor, Indexer, index_scores, topk_lowest_index
 from engine.model.rope import Rotary
 
 
@@ -135,11 +134,7 @@ def _csa_select(
     """Top-k entry ids [B, k] and their validity [B, k], from indexer queries [B, nI, dI],
     head weights [B, nI] and every entry's indexer key [B, E, dI]."""
     e_max = ikeys.shape[1]
-    scores = F.relu(torch.einsum("bhd,bed->bhe", iq.float(), ikeys.float())) * ix.dim**-0.5
-    if batch_invariant.enabled():  # a matmul: its order is fixed; torch's sum's is not
-        scores = torch.einsum("bhe,bh->be", scores, iw)  # [B, E]
-    else:
-        scores = (scores * iw.unsqueeze(-1)).sum(dim=1)  # [B, E]
+    scores = index_scores(ix, iq, iw, ikeys)  # [B, E]
     ent = torch.arange(e_max, device=iq.device)[None, :]
     scores = scores.masked_fill(ent >= count[:, None], float("-inf"))
     top = topk_lowest_index(scores, ix.topk)  # [B, k]

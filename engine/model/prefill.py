@@ -26,11 +26,10 @@ indexer's choices (`_choices`).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.kernels import batch_invariant
 from engine.kernels import prefill_attention as kernel
-from engine.model.compressor import Indexer
+from engine.model.compressor import Indexer, index_scores
 from engine.model.decode import decode_attend
 
 #: scratch memory one query chunk may use for its keys, logits and probabilities; the
@@ -99,11 +98,7 @@ def select_topk(
     qf = q.float()
     for lo in range(0, e, tile):
         hi = min(e, lo + tile)
-        s = F.relu(torch.einsum("chd,ed->che", qf, keys[lo:hi].float())) * ix.dim**-0.5
-        if batch_invariant.enabled():  # a matmul: its order is fixed; torch's sum's is not
-            s = torch.einsum("che,ch->ce", s, w)
-        else:
-            s = (s * w.unsqueeze(-1)).sum(dim=1)  # [c, tile]
+        s = index_scores(ix, qf, w, keys[lo:hi])  # [c, tile]
         ids = torch.arange(lo, hi, device=q.device)
         s = s.masked_fill(ids[None, :] >= count[:, None], float("-inf"))
         # running entries first: they all have lower ids, so a stable sort keeps ties lowest-first
