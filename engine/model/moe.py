@@ -217,12 +217,16 @@ class Experts(nn.Module):
         # CUDA's grouped GEMM takes bf16 only; other CUDA dtypes take the loop
         if self.quantized or not GROUPED_MM or x.shape[0] == 0 or (x.is_cuda and x.dtype != torch.bfloat16):
             return self._run_rows_loop(x, local_ids)
-        order = torch.argsort(local_ids, stable=True)  # rows grouped by expert
-        offs = torch.cumsum(count_ids(local_ids, self.num_local), 0).to(torch.int32)
+        order, offs = self._group(local_ids)
         y = self._grouped(x[order], offs)
         out = torch.empty_like(x)
         out[order] = y.to(out.dtype)
         return out
+
+    def _group(self, local_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows' order grouped by expert (stable) and each expert group's end (int32)."""
+        order = torch.argsort(local_ids, stable=True)
+        return order, torch.cumsum(count_ids(local_ids, self.num_local), 0).to(torch.int32)
 
     def _grouped(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Expert outputs of rows x [N, D] already grouped by expert (``offs``: each group's end)."""
@@ -241,8 +245,7 @@ class Experts(nn.Module):
             return None
         if tokens.shape[0] == 0:
             return None
-        order = torch.argsort(local_ids, stable=True)
-        offs = torch.cumsum(count_ids(local_ids, self.num_local), 0).to(torch.int32)
+        order, offs = self._group(local_ids)
         y = self._grouped(x[tokens[order]], offs)
         inverse = torch.empty_like(order)
         inverse[order] = torch.arange(order.shape[0], device=order.device)

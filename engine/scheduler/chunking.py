@@ -23,12 +23,13 @@ class StepCostModel(Protocol):
     def c(self) -> float: ...
     @property
     def d(self) -> float: ...
+    def predict(self, chunk: float, prefix: float) -> float: ...
 
 
 def seq_cost(model: StepCostModel, chunk: int, prefix: int) -> float:
-    """Marginal seconds one sequence adds to a step (the constant ``c`` is per step)."""
-    total = chunk + prefix
-    return model.a * chunk * total + model.b * total + model.d * chunk
+    """Marginal seconds one sequence adds to a step (the constant ``c`` is per step): the
+    model's own prediction, so no term can be left out here again."""
+    return model.predict(chunk, prefix) - model.c
 
 
 def largest_chunk(model: StepCostModel, prefix: int, tokens_left: int, time_left: float | None) -> int:

@@ -48,6 +48,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from services.bench import progress
+from services.bench._engine_decode import _sync
 
 #: never divide by a matmul rate below this on CUDA (804 TFLOP/s was measured on an H200)
 MIN_CUDA_MATMUL_FLOPS = 750e12
@@ -69,13 +70,6 @@ class PrefillArgs:
     long_context: int
     long_chunk: int
     seed: int = 0
-
-
-def _sync(device: str) -> None:
-    import torch
-
-    if device.startswith("cuda"):
-        torch.cuda.synchronize()
 
 
 def prefill_flops(mc: Any, tokens: int) -> float:
