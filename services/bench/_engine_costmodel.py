@@ -83,7 +83,8 @@ def profile_prefill(
     ids = torch.randint(3, mcfg.vocab_size, (max(prefixes) + max(chunks),), generator=gen).tolist()
 
     def step(start: int, n: int) -> None:
-        runner.execute(ForwardBatch.from_sequences([SequenceInput(ids[start : start + n], start, 0, table)]))
+        seq = SequenceInput(ids[start : start + n], start, 0, table)
+        runner.execute(ForwardBatch.from_sequences([seq], device=torch.device(device)))
 
     samples = []
     for h in sorted(prefixes):
