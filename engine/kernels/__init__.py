@@ -1,7 +1,8 @@
-"""GPU kernels (Triton) for decode hot spots, each beside the eager torch code it replaces.
+"""GPU kernels (Triton) for decode and prefill hot spots, each beside the eager torch code it replaces.
 
-A kernel is used only on CUDA tensors when Triton imports; everywhere else (CPU, a GPU host
-without Triton) the eager code runs. Each kernel is per token, so a token's result never
+A kernel is used only on CUDA tensors when Triton imports, and outside autograd (`tracks_grad`:
+the kernels have no backward pass); everywhere else (CPU, a GPU host without Triton,
+training) the eager code runs. Each kernel is per token, so a token's result never
 depends on the batch around it (batch invariance), and tests/gpu compares it with the eager
 code it replaces.
 """
@@ -9,6 +10,8 @@ code it replaces.
 from __future__ import annotations
 
 import functools
+
+import torch
 
 
 @functools.cache
@@ -28,6 +31,12 @@ def kernels_on() -> bool:
     """Whether the kernels that replace eager code (not the batch-invariant mode's own) run:
     Triton imports and `set_kernels` has not turned them off."""
     return _ON[0] and triton_available()
+
+
+def tracks_grad(*tensors: torch.Tensor) -> bool:
+    """Whether autograd records ops on these tensors (training): the kernels have no backward
+    pass, so the eager code runs then."""
+    return torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
 
 
 def set_kernels(on: bool) -> None:

@@ -1,7 +1,22 @@
-"""mHC's two per-token mixes of the ``n`` residual streams, one launch each.
+"""mHC's per-token work on the ``n`` residual streams: the mixing weights' projection and the
+two mixes, one pass over the streams each.
 
+* `premix`: ``mixes = rms_unweighted(flat) @ fn^T`` in fp32, ``flat`` the token's streams
+  flattened to ``n * D`` (the projection the pre, post and comb weights come from), and
 * `collapse`: ``x = sum_j pre[j] * streams[j]`` (the block's input), and
 * `merge`: ``streams'[i] = post[i] * out + sum_j comb[j, i] * streams[j]`` (its output).
+
+Eagerly the premix is an fp32 copy of the streams, an RMS norm over it and an fp32 matmul
+with 24 outputs that cuBLAS runs without tensor cores (2.1 ms for 4,096 tokens of two
+flash-shape layers on an H200). The kernel reads the streams once: (row block, slice of
+``n * D``) programs each take their slice's sum of squares and its products with ``fn``.
+For bf16 streams the fp32 ``fn`` is split into three bf16 parts (hi + mid + lo carry its 24
+bits) and each part's product runs on tensor cores: bf16 x bf16 products are exact in the
+fp32 accumulator, so this is an fp32 product up to the order of the sums (``tl.dot`` in
+plain fp32 emulates it with FMAs, ~10x slower on an H200). A second launch adds the `PREMIX_SPLIT` slices in order and
+scales by ``rsqrt(mean + eps)``: ``(x / rms) @ fn^T`` computed as ``(x @ fn^T) / rms``, equal
+up to fp32 rounding. The split depends on ``n * D`` alone, so a row's sums are the same in
+any batch.
 
 Eagerly the merge is a ``[T, n, n] @ [T, n, D]`` batched matmul that cuBLAS runs as T tiny
 products (1.25 ms for 4,096 tokens at flash-shape widths on an H200, for ~0.3 GB of traffic),
@@ -16,9 +31,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels import kernels_on
+from engine.kernels import kernels_on, tracks_grad
 
 BLOCK_D = 1024
+#: premix: rows and reduced width per program, and the slices ``n * D`` is cut into (each at
+#: least PREMIX_MIN_SLICE wide): the slices, not the rows, fill the GPU when a decode step
+#: has a handful of rows
+PREMIX_BM, PREMIX_BK = 64, 64
+PREMIX_SLICES, PREMIX_MIN_SLICE = 8, 1024
 
 
 def _build():  # built on first use, so importing this module never needs Triton
@@ -59,16 +79,69 @@ def _build():  # built on first use, so importing this module never needs Triton
             b = tl.sum(comb[:, None] * s, axis=0).to(dtype).to(tl.float32)
             tl.store(r_ptr + t * r_t + i * r_n + d, (a + b).to(dtype), mask=dm)
 
-    return {"collapse": collapse_kernel, "merge": merge_kernel}
+    @triton.jit
+    def premix_kernel(
+        x_ptr, w_ptr, part_ptr, sq_ptr, T, K, M, s_x, slice_k,
+        BM: tl.constexpr, BK: tl.constexpr, MP: tl.constexpr, SPLIT_W: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0) * BM + tl.arange(0, BM)
+        sl = tl.program_id(1)
+        rm = rows < T
+        cols = tl.arange(0, MP)
+        cm = cols < M
+        acc = tl.zeros((BM, MP), tl.float32)
+        sq = tl.zeros((BM,), tl.float32)
+        for k0 in range(sl * slice_k, tl.minimum(sl * slice_k + slice_k, K), BK):
+            k = k0 + tl.arange(0, BK)
+            km = k < K
+            xs = x_ptr + rows[:, None].to(tl.int64) * s_x + k[None, :]
+            x = tl.load(xs, mask=rm[:, None] & km[None, :], other=0.0)
+            w = tl.load(w_ptr + cols[None, :] * K + k[:, None], mask=cm[None, :] & km[:, None], other=0.0)
+            xf = x.to(tl.float32)
+            sq += tl.sum(xf * xf, axis=1)
+            if SPLIT_W:  # bf16 x: w = hi + mid + lo in bf16, three exact-product MMAs, smallest first
+                hi = w.to(tl.bfloat16)
+                rest = w - hi.to(tl.float32)
+                mid = rest.to(tl.bfloat16)
+                lo = (rest - mid.to(tl.float32)).to(tl.bfloat16)
+                acc = tl.dot(x, lo, acc)
+                acc = tl.dot(x, mid, acc)
+                acc = tl.dot(x, hi, acc)
+            else:
+                acc += tl.dot(xf, w, input_precision="ieee")
+        out = (sl * T + rows).to(tl.int64)
+        tl.store(part_ptr + out[:, None] * MP + cols[None, :], acc, mask=rm[:, None])
+        tl.store(sq_ptr + out, sq, mask=rm)
+
+    @triton.jit
+    def premix_finish_kernel(
+        part_ptr, sq_ptr, o_ptr, T, K, M, eps, SLICES: tl.constexpr, MP: tl.constexpr
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, MP)
+        acc = tl.zeros((MP,), tl.float32)
+        sq = 0.0
+        for sl in tl.static_range(SLICES):  # in slice order: the same sums in any batch
+            acc += tl.load(part_ptr + (sl * T + t) * MP + cols)
+            sq += tl.load(sq_ptr + sl * T + t)
+        tl.store(o_ptr + t * M + cols, acc * tl.rsqrt(sq / K + eps), mask=cols < M)
+
+    return {
+        "collapse": collapse_kernel, "merge": merge_kernel,
+        "premix": premix_kernel, "premix_finish": premix_finish_kernel,
+    }  # fmt: skip
 
 
 _KERNELS: dict | None = None
 
 
-def usable(streams: torch.Tensor) -> bool:
-    """CUDA streams [T, n, D] with n a power of two, with Triton."""
+def usable(streams: torch.Tensor, *others: torch.Tensor) -> bool:
+    """CUDA streams [T, n, D] with n a power of two, with Triton, outside autograd (``others``:
+    the op's other inputs)."""
     n = streams.shape[1] if streams.dim() == 3 else 0
-    return streams.is_cuda and n > 0 and n & (n - 1) == 0 and kernels_on()
+    return (
+        streams.is_cuda and n > 0 and n & (n - 1) == 0 and kernels_on() and not tracks_grad(streams, *others)
+    )
 
 
 def _kernels() -> dict:
@@ -76,6 +149,39 @@ def _kernels() -> dict:
     if _KERNELS is None:
         _KERNELS = _build()
     return _KERNELS
+
+
+def premix_slices(k: int) -> int:
+    """How many slices a reduced width ``k`` (``n * D``) is cut into: `PREMIX_SLICES`, fewer
+    where a slice would be narrower than `PREMIX_MIN_SLICE`. A function of ``k`` alone."""
+    return max(1, min(PREMIX_SLICES, k // PREMIX_MIN_SLICE))
+
+
+def premix(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """streams [T, n, D] (any float dtype), fn [M, n*D] (fp32) -> the fp32 mixes [T, M] of the
+    RMS-normalised flattened streams."""
+    t, n, d = streams.shape
+    m, k = fn.shape
+    flat = streams.reshape(t, n * d)
+    if flat.stride(-1) != 1:
+        flat = flat.contiguous()
+    fn = fn.float().contiguous()
+    slices = premix_slices(k)
+    slice_k = -(-k // slices)
+    slice_k = -(-slice_k // PREMIX_BK) * PREMIX_BK
+    slices = -(-k // slice_k)
+    mp = max(16, 1 << (m - 1).bit_length())
+    out = torch.empty(t, m, dtype=torch.float32, device=streams.device)
+    if t:
+        part = torch.empty(slices, t, mp, dtype=torch.float32, device=streams.device)
+        sq = torch.empty(slices, t, dtype=torch.float32, device=streams.device)
+        kern = _kernels()
+        kern["premix"][(-(-t // PREMIX_BM), slices)](
+            flat, fn, part, sq, t, k, m, flat.stride(0), slice_k, BM=PREMIX_BM, BK=PREMIX_BK, MP=mp,
+            SPLIT_W=flat.dtype == torch.bfloat16, num_warps=4,
+        )  # fmt: skip
+        kern["premix_finish"][(t,)](part, sq, out, t, k, m, eps, SLICES=slices, MP=mp, num_warps=1)
+    return out
 
 
 def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

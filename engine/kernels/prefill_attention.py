@@ -121,14 +121,18 @@ def prefill_attention(
     entries: torch.Tensor | None = None,  # [E, hd]
     rate: int = 1,
     idx: torch.Tensor | None = None,  # [n, k] entry ids, -1: none (CSA); None with entries: HCA
+    out: torch.Tensor | None = None,  # [n, H, hd], channels contiguous: written in place
 ) -> torch.Tensor:
-    """Attention output [n, H, hd] (module docstring)."""
+    """Attention output [n, H, hd] (module docstring), in ``out`` when given."""
     global _KERNEL
     if _KERNEL is None:
         _KERNEL = _build()
     n, h, d = q.shape
     q, raw = q.contiguous(), raw.contiguous()
-    out = torch.empty_like(q)
+    if out is None:
+        out = torch.empty_like(q)
+    elif out.shape != q.shape or out.stride(-1) != 1:
+        raise ValueError("prefill_attention: out must be shaped as q, its channels contiguous")
     if n == 0:
         return out
     mode = MODE_NONE if entries is None else (MODE_DENSE if idx is None else MODE_INDEXED)

@@ -1,13 +1,23 @@
-"""Two memory-bound row operations of a prefill step, one launch and one pass each.
+"""Memory-bound row operations of a step, one launch and one pass each.
 
 * `rms_unweighted`: the per-head query norm, ``x * rsqrt(mean(x^2) + eps)`` with the mean in
   fp32 and the scale rounded to x's dtype before the product (the reference's order,
   `engine.model.norms.rms_unweighted`). Eagerly it is five kernels over an fp32 copy of the
   queries (~2 ms for a 4,096-token flash-shape step on an H200).
+* `rms_weighted`: a weighted RMS norm (`engine.model.norms.RMSNorm`) in fp32 from the
+  activations' dtype; eagerly an fp32 copy, the norm and a copy back, three passes.
+* `index_reduce`: the CSA indexer's score of each entry, the head-weighted sum of the
+  ReLU of the heads' dot products, in one read of the products (eagerly a ReLU pass and
+  a batched matrix-vector product).
 * `combine`: each token's weighted sum of its k expert outputs, read in place from the
   grouped GEMM's expert-major rows through the inverse permutation, summed in fp32 in the
   order k = 0, 1, ... (`engine.model.moe.combine`'s order), rounded once. Eagerly: a scatter
   back to token order, an fp32 copy of every row, a product and a sum.
+* `swiglu`: the experts' clamped SwiGLU, ``silu(min(gate, limit)) * clamp(up, -limit,
+  limit)``, read from the gate and up halves of the fused projection's rows in place, each
+  intermediate rounded to the inputs' dtype where the eager code rounds it (the clamps, the
+  SiLU, the product). Eagerly: two clamps, a SiLU and a product, four passes (0.9 ms for
+  the routed experts of a 4,096-token flash-shape step of two layers on an H200).
 
 One program per row (and block of columns): per token, so batch-invariant.
 """
@@ -16,9 +26,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels import kernels_on
+from engine.kernels import kernels_on, tracks_grad
 
 BLOCK_D = 1024
+#: the query norm's program covers this many elements (several 512-wide heads): one head per
+#: program left most of a 4,096-token flash-shape step's 262,144 programs waiting on launch
+ROW_BLOCK_ELEMENTS = 4096
+#: the indexer's reduction over heads: entries per program
+INDEX_BLOCK_E = 256
 
 
 def _build():  # built on first use, so importing this module never needs Triton
@@ -26,14 +41,26 @@ def _build():  # built on first use, so importing this module never needs Triton
     import triton.language as tl
 
     @triton.jit
-    def rms_kernel(x_ptr, o_ptr, D, eps, s_x, s_o, BD: tl.constexpr):
+    def rms_kernel(x_ptr, o_ptr, R, D, eps, s_x, s_o, BR: tl.constexpr, BD: tl.constexpr):
+        r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+        d = tl.arange(0, BD)
+        m = (r < R)[:, None] & (d < D)[None, :]
+        x = tl.load(x_ptr + r[:, None] * s_x + d[None, :], mask=m, other=0.0)
+        xf = x.to(tl.float32)
+        scale = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps).to(x.dtype).to(tl.float32)
+        tl.store(
+            o_ptr + r[:, None] * s_o + d[None, :], (xf * scale[:, None]).to(o_ptr.dtype.element_ty), mask=m
+        )
+
+    @triton.jit
+    def rms_weighted_kernel(x_ptr, w_ptr, o_ptr, D, eps, s_x, s_o, BD: tl.constexpr):
         r = tl.program_id(0).to(tl.int64)
         d = tl.arange(0, BD)
         m = d < D
-        x = tl.load(x_ptr + r * s_x + d, mask=m, other=0.0)
-        xf = x.to(tl.float32)
-        scale = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps).to(x.dtype).to(tl.float32)
-        tl.store(o_ptr + r * s_o + d, (xf * scale).to(o_ptr.dtype.element_ty), mask=m)
+        xf = tl.load(x_ptr + r * s_x + d, mask=m, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+        tl.store(o_ptr + r * s_o + d, (xf * rstd * w).to(o_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def combine_kernel(y_ptr, inv_ptr, w_ptr, o_ptr, D, s_y, s_w, s_o, K: tl.constexpr, BD: tl.constexpr):
@@ -47,7 +74,35 @@ def _build():  # built on first use, so importing this module never needs Triton
             acc += tl.load(y_ptr + row * s_y + d, mask=m, other=0.0).to(tl.float32) * w
         tl.store(o_ptr + t * s_o + d, acc.to(o_ptr.dtype.element_ty), mask=m)
 
-    return {"rms": rms_kernel, "combine": combine_kernel}
+    @triton.jit
+    def swiglu_kernel(g_ptr, u_ptr, o_ptr, D, s_g, s_u, s_o, limit, BD: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        d = tl.program_id(1) * BD + tl.arange(0, BD)
+        m = d < D
+        dtype = o_ptr.dtype.element_ty
+        g = tl.load(g_ptr + r * s_g + d, mask=m, other=0.0).to(tl.float32)
+        u = tl.load(u_ptr + r * s_u + d, mask=m, other=0.0).to(tl.float32)
+        g = tl.minimum(g, limit).to(dtype).to(tl.float32)
+        u = tl.minimum(tl.maximum(u, -limit), limit).to(dtype).to(tl.float32)
+        silu = (g / (1.0 + tl.exp(-g))).to(dtype).to(tl.float32)
+        tl.store(o_ptr + r * s_o + d, (silu * u).to(dtype), mask=m)
+
+    @triton.jit
+    def index_reduce_kernel(s_ptr, w_ptr, o_ptr, NH, E, s_r, s_h, s_w, s_o, BE: tl.constexpr):
+        r = tl.program_id(0).to(tl.int64)
+        e = tl.program_id(1) * BE + tl.arange(0, BE)
+        m = e < E
+        acc = tl.zeros((BE,), tl.float32)
+        for h in range(NH):  # heads in order: a row's sum is the same in any batch
+            w = tl.load(w_ptr + r * s_w + h)
+            acc += tl.maximum(tl.load(s_ptr + r * s_r + h * s_h + e, mask=m, other=0.0), 0.0) * w
+        tl.store(o_ptr + r * s_o + e, acc, mask=m)
+
+    return {
+        "index_reduce": index_reduce_kernel,
+        "rms": rms_kernel, "rms_weighted": rms_weighted_kernel, "combine": combine_kernel,
+        "swiglu": swiglu_kernel,
+    }  # fmt: skip
 
 
 _KERNELS: dict | None = None
@@ -60,8 +115,9 @@ def _kernels() -> dict:
     return _KERNELS
 
 
-def usable(x: torch.Tensor) -> bool:
-    return x.is_cuda and kernels_on()
+def usable(x: torch.Tensor, *others: torch.Tensor) -> bool:
+    """CUDA ``x``, with Triton, outside autograd (``others``: the op's other inputs)."""
+    return x.is_cuda and kernels_on() and not tracks_grad(x, *others)
 
 
 def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -71,9 +127,26 @@ def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
     out = torch.empty_like(rows)
     if rows.shape[0]:
         bd = max(16, 1 << (d - 1).bit_length())
-        _kernels()["rms"][(rows.shape[0],)](
-            rows, out, d, eps, rows.stride(0), out.stride(0), BD=bd, num_warps=4
+        br = max(1, ROW_BLOCK_ELEMENTS // bd)  # rows per program: a function of D alone
+        _kernels()["rms"][(-(-rows.shape[0] // br),)](
+            rows, out, rows.shape[0], d, eps, rows.stride(0), out.stride(0), BR=br, BD=bd, num_warps=4
         )
+    return out.view(x.shape)
+
+
+def rms_weighted(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] (D <= 8192) -> ``rms_norm(x.float(), weight)`` in x's dtype: the norm in fp32
+    from x's own dtype, no fp32 copy of x."""
+    d = x.shape[-1]
+    rows = x.reshape(-1, d)
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
+    if rows.shape[0]:
+        bd = max(16, 1 << (d - 1).bit_length())
+        _kernels()["rms_weighted"][(rows.shape[0],)](
+            rows, weight.contiguous(), out, d, eps, rows.stride(0), out.stride(0), BD=bd, num_warps=8 if d > 2048 else 4
+        )  # fmt: skip
     return out.view(x.shape)
 
 
@@ -89,5 +162,29 @@ def combine(
         y, weights, inverse = y.contiguous(), weights.contiguous(), inverse.contiguous()
         _kernels()["combine"][(n, -(-d // BLOCK_D))](
             y, inverse, weights, out, d, y.stride(0), weights.stride(0), out.stride(0), K=k, BD=BLOCK_D
+        )
+    return out
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """gate, up [N, I] (rows may be strided, e.g. halves of one [N, 2I]) -> [N, I] in their dtype."""
+    n, d = gate.shape
+    out = torch.empty(n, d, dtype=gate.dtype, device=gate.device)
+    if n:
+        _kernels()["swiglu"][(n, -(-d // BLOCK_D))](
+            gate, up, out, d, gate.stride(0), up.stride(0), out.stride(0), float(limit), BD=BLOCK_D
+        )
+    return out
+
+
+def index_reduce(dots: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``sum_h w[r, h] * relu(dots[r, h, e])`` in fp32: dots [R, nI, E] (fp32, entries
+    contiguous), w [R, nI] -> [R, E]."""
+    r, nh, e = dots.shape
+    w = w.float().contiguous()
+    out = torch.empty(r, e, dtype=torch.float32, device=dots.device)
+    if r and e:
+        _kernels()["index_reduce"][(r, -(-e // INDEX_BLOCK_E))](
+            dots, w, out, nh, e, dots.stride(0), dots.stride(1), w.stride(0), out.stride(0), BE=INDEX_BLOCK_E
         )
     return out

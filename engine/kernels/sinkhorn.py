@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.kernels import kernels_on
+from engine.kernels import kernels_on, tracks_grad
 
 
 def _kernel():  # built on first use, so importing this module never needs Triton
@@ -43,7 +43,7 @@ def usable(comb: torch.Tensor) -> bool:
     n = comb.shape[-1]
     return (
         comb.is_cuda and comb.dtype == torch.float32 and comb.dim() == 3 and comb.shape[1] == n
-        and n > 0 and n & (n - 1) == 0 and kernels_on()
+        and n > 0 and n & (n - 1) == 0 and kernels_on() and not tracks_grad(comb)
     )  # fmt: skip
 
 

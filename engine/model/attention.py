@@ -16,6 +16,7 @@ from engine.cache.swa import SWASlots
 from engine.checkpoint.quant import dequantize
 from engine.config import CSA, HCA, SLIDING, ModelConfig
 from engine.forward_batch import ForwardBatch
+from engine.kernels import batch_invariant, tracks_grad
 from engine.model import prefill, verify
 from engine.model.compressor import CSACompressor, HCACompressor, Indexer, run_compressor
 from engine.model.decode import decode_attend, decode_compress, decode_keys, written
@@ -48,8 +49,14 @@ class GroupedLinear(nn.Module):
             if self.qweight is None or self.scale is None
             else dequantize(self.qweight, self.scale)
         )
-        w = w.view(self.groups, -1, x.shape[-1])  # [G, out, in]
-        return torch.einsum("tgi,goi->tgo", x, w.to(x.dtype)).flatten(1)
+        w = w.view(self.groups, -1, x.shape[-1]).to(x.dtype)  # [G, out, in]
+        if x.is_cuda and not batch_invariant.enabled() and not tracks_grad(x, w):
+            # cuBLAS reads x per group and writes each group's rows in place in [T, G, out]
+            # (strided batches): no permuted copies of the input or the output
+            y = x.new_empty(x.shape[0], self.groups, w.shape[1])
+            torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=y.transpose(0, 1))
+            return y.flatten(1)
+        return torch.einsum("tgi,goi->tgo", x, w).flatten(1)
 
 
 class Attention(nn.Module):
@@ -142,7 +149,7 @@ class Attention(nn.Module):
                 if idx is not None and isinstance(self.compressor, CSACompressor):
                     ikeys = pool.read(layer, table, n_entries, index=True)
                     csa = (self.compressor.indexer, idx[0][sl], idx[1][sl], ikeys)
-            out[sl] = prefill.attend_sequence(q[sl], raw, n0, lo, self.window, self.sinks, compressed, csa)
+            prefill.attend_sequence(q[sl], raw, n0, lo, self.window, self.sinks, compressed, csa, out=out[sl])
             SWASlots.ring_write_from(swa.window[layer], slot, n0, kv_i, kept[i])
         out = self.rotary(out, pos, inverse=True)
         grouped = out.reshape(x.shape[0], self.o_groups, -1)

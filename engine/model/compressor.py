@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.cache.pool import CompressedPool
 from engine.cache.swa import SWASlots
-from engine.kernels import batch_invariant
+from engine.kernels import batch_invariant, kernels_on, rowwise
 from engine.model.norms import RMSNorm
 from engine.model.rope import Rotary
 
@@ -114,14 +114,36 @@ class Indexer(Compressor):
         return q, w
 
 
+def _dots(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """Every q_h . k in fp32: q [R, nI, dI], keys [E, dI] or [R, E, dI] -> [R, nI, E]. bf16
+    inputs on CUDA multiply on tensor cores into fp32 (their products are exact in fp32 and
+    the sums fp32, as in the fp32 einsum, which cuBLAS runs without tensor cores); elsewhere,
+    and in the batch-invariant mode, fp32 copies."""
+    if (
+        q.is_cuda
+        and q.dtype == keys.dtype == torch.bfloat16
+        and kernels_on()
+        and not batch_invariant.enabled()
+    ):
+        if keys.dim() == 2:
+            return torch.mm(q.reshape(-1, q.shape[-1]), keys.t(), out_dtype=torch.float32).view(
+                *q.shape[:2], -1
+            )
+        return torch.bmm(q, keys.transpose(1, 2), out_dtype=torch.float32)
+    eq = "rhd,ed->rhe" if keys.dim() == 2 else "rhd,red->rhe"
+    return torch.einsum(eq, q.float(), keys.float())
+
+
 def index_scores(ix: Indexer, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """``sum_h w_h relu(q_h . k) / sqrt(dI)`` in fp32: queries q [R, nI, dI], head weights
     w [R, nI] and entry keys shared by every row ([E, dI]) or per row ([R, E, dI]) -> [R, E]."""
-    eq = "rhd,ed->rhe" if keys.dim() == 2 else "rhd,red->rhe"
-    scores = F.relu(torch.einsum(eq, q.float(), keys.float())) * ix.dim**-0.5
+    dots = _dots(q, keys)  # a new tensor
     if batch_invariant.enabled():  # a matmul: its order is fixed; torch's sum's is not
-        return torch.einsum("rhe,rh->re", scores, w)
-    return (scores * w.unsqueeze(-1)).sum(dim=1)
+        return torch.einsum("rhe,rh->re", F.relu(dots) * ix.dim**-0.5, w)
+    w = w * ix.dim**-0.5  # 1/sqrt(dI) folded into the head weights
+    if rowwise.usable(dots) and dots.stride(-1) == 1:
+        return rowwise.index_reduce(dots, w)  # one read of the products
+    return torch.bmm(w.unsqueeze(1), dots.relu_()).squeeze(1)  # ReLU in place, one matvec
 
 
 class CSACompressor(Compressor):

@@ -29,8 +29,7 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, n, D] -> post [T, n], comb [T, n, n] (fp32), collapsed [T, D]."""
         n = self.n
-        flat = rms_unweighted(streams.flatten(1).float(), self.norm_eps)  # [T, n*D]
-        mixes = F.linear(flat, self.fn.float())  # [T, (2+n)*n]
+        mixes = hc_mixes(streams, self.fn, self.norm_eps)  # [T, (2+n)*n]
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
         pre_s, post_s, comb_s = self.scale.unbind(0)
@@ -42,6 +41,14 @@ class HyperConnection(nn.Module):
         else:
             comb = sinkhorn_eager(comb, self.iters, self.hc_eps)
         return post, comb, hc_collapse(streams, pre)
+
+
+def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """The mixing weights' projection: the RMS-normalised flattened streams [T, n*D] times
+    fn^T, in fp32. streams [T, n, D], fn [M, n*D] -> [T, M]."""
+    if hyper_kernel.usable(streams, fn):
+        return hyper_kernel.premix(streams, fn, eps)
+    return F.linear(rms_unweighted(streams.flatten(1).float(), eps), fn.float())
 
 
 def sinkhorn_eager(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
@@ -56,7 +63,7 @@ def sinkhorn_eager(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """sum_j pre[j] * x[j] in fp32, in the streams' dtype. streams [T, n, D], pre [T, n] (fp32)."""
-    if hyper_kernel.usable(streams):
+    if hyper_kernel.usable(streams, pre):
         return hyper_kernel.collapse(streams, pre)
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
@@ -65,7 +72,7 @@ def hc_merge(
     streams: torch.Tensor, out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
 ) -> torch.Tensor:
     """x' = post * out + comb^T @ x (comb is consumed transposed). streams [T, n, D], out [T, D]."""
-    if hyper_kernel.usable(streams):
+    if hyper_kernel.usable(streams, out, post, comb):
         return hyper_kernel.merge(streams, out, post, comb)
     dtype = streams.dtype
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(
@@ -87,7 +94,6 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         """streams [T, n, D] -> [T, D]."""
-        flat = rms_unweighted(streams.flatten(1).float(), self.norm_eps)
-        mixes = F.linear(flat, self.hc_fn.float())
+        mixes = hc_mixes(streams, self.hc_fn, self.norm_eps)
         pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.eps
         return hc_collapse(streams, pre)

@@ -125,6 +125,12 @@ GROUPED_MM = hasattr(torch, "_grouped_mm")
 
 
 def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """``silu(min(gate, limit)) * clamp(up, -limit, limit)``; one kernel on CUDA (`rowwise.swiglu`)."""
+    if (
+        rowwise.usable(gate, up) and gate.dim() == 2 and gate.shape == up.shape and gate.dtype == up.dtype
+        and gate.stride(-1) == 1 and up.stride(-1) == 1
+    ):  # fmt: skip
+        return rowwise.swiglu(gate, up, limit)
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
@@ -241,7 +247,12 @@ class Experts(nn.Module):
         """`combine` of `run_rows` on rows ``x[tokens]`` in one pass, on CUDA: the grouped
         rows are gathered from x at once and summed from where the GEMM left them
         (`engine.kernels.rowwise.combine`). None where that path does not apply."""
-        if not (rowwise.usable(x) and GROUPED_MM and not self.quantized and x.dtype == torch.bfloat16):
+        if not (
+            rowwise.usable(x, weights, self.gate_up_proj)
+            and GROUPED_MM
+            and not self.quantized
+            and x.dtype == torch.bfloat16
+        ):
             return None
         if tokens.shape[0] == 0:
             return None
@@ -284,7 +295,7 @@ def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch
     repeated runs agree. On CUDA every caller takes the one kernel (`engine.kernels.rowwise`),
     as the single-rank path's `Experts.run_and_combine` does: its order is the kernel's."""
     n, k = weights.shape
-    if rowwise.usable(y) and n:
+    if rowwise.usable(y, weights) and n:
         return rowwise.combine(y, torch.arange(n * k, device=y.device), weights, dtype)
     # the explicit width keeps an empty batch (an idle EP rank, n == 0) well defined
     return (y.view(n, k, y.shape[-1]).float() * weights.float().unsqueeze(-1)).sum(1).to(dtype)

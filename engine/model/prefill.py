@@ -95,10 +95,9 @@ def select_topk(
     tile = max(1, (tile_elements or INDEX_TILE_ELEMENTS) // max(1, c * heads))
     best_s = q.new_empty(c, 0, dtype=torch.float32)
     best_i = torch.empty(c, 0, dtype=torch.long, device=q.device)
-    qf = q.float()
     for lo in range(0, e, tile):
         hi = min(e, lo + tile)
-        s = index_scores(ix, qf, w, keys[lo:hi])  # [c, tile]
+        s = index_scores(ix, q, w, keys[lo:hi])  # [c, tile]
         ids = torch.arange(lo, hi, device=q.device)
         s = s.masked_fill(ids[None, :] >= count[:, None], float("-inf"))
         # running entries first: they all have lower ids, so a stable sort keeps ties lowest-first
@@ -119,17 +118,19 @@ def attend_sequence(
     compressed: tuple[torch.Tensor, int] | None = None,  # (this sequence's entries [E, hd], rate)
     csa: IndexerInputs | None = None,
     workspace: int | None = None,  # bytes (None: WORKSPACE_BYTES)
+    out: torch.Tensor | None = None,  # [n, H, hd]: written in place (the step's rows of this sequence)
 ) -> torch.Tensor:
-    """Attention output [n, H, hd] of one sequence's prefill queries, in bounded query chunks."""
+    """Attention output [n, H, hd] of one sequence's prefill queries, in bounded query
+    chunks; in ``out`` when given."""
     n, heads, hd = q.shape
     entries, rate = compressed if compressed is not None else (None, 1)
     e_all = 0 if entries is None else entries.shape[0]
     if kernel.usable(q) and not batch_invariant.enabled():  # keys read in place, no chunks
         idx = _choices(csa, n0, n, rate, e_all) if csa is not None and e_all else None
         return kernel.prefill_attention(
-            q, raw, n0, first - n0 + window - 1, window, sinks, entries, rate, idx
+            q, raw, n0, first - n0 + window - 1, window, sinks, entries, rate, idx, out
         )
-    out = torch.empty_like(q)
+    out = torch.empty_like(q) if out is None else out
     seen = min(e_all, csa[0].topk) if csa is not None else e_all
     chunk = query_chunk(
         window + seen, heads, hd, q.element_size(), WORKSPACE_BYTES if workspace is None else workspace

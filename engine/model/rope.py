@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from engine.config import RopeConfig
+from engine.kernels import rope as rope_kernel
 
 
 def inv_freq(cfg: RopeConfig) -> torch.Tensor:
@@ -119,6 +120,8 @@ class Rotary(nn.Module):
         """x [N, ..., D] with positions [N]; rotates x[..., -rope_dim:], in place unless x
         requires grad (the caller's x is then the result)."""
         cos, sin = self.cos_sin(positions, x.dtype)
+        if rope_kernel.usable(x, self.rope_dim):
+            return rope_kernel.rope_(x, cos, sin, inverse)
         if inverse:
             sin = -sin
         shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (self.rope_dim,)

@@ -109,3 +109,151 @@ def test_the_combine_kernel_matches_the_eager_combine() -> None:
     want = (y.view(n, k, -1).float() * w.unsqueeze(-1)).sum(1).to(torch.bfloat16)
     torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-6)
     print(f"combine: bitwise equal to torch's sum {(got == want).float().mean().item():.4f}")
+
+
+@pytest.mark.parametrize("t", [1, 7, 4096])
+@pytest.mark.parametrize("m", [24, 4])  # a block's pre/post/comb projection; the head's
+def test_the_premix_kernel_matches_the_eager_projection(t: int, m: int) -> None:
+    """engine/kernels/hyper.py's premix against the eager fp32 norm + matmul (flash widths)."""
+    import torch.nn.functional as F
+
+    from engine.kernels import hyper as hk
+    from engine.model.norms import rms_unweighted
+
+    s = _streams(t)[0]
+    g = torch.Generator(device="cuda").manual_seed(4)
+    fn = torch.randn(m, 4 * 4096, device="cuda", generator=g) * 0.02
+    want = F.linear(rms_unweighted(s.flatten(1).float(), 1e-6), fn)
+    got = hk.premix(s, fn, 1e-6)
+    assert got.dtype == torch.float32 and got.shape == (t, m)
+    # fp32 sums of 16,384 products in another order: a few fp32 ulps of the sum's magnitude
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    print(f"premix T={t} M={m}: max |diff| {(got - want).abs().max().item():.3g}")
+
+
+def test_the_premix_kernel_is_batch_invariant() -> None:
+    from engine.kernels import hyper as hk
+
+    s = _streams(200, seed=1)[0]
+    fn = torch.randn(24, 4 * 4096, device="cuda", generator=torch.Generator(device="cuda").manual_seed(5))
+    together = hk.premix(s, fn, 1e-6)
+    for i in (0, 57, 199):
+        assert torch.equal(hk.premix(s[i : i + 1], fn, 1e-6)[0], together[i])
+    assert torch.equal(hk.premix(s[:7], fn, 1e-6), together[:7])
+
+
+def test_the_swiglu_kernel_matches_the_eager_activation() -> None:
+    """rowwise.swiglu on the gate and up halves of one projection, in place: the eager code's
+    roundings (bitwise but where the exponential's last fp32 bit differs)."""
+    import torch.nn.functional as F
+
+    from engine.kernels import rowwise
+
+    g = torch.Generator(device="cuda").manual_seed(6)
+    h = (torch.randn(4096, 2 * 2048, device="cuda", generator=g) * 6).to(torch.bfloat16)
+    gate, up = h.chunk(2, dim=-1)
+    want = F.silu(gate.clamp(max=10.0)) * up.clamp(min=-10.0, max=10.0)
+    got = rowwise.swiglu(gate, up, 10.0)
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-6)
+    exact = (got == want).float().mean().item()
+    print(f"swiglu: bitwise equal {exact:.5f}")
+    assert exact > 0.99
+    assert torch.equal(rowwise.swiglu(gate[:7], up[:7], 10.0), got[:7])
+
+
+@pytest.mark.parametrize("inverse", [False, True])
+def test_the_rope_kernel_matches_the_eager_rotation(inverse: bool) -> None:
+    """engine/kernels/rope.py on queries [T, 64, 512] (and a strided [T, 512] view, as a
+    latent's slice is) against the eager rotation, bitwise but for fp32 contraction."""
+    from engine.config import RopeConfig
+    from engine.kernels import rope as rk
+    from engine.kernels import set_kernels
+    from engine.model.rope import Rotary
+
+    rot = Rotary(RopeConfig(theta=10000.0, rope_dim=64, factor=None)).cuda()
+    g = torch.Generator(device="cuda").manual_seed(7)
+    pos = torch.randint(0, 1 << 20, (4096,), device="cuda", generator=g)
+    wide = torch.randn(4096, 600, device="cuda", generator=g).to(torch.bfloat16)
+    for x in (torch.randn(4096, 64, 512, device="cuda", generator=g).to(torch.bfloat16), wide[:, 40:552]):
+        assert rk.usable(x, 64)
+        set_kernels(False)
+        try:
+            want = rot(x.clone(), pos, inverse=inverse)
+        finally:
+            set_kernels(True)
+        before = wide.clone()
+        got = rot(x.clone() if x.is_contiguous() else x, pos, inverse=inverse)
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-6)
+        exact = (got == want).float().mean().item()
+        print(f"rope {tuple(x.shape)} inverse={inverse}: bitwise equal {exact:.5f}")
+        assert exact > 0.99
+        if not x.is_contiguous():  # only the view's rotated channels were written
+            assert torch.equal(wide[:, :488], before[:, :488]) and torch.equal(wide[:, 552:], before[:, 552:])
+
+
+def test_the_index_dots_on_tensor_cores_equal_fp32() -> None:
+    """The indexer's q . k in bf16 with fp32 output (`compressor._dots`) against the fp32
+    einsum: exact products, fp32 sums, so equal up to the order of the sums."""
+    from engine.kernels import set_kernels
+    from engine.model.compressor import _dots
+
+    g = torch.Generator(device="cuda").manual_seed(8)
+    q = torch.randn(512, 64, 128, device="cuda", generator=g).to(torch.bfloat16)
+    keys = torch.randn(1024, 128, device="cuda", generator=g).to(torch.bfloat16)
+    per_row = torch.randn(16, 300, 128, device="cuda", generator=g).to(torch.bfloat16)
+    for k, qq in ((keys, q), (per_row, q[:16])):
+        got = _dots(qq, k)
+        set_kernels(False)
+        try:
+            want = _dots(qq, k)
+        finally:
+            set_kernels(True)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+
+
+def test_the_weighted_norm_kernel_matches_the_eager_norm() -> None:
+    """rowwise.rms_weighted against `RMSNorm`'s eager fp32 copy, norm and copy back (bf16)."""
+    import torch.nn.functional as F
+
+    from engine.kernels import rowwise
+
+    g = torch.Generator(device="cuda").manual_seed(9)
+    for d in (512, 1024, 4096):
+        x = (torch.randn(4096, d, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        w = torch.rand(d, device="cuda", generator=g) + 0.5
+        want = F.rms_norm(x.float(), (d,), w, 1e-6).to(x.dtype)
+        got = rowwise.rms_weighted(x, w, 1e-6)
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=0)  # one bf16 ulp: the mean's order
+        print(f"weighted norm D={d}: bitwise equal {(got == want).float().mean().item():.4f}")
+        assert torch.equal(rowwise.rms_weighted(x[:7], w, 1e-6), got[:7])
+
+
+def test_the_index_reduce_kernel_matches_the_eager_sum() -> None:
+    """rowwise.index_reduce (the CSA indexer's head-weighted ReLU sum) against the eager one;
+    a row's sum is the same in any batch."""
+    from engine.kernels import rowwise
+
+    g = torch.Generator(device="cuda").manual_seed(10)
+    dots = torch.randn(512, 64, 1000, device="cuda", generator=g)
+    w = torch.rand(512, 64, device="cuda", generator=g)
+    want = (torch.relu(dots) * w.unsqueeze(-1)).sum(1)
+    got = rowwise.index_reduce(dots, w)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(rowwise.index_reduce(dots[5:6], w[5:6])[0], got[5])
+
+
+def test_the_grouped_output_projection_writes_its_groups_in_place() -> None:
+    """GroupedLinear on CUDA (strided batches into [T, G, out]) against the einsum it
+    replaces, flash widths in bf16."""
+    from engine.model.attention import GroupedLinear
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    lin = GroupedLinear(4096, 8 * 1024, 8).cuda().to(torch.bfloat16)
+    torch.nn.init.normal_(lin.weight, std=0.02, generator=g)
+    x = torch.randn(4096, 8, 4096, device="cuda", generator=g).to(torch.bfloat16)
+    with torch.inference_mode():
+        got = lin(x)
+        want = torch.einsum("tgi,goi->tgo", x, lin.weight.view(8, 1024, 4096)).flatten(1)
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+    print(f"grouped o_a: bitwise equal to the einsum {(got == want).float().mean().item():.4f}")
