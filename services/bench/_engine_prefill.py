@@ -5,7 +5,9 @@ peak memory.
 The engine. A `ModelRunner` over seeded random weights built on the device (the preset's
 widths, ``--layers`` decoder layers, no MTP layer). One step prefills one sequence of ``N``
 tokens from position 0 in one chunk (``N`` from ``--prefill-tokens``); the median of
-``--prefill-repeats`` synchronised steps after a warm-up is the step time.
+``--prefill-repeats`` synchronised steps after a warm-up is the step time; ``host_ms`` is the
+median time until ``execute`` returns (the host's launches and any wait of its own): where it
+nears the step time, the host, not the device, bounds the step.
 
 The roofline. The numerator is `prefill_flops`: FLOPs counted from the model config, never
 from what the implementation does (a dense mask, a padded tile or a recomputation counts for
@@ -156,18 +158,20 @@ def engine_prefill(a: PrefillArgs) -> list[dict[str, Any]]:
         mc = runner.model_cfg
         table = list(range(blocks))
         for n in a.tokens:
-            times = []
+            times, hosts = [], []
             for r in range(a.repeats + 1):
                 batch = _batch(_ids(mc.vocab_size, n, a.seed + r), 0, table, a.device)
                 _sync(a.device)
                 t0 = time.perf_counter()
                 runner.execute(batch)
+                hosts.append(time.perf_counter() - t0)  # the host's launches (and its own waits)
                 _sync(a.device)
                 times.append(time.perf_counter() - t0)
             ms = statistics.median(times[1:]) * 1e3
             rows.append({
                 "tokens": n, "layers": mc.num_hidden_layers, "ms": ms, "tokens_per_s": n / ms * 1e3,
                 "flops": prefill_flops(mc, n), "step_ms": [t * 1e3 for t in times[1:]],
+                "host_ms": statistics.median(hosts[1:]) * 1e3,
             })  # fmt: skip
             progress(f"engine prefill: {n} tokens in {ms:.1f} ms ({n / ms * 1e3:,.0f} tok/s)")
     finally:

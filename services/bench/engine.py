@@ -304,7 +304,7 @@ def _prefill(args: argparse.Namespace, report: Report) -> None:
     for r in out["engine"]:
         report.rows.append({
             "part": f"sluice prefill, {r['layers']} layers", "tokens": r["tokens"], "ms": round(r["ms"], 2),
-            "tok/s": round(r["tokens_per_s"]), "roofline ms": round(r["roofline_ms"], 2),
+            "host ms": round(r["host_ms"], 2), "tok/s": round(r["tokens_per_s"]), "roofline ms": round(r["roofline_ms"], 2),
             "of roofline": round(r["fraction_of_roofline"], 3),
         })  # fmt: skip
     tf = out["transformers"]

@@ -39,6 +39,7 @@ def test_tiny_prefill_report_has_the_roofline_transformers_and_the_long_prompt()
     out = json.loads(json.dumps(engine.run(args).to_json()))["results"]["prefill"]
     assert [r["tokens"] for r in out["engine"]] == [64, 128]
     assert all(r["fraction_of_roofline"] > 0 and r["flops"] > 0 for r in out["engine"])
+    assert all(0 < r["host_ms"] <= max(r["step_ms"]) for r in out["engine"])  # on the CPU: the step
     assert out["transformers"]["tokens"] == 64 and out["versus_transformers"]["speedup"] > 0
     assert [m["tokens"] for m in out["long_context"]["marks"]] == [600]
     assert out["long_context"]["decode_steps"] == 32
