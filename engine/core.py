@@ -79,7 +79,7 @@ class EngineCore:
             num_blocks=cfg.num_blocks, num_slots=cfg.num_swa_slots, dtype=cfg.dtype, device=cfg.device,
             with_mtp=cfg.speculative is not None, ep_size=cfg.ep_size, ep_rank=cfg.ep_rank,
             decode_graphs=cfg.decode_graphs,
-            batch_invariant=cfg.batch_invariant,
+            batch_invariant=cfg.batch_invariant, keep_quantized=cfg.keep_quantized,
         )  # fmt: skip
         if cfg.random_weights is None:
             self.runner = ModelRunner(cfg.model, runner_cfg, ep_group=ep_group, placement=placement)
@@ -89,10 +89,14 @@ class EngineCore:
             from engine.config import ModelConfig
 
             self.runner = ModelRunner.random(
-                ModelConfig.from_dir(cfg.model), runner_cfg, ep_group, [placement], seed=cfg.random_weights
-            )
-            self.fingerprint = random_weights_fingerprint(
-                cfg.model, cfg.random_weights, cfg.dtype, fmt.LAYOUT_VERSION
+                ModelConfig.from_dir(cfg.model), runner_cfg, ep_group, [placement], seed=cfg.random_weights,
+                fp8=cfg.keep_quantized,
+            )  # fmt: skip
+            self.fingerprint = random_weights_fingerprint(  # FP8-rounded weights are other weights
+                cfg.model,
+                cfg.random_weights,
+                cfg.dtype + ("+fp8" if cfg.keep_quantized else ""),
+                fmt.LAYOUT_VERSION,
             )
         mc = self.runner.model_cfg
         self.vocab_size = mc.vocab_size

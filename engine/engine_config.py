@@ -77,6 +77,10 @@ class EngineConfig:
     # checkpoint's (benchmarks at real widths; the directory needs config.json and a
     # tokenizer only, `engine.checkpoint.generate.write_config_dir`). None: load the weights.
     random_weights: int | None = None
+    # A quantised checkpoint's FP8 (or FP4) weights stay quantised on the device (half or a
+    # quarter of the bf16 memory; FP8 on CUDA is read by engine.kernels.fp8, never copied to
+    # bf16). With random_weights: the random weights are quantised to FP8 and kept so.
+    keep_quantized: bool = False
 
     @property
     def overlaps_steps(self) -> bool:

@@ -20,6 +20,7 @@ from engine.forward_batch import ForwardBatch
 from engine.kernels import batch_invariant
 from engine.model.model import DeepseekV4
 from engine.model.moe import GROUPED_MM, ExpertPlacement
+from engine.model.qlinear import graph_safe, keep_fp8_
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -99,13 +100,17 @@ class ModelRunner:
         ep_group: object | None = None,
         placements: Sequence[ExpertPlacement | None] = (None,),
         seed: int = 0,
+        fp8: bool = False,
     ) -> ModelRunner:
         """Seeded random weights built directly on ``cfg.device`` (`engine.checkpoint.random_init`):
         real widths without writing or reading a checkpoint. ``placements``: one for every MoE
-        layer, or one for all."""
+        layer, or one for all. ``fp8``: then quantised and kept FP8 as an FP8 checkpoint's
+        (`engine.model.qlinear.keep_fp8_`)."""
         self = cls.__new__(cls)
         model = self._build(model_cfg, cfg, placements, torch.device(cfg.device))
         randomize_(model, seed)
+        if fp8:
+            keep_fp8_(model)
         self.unused_keys = []
         self._finish(model_cfg, cfg, model, ep_group)
         return self
@@ -143,11 +148,12 @@ class ModelRunner:
         self.spec = CacheSpec.from_model(
             self.model_cfg, elem_bytes=cfg.torch_dtype.itemsize, state_bytes=cfg.torch_dtype.itemsize
         )
-        # a graph cannot capture a host round trip: the MoE must take the grouped GEMM (bf16,
-        # weights not kept quantised) and no expert-parallel all-to-all (data-dependent sizes)
+        # a graph cannot capture a host round trip: the MoE must take a grouped GEMM (bf16;
+        # experts not quantised, or FP8 read by its kernel) and no expert-parallel all-to-all
+        # (data-dependent sizes)
         capturable = (
             torch.device(cfg.device).type == "cuda" and cfg.ep_size == 1 and GROUPED_MM
-            and cfg.torch_dtype == torch.bfloat16 and not cfg.keep_quantized
+            and cfg.torch_dtype == torch.bfloat16 and graph_safe(model)
         )  # fmt: skip
         graphs = cfg.decode_graphs == "padded" or (cfg.decode_graphs == "auto" and capturable)
         # padded decode rows need a block and a slot of their own, past the scheduler's

@@ -113,7 +113,7 @@ def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scale.to(torch.float8_e8m0fnu)
 
 
-def _fp8_target(name: str, t: torch.Tensor) -> bool:
+def fp8_target(name: str, t: torch.Tensor) -> bool:
     """Linears DeepSeek ships in FP8: attention/shared-expert/MTP projections; not embeddings, head,
     norms, router, hc params, or the compressor/indexer kv/gate/weights projections (BF16 there)."""
     if t.dim() != 2 or not name.endswith(".weight") or "norm" in name:
@@ -155,7 +155,7 @@ def quantize_tensors(
             out[
                 name.removesuffix("weight") + "scale" if name.endswith(".weight") else name + "_scale_inv"
             ] = s
-        elif expert or _fp8_target(name, t):
+        elif expert or fp8_target(name, t):
             q, s = quantize_fp8(t, ue8m0)
             out[name], out[name + "_scale_inv"] = q, s
         else:

@@ -316,13 +316,30 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _matmul(a, b)
 
 
+def tile_map(row_end: torch.Tensor, rows: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each tile's expert and first row (int32) for ``rows`` rows grouped by expert (``row_end``:
+    each group's end), tiles of ``bm`` rows that never mix experts. Built on the device, so the
+    caller never waits for it (a CUDA graph can capture it); sized for the worst case, rows /
+    bm tiles plus one partial tile per expert with rows (at most min(E, rows)); a tile past
+    the last has expert E."""
+    e = row_end.shape[0]
+    ends = row_end.long()
+    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
+    tiles = (ends - starts + bm - 1) // bm  # [E]
+    tile_end = torch.cumsum(tiles, 0)
+    most = _cdiv(rows, bm) + min(e, rows)
+    t = torch.arange(most, device=row_end.device)
+    expert = torch.searchsorted(tile_end, t, right=True)  # [most]; E past the last tile
+    first = (tile_end - tiles).index_select(0, expert.clamp(max=e - 1))
+    row = starts.index_select(0, expert.clamp(max=e - 1)) + (t - first) * bm
+    return expert.to(torch.int32), row.to(torch.int32)
+
+
 def grouped_matmul(x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor) -> torch.Tensor:
     """Rows ``x`` [R, K] sorted by expert, ``row_end`` [E] (int32, the cumulative row counts as
     ``torch._grouped_mm``'s ``offs``), experts' weights ``w`` [E, N, K] -> [R, N] = x @ w[e].T.
 
-    Tiles never mix experts; the tile map is built on the device, so the call never waits for
-    it (a CUDA graph can capture it). The grid is sized for the worst case: R / BM tiles plus
-    one partial tile per expert that has rows (at most min(E, R))."""
+    Tiles never mix experts (`tile_map`)."""
     _check(x, w)
     r, k = x.shape
     e, n, _ = w.shape
@@ -330,18 +347,10 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor) -> t
     if r == 0:
         return out
     bm, bn, bk = TILES[x.element_size()]
-    ends = row_end.long()
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    tiles = (ends - starts + bm - 1) // bm  # [E]
-    tile_end = torch.cumsum(tiles, 0)
-    most = _cdiv(r, bm) + min(e, r)  # each expert with rows adds at most one partial tile
-    t = torch.arange(most, device=x.device)
-    expert = torch.searchsorted(tile_end, t, right=True)  # [most]; E past the last tile
-    first = (tile_end - tiles).index_select(0, expert.clamp(max=e - 1))
-    row = starts.index_select(0, expert.clamp(max=e - 1)) + (t - first) * bm
+    expert, row = tile_map(row_end, r, bm)
     kern = _kernels()
-    kern["grouped"][(most, _cdiv(n, bn))](
-        x, w, out, expert.to(torch.int32), row.to(torch.int32), row_end, n, k, e,
+    kern["grouped"][(expert.shape[0], _cdiv(n, bn))](
+        x, w, out, expert, row, row_end, n, k, e,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
         BM=bm, BN=bn, BK=bk, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip

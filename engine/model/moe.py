@@ -15,7 +15,7 @@ from torch import nn
 
 from engine.checkpoint.quant import dequantize
 from engine.config import ModelConfig
-from engine.kernels import batch_invariant, kernels_on, rowwise
+from engine.kernels import batch_invariant, fp8, kernels_on, rowwise
 from engine.model.compressor import topk_lowest_index
 
 
@@ -193,6 +193,12 @@ def _few_rows_per_expert(x: torch.Tensor, experts: int) -> bool:
 class Experts(nn.Module):
     """This rank's physical experts, packed as transformers stores them (optionally kept quantised)."""
 
+    # registered by `set_quantized` only: a projection kept quantised and its block scales
+    gate_up_proj_q: torch.Tensor
+    gate_up_proj_s: torch.Tensor
+    down_proj_q: torch.Tensor
+    down_proj_s: torch.Tensor
+
     def __init__(
         self, num_local: int, hidden: int, inter: int, limit: float, first_physical: int = 0
     ) -> None:
@@ -220,8 +226,11 @@ class Experts(nn.Module):
 
     def run_rows(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Unweighted expert output for rows x [N, D] routed to local expert ids [N] -> [N, D]."""
-        # CUDA's grouped GEMM takes bf16 only; other CUDA dtypes take the loop
-        if self.quantized or not GROUPED_MM or x.shape[0] == 0 or (x.is_cuda and x.dtype != torch.bfloat16):
+        # CUDA's grouped GEMM takes bf16 only; other CUDA dtypes take the loop, as do weights
+        # kept quantised except FP8 on CUDA (`_fp8_grouped`)
+        if self.quantized and not self._fp8_grouped(x):
+            return self._run_rows_loop(x, local_ids)
+        if not GROUPED_MM or x.shape[0] == 0 or (x.is_cuda and x.dtype != torch.bfloat16):
             return self._run_rows_loop(x, local_ids)
         order, offs = self._group(local_ids)
         y = self._grouped(x[order], offs)
@@ -234,8 +243,20 @@ class Experts(nn.Module):
         order = torch.argsort(local_ids, stable=True)
         return order, torch.cumsum(count_ids(local_ids, self.num_local), 0).to(torch.int32)
 
+    def _fp8_grouped(self, x: torch.Tensor) -> bool:
+        """Both projections kept as FP8 and rows x that `engine.kernels.fp8` multiplies (bf16,
+        CUDA): the weights are read as FP8, never dequantised to a copy."""
+        return (
+            self.quantized == {"gate_up_proj", "down_proj"}
+            and fp8.usable(x, self.gate_up_proj_q) and self.down_proj_q.dtype == torch.float8_e4m3fn
+        )  # fmt: skip
+
     def _grouped(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Expert outputs of rows x [N, D] already grouped by expert (``offs``: each group's end)."""
+        if self.quantized:  # FP8 (`_fp8_grouped`)
+            gate, up = fp8.grouped_matmul(x, self.gate_up_proj_q, self.gate_up_proj_s, offs).chunk(2, dim=-1)
+            act = swiglu_clamped(gate, up, self.limit)
+            return fp8.grouped_matmul(act, self.down_proj_q, self.down_proj_s, offs)
         ours = batch_invariant.applies(x) or _few_rows_per_expert(x, self.num_local)
         gemm = batch_invariant.grouped_matmul if ours else torch_grouped_matmul
         gate, up = gemm(x, self.gate_up_proj, offs).chunk(2, dim=-1)  # [N, 2I]
@@ -249,9 +270,8 @@ class Experts(nn.Module):
         (`engine.kernels.rowwise.combine`). None where that path does not apply."""
         if not (
             rowwise.usable(x, weights, self.gate_up_proj)
-            and GROUPED_MM
-            and not self.quantized
             and x.dtype == torch.bfloat16
+            and (self._fp8_grouped(x) if self.quantized else GROUPED_MM)
         ):
             return None
         if tokens.shape[0] == 0:

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import gc
 import inspect
+import itertools
 import statistics
 import time
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ class DecodeArgs:
     decode_graphs: str = "auto"  # EngineConfig.decode_graphs
     async_scheduling: bool | None = None  # EngineConfig.async_scheduling (None: auto)
     batch_invariant: bool = False  # EngineConfig.batch_invariant
+    fp8: bool = False  # EngineConfig.keep_quantized: the random weights quantised to FP8 and kept so
 
 
 def _sync(device: str) -> None:
@@ -91,10 +93,12 @@ def copy_bandwidth(device: str, repeats: int = 7) -> float:
 
 
 def _param_bytes(model: Any, batch: int) -> tuple[float, float, list[tuple[Any, float]]]:
-    """(layer bytes without routed experts, fixed bytes, [(moe, bytes per expert)])."""
+    """(layer bytes without routed experts, fixed bytes, [(moe, bytes per expert)]). Weights
+    kept quantised count as stored: the FP8 (or FP4) tensor and its scales (buffers)."""
     layers = fixed = 0.0
     moes: list[tuple[Any, float]] = []
-    for name, p in model.named_parameters():
+    quantised = ((n, b) for n, b in model.named_buffers() if n.endswith(("qweight", "scale", "_q", "_s")))
+    for name, p in itertools.chain(model.named_parameters(), quantised):
         size = p.numel() * p.element_size()
         if name.startswith("mtp.") or ".experts." in name:
             continue
@@ -107,7 +111,9 @@ def _param_bytes(model: Any, batch: int) -> tuple[float, float, list[tuple[Any, 
     for layer in model.model.layers:
         moe = layer.mlp
         ex = moe.experts
-        per = sum(t.numel() * t.element_size() for t in (ex.gate_up_proj, ex.down_proj)) / ex.num_local
+        parts = [getattr(ex, f"{w}_{x}") for w in sorted(ex.quantized) for x in "qs"]
+        parts += [getattr(ex, w) for w in ("gate_up_proj", "down_proj") if w not in ex.quantized]
+        per = sum(t.numel() * t.element_size() for t in parts) / ex.num_local
         moes.append((moe, per))
     return layers, fixed, moes
 
@@ -145,7 +151,7 @@ def engine_decode(model_dir: Path, a: DecodeArgs, batch: int, context: int) -> d
         num_blocks=batch * per_seq + 4, num_swa_slots=batch, max_num_seqs=batch,
         max_num_batched_tokens=budget,
         enable_prefix_caching=False, decode_graphs=a.decode_graphs, async_scheduling=a.async_scheduling,
-        batch_invariant=a.batch_invariant,
+        batch_invariant=a.batch_invariant, keep_quantized=a.fp8,
     )  # fmt: skip
     core = EngineCore(cfg)
     try:

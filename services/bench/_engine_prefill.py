@@ -72,6 +72,7 @@ class PrefillArgs:
     long_context: int
     long_chunk: int
     seed: int = 0
+    fp8: bool = False  # the random weights quantised to FP8 and kept so (`ModelRunner.random`)
 
 
 def prefill_flops(mc: Any, tokens: int) -> float:
@@ -129,7 +130,7 @@ def _runner(a: PrefillArgs, blocks: int):
 
     mc = ModelConfig.from_dict(preset_config(a.preset, num_hidden_layers=a.layers))
     cfg = RunnerConfig(num_blocks=blocks, num_slots=1, dtype=a.dtype, device=a.device, with_mtp=False)
-    return ModelRunner.random(mc, cfg, None, seed=a.seed)
+    return ModelRunner.random(mc, cfg, None, seed=a.seed, fp8=a.fp8)
 
 
 def _ids(vocab: int, n: int, seed: int) -> list[int]:

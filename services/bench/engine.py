@@ -87,6 +87,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run the eager code instead of the Triton kernels that replace it (engine.kernels.set_kernels)",
     )  # fmt: skip
     d.add_argument(
+        "--quant", default="none", choices=("none", "fp8"),
+        help="fp8: the random weights quantised to FP8 (128x128 block scales) and kept so, as an FP8 "
+        "checkpoint with keep_quantized (read by engine.kernels.fp8 on CUDA); none: bf16/fp32",
+    )  # fmt: skip
+    d.add_argument(
         "--parts", default="decode,prefill",
         help="which parts of the --preset report to run: decode, prefill (default both)",
     )  # fmt: skip
@@ -232,7 +237,7 @@ def _decode(args: argparse.Namespace, report: Report) -> None:
         context=args.context or (4096 if cuda else 128), tf_context=args.tf_context, steps=args.steps,
         transformers=not args.no_transformers, seed=0, decode_graphs=args.decode_graphs,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
-        batch_invariant=args.batch_invariant,
+        batch_invariant=args.batch_invariant, fp8=args.quant == "fp8",
     )  # fmt: skip
     report.config.update({"decode": a.__dict__})
     with tempfile.TemporaryDirectory(prefix="sluice-bench-decode-") as tmp:
@@ -294,7 +299,7 @@ def _prefill(args: argparse.Namespace, report: Report) -> None:
         device=args.device, dtype=args.dtype or ("bfloat16" if cuda else "float32"), preset=args.preset,
         layers=layers, tokens=tokens, repeats=args.prefill_repeats, transformers=not args.no_transformers,
         tf_tokens=tokens[0], long_context=args.long_context if args.long_context is not None else (131072 if cuda else 0),
-        long_chunk=args.long_chunk,
+        long_chunk=args.long_chunk, fp8=args.quant == "fp8",
     )  # fmt: skip
     report.config.update({"prefill": a.__dict__})
     with tempfile.TemporaryDirectory(prefix="sluice-bench-prefill-") as tmp:

@@ -257,3 +257,72 @@ def test_the_grouped_output_projection_writes_its_groups_in_place() -> None:
         want = torch.einsum("tgi,goi->tgo", x, lin.weight.view(8, 1024, 4096)).flatten(1)
     torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
     print(f"grouped o_a: bitwise equal to the einsum {(got == want).float().mean().item():.4f}")
+
+
+def _fp8_weights(e: int, n: int, k: int, seed: int):
+    from engine.checkpoint.quant import quantize_fp8
+
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(e, n, k, device="cuda", generator=g) * 0.05
+    parts = [quantize_fp8(w[i]) for i in range(e)]
+    return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
+
+
+def test_the_fp8_grouped_kernel_matches_dequantise_then_matmul() -> None:
+    """engine/kernels/fp8.py: FP8 expert weights read in place against the dequantised copy's
+    bf16 matmul (the same bf16 weight values; fp32 sums in another order), uneven groups and
+    an empty one; a row's result is the same alone."""
+    from engine.checkpoint.quant import dequantize
+    from engine.kernels import fp8
+
+    q, s = _fp8_weights(4, 4096, 1024, 12)
+    counts = torch.tensor([100, 0, 7, 300], device="cuda")
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    x = torch.randn(int(counts.sum()), 1024, device="cuda").to(torch.bfloat16)
+    got = fp8.grouped_matmul(x, q, s, ends)
+    starts = [0, *ends.tolist()[:-1]]
+    want = torch.cat(
+        [
+            x[a:b] @ dequantize(q[i], s[i]).to(torch.bfloat16).T
+            for i, (a, b) in enumerate(zip(starts, ends.tolist()))
+        ]
+    )
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+    assert torch.equal(fp8.grouped_matmul(x[105:106], q[2:3], s[2:3], ends.new_ones(1)), got[105:106])
+
+
+def test_the_fp8_linear_matches_dequantise_then_matmul() -> None:
+    from engine.checkpoint.quant import dequantize
+    from engine.kernels import fp8
+
+    q, s = _fp8_weights(1, 1536, 4096, 13)
+    x = torch.randn(3, 77, 4096, device="cuda").to(torch.bfloat16)
+    got = fp8.linear(x, q[0], s[0])
+    want = x @ dequantize(q[0], s[0]).to(torch.bfloat16).T
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+
+
+def test_an_fp8_runner_is_graph_safe_and_computes_as_its_dequantising_self() -> None:
+    """FP8 kept quantised on CUDA (`ModelRunner.random(fp8=True)`): decode steps stay
+    capturable with the FP8 kernels, and a prefill's logits match the per-use dequantisation
+    (every kernel off) within bf16 rounding."""
+    from engine.checkpoint.presets import preset_config
+    from engine.config import ModelConfig
+    from engine.forward_batch import ForwardBatch, SequenceInput
+    from engine.kernels import set_kernels
+    from engine.runner import ModelRunner, RunnerConfig
+
+    mc = ModelConfig.from_dict(preset_config("small", num_hidden_layers=2))
+    cfg = RunnerConfig(num_blocks=8, num_slots=2, with_mtp=False, device="cuda", dtype="bfloat16")
+    runner = ModelRunner.random(mc, cfg, seed=5, fp8=True)
+    assert runner.graphs is not None  # FP8 experts read by their kernel: no host round trip
+    batch = ForwardBatch.from_sequences([SequenceInput(list(range(3, 300)), 0, 0, [0, 1])], device="cuda")
+    got = runner.execute(batch).logits.float()
+    set_kernels(False)
+    try:
+        want = runner.execute(batch).logits.float()
+    finally:
+        set_kernels(True)
+    rel = ((got - want).norm() / want.norm()).item()
+    print(f"fp8 runner: kernels vs dequantise-per-use logits, relative error {rel:.2e}")
+    assert rel < 2e-2

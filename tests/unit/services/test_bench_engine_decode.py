@@ -58,3 +58,21 @@ def test_tiny_decode_report_has_the_roofline_per_layer_fit_and_transformers() ->
         target["name"].startswith("decode at batch 16, context 24: sluice / transformers")
         and target["op"] == ">="
     )
+
+
+def test_the_roofline_counts_fp8_weights_as_stored() -> None:
+    """``--quant fp8``: the bytes a decode step reads are the FP8 tensors and their scales,
+    not the emptied bf16/fp32 parameters (a roofline of nothing would flatter the step)."""
+    from engine.checkpoint.presets import preset_config
+    from engine.config import ModelConfig
+    from engine.runner import ModelRunner, RunnerConfig
+    from services.bench._engine_decode import _param_bytes
+
+    mc = ModelConfig.from_dict(preset_config("tiny", num_hidden_layers=2))
+    cfg = RunnerConfig(num_blocks=8, num_slots=2, with_mtp=False)
+    full = _param_bytes(ModelRunner.random(mc, cfg, seed=3).model, 1)
+    fp8 = _param_bytes(ModelRunner.random(mc, cfg, seed=3, fp8=True).model, 1)
+    assert fp8[1] == full[1]  # the head and embeddings stay as they were
+    assert 0.25 < fp8[0] / full[0] < 0.75  # fp32 -> one byte + scales, some linears kept
+    for (_, q), (_, f) in zip(fp8[2], full[2]):
+        assert 0.25 <= q / f < 0.26  # an expert: a quarter of fp32, plus its block scales

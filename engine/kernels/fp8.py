@@ -1,0 +1,119 @@
+"""FP8 block-scaled weights (DeepSeek's e4m3 with one scale per 128 x 128 block) multiplied
+without a bf16 copy of the weight.
+
+A checkpoint's FP8 linears and experts kept quantised on the device
+(`RunnerConfig.keep_quantized`) were dequantised at every use: an fp32 copy of the whole
+weight, scaled, rounded to bf16, then the matmul. Here each tile of the weight is loaded as
+FP8, scaled by its block's scale and rounded to bf16 in registers, exactly the values the
+dequantised copy holds, and multiplied by the bf16 activations with fp32 accumulation (W8A16):
+the weight's bytes read are halved, the activations are never quantised, and the result
+differs from dequantise-then-matmul only in the order of the fp32 sums.
+
+`grouped_matmul` takes rows grouped by expert (the routed experts; tiles never mix experts,
+`engine.kernels.batch_invariant.tile_map`); `linear` is the same kernel with one group. The
+tiles are fixed (never chosen from the number of rows), so a row's result is the same in any
+batch.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+
+from engine.kernels import kernels_on, tracks_grad
+
+#: DeepSeek's FP8 scale block (rows and columns of the weight)
+BLOCK = 128
+#: rows, output columns and reduced width per tile: BN divides the scale block, BK is one
+BM, BN, BK = 64, 64, 128
+NUM_WARPS, NUM_STAGES = 4, 3
+
+
+@functools.cache
+def _kernels() -> dict[str, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def fp8_grouped_kernel(
+        x_ptr, q_ptr, s_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, row_end_ptr, N, K, E,
+        s_xm, s_xk, s_qe, s_qn, s_qk, s_se, s_sn, s_sk, s_om, s_on,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK: tl.constexpr,
+    ):  # fmt: skip
+        tile = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        e = tl.load(tile_expert_ptr + tile)
+        if e < E:
+            row0 = tl.load(tile_row_ptr + tile)
+            row_end = tl.load(row_end_ptr + e)
+            rm = row0 + tl.arange(0, BM)
+            rn = pid_n * BN + tl.arange(0, BN)
+            q_base = q_ptr + e.to(tl.int64) * s_qe
+            s_base = s_ptr + e.to(tl.int64) * s_se + ((pid_n * BN) // BLOCK) * s_sn
+            acc = tl.zeros((BM, BN), dtype=tl.float32)
+            for k0 in range(0, K, BK):
+                rk = (k0 + tl.arange(0, BK)).to(tl.int64)
+                a = tl.load(
+                    x_ptr + rm[:, None].to(tl.int64) * s_xm + rk[None, :] * s_xk,
+                    mask=(rm[:, None] < row_end) & (rk[None, :] < K), other=0.0,
+                )  # fmt: skip
+                q = tl.load(
+                    q_base + rk[:, None] * s_qk + rn[None, :].to(tl.int64) * s_qn,
+                    mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0,
+                )  # fmt: skip
+                scale = tl.load(s_base + (k0 // BLOCK) * s_sk)
+                b = (q.to(tl.float32) * scale).to(a.dtype)  # the dequantised weight's values
+                acc = tl.dot(a, b, acc)
+            o = out_ptr + rm[:, None].to(tl.int64) * s_om + rn[None, :] * s_on
+            tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < row_end) & (rn[None, :] < N))
+
+    return {"grouped": fp8_grouped_kernel}
+
+
+def usable(x: torch.Tensor, q: torch.Tensor) -> bool:
+    """CUDA bf16 activations times an FP8 e4m3 weight, with Triton, outside autograd."""
+    return (
+        x.is_cuda and x.dtype == torch.bfloat16 and q.dtype == torch.float8_e4m3fn
+        and kernels_on() and not tracks_grad(x)
+    )  # fmt: skip
+
+
+def scales_fp32(scale: torch.Tensor) -> torch.Tensor:
+    """ue8m0 exponent bytes or float scales -> fp32 (`engine.checkpoint.quant.dequantize`'s)."""
+    if scale.dtype == torch.uint8:
+        return (scale.to(torch.float32) - 127.0).exp2()
+    return scale.to(torch.float32)
+
+
+def grouped_matmul(
+    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_end: torch.Tensor
+) -> torch.Tensor:
+    """Rows x [R, K] grouped by expert (``row_end`` [E], int32, each group's end), FP8 weights
+    q [E, N, K] with block scales [E, ceil(N/128), ceil(K/128)] -> [R, N] = x @ dequant(q[e]).T."""
+    from engine.kernels.batch_invariant import tile_map
+
+    r, k = x.shape
+    e, n, _ = q.shape
+    s = scales_fp32(scale)
+    if s.shape != (e, -(-n // BLOCK), -(-k // BLOCK)):
+        raise ValueError(f"scales {tuple(scale.shape)} do not cover {tuple(q.shape)} in {BLOCK}-blocks")
+    out = torch.empty((r, n), dtype=x.dtype, device=x.device)
+    if r == 0:
+        return out
+    expert, row = tile_map(row_end, r, BM)
+    _kernels()["grouped"][(expert.shape[0], -(-n // BN))](
+        x, q, s, out, expert, row, row_end, n, k, e,
+        x.stride(0), x.stride(1), q.stride(0), q.stride(1), q.stride(2), s.stride(0), s.stride(1), s.stride(2),
+        out.stride(0), out.stride(1), BM=BM, BN=BN, BK=BK, BLOCK=BLOCK, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+    )  # fmt: skip
+    return out
+
+
+def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ dequant(q [N, K]).T with block scales [ceil(N/128), ceil(K/128)] -> [..., N]."""
+    rows = x.reshape(-1, x.shape[-1])
+    end = torch.full((1,), rows.shape[0], dtype=torch.int32, device=x.device)
+    out = grouped_matmul(rows, q.unsqueeze(0), scale.unsqueeze(0), end)
+    return out.view(*x.shape[:-1], q.shape[0])
