@@ -2,7 +2,10 @@
 two mixes, one pass over the streams each.
 
 * `premix`: ``mixes = rms_unweighted(flat) @ fn^T`` in fp32, ``flat`` the token's streams
-  flattened to ``n * D`` (the projection the pre, post and comb weights come from), and
+  flattened to ``n * D`` (the projection the pre, post and comb weights come from);
+  `hc_weights` finishes it into the block's pre, post and Sinkhorn-normalised comb weights
+  in the same second launch (eagerly a dozen tiny kernels and the Sinkhorn kernel per
+  hyper-connection, two per layer);
 * `collapse`: ``x = sum_j pre[j] * streams[j]`` (the block's input), and
 * `merge`: ``streams'[i] = post[i] * out + sum_j comb[j, i] * streams[j]`` (its output).
 
@@ -126,9 +129,43 @@ def _build():  # built on first use, so importing this module never needs Triton
             sq += tl.load(sq_ptr + sl * T + t)
         tl.store(o_ptr + t * M + cols, acc * tl.rsqrt(sq / K + eps), mask=cols < M)
 
+    @triton.jit
+    def hc_weights_kernel(
+        part_ptr, sq_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, K, eps, hc_eps, iters,
+        SLICES: tl.constexpr, MP: tl.constexpr, N: tl.constexpr,
+    ):  # fmt: skip
+        t = tl.program_id(0).to(tl.int64)
+        i = tl.arange(0, N)
+        r = tl.arange(0, N)[:, None]
+        c = tl.arange(0, N)[None, :]
+        a_pre = tl.zeros((N,), tl.float32)
+        a_post = tl.zeros((N,), tl.float32)
+        a_comb = tl.zeros((N, N), tl.float32)
+        sq = 0.0
+        for sl in tl.static_range(SLICES):  # in slice order: the same sums in any batch
+            row = part_ptr + (sl * T + t) * MP
+            a_pre += tl.load(row + i)
+            a_post += tl.load(row + N + i)
+            a_comb += tl.load(row + 2 * N + r * N + c)
+            sq += tl.load(sq_ptr + sl * T + t)
+        rs = tl.rsqrt(sq / K + eps)
+        # HyperConnection.forward's order: mixes, then scale, base, the activations
+        pre = tl.sigmoid(a_pre * rs * tl.load(scale_ptr) + tl.load(base_ptr + i)) + hc_eps
+        post = 2 * tl.sigmoid(a_post * rs * tl.load(scale_ptr + 1) + tl.load(base_ptr + N + i))
+        x = a_comb * rs * tl.load(scale_ptr + 2) + tl.load(base_ptr + 2 * N + r * N + c)
+        e = tl.exp(x - tl.max(x, axis=1)[:, None])
+        m = e / tl.sum(e, axis=1)[:, None] + hc_eps
+        m = m / (tl.sum(m, axis=0)[None, :] + hc_eps)  # Sinkhorn: columns, then rows and columns
+        for _ in range(iters - 1):
+            m = m / (tl.sum(m, axis=1)[:, None] + hc_eps)
+            m = m / (tl.sum(m, axis=0)[None, :] + hc_eps)
+        tl.store(pre_ptr + t * N + i, pre)
+        tl.store(post_ptr + t * N + i, post)
+        tl.store(comb_ptr + t * N * N + r * N + c, m)
+
     return {
         "collapse": collapse_kernel, "merge": merge_kernel,
-        "premix": premix_kernel, "premix_finish": premix_finish_kernel,
+        "premix": premix_kernel, "premix_finish": premix_finish_kernel, "hc_weights": hc_weights_kernel,
     }  # fmt: skip
 
 
@@ -157,9 +194,9 @@ def premix_slices(k: int) -> int:
     return max(1, min(PREMIX_SLICES, k // PREMIX_MIN_SLICE))
 
 
-def premix(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
-    """streams [T, n, D] (any float dtype), fn [M, n*D] (fp32) -> the fp32 mixes [T, M] of the
-    RMS-normalised flattened streams."""
+def _premix_parts(streams: torch.Tensor, fn: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """The premix's per-slice partial products [slices, T, MP] and sums of squares [slices, T]
+    (first launch), with the slice count and MP (M padded to a power of two, at least 16)."""
     t, n, d = streams.shape
     m, k = fn.shape
     flat = streams.reshape(t, n * d)
@@ -171,16 +208,46 @@ def premix(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
     slice_k = -(-slice_k // PREMIX_BK) * PREMIX_BK
     slices = -(-k // slice_k)
     mp = max(16, 1 << (m - 1).bit_length())
-    out = torch.empty(t, m, dtype=torch.float32, device=streams.device)
+    part = torch.empty(slices, t, mp, dtype=torch.float32, device=streams.device)
+    sq = torch.empty(slices, t, dtype=torch.float32, device=streams.device)
     if t:
-        part = torch.empty(slices, t, mp, dtype=torch.float32, device=streams.device)
-        sq = torch.empty(slices, t, dtype=torch.float32, device=streams.device)
-        kern = _kernels()
-        kern["premix"][(-(-t // PREMIX_BM), slices)](
+        _kernels()["premix"][(-(-t // PREMIX_BM), slices)](
             flat, fn, part, sq, t, k, m, flat.stride(0), slice_k, BM=PREMIX_BM, BK=PREMIX_BK, MP=mp,
             SPLIT_W=flat.dtype == torch.bfloat16, num_warps=4,
         )  # fmt: skip
-        kern["premix_finish"][(t,)](part, sq, out, t, k, m, eps, SLICES=slices, MP=mp, num_warps=1)
+    return part, sq, slices, mp
+
+
+def hc_weights(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    eps: float, hc_eps: float, iters: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """A block's mHC weights from its streams [T, n, D] in two launches: the premix, then per
+    token the pre / post activations, comb's softmax and its Sinkhorn normalisation
+    (`engine.model.hyper.HyperConnection.forward`'s operations in its order, fp32). fn
+    [(2+n)*n, n*D], base [(2+n)*n], scale [3] -> pre [T, n], post [T, n], comb [T, n, n]."""
+    t, n, _ = streams.shape
+    part, sq, slices, mp = _premix_parts(streams, fn)
+    pre = torch.empty(t, n, dtype=torch.float32, device=streams.device)
+    post = torch.empty_like(pre)
+    comb = torch.empty(t, n, n, dtype=torch.float32, device=streams.device)
+    if t:
+        _kernels()["hc_weights"][(t,)](
+            part, sq, base.float().contiguous(), scale.float().contiguous(), pre, post, comb,
+            t, fn.shape[1], eps, hc_eps, iters, SLICES=slices, MP=mp, N=n, num_warps=1,
+        )  # fmt: skip
+    return pre, post, comb
+
+
+def premix(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """streams [T, n, D] (any float dtype), fn [M, n*D] (fp32) -> the fp32 mixes [T, M] of the
+    RMS-normalised flattened streams."""
+    t = streams.shape[0]
+    m, k = fn.shape
+    part, sq, slices, mp = _premix_parts(streams, fn)
+    out = torch.empty(t, m, dtype=torch.float32, device=streams.device)
+    if t:
+        _kernels()["premix_finish"][(t,)](part, sq, out, t, k, m, eps, SLICES=slices, MP=mp, num_warps=1)
     return out
 
 

@@ -29,6 +29,11 @@ class HyperConnection(nn.Module):
     def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams [T, n, D] -> post [T, n], comb [T, n, n] (fp32), collapsed [T, D]."""
         n = self.n
+        if hyper_kernel.usable(streams, self.fn, self.base, self.scale):  # two launches for all of it
+            pre, post, comb = hyper_kernel.hc_weights(
+                streams, self.fn, self.base, self.scale, self.norm_eps, self.hc_eps, self.iters
+            )
+            return post, comb, hc_collapse(streams, pre)
         mixes = hc_mixes(streams, self.fn, self.norm_eps)  # [T, (2+n)*n]
         pre_w, post_w, comb_w = mixes.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])

@@ -326,3 +326,34 @@ def test_an_fp8_runner_is_graph_safe_and_computes_as_its_dequantising_self() -> 
     rel = ((got - want).norm() / want.norm()).item()
     print(f"fp8 runner: kernels vs dequantise-per-use logits, relative error {rel:.2e}")
     assert rel < 2e-2
+
+
+def test_the_fused_hc_weights_match_the_eager_hyper_connection() -> None:
+    """hyper.hc_weights (premix, activations, softmax and Sinkhorn in two launches) against
+    HyperConnection.forward with every kernel off; a row's weights are the same alone."""
+    from engine.checkpoint.presets import preset_config
+    from engine.config import ModelConfig
+    from engine.kernels import hyper as hk
+    from engine.kernels import set_kernels
+    from engine.model.hyper import HyperConnection
+
+    mc = ModelConfig.from_dict(preset_config("flash-shape", num_hidden_layers=2))
+    hc = HyperConnection(mc).cuda()
+    g = torch.Generator(device="cuda").manual_seed(14)
+    with torch.no_grad():
+        hc.fn.normal_(std=0.02, generator=g)
+        hc.base.normal_(std=0.5, generator=g)
+        hc.scale.uniform_(0.5, 1.5, generator=g)
+    s = _streams(300, seed=2)[0]
+    with torch.inference_mode():
+        post, comb, x = hc(s)
+        set_kernels(False)
+        try:
+            want_post, want_comb, want_x = hc(s)
+        finally:
+            set_kernels(True)
+        torch.testing.assert_close(post, want_post, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(comb, want_comb, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(x, want_x, rtol=1.6e-2, atol=1e-2)
+        pre1, post1, comb1 = hk.hc_weights(s[7:8], hc.fn, hc.base, hc.scale, hc.norm_eps, hc.hc_eps, hc.iters)
+        assert torch.equal(post1[0], post[7]) and torch.equal(comb1[0], comb[7])
