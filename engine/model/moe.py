@@ -16,6 +16,7 @@ from torch import nn
 from engine.checkpoint.quant import dequantize
 from engine.config import ModelConfig
 from engine.kernels import batch_invariant, fp8, kernels_on, rowwise
+from engine.kernels import router as router_kernel
 from engine.model.compressor import topk_lowest_index
 
 
@@ -151,7 +152,10 @@ class Router(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (weights [T, k], logical expert ids [T, k])."""
-        scores = F.softplus(F.linear(x, self.weight)).sqrt()  # [T, E]
+        logits = F.linear(x, self.weight)
+        if not self.hashed and router_kernel.usable(logits, self.top_k):  # the rest in one launch
+            return router_kernel.route(logits, self.e_score_correction_bias, self.top_k, self.scale)
+        scores = F.softplus(logits).sqrt()  # [T, E]
         if self.hashed:
             ids = self.tid2eid[input_ids].long()
         else:

@@ -357,3 +357,31 @@ def test_the_fused_hc_weights_match_the_eager_hyper_connection() -> None:
         torch.testing.assert_close(x, want_x, rtol=1.6e-2, atol=1e-2)
         pre1, post1, comb1 = hk.hc_weights(s[7:8], hc.fn, hc.base, hc.scale, hc.norm_eps, hc.hc_eps, hc.iters)
         assert torch.equal(post1[0], post[7]) and torch.equal(comb1[0], comb[7])
+
+
+def test_the_router_kernel_routes_as_the_batch_invariant_rule() -> None:
+    """engine/kernels/router.py on bf16 logits at flash widths (256 experts, top 6) against the
+    eager ops with the batch-invariant mode's choice (lowest id on ties, ascending ids):
+    the same ids, the same bf16 weights; a row's result is the same alone."""
+    import torch.nn.functional as F
+
+    from engine.kernels import router as rk
+    from engine.model.compressor import topk_lowest_index
+
+    g = torch.Generator(device="cuda").manual_seed(15)
+    logits = (torch.randn(4096, 256, device="cuda", generator=g) * 3).to(torch.bfloat16)
+    bias = torch.randn(256, device="cuda", generator=g) * 0.1
+    scores = F.softplus(logits).sqrt()
+    ids = topk_lowest_index(scores + bias, 6).sort(dim=-1).values
+    w = scores.gather(1, ids)
+    w = w / (w.sum(dim=-1, keepdim=True) + 1e-20) * 2.5
+    got_w, got_ids = rk.route(logits, bias, 6, 2.5)
+    same = (got_ids == ids).all(dim=1).float().mean().item()
+    print(
+        f"router: rows with the same experts {same:.5f}, bitwise weights {(got_w == w).float().mean().item():.5f}"
+    )
+    assert same > 0.999  # softplus's last fp32 bit may reorder a near-tie after bf16 rounding
+    rows = (got_ids == ids).all(dim=1)
+    torch.testing.assert_close(got_w[rows], w[rows], rtol=1.6e-2, atol=0)
+    one_w, one_ids = rk.route(logits[9:10], bias, 6, 2.5)
+    assert torch.equal(one_ids[0], got_ids[9]) and torch.equal(one_w[0], got_w[9])
