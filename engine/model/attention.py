@@ -16,7 +16,7 @@ from engine.cache.swa import SWASlots
 from engine.checkpoint.quant import dequantize
 from engine.config import CSA, HCA, SLIDING, ModelConfig
 from engine.forward_batch import ForwardBatch
-from engine.kernels import batch_invariant, tracks_grad
+from engine.kernels import batch_invariant, fp8, tracks_grad
 from engine.model import prefill, verify
 from engine.model.compressor import CSACompressor, HCACompressor, Indexer, run_compressor
 from engine.model.decode import decode_attend, decode_compress, decode_keys, written
@@ -44,6 +44,8 @@ class GroupedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, G, in] -> [T, G * out_per_group]."""
+        if self.qweight is not None and self.scale is not None and self._fp8_groups(x):
+            return self._forward_fp8(x)
         w = (
             self.weight
             if self.qweight is None or self.scale is None
@@ -57,6 +59,25 @@ class GroupedLinear(nn.Module):
             torch.bmm(x.transpose(0, 1), w.transpose(1, 2), out=y.transpose(0, 1))
             return y.flatten(1)
         return torch.einsum("tgi,goi->tgo", x, w).flatten(1)
+
+    def _fp8_groups(self, x: torch.Tensor) -> bool:
+        """An FP8 weight whose 128-row scale blocks never straddle two groups, and rows the FP8
+        kernel multiplies (`engine.kernels.fp8`)."""
+        assert self.qweight is not None
+        out = self.qweight.shape[0] // self.groups
+        return out % fp8.BLOCK == 0 and fp8.usable(x, self.qweight)
+
+    def _forward_fp8(self, x: torch.Tensor) -> torch.Tensor:
+        """The groups as the FP8 kernel's expert groups: rows [G * T, in] grouped by group."""
+        assert self.qweight is not None and self.scale is not None
+        t, g, k = x.shape
+        out = self.qweight.shape[0] // g
+        rows = x.transpose(0, 1).reshape(g * t, k)
+        ends = (torch.arange(1, g + 1, device=x.device, dtype=torch.int32) * t).contiguous()
+        q = self.qweight.view(g, out, k)
+        s = self.scale.view(g, out // fp8.BLOCK, self.scale.shape[-1])
+        y = fp8.grouped_matmul(rows, q, s, ends)  # [G * T, out]
+        return y.view(g, t, out).transpose(0, 1).reshape(t, g * out)
 
 
 class Attention(nn.Module):

@@ -385,3 +385,26 @@ def test_the_router_kernel_routes_as_the_batch_invariant_rule() -> None:
     torch.testing.assert_close(got_w[rows], w[rows], rtol=1.6e-2, atol=0)
     one_w, one_ids = rk.route(logits[9:10], bias, 6, 2.5)
     assert torch.equal(one_ids[0], got_ids[9]) and torch.equal(one_w[0], got_w[9])
+
+
+def test_the_grouped_output_projection_reads_fp8_in_place() -> None:
+    """GroupedLinear kept FP8 (`o_a` of an FP8 checkpoint) through the FP8 kernel's groups,
+    against its per-use dequantisation (kernels off)."""
+    from engine.checkpoint.quant import quantize_fp8
+    from engine.kernels import set_kernels
+    from engine.model.attention import GroupedLinear
+
+    g = torch.Generator(device="cuda").manual_seed(16)
+    lin = GroupedLinear(4096, 8 * 1024, 8).cuda()
+    q, s = quantize_fp8(torch.randn(8 * 1024, 4096, device="cuda", generator=g) * 0.02)
+    lin.set_quantized(q, s)
+    x = torch.randn(37, 8, 4096, device="cuda", generator=g).to(torch.bfloat16)
+    with torch.inference_mode():
+        assert lin._fp8_groups(x)
+        got = lin(x)
+        set_kernels(False)
+        try:
+            want = lin(x)
+        finally:
+            set_kernels(True)
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
