@@ -61,9 +61,9 @@ def workload(groups: int, per_group: int, prefix_blocks: int, suffix: int, seed:
 
 
 def _fit_cost_model(model: Path, out: Path) -> dict[str, Any]:
-    from services.bench._engine_costmodel import fit_cost_model, step_samples
+    from services.bench._engine_costmodel import GRID_C, GRID_H, fit_cost_model, profile_prefill
 
-    fit = fit_cost_model(step_samples(model, repeats=2))
+    fit = fit_cost_model(profile_prefill(model, "cpu", GRID_C, GRID_H, repeats=2))
     out.write_text(fit["model"].to_json())
     return {k: fit[k] for k in ("a", "b", "c", "d", "fit_rel_rmse")}
 

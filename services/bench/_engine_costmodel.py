@@ -1,6 +1,6 @@
 """The prefill chunk cost model of `sluice bench engine --profile`: step times over a (chunk,
-prefix) grid, on the CPU through a checkpoint's runner (`step_samples`) or on any device with
-random weights at a checkpoint's config (`profile_prefill`, the GPU grid), and the fit of
+prefix) grid with random weights at a checkpoint's config, on any device (`profile_prefill`;
+`GRID_C` x `GRID_H` on the CPU, `GPU_GRID_C` x `GPU_GRID_H` on a GPU), and the fit of
 ``costmodel.CostModel``'s four terms, each >= 0, on relative error (`fit_cost_model`)."""
 
 from __future__ import annotations
@@ -17,38 +17,6 @@ from services.bench import progress
 #: the CPU grid: chunks and prefixes of the sizes the CPU presets' engines run
 GRID_C = (16, 64, 128, 256, 512)
 GRID_H = (0, 256, 768)
-
-
-def step_samples(model_dir: Path, repeats: int) -> list[tuple[int, int, float]]:
-    """(chunk, prefix, seconds) of single-sequence steps over the grid, timed on the runner."""
-    import torch
-
-    from engine.forward_batch import ForwardBatch, SequenceInput
-    from engine.runner import ModelRunner, RunnerConfig
-
-    blocks = -(-(max(GRID_H) + max(GRID_C)) // 256)
-    runner = ModelRunner(model_dir, RunnerConfig(num_blocks=blocks, num_slots=1, with_mtp=False))
-    vocab = runner.model_cfg.vocab_size
-    table = list(range(blocks))
-    samples = []
-    gen = torch.Generator().manual_seed(0)
-    warm = torch.randint(0, vocab, (max(GRID_C),), generator=gen).tolist()
-    for _ in range(2):  # first steps allocate and fault in pages: keep them out of the fit
-        runner.execute(ForwardBatch.from_sequences([SequenceInput(warm, 0, 0, table)]))
-    for h in GRID_H:
-        prefix = torch.randint(0, vocab, (h,), generator=gen).tolist()
-        for c in GRID_C:
-            chunk = torch.randint(0, vocab, (c,), generator=gen).tolist()
-            best = math.inf
-            for _ in range(repeats):
-                if h:
-                    runner.execute(ForwardBatch.from_sequences([SequenceInput(prefix, 0, 0, table)]))
-                batch = ForwardBatch.from_sequences([SequenceInput(chunk, h, 0, table)])
-                t0 = time.perf_counter()
-                runner.execute(batch)
-                best = min(best, time.perf_counter() - t0)
-            samples.append((c, h, best))
-    return samples
 
 
 #: the prefill grid on a GPU: chunks and prefixes of the sizes a GPU engine runs

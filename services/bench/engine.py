@@ -32,7 +32,6 @@ from services.bench._engine_costmodel import (
     GRID_H,
     fit_cost_model,
     profile_prefill,
-    step_samples,
 )
 
 
@@ -138,7 +137,7 @@ def _measure(name: str, model_dir: Path, args: argparse.Namespace, report: Repor
     progress(f"{name}: throughput")
     tput = _throughput(model_dir, args)
     progress(f"{name}: step-time grid {len(GRID_C)}x{len(GRID_H)}")
-    fit = fit_cost_model(step_samples(model_dir, args.repeats))
+    fit = fit_cost_model(profile_prefill(model_dir, "cpu", GRID_C, GRID_H, args.repeats))
     model = fit.pop("model")
     if args.profile:
         out.parent.mkdir(parents=True, exist_ok=True)
