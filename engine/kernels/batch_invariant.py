@@ -169,10 +169,12 @@ def _kernels() -> dict[str, Any]:
 
     @triton.jit
     def grouped_kernel(
-        x_ptr, w_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, row_end_ptr, N, K, E,
-        s_xm, s_xk, s_we, s_wn, s_wk, s_om, s_on,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
+        x_ptr, w_ptr, s_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, row_end_ptr, N, K, E,
+        s_xm, s_xk, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_om, s_on,
+        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr,
     ):  # fmt: skip
+        # SCALED: w is FP8 with one scale per BLOCK x BLOCK block (s_ptr), each tile scaled and
+        # rounded to x's dtype in registers (`engine.kernels.fp8`); BN divides BLOCK, BK is BLOCK
         tile = tl.program_id(0)
         pid_n = tl.program_id(1)
         e = tl.load(tile_expert_ptr + tile)
@@ -182,6 +184,7 @@ def _kernels() -> dict[str, Any]:
             rm = row0 + tl.arange(0, BM)
             rn = pid_n * BN + tl.arange(0, BN)
             w_base = w_ptr + e.to(tl.int64) * s_we
+            s_base = s_ptr + e.to(tl.int64) * s_se + ((pid_n * BN) // BLOCK) * s_sn
             acc = tl.zeros((BM, BN), dtype=tl.float32)
             for k0 in range(0, K, BK):
                 rk = (k0 + tl.arange(0, BK)).to(tl.int64)
@@ -193,6 +196,8 @@ def _kernels() -> dict[str, Any]:
                     w_base + rk[:, None] * s_wk + rn[None, :].to(tl.int64) * s_wn,
                     mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0,
                 )  # fmt: skip
+                if SCALED:  # the dequantised weight's values
+                    b = (b.to(tl.float32) * tl.load(s_base + (k0 // BLOCK) * s_sk)).to(a.dtype)
                 acc = tl.dot(a, b, acc)
             o = out_ptr + rm[:, None].to(tl.int64) * s_om + rn[None, :] * s_on
             tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < row_end) & (rn[None, :] < N))
@@ -316,6 +321,11 @@ def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _matmul(a, b)
 
 
+def grouped_kernel() -> Any:
+    """`grouped_matmul`'s Triton kernel; `engine.kernels.fp8` runs it with ``SCALED``."""
+    return _kernels()["grouped"]
+
+
 def tile_map(row_end: torch.Tensor, rows: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Each tile's expert and first row (int32) for ``rows`` rows grouped by expert (``row_end``:
     each group's end), tiles of ``bm`` rows that never mix experts. Built on the device, so the
@@ -350,9 +360,9 @@ def grouped_matmul(x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor) -> t
     expert, row = tile_map(row_end, r, bm)
     kern = _kernels()
     kern["grouped"][(expert.shape[0], _cdiv(n, bn))](
-        x, w, out, expert, row, row_end, n, k, e,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), out.stride(0), out.stride(1),
-        BM=bm, BN=bn, BK=bk, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        x, w, w, out, expert, row, row_end, n, k, e,
+        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), 0, 0, 0, out.stride(0), out.stride(1),
+        BM=bm, BN=bn, BK=bk, SCALED=False, BLOCK=1, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     return out
 

@@ -10,15 +10,13 @@ the weight's bytes read are halved, the activations are never quantised, and the
 differs from dequantise-then-matmul only in the order of the fp32 sums.
 
 `grouped_matmul` takes rows grouped by expert (the routed experts; tiles never mix experts,
-`engine.kernels.batch_invariant.tile_map`); `linear` is the same kernel with one group. The
+`engine.kernels.batch_invariant.tile_map`) and runs the batch-invariant grouped GEMM's kernel
+with its ``SCALED`` step; `linear` is the same kernel with one group. The
 tiles are fixed (never chosen from the number of rows), so a row's result is the same in any
 batch.
 """
 
 from __future__ import annotations
-
-import functools
-from typing import Any
 
 import torch
 
@@ -29,47 +27,6 @@ BLOCK = 128
 #: rows, output columns and reduced width per tile: BN divides the scale block, BK is one
 BM, BN, BK = 64, 64, 128
 NUM_WARPS, NUM_STAGES = 4, 3
-
-
-@functools.cache
-def _kernels() -> dict[str, Any]:
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def fp8_grouped_kernel(
-        x_ptr, q_ptr, s_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, row_end_ptr, N, K, E,
-        s_xm, s_xk, s_qe, s_qn, s_qk, s_se, s_sn, s_sk, s_om, s_on,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, BLOCK: tl.constexpr,
-    ):  # fmt: skip
-        tile = tl.program_id(0)
-        pid_n = tl.program_id(1)
-        e = tl.load(tile_expert_ptr + tile)
-        if e < E:
-            row0 = tl.load(tile_row_ptr + tile)
-            row_end = tl.load(row_end_ptr + e)
-            rm = row0 + tl.arange(0, BM)
-            rn = pid_n * BN + tl.arange(0, BN)
-            q_base = q_ptr + e.to(tl.int64) * s_qe
-            s_base = s_ptr + e.to(tl.int64) * s_se + ((pid_n * BN) // BLOCK) * s_sn
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                rk = (k0 + tl.arange(0, BK)).to(tl.int64)
-                a = tl.load(
-                    x_ptr + rm[:, None].to(tl.int64) * s_xm + rk[None, :] * s_xk,
-                    mask=(rm[:, None] < row_end) & (rk[None, :] < K), other=0.0,
-                )  # fmt: skip
-                q = tl.load(
-                    q_base + rk[:, None] * s_qk + rn[None, :].to(tl.int64) * s_qn,
-                    mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0,
-                )  # fmt: skip
-                scale = tl.load(s_base + (k0 // BLOCK) * s_sk)
-                b = (q.to(tl.float32) * scale).to(a.dtype)  # the dequantised weight's values
-                acc = tl.dot(a, b, acc)
-            o = out_ptr + rm[:, None].to(tl.int64) * s_om + rn[None, :] * s_on
-            tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < row_end) & (rn[None, :] < N))
-
-    return {"grouped": fp8_grouped_kernel}
 
 
 def usable(x: torch.Tensor, q: torch.Tensor) -> bool:
@@ -92,7 +49,7 @@ def grouped_matmul(
 ) -> torch.Tensor:
     """Rows x [R, K] grouped by expert (``row_end`` [E], int32, each group's end), FP8 weights
     q [E, N, K] with block scales [E, ceil(N/128), ceil(K/128)] -> [R, N] = x @ dequant(q[e]).T."""
-    from engine.kernels.batch_invariant import tile_map
+    from engine.kernels.batch_invariant import grouped_kernel, tile_map
 
     r, k = x.shape
     e, n, _ = q.shape
@@ -103,10 +60,11 @@ def grouped_matmul(
     if r == 0:
         return out
     expert, row = tile_map(row_end, r, BM)
-    _kernels()["grouped"][(expert.shape[0], -(-n // BN))](
+    grouped_kernel()[(expert.shape[0], -(-n // BN))](
         x, q, s, out, expert, row, row_end, n, k, e,
         x.stride(0), x.stride(1), q.stride(0), q.stride(1), q.stride(2), s.stride(0), s.stride(1), s.stride(2),
-        out.stride(0), out.stride(1), BM=BM, BN=BN, BK=BK, BLOCK=BLOCK, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        out.stride(0), out.stride(1), BM=BM, BN=BN, BK=BK, SCALED=True, BLOCK=BLOCK,
+        num_warps=NUM_WARPS, num_stages=NUM_STAGES,
     )  # fmt: skip
     return out
 

@@ -32,6 +32,8 @@ collapse sums in fp32 and rounds once. Per token, so batch-invariant.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.kernels import kernels_on, tracks_grad
@@ -44,7 +46,8 @@ PREMIX_BM, PREMIX_BK = 64, 64
 PREMIX_SLICES, PREMIX_MIN_SLICE = 8, 1024
 
 
-def _build():  # built on first use, so importing this module never needs Triton
+@functools.cache
+def _kernels() -> dict:  # built on first use, so importing this module never needs Triton
     import triton
     import triton.language as tl
 
@@ -169,9 +172,6 @@ def _build():  # built on first use, so importing this module never needs Triton
     }  # fmt: skip
 
 
-_KERNELS: dict | None = None
-
-
 def usable(streams: torch.Tensor, *others: torch.Tensor) -> bool:
     """CUDA streams [T, n, D] with n a power of two, with Triton, outside autograd (``others``:
     the op's other inputs)."""
@@ -179,13 +179,6 @@ def usable(streams: torch.Tensor, *others: torch.Tensor) -> bool:
     return (
         streams.is_cuda and n > 0 and n & (n - 1) == 0 and kernels_on() and not tracks_grad(streams, *others)
     )
-
-
-def _kernels() -> dict:
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = _build()
-    return _KERNELS
 
 
 def premix_slices(k: int) -> int:

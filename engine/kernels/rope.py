@@ -11,6 +11,8 @@ of heads): per token, so batch-invariant.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.kernels import kernels_on, tracks_grad
@@ -18,7 +20,8 @@ from engine.kernels import kernels_on, tracks_grad
 BLOCK_H = 16
 
 
-def _build():  # built on first use, so importing this module never needs Triton
+@functools.cache
+def _kernels() -> dict:  # built on first use, so importing this module never needs Triton
     import triton
     import triton.language as tl
 
@@ -40,16 +43,6 @@ def _build():  # built on first use, so importing this module never needs Triton
         tl.store(ptrs, out.to(x.dtype), mask=hm[:, None])
 
     return {"rope": rope_kernel}
-
-
-_KERNELS: dict | None = None
-
-
-def _kernels() -> dict:
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = _build()
-    return _KERNELS
 
 
 def usable(x: torch.Tensor, rope_dim: int) -> bool:

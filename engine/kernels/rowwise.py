@@ -24,6 +24,8 @@ One program per row (and block of columns): per token, so batch-invariant.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.kernels import kernels_on, tracks_grad
@@ -36,7 +38,8 @@ ROW_BLOCK_ELEMENTS = 4096
 INDEX_BLOCK_E = 256
 
 
-def _build():  # built on first use, so importing this module never needs Triton
+@functools.cache
+def _kernels() -> dict:  # built on first use, so importing this module never needs Triton
     import triton
     import triton.language as tl
 
@@ -103,16 +106,6 @@ def _build():  # built on first use, so importing this module never needs Triton
         "rms": rms_kernel, "rms_weighted": rms_weighted_kernel, "combine": combine_kernel,
         "swiglu": swiglu_kernel,
     }  # fmt: skip
-
-
-_KERNELS: dict | None = None
-
-
-def _kernels() -> dict:
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = _build()
-    return _KERNELS
 
 
 def usable(x: torch.Tensor, *others: torch.Tensor) -> bool:
