@@ -45,7 +45,8 @@ def find_scale(src, key: str) -> str | None:
     return None
 
 
-def _scales_fp32(scale: torch.Tensor) -> torch.Tensor:
+def scales_fp32(scale: torch.Tensor) -> torch.Tensor:
+    """ue8m0 exponent bytes or float scales -> fp32."""
     if scale.dtype == torch.uint8:  # raw e8m0 exponent bytes
         return (scale.to(torch.float32) - 127.0).exp2()
     return scale.to(torch.float32)
@@ -68,7 +69,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         raise ValueError(
             f"a scale was given for a {q.dtype} tensor; expected float8_e4m3fn or packed FP4 int8"
         )
-    s = _scales_fp32(scale)
+    s = scales_fp32(scale)
     rows, cols = w.shape[-2:]
     s = s.repeat_interleave(block[0], dim=-2)[..., :rows, :].repeat_interleave(block[1], dim=-1)[..., :cols]
     if s.shape != w.shape:

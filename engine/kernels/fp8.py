@@ -37,18 +37,12 @@ def usable(x: torch.Tensor, q: torch.Tensor) -> bool:
     )  # fmt: skip
 
 
-def scales_fp32(scale: torch.Tensor) -> torch.Tensor:
-    """ue8m0 exponent bytes or float scales -> fp32 (`engine.checkpoint.quant.dequantize`'s)."""
-    if scale.dtype == torch.uint8:
-        return (scale.to(torch.float32) - 127.0).exp2()
-    return scale.to(torch.float32)
-
-
 def grouped_matmul(
     x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_end: torch.Tensor
 ) -> torch.Tensor:
     """Rows x [R, K] grouped by expert (``row_end`` [E], int32, each group's end), FP8 weights
     q [E, N, K] with block scales [E, ceil(N/128), ceil(K/128)] -> [R, N] = x @ dequant(q[e]).T."""
+    from engine.checkpoint.quant import scales_fp32
     from engine.kernels.batch_invariant import grouped_kernel, tile_map
 
     r, k = x.shape
