@@ -19,6 +19,7 @@ which decode and verification share.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -35,7 +36,8 @@ BLOCK_H, BLOCK_K, NUM_WARPS, NUM_STAGES = 64, 32, 8, 2
 MODE_NONE, MODE_DENSE, MODE_INDEXED = 0, 1, 2
 
 
-def _build():  # built on first use, so importing this module never needs Triton
+@functools.cache
+def _kernel():  # built on first use, so importing this module never needs Triton
     import triton
     import triton.language as tl
 
@@ -99,9 +101,6 @@ def _build():  # built on first use, so importing this module never needs Triton
     return prefill_attention_kernel
 
 
-_KERNEL = None
-
-
 def usable(q: torch.Tensor) -> bool:
     """CUDA bf16/fp16 queries whose head width is a power of two (V4: 512), with Triton."""
     d = q.shape[-1]
@@ -124,9 +123,6 @@ def prefill_attention(
     out: torch.Tensor | None = None,  # [n, H, hd], channels contiguous: written in place
 ) -> torch.Tensor:
     """Attention output [n, H, hd] (module docstring), in ``out`` when given."""
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = _build()
     n, h, d = q.shape
     q, raw = q.contiguous(), raw.contiguous()
     if out is None:
@@ -142,7 +138,7 @@ def prefill_attention(
         if idx is None
         else idx.to(torch.int32).contiguous()
     )
-    _KERNEL[(n, -(-h // BLOCK_H))](
+    _kernel()[(n, -(-h // BLOCK_H))](
         q, raw, ent, ids, sinks.float().contiguous(), out,
         h, n0, lead, rate, ids.shape[1] if idx is not None else 0, d**-0.5 * math.log2(math.e),
         q.stride(0), q.stride(1), raw.stride(0), ent.stride(0), ids.stride(0), out.stride(0), out.stride(1),

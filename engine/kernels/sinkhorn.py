@@ -10,11 +10,14 @@ iteration, each divided by sum + eps).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from engine.kernels import kernels_on, tracks_grad
 
 
+@functools.cache
 def _kernel():  # built on first use, so importing this module never needs Triton
     import triton
     import triton.language as tl
@@ -35,9 +38,6 @@ def _kernel():  # built on first use, so importing this module never needs Trito
     return sinkhorn_kernel
 
 
-_KERNEL = None
-
-
 def usable(comb: torch.Tensor) -> bool:
     """The kernel takes a CUDA fp32 [T, n, n] tensor with n a power of two (V4: n = 4)."""
     n = comb.shape[-1]
@@ -49,11 +49,8 @@ def usable(comb: torch.Tensor) -> bool:
 
 def sinkhorn(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """``comb`` [T, n, n] (softmax rows + eps) -> its Sinkhorn normalisation, as the eager loop."""
-    global _KERNEL
-    if _KERNEL is None:
-        _KERNEL = _kernel()
     x = comb.contiguous()
     out = torch.empty_like(x)
     if x.shape[0]:
-        _KERNEL[(x.shape[0],)](x, out, iters, eps, N=x.shape[-1])
+        _kernel()[(x.shape[0],)](x, out, iters, eps, N=x.shape[-1])
     return out
