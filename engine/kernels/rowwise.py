@@ -31,8 +31,8 @@ import torch
 from engine.kernels import kernels_on, tracks_grad
 
 BLOCK_D = 1024
-#: the query norm's program covers this many elements (several 512-wide heads): one head per
-#: program left most of a 4,096-token flash-shape step's 262,144 programs waiting on launch
+#: a norm's program covers this many elements (several rows when rows are short: one 512-wide
+#: head per program left most of a 4,096-token flash-shape step's 262,144 programs waiting)
 ROW_BLOCK_ELEMENTS = 4096
 #: the indexer's reduction over heads: entries per program
 INDEX_BLOCK_E = 256
@@ -44,26 +44,20 @@ def _kernels() -> dict:  # built on first use, so importing this module never ne
     import triton.language as tl
 
     @triton.jit
-    def rms_kernel(x_ptr, o_ptr, R, D, eps, s_x, s_o, BR: tl.constexpr, BD: tl.constexpr):
+    def rms_kernel(
+        x_ptr, w_ptr, o_ptr, R, D, eps, s_x, s_o, BR: tl.constexpr, BD: tl.constexpr, WEIGHTED: tl.constexpr
+    ):  # fmt: skip
         r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
         d = tl.arange(0, BD)
         m = (r < R)[:, None] & (d < D)[None, :]
         x = tl.load(x_ptr + r[:, None] * s_x + d[None, :], mask=m, other=0.0)
         xf = x.to(tl.float32)
-        scale = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps).to(x.dtype).to(tl.float32)
-        tl.store(
-            o_ptr + r[:, None] * s_o + d[None, :], (xf * scale[:, None]).to(o_ptr.dtype.element_ty), mask=m
-        )
-
-    @triton.jit
-    def rms_weighted_kernel(x_ptr, w_ptr, o_ptr, D, eps, s_x, s_o, BD: tl.constexpr):
-        r = tl.program_id(0).to(tl.int64)
-        d = tl.arange(0, BD)
-        m = d < D
-        xf = tl.load(x_ptr + r * s_x + d, mask=m, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + d, mask=m, other=0.0).to(tl.float32)
-        rstd = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
-        tl.store(o_ptr + r * s_o + d, (xf * rstd * w).to(o_ptr.dtype.element_ty), mask=m)
+        rstd = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)[:, None]
+        if WEIGHTED:  # RMSNorm: all in fp32, rounded once
+            y = xf * rstd * tl.load(w_ptr + d, mask=d < D, other=0.0).to(tl.float32)[None, :]
+        else:  # the unweighted norm rounds its scale to x's dtype first
+            y = xf * rstd.to(x.dtype).to(tl.float32)
+        tl.store(o_ptr + r[:, None] * s_o + d[None, :], y.to(o_ptr.dtype.element_ty), mask=m)
 
     @triton.jit
     def combine_kernel(y_ptr, inv_ptr, w_ptr, o_ptr, D, s_y, s_w, s_o, K: tl.constexpr, BD: tl.constexpr):
@@ -103,7 +97,7 @@ def _kernels() -> dict:  # built on first use, so importing this module never ne
 
     return {
         "index_reduce": index_reduce_kernel,
-        "rms": rms_kernel, "rms_weighted": rms_weighted_kernel, "combine": combine_kernel,
+        "rms": rms_kernel, "combine": combine_kernel,
         "swiglu": swiglu_kernel,
     }  # fmt: skip
 
@@ -113,23 +107,7 @@ def usable(x: torch.Tensor, *others: torch.Tensor) -> bool:
     return x.is_cuda and kernels_on() and not tracks_grad(x, *others)
 
 
-def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D] (D <= 8192) -> the unweighted RMS norm of each row, in x's dtype."""
-    d = x.shape[-1]
-    rows = x.reshape(-1, d)
-    out = torch.empty_like(rows)
-    if rows.shape[0]:
-        bd = max(16, 1 << (d - 1).bit_length())
-        br = max(1, ROW_BLOCK_ELEMENTS // bd)  # rows per program: a function of D alone
-        _kernels()["rms"][(-(-rows.shape[0] // br),)](
-            rows, out, rows.shape[0], d, eps, rows.stride(0), out.stride(0), BR=br, BD=bd, num_warps=4
-        )
-    return out.view(x.shape)
-
-
-def rms_weighted(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., D] (D <= 8192) -> ``rms_norm(x.float(), weight)`` in x's dtype: the norm in fp32
-    from x's own dtype, no fp32 copy of x."""
+def _rms(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     d = x.shape[-1]
     rows = x.reshape(-1, d)
     if rows.stride(-1) != 1:
@@ -137,10 +115,24 @@ def rms_weighted(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     if rows.shape[0]:
         bd = max(16, 1 << (d - 1).bit_length())
-        _kernels()["rms_weighted"][(rows.shape[0],)](
-            rows, weight.contiguous(), out, d, eps, rows.stride(0), out.stride(0), BD=bd, num_warps=8 if d > 2048 else 4
+        br = max(1, ROW_BLOCK_ELEMENTS // bd)  # rows per program: a function of D alone
+        w = rows if weight is None else weight.contiguous()  # unread without a weight
+        _kernels()["rms"][(-(-rows.shape[0] // br),)](
+            rows, w, out, rows.shape[0], d, eps, rows.stride(0), out.stride(0), BR=br, BD=bd,
+            WEIGHTED=weight is not None, num_warps=8 if d > 2048 else 4,
         )  # fmt: skip
     return out.view(x.shape)
+
+
+def rms_unweighted(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] (D <= 8192) -> the unweighted RMS norm of each row, in x's dtype."""
+    return _rms(x, None, eps)
+
+
+def rms_weighted(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., D] (D <= 8192) -> ``rms_norm(x.float(), weight)`` in x's dtype: the norm in fp32
+    from x's own dtype, no fp32 copy of x."""
+    return _rms(x, weight, eps)
 
 
 def combine(
