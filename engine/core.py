@@ -126,6 +126,7 @@ class EngineCore:
         self.loop = EngineLoop(
             self.scheduler, self.executor.execute, cfg.overlaps_steps,
             overlap_after=_drafts_nothing if self.spec is not None else None,
+            launcher=self.executor if cfg.pipelines_steps else None,
         )  # fmt: skip
         self._tracks: dict[str, _Track] = {}
         self._out: list[SeqOutput] = []

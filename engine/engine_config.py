@@ -34,6 +34,11 @@ class EngineConfig:
     # large batches their contention for the GIL costs more than the overlap hides
     # (docs/engine-runtime.md, "Asynchronous scheduling")
     async_scheduling: bool | None = None
+    # synchronous steps, pipelined on one thread (engine/loop.py): step N+1 is launched on the
+    # device (its greedy input tokens read there) before step N is sampled on the host, so the
+    # host's work hides behind the device's. None (auto): on CUDA without expert parallelism
+    # (an EP group steps in lockstep); on CPU the forward pass is the host's work, nothing to hide
+    pipeline_steps: bool | None = None
     dtype: str = "float32"
     device: str = "cpu"
     # decode steps as CUDA graphs (engine/cuda_graphs.py): "auto" (on CUDA without expert
@@ -87,6 +92,15 @@ class EngineConfig:
         """Whether the engine runs its steps asynchronously (``async_scheduling`` resolved)."""
         return bool(self.async_scheduling)
 
+    @property
+    def pipelines_steps(self) -> bool:
+        """Whether synchronous steps run pipelined (``pipeline_steps`` resolved)."""
+        if self.overlaps_steps:
+            return False
+        if self.pipeline_steps is None:
+            return self.device.startswith("cuda") and self.ep_size == 1
+        return self.pipeline_steps
+
     def __post_init__(self) -> None:
         if not Path(self.model).is_dir():
             raise ValueError(f"model must be a checkpoint directory, got {self.model!r}")
@@ -114,6 +128,8 @@ class EngineConfig:
             raise ValueError(f"ep_rank must be within [0, ep_size), got {self.ep_rank} of {self.ep_size}")
         if self.ep_size > 1 and self.async_scheduling is True:
             raise ValueError("an EP rank steps in lockstep with its group: set async_scheduling=False")
+        if self.ep_size > 1 and self.pipeline_steps is True:
+            raise ValueError("an EP rank steps in lockstep with its group: set pipeline_steps=False")
         self._check_speculative()
         self._check_batch_invariant()
         if self.kv_store is not None and not Path(self.kv_store).is_file():

@@ -17,6 +17,7 @@ layer drafts the next step's tokens (`engine.spec.drafter`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -84,6 +85,41 @@ class SamplingState:
         return self.grammar is None and not self.params.greedy and no_penalties(self.params)
 
 
+@dataclass
+class Launched:
+    """A step whose forward pass is queued on the device (`ModelExecutor.launch`), not yet
+    sampled (`ModelExecutor.finish`)."""
+
+    out: SchedulerOutput
+    result: Any  # the runner's output: logits [rows, V] (device), hidden states
+    staged: Any  # verification: the ring rows to put back for rejected drafts, or None
+    sampled: set[str] = field(default_factory=set)  # request ids this step samples
+    # request id -> logits row whose argmax is its token (plain greedy, no drafts): the next
+    # step's input token, which that step can read from ``top`` on the device
+    feeds: dict[str, int] = field(default_factory=dict)
+    top: torch.Tensor | None = None  # [rows] every row's argmax on the device (greedy rows)
+    top_host: tuple[torch.Tensor, Any] | None = None  # its copy on the way to the host, and its event
+    forget: list[str] = field(default_factory=list)  # states to drop once sampled (finished requests)
+
+    def host_top(self) -> list[int]:
+        assert self.top is not None and self.top_host is not None
+        host, event = self.top_host
+        if event is not None:
+            event.synchronize()  # waits for this step only, not for one launched after it
+        return host.tolist()
+
+
+def _to_host(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
+    """Start copying ``t`` to the host: (the host tensor, a CUDA event to wait on; None on CPU)."""
+    if not t.is_cuda:
+        return t, None
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    event = torch.cuda.Event()
+    event.record()
+    return host, event
+
+
 class ModelExecutor:
     def __init__(
         self,
@@ -105,6 +141,7 @@ class ModelExecutor:
         # per request: (first position whose MTP window entry is valid, next position to write)
         self._mtp: dict[str, tuple[int, int]] = {}
         self._drawn: dict[tuple[str, int], int] = {}  # this step's tokens drawn together
+        self.fed_tokens = 0  # input tokens read from the previous step's device argmax (pipelined)
 
     def save_slots(self, saves: Sequence[SlotSave]) -> None:
         """Copy retained slots (and their partial blocks) into the host slot pool."""
@@ -124,12 +161,74 @@ class ModelExecutor:
         self._failed.pop(request_id, None)  # a reused id starts clean
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """Run one step: its forward pass, then its sampling."""
+        return self.finish(self.launch(out))
+
+    def follows(self, out: SchedulerOutput, prev: Launched) -> bool:
+        """Whether ``out`` can be launched while ``prev`` (launched, not finished) is on the
+        device: each input token ``prev`` samples is its row's argmax, which ``out`` reads from
+        the device (`Launched.feeds`), and no draft is verified (speculation reads the host)."""
+        if any(s.num_drafts for s in out.seqs):
+            return False
+        return all(
+            s.request_id in prev.feeds
+            for s in out.seqs
+            if s.request_id in prev.sampled and PENDING_TOKEN in s.token_ids
+        )
+
+    def launch(self, out: SchedulerOutput, prev: Launched | None = None) -> Launched:
+        """Queue ``out``'s forward pass on the device and return without reading any result.
+        ``prev``: the step launched before it and not finished yet (`follows` must hold); the
+        input tokens it samples come from its device argmax. On CUDA nothing here waits for
+        the device, so the host can finish ``prev`` while this step runs."""
+        self._before(out, prev)
+        seqs, fed_at, fed_rows = self._inputs(out, prev)
+        verifying = [s for s in out.seqs if s.num_drafts]
+        staged = (
+            self.runner.swa.stage(
+                range(self.runner.model_cfg.num_hidden_layers),  # the MTP layer's window: drafter
+                [s.swa_slot for s in verifying for _ in range(s.num_drafts)],
+                [s.start_pos + j for s in verifying for j in range(1, s.num_drafts + 1)],
+            )
+            if verifying
+            else None
+        )
+        batch = ForwardBatch.from_sequences(seqs, device=self.device)
+        if fed_at:
+            assert prev is not None and prev.top is not None
+            index = upload(torch.tensor(fed_at + fed_rows, dtype=torch.long), prev.top.device)
+            batch = dataclasses.replace(batch, fed=(index[: len(fed_at)], prev.top[index[len(fed_at) :]]))
+            self.fed_tokens += len(fed_at)
+        launched = Launched(out, self.runner.execute(batch), staged)
+        logits = launched.result.logits  # [rows, V]: num_drafts + 1 rows per sampled sequence
+        greedy = False
+        row = 0
+        for s in out.seqs:
+            if not s.sample:
+                continue
+            for rid in (s.request_id, *s.fork_children):  # fork children share the parent's row
+                launched.sampled.add(rid)
+                st = self.states.get(rid)
+                greedy = greedy or (st is not None and st.takes_argmax)
+                if not s.num_drafts and st is not None and st.takes_argmax and not st.done:
+                    launched.feeds[rid] = row
+            row += s.num_drafts + 1
+        # every row's argmax in one device op and one transfer: a plain greedy request's token
+        # (argmax is exact and row by row, so batching changes nothing; lowest id on ties)
+        if greedy and logits.shape[0]:
+            launched.top = logits.argmax(-1)
+            launched.top_host = _to_host(launched.top)
+        return launched
+
+    def _before(self, out: SchedulerOutput, prev: Launched | None) -> None:
+        """The step's work before its forward pass: slot saves, finished requests, copies, loads."""
         if out.slot_saves:  # first: a retained slot this step reuses still holds its turn's state
             self.save_slots(out.slot_saves)
         for rid in out.finished_ids:
-            self.states.pop(rid, None)
-            self._failed.pop(rid, None)
-            self._mtp.pop(rid, None)
+            if prev is not None and rid in prev.sampled:  # prev's sampling still reads its state
+                prev.forget.append(rid)
+            else:
+                self._forget(rid)
         for src, dst in out.block_copies:  # forks made by the previous step
             self.runner.pool.copy_block(src, dst)
         for src, dst in out.slot_copies:
@@ -138,9 +237,28 @@ class ModelExecutor:
             self.kv.load_block(self.runner.pool, block, payload)
         for slot, payload in out.slot_loads:
             self.kv.load_slot(self.runner.swa, slot, payload)
+
+    def _inputs(
+        self, out: SchedulerOutput, prev: Launched | None
+    ) -> tuple[list[SequenceInput], list[int], list[int]]:
+        """The step's sequences, and the flat token indices whose ids are ``prev``'s argmax rows
+        (with those rows): a pending token of a request ``prev`` feeds is a placeholder 0."""
         seqs = []
+        fed_at: list[int] = []
+        fed_rows: list[int] = []
+        flat = 0
         for s in out.seqs:
-            tokens = [self._resolve(s.request_id, t) for t in s.token_ids]
+            tokens = list(s.token_ids)
+            for j, t in enumerate(tokens):
+                if t != PENDING_TOKEN:
+                    continue
+                if prev is not None and s.request_id in prev.feeds:
+                    fed_at.append(flat + j)
+                    fed_rows.append(prev.feeds[s.request_id])
+                    tokens[j] = 0  # the runner writes the device id over it
+                else:
+                    tokens[j] = self._resolve(s.request_id, t)
+            flat += len(tokens)
             seqs.append(
                 SequenceInput(
                     tokens,
@@ -155,34 +273,26 @@ class ModelExecutor:
                     num_logits=s.num_drafts + 1,
                 )
             )
-        verifying = [s for s in out.seqs if s.num_drafts]
-        staged = (
-            self.runner.swa.stage(
-                range(self.runner.model_cfg.num_hidden_layers),  # the MTP layer's window: drafter
-                [s.swa_slot for s in verifying for _ in range(s.num_drafts)],
-                [s.start_pos + j for s in verifying for j in range(1, s.num_drafts + 1)],
-            )
-            if verifying
-            else None
-        )
-        result = self.runner.execute(ForwardBatch.from_sequences(seqs, device=self.device))
-        logits = result.logits  # [rows, V]: num_drafts + 1 rows per sampled sequence
+        return seqs, fed_at, fed_rows
+
+    def holds(self, launched: Launched) -> bool:
+        """Whether ``launched`` may stay unfinished while the next step launches: nothing of it
+        is read on the host after the next step could overwrite it (no store snapshot of its
+        blocks, no drafts from its hidden states, no verified ring rows to put back)."""
+        out = launched.out
+        return not (out.kv_saves or launched.staged is not None or self.drafter)
+
+    def finish(self, launched: Launched) -> RunnerOutput:
+        """Sample a launched step (waiting for its device work) and return its result."""
+        out, result, staged = launched.out, launched.result, launched.staged
+        logits = result.logits
         if out.kv_saves and self.kv is not None:
             self.kv.save(self.runner.pool, out.kv_saves)
         sampled: dict[str, int] = {}
         logprobs: dict[str, TokenLogprobs | None] = {}
         emitted: dict[str, tuple[int, ...]] = {}
         emitted_lps: dict[str, tuple[object, ...]] = {}
-        # every row's argmax in one device op and one transfer: a plain greedy request's token
-        # (argmax is exact and row by row, so batching changes nothing; lowest id on ties)
-        greedy = any(
-            st.takes_argmax
-            for s in out.seqs
-            if s.sample
-            for rid in (s.request_id, *s.fork_children)
-            if (st := self.states.get(rid)) is not None
-        )
-        top: list[int] = logits.argmax(-1).tolist() if greedy and logits.shape[0] else [-1] * logits.shape[0]
+        top: list[int] = launched.host_top() if launched.top is not None else [-1] * logits.shape[0]
         # the rows a sampler reads on the host (`_needs_row`); the others are never read, so no
         # per-row view of the device logits is made (~3 us each, 256 a step at batch 256)
         host = self._host_rows(out, logits)
@@ -205,6 +315,7 @@ class ModelExecutor:
                 logprobs[rid] = lp
             row += 1
         if staged is not None:  # undo the rows of every position past the accepted ones
+            verifying = [s for s in out.seqs if s.num_drafts]
             rejected = [
                 s.start_pos + j >= s.start_pos + len(emitted.get(s.request_id, (0,)))
                 for s in verifying
@@ -214,7 +325,14 @@ class ModelExecutor:
         depth = out.draft_depth if out.draft_depth >= 0 else self.num_drafts
         drafts = self._draft(out, result.hidden, sampled, emitted, depth) if self.drafter and depth else {}
         failed = {rid: self._failed[rid] for rid in sampled if rid in self._failed}
+        for rid in launched.forget:  # finished while this step was on the device
+            self._forget(rid)
         return RunnerOutput(out.step, sampled, dict(logprobs), failed, emitted, emitted_lps, drafts)
+
+    def _forget(self, rid: str) -> None:
+        self.states.pop(rid, None)
+        self._failed.pop(rid, None)
+        self._mtp.pop(rid, None)
 
     def _needs_row(self, rid: str) -> bool:
         """Whether sampling ``rid`` reads its logits row on the host: the per-row sampler

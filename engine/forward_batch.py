@@ -111,6 +111,10 @@ class ForwardBatch:
     sample_cpu: tuple[bool, ...] = ()
     block_table_cpu: torch.Tensor | None = None
     padded: PaddedDecode | None = None  # a CUDA graph's fixed-shape decode batch
+    # (flat token indices [k], ids [k]) on the device: tokens the previous step sampled and
+    # the host has not read yet (its argmax); ``input_ids`` and ``input_ids_cpu`` hold 0
+    # there until `ModelRunner.execute` writes these ids over them
+    fed: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def kept_until(self, layer: int) -> tuple[int, ...]:
         """Per sequence: ring writes of ``layer`` for positions below this are skipped (swa_keep)."""

@@ -1,6 +1,13 @@
 """The engine step loop, sequential or asynchronous (pure Python, no torch).
 
 Sequential: ``schedule -> execute -> update`` one step at a time.
+Pipelined (sequential, with a `Launcher`): one thread keeps the next step queued on the
+device: ``schedule N+1 -> launch N+1 -> finish N -> update N``. ``launch`` queues a step's
+forward pass without waiting for the device, reading the previous step's greedy tokens on
+the device, so the device runs step N+1 while the host samples step N, applies it and
+builds step N+2. A step whose input needs the previous one's result on the host (sampled
+tokens, verified drafts) finishes that one first; a step the executor will not hold
+unfinished (store snapshots, drafts) is finished at once.
 Asynchronous: step N+1 is scheduled on the CPU while step N executes on a worker thread
 (the device queue); ``update(N)`` is applied after N+1 has been submitted. The scheduler
 advances its state optimistically, so both modes issue the same sequence computations
@@ -17,11 +24,36 @@ from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from engine.scheduler.output import RunnerOutput, SchedulerOutput
 from engine.scheduler.scheduler import Scheduler, StepUpdate
 
 ExecuteFn = Callable[[SchedulerOutput], RunnerOutput]
+
+
+class Launcher(Protocol):
+    """A step executed in two halves (`engine.executor.ModelExecutor`): ``launch`` queues the
+    device work (``prev``: the step launched before, still unfinished, when ``follows``
+    allows it), ``finish`` waits for it and returns the result; ``holds``: whether a launched
+    step may stay unfinished while the next one launches."""
+
+    def launch(self, out: SchedulerOutput, prev: Any = None) -> Any: ...
+
+    def finish(self, launched: Any) -> RunnerOutput: ...
+
+    def follows(self, out: SchedulerOutput, prev: Any) -> bool: ...
+
+    def holds(self, launched: Any) -> bool: ...
+
+
+@dataclass
+class _Launched:
+    out: SchedulerOutput
+    handle: Any  # the launcher's; None once finished
+    result: RunnerOutput | None = None
+    error: BaseException | None = None
+    seconds: float = 0.0  # host time spent launching and finishing it
 
 
 @dataclass(frozen=True)
@@ -45,10 +77,14 @@ class EngineLoop:
         execute: ExecuteFn,
         async_scheduling: bool = False,
         overlap_after: Callable[[SchedulerOutput], bool] | None = None,
+        launcher: Launcher | None = None,
     ) -> None:
+        """``launcher``: run the sequential loop pipelined (ignored with ``async_scheduling``)."""
         self.scheduler = scheduler
         self._execute = execute
         self.async_scheduling = async_scheduling
+        self._launcher = None if async_scheduling else launcher
+        self._launched: deque[_Launched] = deque()
         self._overlap_after = overlap_after or (lambda _out: True)
         self.overlapped = 0  # steps submitted while another was in flight
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sluice-exec") if async_scheduling else None
@@ -77,11 +113,73 @@ class EngineLoop:
         self.steps += 1
 
     def has_work(self) -> bool:
-        return bool(self._inflight) or self.scheduler.has_unfinished()
+        return bool(self._inflight) or bool(self._launched) or self.scheduler.has_unfinished()
+
+    # -- pipelined ---------------------------------------------------------------------------
+    def _finish(self, entry: _Launched) -> None:
+        assert self._launcher is not None
+        if entry.handle is None:
+            return
+        t0 = time.perf_counter()
+        try:
+            entry.result = self._launcher.finish(entry.handle)
+        except BaseException as exc:  # raised when the step is applied, as on the other paths
+            entry.error = exc
+        entry.handle = None
+        entry.seconds += time.perf_counter() - t0
+        out = entry.out
+        decode = sum(1 for s in out.seqs if s.num_new == 1)
+        self.stats.append(StepStat(out.num_tokens - decode, decode, entry.seconds))
+
+    def _launch(self, out: SchedulerOutput) -> None:
+        assert self._launcher is not None
+        prev = self._launched[-1] if self._launched else None
+        if prev is not None and prev.handle is not None and not self._launcher.follows(out, prev.handle):
+            self._finish(prev)  # the new step reads prev's results on the host
+        after = prev.handle if prev is not None and prev.handle is not None else None
+        entry = _Launched(out, None)
+        t0 = time.perf_counter()
+        try:
+            entry.handle = self._launcher.launch(out, after)
+        except BaseException as exc:
+            entry.error = exc
+        entry.seconds = time.perf_counter() - t0
+        self._launched.append(entry)
+        self.steps += 1
+        if entry.handle is not None and not self._launcher.holds(entry.handle):
+            self._finish(entry)
+
+    def _pipelined_step(self) -> StepUpdate:
+        # keep one step queued behind the oldest: launched before the oldest is finished
+        while self.scheduler.has_unfinished() and len(self._launched) < 2:
+            if self._launched and not self._overlap_after(self._launched[-1].out):
+                break  # the next step needs this one's result
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                break
+            self.overlapped += bool(self._launched)
+            self._launch(out)
+        if not self._launched:
+            if self.scheduler.has_ready():
+                raise RuntimeError(
+                    "the scheduler has unfinished requests but scheduled nothing: "
+                    "the cache is too small for the head request"
+                )
+            return StepUpdate()
+        return self._apply(self._launched.popleft())
+
+    def _apply(self, entry: _Launched) -> StepUpdate:
+        self._finish(entry)
+        if entry.error is not None:
+            raise entry.error
+        assert entry.result is not None
+        return self.scheduler.update(entry.out, entry.result)
 
     def step(self) -> StepUpdate:
         """Advance by one update: schedule (and submit) the next step if there is one, then
         apply the oldest in-flight step's result. Returns what that update changed."""
+        if self._launcher is not None:
+            return self._pipelined_step()
         # asynchronous: keep the next step queued behind the running one, so the worker starts
         # it as soon as the running one returns while this thread applies results
         depth = 2 if self.async_scheduling else 1
@@ -107,6 +205,8 @@ class EngineLoop:
         """Apply every step in flight without scheduling another: afterwards no request has
         a pending token and the executor is idle (export, idle snapshots)."""
         updates = []
+        while self._launched:
+            updates.append(self._apply(self._launched.popleft()))
         while self._inflight:
             out, fut = self._inflight.popleft()
             updates.append(self.scheduler.update(out, fut.result()))
@@ -114,9 +214,11 @@ class EngineLoop:
 
     @property
     def idle(self) -> bool:
-        return not self._inflight
+        return not self._inflight and not self._launched
 
     def close(self) -> None:
+        while self._launched:  # let the device work end before the caches go
+            self._finish(self._launched.popleft())
         while self._inflight:
             _, fut = self._inflight.popleft()
             fut.cancel()

@@ -184,6 +184,8 @@ class ModelRunner:
         if self.graphs is not None and graphable(batch):
             logits, hidden = self.graphs.run(batch)
         else:
+            if batch.fed is not None:
+                batch.input_ids.index_copy_(0, *batch.fed)
             logits, hidden = self.model(batch, self.pool, self.swa)
         return RunnerOutput(logits, hidden)
 

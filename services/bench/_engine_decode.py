@@ -63,6 +63,7 @@ class DecodeArgs:
     seed: int = 0
     decode_graphs: str = "auto"  # EngineConfig.decode_graphs
     async_scheduling: bool | None = None  # EngineConfig.async_scheduling (None: auto)
+    pipeline_steps: bool | None = None  # EngineConfig.pipeline_steps (None: auto)
     batch_invariant: bool = False  # EngineConfig.batch_invariant
     fp8: bool = False  # EngineConfig.keep_quantized: the random weights quantised to FP8 and kept so
 
@@ -151,6 +152,7 @@ def engine_decode(model_dir: Path, a: DecodeArgs, batch: int, context: int) -> d
         num_blocks=batch * per_seq + 4, num_swa_slots=batch, max_num_seqs=batch,
         max_num_batched_tokens=budget,
         enable_prefix_caching=False, decode_graphs=a.decode_graphs, async_scheduling=a.async_scheduling,
+        pipeline_steps=a.pipeline_steps,
         batch_invariant=a.batch_invariant, keep_quantized=a.fp8,
     )  # fmt: skip
     core = EngineCore(cfg)
@@ -190,7 +192,8 @@ def engine_decode(model_dir: Path, a: DecodeArgs, batch: int, context: int) -> d
             "batch": batch, "context": context, "layers": mc.num_hidden_layers, "steps": a.steps,
             "ms_per_step": wall / a.steps * 1e3, "ms_per_step_median": statistics.median(times) * 1e3,
             "tokens_per_s": emitted / wall, "emitted": emitted, "prefill_s": prefill_s,
-            "decode_graphs": a.decode_graphs, "async_scheduling": core.config.overlaps_steps, "graph_replays": graphs.replays if graphs else 0,
+            "decode_graphs": a.decode_graphs, "async_scheduling": core.config.overlaps_steps, "pipelined": core.config.pipelines_steps,
+            "fed_tokens": core.executor.fed_tokens, "graph_replays": graphs.replays if graphs else 0,
             "batch_invariant": a.batch_invariant,
             "graph_captures": graphs.captures if graphs else 0,
             "graph_captures_timed": (graphs.captures if graphs else 0) - captured,

@@ -78,6 +78,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="overlap scheduling with the running step: auto (the engine's default: off), on, off",
     )  # fmt: skip
     d.add_argument(
+        "--pipeline-steps", default="auto", choices=("auto", "on", "off"),
+        help="launch step N+1 before sampling step N (synchronous steps): auto (on CUDA), on, off",
+    )  # fmt: skip
+    d.add_argument(
         "--batch-invariant", action="store_true",
         help="the batch-invariant mode (EngineConfig.batch_invariant; its own kernels on CUDA)",
     )  # fmt: skip
@@ -236,6 +240,7 @@ def _decode(args: argparse.Namespace, report: Report) -> None:
         context=args.context or (4096 if cuda else 128), tf_context=args.tf_context, steps=args.steps,
         transformers=not args.no_transformers, seed=0, decode_graphs=args.decode_graphs,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
+        pipeline_steps={"auto": None, "on": True, "off": False}[args.pipeline_steps],
         batch_invariant=args.batch_invariant, fp8=args.quant == "fp8",
     )  # fmt: skip
     report.config.update({"decode": a.__dict__})

@@ -1,0 +1,90 @@
+"""Pipelined steps (engine/loop.py, `ModelExecutor.launch` / `finish`): step N+1 is launched,
+its greedy input tokens read from step N's device argmax, before step N is sampled on the
+host. Every request's tokens (and logprobs) must be those of plain synchronous steps, for a
+mix of greedy, stopped, sampled, penalised, forked and logprob requests that end at
+different steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from engine.llm import LLM
+from engine.replay_quality import heldout_prompts
+from engine.sampling.params import SamplingParams
+
+MODEL = Path(__file__).resolve().parents[3] / "models" / "trained"
+
+
+def _prompts(n: int) -> list[list[int]]:
+    rows = heldout_prompts(MODEL, n, 200)
+    return [r[: 6 + (41 * i) % 190] for i, r in enumerate(rows)]
+
+
+def _run(prompts, params, pipeline: bool, **kw) -> tuple[list, LLM]:
+    llm = LLM(MODEL, max_num_seqs=16, num_swa_slots=32, pipeline_steps=pipeline, **kw)
+    try:
+        outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+        got = [
+            [(list(c.token_ids), [None if lp is None else round(lp.logprob, 4) for lp in (c.logprobs or [])])
+             for c in o.outputs]
+            for o in outs
+        ]  # fmt: skip
+        return got, llm
+    except BaseException:
+        llm.close()
+        raise
+
+
+def _mixed(prompts: list[list[int]], stops: list[int]) -> list[SamplingParams]:
+    kinds = [
+        lambda i: SamplingParams(temperature=0.0, max_tokens=8 + 3 * i, ignore_eos=True),
+        lambda i: SamplingParams(temperature=0.0, max_tokens=40, stop_token_ids=(stops[i],)),
+        lambda i: SamplingParams(temperature=0.8, max_tokens=12 + i, seed=100 + i, ignore_eos=True),
+        lambda i: SamplingParams(temperature=0.0, max_tokens=10, logprobs=2, ignore_eos=True),
+        lambda i: SamplingParams(temperature=0.7, n=2, max_tokens=9, seed=7 + i, ignore_eos=True),
+        lambda i: SamplingParams(temperature=0.0, max_tokens=11, repetition_penalty=1.3, ignore_eos=True),
+    ]
+    return [kinds[i % len(kinds)](i) for i in range(len(prompts))]
+
+
+@pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="the trained preset is not built")
+def test_pipelined_steps_give_the_synchronous_tokens() -> None:
+    prompts = _prompts(12)
+    # stop tokens each greedy request meets mid-generation: requests end at different steps
+    probe, llm = _run(prompts, [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * 12, False)
+    llm.close()
+    stops = [p[0][0][3 + i % 7] for i, p in enumerate(probe)]
+    params = _mixed(prompts, stops)
+    want, sync = _run(prompts, params, False)
+    sync.close()
+    got, piped = _run(prompts, params, True)
+    try:
+        assert got == want
+        stopped = [w[0][0] for w, sp in zip(want, params) if sp.stop_token_ids]
+        assert any(len(t) < 40 for t in stopped)  # some request did stop early
+        assert piped.loop.overlapped > 0
+        assert piped.core.executor.fed_tokens > 0  # step N+1 launched before N was sampled
+        assert sync.core.executor.fed_tokens == 0
+    finally:
+        piped.close()
+
+
+@pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="the trained preset is not built")
+@pytest.mark.parametrize("graphs", ["off", "padded"])
+def test_a_greedy_batch_reads_every_decode_token_on_the_device(graphs: str) -> None:
+    """Plain greedy decoding: every step after the first launches before its predecessor is
+    sampled, so each decode input token is fed on the device; also through the CUDA graphs'
+    padded batches (run eagerly here), whose static inputs take the fed ids."""
+    prompts = _prompts(6)
+    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * 6
+    want, sync = _run(prompts, params, False)
+    sync.close()
+    got, piped = _run(prompts, params, True, decode_graphs=graphs)
+    try:
+        assert got == want
+        # 15 decode inputs per request; the first decode step may follow the prefill chunks
+        assert piped.core.executor.fed_tokens >= 6 * 14
+    finally:
+        piped.close()
