@@ -30,11 +30,11 @@ from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import (
     RowInput,
     TokenLogprobs,
+    draw_rows,
     draw_seed,
     no_penalties,
     plain_greedy,
     sample_row,
-    sample_rows,
     token_logprobs,
 )
 from engine.scheduler.host_slots import HostSlot
@@ -94,30 +94,34 @@ class Launched:
     result: Any  # the runner's output: logits [rows, V] (device), hidden states
     staged: Any  # verification: the ring rows to put back for rejected drafts, or None
     sampled: set[str] = field(default_factory=set)  # request ids this step samples
-    # request id -> logits row whose argmax is its token (plain greedy, no drafts): the next
-    # step's input token, which that step can read from ``top`` on the device
+    top: _Tokens | None = None  # every row's argmax (the tokens of plain greedy rows)
+    drawn: _Tokens | None = None  # the rows drawn together (`SamplingState.drawn_together`) ...
+    drawn_keys: list[tuple[str, int]] = field(default_factory=list)  # ... for these (request, output index)
+    # request id -> index in ``next`` of its token (plain greedy or drawn together, no drafts):
+    # the next step's input token, which that step reads on the device
     feeds: dict[str, int] = field(default_factory=dict)
-    top: torch.Tensor | None = None  # [rows] every row's argmax on the device (greedy rows)
-    top_host: tuple[torch.Tensor, Any] | None = None  # its copy on the way to the host, and its event
+    next: torch.Tensor | None = None  # top's tokens, then drawn's, on the device
     forget: list[str] = field(default_factory=list)  # states to drop once sampled (finished requests)
 
-    def host_top(self) -> list[int]:
-        assert self.top is not None and self.top_host is not None
-        host, event = self.top_host
-        if event is not None:
-            event.synchronize()  # waits for this step only, not for one launched after it
-        return host.tolist()
 
+class _Tokens:
+    """Tokens on the device, with their copy to the host started at once (no wait)."""
 
-def _to_host(t: torch.Tensor) -> tuple[torch.Tensor, Any]:
-    """Start copying ``t`` to the host: (the host tensor, a CUDA event to wait on; None on CPU)."""
-    if not t.is_cuda:
-        return t, None
-    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-    host.copy_(t, non_blocking=True)
-    event = torch.cuda.Event()
-    event.record()
-    return host, event
+    def __init__(self, dev: torch.Tensor) -> None:
+        self.dev = dev
+        self.event: Any = None
+        if dev.is_cuda:
+            self.host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+            self.host.copy_(dev, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = dev
+
+    def tolist(self) -> list[int]:
+        if self.event is not None:
+            self.event.synchronize()  # this step's tokens only, not a step launched after it
+        return self.host.tolist()
 
 
 class ModelExecutor:
@@ -195,13 +199,20 @@ class ModelExecutor:
         )
         batch = ForwardBatch.from_sequences(seqs, device=self.device)
         if fed_at:
-            assert prev is not None and prev.top is not None
-            index = upload(torch.tensor(fed_at + fed_rows, dtype=torch.long), prev.top.device)
-            batch = dataclasses.replace(batch, fed=(index[: len(fed_at)], prev.top[index[len(fed_at) :]]))
+            assert prev is not None and prev.next is not None
+            index = upload(torch.tensor(fed_at + fed_rows, dtype=torch.long), prev.next.device)
+            batch = dataclasses.replace(batch, fed=(index[: len(fed_at)], prev.next[index[len(fed_at) :]]))
             self.fed_tokens += len(fed_at)
         launched = Launched(out, self.runner.execute(batch), staged)
-        logits = launched.result.logits  # [rows, V]: num_drafts + 1 rows per sampled sequence
-        greedy = False
+        self._sample_on_device(launched)
+        return launched
+
+    def _sample_on_device(self, launched: Launched) -> None:
+        """Queue the step's device sampling: every row's argmax (in one op: a plain greedy
+        request's token; argmax is exact and row by row, lowest id on ties) and the rows drawn
+        together; note which requests' tokens the next step can read there."""
+        out, logits = launched.out, launched.result.logits  # [rows, V]: num_drafts + 1 per sequence
+        greedy: dict[str, int] = {}
         row = 0
         for s in out.seqs:
             if not s.sample:
@@ -209,16 +220,24 @@ class ModelExecutor:
             for rid in (s.request_id, *s.fork_children):  # fork children share the parent's row
                 launched.sampled.add(rid)
                 st = self.states.get(rid)
-                greedy = greedy or (st is not None and st.takes_argmax)
-                if not s.num_drafts and st is not None and st.takes_argmax and not st.done:
-                    launched.feeds[rid] = row
+                if st is not None and st.takes_argmax:
+                    greedy[rid] = -1 if s.num_drafts or st.done else row
             row += s.num_drafts + 1
-        # every row's argmax in one device op and one transfer: a plain greedy request's token
-        # (argmax is exact and row by row, so batching changes nothing; lowest id on ties)
+        parts = []
         if greedy and logits.shape[0]:
-            launched.top = logits.argmax(-1)
-            launched.top_host = _to_host(launched.top)
-        return launched
+            launched.top = _Tokens(logits.argmax(-1))
+            parts.append(launched.top.dev)
+            launched.feeds.update((rid, r) for rid, r in greedy.items() if r >= 0)
+        keys, rows, params, seeds = self._draws(out)
+        if rows:
+            launched.drawn = _Tokens(draw_rows(_pick(logits, rows), params, seeds))
+            launched.drawn_keys = keys
+            base = logits.shape[0] if parts else 0
+            parts.append(launched.drawn.dev)
+            drafting = {s.request_id for s in out.seqs if s.num_drafts}
+            launched.feeds.update((rid, base + i) for i, (rid, _) in enumerate(keys) if rid not in drafting)
+        if parts:
+            launched.next = parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _before(self, out: SchedulerOutput, prev: Launched | None) -> None:
         """The step's work before its forward pass: slot saves, finished requests, copies, loads."""
@@ -292,11 +311,13 @@ class ModelExecutor:
         logprobs: dict[str, TokenLogprobs | None] = {}
         emitted: dict[str, tuple[int, ...]] = {}
         emitted_lps: dict[str, tuple[object, ...]] = {}
-        top: list[int] = launched.host_top() if launched.top is not None else [-1] * logits.shape[0]
+        top: list[int] = launched.top.tolist() if launched.top is not None else [-1] * logits.shape[0]
         # the rows a sampler reads on the host (`_needs_row`); the others are never read, so no
         # per-row view of the device logits is made (~3 us each, 256 a step at batch 256)
         host = self._host_rows(out, logits)
-        self._drawn = self._draw_together(out, logits)
+        self._drawn = (
+            dict(zip(launched.drawn_keys, launched.drawn.tolist())) if launched.drawn is not None else {}
+        )
         row = 0
         for s in out.seqs:
             if not s.sample:
@@ -343,10 +364,14 @@ class ModelExecutor:
         per_row = not st.takes_argmax and not st.drawn_together
         return per_row or st.params.logprobs is not None
 
-    def _draw_together(self, out: SchedulerOutput, logits: Any) -> dict[tuple[str, int], int]:
-        """(request id, output index) -> token for every row drawn together (`SamplingState.drawn_together`),
-        verified drafts' positions included: each draw depends on its own (seed, index) only,
-        so drawing a position that verification then discards consumes nothing."""
+    def _draws(
+        self, out: SchedulerOutput
+    ) -> tuple[list[tuple[str, int]], list[int], list[SamplingParams], list[int]]:
+        """Every row drawn together (`SamplingState.drawn_together`): (request id, output index),
+        its logits row, params and derived seed; verified drafts' positions included: each draw
+        depends on its own (seed, index) only, so drawing a position that verification then
+        discards consumes nothing. A request whose previous token stopped it may be drawn for
+        nothing: `_sample` returns its stop token."""
         rows: list[int] = []
         keys: list[tuple[str, int]] = []
         params: list[SamplingParams] = []
@@ -365,9 +390,7 @@ class ModelExecutor:
                     params.append(st.params)
                     seeds.append(draw_seed(st.seed, s.output_index + j))
             row += s.num_drafts + 1
-        if not rows:
-            return {}
-        return dict(zip(keys, sample_rows(_pick(logits, rows), params, seeds)))
+        return keys, rows, params, seeds
 
     def _host_rows(self, out: SchedulerOutput, logits: Any) -> dict[int, Any]:
         """Every logits row the per-row sampler will read, copied to the host in one transfer

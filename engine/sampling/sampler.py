@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.forward_batch import upload
 from engine.sampling.params import SamplingParams, derive_seed
 
 
@@ -77,24 +78,24 @@ def _truncate_rows(
     setting that is off leaves its row untouched (not even a rounding-level mask)."""
     r, v = logits.shape
     dev = logits.device
-    neg_inf = torch.tensor(float("-inf"), device=dev)
+    neg_inf = logits.new_full((), float("-inf"))
     if any(0 < k < v for k in top_k):
-        k = torch.tensor([k if 0 < k < v else v for k in top_k], device=dev)
+        k = upload(torch.tensor([k if 0 < k < v else v for k in top_k]), dev)
         kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
         logits = torch.where(logits >= kth, logits, neg_inf)
     if any(p < 1.0 for p in top_p):
         order = torch.sort(logits, dim=-1, descending=True, stable=True).indices
         probs = torch.softmax(logits.gather(1, order), dim=-1)
         cum = torch.cumsum(probs, dim=-1)
-        limit = torch.tensor(top_p, dtype=logits.dtype, device=dev)[:, None]
-        on = torch.tensor([p < 1.0 for p in top_p], device=dev)[:, None]
+        limit = upload(torch.tensor(top_p, dtype=logits.dtype), dev)[:, None]
+        on = upload(torch.tensor([p < 1.0 for p in top_p]), dev)[:, None]
         drop_sorted = ((cum - probs) >= limit) & on  # keep the smallest prefix reaching top_p
         drop = torch.zeros_like(drop_sorted).scatter_(1, order, drop_sorted)
         logits = torch.where(drop, neg_inf, logits)
     if any(p > 0.0 for p in min_p):
         probs = torch.softmax(logits, dim=-1)
         floor = (
-            torch.tensor(min_p, dtype=logits.dtype, device=dev)[:, None] * probs.max(-1, keepdim=True).values
+            upload(torch.tensor(min_p, dtype=logits.dtype), dev)[:, None] * probs.max(-1, keepdim=True).values
         )
         logits = torch.where(probs >= floor, logits, neg_inf)
     return logits
@@ -105,19 +106,19 @@ def uniform(seed: int) -> float:
     return (seed >> 10) / float(1 << 53)
 
 
-def _draw_rows(logits: torch.Tensor, seeds: list[int]) -> list[int]:
+def _draw_rows(logits: torch.Tensor, seeds: list[int]) -> torch.Tensor:
     """Inverse-CDF draws, one per row of ``logits`` ``[R, V]``: the first token whose
     cumulative probability exceeds ``uniform(seed)`` of the total, an exact draw from the
     row's softmax. Zero-probability tokens never are (their cumulative sum does not rise)."""
     probs = torch.softmax(logits, dim=-1)
     cum = torch.cumsum(probs, dim=-1)
-    u = torch.tensor([uniform(s) for s in seeds], dtype=cum.dtype, device=cum.device)[:, None]
+    u = upload(torch.tensor([uniform(s) for s in seeds], dtype=cum.dtype), cum.device)[:, None]
     target = u * cum[:, -1:]
     tokens = torch.searchsorted(cum, target, right=True).squeeze(1)
     # a u that rounds the target up to the total lands past the end: the last possible token
     ids = torch.arange(logits.shape[1], device=logits.device)
     last = torch.where(probs > 0, ids, -1).max(dim=-1).values
-    return [int(t) for t in torch.minimum(tokens, last).tolist()]
+    return torch.minimum(tokens, last)
 
 
 def draw_seed(seed: int, output_index: int) -> int:
@@ -130,7 +131,14 @@ def sample_rows(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: S
     with ``params[i]`` (temperature > 0, no penalties) and the derived seed ``seeds[i]``
     (`draw_seed`). Every operation is row by row: a row's token does not depend on the
     others. `sample_row` runs the same code on one row."""
-    x = logits.float() / torch.tensor([p.temperature for p in params], device=logits.device)[:, None]
+    return draw_rows(logits, params, seeds).tolist()
+
+
+def draw_rows(logits: torch.Tensor, params: Sequence[SamplingParams], seeds: Sequence[int]) -> torch.Tensor:
+    """`sample_rows`' tokens [R] (int64) left on the logits' device: queued there without
+    waiting for it (every host value goes up through `upload`)."""
+    temps = upload(torch.tensor([p.temperature for p in params], dtype=torch.float32), logits.device)
+    x = logits.float() / temps[:, None]
     x = _truncate_rows(x, [p.top_k for p in params], [p.top_p for p in params], [p.min_p for p in params])
     return _draw_rows(x, list(seeds))
 

@@ -71,14 +71,25 @@ def test_pipelined_steps_give_the_synchronous_tokens() -> None:
         piped.close()
 
 
+#: plain greedy, and draws with truncation (each row its own top-k / top-p / min-p)
+KINDS = {
+    "greedy": lambda i: SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True),
+    "sampled": lambda i: SamplingParams(
+        temperature=0.9, top_k=(0, 20)[i % 2], top_p=(1.0, 0.9)[i // 2 % 2], min_p=(0.0, 0.05)[i // 4 % 2],
+        seed=11 + i, max_tokens=16, ignore_eos=True,
+    ),
+}  # fmt: skip
+
+
 @pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="the trained preset is not built")
+@pytest.mark.parametrize("kind", KINDS)
 @pytest.mark.parametrize("graphs", ["off", "padded"])
-def test_a_greedy_batch_reads_every_decode_token_on_the_device(graphs: str) -> None:
-    """Plain greedy decoding: every step after the first launches before its predecessor is
-    sampled, so each decode input token is fed on the device; also through the CUDA graphs'
-    padded batches (run eagerly here), whose static inputs take the fed ids."""
+def test_a_decoding_batch_reads_every_input_token_on_the_device(graphs: str, kind: str) -> None:
+    """Greedy or drawn together: every step after the first launches before its predecessor
+    is sampled, so each decode input token is fed on the device; also through the CUDA
+    graphs' padded batches (run eagerly here), whose static inputs take the fed ids."""
     prompts = _prompts(6)
-    params = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * 6
+    params = [KINDS[kind](i) for i in range(6)]
     want, sync = _run(prompts, params, False)
     sync.close()
     got, piped = _run(prompts, params, True, decode_graphs=graphs)
