@@ -119,6 +119,49 @@ def test_decode_steps_never_wait_for_the_device(tmp_path) -> None:
                 torch.cuda.set_sync_debug_mode(0)
 
 
+def test_pipelined_launches_never_wait_for_the_device(tmp_path) -> None:
+    """Pipelined steps: launching step N+1 while step N is unfinished (its batch, its graph
+    replay, its device argmax and draws, the input ids fed from step N) never synchronises,
+    so the host finishes step N while the device runs N+1; greedy and drawn tokens equal
+    the synchronous loop's."""
+    from engine.llm import LLM
+    from engine.sampling.params import SamplingParams
+
+    path = generate_checkpoint("tiny", tmp_path / "tiny").path
+    prompts = [[5 + (i * 7 + j) % 200 for j in range(10 + 9 * i)] for i in range(6)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        if i % 2
+        else SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=i, max_tokens=12, ignore_eos=True)
+        for i in range(6)
+    ]
+    got = {}
+    for pipe in (False, True):
+        llm = LLM(path, device="cuda", dtype="bfloat16", pipeline_steps=pipe, max_num_seqs=8)
+        try:
+            llm.generate(prompt_token_ids=prompts, sampling_params=params)  # captures the graphs
+            ex = llm.core.executor
+            launch, checked = ex.launch, []
+
+            def strict(out, prev=None, launch=launch, checked=checked):
+                if prev is None:
+                    return launch(out, prev)
+                checked.append(out.step)
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    return launch(out, prev)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+
+            ex.launch = strict
+            outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+            got[pipe] = [list(o.outputs[0].token_ids) for o in outs]
+            assert bool(checked) == pipe and (not pipe or ex.fed_tokens >= 6 * 10)
+        finally:
+            llm.close()
+    assert got[True] == got[False]
+
+
 def test_flash_widths_bf16_graphs_against_eager(tmp_path) -> None:
     """Two flash-shape layers in bf16: greedy agreement of graphed and eager decode, reported
     (bf16 rounding differs between a padded batch and an exact one; random weights give small
