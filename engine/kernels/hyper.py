@@ -41,9 +41,12 @@ from engine.kernels import kernels_on, tracks_grad
 BLOCK_D = 1024
 #: premix: rows and reduced width per program, and the slices ``n * D`` is cut into (each at
 #: least PREMIX_MIN_SLICE wide): the slices, not the rows, fill the GPU when a decode step
-#: has a handful of rows
+#: has a handful of rows. Measured on an H200 (hc_weights at flash-shape widths, n*D = 16,384,
+#: us per call at 1 / 64 / 4,096 rows): 8 slices 30.8 / 45.5 / 72.5, 16: 18.3 / 26.0 / 78.1,
+#: 32: 12.4 / 16.6 / 84.6, 64: 9.3 / 13.2 / 101.1. 32 saves ~90 us of a batch-1 decode step
+#: (five calls) for ~0.1 ms of a 19 ms 4,096-token prefill step (eight calls).
 PREMIX_BM, PREMIX_BK = 64, 64
-PREMIX_SLICES, PREMIX_MIN_SLICE = 8, 1024
+PREMIX_SLICES, PREMIX_MIN_SLICE = 32, 512
 
 
 @functools.cache

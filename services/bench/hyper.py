@@ -1,0 +1,67 @@
+"""mHC's mixing weights (`engine.kernels.hyper.hc_weights`: the premix and the pre / post /
+Sinkhorn finish) at a preset's widths, per slice count of the premix (CUDA).
+
+The premix cuts the reduced width ``n * D`` into slices (`PREMIX_SLICES`, each at least
+`PREMIX_MIN_SLICE` wide): a decode step's handful of rows fill the GPU through the slices, a
+prefill step's thousands through the rows, and each slice adds a partial row the finish
+reads. A function of ``n * D`` alone, so a row's sums never depend on its batch. Seeded
+random bf16 streams, fp32 ``fn``; each time is the mean of ``--repeats`` launches after a
+warm-up, by CUDA events, at 1, 64, 256 and 4,096 rows. The engine's setting is written into
+the code (the GPU machine keeps nothing between runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from services.bench import Report, cuda_mean_ms, module_main, progress
+
+CANDIDATES = ((8, 1024), (16, 1024), (32, 512), (64, 256))  # (slices, minimum slice width)
+ROWS = (1, 64, 256, 4096)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="flash-shape", help="hidden size and hc_mult of this preset")
+    p.add_argument("--repeats", type=int, default=20, help="timed launches per cell (default 20)")
+
+
+def run(args: argparse.Namespace) -> Report:
+    import torch
+
+    from engine.checkpoint.presets import preset_config
+    from engine.kernels import hyper, triton_available
+
+    if not (torch.cuda.is_available() and triton_available()):
+        raise SystemExit("sluice bench hyper needs a CUDA device with Triton")
+    cfg = preset_config(args.preset)
+    n, d = cfg["hc_mult"], cfg["hidden_size"]
+    m = (2 + n) * n
+    report = Report("hyper", {"preset": args.preset, "hc_mult": n, "hidden": d, "repeats": args.repeats})
+    g = torch.Generator(device="cuda").manual_seed(0)
+    fn = torch.randn(m, n * d, device="cuda", generator=g)
+    base, scale = torch.randn(m, device="cuda", generator=g), torch.rand(3, device="cuda", generator=g)
+    streams = {t: torch.randn(t, n, d, device="cuda", dtype=torch.bfloat16, generator=g) for t in ROWS}
+    chosen = (hyper.PREMIX_SLICES, hyper.PREMIX_MIN_SLICE)
+    try:
+        for slices, width in CANDIDATES:
+            hyper.PREMIX_SLICES, hyper.PREMIX_MIN_SLICE = slices, width
+            row: dict = {"slices": slices, "min width": width, "engine": (slices, width) == chosen}
+            for t, x in streams.items():
+                us = 1e3 * cuda_mean_ms(
+                    lambda x=x: hyper.hc_weights(x, fn, base, scale, 1e-6, 1e-6, 20), args.repeats
+                )
+                row[f"us at {t} rows"] = round(us, 1)
+            report.rows.append(row)
+            progress(f"hyper: {slices} slices: {row}")
+    finally:
+        hyper.PREMIX_SLICES, hyper.PREMIX_MIN_SLICE = chosen
+    return report
+
+
+def main() -> None:
+    """``python -m services.bench.hyper`` (same as ``sluice bench hyper``)."""
+    module_main("hyper", add_arguments, run, None)
+
+
+if __name__ == "__main__":
+    main()
