@@ -94,18 +94,20 @@ class Launched:
     result: Any  # the runner's output: logits [rows, V] (device), hidden states
     staged: Any  # verification: the ring rows to put back for rejected drafts, or None
     sampled: set[str] = field(default_factory=set)  # request ids this step samples
-    top: _Tokens | None = None  # every row's argmax (the tokens of plain greedy rows)
-    drawn: _Tokens | None = None  # the rows drawn together (`SamplingState.drawn_together`) ...
+    top: _ToHost | None = None  # every row's argmax (the tokens of plain greedy rows)
+    drawn: _ToHost | None = None  # the rows drawn together (`SamplingState.drawn_together`) ...
     drawn_keys: list[tuple[str, int]] = field(default_factory=list)  # ... for these (request, output index)
     # request id -> index in ``next`` of its token (plain greedy or drawn together, no drafts):
     # the next step's input token, which that step reads on the device
     feeds: dict[str, int] = field(default_factory=dict)
     next: torch.Tensor | None = None  # top's tokens, then drawn's, on the device
+    host_rows: tuple[list[int], _ToHost] | None = None  # the logits rows sampled on the host
     forget: list[str] = field(default_factory=list)  # states to drop once sampled (finished requests)
 
 
-class _Tokens:
-    """Tokens on the device, with their copy to the host started at once (no wait)."""
+class _ToHost:
+    """A device tensor whose copy to the host starts at once (no wait); read it with
+    `tolist` / `tensor`, which wait for this copy only, not for a step launched after it."""
 
     def __init__(self, dev: torch.Tensor) -> None:
         self.dev = dev
@@ -118,10 +120,13 @@ class _Tokens:
         else:
             self.host = dev
 
-    def tolist(self) -> list[int]:
+    def tensor(self) -> torch.Tensor:
         if self.event is not None:
-            self.event.synchronize()  # this step's tokens only, not a step launched after it
-        return self.host.tolist()
+            self.event.synchronize()
+        return self.host
+
+    def tolist(self) -> list[Any]:
+        return self.tensor().tolist()
 
 
 class ModelExecutor:
@@ -225,12 +230,12 @@ class ModelExecutor:
             row += s.num_drafts + 1
         parts = []
         if greedy and logits.shape[0]:
-            launched.top = _Tokens(logits.argmax(-1))
+            launched.top = _ToHost(logits.argmax(-1))
             parts.append(launched.top.dev)
             launched.feeds.update((rid, r) for rid, r in greedy.items() if r >= 0)
         keys, rows, params, seeds = self._draws(out)
         if rows:
-            launched.drawn = _Tokens(draw_rows(_pick(logits, rows), params, seeds))
+            launched.drawn = _ToHost(draw_rows(_pick(logits, rows), params, seeds))
             launched.drawn_keys = keys
             base = logits.shape[0] if parts else 0
             parts.append(launched.drawn.dev)
@@ -238,6 +243,9 @@ class ModelExecutor:
             launched.feeds.update((rid, base + i) for i, (rid, _) in enumerate(keys) if rid not in drafting)
         if parts:
             launched.next = parts[0] if len(parts) == 1 else torch.cat(parts)
+        need = self._rows_needed(out)
+        if need:  # one transfer (a copy per row would wait for the device once per row)
+            launched.host_rows = (need, _ToHost(_pick(logits, need)))
 
     def _before(self, out: SchedulerOutput, prev: Launched | None) -> None:
         """The step's work before its forward pass: slot saves, finished requests, copies, loads."""
@@ -314,7 +322,11 @@ class ModelExecutor:
         top: list[int] = launched.top.tolist() if launched.top is not None else [-1] * logits.shape[0]
         # the rows a sampler reads on the host (`_needs_row`); the others are never read, so no
         # per-row view of the device logits is made (~3 us each, 256 a step at batch 256)
-        host = self._host_rows(out, logits)
+        host = (
+            {}
+            if launched.host_rows is None
+            else dict(zip(launched.host_rows[0], launched.host_rows[1].tensor()))
+        )
         self._drawn = (
             dict(zip(launched.drawn_keys, launched.drawn.tolist())) if launched.drawn is not None else {}
         )
@@ -392,9 +404,9 @@ class ModelExecutor:
             row += s.num_drafts + 1
         return keys, rows, params, seeds
 
-    def _host_rows(self, out: SchedulerOutput, logits: Any) -> dict[int, Any]:
-        """Every logits row the per-row sampler will read, copied to the host in one transfer
-        (a copy per row would wait for the device once per row)."""
+    def _rows_needed(self, out: SchedulerOutput) -> list[int]:
+        """Every logits row the per-row sampler will read (`_needs_row`): on the host. Taken at
+        launch: a request the previous step then stops is copied for nothing."""
         need: list[int] = []
         row = 0
         for s in out.seqs:
@@ -404,9 +416,7 @@ class ModelExecutor:
             if any(self._needs_row(rid) for rid in (s.request_id, *s.fork_children)):
                 need.extend(range(row, row + width))
             row += width
-        if not need:
-            return {}
-        return dict(zip(need, _pick(logits, need).cpu()))
+        return need
 
     def _verify(
         self, s: ScheduledSeq, rows: Any, top: list[int]

@@ -123,14 +123,15 @@ def test_pipelined_launches_never_wait_for_the_device(tmp_path) -> None:
     """Pipelined steps: launching step N+1 while step N is unfinished (its batch, its graph
     replay, its device argmax and draws, the input ids fed from step N) never synchronises,
     so the host finishes step N while the device runs N+1; greedy and drawn tokens equal
-    the synchronous loop's."""
+    the synchronous loop's. One greedy request asks for logprobs: its rows' copy to the host
+    starts at launch too."""
     from engine.llm import LLM
     from engine.sampling.params import SamplingParams
 
     path = generate_checkpoint("tiny", tmp_path / "tiny").path
     prompts = [[5 + (i * 7 + j) % 200 for j in range(10 + 9 * i)] for i in range(6)]
     params = [
-        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+        SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2 if i == 1 else None)
         if i % 2
         else SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=i, max_tokens=12, ignore_eos=True)
         for i in range(6)
