@@ -147,6 +147,8 @@ class EngineLoop:
         self._launched.append(entry)
         self.steps += 1
         if entry.handle is not None and not self._launcher.holds(entry.handle):
+            if prev is not None:
+                self._finish(prev)  # steps finish in launch order
             self._finish(entry)
 
     def _pipelined_step(self) -> StepUpdate:
