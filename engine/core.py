@@ -291,6 +291,7 @@ class EngineCore:
             grammar = self.compile_grammar(params.structured)
         seed = creq.seed if creq.seed is not None else self.resolve_seed(creq.request_id, params)
         stop_ids = self.stop_ids(params)
+        self._settle(creq.request_id)
         req = Request(
             creq.request_id, list(creq.prompt_token_ids), params.max_tokens, stop_ids, creq.priority,
             self.extra_keys, fork_of=creq.fork_of, traffic_class=creq.traffic_class,
@@ -521,10 +522,19 @@ class EngineCore:
         self._tracks.pop(request_id, None)
         return payload
 
+    def _settle(self, request_id: str) -> None:
+        """Apply the steps in flight if one of them still computes ``request_id`` (finished or
+        aborted meanwhile): a request reusing the id must not receive their tokens."""
+        if self.loop.in_flight(request_id):
+            for upd in self.loop.drain():
+                self._collect(upd)
+
     def import_sequence(self, payload: bytes) -> str:
         """Continue a sequence exported by an engine of the same model, layout and dtype;
         returns its request id. Raises ``PayloadError`` (a ValueError) for a payload it must
         not use and ``EngineFull`` when it has no room now; either way nothing changed."""
+        for upd in self.loop.drain():  # the payload's id may be one a step in flight computes
+            self._collect(upd)
         req, sent = import_sequence(self, payload)
         self._tracks[req.request_id] = _Track(len(req.prompt_token_ids), sent=sent)
         return req.request_id

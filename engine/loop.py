@@ -112,6 +112,11 @@ class EngineLoop:
         self._inflight.append((out, fut))
         self.steps += 1
 
+    def in_flight(self, request_id: str) -> bool:
+        """Whether a step scheduled and not yet applied computes ``request_id``."""
+        outs = [out for out, _ in self._inflight] + [e.out for e in self._launched]
+        return any(request_id in (s.request_id, *s.fork_children) for out in outs for s in out.seqs)
+
     def has_work(self) -> bool:
         return bool(self._inflight) or bool(self._launched) or self.scheduler.has_unfinished()
 

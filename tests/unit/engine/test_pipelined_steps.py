@@ -99,3 +99,42 @@ def test_a_decoding_batch_reads_every_input_token_on_the_device(graphs: str, kin
         assert piped.core.executor.fed_tokens >= 6 * 14
     finally:
         piped.close()
+
+
+@pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="the trained preset is not built")
+def test_an_id_reused_after_abort_gets_none_of_the_old_steps_tokens() -> None:
+    """Aborted while its next step is launched, then added again under the same id at once:
+    the steps in flight are applied first (`EngineCore._settle`), so the new request's tokens
+    are a fresh run's, not the old request's continuation (before, the old step sampled with
+    the new request's state and failed the batch)."""
+    from engine.messages import CoreRequest
+
+    prompt = _prompts(1)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    llm = LLM(MODEL, max_num_seqs=4, num_swa_slots=8, pipeline_steps=True)
+    try:
+        core = llm.core
+
+        def run_to_end(rid: str) -> list[int]:
+            toks: list[int] = []
+            for _ in range(100):
+                for o in core.step():
+                    if o.request_id == rid:
+                        toks += o.new_token_ids
+                        if o.finish_reason is not None:
+                            return toks
+            raise AssertionError("no finish")
+
+        core.add(CoreRequest("fresh", tuple(prompt), params))
+        want = run_to_end("fresh")
+        core.add(CoreRequest("x", tuple(prompt), params))
+        got: list[int] = []
+        while len(got) < 2:
+            got += [t for o in core.step() if o.request_id == "x" for t in o.new_token_ids]
+        assert core.loop.in_flight("x")  # a step of the old request is launched
+        assert core.abort("x")
+        core.take_outputs()
+        core.add(CoreRequest("x", tuple(prompt), params))
+        assert run_to_end("x") == want
+    finally:
+        llm.close()
