@@ -156,25 +156,6 @@ class EngineLoop:
                 self._finish(prev)  # steps finish in launch order
             self._finish(entry)
 
-    def _pipelined_step(self) -> StepUpdate:
-        # keep one step queued behind the oldest: launched before the oldest is finished
-        while self.scheduler.has_unfinished() and len(self._launched) < 2:
-            if self._launched and not self._overlap_after(self._launched[-1].out):
-                break  # the next step needs this one's result
-            out = self.scheduler.schedule()
-            if out.is_empty:
-                break
-            self.overlapped += bool(self._launched)
-            self._launch(out)
-        if not self._launched:
-            if self.scheduler.has_ready():
-                raise RuntimeError(
-                    "the scheduler has unfinished requests but scheduled nothing: "
-                    "the cache is too small for the head request"
-                )
-            return StepUpdate()
-        return self._apply(self._launched.popleft())
-
     def _apply(self, entry: _Launched) -> StepUpdate:
         self._finish(entry)
         if entry.error is not None:
@@ -183,30 +164,36 @@ class EngineLoop:
         return self.scheduler.update(entry.out, entry.result)
 
     def step(self) -> StepUpdate:
-        """Advance by one update: schedule (and submit) the next step if there is one, then
-        apply the oldest in-flight step's result. Returns what that update changed."""
-        if self._launcher is not None:
-            return self._pipelined_step()
-        # asynchronous: keep the next step queued behind the running one, so the worker starts
-        # it as soon as the running one returns while this thread applies results
-        depth = 2 if self.async_scheduling else 1
-        while self.scheduler.has_unfinished() and len(self._inflight) < depth:
-            if self._inflight and not self._overlap_after(self._inflight[-1][0]):
+        """Advance by one update: schedule (and submit or launch) the next step if there is
+        one, then apply the oldest in-flight step's result. Returns what that update changed."""
+        # asynchronous / pipelined: keep the next step queued behind the running one, so the
+        # device starts it as soon as the running one ends while this thread applies results
+        pipelined = self._launcher is not None
+        queue: deque[Any] = self._launched if pipelined else self._inflight
+        depth = 2 if pipelined or self.async_scheduling else 1
+        while self.scheduler.has_unfinished() and len(queue) < depth:
+            if queue and not self._overlap_after(self._out_of(queue[-1])):
                 break  # the next step needs this one's result
             out = self.scheduler.schedule()
             if out.is_empty:
                 break
-            self.overlapped += bool(self._inflight)
-            self._submit(out)
-        if not self._inflight:
+            self.overlapped += bool(queue)
+            (self._launch if pipelined else self._submit)(out)
+        if not queue:
             if self.scheduler.has_ready():
                 raise RuntimeError(
                     "the scheduler has unfinished requests but scheduled nothing: "
                     "the cache is too small for the head request"
                 )
             return StepUpdate()
+        if pipelined:
+            return self._apply(self._launched.popleft())
         out, fut = self._inflight.popleft()
         return self.scheduler.update(out, fut.result())
+
+    @staticmethod
+    def _out_of(entry: Any) -> SchedulerOutput:
+        return entry.out if isinstance(entry, _Launched) else entry[0]
 
     def drain(self) -> list[StepUpdate]:
         """Apply every step in flight without scheduling another: afterwards no request has

@@ -108,6 +108,7 @@ def test_an_id_reused_after_abort_gets_none_of_the_old_steps_tokens() -> None:
     are a fresh run's, not the old request's continuation (before, the old step sampled with
     the new request's state and failed the batch)."""
     from engine.messages import CoreRequest
+    from tests.engine_steps import step_until
 
     prompt = _prompts(1)[0]
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -115,18 +116,8 @@ def test_an_id_reused_after_abort_gets_none_of_the_old_steps_tokens() -> None:
     try:
         core = llm.core
 
-        def run_to_end(rid: str) -> list[int]:
-            toks: list[int] = []
-            for _ in range(100):
-                for o in core.step():
-                    if o.request_id == rid:
-                        toks += o.new_token_ids
-                        if o.finish_reason is not None:
-                            return toks
-            raise AssertionError("no finish")
-
         core.add(CoreRequest("fresh", tuple(prompt), params))
-        want = run_to_end("fresh")
+        want = step_until(core, "fresh")[0]
         core.add(CoreRequest("x", tuple(prompt), params))
         got: list[int] = []
         while len(got) < 2:
@@ -135,6 +126,6 @@ def test_an_id_reused_after_abort_gets_none_of_the_old_steps_tokens() -> None:
         assert core.abort("x")
         core.take_outputs()
         core.add(CoreRequest("x", tuple(prompt), params))
-        assert run_to_end("x") == want
+        assert step_until(core, "x")[0] == want
     finally:
         llm.close()
