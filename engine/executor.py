@@ -150,7 +150,7 @@ class ModelExecutor:
         # per request: (first position whose MTP window entry is valid, next position to write)
         self._mtp: dict[str, tuple[int, int]] = {}
         self._drawn: dict[tuple[str, int], int] = {}  # this step's tokens drawn together
-        self.fed_tokens = 0  # input tokens read from the previous step's device argmax (pipelined)
+        self.fed_tokens = 0  # input tokens read from the previous step's device tokens (pipelined)
 
     def save_slots(self, saves: Sequence[SlotSave]) -> None:
         """Copy retained slots (and their partial blocks) into the host slot pool."""
@@ -175,8 +175,8 @@ class ModelExecutor:
 
     def follows(self, out: SchedulerOutput, prev: Launched) -> bool:
         """Whether ``out`` can be launched while ``prev`` (launched, not finished) is on the
-        device: each input token ``prev`` samples is its row's argmax, which ``out`` reads from
-        the device (`Launched.feeds`), and no draft is verified (speculation reads the host)."""
+        device: each input token ``prev`` samples is on the device (an argmax or a draw,
+        `Launched.feeds`), and no draft is verified (speculation reads the host)."""
         if any(s.num_drafts for s in out.seqs):
             return False
         return all(
@@ -188,7 +188,7 @@ class ModelExecutor:
     def launch(self, out: SchedulerOutput, prev: Launched | None = None) -> Launched:
         """Queue ``out``'s forward pass on the device and return without reading any result.
         ``prev``: the step launched before it and not finished yet (`follows` must hold); the
-        input tokens it samples come from its device argmax. On CUDA nothing here waits for
+        input tokens it samples are read on the device. On CUDA nothing here waits for
         the device, so the host can finish ``prev`` while this step runs."""
         self._before(out, prev)
         seqs, fed_at, fed_rows = self._inputs(out, prev)
@@ -268,8 +268,8 @@ class ModelExecutor:
     def _inputs(
         self, out: SchedulerOutput, prev: Launched | None
     ) -> tuple[list[SequenceInput], list[int], list[int]]:
-        """The step's sequences, and the flat token indices whose ids are ``prev``'s argmax rows
-        (with those rows): a pending token of a request ``prev`` feeds is a placeholder 0."""
+        """The step's sequences, and the flat token indices whose ids are ``prev``'s device
+        tokens (with their index in ``prev.next``): such a pending token is a placeholder 0."""
         seqs = []
         fed_at: list[int] = []
         fed_rows: list[int] = []
