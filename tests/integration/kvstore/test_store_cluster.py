@@ -304,12 +304,21 @@ def test_background_repair_restores_a_corrupt_shard(
         path.write_bytes(good[:HEADER_LEN] + bytes([good[HEADER_LEN] ^ 0xFF]) + good[HEADER_LEN + 1 :])
         assert client.get_prefix([key], touch=False) == [data]
         deadline = time.monotonic() + 10
-        while time.monotonic() < deadline and not (path.exists() and path.read_bytes() == good):
+        while time.monotonic() < deadline and _read(path) != good:  # the repair replaces the file
             time.sleep(0.05)
-        assert path.read_bytes() == good
+        assert _read(path) == good
         assert client.repair.repaired_shards == 1
     finally:
         client.close()
+
+
+def _read(path) -> bytes | None:
+    """The file's bytes, or None while it is missing (between exists() and a read, a repair
+    in progress may remove it: a race the test must not lose)."""
+    try:
+        return path.read_bytes()
+    except FileNotFoundError:
+        return None
 
 
 def test_redis_down_is_an_error_and_an_empty_redis_is_a_miss(live_cluster: LocalStoreCluster) -> None:
