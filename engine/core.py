@@ -516,8 +516,7 @@ class EngineCore:
         """Hand a running sequence over: its state as a versioned payload, after which it is
         gone from this engine (its blocks stay cached here). Steps in flight are applied
         first; their messages wait in ``take_outputs``. Raises KeyError / ValueError."""
-        for upd in self.loop.drain():
-            self._collect(upd)
+        self._drain()
         payload = export_sequence(self, request_id)
         self._tracks.pop(request_id, None)
         return payload
@@ -526,15 +525,18 @@ class EngineCore:
         """Apply the steps in flight if one of them still computes ``request_id`` (finished or
         aborted meanwhile): a request reusing the id must not receive their tokens."""
         if self.loop.in_flight(request_id):
-            for upd in self.loop.drain():
-                self._collect(upd)
+            self._drain()
+
+    def _drain(self) -> None:
+        """Apply every step in flight; their messages wait in ``take_outputs``."""
+        for upd in self.loop.drain():
+            self._collect(upd)
 
     def import_sequence(self, payload: bytes) -> str:
         """Continue a sequence exported by an engine of the same model, layout and dtype;
         returns its request id. Raises ``PayloadError`` (a ValueError) for a payload it must
         not use and ``EngineFull`` when it has no room now; either way nothing changed."""
-        for upd in self.loop.drain():  # the payload's id may be one a step in flight computes
-            self._collect(upd)
+        self._drain()  # the payload's id may be one a step in flight computes
         req, sent = import_sequence(self, payload)
         self._tracks[req.request_id] = _Track(len(req.prompt_token_ids), sent=sent)
         return req.request_id

@@ -198,8 +198,7 @@ class DecodeGraphs:
         context = context_bucket(max(batch.num_computed_cpu) + 1)
         if not self.capture:
             inputs = upload(self._host_inputs(batch, b, context // BLOCK_TOKENS), self.device)
-            if batch.fed is not None:  # the ids lead the inputs: row i's id at index i
-                inputs.index_copy_(0, *batch.fed)
+            batch.write_fed(inputs)  # the ids lead the inputs: row i's id at index i
             final, hidden = self.model.final_hidden(
                 self._static_batch(inputs, b, context), self.pool, self.swa
             )
@@ -214,8 +213,7 @@ class DecodeGraphs:
         self.graphs.move_to_end(key)
         host = self._host_inputs(batch, b, context // BLOCK_TOKENS)
         entry.inputs.copy_(host.pin_memory(), non_blocking=True)  # the host allocator keeps it until copied
-        if batch.fed is not None:  # the previous step's tokens, read on the device
-            entry.inputs.index_copy_(0, *batch.fed)
+        batch.write_fed(entry.inputs)  # the previous step's tokens, read on the device
         entry.graph.replay()
         self.replays += 1
         return self.model.logits(entry.final[:n]), entry.hidden[:n]

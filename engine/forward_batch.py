@@ -116,6 +116,12 @@ class ForwardBatch:
     # there until `ModelRunner.execute` writes these ids over them
     fed: tuple[torch.Tensor, torch.Tensor] | None = None
 
+    def write_fed(self, ids: torch.Tensor) -> None:
+        """Write the `fed` ids over their placeholders in ``ids`` (``input_ids``, or a CUDA
+        graph's static inputs, which lead with them), on the device's stream."""
+        if self.fed is not None:
+            ids.index_copy_(0, *self.fed)
+
     def kept_until(self, layer: int) -> tuple[int, ...]:
         """Per sequence: ring writes of ``layer`` for positions below this are skipped (swa_keep)."""
         return tuple(until if layer < layers else 0 for layers, until in self.swa_keep_cpu) or (

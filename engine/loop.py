@@ -95,9 +95,12 @@ class EngineLoop:
     def _timed(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
         result = self._execute(out)
-        decode = sum(1 for s in out.seqs if s.num_new == 1)
-        self.stats.append(StepStat(out.num_tokens - decode, decode, time.perf_counter() - t0))
+        self._record(out, time.perf_counter() - t0)
         return result
+
+    def _record(self, out: SchedulerOutput, seconds: float) -> None:
+        decode = sum(1 for s in out.seqs if s.num_new == 1)
+        self.stats.append(StepStat(out.num_tokens - decode, decode, seconds))
 
     def _submit(self, out: SchedulerOutput) -> None:
         fut: Future[RunnerOutput]
@@ -132,20 +135,19 @@ class EngineLoop:
             entry.error = exc
         entry.handle = None
         entry.seconds += time.perf_counter() - t0
-        out = entry.out
-        decode = sum(1 for s in out.seqs if s.num_new == 1)
-        self.stats.append(StepStat(out.num_tokens - decode, decode, entry.seconds))
+        self._record(entry.out, entry.seconds)
 
     def _launch(self, out: SchedulerOutput) -> None:
         assert self._launcher is not None
-        prev = self._launched[-1] if self._launched else None
-        if prev is not None and prev.handle is not None and not self._launcher.follows(out, prev.handle):
+        # the step launched before, while still unfinished
+        prev = self._launched[-1] if self._launched and self._launched[-1].handle is not None else None
+        if prev is not None and not self._launcher.follows(out, prev.handle):
             self._finish(prev)  # the new step reads prev's results on the host
-        after = prev.handle if prev is not None and prev.handle is not None else None
+            prev = None
         entry = _Launched(out, None)
         t0 = time.perf_counter()
         try:
-            entry.handle = self._launcher.launch(out, after)
+            entry.handle = self._launcher.launch(out, None if prev is None else prev.handle)
         except BaseException as exc:
             entry.error = exc
         entry.seconds = time.perf_counter() - t0

@@ -184,8 +184,7 @@ class ModelRunner:
         if self.graphs is not None and graphable(batch):
             logits, hidden = self.graphs.run(batch)
         else:
-            if batch.fed is not None:
-                batch.input_ids.index_copy_(0, *batch.fed)
+            batch.write_fed(batch.input_ids)
             logits, hidden = self.model(batch, self.pool, self.swa)
         return RunnerOutput(logits, hidden)
 

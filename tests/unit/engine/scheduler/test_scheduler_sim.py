@@ -45,12 +45,14 @@ class SimLauncher:
         self.launched: list[int] = []
         self.finished: list[int] = []
         self.followed = 0
+        self._outs: dict[int, object] = {}
 
     def launch(self, out, prev=None):
         if prev is not None:
             assert prev not in self.finished, "launched after a finished step"
             self.followed += 1
         self.launched.append(out.step)
+        self._outs[out.step] = out
         return out.step
 
     def finish(self, handle):
@@ -71,18 +73,7 @@ def run(cfg: SchedulerConfig, work, async_scheduling=False, priorities=None, min
     for i, (rid, prompt, mx) in enumerate(work):
         prio = priorities[i] if priorities else 0
         sched.add_request(Request(rid, list(prompt), mx, STOP, priority=prio))
-    launcher = None
-    if pipelined:
-        launcher = dev.launcher = SimLauncher(dev, len(work))
-        launcher._outs = {}
-        schedule = sched.schedule
-
-        def keep(schedule=schedule, outs=launcher._outs):
-            out = schedule()
-            outs[out.step] = out
-            return out
-
-        sched.schedule = keep
+    launcher = dev.launcher = SimLauncher(dev, len(work)) if pipelined else None
     loop = EngineLoop(sched, dev.execute, async_scheduling=async_scheduling, launcher=launcher)
     outputs: dict[str, list[int]] = {}
     reasons: dict[str, RequestStatus] = {}
