@@ -19,7 +19,7 @@ same GPU, widths and weights, 2 layers, one prefill step of 4,096 tokens (2 sequ
   decode step holds): each cell of the tables extended to full depth by the measured cost of
   a layer, ``T_full = T_4 + (full - 4) * (T_4 - T_2) / 2`` (layers 3-4 are one CSA and one
   HCA layer, the mix of the full model's 22 CSA + 20 HCA), then least squares on relative
-  error (``relative_fit``) over the cells whose sequences are at most 1M tokens deep (V4's
+  error (``DecodeCostModel.fit``) over the cells whose sequences are at most 1M tokens deep (V4's
   context);
 * ``b`` (per context token of a prefill piece): the model's paged cache bytes per token
   (``CacheSpec``, bf16) read once per step at the measured H200 copy bandwidth;
@@ -144,21 +144,7 @@ def decode_full_depth(
     per_layer = (t4.seconds - t2.seconds) / 2
     full = StepTable(t2.batch, t2.kv_tokens, np.maximum(t4.seconds + (full_layers - 4) * per_layer, 1e-6))
     cap = DECODE_FIT_MAX_TOKENS_PER_SEQUENCE
-    return t2, relative_fit(t2.samples(cap)), relative_fit(full.samples(cap))
-
-
-def relative_fit(samples: Sequence[tuple[float, float, float]]) -> Any:
-    """``DecodeCostModel`` by least squares on relative error over ``(batch, kv_tokens,
-    seconds)``: the step grows more slowly than linearly in the batch (a batch's routed
-    experts overlap more as it grows), and an absolute fit, ruled by the largest steps,
-    would put the unloaded step (the TPOT bound's base) ~60 % high; weighted, the worst
-    cell is within ~30 %."""
-    from costmodel import DecodeCostModel
-
-    arr = np.asarray(samples, dtype=np.float64)
-    x = np.stack([np.ones(len(arr)), arr[:, 0], arr[:, 1]], axis=1) / arr[:, 2:3]
-    coef, *_ = np.linalg.lstsq(x, np.ones(len(arr)), rcond=None)
-    return DecodeCostModel(*(max(float(v), 0.0) for v in coef))
+    return t2, t2.fit(cap), full.fit(cap)
 
 
 def step_model(

@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> Report:
             progress(f"hyper: {slices} slices: {row}")
     finally:
         hyper.PREMIX_SLICES, hyper.PREMIX_MIN_SLICE = chosen
+    report.results["premix_slices"] = report.rows
     return report
 
 

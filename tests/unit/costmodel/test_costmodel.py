@@ -64,6 +64,20 @@ def test_decode_model_fit_and_default_step():
     assert DecodeCostModel.from_json(fit.to_json()) == fit
 
 
+def test_decode_fit_minimises_relative_error():
+    """A step concave in the batch (routed experts overlap as it grows): the fit is graded by
+    its relative error, so the small steps are not sacrificed to the large ones."""
+    pts = [(b, k, 0.002 + 0.0004 * b**0.5 + 1e-9 * k) for b in (1, 4, 16, 64, 256) for k in (0, 1e6, 4e6)]
+    fit = DecodeCostModel.fit(pts)
+    worst = max(abs(fit.step_time(int(b), k) - t) / t for b, k, t in pts)
+    x = np.array([(1.0, b, k) for b, k, _ in pts])
+    absolute, *_ = np.linalg.lstsq(x, np.array([t for *_, t in pts]), rcond=None)
+    worst_abs = max(abs(absolute @ (1.0, b, k) - t) / t for b, k, t in pts)
+    assert worst < 0.2 < worst_abs
+    with pytest.raises(ValueError, match="> 0"):
+        DecodeCostModel.fit([(1, 0, 0.0), (2, 1, 1.0), (3, 5, 2.0)])
+
+
 def test_costmodel_is_a_leaf_package():
     """The engine and the router both import it, so it must import neither (nor services, kvstore)."""
     import subprocess

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from services.bench import engine
-from services.bench._engine_decode import kv_bytes
+from services.bench._engine_decode import kv_bytes, reference_check
 
 
 def _args(*argv: str) -> argparse.Namespace:
@@ -76,3 +76,15 @@ def test_the_roofline_counts_fp8_weights_as_stored() -> None:
     assert 0.25 < fp8[0] / full[0] < 0.75  # fp32 -> one byte + scales, some linears kept
     for (_, q), (_, f) in zip(fp8[2], full[2]):
         assert 0.25 <= q / f < 0.26  # an expert: a quarter of fp32, plus its block scales
+
+
+def test_transformers_reference_check_says_why_it_is_off() -> None:
+    row = {"ms_per_step": 19.1, "device_busy_ms": 4.2, "kernels_per_step": 1800}
+    near = reference_check({"ms_per_step": 16.0}, 15.4, None)
+    assert near["within_15_percent"] and "why" not in near
+    host = reference_check(row, 15.4, 6.5)
+    assert not host["within_15_percent"] and host["ratio"] == pytest.approx(19.1 / 15.4)
+    assert host["why"].startswith("host-bound") and "1800 kernels" in host["why"] and "6.5 us" in host["why"]
+    device = reference_check(row | {"device_busy_ms": 17.0}, 15.4, 6.5)
+    assert device["why"].startswith("device-bound")
+    assert "why" not in reference_check({"ms_per_step": 30.0}, 15.4, None)  # no profile: only the ratio
