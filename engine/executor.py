@@ -13,6 +13,16 @@ seed therefore gives the same tokens with and without speculation, and each emit
 follows the target's distribution. Ring rows the rejected positions overwrote are put back
 (`SWASlots.stage`), so the slot is exactly the state of the accepted tokens. Then the MTP
 layer drafts the next step's tokens (`engine.spec.drafter`).
+
+**Where tokens are sampled.** On the device, from the logits, with nothing read back at
+launch: plain greedy rows take the row's argmax; rows drawn together (no grammar, no
+penalties) one `draw_rows`; rows with a grammar mask or penalties (`host_dependent`) one
+`draw_masked`, whose mask and token history the host knows only once the previous token is
+sampled. So those are sampled when the previous step *finishes*: at launch when no step is
+in flight before this one, else in that step's `finish`, right after its tokens are applied
+(``Launched.then``). Every kind of row therefore feeds the next step's input token on the
+device, and pipelined steps need not wait for grammars or penalties. Verified drafts are
+sampled on the host, in order (each position's mask follows the previous draft).
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import (
     RowInput,
     TokenLogprobs,
+    draw_masked,
     draw_rows,
     draw_seed,
     no_penalties,
@@ -84,6 +95,12 @@ class SamplingState:
         step's such rows."""
         return self.grammar is None and not self.params.greedy and no_penalties(self.params)
 
+    @functools.cached_property
+    def host_dependent(self) -> bool:
+        """A grammar or penalties: its token needs a mask or a history the host knows only once
+        the previous token is sampled (`draw_masked`)."""
+        return not self.takes_argmax and not self.drawn_together
+
 
 @dataclass
 class Launched:
@@ -101,8 +118,16 @@ class Launched:
     # the next step's input token, which that step reads on the device
     feeds: dict[str, int] = field(default_factory=dict)
     next: torch.Tensor | None = None  # top's tokens, then drawn's, on the device
-    host_rows: tuple[list[int], _ToHost] | None = None  # the logits rows sampled on the host
+    host_rows: tuple[list[int], _ToHost] | None = None  # the logits rows read on the host
     forget: list[str] = field(default_factory=list)  # states to drop once sampled (finished requests)
+    # host-dependent rows (`SamplingState.host_dependent`): (request id, output index, logits
+    # row), their tokens at ``pending_at + i`` in ``next``, sampled by `_complete` once the
+    # host knows their previous token: ``completed`` then, ``masked`` their tokens
+    pending: list[tuple[str, int, int]] = field(default_factory=list)
+    pending_at: int = 0
+    completed: bool = True
+    masked: tuple[list[tuple[str, int]], _ToHost] | None = None
+    then: Launched | None = None  # launched while this step was in flight: completed by its finish
 
 
 class _ToHost:
@@ -177,7 +202,7 @@ class ModelExecutor:
         """Whether ``out`` can be launched while ``prev`` (launched, not finished) is on the
         device: each input token ``prev`` samples is on the device (an argmax or a draw,
         `Launched.feeds`), and no draft is verified (speculation reads the host)."""
-        if any(s.num_drafts for s in out.seqs):
+        if any(s.num_drafts for s in out.seqs) or not prev.completed:
             return False
         return all(
             s.request_id in prev.feeds
@@ -210,6 +235,11 @@ class ModelExecutor:
             self.fed_tokens += len(fed_at)
         launched = Launched(out, self.runner.execute(batch), staged)
         self._sample_on_device(launched)
+        if launched.pending:
+            if prev is None:
+                self._complete(launched)
+            else:
+                prev.then = launched
         return launched
 
     def _sample_on_device(self, launched: Launched) -> None:
@@ -241,6 +271,14 @@ class ModelExecutor:
             parts.append(launched.drawn.dev)
             drafting = {s.request_id for s in out.seqs if s.num_drafts}
             launched.feeds.update((rid, base + i) for i, (rid, _) in enumerate(keys) if rid not in drafting)
+        launched.pending = self._pending(out)
+        if launched.pending:  # their slots in ``next``, written by `_complete`
+            launched.pending_at = sum(p.shape[0] for p in parts)
+            launched.completed = False
+            parts.append(torch.zeros(len(launched.pending), dtype=torch.long, device=logits.device))
+            launched.feeds.update(
+                (rid, launched.pending_at + i) for i, (rid, _, _) in enumerate(launched.pending)
+            )
         if parts:
             launched.next = parts[0] if len(parts) == 1 else torch.cat(parts)
         need = self._rows_needed(out)
@@ -302,6 +340,53 @@ class ModelExecutor:
             )
         return seqs, fed_at, fed_rows
 
+    def _pending(self, out: SchedulerOutput) -> list[tuple[str, int, int]]:
+        """The step's host-dependent rows (no drafts: verification samples on the host)."""
+        pending = []
+        row = 0
+        for s in out.seqs:
+            if not s.sample:
+                continue
+            if not s.num_drafts:
+                for rid in (s.request_id, *s.fork_children):  # fork children share the parent's row
+                    st = self.states.get(rid)
+                    if st is not None and not st.done and st.host_dependent:
+                        pending.append((rid, s.output_index, row))
+            row += s.num_drafts + 1
+        return pending
+
+    def _complete(self, launched: Launched) -> None:
+        """Queue the sampling of ``launched``'s host-dependent rows, now that every earlier
+        token of theirs is applied: the grammar's mask, the penalties' history; their tokens go
+        into ``launched.next`` (the next step's input) and start their copy to the host. A
+        request stopped meanwhile is skipped; one whose grammar failed (or allows nothing) is
+        sampled without a mask and reported failed, as the host sampler always did."""
+        launched.completed = True
+        keys: list[tuple[str, int]] = []
+        rows: list[int] = []
+        slots: list[int] = []
+        inputs: list[RowInput] = []
+        for i, (rid, index, row) in enumerate(launched.pending):
+            st = self.states.get(rid)
+            if st is None or st.done:
+                continue
+            if index != len(st.output_token_ids):
+                raise RuntimeError(f"{rid}: sampling output {index}, have {len(st.output_token_ids)}")
+            mask = self._grammar_step(rid, lambda g: g.allowed_mask())
+            if mask is not None and not bool(mask.any()):
+                self._failed[rid] = "the grammar allows no token at this point"
+                mask = None
+            keys.append((rid, index))
+            rows.append(row)
+            slots.append(launched.pending_at + i)
+            inputs.append(RowInput(st.params, st.seed, index, st.prompt_token_ids, st.output_token_ids, mask))
+        if not rows:
+            return
+        tokens = draw_masked(_pick(launched.result.logits, rows), inputs)
+        assert launched.next is not None
+        launched.next.index_copy_(0, upload(torch.tensor(slots, dtype=torch.long), tokens.device), tokens)
+        launched.masked = (keys, _ToHost(tokens))
+
     def holds(self, launched: Launched) -> bool:
         """Whether ``launched`` may stay unfinished while the next step launches: nothing of it
         is read on the host after the next step could overwrite it (no store snapshot of its
@@ -310,7 +395,10 @@ class ModelExecutor:
         return not (out.kv_saves or launched.staged is not None or self.drafter)
 
     def finish(self, launched: Launched) -> RunnerOutput:
-        """Sample a launched step (waiting for its device work) and return its result."""
+        """Sample a launched step (waiting for its device work) and return its result; then
+        queue the sampling of the step launched after it (`_complete`)."""
+        if not launched.completed:  # its predecessor never finished (it raised)
+            self._complete(launched)
         out, result, staged = launched.out, launched.result, launched.staged
         logits = result.logits
         if out.kv_saves and self.kv is not None:
@@ -330,6 +418,8 @@ class ModelExecutor:
         self._drawn = (
             dict(zip(launched.drawn_keys, launched.drawn.tolist())) if launched.drawn is not None else {}
         )
+        if launched.masked is not None:
+            self._drawn.update(zip(launched.masked[0], launched.masked[1].tolist()))
         row = 0
         for s in out.seqs:
             if not s.sample:
@@ -360,6 +450,9 @@ class ModelExecutor:
         failed = {rid: self._failed[rid] for rid in sampled if rid in self._failed}
         for rid in launched.forget:  # finished while this step was on the device
             self._forget(rid)
+        if launched.then is not None:  # every token of this step is applied: sample the next
+            then, launched.then = launched.then, None
+            self._complete(then)
         return RunnerOutput(out.step, sampled, dict(logprobs), failed, emitted, emitted_lps, drafts)
 
     def _forget(self, rid: str) -> None:
@@ -367,14 +460,13 @@ class ModelExecutor:
         self._failed.pop(rid, None)
         self._mtp.pop(rid, None)
 
-    def _needs_row(self, rid: str) -> bool:
-        """Whether sampling ``rid`` reads its logits row on the host: the per-row sampler
-        (a grammar or penalties) or logprobs."""
+    def _needs_row(self, rid: str, verifying: bool) -> bool:
+        """Whether sampling ``rid`` reads its logits row on the host: logprobs, or a
+        host-dependent request verifying drafts (sampled on the host, in order)."""
         st = self.states.get(rid)
         if st is None or st.done:
             return False
-        per_row = not st.takes_argmax and not st.drawn_together
-        return per_row or st.params.logprobs is not None
+        return st.params.logprobs is not None or (verifying and st.host_dependent)
 
     def _draws(
         self, out: SchedulerOutput
@@ -413,7 +505,7 @@ class ModelExecutor:
             if not s.sample:
                 continue
             width = s.num_drafts + 1
-            if any(self._needs_row(rid) for rid in (s.request_id, *s.fork_children)):
+            if any(self._needs_row(rid, s.num_drafts > 0) for rid in (s.request_id, *s.fork_children)):
                 need.extend(range(row, row + width))
             row += width
         return need
@@ -519,6 +611,8 @@ class ModelExecutor:
             lps = None
             if st.params.logprobs is not None:
                 lps = token_logprobs(row_logits, token, st.params.logprobs)
+            if st.grammar is not None and not st.grammar.is_finished:
+                self._grammar_step(rid, lambda g: g.accept(token))
             st.output_token_ids.append(token)
             return token, lps
         mask = self._grammar_step(rid, lambda g: g.allowed_mask())

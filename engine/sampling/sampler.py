@@ -7,7 +7,8 @@ chunking, in synchronous or asynchronous mode, with or without speculation. The 
 inverse CDF (the first token whose cumulative probability exceeds that number), an exact
 draw from ``p``; greedy is ``argmax`` with the lowest token id on ties. Rows with neither a
 grammar nor penalties are drawn together (`sample_rows`, one pass over ``[R, V]`` on the
-device); a row with either goes through `sample_row`, which runs the same code on one row.
+device); rows with either go through `draw_masked`, which adds the mask and the penalties
+(on the device too), and `sample_row` runs that on one row on the host.
 
 Order per row: grammar mask -> repetition/presence/frequency penalties -> temperature ->
 top-k -> top-p -> min-p -> draw. Logprobs are those of the model's raw distribution
@@ -51,21 +52,51 @@ class SampleResult:
     logprobs: TokenLogprobs | None
 
 
-def _apply_penalties(logits: torch.Tensor, row: RowInput) -> torch.Tensor:
-    p = row.params
-    vocab = logits.shape[0]
-    if p.repetition_penalty != 1.0:
-        seen = torch.zeros(vocab, dtype=torch.bool)
-        ids = [t for t in (*row.prompt_token_ids, *row.output_token_ids) if t < vocab]
+def _penalise(x: torch.Tensor, rows: Sequence[RowInput]) -> torch.Tensor:
+    """Repetition, presence and frequency penalties of rows ``x [R, V]`` (fp32, any device),
+    each row with its own settings and history; a row without penalties is left exactly as it
+    was (its factors are 1 and 0). The histories go up as token ids, not as ``[R, V]`` masks."""
+    r, vocab = x.shape
+    dev = x.device
+    rep = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
+    if rep:
+        idx, ids = _flat_ids(
+            [(i, (*rows[i].prompt_token_ids, *rows[i].output_token_ids)) for i in rep], vocab
+        )
+        seen = torch.zeros(r, vocab, dtype=torch.bool, device=dev)
         if ids:
-            seen[torch.tensor(ids, dtype=torch.long)] = True
-        scaled = torch.where(logits > 0, logits / p.repetition_penalty, logits * p.repetition_penalty)
-        logits = torch.where(seen, scaled, logits)
-    if (p.presence_penalty != 0.0 or p.frequency_penalty != 0.0) and row.output_token_ids:
-        counts = torch.bincount(torch.tensor(list(row.output_token_ids), dtype=torch.long), minlength=vocab)
-        counts = counts[:vocab].to(torch.float32)
-        logits = logits - p.frequency_penalty * counts - p.presence_penalty * (counts > 0).to(torch.float32)
-    return logits
+            seen[upload(torch.tensor(idx), dev), upload(torch.tensor(ids), dev)] = True
+        penalty = upload(torch.tensor([row.params.repetition_penalty for row in rows]), dev)[:, None]
+        x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
+    counted = [
+        i
+        for i, row in enumerate(rows)
+        if (row.params.presence_penalty != 0.0 or row.params.frequency_penalty != 0.0)
+        and row.output_token_ids
+    ]
+    if counted:
+        idx, ids = _flat_ids([(i, rows[i].output_token_ids) for i in counted], vocab)
+        counts = torch.zeros(r, vocab, dtype=torch.float32, device=dev)
+        where = (upload(torch.tensor(idx), dev), upload(torch.tensor(ids), dev))
+        counts.index_put_(where, torch.ones(len(ids), device=dev), accumulate=True)
+        on = set(counted)
+        freq = [row.params.frequency_penalty if i in on else 0.0 for i, row in enumerate(rows)]
+        pres = [row.params.presence_penalty if i in on else 0.0 for i, row in enumerate(rows)]
+        freq_t = upload(torch.tensor(freq, dtype=torch.float32), dev)[:, None]
+        pres_t = upload(torch.tensor(pres, dtype=torch.float32), dev)[:, None]
+        x = x - freq_t * counts - pres_t * (counts > 0).to(torch.float32)
+    return x
+
+
+def _flat_ids(histories: Sequence[tuple[int, Sequence[int]]], vocab: int) -> tuple[list[int], list[int]]:
+    """(row index, token id) pairs of every in-vocabulary id of each row's history."""
+    idx: list[int] = []
+    ids: list[int] = []
+    for i, history in histories:
+        kept = [t for t in history if 0 <= t < vocab]
+        idx.extend([i] * len(kept))
+        ids.extend(kept)
+    return idx, ids
 
 
 def _truncate_rows(
@@ -169,20 +200,38 @@ def token_logprobs(raw_logits: torch.Tensor, token: int, k: int) -> TokenLogprob
     return _logprobs(raw_logits.detach().to(device="cpu", dtype=torch.float32), token, k)
 
 
+def draw_masked(raw_logits: torch.Tensor, rows: Sequence[RowInput]) -> torch.Tensor:
+    """Tokens [R] (int64, on the logits' device, nothing read back) of rows ``raw_logits
+    [R, V]`` with a grammar mask or penalties, row i with ``rows[i]``: mask -> penalties ->
+    argmax (greedy rows) or `draw_rows`. Every operation is row by row, so a row's token is the
+    one `sample_row` gives it alone. A row whose mask allows nothing must not be passed (the
+    caller checks on the host, where the mask is made)."""
+    dev = raw_logits.device
+    x = raw_logits.float()
+    vocab = x.shape[1]
+    if any(row.allowed_mask is not None for row in rows):
+        everything = torch.ones(vocab, dtype=torch.bool)
+        masks = torch.stack([everything if row.allowed_mask is None else row.allowed_mask for row in rows])
+        x = torch.where(upload(masks, dev), x, x.new_full((), float("-inf")))
+    x = _penalise(x, rows)
+    tokens = x.argmax(dim=-1)  # first maximum: lowest id on ties
+    drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
+    if drawn:
+        index = upload(torch.tensor(drawn, dtype=torch.long), dev)
+        picked = x if len(drawn) == len(rows) else x[index]
+        seeds = [draw_seed(rows[i].seed, rows[i].output_index) for i in drawn]
+        tokens = tokens.index_copy(0, index, draw_rows(picked, [rows[i].params for i in drawn], seeds))
+    return tokens
+
+
 def sample_row(raw_logits: torch.Tensor, row: RowInput) -> SampleResult:
-    """Sample one token from ``raw_logits`` ``[V]`` (any float dtype; computed in fp32)."""
+    """Sample one token from ``raw_logits`` ``[V]`` (any float dtype; computed in fp32 on the
+    host): `draw_masked` on one row."""
     raw = raw_logits.detach().to(device="cpu", dtype=torch.float32)  # [V]
-    logits = raw
-    if row.allowed_mask is not None:
-        logits = torch.where(row.allowed_mask, logits, torch.tensor(float("-inf")))
-        if not bool(row.allowed_mask.any()):
-            raise ValueError("the grammar allows no token at this point")
-    logits = _apply_penalties(logits, row)
+    if row.allowed_mask is not None and not bool(row.allowed_mask.any()):
+        raise ValueError("the grammar allows no token at this point")
+    token = int(draw_masked(raw[None], [row])[0])
     p = row.params
-    if p.greedy:
-        token = int(torch.argmax(logits).item())  # first maximum: lowest id on ties
-    else:
-        token = sample_rows(logits[None], [p], [draw_seed(row.seed, row.output_index)])[0]
     lps = _logprobs(raw, token, p.logprobs) if p.logprobs is not None else None
     return SampleResult(token, lps)
 

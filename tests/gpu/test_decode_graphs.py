@@ -122,9 +122,10 @@ def test_decode_steps_never_wait_for_the_device(tmp_path) -> None:
 def test_pipelined_launches_never_wait_for_the_device(tmp_path) -> None:
     """Pipelined steps: launching step N+1 while step N is unfinished (its batch, its graph
     replay, its device argmax and draws, the input ids fed from step N) never synchronises,
-    so the host finishes step N while the device runs N+1; greedy and drawn tokens equal
-    the synchronous loop's. One greedy request asks for logprobs: its rows' copy to the host
-    starts at launch too."""
+    so the host finishes step N while the device runs N+1; greedy, drawn and penalised tokens
+    equal the synchronous loop's. One greedy request asks for logprobs: its rows' copy to the
+    host starts at launch too. The penalised rows' sampling, queued when the previous step
+    finishes (`_complete`), never synchronises either."""
     from engine.llm import LLM
     from engine.sampling.params import SamplingParams
 
@@ -136,6 +137,9 @@ def test_pipelined_launches_never_wait_for_the_device(tmp_path) -> None:
         else SamplingParams(temperature=0.8, top_k=20, top_p=0.9, seed=i, max_tokens=12, ignore_eos=True)
         for i in range(6)
     ]
+    # penalised rows (greedy and drawn) are sampled when the previous step finishes, on the device
+    params[2] = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, repetition_penalty=1.3)
+    params[4] = SamplingParams(temperature=0.7, seed=4, max_tokens=12, ignore_eos=True, presence_penalty=0.6)
     got = {}
     for pipe in (False, True):
         llm = LLM(path, device="cuda", dtype="bfloat16", pipeline_steps=pipe, max_num_seqs=8)
@@ -154,10 +158,20 @@ def test_pipelined_launches_never_wait_for_the_device(tmp_path) -> None:
                 finally:
                     torch.cuda.set_sync_debug_mode(0)
 
-            ex.launch = strict
+            complete, completed = ex._complete, []
+
+            def strict_complete(launched, complete=complete, completed=completed):
+                completed.append(launched.out.step)
+                torch.cuda.set_sync_debug_mode("error")
+                try:
+                    return complete(launched)
+                finally:
+                    torch.cuda.set_sync_debug_mode(0)
+
+            ex.launch, ex._complete = strict, strict_complete
             outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
             got[pipe] = [list(o.outputs[0].token_ids) for o in outs]
-            assert bool(checked) == pipe and (not pipe or ex.fed_tokens >= 6 * 10)
+            assert bool(checked) == pipe and (not pipe or ex.fed_tokens >= 6 * 10) and completed
         finally:
             llm.close()
     assert got[True] == got[False]

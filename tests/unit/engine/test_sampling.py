@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.sampling.params import SamplingParams
-from engine.sampling.sampler import RowInput, sample, sample_row
+from engine.sampling.sampler import RowInput, draw_seed, sample, sample_row, sample_rows
 from engine.sampling.stop import StopStringMatcher
 
 V = 1000
@@ -219,3 +219,48 @@ def test_drawn_tokens_follow_the_distribution() -> None:
     for t in range(5):
         se = math.sqrt(n * p[t] * (1 - p[t]))
         assert abs(counts[t] - n * p[t]) < 4 * se, (t, counts[t].item(), n * p[t].item())
+
+
+def _penalised_by_hand(logits: torch.Tensor, r: RowInput) -> torch.Tensor:
+    """The penalties written out token by token: repetition over prompt + output (divide a
+    positive logit, multiply a negative one), presence and frequency over the output."""
+    x = logits.clone()
+    p = r.params
+    for t in set(r.prompt_token_ids) | set(r.output_token_ids):
+        x[t] = x[t] / p.repetition_penalty if x[t] > 0 else x[t] * p.repetition_penalty
+    for t in set(r.output_token_ids):
+        x[t] -= p.frequency_penalty * r.output_token_ids.count(t) + p.presence_penalty
+    return x
+
+
+def test_masked_rows_together_equal_each_row_alone() -> None:
+    """`draw_masked` (the executor's one pass over a step's grammar / penalised rows) gives each
+    row the token `sample_row` gives it alone, and that token is the one of the mask and the
+    penalties applied by hand; rows without one of them are left untouched by it."""
+    from engine.sampling.sampler import draw_masked
+
+    torch.manual_seed(3)
+    logits = torch.randn(48, V) * 3
+    rows = []
+    for i in range(48):
+        params = SamplingParams(
+            temperature=(0.0, 0.9)[i % 2], top_k=(0, 30)[i // 2 % 2],
+            repetition_penalty=(1.0, 1.3, 0.8)[i % 3], presence_penalty=(0.0, 0.5)[i // 3 % 2],
+            frequency_penalty=(0.0, 0.4, -0.3)[i // 4 % 3],
+        )  # fmt: skip
+        mask = None if i % 5 == 0 else torch.rand(V) < 0.4
+        out = [int(t) for t in torch.randint(0, V, (i % 9,))] + [int(logits[i].argmax())] * (i % 2)
+        rows.append(RowInput(params, 900 + i, len(out), [int(logits[i].argmax()), 4, 5], out, mask))
+    together = draw_masked(logits, rows).tolist()
+    assert together == [sample_row(logits[i], rows[i]).token_id for i in range(48)]
+    for i, r in enumerate(rows):
+        x = _penalised_by_hand(logits[i], r)
+        if r.allowed_mask is not None:
+            x = torch.where(r.allowed_mask, x, torch.tensor(float("-inf")))
+            assert bool(r.allowed_mask[together[i]])
+        if r.params.greedy:
+            assert together[i] == int(torch.argmax(x))
+        else:
+            assert together[i] == sample_rows(x[None], [r.params], [draw_seed(r.seed, r.output_index)])[0]
+    with pytest.raises(ValueError, match="allows no token"):
+        sample_row(logits[1], RowInput(rows[1].params, 1, 0, [], [], torch.zeros(V, dtype=torch.bool)))
