@@ -63,9 +63,16 @@ def _penalise(x: torch.Tensor, rows: Sequence[RowInput]) -> torch.Tensor:
         idx, ids = _flat_ids(
             [(i, (*rows[i].prompt_token_ids, *rows[i].output_token_ids)) for i in rep], vocab
         )
-        seen = torch.zeros(r, vocab, dtype=torch.bool, device=dev)
-        if ids:
-            seen[upload(torch.tensor(idx), dev), upload(torch.tensor(ids), dev)] = True
+        seen = torch.zeros(r * vocab, dtype=torch.bool, device=dev)
+        if ids:  # a scalar fill: an indexed assignment of True would copy it up synchronously
+            seen.scatter_(
+                0,
+                upload(
+                    torch.tensor(idx, dtype=torch.long) * vocab + torch.tensor(ids, dtype=torch.long), dev
+                ),
+                True,
+            )
+        seen = seen.view(r, vocab)
         penalty = upload(torch.tensor([row.params.repetition_penalty for row in rows]), dev)[:, None]
         x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
     counted = [
@@ -76,9 +83,9 @@ def _penalise(x: torch.Tensor, rows: Sequence[RowInput]) -> torch.Tensor:
     ]
     if counted:
         idx, ids = _flat_ids([(i, rows[i].output_token_ids) for i in counted], vocab)
-        counts = torch.zeros(r, vocab, dtype=torch.float32, device=dev)
-        where = (upload(torch.tensor(idx), dev), upload(torch.tensor(ids), dev))
-        counts.index_put_(where, torch.ones(len(ids), device=dev), accumulate=True)
+        counts = torch.zeros(r * vocab, dtype=torch.float32, device=dev)
+        flat = upload(torch.tensor(idx, dtype=torch.long) * vocab + torch.tensor(ids, dtype=torch.long), dev)
+        counts = counts.index_add_(0, flat, torch.ones(len(ids), device=dev)).view(r, vocab)  # exact
         on = set(counted)
         freq = [row.params.frequency_penalty if i in on else 0.0 for i, row in enumerate(rows)]
         pres = [row.params.presence_penalty if i in on else 0.0 for i, row in enumerate(rows)]
