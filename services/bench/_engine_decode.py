@@ -3,9 +3,10 @@ the memory-bandwidth roofline and transformers' `DeepseekV4ForCausalLM` on the s
 
 The engine. A weightless model directory of preset ``P`` (`write_config_dir`, with
 ``--layers`` decoder layers) served by an `EngineCore` over seeded random weights built on the
-device (``EngineConfig.random_weights``), prefix caching off, the default asynchronous loop.
-For each batch ``B`` it admits ``B`` requests of ``context`` random token ids (greedy,
-``ignore_eos``), steps until every request has its first token, then times ``steps`` whole
+device (``EngineConfig.random_weights``), prefix caching off, the engine's default loop.
+For each batch ``B`` it admits ``B`` requests of ``context`` random token ids (``ignore_eos``;
+greedy, or with ``--sampling drawn`` / ``penalised`` drawn with or without penalties,
+`request_params`), steps until every request has its first token, then times ``steps`` whole
 engine steps (scheduling, the forward pass, sampling, output handling): ms per step and
 tokens/s = tokens emitted / wall time.
 
@@ -73,6 +74,21 @@ class DecodeArgs:
     pipeline_steps: bool | None = None  # EngineConfig.pipeline_steps (None: auto)
     batch_invariant: bool = False  # EngineConfig.batch_invariant
     fp8: bool = False  # EngineConfig.keep_quantized: the random weights quantised to FP8 and kept so
+    sampling: str = "greedy"  # the requests' sampling: greedy, drawn or penalised (`request_params`)
+
+
+def request_params(sampling: str, i: int, max_tokens: int) -> Any:
+    """Request ``i``'s sampling params for the decode report's ``sampling`` kind."""
+    from engine.sampling.params import SamplingParams
+
+    if sampling == "greedy":
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+    drawn = {"temperature": 0.8, "top_p": 0.95, "seed": i, "max_tokens": max_tokens, "ignore_eos": True}
+    if sampling == "drawn":
+        return SamplingParams(**drawn)
+    if sampling == "penalised":
+        return SamplingParams(**drawn, repetition_penalty=1.1, presence_penalty=0.5, frequency_penalty=0.3)
+    raise ValueError(f"unknown sampling {sampling!r}: greedy, drawn or penalised")
 
 
 def _sync(device: str) -> None:
@@ -147,7 +163,6 @@ def engine_decode(model_dir: Path, a: DecodeArgs, batch: int, context: int) -> d
     from engine.core import EngineCore
     from engine.engine_config import EngineConfig
     from engine.messages import CoreRequest
-    from engine.sampling.params import SamplingParams
 
     budget = max(context, 16_384 if a.device.startswith("cuda") else 4096)
     # requests admitted first decode while the others prefill: none may finish, or the timed
@@ -166,10 +181,9 @@ def engine_decode(model_dir: Path, a: DecodeArgs, batch: int, context: int) -> d
     try:
         gen = torch.Generator().manual_seed(a.seed + batch)
         vocab = core.vocab_size
-        params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
         for i in range(batch):
             ids = torch.randint(3, vocab, (context,), generator=gen).tolist()
-            core.add(CoreRequest(f"d{i}", tuple(ids), params))
+            core.add(CoreRequest(f"d{i}", tuple(ids), request_params(a.sampling, i, max_tokens)))
         started: set[str] = set()
         t0 = time.perf_counter()
         while len(started) < batch:  # prefill (untimed)
@@ -201,7 +215,7 @@ def engine_decode(model_dir: Path, a: DecodeArgs, batch: int, context: int) -> d
             "tokens_per_s": emitted / wall, "emitted": emitted, "prefill_s": prefill_s,
             "decode_graphs": a.decode_graphs, "async_scheduling": core.config.overlaps_steps, "pipelined": core.config.pipelines_steps,
             "fed_tokens": core.executor.fed_tokens, "graph_replays": graphs.replays if graphs else 0,
-            "batch_invariant": a.batch_invariant,
+            "batch_invariant": a.batch_invariant, "sampling": a.sampling,
             "graph_captures": graphs.captures if graphs else 0,
             "graph_captures_timed": (graphs.captures if graphs else 0) - captured,
             "bytes": {"layer_weights": layer_w, "experts_selected": hit, "fixed": fixed_w, "kv": kv,

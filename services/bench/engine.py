@@ -82,6 +82,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="launch step N+1 before sampling step N (synchronous steps): auto (on CUDA), on, off",
     )  # fmt: skip
     d.add_argument(
+        "--sampling", default="greedy", choices=("greedy", "drawn", "penalised"),
+        help="the decoding requests' sampling: greedy (default), drawn (temperature 0.8, top-p 0.95, "
+        "seeded), penalised (drawn with repetition, presence and frequency penalties: sampled on the "
+        "device once the previous step finishes)",
+    )  # fmt: skip
+    d.add_argument(
         "--batch-invariant", action="store_true",
         help="the batch-invariant mode (EngineConfig.batch_invariant; its own kernels on CUDA)",
     )  # fmt: skip
@@ -241,7 +247,7 @@ def _decode(args: argparse.Namespace, report: Report) -> None:
         transformers=not args.no_transformers, seed=0, decode_graphs=args.decode_graphs,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         pipeline_steps={"auto": None, "on": True, "off": False}[args.pipeline_steps],
-        batch_invariant=args.batch_invariant, fp8=args.quant == "fp8",
+        batch_invariant=args.batch_invariant, fp8=args.quant == "fp8", sampling=args.sampling,
     )  # fmt: skip
     report.config.update({"decode": a.__dict__})
     with tempfile.TemporaryDirectory(prefix="sluice-bench-decode-") as tmp:
