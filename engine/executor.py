@@ -37,6 +37,7 @@ import torch
 
 from engine.forward_batch import ForwardBatch, SequenceInput, upload
 from engine.sampling.params import SamplingParams
+from engine.sampling.penalties import PenaltyRows
 from engine.sampling.sampler import (
     RowInput,
     TokenLogprobs,
@@ -176,6 +177,7 @@ class ModelExecutor:
         self._mtp: dict[str, tuple[int, int]] = {}
         self._drawn: dict[tuple[str, int], int] = {}  # this step's tokens drawn together
         self.fed_tokens = 0  # input tokens read from the previous step's device tokens (pipelined)
+        self.penalties: PenaltyRows | None = None  # penalised requests' histories on the device
 
     def save_slots(self, saves: Sequence[SlotSave]) -> None:
         """Copy retained slots (and their partial blocks) into the host slot pool."""
@@ -193,6 +195,8 @@ class ModelExecutor:
     def add(self, request_id: str, state: SamplingState) -> None:
         self.states[request_id] = state
         self._failed.pop(request_id, None)  # a reused id starts clean
+        if self.penalties is not None:
+            self.penalties.drop(request_id)
 
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """Run one step: its forward pass, then its sampling."""
@@ -382,7 +386,16 @@ class ModelExecutor:
             inputs.append(RowInput(st.params, st.seed, index, st.prompt_token_ids, st.output_token_ids, mask))
         if not rows:
             return
-        tokens = draw_masked(_pick(launched.result.logits, rows), inputs)
+        logits = _pick(launched.result.logits, rows)
+        penalised = [key[0] if not no_penalties(row.params) else None for key, row in zip(keys, inputs)]
+        book = None
+        if any(penalised):
+            if self.penalties is None:
+                self.penalties = PenaltyRows(logits.shape[1], logits.device)
+            book = self.penalties
+        tokens = draw_masked(logits, inputs, book.gather(penalised, inputs) if book is not None else None)
+        if book is not None:
+            book.record(penalised, tokens)
         assert launched.next is not None
         launched.next.index_copy_(0, upload(torch.tensor(slots, dtype=torch.long), tokens.device), tokens)
         launched.masked = (keys, _ToHost(tokens))
@@ -456,6 +469,8 @@ class ModelExecutor:
         return RunnerOutput(out.step, sampled, dict(logprobs), failed, emitted, emitted_lps, drafts)
 
     def _forget(self, rid: str) -> None:
+        if self.penalties is not None:
+            self.penalties.drop(rid)
         self.states.pop(rid, None)
         self._failed.pop(rid, None)
         self._mtp.pop(rid, None)

@@ -52,47 +52,52 @@ class SampleResult:
     logprobs: TokenLogprobs | None
 
 
-def _penalise(x: torch.Tensor, rows: Sequence[RowInput]) -> torch.Tensor:
+def _penalise(
+    x: torch.Tensor, rows: Sequence[RowInput], state: tuple[torch.Tensor, torch.Tensor] | None = None
+) -> torch.Tensor:
     """Repetition, presence and frequency penalties of rows ``x [R, V]`` (fp32, any device),
-    each row with its own settings and history; a row without penalties is left exactly as it
-    was (its factors are 1 and 0). The histories go up as token ids, not as ``[R, V]`` masks."""
-    r, vocab = x.shape
+    each row with its own settings; a row without penalties is left as it was (its factors
+    are 1 and 0). ``state``: ``(seen, counts)`` ``[R, V]`` kept on the device
+    (`engine.sampling.penalties.PenaltyRows`); else built here from the rows' histories."""
     dev = x.device
-    rep = [i for i, row in enumerate(rows) if row.params.repetition_penalty != 1.0]
-    if rep:
-        idx, ids = _flat_ids(
-            [(i, (*rows[i].prompt_token_ids, *rows[i].output_token_ids)) for i in rep], vocab
-        )
-        seen = torch.zeros(r * vocab, dtype=torch.bool, device=dev)
-        if ids:  # a scalar fill: an indexed assignment of True would copy it up synchronously
-            seen.scatter_(
-                0,
-                upload(
-                    torch.tensor(idx, dtype=torch.long) * vocab + torch.tensor(ids, dtype=torch.long), dev
-                ),
-                True,
-            )
-        seen = seen.view(r, vocab)
-        penalty = upload(torch.tensor([row.params.repetition_penalty for row in rows]), dev)[:, None]
+    repetition = [row.params.repetition_penalty for row in rows]
+    freq = [row.params.frequency_penalty for row in rows]
+    pres = [row.params.presence_penalty for row in rows]
+    rep_on = any(p != 1.0 for p in repetition)
+    count_on = any(f != 0.0 for f in freq) or any(p != 0.0 for p in pres)
+    if not (rep_on or count_on):
+        return x
+    seen, counts = state if state is not None else _histories(rows, x.shape[1], dev)
+    if rep_on:
+        penalty = upload(torch.tensor(repetition, dtype=torch.float32), dev)[:, None]
         x = torch.where(seen, torch.where(x > 0, x / penalty, x * penalty), x)
-    counted = [
-        i
-        for i, row in enumerate(rows)
-        if (row.params.presence_penalty != 0.0 or row.params.frequency_penalty != 0.0)
-        and row.output_token_ids
-    ]
-    if counted:
-        idx, ids = _flat_ids([(i, rows[i].output_token_ids) for i in counted], vocab)
-        counts = torch.zeros(r * vocab, dtype=torch.float32, device=dev)
-        flat = upload(torch.tensor(idx, dtype=torch.long) * vocab + torch.tensor(ids, dtype=torch.long), dev)
-        counts = counts.index_add_(0, flat, torch.ones(len(ids), device=dev)).view(r, vocab)  # exact
-        on = set(counted)
-        freq = [row.params.frequency_penalty if i in on else 0.0 for i, row in enumerate(rows)]
-        pres = [row.params.presence_penalty if i in on else 0.0 for i, row in enumerate(rows)]
+    if count_on:
         freq_t = upload(torch.tensor(freq, dtype=torch.float32), dev)[:, None]
         pres_t = upload(torch.tensor(pres, dtype=torch.float32), dev)[:, None]
         x = x - freq_t * counts - pres_t * (counts > 0).to(torch.float32)
     return x
+
+
+def _histories(rows: Sequence[RowInput], vocab: int, dev: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(seen, counts)`` ``[R, V]`` from the rows' token ids: prompt and output tokens seen,
+    output tokens counted (exact: integer counts in fp32). Uploaded as ids, not as masks."""
+    r = len(rows)
+    seen = torch.zeros(r * vocab, dtype=torch.bool, device=dev)
+    counts = torch.zeros(r * vocab, dtype=torch.float32, device=dev)
+    idx, ids = _flat_ids(
+        [(i, (*row.prompt_token_ids, *row.output_token_ids)) for i, row in enumerate(rows)], vocab
+    )
+    if ids:  # a scalar fill: an indexed assignment of True would copy it up synchronously
+        seen.scatter_(
+            0,
+            upload(torch.tensor(idx, dtype=torch.long) * vocab + torch.tensor(ids, dtype=torch.long), dev),
+            True,
+        )
+    idx, ids = _flat_ids([(i, row.output_token_ids) for i, row in enumerate(rows)], vocab)
+    if ids:
+        flat = upload(torch.tensor(idx, dtype=torch.long) * vocab + torch.tensor(ids, dtype=torch.long), dev)
+        counts.index_add_(0, flat, torch.ones(len(ids), device=dev))
+    return seen.view(r, vocab), counts.view(r, vocab)
 
 
 def _flat_ids(histories: Sequence[tuple[int, Sequence[int]]], vocab: int) -> tuple[list[int], list[int]]:
@@ -207,12 +212,17 @@ def token_logprobs(raw_logits: torch.Tensor, token: int, k: int) -> TokenLogprob
     return _logprobs(raw_logits.detach().to(device="cpu", dtype=torch.float32), token, k)
 
 
-def draw_masked(raw_logits: torch.Tensor, rows: Sequence[RowInput]) -> torch.Tensor:
+def draw_masked(
+    raw_logits: torch.Tensor,
+    rows: Sequence[RowInput],
+    penalties: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Tokens [R] (int64, on the logits' device, nothing read back) of rows ``raw_logits
     [R, V]`` with a grammar mask or penalties, row i with ``rows[i]``: mask -> penalties ->
     argmax (greedy rows) or `draw_rows`. Every operation is row by row, so a row's token is the
     one `sample_row` gives it alone. A row whose mask allows nothing must not be passed (the
-    caller checks on the host, where the mask is made)."""
+    caller checks on the host, where the mask is made). ``penalties``: the rows' ``(seen,
+    counts)`` kept on the device (`PenaltyRows.gather`), else built from their histories."""
     dev = raw_logits.device
     x = raw_logits.float()
     vocab = x.shape[1]
@@ -220,7 +230,7 @@ def draw_masked(raw_logits: torch.Tensor, rows: Sequence[RowInput]) -> torch.Ten
         everything = torch.ones(vocab, dtype=torch.bool)
         masks = torch.stack([everything if row.allowed_mask is None else row.allowed_mask for row in rows])
         x = torch.where(upload(masks, dev), x, x.new_full((), float("-inf")))
-    x = _penalise(x, rows)
+    x = _penalise(x, rows, penalties)
     tokens = x.argmax(dim=-1)  # first maximum: lowest id on ties
     drawn = [i for i, row in enumerate(rows) if not row.params.greedy]
     if drawn:

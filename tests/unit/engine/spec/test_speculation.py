@@ -92,8 +92,17 @@ def test_greedy_tokens_equal_plain_decoding_on_100_prompts(steep_profile) -> Non
 
 def test_seeded_sampling_equals_plain_decoding_and_dspark_selects(steep_profile) -> None:
     prompts = _prompts(16)
+    # every third penalised: verified on the host, its device penalty row catching up after
+    pen = {"repetition_penalty": 1.2, "presence_penalty": 0.4, "frequency_penalty": 0.2}
     params = [
-        SamplingParams(temperature=0.8, top_p=0.95, seed=100 + i, max_tokens=32, ignore_eos=True)
+        SamplingParams(
+            temperature=0.8,
+            top_p=0.95,
+            seed=100 + i,
+            max_tokens=32,
+            ignore_eos=True,
+            **(pen if i % 3 == 1 else {}),
+        )
         for i in range(len(prompts))
     ]
     plain = LLM(MODEL, max_num_seqs=16)
