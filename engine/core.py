@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from engine.engine_config import COST_MODEL_FILE, EngineConfig
-from engine.executor import ModelExecutor, SamplingState
+from engine.executor import ModelExecutor
 from engine.kvconnector.connector import ConnectorConfig, PendingFetch, StoreConnector
 from engine.kvconnector.transfer import export_sequence, import_sequence
 from engine.kvconnector.worker import KVWorker
@@ -41,6 +41,7 @@ from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.scheduler import Scheduler, StepUpdate
 from engine.spec.policy import SPEC_STEPS_FILE, SpecPolicy, SpecProfile
+from engine.step_state import SamplingState
 
 if TYPE_CHECKING:
     from engine.kvconnector.slot_sharing import SlotSharing

@@ -28,9 +28,7 @@ sampled on the host, in order (each position's mask follows the previous draft).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
@@ -45,13 +43,13 @@ from engine.sampling.sampler import (
     draw_rows,
     draw_seed,
     no_penalties,
-    plain_greedy,
     sample_row,
     token_logprobs,
 )
 from engine.scheduler.host_slots import HostSlot
 from engine.scheduler.output import PENDING_TOKEN, RunnerOutput, ScheduledSeq, SchedulerOutput, SlotSave
 from engine.spec.drafter import Drafter, DraftRun
+from engine.step_state import Launched, SamplingState, ToHost
 from engine.structured.grammar import GrammarError
 from engine.structured.matcher import GrammarState
 
@@ -68,91 +66,6 @@ class LogitsRunner(Protocol):
     def execute(self, batch: ForwardBatch) -> Any: ...
 
     def copy_slot(self, src: int, dst: int) -> None: ...
-
-
-@dataclass
-class SamplingState:
-    params: SamplingParams
-    seed: int
-    prompt_token_ids: list[int]
-    stop_token_ids: frozenset[int] = frozenset()
-    output_token_ids: list[int] = field(default_factory=list)
-    grammar: GrammarState | None = None
-
-    @property
-    def done(self) -> bool:
-        """Its last sampled token stops it: a step already in flight samples nothing more."""
-        return bool(self.output_token_ids) and self.output_token_ids[-1] in self.stop_token_ids
-
-    # params and grammar never change for a request: classify it once, not once per step
-    @functools.cached_property
-    def takes_argmax(self) -> bool:
-        """Plain greedy without a grammar: its token is the row's argmax."""
-        return self.grammar is None and plain_greedy(self.params)
-
-    @functools.cached_property
-    def drawn_together(self) -> bool:
-        """Sampled with neither a grammar nor penalties: drawn in one `sample_rows` over the
-        step's such rows."""
-        return self.grammar is None and not self.params.greedy and no_penalties(self.params)
-
-    @functools.cached_property
-    def host_dependent(self) -> bool:
-        """A grammar or penalties: its token needs a mask or a history the host knows only once
-        the previous token is sampled (`draw_masked`)."""
-        return not self.takes_argmax and not self.drawn_together
-
-
-@dataclass
-class Launched:
-    """A step whose forward pass is queued on the device (`ModelExecutor.launch`), not yet
-    sampled (`ModelExecutor.finish`)."""
-
-    out: SchedulerOutput
-    result: Any  # the runner's output: logits [rows, V] (device), hidden states
-    staged: Any  # verification: the ring rows to put back for rejected drafts, or None
-    sampled: set[str] = field(default_factory=set)  # request ids this step samples
-    top: _ToHost | None = None  # every row's argmax (the tokens of plain greedy rows)
-    drawn: _ToHost | None = None  # the rows drawn together (`SamplingState.drawn_together`) ...
-    drawn_keys: list[tuple[str, int]] = field(default_factory=list)  # ... for these (request, output index)
-    # request id -> index in ``next`` of its token (plain greedy or drawn together, no drafts):
-    # the next step's input token, which that step reads on the device
-    feeds: dict[str, int] = field(default_factory=dict)
-    next: torch.Tensor | None = None  # top's tokens, then drawn's, on the device
-    host_rows: tuple[list[int], _ToHost] | None = None  # the logits rows read on the host
-    forget: list[str] = field(default_factory=list)  # states to drop once sampled (finished requests)
-    # host-dependent rows (`SamplingState.host_dependent`): (request id, output index, logits
-    # row), their tokens at ``pending_at + i`` in ``next``, sampled by `_complete` once the
-    # host knows their previous token: ``completed`` then, ``masked`` their tokens
-    pending: list[tuple[str, int, int]] = field(default_factory=list)
-    pending_at: int = 0
-    completed: bool = True
-    masked: tuple[list[tuple[str, int]], _ToHost] | None = None
-    then: Launched | None = None  # launched while this step was in flight: completed by its finish
-
-
-class _ToHost:
-    """A device tensor whose copy to the host starts at once (no wait); read it with
-    `tolist` / `tensor`, which wait for this copy only, not for a step launched after it."""
-
-    def __init__(self, dev: torch.Tensor) -> None:
-        self.dev = dev
-        self.event: Any = None
-        if dev.is_cuda:
-            self.host = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
-            self.host.copy_(dev, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host = dev
-
-    def tensor(self) -> torch.Tensor:
-        if self.event is not None:
-            self.event.synchronize()
-        return self.host
-
-    def tolist(self) -> list[Any]:
-        return self.tensor().tolist()
 
 
 class ModelExecutor:
@@ -264,12 +177,12 @@ class ModelExecutor:
             row += s.num_drafts + 1
         parts = []
         if greedy and logits.shape[0]:
-            launched.top = _ToHost(logits.argmax(-1))
+            launched.top = ToHost(logits.argmax(-1))
             parts.append(launched.top.dev)
             launched.feeds.update((rid, r) for rid, r in greedy.items() if r >= 0)
         keys, rows, params, seeds = self._draws(out)
         if rows:
-            launched.drawn = _ToHost(draw_rows(_pick(logits, rows), params, seeds))
+            launched.drawn = ToHost(draw_rows(_pick(logits, rows), params, seeds))
             launched.drawn_keys = keys
             base = logits.shape[0] if parts else 0
             parts.append(launched.drawn.dev)
@@ -287,7 +200,7 @@ class ModelExecutor:
             launched.next = parts[0] if len(parts) == 1 else torch.cat(parts)
         need = self._rows_needed(out)
         if need:  # one transfer (a copy per row would wait for the device once per row)
-            launched.host_rows = (need, _ToHost(_pick(logits, need)))
+            launched.host_rows = (need, ToHost(_pick(logits, need)))
 
     def _before(self, out: SchedulerOutput, prev: Launched | None) -> None:
         """The step's work before its forward pass: slot saves, finished requests, copies, loads."""
@@ -398,7 +311,7 @@ class ModelExecutor:
             book.record(penalised, tokens)
         assert launched.next is not None
         launched.next.index_copy_(0, upload(torch.tensor(slots, dtype=torch.long), tokens.device), tokens)
-        launched.masked = (keys, _ToHost(tokens))
+        launched.masked = (keys, ToHost(tokens))
 
     def holds(self, launched: Launched) -> bool:
         """Whether ``launched`` may stay unfinished while the next step launches: nothing of it

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.executor import SamplingState
 from engine.kvconnector import payload as fmt
 from engine.kvconnector.handoff import SequenceState
 from engine.scheduler.hashing import ImageSpan, chain_hashes
 from engine.scheduler.request import ImageInput, Request, RequestStatus
+from engine.step_state import SamplingState
 
 if TYPE_CHECKING:
     from engine.core import EngineCore

@@ -15,10 +15,11 @@ import random
 
 import torch
 
-from engine.executor import ModelExecutor, SamplingState
+from engine.executor import ModelExecutor
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import RowInput, sample_row
 from engine.scheduler.output import ScheduledSeq
+from engine.step_state import SamplingState
 
 V, N = 8, 3000
 PARAMS = SamplingParams(temperature=0.9, max_tokens=64)
