@@ -127,8 +127,8 @@ def _truncate_rows(
         kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
         logits = torch.where(logits >= kth, logits, neg_inf)
     if any(p < 1.0 for p in top_p):
-        order = torch.sort(logits, dim=-1, descending=True, stable=True).indices
-        probs = torch.softmax(logits.gather(1, order), dim=-1)
+        ordered, order = torch.sort(logits, dim=-1, descending=True, stable=True)
+        probs = torch.softmax(ordered, dim=-1)
         cum = torch.cumsum(probs, dim=-1)
         limit = upload(torch.tensor(top_p, dtype=logits.dtype), dev)[:, None]
         on = upload(torch.tensor([p < 1.0 for p in top_p]), dev)[:, None]
