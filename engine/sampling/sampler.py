@@ -123,9 +123,13 @@ def _truncate_rows(
     dev = logits.device
     neg_inf = logits.new_full((), float("-inf"))
     if any(0 < k < v for k in top_k):
-        k = upload(torch.tensor([k if 0 < k < v else v for k in top_k]), dev)
-        kth = torch.sort(logits, dim=-1, descending=True).values.gather(1, (k - 1)[:, None])
-        logits = torch.where(logits >= kth, logits, neg_inf)
+        # the k-th largest value from a top-k of the largest k asked (not a sort of the whole
+        # row): the same value; rows with top-k off keep everything
+        widest = max(k for k in top_k if 0 < k < v)
+        k = upload(torch.tensor([k if 0 < k < v else widest for k in top_k]), dev)
+        on = upload(torch.tensor([0 < k < v for k in top_k]), dev)[:, None]
+        kth = torch.topk(logits, widest, dim=-1).values.gather(1, (k - 1)[:, None])
+        logits = torch.where(~on | (logits >= kth), logits, neg_inf)
     if any(p < 1.0 for p in top_p):
         ordered, order = torch.sort(logits, dim=-1, descending=True, stable=True)
         probs = torch.softmax(ordered, dim=-1)

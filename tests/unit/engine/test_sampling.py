@@ -264,3 +264,20 @@ def test_masked_rows_together_equal_each_row_alone() -> None:
             assert together[i] == sample_rows(x[None], [r.params], [draw_seed(r.seed, r.output_index)])[0]
     with pytest.raises(ValueError, match="allows no token"):
         sample_row(logits[1], RowInput(rows[1].params, 1, 0, [], [], torch.zeros(V, dtype=torch.bool)))
+
+
+def test_top_k_keeps_every_token_at_or_above_the_kth_largest_value_ties_included() -> None:
+    """Top-k takes the k-th largest value from a top-k of the widest k in the batch, not from a
+    sort of the whole row: the kept set must be the sort's (ties at the k-th value all kept),
+    row by row, with rows whose top-k is off left whole."""
+    from engine.sampling.sampler import _truncate_rows
+
+    torch.manual_seed(2)
+    x = (torch.randn(64, V) * 3).to(torch.bfloat16).float()  # bf16 values: many ties
+    ks = [(0, 1, 2, 7, 50, 400, V, V + 3)[i % 8] for i in range(64)]
+    got = _truncate_rows(x, ks, [1.0] * 64, [0.0] * 64)
+    for i, k in enumerate(ks):
+        kth = torch.sort(x[i], descending=True).values[k - 1] if 0 < k < V else float("-inf")
+        want = torch.where(x[i] >= kth, x[i], torch.tensor(float("-inf")))
+        assert torch.equal(got[i], want), (i, k)
+    assert int(torch.isfinite(got[2]).sum()) >= 2  # k = 2: at least two kept, more on a tie
