@@ -38,10 +38,11 @@ def _params(i: int) -> SamplingParams:
             presence_penalty=0.4,
             frequency_penalty=0.2,
         )
-    # penalties alone, greedy and drawn
+    # penalties alone, greedy and drawn; the drawn one forks (n = 2: each child its own history)
     return SamplingParams(
-        temperature=(0.0, 0.7)[i % 2], seed=9 + i, max_tokens=24, repetition_penalty=1.2, ignore_eos=True
-    )
+        temperature=(0.0, 0.7)[i % 2], seed=9 + i, max_tokens=24, repetition_penalty=1.2, ignore_eos=True,
+        n=1 + i % 2,
+    )  # fmt: skip
 
 
 def _run(model, pipeline: bool, params: list[SamplingParams]) -> tuple[list, int, int]:
@@ -49,7 +50,7 @@ def _run(model, pipeline: bool, params: list[SamplingParams]) -> tuple[list, int
     try:
         prompts = [[100 + i, 200 + i, 300 + i] for i in range(len(params))]
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
-        got = [(list(o.outputs[0].token_ids), o.outputs[0].finish_reason, o.outputs[0].text) for o in outs]
+        got = [(list(c.token_ids), c.finish_reason, c.text) for o in outs for c in o.outputs]
         return got, llm.core.executor.fed_tokens, llm.loop.overlapped
     finally:
         llm.close()
@@ -64,7 +65,9 @@ def test_grammar_and_penalty_rows_are_fed_on_the_device_and_give_the_synchronous
     decoded = sum(len(t) - 1 for t, _, _ in got)  # every decode input token after the first
     assert fed >= decoded - 2 * N  # (the first decode step of each request may follow its prefill)
     validated = 0
-    for i, (_, reason, text) in enumerate(got):
+    owner = [i for i, p in enumerate(params) for _ in range(p.n)]  # the request of each output
+    assert len(owner) == len(got) > N
+    for i, (_, reason, text) in zip(owner, got):
         if params[i].structured is not None and reason == "stop":
             jsonschema.validate(json.loads(text), SCHEMAS[i])
             validated += 1
