@@ -84,31 +84,19 @@ def _histories(rows: Sequence[RowInput], vocab: int, dev: torch.device) -> tuple
     r = len(rows)
     seen = torch.zeros(r * vocab, dtype=torch.bool, device=dev)
     counts = torch.zeros(r * vocab, dtype=torch.float32, device=dev)
-    idx, ids = _flat_ids(
-        [(i, (*row.prompt_token_ids, *row.output_token_ids)) for i, row in enumerate(rows)], vocab
-    )
-    if ids:  # a scalar fill: an indexed assignment of True would copy it up synchronously
-        seen.scatter_(
-            0,
-            upload(torch.tensor(idx, dtype=torch.long) * vocab + torch.tensor(ids, dtype=torch.long), dev),
-            True,
-        )
-    idx, ids = _flat_ids([(i, row.output_token_ids) for i, row in enumerate(rows)], vocab)
-    if ids:
-        flat = upload(torch.tensor(idx, dtype=torch.long) * vocab + torch.tensor(ids, dtype=torch.long), dev)
-        counts.index_add_(0, flat, torch.ones(len(ids), device=dev))
+    flat = _flat_index([(*row.prompt_token_ids, *row.output_token_ids) for row in rows], vocab)
+    if len(flat):  # a scalar fill: an indexed assignment of True would copy it up synchronously
+        seen.scatter_(0, upload(flat, dev), True)
+    flat = _flat_index([row.output_token_ids for row in rows], vocab)
+    if len(flat):
+        counts.index_add_(0, upload(flat, dev), torch.ones(len(flat), device=dev))
     return seen.view(r, vocab), counts.view(r, vocab)
 
 
-def _flat_ids(histories: Sequence[tuple[int, Sequence[int]]], vocab: int) -> tuple[list[int], list[int]]:
-    """(row index, token id) pairs of every in-vocabulary id of each row's history."""
-    idx: list[int] = []
-    ids: list[int] = []
-    for i, history in histories:
-        kept = [t for t in history if 0 <= t < vocab]
-        idx.extend([i] * len(kept))
-        ids.extend(kept)
-    return idx, ids
+def _flat_index(histories: Sequence[Sequence[int]], vocab: int) -> torch.Tensor:
+    """``row * vocab + id`` (host, int64) for every in-vocabulary id of each row's history."""
+    flat = [i * vocab + t for i, history in enumerate(histories) for t in history if 0 <= t < vocab]
+    return torch.tensor(flat, dtype=torch.long)
 
 
 def _truncate_rows(
