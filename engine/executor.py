@@ -162,7 +162,8 @@ class ModelExecutor:
     def _sample_on_device(self, launched: Launched) -> None:
         """Queue the step's device sampling: every row's argmax (in one op: a plain greedy
         request's token; argmax is exact and row by row, lowest id on ties) and the rows drawn
-        together; note which requests' tokens the next step can read there."""
+        together; reserve the host-dependent rows' slots (sampled by `_complete`); note which
+        requests' tokens the next step can read there."""
         out, logits = launched.out, launched.result.logits  # [rows, V]: num_drafts + 1 per sequence
         greedy: dict[str, int] = {}
         row = 0
@@ -174,6 +175,8 @@ class ModelExecutor:
                 st = self.states.get(rid)
                 if st is not None and st.takes_argmax:
                     greedy[rid] = -1 if s.num_drafts or st.done else row
+                elif st is not None and st.host_dependent and not (s.num_drafts or st.done):
+                    launched.pending.append((rid, s.output_index, row))  # drafts: verified on the host
             row += s.num_drafts + 1
         parts = []
         if greedy and logits.shape[0]:
@@ -188,7 +191,6 @@ class ModelExecutor:
             parts.append(launched.drawn.dev)
             drafting = {s.request_id for s in out.seqs if s.num_drafts}
             launched.feeds.update((rid, base + i) for i, (rid, _) in enumerate(keys) if rid not in drafting)
-        launched.pending = self._pending(out)
         if launched.pending:  # their slots in ``next``, written by `_complete`
             launched.pending_at = sum(p.shape[0] for p in parts)
             launched.completed = False
@@ -256,21 +258,6 @@ class ModelExecutor:
                 )
             )
         return seqs, fed_at, fed_rows
-
-    def _pending(self, out: SchedulerOutput) -> list[tuple[str, int, int]]:
-        """The step's host-dependent rows (no drafts: verification samples on the host)."""
-        pending = []
-        row = 0
-        for s in out.seqs:
-            if not s.sample:
-                continue
-            if not s.num_drafts:
-                for rid in (s.request_id, *s.fork_children):  # fork children share the parent's row
-                    st = self.states.get(rid)
-                    if st is not None and not st.done and st.host_dependent:
-                        pending.append((rid, s.output_index, row))
-            row += s.num_drafts + 1
-        return pending
 
     def _complete(self, launched: Launched) -> None:
         """Queue the sampling of ``launched``'s host-dependent rows, now that every earlier
@@ -534,24 +521,20 @@ class ModelExecutor:
         if output_index != len(st.output_token_ids):
             raise RuntimeError(f"{rid}: sampling output {output_index}, have {len(st.output_token_ids)}")
         drawn = self._drawn.get((rid, output_index))
-        if drawn is not None or st.takes_argmax:
+        lps: TokenLogprobs | None = None
+        if drawn is not None or st.takes_argmax:  # sampled on the device
             token = top if drawn is None else drawn
-            lps = None
             if st.params.logprobs is not None:
                 lps = token_logprobs(row_logits, token, st.params.logprobs)
-            if st.grammar is not None and not st.grammar.is_finished:
-                self._grammar_step(rid, lambda g: g.accept(token))
-            st.output_token_ids.append(token)
-            return token, lps
-        mask = self._grammar_step(rid, lambda g: g.allowed_mask())
-        res = sample_row(
-            row_logits,
-            RowInput(st.params, st.seed, output_index, st.prompt_token_ids, st.output_token_ids, mask),
-        )
+        else:  # a verified draft of a grammar or penalised request: on the host, in order
+            mask = self._grammar_step(rid, lambda g: g.allowed_mask())
+            row = RowInput(st.params, st.seed, output_index, st.prompt_token_ids, st.output_token_ids, mask)
+            res = sample_row(row_logits, row)
+            token, lps = res.token_id, res.logprobs
         if st.grammar is not None and not st.grammar.is_finished:
-            self._grammar_step(rid, lambda g: g.accept(res.token_id))
-        st.output_token_ids.append(res.token_id)
-        return res.token_id, res.logprobs
+            self._grammar_step(rid, lambda g: g.accept(token))
+        st.output_token_ids.append(token)
+        return token, lps
 
     def _grammar_step(self, rid: str, op: Callable[[GrammarState], Any]) -> Any:
         """Run a grammar operation; a GrammarError fails this request only (recorded in
