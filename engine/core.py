@@ -40,7 +40,7 @@ from engine.scheduler.host_slots import HostSlotPool
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.scheduler import Scheduler, StepUpdate
-from engine.spec.policy import SPEC_STEPS_FILE, SpecPolicy, SpecProfile
+from engine.spec.policy import SpecPolicy, SpecProfile, spec_steps_file
 from engine.step_state import SamplingState
 
 if TYPE_CHECKING:
@@ -157,7 +157,15 @@ class EngineCore:
             raise ValueError(
                 f"{spec.num_drafts} drafts per step exceed the smallest SWA ring ({min(rings)} rows)"
             )
-        path = Path(spec.profile_path) if spec.profile_path else Path(self.config.model) / SPEC_STEPS_FILE
+        if spec.profile_path:
+            path = Path(spec.profile_path)
+        else:  # this machine's profile: a GPU's is named after its model
+            gpu = None
+            if self.config.device.startswith("cuda"):
+                import torch
+
+                gpu = torch.cuda.get_device_name(torch.device(self.config.device))
+            path = Path(self.config.model) / spec_steps_file(gpu)
         profile = SpecProfile.load(path) if path.is_file() else None
         return SpecPolicy(spec, profile)
 
@@ -168,7 +176,7 @@ class EngineCore:
         from engine.spec.drafter import Drafter
 
         head = load_confidence_head(self.config.model, self.config.device)
-        return Drafter(self.runner.model, self.runner.pool, self.runner.swa, head)
+        return Drafter(self.runner.model, self.runner.pool, self.runner.swa, head, self.runner.graphs)
 
     def _host_swa_layers(self) -> int | None:
         """EngineConfig.host_swa_layers checked against the slot's layers (None: all kept)."""
@@ -475,6 +483,15 @@ class EngineCore:
         }
         if self.spec is not None:
             extra.update(self.spec.stats.as_dict())
+        graphs = self.runner.graphs
+        if graphs is not None:  # CUDA graphs (or their padded batches, run eagerly)
+            extra.update(
+                graph_captures=float(graphs.captures), graph_replays=float(graphs.replays),
+                graph_verify_steps=float(graphs.verify_steps),
+            )  # fmt: skip
+            drafter = self.executor.drafter
+            if drafter is not None and drafter.graphs is not None:
+                extra["graph_draft_chains"] = float(drafter.graphs.chains_run)
         if self.store is not None:
             extra.update(self.store.stats.as_dict())
         if self.slot_sharing is not None:

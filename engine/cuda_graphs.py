@@ -1,4 +1,5 @@
-"""Decode steps as CUDA graphs: one graph per (batch bucket, context bucket), captured on first use.
+"""Decode and verification steps as CUDA graphs: one graph per (batch bucket, tokens per row,
+context bucket), captured on first use.
 
 An eager decode step at real widths launches about a thousand kernels, and at small batches
 the GPU waits on the host that launches them. A graph replays the forward pass up to the
@@ -18,6 +19,11 @@ tokens runs in the graph of ``(batch_bucket(n), context_bucket(L))``, padded
 - The compressors pool every row's window and send those that do not close in this step to
   the scratch block (the eager path computes the closing rows only).
 
+A speculative verification step (every row 1 to ``MAX_GRAPH_QUERY`` tokens, `engine.model.verify`)
+runs in the graph of ``(batch_bucket(n), Q, context_bucket(L + Q))`` where ``Q`` is its most
+tokens in a row: each row is padded to ``Q`` tokens, and a row's tokens past its own write
+only the scratch slot and block, after every real token (no real token sees them).
+
 Buckets. Both round a value up to a multiple of an eighth of the power of two at or above it:
 batch sizes 1-8 exactly, then 10, 12, 14, 16, 20, 24, 28, 32, 40, ..., 224, 256, 320, ...;
 contexts in steps of one block (256) up to 2,048, then 2,560, 3,072, 3,584, 4,096, 5,120, ...
@@ -33,7 +39,9 @@ Expert-parallel steps are not graphed (their all-to-all sizes are data dependent
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -41,9 +49,12 @@ from engine.cache.pool import CompressedPool
 from engine.cache.swa import SWASlots
 from engine.config import BLOCK_TOKENS
 from engine.forward_batch import ForwardBatch, PaddedDecode, upload
+from engine.model import verify
 from engine.model.model import DeepseekV4
 from engine.model.moe import weight_epoch
 from engine.model.rope import clear_cos_sin_cache
+
+T_out = TypeVar("T_out")
 
 #: graphs kept at once (least recently used dropped first); each holds only its inputs and
 #: outputs ([B, hidden] and [B, hc, hidden]), its activations share one memory pool
@@ -64,18 +75,25 @@ def context_bucket(tokens: int) -> int:
     return round_up_eighth(max(tokens, 1), BLOCK_TOKENS)
 
 
+#: most tokens per row of a graphed verification step (an input token and 5 drafts)
+MAX_GRAPH_QUERY = 6
+
+
 def graphable(batch: ForwardBatch) -> bool:
-    """A plain decode batch: one sampled token per row, no images, no kept host-slot layers,
-    no replayed rows, no speculative drafts."""
+    """A plain decode batch (one sampled token per row) or a verification batch (1 to
+    ``MAX_GRAPH_QUERY`` tokens per row, on the vectorised path, no input token read on the
+    device): no images, no kept host-slot layers, no replayed rows."""
+    if not batch.is_decode and not (
+        max(batch.query_len_cpu, default=0) <= MAX_GRAPH_QUERY and verify.applies(batch) and batch.fed is None
+    ):
+        return False
     return (
-        batch.is_decode
-        and bool(batch.sample_cpu)
+        bool(batch.sample_cpu)
         and all(batch.sample_cpu)
         and bool(batch.input_ids_cpu)
         and batch.block_table_cpu is not None
         and not batch.embeds
         and not batch.swa_keep_cpu
-        and not batch.num_logits_cpu
         and not any(batch.cached_until)
     )
 
@@ -83,13 +101,15 @@ def graphable(batch: ForwardBatch) -> bool:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    inputs: torch.Tensor  # [6 * B + B * blocks] int64: ids, pos, computed, slot, window_from, real, table
+    # ids, pos, real [T]; computed, slot, window_from [B]; write slot [T] (query > 1); table
+    # [B * blocks]: int64, the layout of `DecodeGraphs._layout`
+    inputs: torch.Tensor
     # the batch it was captured with: its other tensors (row starts, lengths, sample flags) are
     # read by every replay, so they must live as long as the graph (freed, their memory would
     # be handed to other tensors)
     batch: ForwardBatch
-    final: torch.Tensor  # [B, D] normed hidden rows (the lm_head's input)
-    hidden: torch.Tensor  # [B, hc, D] final hc streams
+    final: torch.Tensor  # [T, D] normed hidden rows (the lm_head's input)
+    hidden: torch.Tensor  # [T, hc, D] final hc streams
 
 
 class DecodeGraphs:
@@ -109,55 +129,74 @@ class DecodeGraphs:
         self.scratch_block, self.scratch_slot = scratch_block, scratch_slot
         self.device = torch.device(device)
         self.capture = capture
-        self.graphs: OrderedDict[tuple[int, int], _Graph] = OrderedDict()
+        self.graphs: OrderedDict[tuple[int, int, int], _Graph] = OrderedDict()
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
         self.epoch = weight_epoch()
         self.captures = 0  # graphs captured so far (metrics, tests)
         self.replays = 0
+        self.verify_steps = 0  # verification steps run padded (graphed or not)
 
-    def _layout(self, b: int, blocks: int) -> list[int]:
-        return [b] * 6 + [b * blocks]
+    @staticmethod
+    def _layout(b: int, q: int, blocks: int) -> list[int]:
+        t = b * q
+        return [t, t, t, b, b, b] + ([t] if q > 1 else []) + [b * blocks]
 
-    def _static_batch(self, inputs: torch.Tensor, b: int, context: int) -> ForwardBatch:
+    def _static_batch(self, inputs: torch.Tensor, b: int, q: int, context: int) -> ForwardBatch:
         blocks = context // BLOCK_TOKENS
-        ids, pos, computed, slot, window_from, real, table = inputs.split(self._layout(b, blocks))
-        ones = torch.ones(b, dtype=torch.long, device=self.device)
+        ids, pos, real, computed, slot, window_from, *rest = inputs.split(self._layout(b, q, blocks))
+        write_slot, table = rest if q > 1 else (None, rest[0])
         return ForwardBatch(
             input_ids=ids,
             positions=pos,
-            query_start=torch.arange(b, device=self.device),
-            query_len=ones,
+            query_start=torch.arange(0, b * q, q, device=self.device),
+            query_len=torch.full((b,), q, dtype=torch.long, device=self.device),
             num_computed=computed,
             swa_slot=slot,
             block_table=table.view(b, blocks),
-            sample=ones.bool(),
-            query_start_cpu=tuple(range(b)),
-            query_len_cpu=(1,) * b,
+            sample=torch.ones(b, dtype=torch.bool, device=self.device),
+            query_start_cpu=tuple(range(0, b * q, q)),
+            query_len_cpu=(q,) * b,
             num_computed_cpu=(0,) * b,  # not read on the padded path: shapes come from `padded`
             swa_slot_cpu=tuple(range(b)),
             sample_cpu=(True,) * b,
-            padded=PaddedDecode(context, window_from, real, self.scratch_block),
+            num_logits_cpu=(q,) * b if q > 1 else (),
+            padded=PaddedDecode(context, window_from, real, self.scratch_block, q, write_slot),
         )
 
-    def _host_inputs(self, batch: ForwardBatch | None, b: int, blocks: int) -> torch.Tensor:
-        """The static inputs of ``batch`` padded to ``b`` rows and ``blocks`` table columns
-        (``None``: every row padding)."""
+    def _host_inputs(self, batch: ForwardBatch | None, b: int, q: int, blocks: int) -> torch.Tensor:
+        """The static inputs of ``batch`` padded to ``b`` rows of ``q`` tokens and ``blocks``
+        table columns (``None``: every row padding)."""
         n = 0 if batch is None else batch.num_seqs
         pad = b - n
-        ids, computed, slots, window_from = (
-            ((), (), (), ())
-            if batch is None
-            else (batch.input_ids_cpu, batch.num_computed_cpu, batch.swa_slot_cpu, batch.window_from)
-        )
-        head = torch.tensor(
-            [*ids] + [0] * pad
-            + [*computed] + [0] * pad  # positions: one token per row
-            + [*computed] + [0] * pad
-            + [*slots] + [self.scratch_slot] * pad
-            + [*window_from] + [0] * pad
-            + [1] * n + [0] * pad,
-            dtype=torch.long,
-        )  # fmt: skip
+        lens: tuple[int, ...] = ()
+        starts: tuple[int, ...] = ()
+        ids: tuple[int, ...] = ()
+        computed: tuple[int, ...] = ()
+        slots: tuple[int, ...] = ()
+        window_from: tuple[int, ...] = ()
+        if batch is not None:
+            lens, starts, ids = batch.query_len_cpu, batch.query_start_cpu, batch.input_ids_cpu
+            computed, slots, window_from = batch.num_computed_cpu, batch.swa_slot_cpu, batch.window_from
+        row_ids: list[int] = []
+        real: list[int] = []
+        for start, k in zip(starts, lens):
+            row_ids += [*ids[start : start + k]] + [0] * (q - k)
+            real += [1] * k + [0] * (q - k)
+        fill = [0] * (pad * q)
+        parts = [
+            row_ids + fill,
+            [n0 + j for n0 in computed for j in range(q)] + [j for _ in range(pad) for j in range(q)],
+            real + fill,
+            [*computed] + [0] * pad,
+            [*slots] + [self.scratch_slot] * pad,
+            [*window_from] + [0] * pad,
+        ]
+        if q > 1:  # padding tokens write the scratch slot
+            parts.append(
+                [s if r else self.scratch_slot for s, k in zip(slots, lens) for r in [1] * k + [0] * (q - k)]
+                + [self.scratch_slot] * (pad * q)
+            )
+        head = torch.tensor([x for part in parts for x in part], dtype=torch.long)
         table = torch.full((b, blocks), -1, dtype=torch.long)
         if batch is not None:
             src = batch.block_table_cpu
@@ -167,53 +206,77 @@ class DecodeGraphs:
         table[n:] = self.scratch_block
         return torch.cat([head, table.flatten()])
 
-    def _capture(self, b: int, context: int) -> _Graph:
-        blocks = context // BLOCK_TOKENS
-        inputs = torch.zeros(sum(self._layout(b, blocks)), dtype=torch.long, device=self.device)
-        static = self._static_batch(inputs, b, context)
-        # every row padding while warming up and capturing: the caches' real rows stay untouched
-        inputs.copy_(self._host_inputs(None, b, blocks).to(self.device))
+    def capture_graph(self, fn: Callable[[], T_out]) -> tuple[torch.cuda.CUDAGraph, T_out]:
+        """Capture ``fn`` (which reads only static tensors, every row padding) into a graph in
+        this object's memory pool: (graph, ``fn``'s outputs, rewritten by each replay)."""
         side = torch.cuda.Stream(self.device)
         side.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(side):  # warm-up (kernel selection, Triton compiles) off the capture
             clear_cos_sin_cache()
-            self.model.final_hidden(static, self.pool, self.swa)
+            fn()
         torch.cuda.current_stream(self.device).wait_stream(side)
         clear_cos_sin_cache()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.mempool):
-            final, hidden = self.model.final_hidden(static, self.pool, self.swa)
+            out = fn()
         clear_cos_sin_cache()
         self.captures += 1
+        return graph, out
+
+    def _capture(self, b: int, q: int, context: int) -> _Graph:
+        blocks = context // BLOCK_TOKENS
+        inputs = torch.zeros(sum(self._layout(b, q, blocks)), dtype=torch.long, device=self.device)
+        static = self._static_batch(inputs, b, q, context)
+        # every row padding while warming up and capturing: the caches' real rows stay untouched
+        inputs.copy_(self._host_inputs(None, b, q, blocks).to(self.device))
+        graph, (final, hidden) = self.capture_graph(
+            lambda: self.model.final_hidden(static, self.pool, self.swa)
+        )
         return _Graph(graph, inputs, static, final, hidden)
 
     def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The forward pass of a `graphable` batch -> (logits [n, vocab], hidden [n, hc, D]).
-        ``hidden`` is a view of the graph's output: valid until the next step."""
+        """The forward pass of a `graphable` batch -> (logits [rows, vocab] at its
+        ``logit_indices``, hidden [T, hc, D] in its token order). ``hidden`` may be a view of
+        the graph's output: valid until the next step."""
         if weight_epoch() != self.epoch:
             self.graphs.clear()
             self.epoch = weight_epoch()
         n = batch.num_seqs
         b = batch_bucket(n)
-        context = context_bucket(max(batch.num_computed_cpu) + 1)
+        q = max(batch.query_len_cpu)
+        context = context_bucket(max(batch.num_computed_cpu) + q)
+        host = self._host_inputs(batch, b, q, context // BLOCK_TOKENS)
         if not self.capture:
-            inputs = upload(self._host_inputs(batch, b, context // BLOCK_TOKENS), self.device)
+            inputs = upload(host, self.device)
             batch.write_fed(inputs)  # the ids lead the inputs: row i's id at index i
             final, hidden = self.model.final_hidden(
-                self._static_batch(inputs, b, context), self.pool, self.swa
+                self._static_batch(inputs, b, q, context), self.pool, self.swa
             )
+        else:
+            key = (b, q, context)
+            entry = self.graphs.get(key)
+            if entry is None:
+                entry = self._capture(b, q, context)
+                self.graphs[key] = entry
+                while len(self.graphs) > MAX_GRAPHS:
+                    self.graphs.popitem(last=False)
+            self.graphs.move_to_end(key)
+            entry.inputs.copy_(
+                host.pin_memory(), non_blocking=True
+            )  # the host allocator keeps it until copied
+            batch.write_fed(entry.inputs)  # the previous step's tokens, read on the device
+            entry.graph.replay()
+            self.replays += 1
+            final, hidden = entry.final, entry.hidden
+        if q == 1:
             return self.model.logits(final[:n]), hidden[:n]
-        key = (b, context)
-        entry = self.graphs.get(key)
-        if entry is None:
-            entry = self._capture(b, context)
-            self.graphs[key] = entry
-            while len(self.graphs) > MAX_GRAPHS:
-                self.graphs.popitem(last=False)
-        self.graphs.move_to_end(key)
-        host = self._host_inputs(batch, b, context // BLOCK_TOKENS)
-        entry.inputs.copy_(host.pin_memory(), non_blocking=True)  # the host allocator keeps it until copied
-        batch.write_fed(entry.inputs)  # the previous step's tokens, read on the device
-        entry.graph.replay()
-        self.replays += 1
-        return self.model.logits(entry.final[:n]), entry.hidden[:n]
+        self.verify_steps += 1
+        # row i's token j sits at i * q + j: the batch's logit rows and token order from there
+        logits = [
+            i * q + k - m + j
+            for i, (k, m) in enumerate(zip(batch.query_len_cpu, batch.num_logits_cpu or (1,) * n))
+            for j in range(m)
+        ]
+        tokens = [i * q + j for i, k in enumerate(batch.query_len_cpu) for j in range(k)]
+        index = upload(torch.tensor(logits + tokens, dtype=torch.long), final.device)
+        return self.model.logits(final[index[: len(logits)]]), hidden[index[len(logits) :]]

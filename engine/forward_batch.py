@@ -69,18 +69,27 @@ def upload(t: torch.Tensor, device: torch.device | str) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class PaddedDecode:
-    """A decode batch padded to a fixed shape (a CUDA graph's static input, `engine.cuda_graphs`).
+    """A decode or verification batch padded to a fixed shape (a CUDA graph's static input,
+    `engine.cuda_graphs`).
 
-    Every row brings one token and is sampled; rows past the real ones are padding, which
-    reads and writes only a scratch sliding-window slot and a scratch block. Shapes depend on
-    ``context`` (an upper bound on every row's ``num_computed + 1``), never on the values:
-    the compressors compute every row's closing entry and send rows whose window does not
-    close to the scratch block, and attention gathers ``context // rate`` compressed entries."""
+    Every row brings ``query`` tokens at ``num_computed + 0 .. query - 1`` and is sampled;
+    rows past the real ones are padding, which read and write only a scratch sliding-window
+    slot and a scratch block. With ``query > 1`` (speculative verification, `engine.model.verify`)
+    a real row's tokens past its own count are padding too: they write only the scratch slot
+    and block (``write_slot``), and no real token attends to them (they come later). Shapes
+    depend on ``context`` (an upper bound on every row's ``num_computed + query``), never on
+    the values: the compressors compute every token's closing entry and send those whose
+    window does not close, or that are padding, to the scratch block, and attention gathers
+    ``context // rate`` compressed entries."""
 
     context: int
     window_from: torch.Tensor  # [B] int64 (the host tuple of a plain batch)
-    real: torch.Tensor  # [B] int64: 1 for a real row, 0 for padding (MoE load counters)
+    real: torch.Tensor  # [B * query] int64: 1 for a real token, 0 for padding (MoE load counters)
     scratch_block: int
+    query: int = 1
+    # [B * query] int64: the slot each token's ring rows go to (its row's, or the scratch
+    # slot for padding); None with query 1 (the row's slot)
+    write_slot: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,7 @@ class EngineLoop:
         self._launched: deque[_Launched] = deque()
         self._overlap_after = overlap_after or (lambda _out: True)
         self.overlapped = 0  # steps submitted while another was in flight
+        self.pipelined = 0  # steps launched while the one before was still on the device
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="sluice-exec") if async_scheduling else None
         self._inflight: deque[tuple[SchedulerOutput, Future[RunnerOutput]]] = deque()
         self.steps = 0
@@ -153,6 +154,7 @@ class EngineLoop:
         entry.seconds = time.perf_counter() - t0
         self._launched.append(entry)
         self.steps += 1
+        self.pipelined += prev is not None
         if entry.handle is not None and not self._launcher.holds(entry.handle):
             if prev is not None:
                 self._finish(prev)  # steps finish in launch order

@@ -176,7 +176,13 @@ class StagedRows:
         never happened, as far as any later step can see); the rest keep what was written."""
         if not any(rejected):
             return
-        sel = upload(torch.tensor(rejected, dtype=torch.bool), self.slots.device)
-        slots, pos = self.slots[sel], self.positions[sel]
-        for ring, rows in zip(self.rings, self.saved):
-            ring[slots, pos % ring.shape[1]] = rows[sel]
+        if all(rejected):
+            slots, pos, saved = self.slots, self.positions, self.saved
+        else:  # an index built on the host: a boolean mask's size would need a device round trip
+            sel = upload(
+                torch.tensor([i for i, r in enumerate(rejected) if r], dtype=torch.long), self.slots.device
+            )
+            slots, pos = self.slots[sel], self.positions[sel]
+            saved = [rows[sel] for rows in self.saved]
+        for ring, rows in zip(self.rings, saved):
+            ring[slots, pos % ring.shape[1]] = rows

@@ -78,6 +78,8 @@ class DeepseekV4(nn.Module):
         streams = emb.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()  # [T, hc, D]
         for i, layer in enumerate(self.model.layers):
             streams = layer(streams, batch, pool, swa, i, ids)
+        if batch.padded is not None and batch.padded.query > 1:
+            return self.model.norm(self.model.hc_head(streams)), streams  # every token (graphs)
         rows = batch.logit_indices
         return self.model.norm(self.model.hc_head(streams[rows])), streams
 

@@ -19,6 +19,12 @@ Sequences are padded to ``Q = max q``: ``[B, Q]``. Each step reads the slot's ri
   (CSA: the indexer's top-k for that token), through its sequence's block table.
 
 Results equal the general path (`tests/unit/engine/test_verify_path.py`).
+
+A CUDA graph's padded batch (``batch.padded``, `engine.cuda_graphs`) brings exactly ``Q``
+tokens per row; the tokens past a row's own are padding, which write the scratch slot and
+block only (`engine.forward_batch.PaddedDecode`). Its shapes come from the padding, never
+from the values: every token's closing entry is computed (those not closing go to the
+scratch block) and attention gathers the context bucket's entries.
 """
 
 from __future__ import annotations
@@ -59,13 +65,22 @@ class Layout:
     def __init__(self, batch: ForwardBatch) -> None:
         dev = batch.positions.device
         self.q = max(batch.query_len_cpu)
+        self.n0 = batch.num_computed  # [B]
+        self.slots = batch.swa_slot  # [B]
+        self.pos = batch.positions  # [T]
+        # [T] the slot each token's ring rows are written to (None: its sequence's)
+        self.write_slots: torch.Tensor | None = None
+        padded = batch.padded
+        if padded is not None:  # every row brings q tokens: no host data (a graph's replays)
+            flat = torch.arange(batch.num_tokens, device=dev)
+            self.seq, self.col = flat // self.q, flat % self.q
+            self.window_from = padded.window_from
+            self.write_slots = padded.write_slot
+            return
         seq = [i for i, n in enumerate(batch.query_len_cpu) for _ in range(n)]
         col = [j for n in batch.query_len_cpu for j in range(n)]
         self.seq = upload(torch.tensor(seq, dtype=torch.long), dev)  # [T] sequence of each token
         self.col = upload(torch.tensor(col, dtype=torch.long), dev)  # [T] its index in the sequence
-        self.n0 = batch.num_computed  # [B]
-        self.slots = batch.swa_slot  # [B]
-        self.pos = batch.positions  # [T]
         self.window_from = upload(torch.tensor(batch.window_from, dtype=torch.long), dev)  # [B]
 
     def pad(self, x: torch.Tensor) -> torch.Tensor:
@@ -84,7 +99,8 @@ class Layout:
 
     def write(self, ring: torch.Tensor, values: torch.Tensor) -> None:
         """Store each token's row [T, C] at its position (after every read of the step)."""
-        ring[self.slots[self.seq], self.pos % ring.shape[1]] = values.to(ring.dtype)
+        slots = self.slots[self.seq] if self.write_slots is None else self.write_slots
+        ring[slots, self.pos % ring.shape[1]] = values.to(ring.dtype)
 
 
 def verify_compress(
@@ -103,7 +119,13 @@ def verify_compress(
     ring_kv, ring_gate = swa.compressor_rings(layer, index)
     r = ring_kv.shape[1]
     kv_new, gate_new = comp.kv_proj(x), comp.gate_proj(x)  # [T, C]
-    closing = ((lay.pos + 1) % m == 0).nonzero().flatten()
+    closes = (lay.pos + 1) % m == 0
+    only = None
+    if batch.padded is None:
+        closing = closes.nonzero().flatten()
+    else:  # fixed shapes: every token pools; those not closing, or padding, go to scratch
+        closing = torch.arange(x.shape[0], device=x.device)
+        only = (closes & batch.padded.real.bool(), batch.padded.scratch_block)
     if closing.numel():
         old_kv, _ = lay.old_rows(ring_kv)
         old_gate, _ = lay.old_rows(ring_gate)
@@ -116,7 +138,7 @@ def verify_compress(
         where = torch.where(offs < n0, offs % r, r + (offs - n0))  # old ring row, or R + new index
         kv = both_kv[seq[:, None], where]  # [n, span, C]
         gate = both_gate[seq[:, None], where]
-        store_entries(comp, rotary, kv, gate, offs, c, batch.block_table[seq], pool, layer, index)
+        store_entries(comp, rotary, kv, gate, offs, c, batch.block_table[seq], pool, layer, index, only)
     lay.write(ring_kv, kv_new)
     lay.write(ring_gate, gate_new)
 
@@ -148,7 +170,10 @@ def verify_keys(
         return keys, visible
     rows, rate = compressed
     count = (lay.pos + 1) // rate  # [T] entries complete at each token
-    e_max = int(max(n0 + q for n0, q in zip(batch.num_computed_cpu, batch.query_len_cpu))) // rate
+    if batch.padded is not None:  # a fixed shape: entries past a token's count are masked
+        e_max = batch.padded.context // rate
+    else:
+        e_max = max(n0 + q for n0, q in zip(batch.num_computed_cpu, batch.query_len_cpu)) // rate
     if e_max == 0:
         return keys, visible
     table = batch.block_table[s]  # [T, nb]

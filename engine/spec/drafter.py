@@ -28,13 +28,17 @@ after a prefix hit) change acceptance and nothing else.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 import torch
 
-from engine.forward_batch import ForwardBatch, SequenceInput, upload
+from engine.config import BLOCK_TOKENS
+from engine.cuda_graphs import MAX_GRAPH_QUERY, MAX_GRAPHS, DecodeGraphs, batch_bucket
+from engine.forward_batch import ForwardBatch, PaddedDecode, SequenceInput, upload
+from engine.model.moe import weight_epoch
 
 if TYPE_CHECKING:
     from engine.cache.pool import CompressedPool
@@ -66,20 +70,35 @@ class Drafts:
 
 class Drafter:
     def __init__(
-        self, model: DeepseekV4, pool: CompressedPool, swa: SWASlots, head: ConfidenceHead | None
+        self,
+        model: DeepseekV4,
+        pool: CompressedPool,
+        swa: SWASlots,
+        head: ConfidenceHead | None,
+        graphs: DecodeGraphs | None = None,
     ) -> None:
+        """``graphs``: the runner's decode graphs; with them, chains whose runs are short
+        enough (decode and verification steps) run as graphs of their own (`DraftGraphs`)."""
         if not len(model.mtp):
             raise ValueError("speculative decoding needs the checkpoint's MTP layer")
         self.model, self.pool, self.swa, self.head = model, pool, swa, head
         self.layer = cast("MTPLayer", model.mtp[0])
         self.cache_layer = model.cfg.num_hidden_layers
         self.window = model.cfg.sliding_window
+        self.graphs = DraftGraphs(self, graphs) if graphs is not None else None
 
     @torch.inference_mode()
     def draft(self, hidden: torch.Tensor, runs: Sequence[DraftRun]) -> dict[str, Drafts]:
         """``hidden`` [T, hc, D]: the step's final main-model streams."""
         if not runs:
             return {}
+        if self.graphs is not None and self.graphs.applies(runs):
+            chains, chain_conf = self.graphs.run(hidden, runs)
+            return {
+                r.request_id: Drafts(tuple(chains[i][: r.num_drafts]), tuple(chain_conf[i][: r.num_drafts]))
+                for i, r in enumerate(runs)
+                if r.num_drafts
+            }
         dev = hidden.device
         batch = ForwardBatch.from_sequences(
             [
@@ -144,14 +163,181 @@ class Drafter:
         emb = self.model.model.embed_tokens(ids)
         out = self.layer(streams, emb, batch, self.pool, self.swa, self.cache_layer, ids)
         rows = batch.sample_indices
-        h = self.layer.norm(self.layer.hc_head(out[rows]))
+        tokens, conf = self.predict(out[rows], emb[rows])
+        return tokens, conf, out
+
+    def predict(self, streams: torch.Tensor, emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer's output streams [B, hc, D] at each sequence's last position and the
+        embedding of its input token there [B, D] -> (draft token [B], confidence [B])."""
+        h = self.layer.norm(self.layer.hc_head(streams))
         logits = self.model.lm_head(h).float()
         tokens = logits.argmax(dim=-1)
         if self.head is not None:
-            conf = self.head(h.float(), emb[rows].float())
+            conf = self.head(h.float(), emb.float())
         else:
             conf = torch.softmax(logits, dim=-1).max(dim=-1).values
-        return tokens, conf, out
+        return tokens, conf
+
+
+@dataclass
+class _Chain:
+    graph: torch.cuda.CUDAGraph | None  # None: the padded chain runs eagerly (capture off)
+    # int64: pass 1's padded batch (`DecodeGraphs._layout`, one table column), then each row's
+    # last run token [B] and whether pass j + 1's draft is wanted [depth * B]
+    inputs: torch.Tensor
+    streams: torch.Tensor  # [B * q, hc, D] the runs' main-model streams, copied in
+    batch: ForwardBatch  # pass 1's static batch (its tensors are read by every replay)
+    # graphed: the outputs, [depth, B] drafts (int64) and their confidences (float32);
+    # eager: the inputs last [B] and live [depth, B], views of ``inputs``
+    tokens: torch.Tensor
+    conf: torch.Tensor
+
+
+class DraftGraphs:
+    """The drafting chain of a decode or verification step as CUDA graphs: one per (batch
+    bucket, longest run, depth), captured on first use in the decode graphs' memory pool.
+
+    Pass 1 runs the MTP layer over every run padded to the longest (``q`` tokens, the
+    verification path's padded batch: tokens past a run's own write only the scratch slot),
+    and passes 2..depth chain on the device: each pass's argmax is the next pass's input token
+    and its output streams the next pass's input. Every real row runs every pass; drafts past
+    a row's ``num_drafts`` are dropped on the host, their window writes put back with the
+    others (`SWASlots.stage`). The host reads the drafts once, after the last pass (the
+    eager chain reads each pass's). Prefill runs (up to a window long) draft eagerly."""
+
+    def __init__(self, drafter: Drafter, graphs: DecodeGraphs) -> None:
+        self.drafter, self.graphs = drafter, graphs
+        self.chains: OrderedDict[tuple[int, int, int], _Chain] = OrderedDict()
+        self.epoch = weight_epoch()
+        self.replays = 0
+        self.chains_run = 0  # drafting chains run padded (graphed or not)
+
+    @staticmethod
+    def applies(runs: Sequence[DraftRun]) -> bool:
+        return max(len(r.next_ids) for r in runs) <= MAX_GRAPH_QUERY
+
+    def _chain(self, batch: ForwardBatch, streams: torch.Tensor, last: torch.Tensor, live: torch.Tensor):
+        """Every pass of the chain on static tensors -> (tokens, confidences) [depth, B]."""
+        d, g = self.drafter, self.graphs
+        assert batch.padded is not None
+        b = last.shape[0]
+        ids = batch.input_ids
+        emb = d.model.model.embed_tokens(ids)
+        out = d.layer(streams, emb, batch, d.pool, d.swa, d.cache_layer, ids)
+        rows, emb = out[last], emb[last]
+        token, conf = d.predict(rows, emb)
+        tokens, confs = [token], [conf]
+        ends = batch.positions[last] + 1
+        ones = torch.ones(b, dtype=torch.long, device=ids.device)
+        for j in range(1, live.shape[0]):
+            pos = ends + (j - 1)
+            step = ForwardBatch(
+                input_ids=token,
+                positions=pos,
+                query_start=torch.arange(b, device=ids.device),
+                query_len=ones,
+                num_computed=pos,
+                swa_slot=batch.swa_slot,
+                block_table=torch.full((b, 1), g.scratch_block, dtype=torch.long, device=ids.device),
+                sample=ones.bool(),
+                query_start_cpu=tuple(range(b)),
+                query_len_cpu=(1,) * b,
+                num_computed_cpu=(0,) * b,
+                swa_slot_cpu=tuple(range(b)),
+                sample_cpu=(True,) * b,
+                padded=PaddedDecode(BLOCK_TOKENS, batch.padded.window_from, live[j], g.scratch_block),
+            )
+            emb = d.model.model.embed_tokens(token)
+            rows = d.layer(rows, emb, step, d.pool, d.swa, d.cache_layer, token)
+            token, conf = d.predict(rows, emb)
+            tokens.append(token)
+            confs.append(conf)
+        return torch.stack(tokens), torch.stack(confs)
+
+    def _build(self, b: int, q: int, depth: int, capture: bool) -> _Chain:
+        g, dev = self.graphs, self.graphs.device
+        layout = g._layout(b, q, 1)
+        inputs = torch.zeros(sum(layout) + b + depth * b, dtype=torch.long, device=dev)
+        batch = g._static_batch(inputs[: sum(layout)], b, q, BLOCK_TOKENS)
+        last, live = inputs[sum(layout) :].split([b, depth * b])
+        embed = self.drafter.model.model.embed_tokens.weight
+        hc = self.drafter.model.cfg.hc_mult
+        streams = torch.zeros(b * q, hc, embed.shape[1], dtype=embed.dtype, device=dev)
+        live = live.view(depth, b)
+        if not capture:  # run() computes the chain on these tensors at each call
+            return _Chain(None, inputs, streams, batch, last, live)
+        inputs.copy_(self._host_inputs(None, b, q, depth).to(dev))  # all padding while capturing
+        graph, (tokens, conf) = g.capture_graph(lambda: self._chain(batch, streams, last, live))
+        return _Chain(graph, inputs, streams, batch, tokens, conf)
+
+    def _host_inputs(self, runs: Sequence[DraftRun] | None, b: int, q: int, depth: int) -> torch.Tensor:
+        g = self.graphs
+        if runs is None:
+            return torch.cat(
+                [g._host_inputs(None, b, q, 1), torch.arange(b) * q, torch.zeros(depth * b, dtype=torch.long)]
+            )
+        batch = ForwardBatch.from_sequences(
+            [
+                SequenceInput(r.next_ids, r.start, r.slot, r.block_table, window_from=r.window_from)
+                for r in runs
+            ]
+        )
+        last = [i * q + len(r.next_ids) - 1 for i, r in enumerate(runs)] + [
+            i * q for i in range(len(runs), b)
+        ]
+        live = [int(i < len(runs) and runs[i].num_drafts > j) for j in range(depth) for i in range(b)]
+        return torch.cat([g._host_inputs(batch, b, q, 1), torch.tensor(last + live, dtype=torch.long)])
+
+    def run(
+        self, hidden: torch.Tensor, runs: Sequence[DraftRun]
+    ) -> tuple[list[list[int]], list[list[float]]]:
+        """Draft for ``runs`` (`applies`) -> per run, its drafts and their confidences at depth
+        1 .. max(num_drafts) (at least pass 1, which writes the windows)."""
+        g = self.graphs
+        if weight_epoch() != self.epoch:
+            self.chains.clear()
+            self.epoch = weight_epoch()
+        n = len(runs)
+        b, q = batch_bucket(n), max(len(r.next_ids) for r in runs)
+        depth = max(1, max(r.num_drafts for r in runs))
+        host = self._host_inputs(runs, b, q, depth)
+        key = (b, q, depth)
+        chain = self.chains.get(key) if g.capture else None
+        if chain is None:
+            chain = self._build(b, q, depth, g.capture)
+            if g.capture:
+                self.chains[key] = chain
+                while len(self.chains) > MAX_GRAPHS:
+                    self.chains.popitem(last=False)
+        if g.capture:
+            self.chains.move_to_end(key)
+        rows = [r.hidden_from + min(j, len(r.next_ids) - 1) for r in runs for j in range(q)]
+        index = upload(torch.tensor(rows + [0] * ((b - n) * q), dtype=torch.long), hidden.device)
+        ends = [r.start + len(r.next_ids) for r in runs]
+        staged = (
+            self.drafter.swa.stage(
+                [self.drafter.cache_layer],
+                [r.slot for r in runs for _ in range(depth - 1)],
+                [e + j for e in ends for j in range(depth - 1)],
+            )
+            if depth > 1
+            else None
+        )
+        if chain.graph is None:  # eager: the padded chain on this step's inputs
+            chain.inputs.copy_(host)
+            torch.index_select(hidden, 0, index, out=chain.streams)
+            tokens, conf = self._chain(chain.batch, chain.streams, chain.tokens, chain.conf)
+        else:
+            chain.inputs.copy_(host.pin_memory(), non_blocking=True)
+            torch.index_select(hidden, 0, index, out=chain.streams)
+            chain.graph.replay()
+            self.replays += 1
+            tokens, conf = chain.tokens, chain.conf
+        self.chains_run += 1
+        out_tokens, out_conf = tokens.t().tolist(), conf.t().tolist()
+        if staged is not None:
+            staged.undo([True] * int(staged.positions.shape[0]))
+        return out_tokens, out_conf
 
 
 def _cover(table: Sequence[int], end: int) -> list[int]:

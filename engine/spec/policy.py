@@ -12,13 +12,16 @@ Policies (``SpecConfig.policy``):
   asynchronous pipeline has when it schedules.
 
 Without a profile, ``dspark`` cannot price a step and verifies every draft (it reports the
-policy ``fixed-K``); `sluice bench engine --profile` and `sluice bench spec` write one.
+policy ``fixed-K``); `sluice bench engine --profile` and `sluice bench spec` write one. A
+profile is one machine's: the CPU's beside a checkpoint is ``SPEC_STEPS_FILE``, a GPU's is
+named after the GPU model (`spec_steps_file`).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -30,6 +33,20 @@ import numpy as np
 from engine.spec.dspark import LaggedConfidence, StepProfile, choose_policy, plan_dspark
 
 SPEC_STEPS_FILE: Final = "sluice_spec_steps.json"
+
+
+def spec_steps_file(gpu: str | None = None) -> str:
+    """The step profile's file name beside a checkpoint: ``SPEC_STEPS_FILE`` for the CPU, one
+    per GPU model for a GPU (``sluice_spec_steps_h200.json`` for ``"NVIDIA H200"``): a step's
+    cost is the machine's own, and one machine's table would misprice another's steps."""
+    if gpu is None:
+        return SPEC_STEPS_FILE
+    name = gpu.lower().replace("nvidia", " ")
+    model = re.search(r"\b[a-z]+\d{2,4}[a-z]?\b", name)  # h200, a100, l40s, mi300x
+    tag = model.group(0) if model else re.sub(r"[^a-z0-9]+", "-", name).strip("-")
+    return f"sluice_spec_steps_{tag}.json"
+
+
 POLICIES: Final = ("fixed", "dspark", "dspark-lagged")
 MAX_DRAFTS: Final = 5
 

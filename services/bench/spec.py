@@ -7,7 +7,10 @@ For each concurrency ``c`` and policy, an `EngineCore` takes ``c`` held-out prom
 greedy tokens for each (EOS ignored, prefix caching off). Only the decode phase is timed:
 the first step (every prefill, the first tokens) is not, nor an untimed warm-up round on the
 same engine before it (``--warmup-tokens``: the policy's acceptance estimates and torch are
-then warm, as on a serving engine). Reported per run:
+then warm, as on a serving engine; where the engine runs CUDA graphs, the warm-up takes the
+whole prompts and as many tokens as the timed round, so that the graphs the timed round
+replays are captured before it: ``graph_captures_timed`` counts those that were not).
+Reported per run:
 
 * **verified per step**: drafts put into verification per step, summed over the batch;
 * **accepted length**: tokens a request emits per step (1 + its accepted drafts);
@@ -38,9 +41,9 @@ CONCURRENCY = (1, 8, 16, 32, 60, 128)
 POLICIES = ("none", "fixed-1", "fixed-2", "fixed-3", "fixed-4", "fixed-5", "dspark", "dspark-lagged")
 
 
-# the step profile an H200 measured for a checkpoint (`--save-profile --device cuda` there,
-# renamed), reported beside the profile of the machine the bench runs on
-H200_SPEC_STEPS_FILE = "sluice_spec_steps_h200.json"
+# the step profile an H200 measured for a checkpoint (`--save-profile --device cuda` there),
+# reported beside the profile of the machine the bench runs on
+H200_SPEC_STEPS_FILE = "sluice_spec_steps_h200.json"  # engine.spec.policy.spec_steps_file("NVIDIA H200")
 # --scheduling: EngineConfig.async_scheduling (a speculating step is synchronous either way)
 SCHEDULING = {"engine": None, "sync": False, "async": True}
 
@@ -57,7 +60,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--profile-steps", type=int, default=8, help="timed steps per profile cell (default 8)")
     p.add_argument("--policies", default=",".join(POLICIES), help="policies to run")
     p.add_argument(
-        "--save-profile", action="store_true", help="also write the measured profile beside the checkpoint"
+        "--save-profile",
+        action="store_true",
+        help="also write the measured profile beside the checkpoint, named after this machine (engine.spec.policy.spec_steps_file)",
     )
     p.add_argument(
         "--profile-from", default=None, metavar="FILE",
@@ -66,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--warmup-tokens", type=int, default=16,
         help="an untimed round first on each engine: every request's first 64 prompt tokens, this many "
-        "generated (the policy's acceptance rates and torch warm up, as on a serving engine; default 16)",
+        "generated (the policy's acceptance rates and torch warm up, as on a serving engine; default 16); "
+        "with CUDA graphs, the whole prompts and at least --tokens",
     )  # fmt: skip
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", default=None, help="engine dtype (default float32 on cpu, bfloat16 on cuda)")
@@ -105,10 +111,13 @@ def _run(
     )  # fmt: skip
     core = EngineCore(cfg)
     try:
+        graphs = core.runner.graphs if core.runner.graphs is not None and core.runner.graphs.capture else None
+        if graphs is not None:  # the timed round's shapes, captured before it
+            warmup_tokens = max(warmup_tokens, tokens)
         if warmup_tokens:
             warm = SamplingParams(temperature=0.0, max_tokens=warmup_tokens, ignore_eos=True)
             for i, p in enumerate(prompts):
-                core.add(CoreRequest(f"w{i}", tuple(p[:64]), warm))
+                core.add(CoreRequest(f"w{i}", tuple(p if graphs is not None else p[:64]), warm))
             while core.has_work():
                 core.step()
             if core.spec is not None:
@@ -121,6 +130,7 @@ def _run(
         emitted = 0
         step_times: list[float] = []
         first = True
+        captured = graphs.captures if graphs is not None else 0
         while core.has_work():
             t0 = time.perf_counter()
             outs = core.step()
@@ -149,10 +159,23 @@ def _run(
             # asynchronous (--scheduling async): a step that neither drafts nor verifies
             # overlaps the next one's scheduling, speculating or not
             "async_scheduling": cfg.overlaps_steps,
+            # CUDA graphs (decode, verification and drafting chains) captured during the
+            # timed round (its first steps of a shape the warm-up did not reach); null: no graphs
+            "graph_captures_timed": graphs.captures - captured if graphs is not None else None,
             "_trace": trace,
         }
     finally:
         core.close()
+
+
+def _steps_file(device: str) -> str:
+    from engine.spec.policy import spec_steps_file
+
+    if not device.startswith("cuda"):
+        return spec_steps_file()
+    import torch
+
+    return spec_steps_file(torch.cuda.get_device_name(torch.device(device)))
 
 
 def _profile_table(profile: Any, source: str) -> dict[str, Any]:
@@ -268,8 +291,8 @@ def run(args: argparse.Namespace) -> Report:
     with tempfile.TemporaryDirectory(prefix="sluice-bench-spec-") as tmp:
         ppath = Path(tmp) / SPEC_STEPS_FILE
         ppath.write_text(profile.to_json())
-        if args.save_profile:
-            (model / SPEC_STEPS_FILE).write_text(profile.to_json() + "\n")
+        if args.save_profile:  # where this machine's engines look for it
+            (model / _steps_file(args.device)).write_text(profile.to_json() + "\n")
         runs: dict[int, dict[str, Any]] = {}
         for c in conc:
             tries: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}

@@ -257,6 +257,53 @@ def test_the_engine_gives_a_request_the_same_tokens_alone_in_batches_and_with_sp
         bi.disable()
 
 
+def test_graphed_speculation_equals_its_padded_batches_run_eagerly() -> None:
+    """The trained preset with fixed-3 and DSpark speculation, bf16, the mode off: verification
+    steps and drafting chains as CUDA graphs give the tokens, drafts and acceptance of the same
+    padded batches run eagerly (graphs capture, they do not change the arithmetic)."""
+    from engine.llm import LLM
+    from engine.sampling.params import SamplingParams
+
+    gen = torch.Generator().manual_seed(3)
+    prompts = [
+        torch.randint(200, 3000, (int(torch.randint(4, 200, (1,), generator=gen)),), generator=gen).tolist()
+        for _ in range(24)
+    ]
+    params = [SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True) for _ in prompts]
+    keys = ("spec_drafted_tokens", "spec_verified_tokens", "spec_accepted_tokens")
+    for policy in ("fixed-3", "dspark"):
+        got = {}
+        for mode in ("auto", "padded"):
+            llm = LLM(
+                SHIPPED["trained"], device="cuda", dtype="bfloat16", speculative=policy,
+                decode_graphs=mode, max_num_seqs=32, num_swa_slots=64,
+            )  # fmt: skip
+            try:
+                outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
+                extra = llm.core.stats().extra
+            finally:
+                llm.close()
+            got[mode] = ([o.outputs[0].token_ids for o in outs], [extra[k] for k in keys])
+            print(
+                policy,
+                mode,
+                {
+                    k: extra.get(k)
+                    for k in (
+                        *keys,
+                        "graph_replays",
+                        "graph_verify_steps",
+                        "graph_draft_chains",
+                        "graph_captures",
+                    )
+                },
+            )
+            if mode == "auto":
+                assert extra["graph_draft_chains"] > 0
+                assert policy != "fixed-3" or extra["graph_verify_steps"] > 0
+        assert got["auto"] == got["padded"], policy
+
+
 def test_the_mode_keeps_the_reference_accuracy_in_bf16(tmp_path) -> None:
     """The mode's kernels, graphs on, against transformers' fp32 reference (the CUDA-graph
     test's sequences): their largest logit error is the stock bf16 path's, within a factor of

@@ -3,6 +3,8 @@ replayed, and equal to transformers' reference and to the eager path."""
 
 from __future__ import annotations
 
+import random
+
 import torch
 
 from engine.checkpoint.generate import generate_checkpoint
@@ -80,6 +82,59 @@ def test_a_graph_replays_the_padded_batch_exactly(tmp_path) -> None:
         assert torch.equal(modes["auto"][t], modes["padded"][t]), f"step {t}: graph != padded"
     agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(modes["auto"], modes["off"]))
     print(f"tiny bf16, graphs vs eager greedy agreement {agree / (STEPS * len(PROMPTS)):.3f}")
+
+
+def _verify(runner: ModelRunner, seqs: list[list[int]], check_sync: bool = False) -> list[torch.Tensor]:
+    """Prefill each prompt, then verification-shaped steps: every row 1 to 6 teacher-forced
+    tokens (seeded), logits at each: logits per step. ``check_sync``: every step after the
+    first of its shape must not wait for the device."""
+    rng = random.Random(7)
+    blocks = runner.cfg.num_blocks // len(seqs)
+    table = [list(range(i * blocks, (i + 1) * blocks)) for i in range(len(seqs))]
+    pre = [SequenceInput(s[:p], 0, i, table[i]) for i, (s, p) in enumerate(zip(seqs, PROMPTS))]
+    runner.execute(ForwardBatch.from_sequences(pre, device="cuda"))
+    done, out, shapes = list(PROMPTS), [], set()
+    while all(len(s) - d >= 6 for s, d in zip(seqs, done)):
+        rows = []
+        for i, s in enumerate(seqs):
+            q = rng.choice([1, 2, 3, 4, 5, 6])
+            rows.append(SequenceInput(s[done[i] : done[i] + q], done[i], i, table[i], num_logits=q))
+            done[i] += q
+        batch = ForwardBatch.from_sequences(rows, device="cuda")
+        shape = max(batch.query_len_cpu)
+        torch.cuda.synchronize()
+        if check_sync and shape in shapes:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            logits = runner.execute(batch).logits
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        shapes.add(shape)
+        out.append(logits.float().cpu())
+    torch.cuda.synchronize()
+    return out
+
+
+def test_graphed_verification_replays_the_padded_batch_exactly(tmp_path) -> None:
+    """Verification steps (rows of 1 to 6 tokens, padded to the step's most) as graphs: equal
+    bitwise to the padded batch run eagerly, close to the unpadded eager path, and a replay
+    never waits for the device."""
+    path = generate_checkpoint("tiny", tmp_path / "tiny").path
+    modes, runners = {}, {}
+    for mode in ("auto", "padded", "off"):
+        runners[mode] = _runner(path, mode, n=18)
+        modes[mode] = _verify(runners[mode], _seqs(runners[mode].model_cfg.vocab_size), mode == "auto")
+    graphs = runners["auto"].graphs
+    assert graphs is not None and graphs.verify_steps == len(modes["auto"]) >= 3 and graphs.replays >= 3
+    for t, (a, b) in enumerate(zip(modes["auto"], modes["padded"])):
+        assert torch.equal(a, b), f"step {t}: graph != padded"
+    err = max((a - b).abs().max().item() for a, b in zip(modes["auto"], modes["off"]))
+    agree = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(modes["auto"], modes["off"]))
+    rows = sum(a.shape[0] for a in modes["auto"])
+    print(
+        f"tiny bf16 verification, graphs vs eager: max |logit diff| {err:.4f}, greedy agreement {agree / rows:.3f}"
+    )
+    assert err < 0.1
 
 
 def test_a_graph_keeps_every_tensor_it_reads(tmp_path) -> None:

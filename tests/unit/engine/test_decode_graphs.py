@@ -8,6 +8,8 @@ row's logits, its caches, or the MoE load counters. The capture itself runs in t
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -89,21 +91,72 @@ def test_padded_decode_equals_the_reference_and_the_eager_path(reference) -> Non
     assert padded.pool.num_blocks == n + 1 and eager.pool.num_blocks == n
 
 
+def _run_verify(
+    path, mode: str, seqs: list[list[int]]
+) -> tuple[ModelRunner, list[torch.Tensor], list[torch.Tensor]]:
+    """Prefill each prompt, then verification-shaped steps: each row brings 1 to 6
+    teacher-forced tokens with logits at every one (a seeded mix, some rows with 1): (runner,
+    logits per step, the MoE load counters per step)."""
+    n = len(seqs)
+    rng = random.Random(5)
+    runner = ModelRunner(path, RunnerConfig(num_blocks=n, num_slots=n, decode_graphs=mode))
+    prefill = [SequenceInput(s[:p], 0, i, [i]) for i, (s, p) in enumerate(zip(seqs, PROMPTS))]
+    runner.execute(ForwardBatch.from_sequences(prefill))
+    done = list(PROMPTS)
+    logits, loads = [], []
+    while all(len(s) - d >= 6 for s, d in zip(seqs, done)):
+        rows = []
+        for i, s in enumerate(seqs):
+            q = rng.choice([1, 1, 2, 3, 4, 5, 6])
+            rows.append(SequenceInput(s[done[i] : done[i] + q], done[i], i, [i], num_logits=q))
+            done[i] += q
+        batch = ForwardBatch.from_sequences(rows)
+        assert graphable(batch)
+        logits.append(runner.execute(batch).logits.clone())
+        loads.append(runner.expert_load().clone())
+    return runner, logits, loads
+
+
+def test_padded_verification_equals_the_eager_path(reference) -> None:
+    """Rows padded to the step's most tokens: the padding tokens write only the scratch slot
+    and block, so every real token's logits, every cache row and the load counters are the
+    eager verification path's."""
+    path, _ = reference("mixed_hc2")
+    seqs = _seqs()
+    eager, want, want_load = _run_verify(path, "off", seqs)
+    padded, got, got_load = _run_verify(path, "padded", seqs)
+    assert len(got) == len(want) >= 3
+    for t, (g, w) in enumerate(zip(got, want)):
+        assert g.shape == w.shape
+        assert (g - w).abs().max().item() < 1e-5, f"step {t}: padded != eager"
+        assert torch.equal(got_load[t], want_load[t]), f"step {t}: load counters differ"
+    n = len(seqs)
+    caches = [
+        *(("rows", padded.pool.rows[layer], t) for layer, t in eager.pool.rows.items()),
+        *(("index rows", padded.pool.index_rows[layer], t) for layer, t in eager.pool.index_rows.items()),
+        *(("window", padded.swa.window[layer], t) for layer, t in enumerate(eager.swa.window)),
+        *(("state", padded.swa.state_kv[layer], t) for layer, t in eager.swa.state_kv.items()),
+    ]
+    for what, got_t, want_t in caches:
+        assert (got_t[:n] - want_t).abs().max().item() < 1e-5, what
+
+
 @pytest.mark.parametrize(
     "change",
     [
         dict(sample=False),
-        dict(num_logits=2, token_ids=[5, 6]),
         dict(swa_keep=(1, 3)),
         dict(rows_cached_until=4),
         dict(embeds=((0, torch.zeros(1, 64)),)),
-        dict(token_ids=[5, 6]),
+        dict(token_ids=list(range(7)), num_logits=7),
     ],
 )
-def test_only_plain_decode_batches_are_graphed(change) -> None:
+def test_only_plain_decode_and_verification_batches_are_graphed(change) -> None:
     base = dict(token_ids=[5], num_computed=7, swa_slot=0, block_table=[0])
     other = SequenceInput([9], 3, 1, [1])
     assert graphable(ForwardBatch.from_sequences([SequenceInput(**base), other]))
+    verifying = dict(base, token_ids=[5, 6, 7], num_logits=3)
+    assert graphable(ForwardBatch.from_sequences([SequenceInput(**verifying), other]))
     assert not graphable(ForwardBatch.from_sequences([SequenceInput(**{**base, **change}), other]))
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.spec.policy import SpecConfig, SpecPolicy, SpecProfile
+from engine.spec.policy import SPEC_STEPS_FILE, SpecConfig, SpecPolicy, SpecProfile, spec_steps_file
 
 DRAFTS = tuple(range(6))
 
@@ -193,3 +193,11 @@ def test_a_step_without_drafts_records_what_verification_would_have(policy: str)
     fixed.observe("b", 0)
     assert fixed.trace == [[((), 0, 0)], [((0.9, 0.8), 2, 1), ((), 0, 0)]]
     assert dict(fixed.stats.policies) == {"none": 1, "fixed-2": 1}
+
+
+def test_a_profile_file_is_named_after_the_machine_that_measured_it() -> None:
+    assert spec_steps_file() == SPEC_STEPS_FILE == "sluice_spec_steps.json"
+    assert spec_steps_file("NVIDIA H200") == "sluice_spec_steps_h200.json"
+    assert spec_steps_file("NVIDIA A100-SXM4-80GB") == "sluice_spec_steps_a100.json"
+    assert spec_steps_file("NVIDIA H100 80GB HBM3") == "sluice_spec_steps_h100.json"
+    assert spec_steps_file("NVIDIA GeForce RTX 4090") == "sluice_spec_steps_geforce-rtx-4090.json"

@@ -64,10 +64,13 @@ def _workload(n: int) -> list[tuple[list[list[int]], list[SamplingParams]]]:
     return [(first, params), (hits, [greedy] * len(hits))]
 
 
-def _outputs(n: int, **engine: object) -> list[list[list[int]]]:
+def _outputs(n: int, stats: dict[str, float] | None = None, **engine: object) -> list[list[list[int]]]:
     llm = LLM(MODEL, max_num_seqs=16, num_swa_slots=32, **engine)
     try:
-        return [_generate(llm, prompts, params) for prompts, params in _workload(n)]
+        out = [_generate(llm, prompts, params) for prompts, params in _workload(n)]
+        if stats is not None:
+            stats.update(llm.core.stats().extra)
+        return out
     finally:
         llm.close()
 
@@ -82,7 +85,25 @@ def _check_identity(n: int, steep_profile: str, policies: tuple[str, ...]) -> No
 
 
 def test_greedy_tokens_equal_plain_decoding(steep_profile) -> None:
-    _check_identity(12, steep_profile, ("dspark", "fixed-2:5"))  # 100 prompts x 4 policies: slow
+    """dspark and fixed-2:5 give plain decoding's tokens (100 prompts x 4 policies: slow); so
+    does dspark with verification and drafting as the CUDA graphs run them (rows padded to the
+    step's most tokens, the drafting chain on the device; eagerly here), whose drafts and
+    acceptance are also the unpadded paths'."""
+    base = _outputs(12)
+    stats: dict[str, dict[str, float]] = {}
+    for name, engine in (("dspark", {}), ("dspark padded", {"decode_graphs": "padded"}), ("fixed-2:5", {})):
+        stats[name] = {}
+        spec = _outputs(
+            12, stats[name], speculative=name.split()[0], spec_profile_path=steep_profile, **engine
+        )
+        for r, (a, b) in enumerate(zip(base, spec)):
+            bad = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
+            assert not bad, f"{name}, round {r}: prompts {bad[:5]} differ"
+    eager, padded = stats["dspark"], stats["dspark padded"]
+    assert padded["graph_verify_steps"] > 0 and padded["graph_draft_chains"] > 0
+    keys = ("spec_steps", "spec_drafted_tokens", "spec_verified_tokens", "spec_accepted_tokens")
+    assert [padded[k] for k in keys] == [eager[k] for k in keys]
+    assert padded["spec_accepted_tokens"] > 0
 
 
 @pytest.mark.slow
@@ -152,11 +173,13 @@ def test_published_blocks_equal_plain_decodings(steep_profile) -> None:
             assert (a - b).abs().max().item() < 1e-4, h.hex()
 
 
-def test_speculation_switched_off_overlaps_steps_and_keeps_the_tokens(tmp_path) -> None:
+@pytest.mark.parametrize("loop", ["async_scheduling", "pipeline_steps"])
+def test_speculation_switched_off_overlaps_steps_and_keeps_the_tokens(tmp_path, loop: str) -> None:
     """A profile on which speculation never pays (verification at ~10 plain steps, as the
-    H200's eager verification): DSpark drafts nothing, not even in the prompts' step, and
-    decodes plainly from the first step; the engine then schedules step N+1 while step N
-    runs, as plain decoding does; the tokens are plain decoding's."""
+    H200's eager verification once measured): DSpark drafts nothing, not even in the prompts'
+    step, and decodes plainly from the first step; the engine then schedules (asynchronous
+    steps) or launches (pipelined steps) step N+1 while step N runs, as plain decoding does;
+    the tokens are plain decoding's."""
     batch = (1, 8, 32)
     secs = tuple(tuple(b * (0.01 + 0.03 + 0.05 * k) for k in range(6)) for b in batch)
     path = tmp_path / "steps.json"
@@ -174,11 +197,11 @@ def test_speculation_switched_off_overlaps_steps_and_keeps_the_tokens(tmp_path) 
         plain.close()
     llm = LLM(
         MODEL, max_num_seqs=16, num_swa_slots=32, speculative="dspark", spec_profile_path=str(path),
-        async_scheduling=True,
+        **{loop: True},
     )  # fmt: skip
     try:
         assert _generate(llm, prompts, greedy) == want
-        assert llm.loop.overlapped > 0
+        assert (llm.loop.overlapped if loop == "async_scheduling" else llm.loop.pipelined) > 0
         spec = llm.core.spec
         assert (spec.stats.drafted, spec.stats.verified, spec.mode, spec.depth) == (0, 0, "off", 0)
         assert set(spec.stats.policies) <= {"off"}, spec.stats.policies
