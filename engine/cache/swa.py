@@ -105,10 +105,16 @@ class SWASlots:
         Positions of one slot must map to distinct rows of every ring (at most R of them)."""
         rings = self.layer_rings(layers)
         device = self.window[0].device
-        slot_t = upload(torch.tensor(slots, dtype=torch.long), device)
-        pos_t = upload(torch.tensor(positions, dtype=torch.long), device)
-        saved = [ring[slot_t, pos_t % ring.shape[1]].clone() for ring in rings]
-        return StagedRows(rings, slot_t, pos_t, saved)
+        # [2, N]: one upload; each staged row's flat index in a ring [num_slots * R, C], built
+        # once per ring length R (a layer's rings share a few), then one gather per ring
+        slot_t, pos_t = upload(torch.tensor([slots, positions], dtype=torch.long), device)
+        rows: dict[int, torch.Tensor] = {}
+        for ring in rings:
+            r = ring.shape[1]
+            if r not in rows:
+                rows[r] = slot_t * r + pos_t % r
+        saved = [_flat(ring).index_select(0, rows[ring.shape[1]]) for ring in rings]
+        return StagedRows(rings, slot_t, pos_t, saved, rows)
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Make slot ``dst`` an exact copy of slot ``src`` (prefix hit on another sequence's state, n>1 forks)."""
@@ -170,19 +176,26 @@ class StagedRows:
     slots: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
     saved: list[torch.Tensor]  # per ring [N, C]
+    rows: dict[int, torch.Tensor]  # per ring length R: [N] flat row index in [num_slots * R, C]
 
     def undo(self, rejected: list[bool]) -> None:
         """Put back the saved rows of the staged positions marked rejected (their writes
         never happened, as far as any later step can see); the rest keep what was written."""
         if not any(rejected):
             return
-        if all(rejected):
-            slots, pos, saved = self.slots, self.positions, self.saved
-        else:  # an index built on the host: a boolean mask's size would need a device round trip
+        rows, saved = self.rows, self.saved
+        if not all(
+            rejected
+        ):  # an index built on the host: a boolean mask's size would need a device round trip
             sel = upload(
                 torch.tensor([i for i, r in enumerate(rejected) if r], dtype=torch.long), self.slots.device
             )
-            slots, pos = self.slots[sel], self.positions[sel]
-            saved = [rows[sel] for rows in self.saved]
-        for ring, rows in zip(self.rings, saved):
-            ring[slots, pos % ring.shape[1]] = rows
+            rows = {r: index[sel] for r, index in rows.items()}
+            saved = [kept[sel] for kept in saved]
+        for ring, kept in zip(self.rings, saved):
+            _flat(ring).index_copy_(0, rows[ring.shape[1]], kept)
+
+
+def _flat(ring: torch.Tensor) -> torch.Tensor:
+    """A ring [num_slots, R, C] as rows [num_slots * R, C] (a view: rings are contiguous)."""
+    return ring.view(-1, ring.shape[-1])

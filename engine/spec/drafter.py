@@ -334,7 +334,9 @@ class DraftGraphs:
             self.replays += 1
             tokens, conf = chain.tokens, chain.conf
         self.chains_run += 1
-        out_tokens, out_conf = tokens.t().tolist(), conf.t().tolist()
+        # one read of the device: token ids are exact in float64
+        both = torch.stack([tokens.double(), conf.double()]).transpose(1, 2).tolist()
+        out_tokens, out_conf = [[int(t) for t in row] for row in both[0]], both[1]
         if staged is not None:
             staged.undo([True] * int(staged.positions.shape[0]))
         return out_tokens, out_conf

@@ -24,6 +24,10 @@ as many held-out files as possible; fewer than ``n`` candidates is an error.
 Generation (``continue_headers``). The prompt is BOS followed by the header's ids (the
 model's ``tokenizer.json``, no special tokens added), sampled greedily
 (``temperature=0``) for at most ``max_tokens`` tokens; the text leaves control tokens out.
+With ``context_tokens`` > 0 the header is continued in its file, as a code-completion
+request sends it: the prompt is BOS, then the file's text before the header (its last
+``context_tokens`` tokens, from the first line that starts within them), then the header,
+encoded together. Only the header and its continuation are read.
 
 Reading (``cut_at_blank_line``). The header plus continuation is cut before its first
 blank line outside a string literal (a line that is empty or whitespace only; lines end at
@@ -69,6 +73,7 @@ class Header:
     name: str  # the function's name
     lineno: int  # 1-based line of the ``def`` (or ``async def``)
     text: str  # the signature lines, ending with ":\n"
+    before: str = ""  # the file's text before the header's first line (its context)
 
 
 @dataclass(frozen=True)
@@ -163,7 +168,7 @@ def file_headers(path: str, text: str) -> list[Header]:
             continue
         if any(_is_blank(line) for line in _lines(head)):
             continue
-        out.append(Header(path, node.name, node.lineno, head))
+        out.append(Header(path, node.name, node.lineno, head, "".join(lines[:first])))
     return out
 
 
@@ -232,8 +237,10 @@ def continue_headers(
     *,
     max_tokens: int = DEFAULT_MAX_TOKENS,
     device: str = "cpu",
+    context_tokens: int = 0,
 ) -> list[Continuation]:
-    """Greedy continuations of ``headers`` by the checkpoint in ``model_dir``, one engine for all."""
+    """Greedy continuations of ``headers`` by the checkpoint in ``model_dir``, one engine for
+    all; ``context_tokens``: how much of each header's file before it the prompt carries."""
     from tokenizers import Tokenizer
 
     from engine.llm import LLM
@@ -246,7 +253,10 @@ def continue_headers(
     config = json.loads((model_dir / "config.json").read_text(encoding="utf-8"))
     bos = int(config["bos_token_id"])
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
-    prompts = [[bos, *tok.encode(h.text, add_special_tokens=False).ids] for h in headers]
+    prompts = [
+        [bos, *tok.encode(file_context(tok, h.before, context_tokens) + h.text, add_special_tokens=False).ids]
+        for h in headers
+    ]
     seqs = min(8, len(prompts))
     per_seq = math.ceil((max(len(p) for p in prompts) + max_tokens) / SchedulerConfig.block_size)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
@@ -258,6 +268,22 @@ def continue_headers(
         read_continuation(h, o.outputs[0].text, o.outputs[0].finish_reason)
         for h, o in zip(headers, outs, strict=True)
     ]
+
+
+def file_context(tok: Any, before: str, tokens: int) -> str:
+    """The end of ``before`` that fits in ``tokens`` tokens of ``tok``, from the first line
+    that starts within them ("" when ``tokens`` is 0)."""
+    if tokens <= 0 or not before:
+        return ""
+    enc = tok.encode(before, add_special_tokens=False)
+    if len(enc.ids) <= tokens:
+        return before
+    start = enc.offsets[len(enc.ids) - tokens][0]
+    line = before.rfind("\n", 0, start) + 1  # the line the cut falls in starts here
+    if line < start:  # a partial line: begin at the next one
+        nxt = before.find("\n", start)
+        return "" if nxt < 0 else before[nxt + 1 :]
+    return before[start:]
 
 
 # -- reporting ---------------------------------------------------------------------------
@@ -301,14 +327,18 @@ def run_headers(
     n: int = DEFAULT_N,
     max_tokens: int = DEFAULT_MAX_TOKENS,
     device: str = "cpu",
+    context_tokens: int = 0,
 ) -> dict[str, Any]:
     """Select ``n`` held-out headers from ``data_dir``, continue them with ``model_dir``; a JSON report."""
     headers = select_headers(heldout_texts(data_dir), n)
-    conts = continue_headers(model_dir, headers, max_tokens=max_tokens, device=device)
+    conts = continue_headers(
+        model_dir, headers, max_tokens=max_tokens, device=device, context_tokens=context_tokens
+    )
     return {
         "n": len(conts),
         "parsed": sum(c.parses for c in conts),
         "max_tokens": max_tokens,
+        "context_tokens": context_tokens,
         "model_dir": str(model_dir),
         "data_dir": str(data_dir),
         "items": [

@@ -91,6 +91,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     _checkpoint_args(h)
     h.add_argument("--n", type=int, default=20)
     h.add_argument("--max-tokens", type=int, default=96)
+    h.add_argument(
+        "--context-tokens", type=int, default=0,
+        help="continue each header in its file: the prompt carries up to this many tokens of the file "
+        "before it (default 0: the header alone)",
+    )  # fmt: skip
     h.add_argument("--markdown", type=Path, default=None, help="also write the markdown report here")
     h.add_argument("--json", action="store_true", help="print the JSON report")
     h.set_defaults(func=run_headers)
@@ -223,7 +228,10 @@ def _print_measures(report: dict) -> None:
 def run_headers(args: argparse.Namespace) -> int:
     from engine.train.headers import continuations, render_markdown, run_headers
 
-    report = run_headers(args.model, args.data, n=args.n, max_tokens=args.max_tokens, device=args.device)
+    report = run_headers(
+        args.model, args.data, n=args.n, max_tokens=args.max_tokens, device=args.device,
+        context_tokens=args.context_tokens,
+    )  # fmt: skip
     if args.markdown is not None:
         args.markdown.write_text(render_markdown(continuations(report)))
     if args.json:

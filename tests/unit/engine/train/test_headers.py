@@ -160,9 +160,30 @@ def test_continue_headers_end_to_end(texts: dict[str, str], model_dir: Path) -> 
     assert md.count("```python") == 4 and all(f"### {c.header.path}: {c.header.name}" in md for c in conts)
 
 
+def test_a_header_in_its_file_carries_whole_lines_before_it(built: Path, texts: dict[str, str]) -> None:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(built / "tokenizer.json"))
+    for h in hd.select_headers(texts, 3):
+        assert texts[h.path].startswith(h.before + h.text) and h.before
+        assert hd.file_context(tok, h.before, 0) == ""
+        assert hd.file_context(tok, h.before, 10**6) == h.before
+        for n in (5, 50, 500):
+            ctx = hd.file_context(tok, h.before, n)
+            assert h.before.endswith(ctx)
+            rest = h.before[: len(h.before) - len(ctx)]
+            assert rest == "" or rest.endswith("\n")  # whole lines
+            assert len(tok.encode(ctx, add_special_tokens=False).ids) <= n
+
+
 def test_run_headers_report(built: Path, model_dir: Path) -> None:
     report = hd.run_headers(model_dir, built, n=3, max_tokens=4)
     json.dumps(report)
     assert report["n"] == 3 and len(report["items"]) == 3
+    assert report["context_tokens"] == 0
+    in_file = hd.run_headers(model_dir, built, n=3, max_tokens=4, context_tokens=64)
+    assert in_file["context_tokens"] == 64 and [it["header"] for it in in_file["items"]] == [
+        it["header"] for it in report["items"]
+    ]
     assert report["parsed"] == sum(it["parses"] for it in report["items"])
     assert [it["path"] for it in report["items"]] == sorted(HELDOUT)
