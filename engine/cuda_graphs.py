@@ -102,7 +102,7 @@ def graphable(batch: ForwardBatch) -> bool:
 class _Graph:
     graph: torch.cuda.CUDAGraph
     # ids, pos, real [T]; computed, slot, window_from [B]; write slot [T] (query > 1); table
-    # [B * blocks]: int64, the layout of `DecodeGraphs._layout`
+    # [B * blocks]: int64, the layout of `DecodeGraphs.layout`
     inputs: torch.Tensor
     # the batch it was captured with: its other tensors (row starts, lengths, sample flags) are
     # read by every replay, so they must live as long as the graph (freed, their memory would
@@ -137,13 +137,13 @@ class DecodeGraphs:
         self.verify_steps = 0  # verification steps run padded (graphed or not)
 
     @staticmethod
-    def _layout(b: int, q: int, blocks: int) -> list[int]:
+    def layout(b: int, q: int, blocks: int) -> list[int]:
         t = b * q
         return [t, t, t, b, b, b] + ([t] if q > 1 else []) + [b * blocks]
 
-    def _static_batch(self, inputs: torch.Tensor, b: int, q: int, context: int) -> ForwardBatch:
+    def static_batch(self, inputs: torch.Tensor, b: int, q: int, context: int) -> ForwardBatch:
         blocks = context // BLOCK_TOKENS
-        ids, pos, real, computed, slot, window_from, *rest = inputs.split(self._layout(b, q, blocks))
+        ids, pos, real, computed, slot, window_from, *rest = inputs.split(self.layout(b, q, blocks))
         write_slot, table = rest if q > 1 else (None, rest[0])
         return ForwardBatch(
             input_ids=ids,
@@ -163,7 +163,7 @@ class DecodeGraphs:
             padded=PaddedDecode(context, window_from, real, self.scratch_block, q, write_slot),
         )
 
-    def _host_inputs(self, batch: ForwardBatch | None, b: int, q: int, blocks: int) -> torch.Tensor:
+    def host_inputs(self, batch: ForwardBatch | None, b: int, q: int, blocks: int) -> torch.Tensor:
         """The static inputs of ``batch`` padded to ``b`` rows of ``q`` tokens and ``blocks``
         table columns (``None``: every row padding)."""
         n = 0 if batch is None else batch.num_seqs
@@ -225,10 +225,10 @@ class DecodeGraphs:
 
     def _capture(self, b: int, q: int, context: int) -> _Graph:
         blocks = context // BLOCK_TOKENS
-        inputs = torch.zeros(sum(self._layout(b, q, blocks)), dtype=torch.long, device=self.device)
-        static = self._static_batch(inputs, b, q, context)
+        inputs = torch.zeros(sum(self.layout(b, q, blocks)), dtype=torch.long, device=self.device)
+        static = self.static_batch(inputs, b, q, context)
         # every row padding while warming up and capturing: the caches' real rows stay untouched
-        inputs.copy_(self._host_inputs(None, b, q, blocks).to(self.device))
+        inputs.copy_(self.host_inputs(None, b, q, blocks).to(self.device))
         graph, (final, hidden) = self.capture_graph(
             lambda: self.model.final_hidden(static, self.pool, self.swa)
         )
@@ -245,12 +245,12 @@ class DecodeGraphs:
         b = batch_bucket(n)
         q = max(batch.query_len_cpu)
         context = context_bucket(max(batch.num_computed_cpu) + q)
-        host = self._host_inputs(batch, b, q, context // BLOCK_TOKENS)
+        host = self.host_inputs(batch, b, q, context // BLOCK_TOKENS)
         if not self.capture:
             inputs = upload(host, self.device)
             batch.write_fed(inputs)  # the ids lead the inputs: row i's id at index i
             final, hidden = self.model.final_hidden(
-                self._static_batch(inputs, b, q, context), self.pool, self.swa
+                self.static_batch(inputs, b, q, context), self.pool, self.swa
             )
         else:
             key = (b, q, context)

@@ -181,16 +181,17 @@ class Drafter:
 
 @dataclass
 class _Chain:
-    graph: torch.cuda.CUDAGraph | None  # None: the padded chain runs eagerly (capture off)
-    # int64: pass 1's padded batch (`DecodeGraphs._layout`, one table column), then each row's
-    # last run token [B] and whether pass j + 1's draft is wanted [depth * B]
+    """A drafting chain's static tensors (and its graph, once captured)."""
+
+    # int64: pass 1's padded batch (`DecodeGraphs.layout`, one table column), then ``last``
+    # and ``live``
     inputs: torch.Tensor
-    streams: torch.Tensor  # [B * q, hc, D] the runs' main-model streams, copied in
     batch: ForwardBatch  # pass 1's static batch (its tensors are read by every replay)
-    # graphed: the outputs, [depth, B] drafts (int64) and their confidences (float32);
-    # eager: the inputs last [B] and live [depth, B], views of ``inputs``
-    tokens: torch.Tensor
-    conf: torch.Tensor
+    streams: torch.Tensor  # [B * q, hc, D] the runs' main-model streams, copied in
+    last: torch.Tensor  # [B] each row's last run token in pass 1's flat tokens
+    live: torch.Tensor  # [depth, B] 1 where the row wants pass j + 1's draft (MoE load)
+    graph: torch.cuda.CUDAGraph | None = None  # None: the padded chain runs eagerly
+    out: tuple[torch.Tensor, torch.Tensor] | None = None  # graphed: drafts, confidences [depth, B]
 
 
 class DraftGraphs:
@@ -203,7 +204,8 @@ class DraftGraphs:
     and its output streams the next pass's input. Every real row runs every pass; drafts past
     a row's ``num_drafts`` are dropped on the host, their window writes put back with the
     others (`SWASlots.stage`). The host reads the drafts once, after the last pass (the
-    eager chain reads each pass's). Prefill runs (up to a window long) draft eagerly."""
+    eager chain reads each pass's). Prefill runs (up to a window long) draft eagerly. With
+    the decode graphs' ``capture`` off, the same padded chain runs eagerly (CPU tests)."""
 
     def __init__(self, drafter: Drafter, graphs: DecodeGraphs) -> None:
         self.drafter, self.graphs = drafter, graphs
@@ -216,36 +218,37 @@ class DraftGraphs:
     def applies(runs: Sequence[DraftRun]) -> bool:
         return max(len(r.next_ids) for r in runs) <= MAX_GRAPH_QUERY
 
-    def _chain(self, batch: ForwardBatch, streams: torch.Tensor, last: torch.Tensor, live: torch.Tensor):
-        """Every pass of the chain on static tensors -> (tokens, confidences) [depth, B]."""
-        d, g = self.drafter, self.graphs
+    def _passes(self, c: _Chain) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every pass of the chain on its static tensors -> (drafts, confidences) [depth, B]."""
+        d, g, batch = self.drafter, self.graphs, c.batch
         assert batch.padded is not None
-        b = last.shape[0]
+        b, dev = c.last.shape[0], batch.input_ids.device
         ids = batch.input_ids
         emb = d.model.model.embed_tokens(ids)
-        out = d.layer(streams, emb, batch, d.pool, d.swa, d.cache_layer, ids)
-        rows, emb = out[last], emb[last]
+        out = d.layer(c.streams, emb, batch, d.pool, d.swa, d.cache_layer, ids)
+        rows, emb = out[c.last], emb[c.last]
         token, conf = d.predict(rows, emb)
         tokens, confs = [token], [conf]
-        ends = batch.positions[last] + 1
-        ones = torch.ones(b, dtype=torch.long, device=ids.device)
-        for j in range(1, live.shape[0]):
+        ends = batch.positions[c.last] + 1
+        ones = torch.ones(b, dtype=torch.long, device=dev)
+        scratch = torch.full((b, 1), g.scratch_block, dtype=torch.long, device=dev)  # never read
+        for j in range(1, c.live.shape[0]):
             pos = ends + (j - 1)
             step = ForwardBatch(
                 input_ids=token,
                 positions=pos,
-                query_start=torch.arange(b, device=ids.device),
+                query_start=torch.arange(b, device=dev),
                 query_len=ones,
                 num_computed=pos,
                 swa_slot=batch.swa_slot,
-                block_table=torch.full((b, 1), g.scratch_block, dtype=torch.long, device=ids.device),
+                block_table=scratch,  # the MTP layer is window-only
                 sample=ones.bool(),
                 query_start_cpu=tuple(range(b)),
                 query_len_cpu=(1,) * b,
                 num_computed_cpu=(0,) * b,
                 swa_slot_cpu=tuple(range(b)),
                 sample_cpu=(True,) * b,
-                padded=PaddedDecode(BLOCK_TOKENS, batch.padded.window_from, live[j], g.scratch_block),
+                padded=PaddedDecode(BLOCK_TOKENS, batch.padded.window_from, c.live[j], g.scratch_block),
             )
             emb = d.model.model.embed_tokens(token)
             rows = d.layer(rows, emb, step, d.pool, d.swa, d.cache_layer, token)
@@ -254,27 +257,29 @@ class DraftGraphs:
             confs.append(conf)
         return torch.stack(tokens), torch.stack(confs)
 
-    def _build(self, b: int, q: int, depth: int, capture: bool) -> _Chain:
+    def _build(self, b: int, q: int, depth: int) -> _Chain:
         g, dev = self.graphs, self.graphs.device
-        layout = g._layout(b, q, 1)
-        inputs = torch.zeros(sum(layout) + b + depth * b, dtype=torch.long, device=dev)
-        batch = g._static_batch(inputs[: sum(layout)], b, q, BLOCK_TOKENS)
-        last, live = inputs[sum(layout) :].split([b, depth * b])
+        layout = sum(g.layout(b, q, 1))
+        inputs = torch.zeros(layout + b + depth * b, dtype=torch.long, device=dev)
+        last, live = inputs[layout:].split([b, depth * b])
         embed = self.drafter.model.model.embed_tokens.weight
-        hc = self.drafter.model.cfg.hc_mult
-        streams = torch.zeros(b * q, hc, embed.shape[1], dtype=embed.dtype, device=dev)
-        live = live.view(depth, b)
-        if not capture:  # run() computes the chain on these tensors at each call
-            return _Chain(None, inputs, streams, batch, last, live)
-        inputs.copy_(self._host_inputs(None, b, q, depth).to(dev))  # all padding while capturing
-        graph, (tokens, conf) = g.capture_graph(lambda: self._chain(batch, streams, last, live))
-        return _Chain(graph, inputs, streams, batch, tokens, conf)
+        streams = torch.zeros(
+            b * q, self.drafter.model.cfg.hc_mult, embed.shape[1], dtype=embed.dtype, device=dev
+        )
+        chain = _Chain(
+            inputs, g.static_batch(inputs[:layout], b, q, BLOCK_TOKENS), streams, last, live.view(depth, b)
+        )
+        if g.capture:
+            inputs.copy_(self._host_inputs(None, b, q, depth).to(dev))  # all padding while capturing
+            chain.graph, chain.out = g.capture_graph(lambda: self._passes(chain))
+        return chain
 
     def _host_inputs(self, runs: Sequence[DraftRun] | None, b: int, q: int, depth: int) -> torch.Tensor:
+        """`_Chain.inputs` for ``runs`` padded to ``b`` rows (``None``: every row padding)."""
         g = self.graphs
         if runs is None:
             return torch.cat(
-                [g._host_inputs(None, b, q, 1), torch.arange(b) * q, torch.zeros(depth * b, dtype=torch.long)]
+                [g.host_inputs(None, b, q, 1), torch.arange(b) * q, torch.zeros(depth * b, dtype=torch.long)]
             )
         batch = ForwardBatch.from_sequences(
             [
@@ -282,35 +287,37 @@ class DraftGraphs:
                 for r in runs
             ]
         )
-        last = [i * q + len(r.next_ids) - 1 for i, r in enumerate(runs)] + [
-            i * q for i in range(len(runs), b)
-        ]
-        live = [int(i < len(runs) and runs[i].num_drafts > j) for j in range(depth) for i in range(b)]
-        return torch.cat([g._host_inputs(batch, b, q, 1), torch.tensor(last + live, dtype=torch.long)])
+        n = len(runs)
+        last = [i * q + len(r.next_ids) - 1 for i, r in enumerate(runs)] + [i * q for i in range(n, b)]
+        live = [int(i < n and runs[i].num_drafts > j) for j in range(depth) for i in range(b)]
+        return torch.cat([g.host_inputs(batch, b, q, 1), torch.tensor(last + live, dtype=torch.long)])
+
+    def _chain(self, b: int, q: int, depth: int) -> _Chain:
+        """The captured chain of this shape (captured now if new); a fresh one when not capturing."""
+        if not self.graphs.capture:
+            return self._build(b, q, depth)
+        if weight_epoch() != self.epoch:  # graphs hold the expert tensors they were captured with
+            self.chains.clear()
+            self.epoch = weight_epoch()
+        key = (b, q, depth)
+        chain = self.chains.get(key)
+        if chain is None:
+            chain = self.chains[key] = self._build(b, q, depth)
+            while len(self.chains) > MAX_GRAPHS:
+                self.chains.popitem(last=False)
+        self.chains.move_to_end(key)
+        return chain
 
     def run(
         self, hidden: torch.Tensor, runs: Sequence[DraftRun]
     ) -> tuple[list[list[int]], list[list[float]]]:
         """Draft for ``runs`` (`applies`) -> per run, its drafts and their confidences at depth
         1 .. max(num_drafts) (at least pass 1, which writes the windows)."""
-        g = self.graphs
-        if weight_epoch() != self.epoch:
-            self.chains.clear()
-            self.epoch = weight_epoch()
         n = len(runs)
         b, q = batch_bucket(n), max(len(r.next_ids) for r in runs)
         depth = max(1, max(r.num_drafts for r in runs))
         host = self._host_inputs(runs, b, q, depth)
-        key = (b, q, depth)
-        chain = self.chains.get(key) if g.capture else None
-        if chain is None:
-            chain = self._build(b, q, depth, g.capture)
-            if g.capture:
-                self.chains[key] = chain
-                while len(self.chains) > MAX_GRAPHS:
-                    self.chains.popitem(last=False)
-        if g.capture:
-            self.chains.move_to_end(key)
+        chain = self._chain(b, q, depth)
         rows = [r.hidden_from + min(j, len(r.next_ids) - 1) for r in runs for j in range(q)]
         index = upload(torch.tensor(rows + [0] * ((b - n) * q), dtype=torch.long), hidden.device)
         ends = [r.start + len(r.next_ids) for r in runs]
@@ -323,23 +330,23 @@ class DraftGraphs:
             if depth > 1
             else None
         )
-        if chain.graph is None:  # eager: the padded chain on this step's inputs
-            chain.inputs.copy_(host)
-            torch.index_select(hidden, 0, index, out=chain.streams)
-            tokens, conf = self._chain(chain.batch, chain.streams, chain.tokens, chain.conf)
+        if chain.inputs.is_cuda:
+            host = host.pin_memory()  # copied without waiting; the host allocator keeps it until then
+        chain.inputs.copy_(host, non_blocking=True)
+        torch.index_select(hidden, 0, index, out=chain.streams)
+        if chain.graph is None:
+            tokens, conf = self._passes(chain)
         else:
-            chain.inputs.copy_(host.pin_memory(), non_blocking=True)
-            torch.index_select(hidden, 0, index, out=chain.streams)
+            assert chain.out is not None
             chain.graph.replay()
             self.replays += 1
-            tokens, conf = chain.tokens, chain.conf
+            tokens, conf = chain.out
         self.chains_run += 1
         # one read of the device: token ids are exact in float64
         both = torch.stack([tokens.double(), conf.double()]).transpose(1, 2).tolist()
-        out_tokens, out_conf = [[int(t) for t in row] for row in both[0]], both[1]
         if staged is not None:
             staged.undo([True] * int(staged.positions.shape[0]))
-        return out_tokens, out_conf
+        return [[int(t) for t in row] for row in both[0]], both[1]
 
 
 def _cover(table: Sequence[int], end: int) -> list[int]:
