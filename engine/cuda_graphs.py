@@ -168,15 +168,15 @@ class DecodeGraphs:
         table columns (``None``: every row padding)."""
         n = 0 if batch is None else batch.num_seqs
         pad = b - n
-        lens: tuple[int, ...] = ()
-        starts: tuple[int, ...] = ()
-        ids: tuple[int, ...] = ()
-        computed: tuple[int, ...] = ()
-        slots: tuple[int, ...] = ()
-        window_from: tuple[int, ...] = ()
-        if batch is not None:
-            lens, starts, ids = batch.query_len_cpu, batch.query_start_cpu, batch.input_ids_cpu
-            computed, slots, window_from = batch.num_computed_cpu, batch.swa_slot_cpu, batch.window_from
+        none: tuple[int, ...] = ()
+        lens, starts, ids, computed, slots, window_from = (
+            (none,) * 6
+            if batch is None
+            else (
+                batch.query_len_cpu, batch.query_start_cpu, batch.input_ids_cpu,
+                batch.num_computed_cpu, batch.swa_slot_cpu, batch.window_from,
+            )
+        )  # fmt: skip
         row_ids: list[int] = []
         real: list[int] = []
         for start, k in zip(starts, lens):
