@@ -1,7 +1,10 @@
 """The prefill chunk cost model of `sluice bench engine --profile`: step times over a (chunk,
 prefix) grid with random weights at a checkpoint's config, on any device (`profile_prefill`;
-`GRID_C` x `GRID_H` on the CPU, `GPU_GRID_C` x `GPU_GRID_H` on a GPU), and the fit of
-``costmodel.CostModel``'s four terms, each >= 0, on relative error (`fit_cost_model`)."""
+`GRID_C` x `GRID_H` on the CPU, `GPU_GRID_C` x `GPU_GRID_H` on a GPU), the fit of
+``costmodel.CostModel``'s four terms, each >= 0, on relative error (`fit_cost_model`), and
+its error on held-out shapes that the fit never saw (`heldout_error`; `HELDOUT_C` x
+`HELDOUT_H`, `GPU_HELDOUT_C` x `GPU_HELDOUT_H`: other chunk sizes, and prefixes from none to
+twice the grid's longest)."""
 
 from __future__ import annotations
 
@@ -19,9 +22,17 @@ GRID_C = (16, 64, 128, 256, 512)
 GRID_H = (0, 256, 768)
 
 
+#: the CPU's held-out shapes: no chunk and no prefix of the grid
+HELDOUT_C = (32, 192, 384)
+HELDOUT_H = (128, 512, 1536)
+
 #: the prefill grid on a GPU: chunks and prefixes of the sizes a GPU engine runs
-GPU_GRID_C = (512, 2048, 8192, 16384)
-GPU_GRID_H = (0, 4096, 16384, 32768)
+GPU_GRID_C = (256, 1024, 4096, 16384)
+GPU_GRID_H = (1024, 4096, 8192, 32768)
+#: the GPU's held-out shapes (chunks of 512, 2,048 and 8,192 tokens after a cached prefix of
+#: 0, 16K and 64K tokens): no chunk and no prefix of the grid, the longest prefix twice its
+GPU_HELDOUT_C = (512, 2048, 8192)
+GPU_HELDOUT_H = (0, 16384, 65536)
 
 
 def profile_prefill(
@@ -124,4 +135,14 @@ def fit_cost_model(samples: list[tuple[int, int, float]]) -> dict[str, Any]:
         "d": model.d,
         "fit_rel_rmse": math.sqrt(statistics.fmean(r * r for r in rel)),
         "fit_max_rel_err": max(abs(r) for r in rel),
+    }
+
+
+def heldout_error(model: Any, samples: list[tuple[int, int, float]]) -> dict[str, Any]:
+    """A fitted ``CostModel``'s relative error on step times it was not fitted to."""
+    rel = [(model.predict(c, h) - t) / t for c, h, t in samples]
+    return {
+        "heldout_samples_chunk_prefix_s": [list(s) for s in samples],
+        "heldout_rel_rmse": math.sqrt(statistics.fmean(r * r for r in rel)),
+        "heldout_max_rel_err": max(abs(r) for r in rel),
     }

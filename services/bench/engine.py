@@ -28,9 +28,14 @@ from services.bench import Report, module_main, progress
 from services.bench._engine_costmodel import (
     GPU_GRID_C,
     GPU_GRID_H,
+    GPU_HELDOUT_C,
+    GPU_HELDOUT_H,
     GRID_C,
     GRID_H,
+    HELDOUT_C,
+    HELDOUT_H,
     fit_cost_model,
+    heldout_error,
     profile_prefill,
 )
 
@@ -146,9 +151,12 @@ def _throughput(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
 def _measure(name: str, model_dir: Path, args: argparse.Namespace, report: Report, out: Path) -> None:
     progress(f"{name}: throughput")
     tput = _throughput(model_dir, args)
-    progress(f"{name}: step-time grid {len(GRID_C)}x{len(GRID_H)}")
+    progress(
+        f"{name}: step-time grid {len(GRID_C)}x{len(GRID_H)}, then {len(HELDOUT_C)}x{len(HELDOUT_H)} held out"
+    )
     fit = fit_cost_model(profile_prefill(model_dir, "cpu", GRID_C, GRID_H, args.repeats))
     model = fit.pop("model")
+    fit.update(heldout_error(model, profile_prefill(model_dir, "cpu", HELDOUT_C, HELDOUT_H, args.repeats)))
     if args.profile:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(model.to_json())
@@ -159,9 +167,10 @@ def _measure(name: str, model_dir: Path, args: argparse.Namespace, report: Repor
             if spec is not None:
                 fit["spec_steps_saved_to"] = str(spec)
     report.results[name] = {**tput, **fit}
-    skip = ("saved_to", "samples_chunk_prefix_s", "abs_fit_rel_rmse")
+    skip = ("saved_to", "samples_chunk_prefix_s", "abs_fit_rel_rmse", "heldout_samples_chunk_prefix_s")
     report.rows.append({"model": name, **tput, **{k: v for k, v in fit.items() if k not in skip}})
     report.target(f"{name}: costmodel fit_rel_rmse", fit["fit_rel_rmse"], "<=", 0.25)
+    report.target(f"{name}: costmodel held-out rel RMSE", fit["heldout_rel_rmse"], "<=", 0.25)
 
 
 def _profile_decode(model_dir: Path, args: argparse.Namespace) -> Path:
@@ -192,15 +201,24 @@ def _profile_decode_on_gpu(model_dir: Path, args: argparse.Namespace, report: Re
     progress(f"{model_dir.name}: prefill step times (chunk x prefix) on {args.device}")
     samples = profile_prefill(model_dir, args.device, GPU_GRID_C, GPU_GRID_H, args.repeats)
     pre = fit_cost_model(samples)
+    model = pre.pop("model")
+    progress(f"{model_dir.name}: held-out prefill shapes (chunks {GPU_HELDOUT_C} x prefixes {GPU_HELDOUT_H})")
+    pre.update(
+        heldout_error(
+            model, profile_prefill(model_dir, args.device, GPU_HELDOUT_C, GPU_HELDOUT_H, args.repeats)
+        )
+    )
     cost_out = Path(args.out or model_dir / "sluice_cost_model.json")
     cost_out.parent.mkdir(parents=True, exist_ok=True)
-    cost_out.write_text(pre.pop("model").to_json() + "\n")
+    cost_out.write_text(model.to_json() + "\n")
     report.results["prefill_profile"] = {**pre, "saved_to": str(cost_out)}
     report.rows.append({
         "model": model_dir.name, "prefill a": pre["a"], "b": pre["b"], "c": pre["c"],
         "fit rel RMSE": round(pre["fit_rel_rmse"], 3), "max rel err": round(pre["fit_max_rel_err"], 3),
+        "held-out rel RMSE": round(pre["heldout_rel_rmse"], 3),
     })  # fmt: skip
     report.target("prefill cost model fit_rel_rmse (GPU)", pre["fit_rel_rmse"], "<=", 0.25)
+    report.target("prefill cost model held-out rel RMSE (GPU)", pre["heldout_rel_rmse"], "<=", 0.25)
     out = _profile_decode(model_dir, args)
     table = StepTable.load(out)
     context = int(json.loads((model_dir / "config.json").read_text())["max_position_embeddings"])
@@ -371,7 +389,13 @@ def run(args: argparse.Namespace) -> Report:
             k: getattr(args, k)
             for k in ("presets", "model", "profile", "prompt_tokens", "batch", "decode_tokens", "repeats")
         }
-        | {"grid_chunk": GRID_C, "grid_prefix": GRID_H, "torch_threads": torch.get_num_threads()},
+        | {
+            "grid_chunk": GPU_GRID_C if args.device.startswith("cuda") else GRID_C,
+            "grid_prefix": GPU_GRID_H if args.device.startswith("cuda") else GRID_H,
+            "heldout_chunk": GPU_HELDOUT_C if args.device.startswith("cuda") else HELDOUT_C,
+            "heldout_prefix": GPU_HELDOUT_H if args.device.startswith("cuda") else HELDOUT_H,
+            "torch_threads": torch.get_num_threads(),
+        },
     )
     if args.preset:
         from engine.kernels import set_kernels

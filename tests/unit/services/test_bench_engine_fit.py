@@ -6,7 +6,18 @@ from __future__ import annotations
 import pytest
 
 from costmodel import CostModel
-from services.bench._engine_costmodel import GRID_C, GRID_H, fit_cost_model
+from services.bench._engine_costmodel import (
+    GPU_GRID_C,
+    GPU_GRID_H,
+    GPU_HELDOUT_C,
+    GPU_HELDOUT_H,
+    GRID_C,
+    GRID_H,
+    HELDOUT_C,
+    HELDOUT_H,
+    fit_cost_model,
+    heldout_error,
+)
 
 
 def _grid(model: CostModel) -> list[tuple[int, int, float]]:
@@ -36,3 +47,23 @@ def test_negative_terms_are_left_out_not_clipped_after_thefit_cost_model() -> No
     fit = fit_cost_model(samples)
     assert min(fit["a"], fit["b"], fit["c"], fit["d"]) >= 0
     assert fit["b"] == 0 and fit["d"] > 0 and fit["fit_rel_rmse"] < 0.1
+
+
+@pytest.mark.parametrize(
+    "grid, held",
+    [((GRID_C, GRID_H), (HELDOUT_C, HELDOUT_H)), ((GPU_GRID_C, GPU_GRID_H), (GPU_HELDOUT_C, GPU_HELDOUT_H))],
+)
+def test_held_out_shapes_share_no_chunk_and_no_prefix_with_the_fit(grid, held) -> None:
+    assert not set(grid[0]) & set(held[0]) and not set(grid[1]) & set(held[1])
+    assert max(held[1]) > max(grid[1])  # beyond the longest prefix fitted: extrapolation is tested
+
+
+def test_the_held_out_error_is_the_models_relative_error_there() -> None:
+    truth = CostModel(a=3e-8, b=2e-6, c=0.004, d=5e-5)
+    model = fit_cost_model(_grid(truth))["model"]
+    held = [(c, h, truth.predict(c, h)) for h in HELDOUT_H for c in HELDOUT_C]
+    assert heldout_error(model, held)["heldout_rel_rmse"] < 1e-9
+    slow = [(c, h, t / 2) for c, h, t in held]  # steps twice as fast as predicted: error 1.0
+    err = heldout_error(model, slow)
+    assert err["heldout_rel_rmse"] == pytest.approx(1.0) and err["heldout_max_rel_err"] == pytest.approx(1.0)
+    assert err["heldout_samples_chunk_prefix_s"] == [list(x) for x in slow]
