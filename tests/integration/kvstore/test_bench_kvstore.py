@@ -10,6 +10,7 @@ import pytest
 from services.cli import main
 
 
+@pytest.mark.slow  # make test-slow: keeps make test under 15 minutes on 2 cores
 def test_store_bench_reports_every_size_target_and_degraded_cycle(capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["bench", "kvstore", "--json", "--only", "store", "--sizes", "65536,262144",
             "--bytes-per-size", "1048576", "--rounds", "1", "--cycles", "2", "--latency-samples", "10",

@@ -23,6 +23,7 @@ def _args(**over: object) -> argparse.Namespace:
     return args
 
 
+@pytest.mark.slow  # make test-slow: keeps make test under 15 minutes on 2 cores
 def test_bench_ep_cpu_reports_scaling_and_eplb() -> None:
     report = ep.run(_args())
     doc = json.loads(json.dumps(report.to_json()))
