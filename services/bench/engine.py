@@ -25,19 +25,8 @@ import time
 from pathlib import Path
 
 from services.bench import Report, module_main, progress
-from services.bench._engine_costmodel import (
-    GPU_GRID_C,
-    GPU_GRID_H,
-    GPU_HELDOUT_C,
-    GPU_HELDOUT_H,
-    GRID_C,
-    GRID_H,
-    HELDOUT_C,
-    HELDOUT_H,
-    fit_cost_model,
-    heldout_error,
-    profile_prefill,
-)
+from services.bench import _engine_costmodel as grids
+from services.bench._engine_costmodel import fit_cost_model, heldout_error, profile_prefill
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -152,11 +141,15 @@ def _measure(name: str, model_dir: Path, args: argparse.Namespace, report: Repor
     progress(f"{name}: throughput")
     tput = _throughput(model_dir, args)
     progress(
-        f"{name}: step-time grid {len(GRID_C)}x{len(GRID_H)}, then {len(HELDOUT_C)}x{len(HELDOUT_H)} held out"
+        f"{name}: step-time grid {len(grids.GRID_C)}x{len(grids.GRID_H)}, then {len(grids.HELDOUT_C)}x{len(grids.HELDOUT_H)} held out"
     )
-    fit = fit_cost_model(profile_prefill(model_dir, "cpu", GRID_C, GRID_H, args.repeats))
+    fit = fit_cost_model(profile_prefill(model_dir, "cpu", grids.GRID_C, grids.GRID_H, args.repeats))
     model = fit.pop("model")
-    fit.update(heldout_error(model, profile_prefill(model_dir, "cpu", HELDOUT_C, HELDOUT_H, args.repeats)))
+    fit.update(
+        heldout_error(
+            model, profile_prefill(model_dir, "cpu", grids.HELDOUT_C, grids.HELDOUT_H, args.repeats)
+        )
+    )
     if args.profile:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(model.to_json())
@@ -199,13 +192,16 @@ def _profile_decode_on_gpu(model_dir: Path, args: argparse.Namespace, report: Re
     from router.steptable import StepTable
 
     progress(f"{model_dir.name}: prefill step times (chunk x prefix) on {args.device}")
-    samples = profile_prefill(model_dir, args.device, GPU_GRID_C, GPU_GRID_H, args.repeats)
+    samples = profile_prefill(model_dir, args.device, grids.GPU_GRID_C, grids.GPU_GRID_H, args.repeats)
     pre = fit_cost_model(samples)
     model = pre.pop("model")
-    progress(f"{model_dir.name}: held-out prefill shapes (chunks {GPU_HELDOUT_C} x prefixes {GPU_HELDOUT_H})")
+    progress(
+        f"{model_dir.name}: held-out prefill shapes (chunks {grids.GPU_HELDOUT_C} x prefixes {grids.GPU_HELDOUT_H})"
+    )
     pre.update(
         heldout_error(
-            model, profile_prefill(model_dir, args.device, GPU_HELDOUT_C, GPU_HELDOUT_H, args.repeats)
+            model,
+            profile_prefill(model_dir, args.device, grids.GPU_HELDOUT_C, grids.GPU_HELDOUT_H, args.repeats),
         )
     )
     cost_out = Path(args.out or model_dir / "sluice_cost_model.json")
@@ -383,6 +379,7 @@ def run(args: argparse.Namespace) -> Report:
     import torch
 
     torch.set_num_threads(args.threads)
+    gpu = "GPU_" if args.device.startswith("cuda") else ""  # the prefill grids of this device
     report = Report(
         "engine",
         config={
@@ -390,12 +387,15 @@ def run(args: argparse.Namespace) -> Report:
             for k in ("presets", "model", "profile", "prompt_tokens", "batch", "decode_tokens", "repeats")
         }
         | {
-            "grid_chunk": GPU_GRID_C if args.device.startswith("cuda") else GRID_C,
-            "grid_prefix": GPU_GRID_H if args.device.startswith("cuda") else GRID_H,
-            "heldout_chunk": GPU_HELDOUT_C if args.device.startswith("cuda") else HELDOUT_C,
-            "heldout_prefix": GPU_HELDOUT_H if args.device.startswith("cuda") else HELDOUT_H,
-            "torch_threads": torch.get_num_threads(),
-        },
+            key: getattr(grids, gpu + name)
+            for key, name in (
+                ("grid_chunk", "GRID_C"),
+                ("grid_prefix", "GRID_H"),
+                ("heldout_chunk", "HELDOUT_C"),
+                ("heldout_prefix", "HELDOUT_H"),
+            )
+        }  # fmt: skip
+        | {"torch_threads": torch.get_num_threads()},
     )
     if args.preset:
         from engine.kernels import set_kernels

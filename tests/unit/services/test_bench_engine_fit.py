@@ -6,11 +6,8 @@ from __future__ import annotations
 import pytest
 
 from costmodel import CostModel
+from services.bench import _engine_costmodel as grids
 from services.bench._engine_costmodel import (
-    GPU_GRID_C,
-    GPU_GRID_H,
-    GPU_HELDOUT_C,
-    GPU_HELDOUT_H,
     GRID_C,
     GRID_H,
     HELDOUT_C,
@@ -51,7 +48,10 @@ def test_negative_terms_are_left_out_not_clipped_after_thefit_cost_model() -> No
 
 @pytest.mark.parametrize(
     "grid, held",
-    [((GRID_C, GRID_H), (HELDOUT_C, HELDOUT_H)), ((GPU_GRID_C, GPU_GRID_H), (GPU_HELDOUT_C, GPU_HELDOUT_H))],
+    [
+        ((GRID_C, GRID_H), (HELDOUT_C, HELDOUT_H)),
+        ((grids.GPU_GRID_C, grids.GPU_GRID_H), (grids.GPU_HELDOUT_C, grids.GPU_HELDOUT_H)),
+    ],
 )
 def test_held_out_shapes_share_no_chunk_and_no_prefix_with_the_fit(grid, held) -> None:
     assert not set(grid[0]) & set(held[0]) and not set(grid[1]) & set(held[1])
