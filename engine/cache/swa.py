@@ -184,9 +184,8 @@ class StagedRows:
         if not any(rejected):
             return
         rows, saved = self.rows, self.saved
-        if not all(
-            rejected
-        ):  # an index built on the host: a boolean mask's size would need a device round trip
+        if not all(rejected):
+            # an index built on the host: a boolean mask's size would need a device round trip
             sel = upload(
                 torch.tensor([i for i, r in enumerate(rejected) if r], dtype=torch.long), self.slots.device
             )
