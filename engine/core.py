@@ -40,7 +40,7 @@ from engine.scheduler.host_slots import HostSlotPool
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.scheduler import Scheduler, StepUpdate
-from engine.spec.policy import SpecPolicy, SpecProfile, spec_steps_file
+from engine.spec.policy import SpecPolicy, SpecProfile
 from engine.step_state import SamplingState
 
 if TYPE_CHECKING:
@@ -160,12 +160,9 @@ class EngineCore:
         if spec.profile_path:
             path = Path(spec.profile_path)
         else:  # this machine's profile: a GPU's is named after its model
-            gpu = None
-            if self.config.device.startswith("cuda"):
-                import torch
+            from engine.spec.profiling import device_steps_file
 
-                gpu = torch.cuda.get_device_name(torch.device(self.config.device))
-            path = Path(self.config.model) / spec_steps_file(gpu)
+            path = Path(self.config.model) / device_steps_file(self.config.device)
         profile = SpecProfile.load(path) if path.is_file() else None
         return SpecPolicy(spec, profile)
 

@@ -29,7 +29,17 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.spec.policy import MAX_DRAFTS, SpecProfile
+from engine.spec.policy import MAX_DRAFTS, SpecProfile, spec_steps_file
+
+
+def device_steps_file(device: str) -> str:
+    """The step profile's file name for ``device`` (`spec_steps_file`: a GPU's is named after
+    its model)."""
+    if not device.startswith("cuda"):
+        return spec_steps_file()
+    import torch
+
+    return spec_steps_file(torch.cuda.get_device_name(torch.device(device)))
 
 
 def _cell(

@@ -35,6 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from engine.spec.policy import spec_steps_file  # pure: numpy, no torch
 from services.bench import Report, progress
 
 CONCURRENCY = (1, 8, 16, 32, 60, 128)
@@ -43,7 +44,7 @@ POLICIES = ("none", "fixed-1", "fixed-2", "fixed-3", "fixed-4", "fixed-5", "dspa
 
 # the step profile an H200 measured for a checkpoint (`--save-profile --device cuda` there),
 # reported beside the profile of the machine the bench runs on
-H200_SPEC_STEPS_FILE = "sluice_spec_steps_h200.json"  # engine.spec.policy.spec_steps_file("NVIDIA H200")
+H200_SPEC_STEPS_FILE = spec_steps_file("NVIDIA H200")
 # --scheduling: EngineConfig.async_scheduling (a speculating step is synchronous either way)
 SCHEDULING = {"engine": None, "sync": False, "async": True}
 
@@ -62,7 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--save-profile",
         action="store_true",
-        help="also write the measured profile beside the checkpoint, named after this machine (engine.spec.policy.spec_steps_file)",
+        help="also write the measured profile beside the checkpoint, named after this machine (spec_steps_file)",
     )
     p.add_argument(
         "--profile-from", default=None, metavar="FILE",
@@ -168,16 +169,6 @@ def _run(
         core.close()
 
 
-def _steps_file(device: str) -> str:
-    from engine.spec.policy import spec_steps_file
-
-    if not device.startswith("cuda"):
-        return spec_steps_file()
-    import torch
-
-    return spec_steps_file(torch.cuda.get_device_name(torch.device(device)))
-
-
 def _profile_table(profile: Any, source: str) -> dict[str, Any]:
     return {
         "source": source,
@@ -254,7 +245,7 @@ def run(args: argparse.Namespace) -> Report:
 
     from engine.replay_quality import heldout_prompts
     from engine.spec.policy import SPEC_STEPS_FILE, SpecProfile
-    from engine.spec.profiling import measure_spec_profile
+    from engine.spec.profiling import device_steps_file, measure_spec_profile
 
     torch.set_num_threads(args.threads)
     model = Path(args.model)
@@ -292,7 +283,7 @@ def run(args: argparse.Namespace) -> Report:
         ppath = Path(tmp) / SPEC_STEPS_FILE
         ppath.write_text(profile.to_json())
         if args.save_profile:  # where this machine's engines look for it
-            (model / _steps_file(args.device)).write_text(profile.to_json() + "\n")
+            (model / device_steps_file(args.device)).write_text(profile.to_json() + "\n")
         runs: dict[int, dict[str, Any]] = {}
         for c in conc:
             tries: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
