@@ -38,6 +38,7 @@ Expert-parallel steps are not graphed (their all-to-all sizes are data dependent
 
 from __future__ import annotations
 
+import gc
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -217,8 +218,17 @@ class DecodeGraphs:
         torch.cuda.current_stream(self.device).wait_stream(side)
         clear_cos_sin_cache()
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.mempool):
-            out = fn()
+        # A dead engine's graph freed by the cycle collector mid-capture resets a CUDA graph,
+        # which no capture survives: collect first, and not while capturing.
+        gc.collect()
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.mempool):
+                out = fn()
+        finally:
+            if collecting:
+                gc.enable()
         clear_cos_sin_cache()
         self.captures += 1
         return graph, out

@@ -3,6 +3,7 @@ replayed, and equal to transformers' reference and to the eager path."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import torch
@@ -151,6 +152,39 @@ def test_a_graph_keeps_every_tensor_it_reads(tmp_path) -> None:
         junk.extend(torch.full((n,), -(1 << 40), dtype=torch.long, device="cuda") for n in range(1, 2048))
 
     got = _decode(_runner(path, "auto"), seqs, churn)
+    for t in range(STEPS):
+        assert torch.equal(got[t], want[t]), f"step {t}"
+
+
+def test_a_capture_survives_a_dead_runner_freed_by_the_cycle_collector(tmp_path) -> None:
+    """A runner left in a reference cycle is freed whenever Python's cycle collector runs;
+    its graphs freed during another runner's capture would invalidate that capture (seen:
+    `bench spec`'s profile, one engine per cell, at its first capture of batch 32). Capture
+    collects first and pauses the collector; here the collector runs inside the capture."""
+    path = generate_checkpoint("tiny", tmp_path / "tiny").path
+    seqs = _seqs(_runner(path, "off").model_cfg.vocab_size)
+    want = _decode(_runner(path, "padded"), seqs)
+    collecting = gc.isenabled()
+    gc.disable()  # the dead runner lives until the collector runs inside the capture below
+    try:
+        dead = _runner(path, "auto")
+        _decode(dead, seqs)
+        assert dead.graphs is not None and dead.graphs.captures >= 1
+        dead.itself = dead  # type: ignore[attr-defined]  # a cycle: only the collector frees it
+        del dead
+        runner = _runner(path, "auto")
+        forward = runner.model.final_hidden
+
+        def collected_mid_capture(*args, **kwargs):
+            if torch.cuda.is_current_stream_capturing():
+                gc.collect()
+            return forward(*args, **kwargs)
+
+        runner.model.final_hidden = collected_mid_capture  # type: ignore[method-assign]
+        got = _decode(runner, seqs)
+    finally:
+        if collecting:
+            gc.enable()
     for t in range(STEPS):
         assert torch.equal(got[t], want[t]), f"step {t}"
 

@@ -36,7 +36,7 @@ from tests.engine_steps import GREEDY, SEEDED, prompt, step_until
 
 pytestmark = pytest.mark.gpu
 
-# (request id, prompt length, outputs before the export, params)
+# (request id, prompt length, outputs stepped for before the export, params)
 CASES = [
     ("ipc-greedy", 300, 1, GREEDY),
     ("ipc-seeded", 2 * 256 - 3, 6, SEEDED),
@@ -147,7 +147,8 @@ def test_handoff_through_cuda_ipc_equals_one_process(tmp_path, receiver) -> None
     for rid, plen, after, params in CASES:
         tokens, finish = want[rid]
         assert finish == "length" and len(tokens) == params.max_tokens
-        assert a[rid]["tokens"] == tokens[:after], rid
+        # at least `after`: a pipelined step in flight at the export adds its token
+        assert len(a[rid]["tokens"]) >= after, rid
         assert a[rid]["tokens"] + b[rid]["tokens"] == tokens, rid
         assert b[rid]["finish"] == "length" and a[rid]["bytes"] == b[rid]["bytes"]
         print(

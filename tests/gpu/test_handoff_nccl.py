@@ -95,7 +95,8 @@ def test_handoff_over_nccl_equals_one_process(tmp_path) -> None:
     for rid, plen, after, params in CASES:
         tokens, finish = want[rid]
         assert finish == "length" and len(tokens) == params.max_tokens
-        assert a[rid]["tokens"] == tokens[:after], rid
+        # at least `after`: a pipelined step in flight at the export adds its token
+        assert len(a[rid]["tokens"]) >= after, rid
         assert a[rid]["tokens"] + b[rid]["tokens"] == tokens, rid
         assert b[rid]["finish"] == "length" and a[rid]["bytes"] == b[rid]["bytes"]
         print(
