@@ -471,6 +471,8 @@ class EngineCore:
             "held_blocks": float(blocks.num_blocks - blocks.num_available - slots.num_retained_partials),
             "held_swa_slots": float(slots.num_slots - slots.num_available),
             "preemptions": float(sched.num_preemptions),
+            # the KV that waiting sequences will hold once admitted: owed, not yet held
+            "waiting_tokens": float(sum(r.num_tokens for r in sched.waiting)),
             "waiting_for_remote_kv": float(len(self._fetches)),
             # a prefix hit's window state: adopted from a retained slot, or rebuilt by replay
             "swa_slot_hits_local": float(slots.reused),

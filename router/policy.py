@@ -129,7 +129,7 @@ class EngineLoad:
 
     engine: int
     running: int | None = None  # requests in the engine (queued + running)
-    kv_tokens: int | None = None  # KV tokens held by running requests
+    kv_tokens: int | None = None  # KV tokens held by running requests and owed to queued ones
     queued_work_s: float | None = None  # predicted seconds of prefill work not yet done
     kv_capacity: int | None = None
 

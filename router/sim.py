@@ -343,7 +343,9 @@ class Simulator:
         loads = []
         for d, eng in enumerate(self.d_eng):
             eng.advance(t)
-            loads.append(EngineLoad(d, running=eng.batch + len(eng.waiting), kv_tokens=int(eng.kv())))
+            # KV held, and owed to the queue: as engines report it (EngineCore's waiting_tokens)
+            owed = sum(int(self.trace.input_len[i]) for i in eng.waiting)
+            loads.append(EngineLoad(d, running=eng.batch + len(eng.waiting), kv_tokens=int(eng.kv()) + owed))
         self.decode.update_loads(loads)
         if self._pending > 0:
             self._push(t + self.cfg.stats_interval_s, _STATS, 0)

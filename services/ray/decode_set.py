@@ -49,7 +49,8 @@ class DecodeSet:
     def loads(self) -> list[Any]:
         """``EngineLoad`` per decode engine from its latest stats (pushed, or the answer to
         the last reservation, whichever is newer): requests in it or promised to it, and KV
-        tokens computed or promised."""
+        tokens held, owed to its waiting sequences, or promised. Owed tokens count: an
+        overloaded engine's queue would otherwise look free in KV, and draw more."""
         from router.policy import EngineLoad
 
         out = []
@@ -59,7 +60,11 @@ class DecodeSet:
                 EngineLoad(
                     i,
                     running=s.running + s.waiting + int(s.extra.get("reserved", 0)),
-                    kv_tokens=int(s.extra.get("kv_tokens", 0) + s.extra.get("reserved_tokens", 0)),
+                    kv_tokens=int(
+                        s.extra.get("kv_tokens", 0)
+                        + s.extra.get("waiting_tokens", 0)
+                        + s.extra.get("reserved_tokens", 0)
+                    ),
                 )
             )
         return out
