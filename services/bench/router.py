@@ -320,13 +320,24 @@ def _run_traces(args: argparse.Namespace) -> Report:
 
 
 def _generated(seeds: int, config: dict[str, Any]) -> list[list[Any]]:
-    """The two generated traces (router.gen_traces), one per seed 0..seeds-1; their
-    parameters and measured shape printed in the config."""
+    """The generated traces (router.gen_traces), one per seed 0..seeds-1; their parameters
+    and measured shape printed in the config. ``agents_burst``: the agents trace with every
+    session started within ~200 s, so that load peaks past the engines' best batch and
+    requests queue at the decode engines (overload)."""
+    import dataclasses
+
     from router.gen_traces import AgentParams, LongDocsParams, agents, describe, long_documents
+
+    def agents_burst(seed: int, params: AgentParams) -> Any:
+        return dataclasses.replace(agents(seed, params), name="agents_burst")
 
     out: list[list[Any]] = []
     config["generated_traces"] = {"seeds": list(range(seeds))}
-    gens: list[tuple[Any, Any]] = [(long_documents, LongDocsParams()), (agents, AgentParams())]
+    gens: list[tuple[Any, Any]] = [
+        (long_documents, LongDocsParams()),
+        (agents, AgentParams()),
+        (agents_burst, AgentParams(session_rate_per_s=4 * AgentParams().session_rate_per_s)),
+    ]
     for gen, params in gens:
         family = [gen(seed, params) for seed in range(seeds)]
         shape = [describe(t, params) for t in family]
