@@ -230,6 +230,28 @@ def test_handoff_with_synchronous_scheduling(model, ref):
         b_sync.close()
 
 
+@pytest.mark.parametrize(
+    ("pipe_a", "pipe_b"), [(True, True), (True, False), (False, True)], ids=["both", "exporter", "importer"]
+)
+def test_handoff_with_pipelined_steps(model, ref, pipe_a, pipe_b):
+    """Pipelined steps (the CUDA default; here forced on the CPU): a step may be in flight when
+    the sequence is exported. Its token is drained into the export, so A hands over one more
+    token than it had streamed, and the whole answer still equals one engine's run."""
+    a_pipe, b_pipe = core(model, pipeline_steps=pipe_a), core(model, pipeline_steps=pipe_b)
+    try:
+        assert a_pipe.config.pipelines_steps is pipe_a and b_pipe.config.pipelines_steps is pipe_b
+        for params, after, plen in ((GREEDY, 1, 300), (SEEDED, 10, 2 * BS - 9)):
+            request_id, prompt = rid("pipe"), prompt_of(plen + after, plen)
+            want = run_alone(ref, request_id, prompt, params)
+            h = handoff(a_pipe, b_pipe, request_id, prompt, params, after)
+            assert len(h.at_export) == after + int(pipe_a)  # the step in flight, drained
+            assert h.meta["num_computed"] == plen + len(h.at_export) - 1
+            assert h.tokens == want.tokens and h.run_b.finish_reason == "length"
+    finally:
+        a_pipe.close()
+        b_pipe.close()
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("after", [1, 12])
 def test_handoff_of_a_json_schema_request(a, b, ref, tokenizer, temperature, after):
