@@ -1,6 +1,8 @@
-"""``sluice record-expert-loads``: greedy-decode random prompts on one engine rank and dump the
+"""``sluice record-expert-loads``: greedy-decode prompts on one engine rank and dump the
 per-step, per-layer tokens routed to each logical expert (the ``.npz`` that
-``sluice bench eplb --loads`` reads)."""
+``sluice bench eplb --loads`` reads). Prompts: windows of the held-out split of the training
+corpus when the checkpoint has a tokenizer and the corpus is at hand (a trained model then
+routes real text), else seeded random tokens; the summary says which."""
 
 from __future__ import annotations
 
@@ -25,23 +27,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt-len", type=int, default=32)
     p.add_argument("--tokens", type=int, default=256, help="new tokens per sequence (= engine steps)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random prompts")
+    p.add_argument(
+        "--prompts",
+        choices=("auto", "heldout", "random"),
+        default="auto",
+        help="held-out text windows (auto: when the checkpoint's tokenizer and the corpus allow), or random tokens",
+    )
     p.add_argument("--dtype", default="float32")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    import torch
-
-    from engine.config import ModelConfig
     from engine.eplb import ExpertLoadRecorder
     from engine.runner import ModelRunner, RunnerConfig
     from services.eplb.engine import blocks_needed, greedy_generate
 
     if args.seqs < 1 or args.prompt_len < 1 or args.tokens < 1:
         raise ValueError("--seqs, --prompt-len and --tokens must be >= 1")
-    vocab = ModelConfig.from_dir(args.model).vocab_size
-    gen = torch.Generator().manual_seed(args.seed)
-    prompts = torch.randint(3, vocab, (args.seqs, args.prompt_len), generator=gen).tolist()
+    prompts, source = _prompts(args)
     blocks = args.seqs * blocks_needed(args.prompt_len + args.tokens)
     cfg = RunnerConfig(num_blocks=blocks, num_slots=args.seqs, dtype=args.dtype, with_mtp=False)
     runner = ModelRunner(args.model, cfg)
@@ -60,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     counts = recorder.history()
     summary = {
         "out": str(args.out),
+        "prompts": source,
         "shape": list(counts.shape),
         "seconds": round(time.perf_counter() - t0, 1),
         "decode_step_hottest_over_mean": round(
@@ -69,3 +73,24 @@ def run(args: argparse.Namespace) -> int:
     json.dump(summary, sys.stdout)
     print()
     return 0
+
+
+def _prompts(args: argparse.Namespace) -> tuple[list[list[int]], str]:
+    """The prompts and where they came from (``--prompts``)."""
+    from engine.config import ModelConfig
+    from engine.replay_quality import heldout_prompts, random_prompts
+
+    vocab = ModelConfig.from_dir(args.model).vocab_size
+    if args.prompts != "random":
+        try:
+            prompts = heldout_prompts(args.model, args.seqs, args.prompt_len)
+            if max(max(p) for p in prompts) >= vocab:
+                raise ValueError(f"its tokenizer's ids exceed the model's vocabulary of {vocab}")
+            return prompts, "heldout-v1 windows"
+        except Exception as exc:  # noqa: BLE001 - no tokenizer (tokenizers raises a bare Exception), no corpus
+            if args.prompts == "heldout":
+                raise ValueError(f"--prompts heldout: {type(exc).__name__}: {exc}") from exc
+            reason = f" ({type(exc).__name__}: {exc})"
+    else:
+        reason = ""
+    return random_prompts(vocab, args.seqs, args.prompt_len, args.seed), f"random tokens{reason}"

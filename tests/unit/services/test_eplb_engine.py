@@ -83,3 +83,18 @@ def test_record_expert_loads_command_writes_a_bench_load_file(checkpoint_factory
     counts = loads.counts(np.arange(4))
     assert (counts[0].sum(-1) == 3 * 32 * 2).all() and (counts[1:].sum(-1) == 3 * 2).all()
     assert '"shape": [4, 4, 8]' in capsys.readouterr().out
+
+
+def test_record_expert_loads_routes_held_out_text_through_the_trained_preset(tmp_path, capsys) -> None:
+    """The trained preset's own tokenizer: prompts are held-out corpus windows, not random ids."""
+    from engine.checkpoint.presets import SHIPPED
+    from router.eplb.simulate import RecordedLoads
+    from services.cli import main
+
+    out = tmp_path / "loads.npz"
+    argv = ["record-expert-loads", "--model", str(SHIPPED["trained"]), "--out", str(out), "--seqs", "2", "--tokens", "3",
+            "--prompts", "heldout"]  # fmt: skip
+    assert main(argv) == 0
+    assert '"prompts": "heldout-v1 windows"' in capsys.readouterr().out
+    loads = RecordedLoads.load(str(out))
+    assert (loads.num_steps, loads.num_experts) == (3, 8)  # routed-MoE layers of 8 experts
