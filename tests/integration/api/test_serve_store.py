@@ -77,6 +77,7 @@ def test_serve_store_local_answers_then_stops_the_store_on_sigterm(tiny_model: P
     assert time.monotonic() - start < 30
 
 
+@pytest.mark.slow  # make test-slow: keeps make test under 15 minutes on 2 cores
 def test_sigterm_at_any_point_stops_the_local_store(tmp_path: Path) -> None:
     """Independent of the engine: the server part is replaced by a wait for SIGTERM."""
     driver = (
@@ -114,6 +115,7 @@ def test_sigterm_at_any_point_stops_the_local_store(tmp_path: Path) -> None:
             proc.wait()
 
 
+@pytest.mark.slow  # make test-slow: keeps make test under 15 minutes on 2 cores
 def test_a_server_that_fails_to_start_stops_the_local_store(tmp_path: Path) -> None:
     """A model directory that is not a checkpoint: the server exits 2, and the store it had
     started is gone (watched from outside while it ran, then found nowhere by its data path)."""

@@ -39,6 +39,7 @@ def test_block_text_keeps_block_prefix_structure():
     assert len(set(words)) == 1000 and len({w[:2] for w in words}) > 200  # distinct, diverge early
 
 
+@pytest.mark.slow  # make test-slow: keeps make test under 15 minutes on 2 cores
 def test_sglang_router_routes_every_request_and_keeps_chats_on_their_engine():
     trace = chats()
     cfg = SimConfig(num_prefill=3, num_decode=2)

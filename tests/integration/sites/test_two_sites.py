@@ -181,6 +181,7 @@ decode: {{replicas: 1, expert_parallel: 2}}
 """
 
 
+@pytest.mark.slow  # make test-slow: keeps make test under 15 minutes on 2 cores
 def test_an_ep_instance_across_two_hosts(sites, model, want):
     s, tmp, env = sites
     got = _serve(s, tmp, env, "ep-across", EP_ACROSS.format(model=model))

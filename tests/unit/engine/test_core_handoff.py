@@ -230,9 +230,7 @@ def test_handoff_with_synchronous_scheduling(model, ref):
         b_sync.close()
 
 
-@pytest.mark.parametrize(
-    ("pipe_a", "pipe_b"), [(True, True), (True, False), (False, True)], ids=["both", "exporter", "importer"]
-)
+@pytest.mark.parametrize(("pipe_a", "pipe_b"), [(True, True), (True, False)], ids=["both", "exporter"])
 def test_handoff_with_pipelined_steps(model, ref, pipe_a, pipe_b):
     """Pipelined steps (the CUDA default; here forced on the CPU): a step may be in flight when
     the sequence is exported. Its token is drained into the export, so A hands over one more
