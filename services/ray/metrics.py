@@ -40,6 +40,12 @@ _ENGINE_SERIES = (
     ("sluice_pool_queued_requests", "Requests waiting inside the engine (queue depth).", "waiting", False),
     ("sluice_pool_running_requests", "Requests the engine is generating for.", "running", False),
     ("sluice_pool_kv_tokens", "KV tokens the engine's running sequences hold.", "kv_tokens", False),
+    (
+        "sluice_pool_waiting_kv_tokens",
+        "KV tokens the engine's waiting sequences will hold once admitted (owed, counted as load).",
+        "waiting_tokens",
+        False,
+    ),
     ("sluice_pool_handoff_bytes", "Handoff payload bytes the engine imported.", "handoff_bytes_in", True),
     ("sluice_pool_handoffs", "Sequences the engine imported.", "handoffs_in", True),
     ("sluice_pool_handoffs_out", "Sequences the engine exported.", "handoffs_out", True),

@@ -329,7 +329,12 @@ def test_metrics_per_pool_and_engine_and_request_ids_across_processes(stack, cap
     gap = fam["sluice_handoff_seconds"]
     assert _value(gap, "sluice_handoff_seconds_count", engine=decode_name) >= 1
     engines = {r.name for r in client.prefill} | {r.name for r in client.decode.replicas}
-    for name in ("sluice_pool_queued_requests", "sluice_pool_running_requests", "sluice_pool_kv_tokens"):
+    for name in (
+        "sluice_pool_queued_requests",
+        "sluice_pool_running_requests",
+        "sluice_pool_kv_tokens",
+        "sluice_pool_waiting_kv_tokens",
+    ):
         assert {s.labels["engine"] for s in fam[name].samples} == engines, name
     assert _value(fam["sluice_pool_handoff_bytes"], "sluice_pool_handoff_bytes_total", engine=decode_name) > 0
 
