@@ -203,6 +203,30 @@ def heldout_prompts(model_dir: str | Path, n: int, length: int) -> list[list[int
     return [[bos, *stream[s : s + length - 1]] for s in [min(s, span - 1) for s in starts]]
 
 
+def text_or_random_prompts(
+    model_dir: str | Path, n: int, length: int, seed: int = 0, source: str = "auto"
+) -> tuple[list[list[int]], str]:
+    """``n`` prompts of ``length`` ids and where they came from. ``source``: ``"heldout"``
+    (`heldout_prompts`, or ValueError), ``"random"`` (`random_prompts`), or ``"auto"``: held-out
+    text when the checkpoint's tokenizer and the corpus allow it and its ids fit the model's
+    vocabulary, else random ids (the label says why)."""
+    import json
+
+    vocab = int(json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))["vocab_size"])
+    reason = ""
+    if source != "random":
+        try:
+            prompts = heldout_prompts(model_dir, n, length)
+            if max(max(p) for p in prompts) >= vocab:
+                raise ValueError(f"its tokenizer's ids exceed the model's vocabulary of {vocab}")
+            return prompts, "heldout-v1 windows"
+        except Exception as exc:  # noqa: BLE001 - no tokenizer (tokenizers raises a bare Exception), no corpus
+            if source == "heldout":
+                raise ValueError(f"held-out prompts: {type(exc).__name__}: {exc}") from exc
+            reason = f" ({type(exc).__name__}: {exc})"
+    return random_prompts(vocab, n, length, seed), f"random tokens{reason}"
+
+
 def random_prompts(vocab_size: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
     """``n`` prompts of ``length`` ids uniform over ``[3, vocab_size)`` (past BOS, EOS, pad), seeded."""
     g = torch.Generator().manual_seed(seed)

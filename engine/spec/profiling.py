@@ -145,12 +145,6 @@ def measure_spec_profile(
 
 def _prompts(model: Path, n: int, length: int, seed: int) -> tuple[list[list[int]], str]:
     """``n`` prompts of ``length`` ids: held-out text, else seeded random tokens; and which."""
-    from engine.replay_quality import heldout_prompts, random_prompts
+    from engine.replay_quality import text_or_random_prompts
 
-    try:
-        return heldout_prompts(model, n, length), "heldout-v1 windows"
-    except Exception as exc:  # noqa: BLE001 - no tokenizer (tokenizers raises a bare Exception), no corpus
-        import json
-
-        vocab = int(json.loads((model / "config.json").read_text())["vocab_size"])
-        return random_prompts(vocab, n, length, seed), f"random tokens ({type(exc).__name__}: {exc})"
+    return text_or_random_prompts(model, n, length, seed)

@@ -77,20 +77,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _prompts(args: argparse.Namespace) -> tuple[list[list[int]], str]:
     """The prompts and where they came from (``--prompts``)."""
-    from engine.config import ModelConfig
-    from engine.replay_quality import heldout_prompts, random_prompts
+    from engine.replay_quality import text_or_random_prompts
 
-    vocab = ModelConfig.from_dir(args.model).vocab_size
-    if args.prompts != "random":
-        try:
-            prompts = heldout_prompts(args.model, args.seqs, args.prompt_len)
-            if max(max(p) for p in prompts) >= vocab:
-                raise ValueError(f"its tokenizer's ids exceed the model's vocabulary of {vocab}")
-            return prompts, "heldout-v1 windows"
-        except Exception as exc:  # noqa: BLE001 - no tokenizer (tokenizers raises a bare Exception), no corpus
-            if args.prompts == "heldout":
-                raise ValueError(f"--prompts heldout: {type(exc).__name__}: {exc}") from exc
-            reason = f" ({type(exc).__name__}: {exc})"
-    else:
-        reason = ""
-    return random_prompts(vocab, args.seqs, args.prompt_len, args.seed), f"random tokens{reason}"
+    return text_or_random_prompts(args.model, args.seqs, args.prompt_len, args.seed, args.prompts)
