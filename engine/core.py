@@ -80,11 +80,13 @@ class EngineCore:
             num_blocks=cfg.num_blocks, num_slots=cfg.num_swa_slots, dtype=cfg.dtype, device=cfg.device,
             with_mtp=cfg.speculative is not None, ep_size=cfg.ep_size, ep_rank=cfg.ep_rank,
             decode_graphs=cfg.decode_graphs,
-            batch_invariant=cfg.batch_invariant, keep_quantized=cfg.keep_quantized,
+            batch_invariant=cfg.batch_invariant, keep_quantized=cfg.keep_quantized, fp8_compute=cfg.fp8_compute,
         )  # fmt: skip
+        # quantised activations compute other caches: never shared with a w8a16 engine's
+        w8a8 = "+w8a8" if cfg.fp8_compute == "w8a8" else ""
         if cfg.random_weights is None:
             self.runner = ModelRunner(cfg.model, runner_cfg, ep_group=ep_group, placement=placement)
-            self.fingerprint = model_fingerprint(cfg.model, cfg.dtype, fmt.LAYOUT_VERSION)
+            self.fingerprint = model_fingerprint(cfg.model, cfg.dtype + w8a8, fmt.LAYOUT_VERSION)
         else:
             from engine.checkpoint.fingerprint import random_weights_fingerprint
             from engine.config import ModelConfig
@@ -96,7 +98,7 @@ class EngineCore:
             self.fingerprint = random_weights_fingerprint(  # FP8-rounded weights are other weights
                 cfg.model,
                 cfg.random_weights,
-                cfg.dtype + ("+fp8" if cfg.keep_quantized else ""),
+                cfg.dtype + ("+fp8" if cfg.keep_quantized else "") + w8a8,
                 fmt.LAYOUT_VERSION,
             )
         mc = self.runner.model_cfg

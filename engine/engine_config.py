@@ -86,6 +86,10 @@ class EngineConfig:
     # quarter of the bf16 memory; FP8 on CUDA is read by engine.kernels.fp8, never copied to
     # bf16). With random_weights: the random weights are quantised to FP8 and kept so.
     keep_quantized: bool = False
+    # How kept FP8 weights multiply (engine.kernels.fp8): "w8a16" (bf16 activations, the
+    # dequantised weight's values) or "w8a8" (activations quantised per 128-column block, FP8
+    # tensor cores: DeepSeek's recipe, other numerics). Process-wide once "w8a8".
+    fp8_compute: str = "w8a16"
 
     @property
     def overlaps_steps(self) -> bool:
@@ -130,12 +134,19 @@ class EngineConfig:
             raise ValueError("an EP rank steps in lockstep with its group: set async_scheduling=False")
         if self.ep_size > 1 and self.pipeline_steps is True:
             raise ValueError("an EP rank steps in lockstep with its group: set pipeline_steps=False")
+        self._check_fp8_compute()
         self._check_speculative()
         self._check_batch_invariant()
         if self.kv_store is not None and not Path(self.kv_store).is_file():
             raise ValueError(
                 f"kv_store must be a store spec file (sluice store cluster --spec-out), got {self.kv_store!r}"
             )
+
+    def _check_fp8_compute(self) -> None:
+        if self.fp8_compute not in ("w8a16", "w8a8"):
+            raise ValueError(f"fp8_compute must be 'w8a16' or 'w8a8', got {self.fp8_compute!r}")
+        if self.fp8_compute == "w8a8" and not self.keep_quantized:
+            raise ValueError("fp8_compute='w8a8' multiplies kept FP8 weights: set keep_quantized=True")
 
     def _check_batch_invariant(self) -> None:
         if not self.batch_invariant:

@@ -17,7 +17,7 @@ from engine.config import ModelConfig
 from engine.cuda_graphs import DecodeGraphs, graphable
 from engine.distributed.ep import select_dispatch
 from engine.forward_batch import ForwardBatch
-from engine.kernels import batch_invariant
+from engine.kernels import batch_invariant, fp8
 from engine.model.model import DeepseekV4
 from engine.model.moe import GROUPED_MM, ExpertPlacement
 from engine.model.qlinear import graph_safe, keep_fp8_
@@ -33,6 +33,8 @@ class RunnerConfig:
     device: str = "cpu"
     with_mtp: bool = True
     keep_quantized: bool = False  # FP8/FP4 weights stay quantised on the device, dequantised per use
+    # how FP8 weights multiply (engine.kernels.fp8): "w8a16", or "w8a8" (process-wide once on)
+    fp8_compute: str = "w8a16"
     ep_size: int = 1
     ep_rank: int = 0
     # decode steps as CUDA graphs (engine.cuda_graphs): "auto" = on CUDA without expert
@@ -43,6 +45,8 @@ class RunnerConfig:
     batch_invariant: bool = False
 
     def __post_init__(self) -> None:
+        if self.fp8_compute not in fp8.COMPUTES:
+            raise ValueError(f"fp8_compute must be one of {fp8.COMPUTES}, not {self.fp8_compute!r}")
         if self.decode_graphs not in ("auto", "off", "padded"):
             raise ValueError(f"decode_graphs must be auto, off or padded, not {self.decode_graphs!r}")
         if self.dtype not in _DTYPES:
@@ -141,6 +145,8 @@ class ModelRunner:
         self.cfg, self.model_cfg = cfg, model_cfg
         if cfg.batch_invariant and torch.device(cfg.device).type == "cuda":
             batch_invariant.enable()
+        if cfg.fp8_compute == "w8a8":
+            fp8.set_compute("w8a8")
         self.model = model.eval()
         dispatch = select_dispatch(ep_group, cfg.ep_size, torch.device(cfg.device))
         for moe in self.model.moe_layers():

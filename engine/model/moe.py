@@ -228,6 +228,13 @@ class Experts(nn.Module):
             return dequantize(getattr(self, f"{which}_q")[e], getattr(self, f"{which}_s")[e]).to(dtype)
         return getattr(self, which)[e]
 
+    def _input(self, which: str, x: torch.Tensor) -> torch.Tensor:
+        """x as the product with ``which`` takes it: quantised where that weight is FP8 under
+        ``w8a8`` (`engine.kernels.fp8`), as is."""
+        if which in self.quantized and fp8.quantizes_activations(x, getattr(self, f"{which}_q")):
+            return fp8.fake_quantize_rows(x)
+        return x
+
     def run_rows(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Unweighted expert output for rows x [N, D] routed to local expert ids [N] -> [N, D]."""
         # CUDA's grouped GEMM takes bf16 only; other CUDA dtypes take the loop, as do weights
@@ -290,9 +297,11 @@ class Experts(nn.Module):
         out = torch.zeros_like(x)
         for e in torch.unique(local_ids).tolist():
             rows = (local_ids == e).nonzero().squeeze(1)
-            gate, up = F.linear(x[rows], self._weight("gate_up_proj", e, x.dtype)).chunk(2, dim=-1)
-            down = self._weight("down_proj", e, x.dtype)
-            out[rows] = F.linear(swiglu_clamped(gate, up, self.limit), down).to(out.dtype)
+            gate, up = F.linear(
+                self._input("gate_up_proj", x[rows]), self._weight("gate_up_proj", e, x.dtype)
+            ).chunk(2, dim=-1)
+            act = self._input("down_proj", swiglu_clamped(gate, up, self.limit))
+            out[rows] = F.linear(act, self._weight("down_proj", e, x.dtype)).to(out.dtype)
         return out
 
 

@@ -74,6 +74,7 @@ class DecodeArgs:
     pipeline_steps: bool | None = None  # EngineConfig.pipeline_steps (None: auto)
     batch_invariant: bool = False  # EngineConfig.batch_invariant
     fp8: bool = False  # EngineConfig.keep_quantized: the random weights quantised to FP8 and kept so
+    fp8_compute: str = "w8a16"  # EngineConfig.fp8_compute
     sampling: str = "greedy"  # the requests' sampling: greedy, drawn or penalised (`request_params`)
 
 
@@ -175,7 +176,7 @@ def engine_decode(model_dir: Path, a: DecodeArgs, batch: int, context: int) -> d
         max_num_batched_tokens=budget,
         enable_prefix_caching=False, decode_graphs=a.decode_graphs, async_scheduling=a.async_scheduling,
         pipeline_steps=a.pipeline_steps,
-        batch_invariant=a.batch_invariant, keep_quantized=a.fp8,
+        batch_invariant=a.batch_invariant, keep_quantized=a.fp8, fp8_compute=a.fp8_compute,
     )  # fmt: skip
     core = EngineCore(cfg)
     try:

@@ -73,6 +73,7 @@ class PrefillArgs:
     long_chunk: int
     seed: int = 0
     fp8: bool = False  # the random weights quantised to FP8 and kept so (`ModelRunner.random`)
+    fp8_compute: str = "w8a16"  # RunnerConfig.fp8_compute
 
 
 def prefill_flops(mc: Any, tokens: int) -> float:
@@ -129,7 +130,14 @@ def _runner(a: PrefillArgs, blocks: int):
     from engine.runner import ModelRunner, RunnerConfig
 
     mc = ModelConfig.from_dict(preset_config(a.preset, num_hidden_layers=a.layers))
-    cfg = RunnerConfig(num_blocks=blocks, num_slots=1, dtype=a.dtype, device=a.device, with_mtp=False)
+    cfg = RunnerConfig(
+        num_blocks=blocks,
+        num_slots=1,
+        dtype=a.dtype,
+        device=a.device,
+        with_mtp=False,
+        fp8_compute=a.fp8_compute,
+    )
     return ModelRunner.random(mc, cfg, None, seed=a.seed, fp8=a.fp8)
 
 

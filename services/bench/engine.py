@@ -90,9 +90,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run the eager code instead of the Triton kernels that replace it (engine.kernels.set_kernels)",
     )  # fmt: skip
     d.add_argument(
-        "--quant", default="none", choices=("none", "fp8"),
+        "--quant", default="none", choices=("none", "fp8", "fp8-w8a8"),
         help="fp8: the random weights quantised to FP8 (128x128 block scales) and kept so, as an FP8 "
-        "checkpoint with keep_quantized (read by engine.kernels.fp8 on CUDA); none: bf16/fp32",
+        "checkpoint with keep_quantized (read by engine.kernels.fp8 on CUDA, bf16 activations); "
+        "fp8-w8a8: the same weights with the activations quantised too (fp8_compute='w8a8', FP8 "
+        "tensor cores); none: bf16/fp32",
     )  # fmt: skip
     d.add_argument(
         "--parts", default="decode,prefill",
@@ -261,7 +263,8 @@ def _decode(args: argparse.Namespace, report: Report) -> None:
         transformers=not args.no_transformers, seed=0, decode_graphs=args.decode_graphs,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         pipeline_steps={"auto": None, "on": True, "off": False}[args.pipeline_steps],
-        batch_invariant=args.batch_invariant, fp8=args.quant == "fp8", sampling=args.sampling,
+        batch_invariant=args.batch_invariant, fp8=args.quant != "none", sampling=args.sampling,
+        fp8_compute="w8a8" if args.quant == "fp8-w8a8" else "w8a16",
     )  # fmt: skip
     report.config.update({"decode": a.__dict__})
     with tempfile.TemporaryDirectory(prefix="sluice-bench-decode-") as tmp:
@@ -323,7 +326,8 @@ def _prefill(args: argparse.Namespace, report: Report) -> None:
         device=args.device, dtype=args.dtype or ("bfloat16" if cuda else "float32"), preset=args.preset,
         layers=layers, tokens=tokens, repeats=args.prefill_repeats, transformers=not args.no_transformers,
         tf_tokens=tokens[0], long_context=args.long_context if args.long_context is not None else (131072 if cuda else 0),
-        long_chunk=args.long_chunk, fp8=args.quant == "fp8",
+        long_chunk=args.long_chunk, fp8=args.quant != "none",
+        fp8_compute="w8a8" if args.quant == "fp8-w8a8" else "w8a16",
     )  # fmt: skip
     report.config.update({"prefill": a.__dict__})
     with tempfile.TemporaryDirectory(prefix="sluice-bench-prefill-") as tmp:

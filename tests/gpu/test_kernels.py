@@ -302,6 +302,154 @@ def test_the_fp8_linear_matches_dequantise_then_matmul() -> None:
     torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
 
 
+def test_the_row_quantiser_kernel_equals_its_reference() -> None:
+    """engine/kernels/fp8.py `quantize_rows`: the same e4m3 bytes and scales as the eager rule,
+    on rows of every magnitude, zero rows, and a strided input."""
+    from engine.kernels import fp8
+
+    g = torch.Generator(device="cuda").manual_seed(21)
+    mags = torch.logspace(-6, 4, 1000, device="cuda")
+    x = (torch.randn(1000, 4096, device="cuda", generator=g) * mags[:, None]).to(torch.bfloat16)
+    x[7] = 0
+    x[9, 200] = 3e4
+    for rows in (x, x[:, :2048], x[::3]):
+        q, s = fp8.quantize_rows(rows)
+        rq, rs = fp8.quantize_rows_reference(rows)
+        assert torch.equal(q.view(torch.uint8), rq.view(torch.uint8)) and torch.equal(s, rs)
+
+
+def test_the_w8a8_grouped_kernel_matches_its_reference() -> None:
+    """``w8a8``: FP8 weights times quantised activations on FP8 tensor cores against the
+    same quantised values multiplied in fp32 (sums in another order), uneven groups and an
+    empty one; a row's result is the same alone and in the batch."""
+    from engine.checkpoint.quant import dequantize
+    from engine.kernels import fp8
+
+    q, s = _fp8_weights(4, 4096, 1024, 22)
+    counts = torch.tensor([100, 0, 7, 300], device="cuda")
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    x = torch.randn(int(counts.sum()), 1024, device="cuda").to(torch.bfloat16)
+    fp8.set_compute("w8a8")
+    try:
+        got = fp8.grouped_matmul(x, q, s, ends)
+        alone = fp8.grouped_matmul(x[105:106], q[2:3], s[2:3], ends.new_ones(1))
+        lin = fp8.linear(x[:50], q[3], s[3])
+    finally:
+        fp8.set_compute("w8a16")
+    xq = fp8.fake_quantize_rows(x).float()
+    starts = [0, *ends.tolist()[:-1]]
+    want = torch.cat(
+        [xq[a:b] @ dequantize(q[i], s[i]).T for i, (a, b) in enumerate(zip(starts, ends.tolist()))]
+    ).to(torch.bfloat16)
+    torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+    torch.testing.assert_close(
+        lin, (xq[:50] @ dequantize(q[3], s[3]).T).to(torch.bfloat16), rtol=1.6e-2, atol=1e-2
+    )
+    assert torch.equal(alone, got[105:106])
+    big = torch.randn(4093, 1024, device="cuda").to(torch.bfloat16)  # torch's block-scaled GEMM, odd rows
+    fp8.set_compute("w8a8")
+    try:
+        assert fp8._torch_block_pays(big, 4096) or not hasattr(torch.nn.functional, "scaled_mm")
+        via_torch = fp8.linear(big, q[0], s[0])
+    finally:
+        fp8.set_compute("w8a16")
+    ref = (fp8.fake_quantize_rows(big).float() @ dequantize(q[0], s[0]).T).to(torch.bfloat16)
+    torch.testing.assert_close(via_torch, ref, rtol=1.6e-2, atol=1e-2)
+    plain = fp8.grouped_matmul(x, q, s, ends)  # w8a16: other numerics, close
+    rel = ((got.float() - plain.float()).norm() / plain.float().norm()).item()
+    print(f"w8a8 vs w8a16 grouped products: relative difference {rel:.3e}")
+    assert 0 < rel < 0.06
+
+
+def test_every_fp8_module_quantises_its_activations_on_both_paths_under_w8a8() -> None:
+    """``w8a8`` per module, kernels against the eager path (activations fake-quantised, then
+    the dequantised weights) on the same input: a linear, the grouped output projection and
+    the routed experts agree within bf16 rounding, far closer than ``w8a16`` is to either."""
+    from engine.checkpoint.presets import preset_config
+    from engine.config import ModelConfig
+    from engine.kernels import fp8, set_kernels
+    from engine.model.attention import GroupedLinear
+    from engine.model.moe import Experts
+    from engine.model.qlinear import QuantLinear
+    from engine.runner import ModelRunner, RunnerConfig
+
+    mc = ModelConfig.from_dict(preset_config("flash-shape", num_hidden_layers=2))
+    cfg = RunnerConfig(num_blocks=8, num_slots=2, with_mtp=False, device="cuda", dtype="bfloat16")
+    model = ModelRunner.random(mc, cfg, seed=6, fp8=True).model
+    mods = dict(model.named_modules())
+    lin = next(m for m in mods.values() if isinstance(m, QuantLinear))
+    grouped = next(m for m in mods.values() if isinstance(m, GroupedLinear) and m.qweight is not None)
+    experts = next(m for m in mods.values() if isinstance(m, Experts))
+    g = torch.Generator(device="cuda").manual_seed(23)
+    k_lin = lin.qweight.shape[1]
+    x_lin = torch.randn(300, k_lin, device="cuda", generator=g).to(torch.bfloat16)
+    x_grp = torch.randn(300, grouped.groups, grouped.qweight.shape[1], device="cuda", generator=g).to(
+        torch.bfloat16
+    )
+    x_exp = torch.randn(600, mc.hidden_size, device="cuda", generator=g).to(torch.bfloat16)
+    ids = torch.randint(0, experts.num_local, (600,), device="cuda", generator=g)
+    runs = {
+        "linear": lambda: lin(x_lin),
+        "grouped o_a": lambda: grouped(x_grp),
+        "experts": lambda: experts.run_rows(x_exp, ids),
+    }
+    with torch.inference_mode():
+        for name, run in runs.items():
+            out = {}
+            for compute in ("w8a8", "w8a16"):
+                fp8.set_compute(compute)
+                try:
+                    kern = run().float()
+                    set_kernels(False)
+                    try:
+                        eager = run().float()
+                    finally:
+                        set_kernels(True)
+                finally:
+                    fp8.set_compute("w8a16")
+                out[compute] = (kern, eager)
+            (k8, e8), (k16, e16) = out["w8a8"], out["w8a16"]
+            d = lambda a, b: ((a - b).norm() / b.norm()).item()  # noqa: E731
+            print(
+                f"{name}: kernels vs eager, w8a8 {d(k8, e8):.2e}, w8a16 {d(k16, e16):.2e}; "
+                f"w8a8 vs w8a16 (eager) {d(e8, e16):.2e}"
+            )
+            assert d(k8, e8) < 1e-2 and d(k16, e16) < 1e-2 and d(k8, e8) < 0.3 * d(e8, e16)
+
+
+def test_a_w8a8_runner_is_graph_safe() -> None:
+    """``fp8_compute='w8a8'`` on CUDA: the FP8 products still leave decode steps capturable,
+    and a prefill's logits are finite and move from ``w8a16``'s by the activations' rounding."""
+    from engine.checkpoint.presets import preset_config
+    from engine.config import ModelConfig
+    from engine.forward_batch import ForwardBatch, SequenceInput
+    from engine.kernels import fp8
+    from engine.runner import ModelRunner, RunnerConfig
+
+    mc = ModelConfig.from_dict(preset_config("small", num_hidden_layers=2))
+    batch = ForwardBatch.from_sequences([SequenceInput(list(range(3, 300)), 0, 0, [0, 1])], device="cuda")
+    logits = {}
+    try:
+        for compute in ("w8a16", "w8a8"):
+            fp8.set_compute(compute)
+            cfg = RunnerConfig(
+                num_blocks=8,
+                num_slots=2,
+                with_mtp=False,
+                device="cuda",
+                dtype="bfloat16",
+                fp8_compute=compute,
+            )
+            runner = ModelRunner.random(mc, cfg, seed=5, fp8=True)
+            assert runner.graphs is not None and fp8.compute() == compute
+            logits[compute] = runner.execute(batch).logits.float()
+    finally:
+        fp8.set_compute("w8a16")
+    rel = ((logits["w8a8"] - logits["w8a16"]).norm() / logits["w8a16"].norm()).item()
+    print(f"w8a8 runner: logits against w8a16's, relative difference {rel:.2e}")
+    assert torch.isfinite(logits["w8a8"]).all() and 0 < rel < 0.2
+
+
 def test_an_fp8_runner_is_graph_safe_and_computes_as_its_dequantising_self() -> None:
     """FP8 kept quantised on CUDA (`ModelRunner.random(fp8=True)`): decode steps stay
     capturable with the FP8 kernels, and a prefill's logits match the per-use dequantisation
