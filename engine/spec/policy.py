@@ -313,6 +313,8 @@ class SpecPolicy:
             )
             if name == "fixed-K":
                 name = f"fixed-{max(ks)}"
+            if self.adaptive and not self._off_by_bound and self._tries[0] < self.MIN_EVIDENCE:
+                self._follow_selection(any(ks))
         self.stats.steps += 1
         self.stats.drafted += sum(n)
         self.stats.verified += sum(ks)
@@ -347,6 +349,17 @@ class SpecPolicy:
         self._open = {}
         return [0] * rows, name
 
+    def _follow_selection(self, verified: bool) -> None:
+        """Before there is evidence: a step whose selection, on its own confidences, verifies
+        none of its drafts yields no observation, so waiting for evidence would draft for
+        nothing forever (the H200 at 128 requests drafted every step and verified none, 1.4x a
+        plain step). Drafting stops there, as when off (probing every ``PROBE_EVERY`` steps);
+        a probe whose drafts are verified drafts again to gather the evidence."""
+        if not verified:
+            self.mode, self.depth = "off", 0
+        elif self.mode == "off":
+            self.mode, self.depth = "dspark", self.config.num_drafts
+
     def _never_pays(self, b: int) -> bool:
         """Whether plain decoding beats speculation at ``b`` requests even if every draft were
         accepted: the best uniform K (the cheapest step that verifies K drafts drafts only K)
@@ -370,7 +383,10 @@ class SpecPolicy:
             return
         rates = self.rates()
         if rates is None or self._tries[0] < self.MIN_EVIDENCE:
-            return  # too little evidence yet: keep drafting num_drafts
+            # too little evidence yet: keep drafting num_drafts (unless the selection
+            # verified nothing: `_follow_selection`, off and probing)
+            self._probe()
+            return
         p, full = self.profile, self.config.num_drafts
         surv = np.cumprod(rates)
         options = {"off": (b / p.step_seconds(b, 0, 0), 0)}
@@ -385,10 +401,13 @@ class SpecPolicy:
         if best != self.mode and options[best][0] > current * (1.0 + self.config.margin):
             self.mode = best
         self.depth = options[self.mode][1] if self.mode in options else full
-        if self.depth == 0:  # probe now and then, so that the rates follow the traffic
+        self._probe()
+
+    def _probe(self) -> None:
+        """Off: draft now and then, so that the rates follow the traffic."""
+        if self.mode == "off":
             self._off_steps += 1
-            if self._off_steps % self.PROBE_EVERY == 0:
-                self.depth = full
+            self.depth = self.config.num_drafts if self._off_steps % self.PROBE_EVERY == 0 else 0
 
     def observe(self, rid: str, accepted: int) -> None:
         """The outcome of ``rid``'s verification in the step last chosen."""

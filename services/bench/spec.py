@@ -167,6 +167,22 @@ def _run(
         }
     finally:
         core.close()
+        _release(engine_kwargs)
+
+
+def _release(engine_kwargs: dict[str, Any]) -> None:
+    """Free a closed engine's memory before the next one runs. Its CUDA graphs and caches sit
+    in reference cycles; left to the cycle collector they are freed at a random later point,
+    inside another engine's timed round, whose steps then wait on the frees: on the H200 a
+    DSpark engine that kept speculation off stepped at 5.5-7.2 ms after the fixed-K engines at
+    128 requests, and at 3.66 ms (plain decoding's 3.68) alone in a fresh process."""
+    import gc
+
+    gc.collect()
+    if str(engine_kwargs.get("device", "cpu")).startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def _profile_table(profile: Any, source: str) -> dict[str, Any]:
