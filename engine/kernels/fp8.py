@@ -9,15 +9,18 @@ without a bf16 copy of the weight, in one of two ways (`set_compute`, `RunnerCon
 * ``w8a8`` (DeepSeek's inference recipe): the activations are quantised too, per row and
   128-column block, to e4m3 with a power-of-two (ue8m0) scale (`quantize_rows`), and the
   products run on the FP8 tensor cores; each 128-wide slice of the reduction is scaled by
-  its activation and weight scales and added in fp32 (`w8a8_grouped_matmul`). It computes
+  its activation and weight scales and added in fp32 (`w8a8_grouped_matmul`; a dense product
+  large enough, outside the batch-invariant mode, goes to torch's block-scaled GEMM instead:
+  `torch_block_pays`). It computes
   ``dequant(x_q) @ dequant(w).T``: the activations carry e4m3's rounding (3 mantissa bits).
   Where no kernel runs (the CPU, kernels off) the same values are multiplied by the eager
   code (`fake_quantize_rows`), so both paths compute the same function.
 
 `grouped_matmul` takes rows grouped by expert (the routed experts; tiles never mix experts,
-`engine.kernels.batch_invariant.tile_map`); `linear` is the same with one group. The tiles
-are fixed (never chosen from the number of rows), so a row's result is the same in any
-batch, in both modes.
+`engine.kernels.batch_invariant.tile_map`); `linear` is the same with one group. Our kernels'
+tiles are fixed (never chosen from the number of rows), so a row's result is the same in any
+batch, in both modes; torch's GEMM (chosen by the shape) is never used in the batch-invariant
+mode.
 """
 
 from __future__ import annotations
@@ -251,11 +254,11 @@ def grouped_matmul(
     return out
 
 
-#: SMs whose tiles torch's block-scaled GEMM fills (an H200 has 132; `_torch_block_pays`)
+#: SMs whose tiles torch's block-scaled GEMM fills (an H200 has 132; `torch_block_pays`)
 _SMS: dict[int, int] = {}
 
 
-def _torch_block_pays(x: torch.Tensor, n: int) -> bool:
+def torch_block_pays(x: torch.Tensor, n: int) -> bool:
     """Whether a dense ``w8a8`` product goes to torch's block-scaled FP8 GEMM (cuBLASLt's) rather
     than our kernel: outside the
     batch-invariant mode (its tiles are chosen from the shape), where torch has it, and where
@@ -273,7 +276,7 @@ def _torch_block_pays(x: torch.Tensor, n: int) -> bool:
     return -(-x.shape[0] // BLOCK) * -(-n // BLOCK) >= 2 * _SMS[dev]
 
 
-def _torch_block_linear(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def torch_block_linear(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """rows [M, K] quantised per 1 x 128 block, times q [N, K] with 128 x 128 block scales, by
     ``torch.nn.functional.scaled_mm`` (the scales in the layouts it asks for: the
     activations' outer-dim-major, the weight's transposed; rows padded to whole 128-row tiles,
@@ -294,8 +297,8 @@ def _torch_block_linear(rows: torch.Tensor, q: torch.Tensor, scale: torch.Tensor
 def linear(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ dequant(q [N, K]).T with block scales [ceil(N/128), ceil(K/128)] -> [..., N]."""
     rows = x.reshape(-1, x.shape[-1])
-    if quantizes_activations(rows, q) and q.shape[0] % BLOCK == 0 and _torch_block_pays(rows, q.shape[0]):
-        return _torch_block_linear(rows, q, scale).view(*x.shape[:-1], q.shape[0])
+    if quantizes_activations(rows, q) and q.shape[0] % BLOCK == 0 and torch_block_pays(rows, q.shape[0]):
+        return torch_block_linear(rows, q, scale).view(*x.shape[:-1], q.shape[0])
     end = torch.full((1,), rows.shape[0], dtype=torch.int32, device=x.device)
     out = grouped_matmul(rows, q.unsqueeze(0), scale.unsqueeze(0), end)
     return out.view(*x.shape[:-1], q.shape[0])

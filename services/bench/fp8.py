@@ -119,10 +119,10 @@ def _case(
     row["engine takes"] = "w8a8 kernel"
     if e == 1 and hasattr(torch.nn.functional, "scaled_mm"):
         ref = fp8.fake_quantize_rows(x).float() @ dequantize(q[0], s[0]).T
-        got = fp8._torch_block_linear(x, q[0], s[0]).float()
-        row["torch block ms"] = ms(lambda: fp8._torch_block_linear(x, q[0], s[0]))
+        got = fp8.torch_block_linear(x, q[0], s[0]).float()
+        row["torch block ms"] = ms(lambda: fp8.torch_block_linear(x, q[0], s[0]))
         row["torch block rel err"] = float(f"{((got - ref).norm() / ref.norm()).item():.2e}")
-        if fp8._torch_block_pays(x, n):
+        if fp8.torch_block_pays(x, n):
             row["engine takes"] = "torch block"
     row["w8a8 (engine) / bf16"] = round(row[f"{row['engine takes']} ms"] / row["bf16 ms"], 3)
     if sweep is not None:
