@@ -129,6 +129,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         "fewer is lossy: the other layers are rebuilt by a bounded replay on load",
     )  # fmt: skip
     p.add_argument(
+        "--fp8-weights", default=None, choices=("dequantize", "w8a16", "w8a8"),
+        help="an FP8 checkpoint's weights: dequantize to bf16 at load (default), or keep them FP8 "
+        "on the device times bf16 activations (w8a16) or FP8-quantised ones (w8a8: other numerics; "
+        "docs/engine.md)",
+    )  # fmt: skip
+    p.add_argument(
         "--speculative", default=None, metavar="POLICY",
         help="speculative decoding with the checkpoint's MTP layer: dspark, dspark-lagged or fixed-K, "
         "optionally :N drafts per step (default: off; see docs/speculative.md)",
@@ -205,10 +211,18 @@ def api_config_from(args: argparse.Namespace) -> tuple[object, str, int, Path]:
     return cfg, host, port, model
 
 
+#: flags copied as they are into the ``EngineConfig`` field named beside them, when given
+_ENGINE_FLAGS = {
+    "device": "device", "dtype": "dtype", "swa_replay": "swa_replay",
+    "host_swa_format": "host_swa_format", "host_swa_layers": "host_swa_layers",
+    "speculative": "speculative", "spec_profile": "spec_profile_path",
+    "swa_directory": "swa_directory", "swa_lease_s": "swa_lease_s",
+}  # fmt: skip
+
+
 def engine_kwargs_from(args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments for every engine (``EngineConfig`` fields) from the flags given;
     empty without them. ValueError for a device this host lacks."""
-    kwargs: dict[str, Any] = {}
     if args.device == "cuda":
         import torch
 
@@ -217,30 +231,18 @@ def engine_kwargs_from(args: argparse.Namespace) -> dict[str, Any]:
                 f"--device cuda: no CUDA device is available here (torch {torch.__version__}, "
                 f"built for CUDA {torch.version.cuda or 'none'}); use --device cpu"
             )
-    if args.device is not None:
-        kwargs["device"] = args.device
-    if args.dtype is not None:
-        kwargs["dtype"] = args.dtype
-    if args.swa_replay is not None:
-        kwargs["swa_replay"] = args.swa_replay
+    kwargs: dict[str, Any] = {
+        field: getattr(args, flag) for flag, field in _ENGINE_FLAGS.items() if getattr(args, flag) is not None
+    }
     if args.host_swa_mib is not None:
         if args.host_swa_mib < 0:
             raise ValueError(f"--host-swa-mib must be >= 0 (0 = off), got {args.host_swa_mib}")
         kwargs["host_swa_bytes"] = args.host_swa_mib << 20
-    if args.host_swa_format is not None:
-        kwargs["host_swa_format"] = args.host_swa_format
-    if args.host_swa_layers is not None:
-        kwargs["host_swa_layers"] = args.host_swa_layers
-    if args.speculative is not None:
-        kwargs["speculative"] = args.speculative
-    if args.spec_profile is not None:
-        kwargs["spec_profile_path"] = args.spec_profile
+    if args.fp8_weights not in (None, "dequantize"):
+        kwargs["keep_quantized"] = True
+        kwargs["fp8_compute"] = "w8a8" if args.fp8_weights == "w8a8" else "w8a16"
     if args.batch_invariant:
         kwargs["batch_invariant"] = True
-    if args.swa_directory is not None:
-        kwargs["swa_directory"] = args.swa_directory
-    if args.swa_lease_s is not None:
-        kwargs["swa_lease_s"] = args.swa_lease_s
     return kwargs
 
 

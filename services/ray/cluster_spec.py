@@ -79,6 +79,10 @@ class PoolSpec(_Strict):
     host_swa_bytes: int = Field(default=0, ge=0)
     host_swa_format: Literal["native", "mxfp8"] = "native"
     host_swa_layers: int | None = Field(default=None, ge=1)  # None: every layer's window (exact)
+    # an FP8 checkpoint's weights: "dequantize" (bf16 copies at load), or kept FP8 on the
+    # device (half the weight memory) times bf16 activations ("w8a16") or FP8-quantised
+    # ones ("w8a8", other numerics: docs/engine.md, "FP8 activations")
+    fp8_weights: Literal["dequantize", "w8a16", "w8a8"] = "dequantize"
 
 
 class VisionPoolSpec(_Strict):
@@ -433,6 +437,8 @@ def _engine_fields(
         "host_swa_bytes": pool.host_swa_bytes,
         "host_swa_format": pool.host_swa_format,
         "host_swa_layers": pool.host_swa_layers,
+        "keep_quantized": pool.fp8_weights != "dequantize",
+        "fp8_compute": "w8a8" if pool.fp8_weights == "w8a8" else "w8a16",
         **pool_fields,
     }
     seqs = fields.get("max_num_seqs", EngineConfig.max_num_seqs)
@@ -455,6 +461,11 @@ def derive(spec: ClusterSpec) -> ClusterPlan:
     for name, pool in (("prefill", spec.prefill), ("decode", spec.decode)):
         if pool.replicas < 1:
             raise ValueError(f"{name}.replicas must be >= 1: the router needs a {name} instance to route to")
+    if (spec.prefill.fp8_weights == "w8a8") != (spec.decode.fp8_weights == "w8a8"):
+        raise ValueError(
+            "prefill.fp8_weights and decode.fp8_weights must both be w8a8 or both not: FP8-quantised "
+            "activations compute other caches, and a handoff carries a cache between the two pools"
+        )
     if spec.mode not in ("embedded", "local-cluster") and not spec.redis_url:
         raise ValueError(
             f"mode {spec.mode} runs engines on several hosts, so the store's directory must be shared: "

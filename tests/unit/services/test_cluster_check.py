@@ -115,6 +115,7 @@ def test_derive_maps_engine_fields_into_engine_config():
             "decode": {
                 "replicas": 3,
                 "max_running_requests": 100,
+                "fp8_weights": "w8a16",
                 "host_swa_format": "mxfp8",
                 "host_swa_layers": 2,
                 "speculative": "dspark",
@@ -132,6 +133,7 @@ def test_derive_maps_engine_fields_into_engine_config():
     assert (dec.swa_replay, dec.host_swa_bytes, dec.host_swa_format) == ("bounded", 0, "mxfp8")
     assert (pre.host_swa_layers, dec.host_swa_layers) == (None, 2)
     assert (pre.speculative, dec.speculative) == (None, "dspark")
+    assert (pre.keep_quantized, dec.keep_quantized, dec.fp8_compute) == (False, True, "w8a16")
     assert dec.num_swa_slots >= 100  # EngineConfig needs a slot per running sequence
     assert dec.cache_event_capacity == 0
     lay = plan.prefill.layout
@@ -247,3 +249,15 @@ def test_the_handoff_transport_follows_the_datacentres_and_the_link():
     for links, why in (({"a-c": 10}, "not 'x-y'"), ({"a-b-c": 10}, "not 'x-y'"), ({"a-b": 0}, "> 0")):
         with pytest.raises(ValueError, match=why):
             ClusterSpec.model_validate({**two_dc, "interconnect_gbps": links})
+
+
+def test_fp8_activations_on_one_pool_need_them_on_the_other():
+    """w8a8 computes other caches than w8a16 or bf16: a handoff between the pools would carry
+    a cache the decode engine cannot use, so the spec is refused; both w8a8 is fine."""
+    base = {"model": str(TRAINED), "prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+    spec = ClusterSpec.model_validate({**base, "decode": {"replicas": 1, "fp8_weights": "w8a8"}})
+    with pytest.raises(ValueError, match="both be w8a8"):
+        derive(spec)
+    both = {"replicas": 1, "fp8_weights": "w8a8"}
+    plan = derive(ClusterSpec.model_validate({**base, "prefill": both, "decode": both}))
+    assert plan.decode.engine["fp8_compute"] == "w8a8" and plan.prefill.engine["keep_quantized"]

@@ -138,5 +138,8 @@ def test_window_state_flags_reach_the_engine_config() -> None:
         "swa_replay": "bounded", "host_swa_bytes": 64 << 20, "host_swa_format": "mxfp8",
         "host_swa_layers": 20, "batch_invariant": True,
     }  # fmt: skip
+    fp8 = serve.engine_kwargs_from(build_parser().parse_args(["serve", "--fp8-weights", "w8a8"]))
+    assert fp8 == {"keep_quantized": True, "fp8_compute": "w8a8"}
+    assert serve.engine_kwargs_from(build_parser().parse_args(["serve", "--fp8-weights", "dequantize"])) == {}
     with pytest.raises(ValueError, match="--host-swa-mib"):
         serve.engine_kwargs_from(build_parser().parse_args(["serve", "--host-swa-mib", "-1"]))
