@@ -572,6 +572,12 @@ class EngineCore:
 
     def close(self) -> None:
         self.loop.close()
+        # captured graphs freed now, not by the cycle collector inside a later engine's step
+        if self.runner.graphs is not None:
+            self.runner.graphs.release()
+        drafter = self.executor.drafter
+        if drafter is not None and drafter.graphs is not None:
+            drafter.graphs.release()
         if self.slot_sharing is not None:
             self.slot_sharing.close()  # withdraws this engine's slots from the directory
             self.slot_sharing = None

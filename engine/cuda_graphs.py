@@ -244,6 +244,11 @@ class DecodeGraphs:
         )
         return _Graph(graph, inputs, static, final, hidden)
 
+    def release(self) -> None:
+        """Drop every captured graph now (a closed engine): their memory is freed here, not by
+        the cycle collector at some later point inside another engine's step."""
+        self.graphs.clear()
+
     def run(self, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward pass of a `graphable` batch -> (logits [rows, vocab] at its
         ``logit_indices``, hidden [T, hc, D] in its token order). ``hidden`` may be a view of

@@ -214,6 +214,10 @@ class DraftGraphs:
         self.replays = 0
         self.chains_run = 0  # drafting chains run padded (graphed or not)
 
+    def release(self) -> None:
+        """Drop every captured drafting chain now (a closed engine; `DecodeGraphs.release`)."""
+        self.chains.clear()
+
     @staticmethod
     def applies(runs: Sequence[DraftRun]) -> bool:
         return max(len(r.next_ids) for r in runs) <= MAX_GRAPH_QUERY
