@@ -143,8 +143,10 @@ class EngineConfig:
             )
 
     def _check_fp8_compute(self) -> None:
-        if self.fp8_compute not in ("w8a16", "w8a8"):
-            raise ValueError(f"fp8_compute must be 'w8a16' or 'w8a8', got {self.fp8_compute!r}")
+        from engine.kernels.fp8 import COMPUTES
+
+        if self.fp8_compute not in COMPUTES:
+            raise ValueError(f"fp8_compute must be one of {COMPUTES}, got {self.fp8_compute!r}")
         if self.fp8_compute == "w8a8" and not self.keep_quantized:
             raise ValueError("fp8_compute='w8a8' multiplies kept FP8 weights: set keep_quantized=True")
 

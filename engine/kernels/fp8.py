@@ -95,6 +95,12 @@ def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     return q.reshape(r, k), scale
 
 
+def eager_input(x: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+    """x as the eager product with the weight ``q`` takes it: fake-quantised where
+    `quantizes_activations`, else as is (the eager paths of every FP8 module)."""
+    return fake_quantize_rows(x) if quantizes_activations(x, q) else x
+
+
 def fake_quantize_rows(x: torch.Tensor) -> torch.Tensor:
     """The values ``w8a8`` multiplies, in x's dtype: dequant(quantize_rows(x)) (exact in bf16:
     e4m3's 3 mantissa bits times a power of two)."""

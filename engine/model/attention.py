@@ -51,8 +51,8 @@ class GroupedLinear(nn.Module):
             if self.qweight is None or self.scale is None
             else dequantize(self.qweight, self.scale)
         )
-        if self.qweight is not None and fp8.quantizes_activations(x, self.qweight):
-            x = fp8.fake_quantize_rows(x)  # w8a8's values, multiplied eagerly
+        if self.qweight is not None:
+            x = fp8.eager_input(x, self.qweight)  # w8a8's values, multiplied eagerly
         w = w.view(self.groups, -1, x.shape[-1]).to(x.dtype)  # [G, out, in]
         if x.is_cuda and not batch_invariant.enabled() and not tracks_grad(x, w):
             # cuBLAS reads x per group and writes each group's rows in place in [T, G, out]

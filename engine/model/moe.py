@@ -231,9 +231,7 @@ class Experts(nn.Module):
     def _input(self, which: str, x: torch.Tensor) -> torch.Tensor:
         """x as the product with ``which`` takes it: quantised where that weight is FP8 under
         ``w8a8`` (`engine.kernels.fp8`), as is."""
-        if which in self.quantized and fp8.quantizes_activations(x, getattr(self, f"{which}_q")):
-            return fp8.fake_quantize_rows(x)
-        return x
+        return fp8.eager_input(x, getattr(self, f"{which}_q")) if which in self.quantized else x
 
     def run_rows(self, x: torch.Tensor, local_ids: torch.Tensor) -> torch.Tensor:
         """Unweighted expert output for rows x [N, D] routed to local expert ids [N] -> [N, D]."""

@@ -26,8 +26,7 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if fp8.usable(x, self.qweight):  # FP8 read in place, no dequantised copy
             return fp8.linear(x, self.qweight, self.scale)
-        if fp8.quantizes_activations(x, self.qweight):  # w8a8's values, multiplied eagerly
-            x = fp8.fake_quantize_rows(x)
+        x = fp8.eager_input(x, self.qweight)  # w8a8's values, multiplied eagerly
         return F.linear(x, dequantize(self.qweight, self.scale).to(x.dtype))
 
 

@@ -23,6 +23,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from services.bench import Report, module_main, progress
 from services.bench import _engine_costmodel as grids
@@ -249,6 +250,11 @@ def _profile_spec(model_dir: Path) -> Path | None:
     return out
 
 
+def _quant(args: argparse.Namespace) -> dict[str, Any]:
+    """``--quant`` as the decode and prefill parts' ``fp8`` / ``fp8_compute`` fields."""
+    return {"fp8": args.quant != "none", "fp8_compute": "w8a8" if args.quant == "fp8-w8a8" else "w8a16"}
+
+
 def _decode(args: argparse.Namespace, report: Report) -> None:
     """The decode report (``--preset``) and its targets: fractions of the memory roofline
     (CUDA) and speedups over transformers at the same batch and context."""
@@ -263,8 +269,7 @@ def _decode(args: argparse.Namespace, report: Report) -> None:
         transformers=not args.no_transformers, seed=0, decode_graphs=args.decode_graphs,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         pipeline_steps={"auto": None, "on": True, "off": False}[args.pipeline_steps],
-        batch_invariant=args.batch_invariant, fp8=args.quant != "none", sampling=args.sampling,
-        fp8_compute="w8a8" if args.quant == "fp8-w8a8" else "w8a16",
+        batch_invariant=args.batch_invariant, sampling=args.sampling, **_quant(args),
     )  # fmt: skip
     report.config.update({"decode": a.__dict__})
     with tempfile.TemporaryDirectory(prefix="sluice-bench-decode-") as tmp:
@@ -326,8 +331,7 @@ def _prefill(args: argparse.Namespace, report: Report) -> None:
         device=args.device, dtype=args.dtype or ("bfloat16" if cuda else "float32"), preset=args.preset,
         layers=layers, tokens=tokens, repeats=args.prefill_repeats, transformers=not args.no_transformers,
         tf_tokens=tokens[0], long_context=args.long_context if args.long_context is not None else (131072 if cuda else 0),
-        long_chunk=args.long_chunk, fp8=args.quant != "none",
-        fp8_compute="w8a8" if args.quant == "fp8-w8a8" else "w8a16",
+        long_chunk=args.long_chunk, **_quant(args),
     )  # fmt: skip
     report.config.update({"prefill": a.__dict__})
     with tempfile.TemporaryDirectory(prefix="sluice-bench-prefill-") as tmp:
