@@ -301,16 +301,13 @@ def _fixed_k(
     n = mask.sum(axis=1)
     mean_c = (c * mask).sum(axis=0) / np.maximum(mask.sum(axis=0), 1)
     cum = np.concatenate([[0.0], np.cumsum(np.cumprod(mean_c))])
-    best_k, best = 0, -1.0
-    for k in range(min(max_k, kmax) + 1):
-        kr = np.minimum(n, k)
-        tokens = int(batch + kr.sum())
-        if max_tokens is not None and tokens > max_tokens and k > 0:
-            break
-        thr = float((1.0 + cum[kr]).sum()) * float(profile.steps_per_s(tokens))
-        if thr > best:
-            best_k, best = k, thr
-    return best_k
+    ks = np.arange(min(max_k, kmax) + 1)
+    kr = np.minimum(n[None, :], ks[:, None])  # [K + 1, B]: drafts each request verifies at each K
+    tokens = batch + kr.sum(axis=1)
+    thr = (1.0 + cum[kr]).sum(axis=1) * profile.steps_per_s(tokens)
+    if max_tokens is not None:  # K = 0 always fits: every request's own token is verified
+        thr[1:][tokens[1:] > max_tokens] = -1.0
+    return int(np.argmax(thr))  # the smallest K among ties
 
 
 def choose_policy(
@@ -393,6 +390,18 @@ class LaggedConfidence:
             h = self._hist[rid] = deque(maxlen=self.lag)
         h.append(_as_conf(conf).copy())
 
+    def record_batch(self, rids: Sequence[Hashable], conf: Sequence[FloatArray]) -> None:
+        """`record` for a step's requests at once (rows validated together; each row is
+        kept as given, so the caller hands over arrays it no longer writes to)."""
+        if conf:
+            _as_conf(np.concatenate(conf))
+        hist = self._hist
+        for rid, c in zip(rids, conf):
+            h = hist.get(rid)
+            if h is None:
+                h = hist[rid] = deque(maxlen=self.lag)
+            h.append(c)
+
     def drop(self, rid: Hashable) -> None:
         """Forget a finished request."""
         self._hist.pop(rid, None)
@@ -416,13 +425,21 @@ class LaggedConfidence:
 
     def get(self, rid: Hashable, n_drafts: int) -> FloatArray:
         """Confidences to schedule ``rid``'s ``n_drafts`` drafts with (``lag`` steps old)."""
-        h = self._hist.get(rid)
-        lagged = h[0][:n_drafts] if h is not None and len(h) == self.lag else np.zeros(0)
-        if lagged.size == n_drafts:
-            return lagged.copy()
-        out = self._population_mean(n_drafts)
-        out[: lagged.size] = lagged
-        return out
+        return self.get_batch((rid,), (n_drafts,))[0]
 
     def get_batch(self, rids: Sequence[Hashable], n_drafts: Sequence[int]) -> list[FloatArray]:
-        return [self.get(r, int(n)) for r, n in zip(rids, n_drafts)]
+        """`get` for each request (the population mean, where needed, computed once)."""
+        out: list[FloatArray] = []
+        mean: FloatArray | None = None
+        for rid, n in zip(rids, n_drafts):
+            h = self._hist.get(rid)
+            lagged = h[0][:n] if h is not None and len(h) == self.lag else np.zeros(0)
+            if lagged.size == n:
+                out.append(lagged.copy())
+                continue
+            if mean is None or mean.size < n:
+                mean = self._population_mean(max(n_drafts))
+            row = mean[:n].copy()
+            row[: lagged.size] = lagged
+            out.append(row)
+        return out

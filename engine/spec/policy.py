@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -118,6 +119,9 @@ class SpecProfile:
     draft_pass: tuple[float, ...] = ()
     plain: tuple[float, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    # step_seconds / for_batch results: a policy asks for the same few every step (bounded by
+    # the batch sizes an engine runs times the draft counts)
+    _memo: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         if not self.batch or any(b <= a for a, b in zip(self.batch, self.batch[1:])) or self.batch[0] < 1:
@@ -150,6 +154,13 @@ class SpecProfile:
         """A step of ``batch`` requests verifying ``drafts`` drafts each and drafting
         ``drafted`` (default the profile's) for the next step; ``drafted = 0`` with no drafts
         verified is plain decoding."""
+        key = ("s", batch, drafts, drafted)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = self._step_seconds(batch, drafts, drafted)
+        return float(hit)
+
+    def _step_seconds(self, batch: int, drafts: int, drafted: int | None) -> float:
         d = self.drafted if drafted is None or not self.adaptive else drafted
         if d == 0 and drafts == 0 and self.adaptive:
             return self._at(batch, self.plain)
@@ -164,9 +175,13 @@ class SpecProfile:
         non-increasing, as a larger step never runs faster: noise is removed by a running
         maximum)."""
         d = max(drafted if drafted is not None else self.drafted, 1)
+        hit = self._memo.get(("t", batch, d))
+        if isinstance(hit, StepProfile):
+            return hit
         secs = np.maximum.accumulate([self.step_seconds(batch, k, d) for k in self.drafts])
         tokens = [batch * (k + 1) for k in self.drafts]
-        return StepProfile(tokens, [1.0 / s for s in secs])
+        table = self._memo[("t", batch, d)] = StepProfile(tokens, [1.0 / s for s in secs])
+        return table
 
     def to_json(self) -> str:
         return json.dumps(
@@ -200,6 +215,7 @@ class SpecStats:
     verified: int = 0  # drafts put into verification
     accepted: int = 0  # verified drafts that were accepted
     policies: Counter[str] = field(default_factory=Counter)  # policy chosen, per step
+    choose_seconds: float = 0.0  # host time spent choosing (`SpecPolicy.choose`), every step
 
     def as_dict(self) -> dict[str, float]:
         out = {
@@ -207,6 +223,7 @@ class SpecStats:
             "spec_drafted_tokens": float(self.drafted),
             "spec_verified_tokens": float(self.verified),
             "spec_accepted_tokens": float(self.accepted),
+            "spec_choose_seconds": self.choose_seconds,
         }
         out.update({f"spec_policy_{name.replace('-', '_')}": float(n) for name, n in self.policies.items()})
         return out
@@ -245,6 +262,10 @@ class SpecPolicy:
         self.mode = "dspark" if config.policy != "fixed" else f"fixed-{config.num_drafts}"
         self._hits = np.zeros(config.num_drafts)
         self._tries = np.zeros(config.num_drafts)
+        # observations not yet folded into _hits/_tries: requests per count of positions
+        # tried (index 0..num_drafts) and per count accepted (`observe`, `_fold`)
+        self._tried_n = [0] * (config.num_drafts + 1)
+        self._hit_n = [0] * (config.num_drafts + 1)
         self._conf_sum = np.zeros(config.num_drafts)  # the head's predictions, decayed alike
         self._conf_n = np.zeros(config.num_drafts)
         self._off_steps = 0
@@ -252,7 +273,7 @@ class SpecPolicy:
         self._never_pays_at: dict[int, bool] = {}
         # set to [] to record every step: per request (confidences, drafts verified, accepted)
         self.trace: list[list[tuple[tuple[float, ...], int, int]]] | None = None
-        self._open: dict[str, tuple[tuple[float, ...], int]] = {}
+        self._open: dict[str, tuple[Sequence[float], int]] = {}
 
     @property
     def adaptive(self) -> bool:
@@ -262,6 +283,7 @@ class SpecPolicy:
         """P(draft j accepted | drafts before it accepted) per position: the observed rate,
         smoothed towards the confidence head's mean prediction for that position by
         ``PRIOR_WEIGHT`` pseudo-observations (None before any observation)."""
+        self._fold()
         if self._tries[0] == 0:
             return None
         prior = np.where(self._conf_n > 0, self._conf_sum / np.maximum(self._conf_n, 1e-12), 0.5)
@@ -277,27 +299,29 @@ class SpecPolicy:
         """How many drafts of each request to verify this step (``confidences[i]`` has one
         entry per draft request ``i`` has; the step's tokens stay within ``max_tokens``);
         ``batch``: requests decoding this step (default ``len(rids)``). Also sets ``depth``."""
+        t0 = time.perf_counter()
+        try:
+            return self._choose(rids, confidences, max_tokens, batch)
+        finally:
+            self.stats.choose_seconds += time.perf_counter() - t0
+
+    def _choose(
+        self,
+        rids: Sequence[str],
+        confidences: Sequence[Sequence[float]],
+        max_tokens: int | None,
+        batch: int | None,
+    ) -> tuple[list[int], str]:
         n = [len(c) for c in confidences]
         if not rids:
             return [], "none"
         b = batch if batch is not None else len(rids)
+        self._fold()
         for acc in (self._hits, self._tries, self._conf_sum, self._conf_n):
             acc *= self.DECAY
         if not any(n):
             return self._choose_none(len(rids), b)
-        for c in confidences:
-            m = min(len(c), self._conf_sum.size)
-            self._conf_sum[:m] += np.asarray(c[:m], dtype=np.float64)
-            self._conf_n[:m] += 1
-        if self.lagged is not None:
-            for rid, c in zip(rids, confidences):
-                if len(c):
-                    self.lagged.record(rid, np.asarray(c, dtype=np.float64))
-        conf = (
-            [np.asarray(c, dtype=np.float64) for c in confidences]
-            if self.lagged is None
-            else self.lagged.get_batch(rids, n)
-        )
+        conf = self._record_confidences(rids, confidences, n)
         if self.adaptive:
             self._set_depth(b, conf)
         if self.config.policy == "fixed" or self.profile is None:
@@ -321,8 +345,34 @@ class SpecPolicy:
         self.stats.policies[name] += 1
         if self.trace is not None:
             self.trace.append([])
-        self._open = {rid: (tuple(float(x) for x in c), k) for rid, c, k in zip(rids, confidences, ks)}
+        self._open = dict(zip(rids, zip(confidences, ks)))
         return ks, name
+
+    def _record_confidences(
+        self, rids: Sequence[str], confidences: Sequence[Sequence[float]], n: list[int]
+    ) -> np.ndarray | list[np.ndarray]:
+        """Adds this step's confidences to the head's running means; returns those the
+        selection uses (two steps old under ``dspark-lagged``): one [B, K] array when every
+        request has K drafts (the usual case, converted in one call), else one array per
+        request."""
+        m = self._conf_sum.size
+        uniform = min(n) == max(n)
+        rows: np.ndarray | list[np.ndarray]
+        if uniform:
+            rows = np.array(confidences, dtype=np.float64)
+            self._conf_sum[: min(n[0], m)] += rows[:, :m].sum(axis=0)
+            self._conf_n[: min(n[0], m)] += len(n)
+        else:
+            rows = [np.asarray(c, dtype=np.float64) for c in confidences]
+            for c in rows:
+                self._conf_sum[: min(c.size, m)] += c[:m]
+                self._conf_n[: min(c.size, m)] += 1
+        if self.lagged is None:
+            return rows
+        kept = [(rid, c) for rid, c in zip(rids, rows) if c.size]
+        self.lagged.record_batch([rid for rid, _ in kept], [c for _, c in kept])
+        lagged = self.lagged.get_batch(rids, n)
+        return np.array(lagged) if uniform else lagged
 
     def prepare(self, b: int) -> None:
         """The drafting depth of a step in which no request decodes yet (prompts only), for
@@ -340,7 +390,7 @@ class SpecPolicy:
         step after a prefill): nothing to verify, so no per-request work, which at a
         hundred requests would be a noticeable share of a graphed GPU step."""
         if self.adaptive:
-            self._set_depth(b, ())
+            self._set_depth(b, [])
         name = "off" if self.depth == 0 or self.mode == "off" else "none"
         self.stats.steps += 1
         self.stats.policies[name] += 1
@@ -375,7 +425,7 @@ class SpecPolicy:
             hit = self._never_pays_at[b] = best <= plain
         return hit
 
-    def _set_depth(self, b: int, conf: Sequence[np.ndarray]) -> None:
+    def _set_depth(self, b: int, conf: np.ndarray | list[np.ndarray]) -> None:
         """The next step's drafting depth: plain decoding, a uniform K, or DSpark over all."""
         assert self.profile is not None
         self.prepare(b)
@@ -392,9 +442,10 @@ class SpecPolicy:
         options = {"off": (b / p.step_seconds(b, 0, 0), 0)}
         for k in range(1, full + 1):
             options[f"fixed-{k}"] = (b * (1.0 + surv[:k].sum()) / p.step_seconds(b, k, k), k)
-        if any(c.size for c in conf):  # DSpark on this step's confidences, missing positions at the rates
-            padded = [np.concatenate([c[:full], rates[c.size : full]]) for c in conf]
-            plan = plan_dspark(padded, p.for_batch(b, full))
+        if (
+            conf.size if isinstance(conf, np.ndarray) else any(c.size for c in conf)
+        ):  # DSpark on this step's confidences
+            plan = plan_dspark(_filled(conf, rates, full), p.for_batch(b, full))
             options["dspark"] = (plan.throughput, full)
         best = max(options, key=lambda m: options[m][0])
         current = options.get(self.mode, (0.0, 0))[0]
@@ -410,22 +461,40 @@ class SpecPolicy:
             self.depth = self.config.num_drafts if self._off_steps % self.PROBE_EVERY == 0 else 0
 
     def observe(self, rid: str, accepted: int) -> None:
-        """The outcome of ``rid``'s verification in the step last chosen."""
+        """The outcome of ``rid``'s verification in the step last chosen: positions 1 ..
+        min(k, accepted + 1) were tried, 1 .. min(k, accepted) accepted (counted here,
+        added to the rates by `_fold`)."""
         entry = self._open.pop(rid, None)
         if entry is None:
             return
         k = entry[1]
-        for j in range(k):
-            self._tries[j] += 1
-            if accepted <= j:
-                break
-            self._hits[j] += 1
+        self._tried_n[min(k, accepted + 1)] += 1
+        self._hit_n[min(k, accepted)] += 1
         if self.trace:
-            self.trace[-1].append((entry[0], k, accepted))
+            self.trace[-1].append((tuple(entry[0]), k, accepted))
+
+    def _fold(self) -> None:
+        """Adds the observations counted since the last fold to the per-position tries and
+        hits: a request that tried ``t`` positions tried each of positions 1 .. t."""
+        for counts, acc in ((self._tried_n, self._tries), (self._hit_n, self._hits)):
+            if any(counts[1:]):
+                acc += np.cumsum(counts[::-1])[::-1][1:]
+            counts[:] = [0] * len(counts)
 
     def finished(self, rid: str) -> None:
         if self.lagged is not None:
             self.lagged.drop(rid)
+
+
+def _filled(conf: np.ndarray | list[np.ndarray], rates: np.ndarray, full: int) -> np.ndarray:
+    """[B, full] confidences: each request's own, and the observed rates for the positions it
+    has none for."""
+    if isinstance(conf, np.ndarray):
+        b, k = conf.shape
+        return (
+            conf[:, :full] if k >= full else np.hstack([conf, np.broadcast_to(rates[k:full], (b, full - k))])
+        )
+    return np.array([np.concatenate([c[:full], rates[c.size : full]]) for c in conf])
 
 
 def _cap(ks: list[int], max_tokens: int) -> list[int]:

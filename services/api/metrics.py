@@ -89,12 +89,18 @@ def _vision_families(extra: dict[str, float]) -> Iterator[Metric]:
 
 def _spec_families(extra: dict[str, float]) -> Iterator[Metric]:
     """Speculative decoding (engine/spec/): steps that had drafts, drafts proposed, verified
-    and accepted (per step: divide by the steps), and the policy each such step chose."""
+    and accepted (per step: divide by the steps), the host time of the policy's choice, and
+    the policy each such step chose."""
     for name, key, doc in (
         ("sluice_spec_steps", "spec_steps", "Decode steps in which requests had drafts."),
         ("sluice_spec_drafted_tokens", "spec_drafted_tokens", "Draft tokens the MTP layer proposed."),
         ("sluice_spec_verified_tokens", "spec_verified_tokens", "Draft tokens put into verification."),
         ("sluice_spec_accepted_tokens", "spec_accepted_tokens", "Verified drafts the target accepted."),
+        (
+            "sluice_spec_choose_seconds",
+            "spec_choose_seconds",
+            "Host seconds the policy spent choosing drafts.",
+        ),
     ):
         counter = CounterMetricFamily(name, doc)
         counter.add_metric([], extra.get(key, 0.0))

@@ -157,6 +157,10 @@ def _run(
             "accepted_length": 1.0 + (stats.accepted / req_steps) if stats and req_steps else 1.0,
             "policies_chosen": dict(stats.policies) if stats else {"none": len(step_times)},
             "step_ms_median": statistics.median(step_times) * 1e3 if step_times else 0.0,
+            # host time of the policy's per-step choice (SpecPolicy.choose), per decode step
+            "choose_ms_per_step": stats.choose_seconds / len(step_times) * 1e3
+            if stats and step_times
+            else 0.0,
             # asynchronous (--scheduling async): a step that neither drafts nor verifies
             # overlaps the next one's scheduling, speculating or not
             "async_scheduling": cfg.overlaps_steps,

@@ -65,3 +65,4 @@ def test_served_text_equals_plain_decoding_offline(spec_server, plain):
     }
     assert counts["sluice_spec_verified_tokens_total"] > 0, counts
     assert counts["sluice_spec_accepted_tokens_total"] > 0, counts
+    assert counts["sluice_spec_choose_seconds_total"] > 0, counts

@@ -323,3 +323,32 @@ def test_select_dspark_speed_b128():
             plan_dspark(c, profile)
             times.append(time.perf_counter() - t0)
         assert min(times) < 5e-3
+
+
+def test_fixed_k_is_the_best_uniform_k_within_the_token_cap():
+    rng = np.random.default_rng(11)
+    prof = StepProfile.from_cost_model(lambda t: 1.0 + 0.03 * t, range(1, 80))
+    for _ in range(40):
+        conf = [rng.uniform(0.2, 1.0, int(n)) for n in rng.integers(0, 6, 9)]
+        cap = int(rng.integers(9, 60))
+        mask_means = [
+            np.mean([c[j] for c in conf if c.size > j]) if any(c.size > j for c in conf) else 1.0
+            for j in range(5)
+        ]
+        surv = np.cumprod(mask_means)
+        best_k, best = 0, -1.0
+        for k in range(6):
+            kr = [min(c.size, k) for c in conf]
+            tokens = 9 + sum(kr)
+            if k and tokens > cap:
+                break
+            thr = sum(1 + surv[:r].sum() for r in kr) * prof.steps_per_s(tokens)
+            if thr > best + 1e-12:
+                best_k, best = k, thr
+        assert fixed_k_from_means(conf, prof, max_tokens=cap) == best_k
+
+
+def test_lagged_batches_refuse_bad_confidences():
+    lag = LaggedConfidence()
+    with pytest.raises(ValueError):
+        lag.record_batch(["a", "b"], [np.array([0.5, 0.4]), np.array([np.nan])])

@@ -221,3 +221,29 @@ def test_a_profile_file_is_named_after_the_machine_that_measured_it() -> None:
     assert spec_steps_file("NVIDIA A100-SXM4-80GB") == "sluice_spec_steps_a100.json"
     assert spec_steps_file("NVIDIA H100 80GB HBM3") == "sluice_spec_steps_h100.json"
     assert spec_steps_file("NVIDIA GeForce RTX 4090") == "sluice_spec_steps_geforce-rtx-4090.json"
+
+
+def test_observations_count_each_position_tried_and_accepted() -> None:
+    """A request that verified k drafts and accepted a of them tried positions 1..min(k, a+1)
+    and had 1..min(k, a) accepted: the counted-then-folded rates equal that definition."""
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    pol = SpecPolicy(SpecConfig("fixed", 5), None)
+    tries, hits = np.zeros(5), np.zeros(5)
+    for _ in range(6):
+        tries *= SpecPolicy.DECAY
+        hits *= SpecPolicy.DECAY
+        rids = [f"r{i}" for i in range(16)]
+        ks, _ = pol.choose(rids, [[0.5] * int(n) for n in rng.integers(0, 6, 16)])
+        for rid, k in zip(rids, ks):
+            acc = int(rng.integers(0, k + 1))
+            pol.observe(rid, acc)
+            for j in range(k):  # the definition, position by position
+                tries[j] += 1
+                if acc <= j:
+                    break
+                hits[j] += 1
+    pol.rates()
+    np.testing.assert_allclose(pol._tries, tries)
+    np.testing.assert_allclose(pol._hits, hits)
