@@ -44,7 +44,7 @@ class Report:
     config: dict[str, Any]
     results: dict[str, Any] = field(default_factory=dict)
     targets: list[Target] = field(default_factory=list)
-    rows: list[dict[str, Any]] = field(default_factory=list)  # the human table; also in results
+    rows: list[dict[str, Any]] = field(default_factory=list)  # the human table; in the JSON as "rows"
 
     def target(self, name: str, value: float, op: str, target: float) -> Target:
         if op not in _OPS:
@@ -60,6 +60,7 @@ class Report:
             "config": self.config,
             "results": self.results,
             "targets": [t.to_json() for t in self.targets],
+            "rows": self.rows,
         }
 
 

@@ -24,6 +24,8 @@ import itertools
 from services.bench import Report, cuda_mean_ms, module_main, progress
 
 SWEEP = {"A8_BM": (64, 128), "A8_BN": (64, 128, 256), "A8_WARPS": (4, 8), "A8_STAGES": (3, 4)}
+# set with A8_BN and A8_WARPS in a sweep cell, so that every product runs the cell's tiles
+WIDE = {"A8_WIDE_BN": "A8_BN", "A8_WIDE_WARPS": "A8_WARPS"}
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -70,7 +72,7 @@ def run(args: argparse.Namespace) -> Report:
         "fp8", {"preset": args.preset, "prefill_rows": args.prefill_rows, "decode_rows": args.decode_rows}
     )
     g = torch.Generator(device="cuda").manual_seed(0)
-    chosen = {k: getattr(fp8, k) for k in SWEEP}
+    chosen = {k: getattr(fp8, k) for k in (*SWEEP, *WIDE)}
     sweep: list[dict] = []
     try:
         for case in _cases(cfg, args.prefill_rows, args.decode_rows):
@@ -129,6 +131,8 @@ def _case(
         for values in itertools.product(*SWEEP.values()):
             for key, v in zip(SWEEP, values):
                 setattr(fp8, key, v)
+            for wide, key in WIDE.items():
+                setattr(fp8, wide, getattr(fp8, key))
             try:
                 cell = {"ms": ms(lambda: fp8.w8a8_grouped_matmul(x, q, s, ends))}
             except Exception as exc:  # noqa: BLE001 - a configuration the GPU cannot run

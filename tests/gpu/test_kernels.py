@@ -330,12 +330,19 @@ def test_the_w8a8_grouped_kernel_matches_its_reference() -> None:
     ends = torch.cumsum(counts, 0).to(torch.int32)
     x = torch.randn(int(counts.sum()), 1024, device="cuda").to(torch.bfloat16)
     fp8.set_compute("w8a8")
+    wide = fp8.A8_WIDE_BN, fp8.A8_WIDE_WARPS
     try:
+        assert fp8._wide_tiles(x.shape[0], 4)  # 407 rows over 4 experts: the prefill tiles
         got = fp8.grouped_matmul(x, q, s, ends)
         alone = fp8.grouped_matmul(x[105:106], q[2:3], s[2:3], ends.new_ones(1))
         lin = fp8.linear(x[:50], q[3], s[3])
+        fp8.A8_WIDE_BN, fp8.A8_WIDE_WARPS = fp8.A8_BN, fp8.A8_WARPS
+        narrow = fp8.grouped_matmul(x, q, s, ends)
     finally:
         fp8.set_compute("w8a16")
+        fp8.A8_WIDE_BN, fp8.A8_WIDE_WARPS = wide
+    print(f"w8a8 wide vs narrow tiles: bitwise equal {torch.equal(got, narrow)}")
+    torch.testing.assert_close(got, narrow, rtol=1.6e-2, atol=1e-2)
     xq = fp8.fake_quantize_rows(x).float()
     starts = [0, *ends.tolist()[:-1]]
     want = torch.cat(
@@ -345,7 +352,7 @@ def test_the_w8a8_grouped_kernel_matches_its_reference() -> None:
     torch.testing.assert_close(
         lin, (xq[:50] @ dequantize(q[3], s[3]).T).to(torch.bfloat16), rtol=1.6e-2, atol=1e-2
     )
-    assert torch.equal(alone, got[105:106])
+    assert torch.equal(alone, narrow[105:106])
     big = torch.randn(4093, 1024, device="cuda").to(torch.bfloat16)  # torch's block-scaled GEMM, odd rows
     fp8.set_compute("w8a8")
     try:

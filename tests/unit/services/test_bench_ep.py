@@ -27,7 +27,7 @@ def _args(**over: object) -> argparse.Namespace:
 def test_bench_ep_cpu_reports_scaling_and_eplb() -> None:
     report = ep.run(_args())
     doc = json.loads(json.dumps(report.to_json()))
-    assert doc["bench"] == "ep" and set(doc) == {"bench", "machine", "config", "results", "targets"}
+    assert doc["bench"] == "ep" and set(doc) == {"bench", "machine", "config", "results", "targets", "rows"}
     res = doc["results"]
     for world in (1, 2):
         tp = res[f"ep{world}"]["throughput"]

@@ -27,3 +27,13 @@ def test_without_a_gpu_it_says_what_it_needs() -> None:
     fp8.add_arguments(p)
     with pytest.raises(SystemExit, match="CUDA device with Triton"):
         fp8.run(p.parse_args([]))
+
+
+def test_a_reports_table_reaches_its_json() -> None:
+    """The printed table is in ``--json`` too (the fp8 bench's first GPU run lost its cases:
+    they were only in the table)."""
+    from services.bench import Report
+
+    report = Report("fp8", {})
+    report.rows.append({"case": "q_b, decode", "bf16 ms": 0.026})
+    assert report.to_json()["rows"] == [{"case": "q_b, decode", "bf16 ms": 0.026}]
