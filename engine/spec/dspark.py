@@ -318,6 +318,7 @@ def choose_policy(
     margin: float = 0.01,
     dspark_overhead_s: float = 0.0,
     max_tokens: int | None = None,
+    plan: DSparkPlan | None = None,
 ) -> tuple[list[int], str]:
     """DSpark selection or fixed-K, whichever the expected-throughput model predicts higher.
 
@@ -329,6 +330,12 @@ def choose_policy(
     with calibrated confidences and no overhead DSpark is never worse, since fixed-K is one
     of the choices it optimises over, so the margin is what keeps the uniform "verify every
     draft" batch where selection does not pay (cheap tokens: both verify nearly everything).
+
+    ``plan``: `plan_dspark`'s result for these confidences (cut to ``max_k``) and this
+    profile, where the caller has it (taken when it fits ``max_tokens``: the capped plan is
+    then the same). With one request the selection is fixed-K's choice (its survivals fall
+    with the draft position, so the greedy order is the positional one and both maximise
+    the same throughput over the same prefixes), so no plan is made.
 
     Returns ``(ks, name)``, ``name`` in {"dspark", "fixed-K", "none"} ("none" whenever the
     chosen ``ks`` are all zero).
@@ -342,8 +349,11 @@ def choose_policy(
     a = _cumprod(c)
     k_fixed = _fixed_k(c, mask, profile, max_k, max_tokens)
     ks_fixed = np.minimum(mask.sum(axis=1), k_fixed).astype(np.int64)
+    if c.shape[0] == 1:
+        return ks_fixed.tolist(), ("fixed-K" if ks_fixed.any() else "none")
     thr_fixed = throughput(_expected(a, mask, ks_fixed), float((ks_fixed + 1).sum()), profile)
-    plan = _plan(a, mask, profile, max_tokens, "argmax")
+    if plan is None or (max_tokens is not None and plan.tokens > max_tokens):
+        plan = _plan(a, mask, profile, max_tokens, "argmax")
     thr_dspark = plan.expected_accepted / (float(profile.seconds(plan.tokens)) + dspark_overhead_s)
     if thr_dspark > thr_fixed * (1.0 + margin):
         ks, name = plan.ks, "dspark"

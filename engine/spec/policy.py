@@ -31,7 +31,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from engine.spec.dspark import LaggedConfidence, StepProfile, choose_policy, plan_dspark
+from engine.spec.dspark import DSparkPlan, LaggedConfidence, StepProfile, choose_policy, plan_dspark
 
 SPEC_STEPS_FILE: Final = "sluice_spec_steps.json"
 
@@ -266,6 +266,7 @@ class SpecPolicy:
         # tried (index 0..num_drafts) and per count accepted (`observe`, `_fold`)
         self._tried_n = [0] * (config.num_drafts + 1)
         self._hit_n = [0] * (config.num_drafts + 1)
+        self._unfolded = False
         self._conf_sum = np.zeros(config.num_drafts)  # the head's predictions, decayed alike
         self._conf_n = np.zeros(config.num_drafts)
         self._off_steps = 0
@@ -322,8 +323,7 @@ class SpecPolicy:
         if not any(n):
             return self._choose_none(len(rids), b)
         conf = self._record_confidences(rids, confidences, n)
-        if self.adaptive:
-            self._set_depth(b, conf)
+        plan = self._set_depth(b, conf) if self.adaptive else None
         if self.config.policy == "fixed" or self.profile is None:
             cap = self.config.num_drafts if self.config.verify is None else self.config.verify
             ks = [min(cap, k) for k in n]
@@ -332,8 +332,15 @@ class SpecPolicy:
             name = f"fixed-{max(ks)}" if any(ks) else "none"
         else:
             table = self.profile.for_batch(b, self.depth)
+            if self.depth != self.config.num_drafts:
+                plan = None  # made for a step drafting num_drafts: another table
             ks, name = choose_policy(
-                conf, table, self.config.num_drafts, margin=self.config.margin, max_tokens=max_tokens
+                conf,
+                table,
+                self.config.num_drafts,
+                margin=self.config.margin,
+                max_tokens=max_tokens,
+                plan=plan,
             )
             if name == "fixed-K":
                 name = f"fixed-{max(ks)}"
@@ -425,26 +432,27 @@ class SpecPolicy:
             hit = self._never_pays_at[b] = best <= plain
         return hit
 
-    def _set_depth(self, b: int, conf: np.ndarray | list[np.ndarray]) -> None:
-        """The next step's drafting depth: plain decoding, a uniform K, or DSpark over all."""
+    def _set_depth(self, b: int, conf: np.ndarray | list[np.ndarray]) -> DSparkPlan | None:
+        """The next step's drafting depth: plain decoding, a uniform K, or DSpark over all.
+        Returns DSpark's plan where it made one on this step's own confidences (every request
+        with ``num_drafts`` or more), which the step's selection can then take as it is."""
         assert self.profile is not None
         self.prepare(b)
         if self._off_by_bound:
-            return
+            return None
         rates = self.rates()
         if rates is None or self._tries[0] < self.MIN_EVIDENCE:
             # too little evidence yet: keep drafting num_drafts (unless the selection
             # verified nothing: `_follow_selection`, off and probing)
             self._probe()
-            return
+            return None
         p, full = self.profile, self.config.num_drafts
         surv = np.cumprod(rates)
         options = {"off": (b / p.step_seconds(b, 0, 0), 0)}
         for k in range(1, full + 1):
             options[f"fixed-{k}"] = (b * (1.0 + surv[:k].sum()) / p.step_seconds(b, k, k), k)
-        if (
-            conf.size if isinstance(conf, np.ndarray) else any(c.size for c in conf)
-        ):  # DSpark on this step's confidences
+        plan = None
+        if conf.size if isinstance(conf, np.ndarray) else any(c.size for c in conf):
             plan = plan_dspark(_filled(conf, rates, full), p.for_batch(b, full))
             options["dspark"] = (plan.throughput, full)
         best = max(options, key=lambda m: options[m][0])
@@ -453,6 +461,7 @@ class SpecPolicy:
             self.mode = best
         self.depth = options[self.mode][1] if self.mode in options else full
         self._probe()
+        return plan if isinstance(conf, np.ndarray) and conf.shape[1] >= full else None
 
     def _probe(self) -> None:
         """Off: draft now and then, so that the rates follow the traffic."""
@@ -470,16 +479,19 @@ class SpecPolicy:
         k = entry[1]
         self._tried_n[min(k, accepted + 1)] += 1
         self._hit_n[min(k, accepted)] += 1
+        self._unfolded = True
         if self.trace:
             self.trace[-1].append((tuple(entry[0]), k, accepted))
 
     def _fold(self) -> None:
         """Adds the observations counted since the last fold to the per-position tries and
         hits: a request that tried ``t`` positions tried each of positions 1 .. t."""
+        if not self._unfolded:
+            return
         for counts, acc in ((self._tried_n, self._tries), (self._hit_n, self._hits)):
-            if any(counts[1:]):
-                acc += np.cumsum(counts[::-1])[::-1][1:]
+            acc += np.cumsum(counts[::-1])[::-1][1:]
             counts[:] = [0] * len(counts)
+        self._unfolded = False
 
     def finished(self, rid: str) -> None:
         if self.lagged is not None:

@@ -352,3 +352,30 @@ def test_lagged_batches_refuse_bad_confidences():
     lag = LaggedConfidence()
     with pytest.raises(ValueError):
         lag.record_batch(["a", "b"], [np.array([0.5, 0.4]), np.array([np.nan])])
+
+
+def test_with_one_request_the_selection_is_fixed_ks_choice():
+    """What lets `choose_policy` skip the plan for one request: its survivals fall with the
+    draft position, so DSpark's greedy order is positional and its best prefix is the best
+    uniform K, under any profile and token cap."""
+    rng = np.random.default_rng(5)
+    for _ in range(300):
+        conf = [rng.uniform(0.0, 1.0, int(rng.integers(0, 6)))]
+        prof = _random_profile(rng, 8)
+        cap = int(rng.integers(1, 8)) if rng.random() < 0.5 else None
+        want = min(fixed_k_from_means(conf, prof, max_tokens=cap), conf[0].size)
+        assert select_dspark(conf, prof, max_tokens=cap) == [want]
+        assert choose_policy(conf, prof, max_tokens=cap)[0] == [want]
+
+
+def test_a_plan_handed_in_chooses_as_one_made_inside():
+    rng = np.random.default_rng(8)
+    for _ in range(200):
+        b = int(rng.integers(2, 12))
+        conf = rng.uniform(0.0, 1.0, (b, 5))
+        prof = _random_profile(rng, 6 * b)
+        cap = int(rng.integers(b, 6 * b + 1)) if rng.random() < 0.5 else None
+        plan = plan_dspark(conf, prof)  # uncapped: taken only where it fits the cap
+        assert choose_policy(conf, prof, max_tokens=cap, plan=plan) == choose_policy(
+            conf, prof, max_tokens=cap
+        )
