@@ -335,7 +335,7 @@ def choose_policy(
     profile, where the caller has it (taken when it fits ``max_tokens``: the capped plan is
     then the same). With one request the selection is fixed-K's choice (its survivals fall
     with the draft position, so the greedy order is the positional one and both maximise
-    the same throughput over the same prefixes), so no plan is made.
+    the same throughput over the same prefixes), so only one of the two is made.
 
     Returns ``(ks, name)``, ``name`` in {"dspark", "fixed-K", "none"} ("none" whenever the
     chosen ``ks`` are all zero).
@@ -346,13 +346,17 @@ def choose_policy(
     if c.shape[0] == 0:
         return [], "none"
     c, mask = c[:, :max_k], mask[:, :max_k]
+    if plan is not None and max_tokens is not None and plan.tokens > max_tokens:
+        plan = None  # made without the cap, which binds: not this step's plan
+    if c.shape[0] == 1:  # the selection is fixed-K's (above)
+        if plan is None:
+            plan = _plan(_cumprod(c), mask, profile, max_tokens, "argmax")
+        return plan.ks.tolist(), ("fixed-K" if plan.ks.any() else "none")
     a = _cumprod(c)
     k_fixed = _fixed_k(c, mask, profile, max_k, max_tokens)
     ks_fixed = np.minimum(mask.sum(axis=1), k_fixed).astype(np.int64)
-    if c.shape[0] == 1:
-        return ks_fixed.tolist(), ("fixed-K" if ks_fixed.any() else "none")
     thr_fixed = throughput(_expected(a, mask, ks_fixed), float((ks_fixed + 1).sum()), profile)
-    if plan is None or (max_tokens is not None and plan.tokens > max_tokens):
+    if plan is None:
         plan = _plan(a, mask, profile, max_tokens, "argmax")
     thr_dspark = plan.expected_accepted / (float(profile.seconds(plan.tokens)) + dspark_overhead_s)
     if thr_dspark > thr_fixed * (1.0 + margin):

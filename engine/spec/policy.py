@@ -272,6 +272,7 @@ class SpecPolicy:
         self._off_steps = 0
         self._off_by_bound = False  # off because no acceptance could pay (``_never_pays``)
         self._never_pays_at: dict[int, bool] = {}
+        self._uniform_seconds: dict[int, np.ndarray] = {}  # per batch size (`_set_depth`)
         # set to [] to record every step: per request (confidences, drafts verified, accepted)
         self.trace: list[list[tuple[tuple[float, ...], int, int]]] | None = None
         self._open: dict[str, tuple[Sequence[float], int]] = {}
@@ -447,10 +448,11 @@ class SpecPolicy:
             self._probe()
             return None
         p, full = self.profile, self.config.num_drafts
-        surv = np.cumprod(rates)
-        options = {"off": (b / p.step_seconds(b, 0, 0), 0)}
-        for k in range(1, full + 1):
-            options[f"fixed-{k}"] = (b * (1.0 + surv[:k].sum()) / p.step_seconds(b, k, k), k)
+        secs = self._uniform_seconds.get(b)
+        if secs is None:  # plain decoding, then verifying k of k drafted, k = 1..full
+            secs = self._uniform_seconds[b] = np.array([p.step_seconds(b, k, k) for k in range(full + 1)])
+        thr = (b * np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(rates)))) / secs).tolist()
+        options = {"off": (thr[0], 0), **{f"fixed-{k}": (thr[k], k) for k in range(1, full + 1)}}
         plan = None
         if conf.size if isinstance(conf, np.ndarray) else any(c.size for c in conf):
             plan = plan_dspark(_filled(conf, rates, full), p.for_batch(b, full))

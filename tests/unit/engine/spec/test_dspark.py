@@ -371,7 +371,7 @@ def test_with_one_request_the_selection_is_fixed_ks_choice():
 def test_a_plan_handed_in_chooses_as_one_made_inside():
     rng = np.random.default_rng(8)
     for _ in range(200):
-        b = int(rng.integers(2, 12))
+        b = int(rng.integers(1, 12))
         conf = rng.uniform(0.0, 1.0, (b, 5))
         prof = _random_profile(rng, 6 * b)
         cap = int(rng.integers(b, 6 * b + 1)) if rng.random() < 0.5 else None
