@@ -41,6 +41,7 @@ keeps them. Pure numpy; nothing here imports torch or the engine.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
@@ -91,6 +92,20 @@ class StepProfile:
         """Steps per second at ``tokens`` (scalar -> float, array -> array)."""
         out = np.interp(np.asarray(tokens, dtype=np.float64), self.tokens, self.rates)
         return float(out) if np.ndim(out) == 0 else out
+
+    def rate_at(self, tokens: float) -> float:
+        """`steps_per_s` of one token count in plain Python, as ``np.interp`` computes it (its
+        formula, so the two agree to the bit): a scheduler's one-request step avoids numpy's
+        per-call cost."""
+        t, r = self.tokens, self.rates
+        if tokens <= t[0]:
+            return r[0]
+        if tokens >= t[-1]:
+            return r[-1]
+        j = bisect.bisect_right(t, tokens) - 1
+        if t[j] == tokens:
+            return r[j]
+        return (r[j + 1] - r[j]) / (t[j + 1] - t[j]) * (tokens - t[j]) + r[j]
 
     def seconds(self, tokens: npt.ArrayLike) -> Any:
         """Seconds of one step of ``tokens`` tokens (``1 / steps_per_s``)."""
@@ -226,8 +241,38 @@ def plan_dspark(
     token is always verified). ``stop``: "argmax" (global optimum, see the module doc) or
     "first_peak" (stop at the first greedy step that does not raise throughput).
     """
+    if len(conf) == 1:
+        return _plan_one(conf[0], profile, max_tokens, stop)
     c, mask = _padded(conf)
     return _plan(_cumprod(c), mask, profile, max_tokens, stop)
+
+
+def _plan_one(row: Any, profile: StepProfile, max_tokens: int | None, stop: str) -> DSparkPlan:
+    """`_plan` for one request, in plain Python (a scheduler at one request runs it every
+    step, where numpy's per-call cost would be most of the time). Its survivals fall with
+    the draft position, so the greedy order is the positional one; sums and products run in
+    `_plan`'s order, so the two agree to the bit."""
+    vals = [float(x) for x in row]
+    if not all(0.0 <= x <= 1.0 for x in vals):  # NaN fails the comparison too
+        raise ValueError("confidences must be finite probabilities in [0, 1]")
+    n = len(vals) if max_tokens is None else max(0, min(len(vals), int(max_tokens) - 1))
+    if stop not in ("argmax", "first_peak"):
+        raise ValueError(f"unknown stop rule {stop!r}")
+    surv = cum = 0.0
+    best = (0, 1.0, 1.0 * profile.rate_at(1.0))  # (drafts, expected, throughput)
+    prev = best[2]
+    for j in range(n):
+        surv = vals[0] if j == 0 else surv * vals[j]
+        cum += surv
+        expected = cum + 1.0
+        thr = expected * profile.rate_at(2.0 + j)
+        if stop == "first_peak" and thr <= prev:
+            break
+        if stop == "first_peak" or thr > best[2]:
+            best = (j + 1, expected, thr)
+        prev = thr
+    d, expected, thr = best
+    return DSparkPlan(np.array([d], dtype=np.int64), expected, 1 + d, thr)
 
 
 def select_dspark(
@@ -342,16 +387,18 @@ def choose_policy(
     """
     if max_k < 0:
         raise ValueError("max_k must be >= 0")
+    if plan is not None and max_tokens is not None and plan.tokens > max_tokens:
+        plan = None  # made without the cap, which binds: not this step's plan
+    rows: Any = conf
+    if len(rows) == 1:  # the selection is fixed-K's (above)
+        if plan is None:
+            plan = _plan_one(rows[0][:max_k], profile, max_tokens, "argmax")
+        ks1 = int(plan.ks[0])
+        return [ks1], ("fixed-K" if ks1 else "none")
     c, mask = _padded(conf)
     if c.shape[0] == 0:
         return [], "none"
     c, mask = c[:, :max_k], mask[:, :max_k]
-    if plan is not None and max_tokens is not None and plan.tokens > max_tokens:
-        plan = None  # made without the cap, which binds: not this step's plan
-    if c.shape[0] == 1:  # the selection is fixed-K's (above)
-        if plan is None:
-            plan = _plan(_cumprod(c), mask, profile, max_tokens, "argmax")
-        return plan.ks.tolist(), ("fixed-K" if plan.ks.any() else "none")
     a = _cumprod(c)
     k_fixed = _fixed_k(c, mask, profile, max_k, max_tokens)
     ks_fixed = np.minimum(mask.sum(axis=1), k_fixed).astype(np.int64)

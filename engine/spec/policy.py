@@ -260,19 +260,20 @@ class SpecPolicy:
         self.stats = SpecStats()
         self.depth = config.num_drafts  # drafts per request the next step's drafting makes
         self.mode = "dspark" if config.policy != "fixed" else f"fixed-{config.num_drafts}"
-        self._hits = np.zeros(config.num_drafts)
-        self._tries = np.zeros(config.num_drafts)
+        # Per draft position, decayed: requests that tried it, that had it accepted, and the
+        # confidence head's predictions (sum, count). Plain lists: five floats each, updated
+        # every step on the host, where each numpy call would cost more than the arithmetic.
+        k = config.num_drafts
+        self._hits, self._tries, self._conf_sum, self._conf_n = [0.0] * k, [0.0] * k, [0.0] * k, [0.0] * k
         # observations not yet folded into _hits/_tries: requests per count of positions
         # tried (index 0..num_drafts) and per count accepted (`observe`, `_fold`)
-        self._tried_n = [0] * (config.num_drafts + 1)
-        self._hit_n = [0] * (config.num_drafts + 1)
+        self._tried_n = [0] * (k + 1)
+        self._hit_n = [0] * (k + 1)
         self._unfolded = False
-        self._conf_sum = np.zeros(config.num_drafts)  # the head's predictions, decayed alike
-        self._conf_n = np.zeros(config.num_drafts)
         self._off_steps = 0
         self._off_by_bound = False  # off because no acceptance could pay (``_never_pays``)
         self._never_pays_at: dict[int, bool] = {}
-        self._uniform_seconds: dict[int, np.ndarray] = {}  # per batch size (`_set_depth`)
+        self._uniform_seconds: dict[int, list[float]] = {}  # per batch size (`_set_depth`)
         # set to [] to record every step: per request (confidences, drafts verified, accepted)
         self.trace: list[list[tuple[tuple[float, ...], int, int]]] | None = None
         self._open: dict[str, tuple[Sequence[float], int]] = {}
@@ -285,11 +286,18 @@ class SpecPolicy:
         """P(draft j accepted | drafts before it accepted) per position: the observed rate,
         smoothed towards the confidence head's mean prediction for that position by
         ``PRIOR_WEIGHT`` pseudo-observations (None before any observation)."""
+        rates = self._rates()
+        return None if rates is None else np.array(rates)
+
+    def _rates(self) -> list[float] | None:
         self._fold()
         if self._tries[0] == 0:
             return None
-        prior = np.where(self._conf_n > 0, self._conf_sum / np.maximum(self._conf_n, 1e-12), 0.5)
-        return (self._hits + self.PRIOR_WEIGHT * prior) / (self._tries + self.PRIOR_WEIGHT)
+        w = self.PRIOR_WEIGHT
+        return [
+            (h + w * (cs / max(cn, 1e-12) if cn > 0 else 0.5)) / (t + w)
+            for h, t, cs, cn in zip(self._hits, self._tries, self._conf_sum, self._conf_n)
+        ]
 
     def choose(
         self,
@@ -319,8 +327,9 @@ class SpecPolicy:
             return [], "none"
         b = batch if batch is not None else len(rids)
         self._fold()
+        d = self.DECAY
         for acc in (self._hits, self._tries, self._conf_sum, self._conf_n):
-            acc *= self.DECAY
+            acc[:] = [x * d for x in acc]
         if not any(n):
             return self._choose_none(len(rids), b)
         conf = self._record_confidences(rids, confidences, n)
@@ -363,18 +372,21 @@ class SpecPolicy:
         selection uses (two steps old under ``dspark-lagged``): one [B, K] array when every
         request has K drafts (the usual case, converted in one call), else one array per
         request."""
-        m = self._conf_sum.size
+        m = len(self._conf_sum)
         uniform = min(n) == max(n)
         rows: np.ndarray | list[np.ndarray]
         if uniform:
             rows = np.array(confidences, dtype=np.float64)
-            self._conf_sum[: min(n[0], m)] += rows[:, :m].sum(axis=0)
-            self._conf_n[: min(n[0], m)] += len(n)
+            sums = rows[0, :m].tolist() if len(n) == 1 else rows[:, :m].sum(axis=0).tolist()
+            for j, v in enumerate(sums):
+                self._conf_sum[j] += v
+                self._conf_n[j] += len(n)
         else:
             rows = [np.asarray(c, dtype=np.float64) for c in confidences]
-            for c in rows:
-                self._conf_sum[: min(c.size, m)] += c[:m]
-                self._conf_n[: min(c.size, m)] += 1
+            for c in confidences:
+                for j, v in enumerate(c[:m]):
+                    self._conf_sum[j] += float(v)
+                    self._conf_n[j] += 1
         if self.lagged is None:
             return rows
         kept = [(rid, c) for rid, c in zip(rids, rows) if c.size]
@@ -441,7 +453,7 @@ class SpecPolicy:
         self.prepare(b)
         if self._off_by_bound:
             return None
-        rates = self.rates()
+        rates = self._rates()
         if rates is None or self._tries[0] < self.MIN_EVIDENCE:
             # too little evidence yet: keep drafting num_drafts (unless the selection
             # verified nothing: `_follow_selection`, off and probing)
@@ -450,9 +462,13 @@ class SpecPolicy:
         p, full = self.profile, self.config.num_drafts
         secs = self._uniform_seconds.get(b)
         if secs is None:  # plain decoding, then verifying k of k drafted, k = 1..full
-            secs = self._uniform_seconds[b] = np.array([p.step_seconds(b, k, k) for k in range(full + 1)])
-        thr = (b * np.concatenate(([1.0], 1.0 + np.cumsum(np.cumprod(rates)))) / secs).tolist()
-        options = {"off": (thr[0], 0), **{f"fixed-{k}": (thr[k], k) for k in range(1, full + 1)}}
+            secs = self._uniform_seconds[b] = [p.step_seconds(b, k, k) for k in range(full + 1)]
+        options = {"off": (b / secs[0], 0)}
+        surv, expected = 1.0, 1.0  # per request: P(first k accepted), tokens emitted
+        for k in range(1, full + 1):
+            surv *= rates[k - 1]
+            expected += surv
+            options[f"fixed-{k}"] = (b * expected / secs[k], k)
         plan = None
         if conf.size if isinstance(conf, np.ndarray) else any(c.size for c in conf):
             plan = plan_dspark(_filled(conf, rates, full), p.for_batch(b, full))
@@ -491,7 +507,10 @@ class SpecPolicy:
         if not self._unfolded:
             return
         for counts, acc in ((self._tried_n, self._tries), (self._hit_n, self._hits)):
-            acc += np.cumsum(counts[::-1])[::-1][1:]
+            run = 0
+            for t in range(len(acc), 0, -1):  # requests that tried at least t positions
+                run += counts[t]
+                acc[t - 1] += run
             counts[:] = [0] * len(counts)
         self._unfolded = False
 
@@ -500,7 +519,7 @@ class SpecPolicy:
             self.lagged.drop(rid)
 
 
-def _filled(conf: np.ndarray | list[np.ndarray], rates: np.ndarray, full: int) -> np.ndarray:
+def _filled(conf: np.ndarray | list[np.ndarray], rates: list[float], full: int) -> np.ndarray:
     """[B, full] confidences: each request's own, and the observed rates for the positions it
     has none for."""
     if isinstance(conf, np.ndarray):

@@ -379,3 +379,30 @@ def test_a_plan_handed_in_chooses_as_one_made_inside():
         assert choose_policy(conf, prof, max_tokens=cap, plan=plan) == choose_policy(
             conf, prof, max_tokens=cap
         )
+
+
+def test_one_requests_plan_in_plain_python_equals_the_array_plan_to_the_bit():
+    """`plan_dspark` at one request runs in plain Python (`_plan_one`, `StepProfile.rate_at`);
+    it must give `_plan`'s drafts, expected total and throughput exactly, ties included."""
+    from engine.spec.dspark import _cumprod, _padded, _plan, _plan_one
+
+    rng = np.random.default_rng(13)
+    for _ in range(400):
+        k = int(rng.integers(0, 6))
+        row = (
+            rng.choice([0.0, 1.0, 0.5, *rng.uniform(0, 1, 3)], size=k)
+            if rng.random() < 0.3
+            else rng.uniform(0, 1, k)
+        )
+        prof = _random_profile(rng, 8)
+        cap = int(rng.integers(1, 8)) if rng.random() < 0.5 else None
+        for stop in ("argmax", "first_peak"):
+            c, mask = _padded([row])
+            want = _plan(_cumprod(c), mask, prof, cap, stop)
+            got = _plan_one(row, prof, cap, stop)
+            assert got.ks.tolist() == want.ks.tolist() and got.tokens == want.tokens
+            assert got.expected_accepted == want.expected_accepted and got.throughput == want.throughput
+        for t in (0.5, 1.0, 2.5, float(prof.tokens[-1]), 9.0):
+            assert prof.rate_at(t) == float(np.interp(t, prof.tokens, prof.rates))
+    with pytest.raises(ValueError):
+        plan_dspark([np.array([0.5, np.nan])], prof)
