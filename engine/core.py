@@ -40,7 +40,8 @@ from engine.scheduler.host_slots import HostSlotPool
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.scheduler import Scheduler, StepUpdate
-from engine.spec.policy import SpecPolicy, SpecProfile
+from engine.spec.policy import SpecPolicy
+from engine.spec.profile import SpecProfile
 from engine.step_state import SamplingState
 
 if TYPE_CHECKING:

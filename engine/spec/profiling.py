@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.spec.policy import MAX_DRAFTS, SpecProfile, spec_steps_file
+from engine.spec.profile import MAX_DRAFTS, SpecProfile, spec_steps_file
 
 
 def device_steps_file(device: str) -> str:

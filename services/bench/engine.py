@@ -239,7 +239,7 @@ def _profile_decode_on_gpu(model_dir: Path, args: argparse.Namespace, report: Re
 def _profile_spec(model_dir: Path) -> Path | None:
     """Speculative verification step times (batch x drafts verified) of a checkpoint with an
     MTP layer, saved beside it (``SPEC_STEPS_FILE``): DSpark's scheduler loads them."""
-    from engine.spec.policy import SPEC_STEPS_FILE
+    from engine.spec.profile import SPEC_STEPS_FILE
     from engine.spec.profiling import measure_spec_profile
 
     if not json.loads((model_dir / "config.json").read_text()).get("num_nextn_predict_layers"):

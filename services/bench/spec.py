@@ -35,7 +35,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine.spec.policy import spec_steps_file  # pure: numpy, no torch
+from engine.spec.profile import spec_steps_file  # pure: numpy, no torch
 from services.bench import Report, progress
 
 CONCURRENCY = (1, 8, 16, 32, 60, 128)
@@ -206,7 +206,7 @@ def _profile_table(profile: Any, source: str) -> dict[str, Any]:
 def _h200_profile(model: Path, device: str) -> dict[str, Any] | str:
     """The H200's table beside this machine's: this run's own on a GPU, else the one measured
     on an H200 and shipped with the checkpoint (``H200_SPEC_STEPS_FILE``), when there is one."""
-    from engine.spec.policy import SpecProfile
+    from engine.spec.profile import SpecProfile
 
     if device.startswith("cuda"):
         import torch
@@ -264,7 +264,7 @@ def run(args: argparse.Namespace) -> Report:
     import torch
 
     from engine.replay_quality import heldout_prompts
-    from engine.spec.policy import SPEC_STEPS_FILE, SpecProfile
+    from engine.spec.profile import SPEC_STEPS_FILE, SpecProfile
     from engine.spec.profiling import device_steps_file, measure_spec_profile
 
     torch.set_num_threads(args.threads)

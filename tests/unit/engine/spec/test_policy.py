@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.spec.policy import SPEC_STEPS_FILE, SpecConfig, SpecPolicy, SpecProfile, spec_steps_file
+from engine.spec.policy import SpecConfig, SpecPolicy
+from engine.spec.profile import SPEC_STEPS_FILE, SpecProfile, spec_steps_file
 
 DRAFTS = tuple(range(6))
 

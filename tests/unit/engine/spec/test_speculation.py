@@ -19,7 +19,7 @@ import torch
 from engine.llm import LLM
 from engine.replay_quality import heldout_prompts
 from engine.sampling.params import SamplingParams, StructuredOutput
-from engine.spec.policy import SpecProfile
+from engine.spec.profile import SpecProfile
 
 MODEL = Path(__file__).resolve().parents[4] / "models" / "trained"
 SCHEMA = json.dumps(
