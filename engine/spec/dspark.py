@@ -446,10 +446,7 @@ class LaggedConfidence:
 
     def record(self, rid: Hashable, conf: npt.ArrayLike) -> None:
         """Confidences produced for ``rid`` in the step just finished."""
-        h = self._hist.get(rid)
-        if h is None:
-            h = self._hist[rid] = deque(maxlen=self.lag)
-        h.append(_as_conf(conf).copy())
+        self.record_batch((rid,), (_as_conf(conf).copy(),))
 
     def record_batch(self, rids: Sequence[Hashable], conf: Sequence[FloatArray]) -> None:
         """`record` for a step's requests at once (rows validated together; each row is
@@ -498,7 +495,7 @@ class LaggedConfidence:
             if lagged.size == n:
                 out.append(lagged.copy())
                 continue
-            if mean is None or mean.size < n:
+            if mean is None:
                 mean = self._population_mean(max(n_drafts))
             row = mean[:n].copy()
             row[: lagged.size] = lagged

@@ -146,7 +146,6 @@ class SpecPolicy:
         self._off_steps = 0
         self._off_by_bound = False  # off because no acceptance could pay (``_never_pays``)
         self._never_pays_at: dict[int, bool] = {}
-        self._uniform_seconds: dict[int, list[float]] = {}  # per batch size (`_set_depth`)
         # set to [] to record every step: per request (confidences, drafts verified, accepted)
         self.trace: list[list[tuple[tuple[float, ...], int, int]]] | None = None
         self._open: dict[str, tuple[Sequence[float], int]] = {}
@@ -312,9 +311,9 @@ class SpecPolicy:
         assert self.profile is not None
         hit = self._never_pays_at.get(b)
         if hit is None:
-            p = self.profile
-            plain = b / p.step_seconds(b, 0, 0)
-            best = max(b * (1 + k) / p.step_seconds(b, k, k) for k in range(1, self.config.num_drafts + 1))
+            secs = self.profile.uniform_seconds(b, self.config.num_drafts)
+            plain = b / secs[0]
+            best = max(b * (1 + k) / secs[k] for k in range(1, len(secs)))
             hit = self._never_pays_at[b] = best <= plain
         return hit
 
@@ -333,9 +332,7 @@ class SpecPolicy:
             self._probe()
             return None
         p, full = self.profile, self.config.num_drafts
-        secs = self._uniform_seconds.get(b)
-        if secs is None:  # plain decoding, then verifying k of k drafted, k = 1..full
-            secs = self._uniform_seconds[b] = [p.step_seconds(b, k, k) for k in range(full + 1)]
+        secs = p.uniform_seconds(b, full)
         options = {"off": (b / secs[0], 0)}
         surv, expected = 1.0, 1.0  # per request: P(first k accepted), tokens emitted
         for k in range(1, full + 1):

@@ -104,6 +104,15 @@ class SpecProfile:
         saved = (self.drafted - d) * self._at(batch, self.draft_pass) if self.adaptive else 0.0
         return max(full - saved, 1e-9)
 
+    def uniform_seconds(self, batch: int, drafts: int) -> tuple[float, ...]:
+        """Plain decoding's step, then a step verifying ``k`` of ``k`` drafted, k = 1..drafts
+        (memoised: a policy prices these every step)."""
+        key = ("u", batch, drafts)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = tuple(self.step_seconds(batch, k, k) for k in range(drafts + 1))
+        return hit
+
     def for_batch(self, batch: int, drafted: int | None = None) -> StepProfile:
         """The step-profile table of a step of ``batch`` decoding requests that drafts
         ``drafted`` tokens each: tokens ``batch * (k + 1)`` against steps per second (made
