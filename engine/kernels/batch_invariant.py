@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import threading
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -51,6 +52,29 @@ SPLIT_TARGET = 2
 MIN_K_PER_SPLIT = 256
 ATTN_BLOCK_H, ATTN_BLOCK_K = 16, 32
 MAX_GRID_Z = 65535
+
+
+@dataclass(frozen=True)
+class GroupedTiles:
+    """One configuration of the grouped kernel: tiles of ``bm`` rows x ``bn`` columns, the
+    reduction in steps of ``bk``; ``columns_first`` orders the programs column tile fastest, so
+    the programs of one row tile run together and its activations stay in L2 while the
+    expert's weight streams through once."""
+
+    bm: int
+    bn: int
+    bk: int
+    warps: int
+    stages: int
+    columns_first: bool = False
+
+
+#: the grouped kernel's configuration outside the mode (`engine.model.moe` takes it from
+#: decode to prefill sizes): the fastest of 32 configurations `sluice bench moe --sweep` timed
+#: on an H200 at flash-shape widths, 96 rows per expert (2026-12-04; docs/benchmarks.md,
+#: "Routed experts from decode to prefill sizes"). A 128-row tile holds a typical prefill
+#: expert's rows, so each expert's weight is read from memory once.
+TUNED_GROUPED = GroupedTiles(128, 256, 64, warps=8, stages=4, columns_first=True)
 
 
 def enabled() -> bool:
@@ -172,11 +196,18 @@ def _kernels() -> dict[str, Any]:
         x_ptr, w_ptr, s_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, row_end_ptr, N, K, E,
         s_xm, s_xk, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_om, s_on,
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr,
+        COLUMNS_FIRST: tl.constexpr = False,
     ):  # fmt: skip
         # SCALED: w is FP8 with one scale per BLOCK x BLOCK block (s_ptr), each tile scaled and
-        # rounded to x's dtype in registers (`engine.kernels.fp8`); BN divides BLOCK, BK is BLOCK
-        tile = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        # rounded to x's dtype in registers (`engine.kernels.fp8`); BN divides BLOCK, BK is BLOCK.
+        # COLUMNS_FIRST: a 1-D grid, column tiles fastest (`GroupedTiles.columns_first`)
+        if COLUMNS_FIRST:
+            column_tiles = tl.cdiv(N, BN)
+            tile = tl.program_id(0) // column_tiles
+            pid_n = tl.program_id(0) % column_tiles
+        else:
+            tile = tl.program_id(0)
+            pid_n = tl.program_id(1)
         e = tl.load(tile_expert_ptr + tile)
         if e < E:
             row0 = tl.load(tile_row_ptr + tile)
@@ -345,24 +376,31 @@ def tile_map(row_end: torch.Tensor, rows: int, bm: int) -> tuple[torch.Tensor, t
     return expert.to(torch.int32), row.to(torch.int32)
 
 
-def grouped_matmul(x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor) -> torch.Tensor:
+def grouped_matmul(
+    x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor, tiles: GroupedTiles | None = None
+) -> torch.Tensor:
     """Rows ``x`` [R, K] sorted by expert, ``row_end`` [E] (int32, the cumulative row counts as
     ``torch._grouped_mm``'s ``offs``), experts' weights ``w`` [E, N, K] -> [R, N] = x @ w[e].T.
 
-    Tiles never mix experts (`tile_map`)."""
+    Tiles never mix experts (`tile_map`). ``tiles``: the mode's fixed tiles unless given
+    (`TUNED_GROUPED`); only the fixed tiles are batch-invariant."""
     _check(x, w)
     r, k = x.shape
     e, n, _ = w.shape
     out = torch.empty((r, n), dtype=x.dtype, device=x.device)
     if r == 0:
         return out
-    bm, bn, bk = TILES[x.element_size()]
-    expert, row = tile_map(row_end, r, bm)
-    kern = _kernels()
-    kern["grouped"][(expert.shape[0], _cdiv(n, bn))](
+    if tiles is None:
+        bm, bn, bk = TILES[x.element_size()]
+        tiles = GroupedTiles(bm, bn, bk, NUM_WARPS, NUM_STAGES)
+    expert, row = tile_map(row_end, r, tiles.bm)
+    columns = _cdiv(n, tiles.bn)
+    grid = (expert.shape[0] * columns,) if tiles.columns_first else (expert.shape[0], columns)
+    _kernels()["grouped"][grid](
         x, w, w, out, expert, row, row_end, n, k, e,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), 0, 0, 0, out.stride(0), out.stride(1),
-        BM=bm, BN=bn, BK=bk, SCALED=False, BLOCK=1, num_warps=NUM_WARPS, num_stages=NUM_STAGES,
+        BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, SCALED=False, BLOCK=1, COLUMNS_FIRST=tiles.columns_first,
+        num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
     return out
 

@@ -171,13 +171,20 @@ class Router(nn.Module):
         return w / (w.sum(dim=-1, keepdim=True) + 1e-20) * self.scale, ids
 
 
-#: CUDA bf16 batches of decode size take the fixed-tile grouped kernel
-#: (engine/kernels/batch_invariant.py), which reads each selected expert once per 64-row tile;
-#: others keep torch's grouped GEMM. The band of average rows per expert is where the kernel
-#: was faster in `sluice bench moe` on the H200 at flash-shape widths (docs/benchmarks.md,
-#: "Routed experts at decode sizes"): 1.23-1.33x at 0.38-6 rows per expert, slower at 0.02
-#: (0.28x) and 24 (0.95x); each bound is the geometric midpoint of the bracketing cells.
-TRITON_ROWS_PER_EXPERT = (0.09, 12.0)
+#: Outside the batch-invariant mode, CUDA bf16 batches pick the routed experts' GEMM by their
+#: average rows per expert (bounds: geometric midpoints of the bracketing measured cells):
+#: * 0.09 to 12: the grouped Triton kernel with the mode's fixed 64-row tiles. In `sluice bench
+#:   moe` (one H200, flash-shape widths) it ran 1.23-1.33x torch at 0.38-6 rows per expert and
+#:   0.28x at 0.02. The tuned tiles ran 0-6 % faster than it at 0.38-6 in isolation, but the
+#:   engine's graphed decode steps ran slower with them (batch 256: 10.5-11.4 against 9.65 ms);
+#:   the engine's measurement decides (docs/benchmarks.md, "Routed experts from decode to
+#:   prefill sizes").
+#: * above 12 to 136: the same kernel with `batch_invariant.TUNED_GROUPED`'s 128-row tiles,
+#:   1.16-1.28x torch at 12-96 rows per expert and 0.84x at 192; in the engine, a 4,096-token
+#:   prefill (96 rows per expert) went from 18.96-18.98 to 17.40-17.62 ms.
+#: * elsewhere torch's grouped GEMM.
+FIXED_ROWS_PER_EXPERT = (0.09, 12.0)
+TUNED_ROWS_PER_EXPERT = (12.0, 136.0)
 
 
 def torch_grouped_matmul(x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor) -> torch.Tensor:
@@ -186,12 +193,27 @@ def torch_grouped_matmul(x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor
     return torch._grouped_mm(x, w.transpose(1, 2), offs=row_end)
 
 
-def _few_rows_per_expert(x: torch.Tensor, experts: int) -> bool:
-    lo, hi = TRITON_ROWS_PER_EXPERT
-    return (
-        x.is_cuda and x.dtype == torch.bfloat16 and kernels_on()
-        and lo * experts <= x.shape[0] <= hi * experts
-    )  # fmt: skip
+def tuned_grouped_matmul(x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor) -> torch.Tensor:
+    """The grouped kernel with `batch_invariant.TUNED_GROUPED`'s tiles, same arguments."""
+    return batch_invariant.grouped_matmul(x, w, row_end, batch_invariant.TUNED_GROUPED)
+
+
+GroupedMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def experts_gemm(x: torch.Tensor, experts: int) -> GroupedMatmul:
+    """The grouped GEMM for rows x [R, D] over ``experts`` local experts: the mode's fixed tiles
+    whenever the batch-invariant mode applies; on CUDA bf16 with the kernels on, by the bands
+    above; else torch's."""
+    if batch_invariant.applies(x):
+        return batch_invariant.grouped_matmul
+    if x.is_cuda and x.dtype == torch.bfloat16 and kernels_on():
+        rows = x.shape[0]
+        if FIXED_ROWS_PER_EXPERT[0] * experts <= rows <= FIXED_ROWS_PER_EXPERT[1] * experts:
+            return batch_invariant.grouped_matmul
+        if TUNED_ROWS_PER_EXPERT[0] * experts < rows <= TUNED_ROWS_PER_EXPERT[1] * experts:
+            return tuned_grouped_matmul
+    return torch_grouped_matmul
 
 
 class Experts(nn.Module):
@@ -266,8 +288,7 @@ class Experts(nn.Module):
             gate, up = fp8.grouped_matmul(x, self.gate_up_proj_q, self.gate_up_proj_s, offs).chunk(2, dim=-1)
             act = swiglu_clamped(gate, up, self.limit)
             return fp8.grouped_matmul(act, self.down_proj_q, self.down_proj_s, offs)
-        ours = batch_invariant.applies(x) or _few_rows_per_expert(x, self.num_local)
-        gemm = batch_invariant.grouped_matmul if ours else torch_grouped_matmul
+        gemm = experts_gemm(x, self.num_local)
         gate, up = gemm(x, self.gate_up_proj, offs).chunk(2, dim=-1)  # [N, 2I]
         return gemm(swiglu_clamped(gate, up, self.limit), self.down_proj, offs)
 

@@ -268,6 +268,32 @@ def _fp8_weights(e: int, n: int, k: int, seed: int):
     return torch.stack([q for q, _ in parts]), torch.stack([s for _, s in parts])
 
 
+def test_the_tuned_grouped_tiles_match_torchs_grouped_gemm() -> None:
+    """engine/kernels/batch_invariant.py's grouped kernel with `TUNED_GROUPED` (128-row tiles,
+    column tiles first) against torch's grouped GEMM: uneven groups, one past a row tile (two
+    tiles), an empty one; widths not a whole column tile. bf16 products, fp32 sums in the same
+    or another order: within bf16 rounding of the result. And which GEMM the experts take."""
+    from engine.kernels import batch_invariant as bi
+    from engine.model.moe import experts_gemm, torch_grouped_matmul, tuned_grouped_matmul
+
+    g = torch.Generator(device="cuda").manual_seed(4)
+    counts = torch.tensor([96, 0, 130, 57, 128, 1, 96, 300], device="cuda")
+    ends = torch.cumsum(counts, 0).to(torch.int32)
+    for n, k in ((4096, 4096), (4096, 2048), (200, 512)):
+        w = torch.randn(8, n, k, device="cuda", generator=g).to(torch.bfloat16) * k**-0.5
+        x = torch.randn(int(counts.sum()), k, device="cuda", generator=g).to(torch.bfloat16)
+        got = bi.grouped_matmul(x, w, ends, bi.TUNED_GROUPED)
+        want = torch_grouped_matmul(x, w, ends)
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
+        print(f"tuned tiles N={n} K={k}: bitwise equal to torch {(got == want).float().mean().item():.4f}")
+    rows = torch.zeros(256 * 400, 64, device="cuda", dtype=torch.bfloat16)
+    assert experts_gemm(rows[: 256 * 96], 256) is tuned_grouped_matmul  # a 4,096-token prefill
+    assert experts_gemm(rows[: 256 * 13], 256) is tuned_grouped_matmul
+    assert experts_gemm(rows[: 256 * 4], 256) is bi.grouped_matmul  # decode, 171 tokens
+    assert experts_gemm(rows[:6], 256) is torch_grouped_matmul  # one token
+    assert experts_gemm(rows, 256) is torch_grouped_matmul  # 400 rows per expert
+
+
 def test_the_fp8_grouped_kernel_matches_dequantise_then_matmul() -> None:
     """engine/kernels/fp8.py: FP8 expert weights read in place against the dequantised copy's
     bf16 matmul (the same bf16 weight values; fp32 sums in another order), uneven groups and
