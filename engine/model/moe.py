@@ -172,16 +172,17 @@ class Router(nn.Module):
 
 
 #: Outside the batch-invariant mode, CUDA bf16 batches pick the routed experts' GEMM by their
-#: average rows per expert (bounds: geometric midpoints of the bracketing measured cells):
-#: * 0.09 to 12: the grouped Triton kernel with the mode's fixed 64-row tiles. In `sluice bench
-#:   moe` (one H200, flash-shape widths) it ran 1.23-1.33x torch at 0.38-6 rows per expert and
-#:   0.28x at 0.02. The tuned tiles ran 0-6 % faster than it at 0.38-6 in isolation, but the
-#:   engine's graphed decode steps ran slower with them (batch 256: 10.5-11.4 against 9.65 ms);
-#:   the engine's measurement decides (docs/benchmarks.md, "Routed experts from decode to
-#:   prefill sizes").
-#: * above 12 to 136: the same kernel with `batch_invariant.TUNED_GROUPED`'s 128-row tiles,
-#:   1.16-1.28x torch at 12-96 rows per expert and 0.84x at 192; in the engine, a 4,096-token
-#:   prefill (96 rows per expert) went from 18.96-18.98 to 17.40-17.62 ms.
+#: average rows per expert, from `sluice bench moe` and the engine bench on the H200 at
+#: flash-shape widths (docs/benchmarks.md, "Routed experts from decode to prefill sizes"; each
+#: bound the geometric midpoint of the bracketing measured cells):
+#: * 0.09 to 12: the grouped Triton kernel with the mode's fixed 64-row tiles (1.2-1.3x torch at
+#:   0.38-6 rows per expert, 0.28x at 0.02). The tuned tiles ran within 5 % of them there in
+#:   isolation, but slower in the engine's graphed decode steps (batch 256: 10.5-11.4 against
+#:   9.65 ms): the engine's measurement decides.
+#: * above 12 to 136: the same kernel with `batch_invariant.TUNED_GROUPED`'s 128-row tiles
+#:   (1.14-1.28x torch at 12, 48 and 96 rows per expert in two runs, 1.22x and 0.95x at 24,
+#:   0.84-0.86x at 192); a 4,096-token prefill (96 rows per expert) took 17.4-18.1 ms
+#:   against torch's 19.0-20.4 in the same leases.
 #: * elsewhere torch's grouped GEMM.
 FIXED_ROWS_PER_EXPERT = (0.09, 12.0)
 TUNED_ROWS_PER_EXPERT = (12.0, 136.0)
