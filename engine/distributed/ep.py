@@ -9,6 +9,12 @@ rows so each physical expert sees the rows routed to it, and sends the results b
 4. the origin puts the rows back in token order and sums them with the routing weights in a
    fixed order (`combine`), exactly as one rank does.
 
+The rows and their expert ids travel asynchronously while the layer's shared expert computes
+(the dispatch's ``alongside``), so that exchange is hidden behind compute the layer needs
+anyway; the step does the same work in the same order either way, only the wait moves, so it
+costs nothing where it hides nothing. The returned rows (step 3's results) have nothing left to
+overlap with inside the layer.
+
 Every rank must enter every MoE layer of a step (a rank with no tokens still calls in with an
 empty batch), because the collectives are matched by order. DeepEP's low-latency kernels are
 used instead when ``deep_ep`` is importable and tensors live on CUDA (``select_dispatch``).
@@ -17,11 +23,12 @@ used instead when ``deep_ep`` is importable and tensors live on CUDA (``select_d
 from __future__ import annotations
 
 import importlib.util
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from engine.model.moe import Dispatch, Experts, combine, local_dispatch
+from engine.model.moe import Alongside, Dispatch, Experts, combine, local_dispatch
 
 
 class AllToAllDispatch:
@@ -31,15 +38,29 @@ class AllToAllDispatch:
         self.group = group
         self.ep_size = ep_size
 
-    def _exchange(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+    def _start(
+        self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]
+    ) -> tuple[torch.Tensor, Any]:
+        """Begin one exchange: (the receive buffer, its work handle; ``wait()`` before reading
+        the buffer: on NCCL that orders the current stream after the transfer, on gloo it
+        blocks). The handle keeps ``send`` alive until then."""
         recv = send.new_empty((sum(recv_splits), *send.shape[1:]))
-        dist.all_to_all_single(recv, send.contiguous(), recv_splits, send_splits, group=self.group)
+        work = dist.all_to_all_single(
+            recv, send.contiguous(), recv_splits, send_splits, group=self.group, async_op=True
+        )
+        return recv, work
+
+    def _exchange(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int]) -> torch.Tensor:
+        recv, work = self._start(send, send_splits, recv_splits)
+        work.wait()
         return recv
 
     def __call__(
-        self, x: torch.Tensor, phys: torch.Tensor, weights: torch.Tensor, experts: Experts
-    ) -> torch.Tensor:
-        """x [N, D], phys/weights [N, k] -> routed output [N, D]."""
+        self, x: torch.Tensor, phys: torch.Tensor, weights: torch.Tensor, experts: Experts,
+        alongside: Alongside | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """x [N, D], phys/weights [N, k] -> routed output [N, D], plus ``alongside()`` (computed
+        while the rows are in flight) when given (`engine.model.moe.Dispatch`)."""
         n, k = phys.shape
         per_rank = experts.num_local
         flat = phys.reshape(-1)  # [N*k]
@@ -50,13 +71,17 @@ class AllToAllDispatch:
         recv_counts = torch.empty_like(send_counts)
         dist.all_to_all_single(recv_counts, send_counts, group=self.group)
         send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
-        recv_x = self._exchange(x[rows[order]], send_splits, recv_splits)  # [M, D]
-        recv_e = self._exchange(flat[order], send_splits, recv_splits)  # [M]
+        recv_x, rows_sent = self._start(x[rows[order]], send_splits, recv_splits)  # [M, D]
+        recv_e, ids_sent = self._start(flat[order], send_splits, recv_splits)  # [M]
+        beside = alongside() if alongside is not None else None
+        rows_sent.wait()
+        ids_sent.wait()
         y = experts.run_rows(recv_x, recv_e - experts.first) if recv_x.shape[0] else recv_x
         back = self._exchange(y, recv_splits, send_splits)  # [N*k, D] in `order`
         y_rows = torch.empty_like(back)
         y_rows[order] = back  # token-major again
-        return combine(y_rows, weights, x.dtype)
+        routed = combine(y_rows, weights, x.dtype)
+        return routed if beside is None else routed + beside
 
 
 def deep_ep_available() -> bool:

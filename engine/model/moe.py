@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -337,8 +337,19 @@ class SharedExpert(nn.Module):
         return self.down_proj(swiglu_clamped(self.gate_proj(x), self.up_proj(x), self.limit))
 
 
-#: (x [N, D], physical ids [N, k], weights [N, k], local experts) -> routed output [N, D]
-Dispatch = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Experts], torch.Tensor]
+#: The rest of an MoE layer's output (its shared expert) as a dispatch takes it: computed while
+#: the routed rows are in flight (`engine.distributed.ep`), or after them on one rank
+Alongside = Callable[[], torch.Tensor]
+
+
+class Dispatch(Protocol):
+    def __call__(
+        self, x: torch.Tensor, phys: torch.Tensor, weights: torch.Tensor, experts: Experts,
+        alongside: Alongside | None = None,
+    ) -> torch.Tensor:  # fmt: skip
+        """x [N, D], physical ids and weights [N, k] -> the routed output [N, D], plus
+        ``alongside()`` when given."""
+        ...
 
 
 def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -355,17 +366,17 @@ def combine(y: torch.Tensor, weights: torch.Tensor, dtype: torch.dtype) -> torch
 
 
 def local_dispatch(
-    x: torch.Tensor, phys: torch.Tensor, weights: torch.Tensor, experts: Experts
-) -> torch.Tensor:
-    """Single-rank MoE: every physical expert is local."""
+    x: torch.Tensor, phys: torch.Tensor, weights: torch.Tensor, experts: Experts,
+    alongside: Alongside | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """Single-rank MoE: every physical expert is local (`Dispatch`)."""
     n, k = phys.shape
     rows = torch.arange(n, device=x.device).repeat_interleave(k)
     local = phys.reshape(-1) - experts.first
-    fused = experts.run_and_combine(x, rows, local, weights)
-    if fused is not None:
-        return fused
-    y = experts.run_rows(x[rows], local)  # [N*k, D]
-    return combine(y, weights, x.dtype)
+    routed = experts.run_and_combine(x, rows, local, weights)
+    if routed is None:
+        routed = combine(experts.run_rows(x[rows], local), weights, x.dtype)  # [N*k, D] rows
+    return routed if alongside is None else routed + alongside()
 
 
 class MoE(nn.Module):
@@ -428,5 +439,6 @@ class MoE(nn.Module):
         flat = ids.reshape(-1)
         counted = torch.ones_like(flat) if real is None else real.repeat_interleave(ids.shape[1])
         self.last_load.zero_().index_add_(0, flat, counted)
-        routed = self.dispatch(x, self.placement.physical(ids), weights, self.experts)
-        return routed + self.shared_experts(x)
+        return self.dispatch(
+            x, self.placement.physical(ids), weights, self.experts, alongside=lambda: self.shared_experts(x)
+        )
