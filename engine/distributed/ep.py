@@ -11,8 +11,8 @@ rows so each physical expert sees the rows routed to it, and sends the results b
 
 The rows and their expert ids travel asynchronously while the layer's shared expert computes
 (the dispatch's ``alongside``), so that exchange is hidden behind compute the layer needs
-anyway; the step does the same work in the same order either way, only the wait moves, so it
-costs nothing where it hides nothing. The returned rows (step 3's results) have nothing left to
+anyway; the step does the same work either way, only where it waits moves, so it costs
+nothing where it hides nothing. The returned rows (step 3's results) have nothing left to
 overlap with inside the layer.
 
 Every rank must enter every MoE layer of a step (a rank with no tokens still calls in with an

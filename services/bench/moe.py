@@ -16,7 +16,7 @@ the experts that got at least one row, read once, over a device copy rate measur
 run. This is the measurement behind the engine's choice (`engine.model.moe`): each kernel
 takes the band of rows per expert where it was the fastest.
 
-``--sweep`` times every configuration of `SWEEP` (tiles, warps, stages, program order) at
+``--sweep`` times every configuration of `sweep_space` (tiles, warps, stages, program order) at
 ``--sweep-tokens`` and reports the fastest: how `TUNED_GROUPED` was chosen.
 """
 
