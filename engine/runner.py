@@ -18,8 +18,9 @@ from engine.cuda_graphs import DecodeGraphs, graphable
 from engine.distributed.ep import select_dispatch
 from engine.forward_batch import ForwardBatch
 from engine.kernels import batch_invariant, fp8
+from engine.model.experts import GROUPED_MM
 from engine.model.model import DeepseekV4
-from engine.model.moe import GROUPED_MM, ExpertPlacement
+from engine.model.moe import ExpertPlacement
 from engine.model.qlinear import graph_safe, keep_fp8_
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -16,8 +16,9 @@ from safetensors import safe_open
 
 from engine.checkpoint.keys import KeyRef, canonical
 from engine.checkpoint.quant import dequantize, find_scale, is_scale_key
+from engine.model.experts import Experts
 from engine.model.model import DeepseekV4
-from engine.model.moe import Experts, MoE
+from engine.model.moe import MoE
 from engine.model.qlinear import replace_linear
 
 

@@ -28,7 +28,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from engine.model.moe import Alongside, Dispatch, Experts, combine, local_dispatch
+from engine.model.experts import Experts
+from engine.model.moe import Alongside, Dispatch, combine, local_dispatch
 
 
 class AllToAllDispatch:

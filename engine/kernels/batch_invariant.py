@@ -21,7 +21,7 @@ checks end to end that a request's logits are bitwise equal alone and in batches
 
 The mode is process-wide (the overrides are registered on the CUDA dispatch key, as
 batch_invariant_ops, vLLM and SGLang do it) and is switched on once by ``enable``. The
-experts' kernel also serves decode-sized batches outside the mode (`engine.model.moe`),
+experts' kernel also serves decode-sized batches outside the mode (`engine.model.experts`),
 where it beats torch's grouped GEMM. ``enable("cpu")`` with ``TRITON_INTERPRET=1`` runs the
 kernels in Triton's interpreter, to check their logic without a GPU (fp32 and fp16: the
 interpreter's bf16 products are wrong).
@@ -69,7 +69,7 @@ class GroupedTiles:
     columns_first: bool = False
 
 
-#: the grouped kernel's configuration outside the mode (`engine.model.moe` takes it from
+#: the grouped kernel's configuration outside the mode (`engine.model.experts` takes it from
 #: decode to prefill sizes): the fastest of 32 configurations `sluice bench moe --sweep` timed
 #: on an H200 at flash-shape widths, 96 rows per expert (2026-12-04; docs/benchmarks.md,
 #: "Routed experts from decode to prefill sizes"). A 128-row tile holds a typical prefill

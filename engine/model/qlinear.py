@@ -54,7 +54,7 @@ def keep_fp8_(model: nn.Module) -> int:
     at a time: no fp32 copy of all of them). For models built with random weights on the
     device (`sluice bench engine --preset P --quant fp8`). Returns the tensors quantised."""
     from engine.checkpoint.quant import fp8_target, quantize_fp8
-    from engine.model.moe import Experts
+    from engine.model.experts import Experts
 
     done = 0
     with torch.no_grad():
@@ -86,7 +86,7 @@ def graph_safe(model: nn.Module) -> bool:
     graph: routed experts either not quantised or FP8 in both projections read by the FP8
     kernels (the per-expert loop of other formats waits on the host)."""
     from engine.kernels import kernels_on
-    from engine.model.moe import Experts
+    from engine.model.experts import Experts
 
     for mod in model.modules():
         if isinstance(mod, Experts) and mod.quantized:

@@ -97,7 +97,7 @@ def _case(
 
     from engine.checkpoint.quant import dequantize, quantize_fp8
     from engine.kernels import fp8
-    from engine.model.moe import torch_grouped_matmul
+    from engine.model.experts import torch_grouped_matmul
 
     name, e, rows, n, k = case
     w = torch.randn(e, n, k, device="cuda", generator=g) * 0.05

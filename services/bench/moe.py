@@ -13,7 +13,7 @@ sorted by expert:
 Each time is the mean of ``--repeats`` back-to-back launches after one warm-up, by CUDA
 events, and includes the tile map the kernel builds on the device. The floor is the bytes of
 the experts that got at least one row, read once, over a device copy rate measured in the same
-run. This is the measurement behind the engine's choice (`engine.model.moe`): each kernel
+run. This is the measurement behind the engine's choice (`engine.model.experts`): each kernel
 takes the band of rows per expert where it was the fastest.
 
 ``--sweep`` times every configuration of `sweep_space` (tiles, warps, stages, program order) at
@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> Report:
 
     from engine.checkpoint.presets import preset_config
     from engine.kernels import batch_invariant, triton_available
-    from engine.model.moe import torch_grouped_matmul, tuned_grouped_matmul
+    from engine.model.experts import torch_grouped_matmul, tuned_grouped_matmul
     from services.bench._engine_decode import copy_bandwidth
 
     if not (torch.cuda.is_available() and triton_available()):
@@ -134,7 +134,7 @@ def _sweep(args: argparse.Namespace, e: int, k: int, d: int, inter: int, gate_up
            bw: float, layer_ms: Any, gen: Any) -> list[dict[str, Any]]:  # fmt: skip
     """Every `sweep_space` configuration at each sweep token count, fastest first, beside torch."""
     from engine.kernels.batch_invariant import GroupedTiles, grouped_matmul
-    from engine.model.moe import torch_grouped_matmul
+    from engine.model.experts import torch_grouped_matmul
 
     cells = []
     for tokens in (int(t) for t in args.sweep_tokens.split(",")):

@@ -274,7 +274,7 @@ def test_the_tuned_grouped_tiles_match_torchs_grouped_gemm() -> None:
     tiles), an empty one; widths not a whole column tile. bf16 products, fp32 sums in the same
     or another order: within bf16 rounding of the result. And which GEMM the experts take."""
     from engine.kernels import batch_invariant as bi
-    from engine.model.moe import experts_gemm, torch_grouped_matmul, tuned_grouped_matmul
+    from engine.model.experts import experts_gemm, torch_grouped_matmul, tuned_grouped_matmul
 
     g = torch.Generator(device="cuda").manual_seed(4)
     counts = torch.tensor([96, 0, 130, 57, 128, 1, 96, 300], device="cuda")
@@ -402,7 +402,7 @@ def test_every_fp8_module_quantises_its_activations_on_both_paths_under_w8a8() -
     from engine.config import ModelConfig
     from engine.kernels import fp8, set_kernels
     from engine.model.attention import GroupedLinear
-    from engine.model.moe import Experts
+    from engine.model.experts import Experts
     from engine.model.qlinear import QuantLinear
     from engine.runner import ModelRunner, RunnerConfig
 

@@ -15,7 +15,8 @@ from safetensors.torch import load_file, save_file
 from engine.distributed.ep import AllToAllDispatch
 from engine.distributed.rendezvous import join_group, rendezvous_file
 from engine.forward_batch import ForwardBatch, SequenceInput
-from engine.model.moe import ExpertPlacement, Experts, local_dispatch
+from engine.model.experts import Experts
+from engine.model.moe import ExpertPlacement, local_dispatch
 from engine.runner import ModelRunner, RunnerConfig
 
 NAME = "mixed_hc2"

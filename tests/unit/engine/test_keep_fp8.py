@@ -14,7 +14,7 @@ from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.kernels import kernels_on
 from engine.model.attention import GroupedLinear
-from engine.model.moe import Experts
+from engine.model.experts import Experts
 from engine.model.qlinear import QuantLinear, graph_safe, keep_fp8_
 from engine.runner import ModelRunner, RunnerConfig
 

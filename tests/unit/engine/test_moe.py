@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.model.moe import Experts
+from engine.model.experts import Experts
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
