@@ -7,7 +7,9 @@ widths, ``--layers`` decoder layers, no MTP layer). One step prefills one sequen
 tokens from position 0 in one chunk (``N`` from ``--prefill-tokens``); the median of
 ``--prefill-repeats`` synchronised steps after a warm-up is the step time; ``host_ms`` is the
 median time until ``execute`` returns (the host's launches and any wait of its own): where it
-nears the step time, the host, not the device, bounds the step.
+nears the step time, the host, not the device, bounds the step. ``--host-profile`` adds, per
+size, where one more step's host time went: ``cProfile`` over the step, the functions with the
+most time of their own (`host_profile`).
 
 The roofline. The numerator is `prefill_flops`: FLOPs counted from the model config, never
 from what the implementation does (a dense mask, a padded tile or a recomputation counts for
@@ -43,6 +45,7 @@ slot) plus a 2 GiB workspace.
 
 from __future__ import annotations
 
+import functools
 import gc
 import statistics
 import time
@@ -74,6 +77,7 @@ class PrefillArgs:
     seed: int = 0
     fp8: bool = False  # the random weights quantised to FP8 and kept so (`ModelRunner.random`)
     fp8_compute: str = "w8a16"  # RunnerConfig.fp8_compute
+    host_profile: bool = False  # one more step per size under cProfile (`host_profile`)
 
 
 def prefill_flops(mc: Any, tokens: int) -> float:
@@ -182,11 +186,40 @@ def engine_prefill(a: PrefillArgs) -> list[dict[str, Any]]:
                 "flops": prefill_flops(mc, n), "step_ms": [t * 1e3 for t in times[1:]],
                 "host_ms": statistics.median(hosts[1:]) * 1e3,
             })  # fmt: skip
+            if a.host_profile:
+                batch = _batch(_ids(mc.vocab_size, n, a.seed), 0, table, a.device)
+                rows[-1]["host_profile"] = host_profile(functools.partial(runner.execute, batch), a.device)
             progress(f"engine prefill: {n} tokens in {ms:.1f} ms ({n / ms * 1e3:,.0f} tok/s)")
     finally:
         del runner
         _free(a.device)
     return rows
+
+
+def host_profile(step: Any, device: str, top: int = 15) -> dict[str, Any]:
+    """Where one ``step()`` spends the host's time: ``cProfile`` over the step (its launches,
+    up to the return), the ``top`` functions by time of their own, in ms. Profiling slows the
+    host, so read the shares, not the total, against an unprofiled ``host_ms``."""
+    import cProfile
+    import pstats
+
+    _sync(device)
+    prof = cProfile.Profile()
+    prof.enable()
+    step()
+    prof.disable()
+    _sync(device)
+    stats = pstats.Stats(prof).stats  # {(file, line, name): (calls, prim, tottime, cumtime, callers)}
+    total = sum(v[2] for v in stats.values())
+    rows = sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]
+    return {
+        "profiled_ms": total * 1e3,
+        "functions": [
+            {"function": f"{file.rsplit('/', 1)[-1]}:{line}({name})", "calls": v[0],
+             "own_ms": round(v[2] * 1e3, 3), "cumulative_ms": round(v[3] * 1e3, 3)}
+            for (file, line, name), v in rows
+        ],
+    }  # fmt: skip
 
 
 def transformers_prefill(model_dir: Any, a: PrefillArgs) -> dict[str, Any]:

@@ -111,6 +111,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="a prompt this long prefilled in chunks, then decoded (default 131072 on cuda, 0 (off) on cpu)",
     )  # fmt: skip
     f.add_argument("--long-chunk", type=int, default=4096, help="the long prompt's chunk (default 4096)")
+    f.add_argument(
+        "--host-profile", action="store_true",
+        help="one more step per size under cProfile: where the host's time goes (results: host_profile)",
+    )  # fmt: skip
 
 
 def _throughput(model_dir: Path, args: argparse.Namespace) -> dict[str, float]:
@@ -331,7 +335,7 @@ def _prefill(args: argparse.Namespace, report: Report) -> None:
         device=args.device, dtype=args.dtype or ("bfloat16" if cuda else "float32"), preset=args.preset,
         layers=layers, tokens=tokens, repeats=args.prefill_repeats, transformers=not args.no_transformers,
         tf_tokens=tokens[0], long_context=args.long_context if args.long_context is not None else (131072 if cuda else 0),
-        long_chunk=args.long_chunk, **_quant(args),
+        long_chunk=args.long_chunk, host_profile=args.host_profile, **_quant(args),
     )  # fmt: skip
     report.config.update({"prefill": a.__dict__})
     with tempfile.TemporaryDirectory(prefix="sluice-bench-prefill-") as tmp:

@@ -34,10 +34,11 @@ def test_tiny_prefill_report_has_the_roofline_transformers_and_the_long_prompt()
     engine.add_arguments(p)
     args = p.parse_args(
         ["--preset", "tiny", "--parts", "prefill", "--prefill-tokens", "64,128", "--long-context", "600",
-         "--long-chunk", "256", "--prefill-repeats", "1"]
+         "--long-chunk", "256", "--prefill-repeats", "1", "--host-profile"]
     )  # fmt: skip
     out = json.loads(json.dumps(engine.run(args).to_json()))["results"]["prefill"]
     assert [r["tokens"] for r in out["engine"]] == [64, 128]
+    assert all(r["host_profile"]["functions"] for r in out["engine"])
     assert all(r["fraction_of_roofline"] > 0 and r["flops"] > 0 for r in out["engine"])
     assert all(0 < r["host_ms"] <= max(r["step_ms"]) for r in out["engine"])  # on the CPU: the step
     assert out["transformers"]["tokens"] == 64 and out["versus_transformers"]["speedup"] > 0
@@ -59,3 +60,25 @@ def test_the_prefill_profile_times_every_cell_and_fits_the_cost_model(tmp_path) 
     fit = fit_cost_model(samples)
     again = CostModel.from_json(fit["model"].to_json())
     assert again.predict(64, 300) == pytest.approx(fit["model"].predict(64, 300))
+
+
+def test_the_host_profile_names_where_a_steps_host_time_went() -> None:
+    """`host_profile` (``--host-profile``): the step's own functions, largest first, in ms."""
+    import time
+
+    from services.bench._engine_prefill import host_profile
+
+    def slow_part() -> None:
+        time.sleep(0.02)
+
+    def step() -> None:
+        slow_part()
+        sum(range(1000))
+
+    out = host_profile(step, "cpu", top=5)
+    names = [f["function"] for f in out["functions"]]
+    assert len(names) <= 5 and "sleep" in names[0], names  # the builtin the step waited in
+    own = [f["own_ms"] for f in out["functions"]]
+    assert own == sorted(own, reverse=True) and own[0] >= 15
+    assert out["profiled_ms"] >= own[0]
+    assert any("slow_part" in n for n in [f["function"] for f in out["functions"]])
