@@ -65,14 +65,32 @@ def tuned_grouped_matmul(x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor
 
 GroupedMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
+#: what `force_experts_gemm` takes: "auto" (the bands above) or one GEMM for every size
+EXPERTS_GEMMS = ("auto", "torch", "fixed", "tuned")
+_FORCED = ["auto"]
+
+
+def force_experts_gemm(kind: str) -> None:
+    """Process-wide: take one grouped GEMM at every size where the bands would choose (CUDA bf16,
+    kernels on, outside the batch-invariant mode), or "auto" (the bands). For measuring what the
+    choice is worth (``sluice bench engine --preset P --experts-gemm KIND``)."""
+    if kind not in EXPERTS_GEMMS:
+        raise ValueError(f"experts GEMM must be one of {EXPERTS_GEMMS}, got {kind!r}")
+    _FORCED[0] = kind
+
 
 def experts_gemm(x: torch.Tensor, experts: int) -> GroupedMatmul:
     """The grouped GEMM for rows x [R, D] over ``experts`` local experts: the mode's fixed tiles
     whenever the batch-invariant mode applies; on CUDA bf16 with the kernels on, by the bands
-    above; else torch's."""
+    above (or what `force_experts_gemm` set); else torch's."""
     if batch_invariant.applies(x):
         return batch_invariant.grouped_matmul
     if x.is_cuda and x.dtype == torch.bfloat16 and kernels_on():
+        forced = _FORCED[0]
+        if forced != "auto":
+            return {"torch": torch_grouped_matmul, "fixed": batch_invariant.grouped_matmul}.get(
+                forced, tuned_grouped_matmul
+            )
         rows = x.shape[0]
         if FIXED_ROWS_PER_EXPERT[0] * experts <= rows <= FIXED_ROWS_PER_EXPERT[1] * experts:
             return batch_invariant.grouped_matmul

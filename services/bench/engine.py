@@ -91,6 +91,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="run the eager code instead of the Triton kernels that replace it (engine.kernels.set_kernels)",
     )  # fmt: skip
     d.add_argument(
+        "--experts-gemm", default="auto", choices=("auto", "torch", "fixed", "tuned"),
+        help="the routed experts' grouped GEMM at every size (CUDA, outside the batch-invariant "
+        "mode; engine.model.experts.force_experts_gemm); auto: the engine's bands (default)",
+    )  # fmt: skip
+    d.add_argument(
         "--quant", default="none", choices=("none", "fp8", "fp8-w8a8"),
         help="fp8: the random weights quantised to FP8 (128x128 block scales) and kept so, as an FP8 "
         "checkpoint with keep_quantized (read by engine.kernels.fp8 on CUDA, bf16 activations); "
@@ -411,9 +416,11 @@ def run(args: argparse.Namespace) -> Report:
     )
     if args.preset:
         from engine.kernels import set_kernels
+        from engine.model.experts import force_experts_gemm
 
         set_kernels(not args.no_kernels)  # process-wide, as the bench runs one configuration
-        report.config["kernels"] = not args.no_kernels
+        force_experts_gemm(args.experts_gemm)
+        report.config.update({"kernels": not args.no_kernels, "experts_gemm": args.experts_gemm})
         parts = {x.strip() for x in args.parts.split(",") if x.strip()}
         if unknown := parts - {"decode", "prefill"}:
             raise SystemExit(f"--parts: unknown {sorted(unknown)}; known: decode, prefill")

@@ -292,6 +292,18 @@ def test_the_tuned_grouped_tiles_match_torchs_grouped_gemm() -> None:
     assert experts_gemm(rows[: 256 * 4], 256) is bi.grouped_matmul  # decode, 171 tokens
     assert experts_gemm(rows[:6], 256) is torch_grouped_matmul  # one token
     assert experts_gemm(rows, 256) is torch_grouped_matmul  # 400 rows per expert
+    from engine.model.experts import force_experts_gemm
+
+    try:  # what `sluice bench engine --experts-gemm` measures
+        for kind, want in (
+            ("torch", torch_grouped_matmul),
+            ("fixed", bi.grouped_matmul),
+            ("tuned", tuned_grouped_matmul),
+        ):
+            force_experts_gemm(kind)
+            assert experts_gemm(rows[:6], 256) is want and experts_gemm(rows, 256) is want
+    finally:
+        force_experts_gemm("auto")
 
 
 def test_the_fp8_grouped_kernel_matches_dequantise_then_matmul() -> None:

@@ -29,3 +29,19 @@ def test_combine_of_an_empty_batch_is_empty() -> None:
 
     out = combine(torch.zeros(0, 16), torch.zeros(0, 2), torch.bfloat16)
     assert out.shape == (0, 16) and out.dtype == torch.bfloat16
+
+
+def test_the_experts_gemm_can_be_forced_for_a_measurement_and_only_to_known_kinds() -> None:
+    """`force_experts_gemm` (``sluice bench engine --experts-gemm``): a kind it does not know is
+    refused; on the CPU every kind leaves torch's grouped GEMM (the Triton kernels are CUDA's)."""
+    from engine.model.experts import EXPERTS_GEMMS, experts_gemm, force_experts_gemm, torch_grouped_matmul
+
+    with pytest.raises(ValueError, match="one of"):
+        force_experts_gemm("cutlass")
+    x = torch.zeros(96 * 8, 16, dtype=torch.bfloat16)
+    try:
+        for kind in EXPERTS_GEMMS:
+            force_experts_gemm(kind)
+            assert experts_gemm(x, 8) is torch_grouped_matmul
+    finally:
+        force_experts_gemm("auto")
