@@ -65,8 +65,14 @@ def tuned_grouped_matmul(x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor
 
 GroupedMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
+#: the grouped GEMMs the bands choose between, by name (`sluice bench moe` times each)
+GROUPED_GEMMS: dict[str, GroupedMatmul] = {
+    "torch": torch_grouped_matmul,
+    "fixed": batch_invariant.grouped_matmul,
+    "tuned": tuned_grouped_matmul,
+}
 #: what `force_experts_gemm` takes: "auto" (the bands above) or one GEMM for every size
-EXPERTS_GEMMS = ("auto", "torch", "fixed", "tuned")
+EXPERTS_GEMMS = ("auto", *GROUPED_GEMMS)
 _FORCED = ["auto"]
 
 
@@ -86,11 +92,8 @@ def experts_gemm(x: torch.Tensor, experts: int) -> GroupedMatmul:
     if batch_invariant.applies(x):
         return batch_invariant.grouped_matmul
     if x.is_cuda and x.dtype == torch.bfloat16 and kernels_on():
-        forced = _FORCED[0]
-        if forced != "auto":
-            return {"torch": torch_grouped_matmul, "fixed": batch_invariant.grouped_matmul}.get(
-                forced, tuned_grouped_matmul
-            )
+        if _FORCED[0] != "auto":
+            return GROUPED_GEMMS[_FORCED[0]]
         rows = x.shape[0]
         if FIXED_ROWS_PER_EXPERT[0] * experts <= rows <= FIXED_ROWS_PER_EXPERT[1] * experts:
             return batch_invariant.grouped_matmul

@@ -73,8 +73,8 @@ def run(args: argparse.Namespace) -> Report:
     import torch
 
     from engine.checkpoint.presets import preset_config
-    from engine.kernels import batch_invariant, triton_available
-    from engine.model.experts import torch_grouped_matmul, tuned_grouped_matmul
+    from engine.kernels import triton_available
+    from engine.model.experts import GROUPED_GEMMS
     from services.bench._engine_decode import copy_bandwidth
 
     if not (torch.cuda.is_available() and triton_available()):
@@ -90,11 +90,6 @@ def run(args: argparse.Namespace) -> Report:
     gate_up = torch.randn(e, 2 * inter, d, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
     down = torch.randn(e, d, inter, device="cuda", dtype=torch.bfloat16, generator=gen) * 0.02
     bw = copy_bandwidth("cuda")
-    kernels = {
-        "torch": torch_grouped_matmul,
-        "fixed": batch_invariant.grouped_matmul,
-        "tuned": tuned_grouped_matmul,
-    }
 
     def layer_ms(f: Any, x: Any, h: Any, ends: Any) -> tuple[float, float]:
         return (
@@ -105,7 +100,7 @@ def run(args: argparse.Namespace) -> Report:
     rows_out: list[dict[str, Any]] = []
     for tokens in (int(t) for t in args.tokens.split(",")):
         x, h, ends, hit = _routed(e, k, tokens, d, inter, gen)
-        t = {n: layer_ms(f, x, h, ends) for n, f in kernels.items()}
+        t = {n: layer_ms(f, x, h, ends) for n, f in GROUPED_GEMMS.items()}
         total = {n: sum(v) for n, v in t.items()}
         floor = hit * 3 * inter * d * 2 / bw * 1e3
         row: dict[str, Any] = {
