@@ -376,13 +376,38 @@ def tile_map(row_end: torch.Tensor, rows: int, bm: int) -> tuple[torch.Tensor, t
     return expert.to(torch.int32), row.to(torch.int32)
 
 
+#: tile maps already built for one grouping of rows (one ``row_end``), by (tile height, rows):
+#: an expert pass's gate/up and down products share one (`shared_tile_map`)
+TileMaps = dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def shared_tile_map(
+    row_end: torch.Tensor, rows: int, bm: int, maps: TileMaps | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`tile_map`, built once per (``bm``, ``rows``) in ``maps`` when given: ``maps`` belongs to
+    one ``row_end`` (its caller's grouping), so the second product over the same rows issues
+    none of the map's ~17 small device operations again."""
+    if maps is None:
+        return tile_map(row_end, rows, bm)
+    key = (bm, rows)
+    if key not in maps:
+        maps[key] = tile_map(row_end, rows, bm)
+    return maps[key]
+
+
 def grouped_matmul(
-    x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor, tiles: GroupedTiles | None = None
+    x: torch.Tensor,
+    w: torch.Tensor,
+    row_end: torch.Tensor,
+    tiles: GroupedTiles | None = None,
+    *,
+    maps: TileMaps | None = None,
 ) -> torch.Tensor:
     """Rows ``x`` [R, K] sorted by expert, ``row_end`` [E] (int32, the cumulative row counts as
     ``torch._grouped_mm``'s ``offs``), experts' weights ``w`` [E, N, K] -> [R, N] = x @ w[e].T.
 
-    Tiles never mix experts (`tile_map`). ``tiles``: the mode's fixed tiles unless given
+    Tiles never mix experts (`tile_map`; ``maps`` shares it between products over the same
+    rows, `shared_tile_map`). ``tiles``: the mode's fixed tiles unless given
     (`TUNED_GROUPED`); only the fixed tiles are batch-invariant."""
     _check(x, w)
     r, k = x.shape
@@ -393,7 +418,7 @@ def grouped_matmul(
     if tiles is None:
         bm, bn, bk = TILES[x.element_size()]
         tiles = GroupedTiles(bm, bn, bk, NUM_WARPS, NUM_STAGES)
-    expert, row = tile_map(row_end, r, tiles.bm)
+    expert, row = shared_tile_map(row_end, r, tiles.bm, maps)
     columns = _cdiv(n, tiles.bn)
     grid = (expert.shape[0] * columns,) if tiles.columns_first else (expert.shape[0], columns)
     _kernels()["grouped"][grid](

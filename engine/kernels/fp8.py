@@ -26,11 +26,14 @@ mode.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.kernels import kernels_on, tracks_grad
+
+if TYPE_CHECKING:
+    from engine.kernels.batch_invariant import TileMaps
 
 #: DeepSeek's FP8 scale block (rows and columns of the weight; columns of an activation row)
 BLOCK = 128
@@ -209,10 +212,15 @@ def _scales(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def w8a8_grouped_matmul(
-    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_end: torch.Tensor
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    row_end: torch.Tensor,
+    *,
+    maps: TileMaps | None = None,
 ) -> torch.Tensor:
     """`grouped_matmul` with the activations quantised (``w8a8``; K a multiple of 128)."""
-    from engine.kernels.batch_invariant import tile_map
+    from engine.kernels.batch_invariant import shared_tile_map
 
     r, k = x.shape
     e, n, _ = q.shape
@@ -228,7 +236,7 @@ def w8a8_grouped_matmul(
         expert = row = row_end
         tiles = -(-r // A8_BM)
     else:
-        expert, row = tile_map(row_end, r, A8_BM)
+        expert, row = shared_tile_map(row_end, r, A8_BM, maps)
         tiles = expert.shape[0]
     _kernels()["w8a8"][(tiles, -(-n // bn))](
         xq, xs, q, s, out, expert, row, row_end, r, n, k, e,
@@ -249,22 +257,28 @@ def _wide_tiles(rows: int, experts: int) -> bool:
 
 
 def grouped_matmul(
-    x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, row_end: torch.Tensor
+    x: torch.Tensor,
+    q: torch.Tensor,
+    scale: torch.Tensor,
+    row_end: torch.Tensor,
+    *,
+    maps: TileMaps | None = None,
 ) -> torch.Tensor:
     """Rows x [R, K] grouped by expert (``row_end`` [E], int32, each group's end), FP8 weights
     q [E, N, K] with block scales [E, ceil(N/128), ceil(K/128)] -> [R, N] = x @ dequant(q[e]).T,
-    in the process's compute mode (module docstring)."""
-    from engine.kernels.batch_invariant import grouped_kernel, tile_map
+    in the process's compute mode (module docstring). ``maps``: tile maps shared with other
+    products over the same rows (`batch_invariant.shared_tile_map`)."""
+    from engine.kernels.batch_invariant import grouped_kernel, shared_tile_map
 
     r, k = x.shape
     if quantizes_activations(x, q):
-        return w8a8_grouped_matmul(x, q, scale, row_end)
+        return w8a8_grouped_matmul(x, q, scale, row_end, maps=maps)
     e, n, _ = q.shape
     s = _scales(q, scale)
     out = torch.empty((r, n), dtype=x.dtype, device=x.device)
     if r == 0:
         return out
-    expert, row = tile_map(row_end, r, BM)
+    expert, row = shared_tile_map(row_end, r, BM, maps)
     grouped_kernel()[(expert.shape[0], -(-n // BN))](
         x, q, s, out, expert, row, row_end, n, k, e,
         x.stride(0), x.stride(1), q.stride(0), q.stride(1), q.stride(2), s.stride(0), s.stride(1), s.stride(2),

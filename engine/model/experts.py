@@ -5,7 +5,7 @@ shared expert, the clamped SwiGLU, and which grouped GEMM a batch takes (`expert
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -13,6 +13,7 @@ from torch import nn
 
 from engine.checkpoint.quant import dequantize
 from engine.kernels import batch_invariant, fp8, kernels_on, rowwise
+from engine.kernels.batch_invariant import TileMaps
 
 
 def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
@@ -52,18 +53,29 @@ FIXED_ROWS_PER_EXPERT = (0.09, 12.0)
 TUNED_ROWS_PER_EXPERT = (12.0, 136.0)
 
 
-def torch_grouped_matmul(x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor) -> torch.Tensor:
+def torch_grouped_matmul(
+    x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor, *, maps: TileMaps | None = None
+) -> torch.Tensor:
     """torch's grouped GEMM with ``batch_invariant.grouped_matmul``'s arguments: rows sorted by
-    expert, their cumulative counts, weights [E, N, K] -> [R, N]."""
+    expert, their cumulative counts, weights [E, N, K] -> [R, N] (it builds no tile map)."""
     return torch._grouped_mm(x, w.transpose(1, 2), offs=row_end)
 
 
-def tuned_grouped_matmul(x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor) -> torch.Tensor:
+def tuned_grouped_matmul(
+    x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor, *, maps: TileMaps | None = None
+) -> torch.Tensor:
     """The grouped kernel with `batch_invariant.TUNED_GROUPED`'s tiles, same arguments."""
-    return batch_invariant.grouped_matmul(x, w, row_end, batch_invariant.TUNED_GROUPED)
+    return batch_invariant.grouped_matmul(x, w, row_end, batch_invariant.TUNED_GROUPED, maps=maps)
 
 
-GroupedMatmul = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+class GroupedMatmul(Protocol):
+    """Rows sorted by expert, their cumulative counts, weights [E, N, K] -> [R, N]; ``maps``
+    shares the kernel's tile map between products over the same rows."""
+
+    def __call__(
+        self, x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor, *, maps: TileMaps | None = None
+    ) -> torch.Tensor: ...
+
 
 #: the grouped GEMMs the bands choose between, by name (`sluice bench moe` times each)
 GROUPED_GEMMS: dict[str, GroupedMatmul] = {
@@ -170,13 +182,15 @@ class Experts(nn.Module):
 
     def _grouped(self, x: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
         """Expert outputs of rows x [N, D] already grouped by expert (``offs``: each group's end)."""
+        maps: TileMaps = {}  # both products run over the same rows: one tile map
         if self.quantized:  # FP8 (`_fp8_grouped`)
-            gate, up = fp8.grouped_matmul(x, self.gate_up_proj_q, self.gate_up_proj_s, offs).chunk(2, dim=-1)
+            gate_up = fp8.grouped_matmul(x, self.gate_up_proj_q, self.gate_up_proj_s, offs, maps=maps)
+            gate, up = gate_up.chunk(2, dim=-1)
             act = swiglu_clamped(gate, up, self.limit)
-            return fp8.grouped_matmul(act, self.down_proj_q, self.down_proj_s, offs)
+            return fp8.grouped_matmul(act, self.down_proj_q, self.down_proj_s, offs, maps=maps)
         gemm = experts_gemm(x, self.num_local)
-        gate, up = gemm(x, self.gate_up_proj, offs).chunk(2, dim=-1)  # [N, 2I]
-        return gemm(swiglu_clamped(gate, up, self.limit), self.down_proj, offs)
+        gate, up = gemm(x, self.gate_up_proj, offs, maps=maps).chunk(2, dim=-1)  # [N, 2I]
+        return gemm(swiglu_clamped(gate, up, self.limit), self.down_proj, offs, maps=maps)
 
     def run_and_combine(
         self, x: torch.Tensor, tokens: torch.Tensor, local_ids: torch.Tensor, weights: torch.Tensor

@@ -38,6 +38,25 @@ def test_the_k_split_depends_on_the_output_and_reduced_widths_only() -> None:
     assert batch_invariant.k_split(129280, 4096, 2, cpu) == (1, 4096)  # wide outputs fill the GPU
 
 
+def test_the_tile_map_never_mixes_experts_and_is_built_once_per_grouping(monkeypatch) -> None:
+    import torch
+
+    row_end = torch.tensor([3, 3, 8, 9], dtype=torch.int32)  # 3, 0, 5 and 1 rows; bm 4
+    expert, row = batch_invariant.tile_map(row_end, 9, 4)
+    real = expert < 4
+    assert expert[real].tolist() == [0, 2, 2, 3] and row[real].tolist() == [0, 3, 7, 8]
+    assert (expert[~real] == 4).all()  # the worst-case tail: past the last tile
+
+    built = []
+    monkeypatch.setattr(batch_invariant, "tile_map", lambda *a: built.append(a) or (expert, row))
+    maps: batch_invariant.TileMaps = {}
+    first = batch_invariant.shared_tile_map(row_end, 9, 4, maps)
+    assert batch_invariant.shared_tile_map(row_end, 9, 4, maps) is first  # the down product
+    batch_invariant.shared_tile_map(row_end, 9, 8, maps)  # another tile height: its own map
+    batch_invariant.shared_tile_map(row_end, 9, 4, None)  # no sharing asked: built again
+    assert len(built) == 3
+
+
 def test_in_the_mode_short_prompt_chunks_leave_the_verification_path(monkeypatch) -> None:
     """A prompt of at most 8 tokens would take the verification path alone and the general
     path beside a longer prompt; in the mode only decode and verification rows take it."""
