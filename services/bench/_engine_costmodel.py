@@ -35,52 +35,97 @@ GPU_HELDOUT_C = (512, 2048, 8192)
 GPU_HELDOUT_H = (0, 16384, 65536)
 
 
+Samples = list[tuple[int, int, float]]
+
+
+class _Prefiller:
+    """One sequence's prefill steps on ``device`` with seeded random weights at ``model_dir``'s
+    config (bf16 on CUDA, fp32 elsewhere; a step's time depends on the shapes, not the values),
+    with room for ``positions`` positions."""
+
+    def __init__(self, model_dir: Path, device: str, positions: int) -> None:
+        import torch
+
+        from engine.config import BLOCK_TOKENS, ModelConfig
+        from engine.runner import ModelRunner, RunnerConfig
+
+        cuda = device.startswith("cuda")
+        mcfg = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
+        blocks = -(-positions // BLOCK_TOKENS)
+        rcfg = RunnerConfig(
+            num_blocks=blocks,
+            num_slots=1,
+            with_mtp=False,
+            device=device,
+            dtype="bfloat16" if cuda else "float32",
+        )
+        self.runner = ModelRunner.random(mcfg, rcfg, seed=0)
+        self.device = torch.device(device)
+        self.sync = torch.cuda.synchronize if cuda else (lambda: None)
+        self.table = list(range(blocks))
+        gen = torch.Generator().manual_seed(0)
+        self.ids = torch.randint(3, mcfg.vocab_size, (positions,), generator=gen).tolist()
+
+    def step(self, start: int, n: int) -> None:
+        from engine.forward_batch import ForwardBatch, SequenceInput
+
+        seq = SequenceInput(self.ids[start : start + n], start, 0, self.table)
+        self.runner.execute(ForwardBatch.from_sequences([seq], device=self.device))
+
+    def time_grid(self, chunks: tuple[int, ...], prefixes: tuple[int, ...], repeats: int) -> Samples:
+        """(chunk, prefix, seconds) over the grid: each prefix is prefilled once, in steps of at
+        most the largest chunk; each chunk is then timed ``repeats`` times at that prefix
+        (synchronised; the minimum kept), after one untimed run."""
+        samples = []
+        for h in sorted(prefixes):
+            for s0 in range(0, h, max(chunks)):
+                self.step(s0, min(max(chunks), h - s0))
+            for c in chunks:
+                self.step(h, c)  # the chunk's shapes into the allocator; rewriting the same positions
+                best = math.inf
+                for _ in range(repeats):
+                    self.sync()
+                    t0 = time.perf_counter()
+                    self.step(h, c)
+                    self.sync()
+                    best = min(best, time.perf_counter() - t0)
+                samples.append((c, h, best))
+                progress(f"profile-prefill: chunk {c} at prefix {h}: {best * 1e3:.2f} ms")
+        return samples
+
+
 def profile_prefill(
     model_dir: Path, device: str, chunks: tuple[int, ...], prefixes: tuple[int, ...], repeats: int
-) -> list[tuple[int, int, float]]:
-    """(chunk, prefix, seconds) of one sequence's prefill step over the grid, on ``device``
-    with seeded random weights at ``model_dir``'s config (bf16 on CUDA, fp32 elsewhere): a
-    step's time depends on the shapes, not the values. Each prefix is prefilled once, in
-    steps of at most the largest chunk; each chunk is then timed ``repeats`` times at that
-    prefix (synchronised; the minimum kept), after one untimed run."""
-    import torch
+) -> Samples:
+    """(chunk, prefix, seconds) of one sequence's prefill step over the grid (`_Prefiller`)."""
+    return _Prefiller(model_dir, device, max(prefixes) + max(chunks)).time_grid(chunks, prefixes, repeats)
 
-    from engine.config import BLOCK_TOKENS, ModelConfig
-    from engine.forward_batch import ForwardBatch, SequenceInput
-    from engine.runner import ModelRunner, RunnerConfig
 
-    cuda = device.startswith("cuda")
-    mcfg = ModelConfig.from_dict(json.loads((model_dir / "config.json").read_text()))
-    blocks = -(-(max(prefixes) + max(chunks)) // BLOCK_TOKENS)
-    rcfg = RunnerConfig(
-        num_blocks=blocks, num_slots=1, with_mtp=False, device=device, dtype="bfloat16" if cuda else "float32"
-    )
-    runner = ModelRunner.random(mcfg, rcfg, seed=0)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    table = list(range(blocks))
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(3, mcfg.vocab_size, (max(prefixes) + max(chunks),), generator=gen).tolist()
-
-    def step(start: int, n: int) -> None:
-        seq = SequenceInput(ids[start : start + n], start, 0, table)
-        runner.execute(ForwardBatch.from_sequences([seq], device=torch.device(device)))
-
-    samples = []
-    for h in sorted(prefixes):
-        for s0 in range(0, h, max(chunks)):
-            step(s0, min(max(chunks), h - s0))
-        for c in chunks:
-            step(h, c)  # the chunk's shapes into the allocator; rewriting the same positions
-            best = math.inf
-            for _ in range(repeats):
-                sync()
-                t0 = time.perf_counter()
-                step(h, c)
-                sync()
-                best = min(best, time.perf_counter() - t0)
-            samples.append((c, h, best))
-            progress(f"profile-prefill: chunk {c} at prefix {h}: {best * 1e3:.2f} ms")
-    return samples
+def profile_fit_and_heldout(
+    model_dir: Path,
+    device: str,
+    fit: tuple[tuple[int, ...], tuple[int, ...]],
+    heldout: tuple[tuple[int, ...], tuple[int, ...]],
+    repeats: int,
+    rounds: int,
+) -> tuple[Samples, Samples]:
+    """The fit grid's and the held-out grid's samples (each a (chunks, prefixes) pair), timed
+    in ``rounds`` alternating rounds (fit, held-out, fit, ...) of ``repeats`` timings per
+    cell, each cell's minimum over all kept. A host whose speed drifts (a launch-bound step's
+    time is the host's) then shifts both grids alike: measured one after the other, the fit
+    and its grading can see two different machines (one H200 lease graded 0.33 where the
+    next graded 0.07-0.17 on the same tree)."""
+    positions = max(max(g[0]) + max(g[1]) for g in (fit, heldout))
+    prefiller = _Prefiller(model_dir, device, positions)
+    best: list[Samples] = [[], []]
+    for r in range(rounds):
+        for i, (chunks, prefixes) in enumerate((fit, heldout)):
+            progress(f"profile-prefill: round {r + 1}/{rounds}, {('fit', 'held-out')[i]} grid")
+            got = prefiller.time_grid(chunks, prefixes, repeats)
+            best[i] = (
+                got if not best[i] else [(c, h, min(t, u)) for (c, h, t), (_, _, u) in zip(best[i], got)]
+            )
+    return best[0], best[1]
 
 
 def _nonnegative_lstsq(x: Any, y: Any) -> Any:

@@ -27,7 +27,7 @@ from typing import Any
 
 from services.bench import Report, module_main, progress
 from services.bench import _engine_costmodel as grids
-from services.bench._engine_costmodel import fit_cost_model, heldout_error, profile_prefill
+from services.bench._engine_costmodel import fit_cost_model, heldout_error, profile_fit_and_heldout
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,6 +45,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=int, default=8, help="concurrent requests (default 8)")
     p.add_argument("--decode-tokens", type=int, default=16, help="decode tokens per request (default 16)")
     p.add_argument("--repeats", type=int, default=5, help="timings per grid point, minimum kept (default 5)")
+    p.add_argument(
+        "--profile-rounds", type=int, default=2,
+        help="alternating rounds over the fit and held-out grids, each cell's minimum kept (default 2)",
+    )  # fmt: skip
     p.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (default 1: stable on shared CPUs)"
     )
@@ -155,13 +159,13 @@ def _measure(name: str, model_dir: Path, args: argparse.Namespace, report: Repor
     progress(
         f"{name}: step-time grid {len(grids.GRID_C)}x{len(grids.GRID_H)}, then {len(grids.HELDOUT_C)}x{len(grids.HELDOUT_H)} held out"
     )
-    fit = fit_cost_model(profile_prefill(model_dir, "cpu", grids.GRID_C, grids.GRID_H, args.repeats))
+    samples, heldout = profile_fit_and_heldout(
+        model_dir, "cpu", (grids.GRID_C, grids.GRID_H), (grids.HELDOUT_C, grids.HELDOUT_H),
+        args.repeats, args.profile_rounds,
+    )  # fmt: skip
+    fit = fit_cost_model(samples)
     model = fit.pop("model")
-    fit.update(
-        heldout_error(
-            model, profile_prefill(model_dir, "cpu", grids.HELDOUT_C, grids.HELDOUT_H, args.repeats)
-        )
-    )
+    fit.update(heldout_error(model, heldout))
     if args.profile:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(model.to_json())
@@ -204,18 +208,16 @@ def _profile_decode_on_gpu(model_dir: Path, args: argparse.Namespace, report: Re
     from router.steptable import StepTable
 
     progress(f"{model_dir.name}: prefill step times (chunk x prefix) on {args.device}")
-    samples = profile_prefill(model_dir, args.device, grids.GPU_GRID_C, grids.GPU_GRID_H, args.repeats)
+    progress(
+        f"{model_dir.name}: then held-out shapes (chunks {grids.GPU_HELDOUT_C} x prefixes {grids.GPU_HELDOUT_H})"
+    )
+    samples, heldout = profile_fit_and_heldout(
+        model_dir, args.device, (grids.GPU_GRID_C, grids.GPU_GRID_H),
+        (grids.GPU_HELDOUT_C, grids.GPU_HELDOUT_H), args.repeats, args.profile_rounds,
+    )  # fmt: skip
     pre = fit_cost_model(samples)
     model = pre.pop("model")
-    progress(
-        f"{model_dir.name}: held-out prefill shapes (chunks {grids.GPU_HELDOUT_C} x prefixes {grids.GPU_HELDOUT_H})"
-    )
-    pre.update(
-        heldout_error(
-            model,
-            profile_prefill(model_dir, args.device, grids.GPU_HELDOUT_C, grids.GPU_HELDOUT_H, args.repeats),
-        )
-    )
+    pre.update(heldout_error(model, heldout))
     cost_out = Path(args.out or model_dir / "sluice_cost_model.json")
     cost_out.parent.mkdir(parents=True, exist_ok=True)
     cost_out.write_text(model.to_json() + "\n")
@@ -401,7 +403,16 @@ def run(args: argparse.Namespace) -> Report:
         "engine",
         config={
             k: getattr(args, k)
-            for k in ("presets", "model", "profile", "prompt_tokens", "batch", "decode_tokens", "repeats")
+            for k in (
+                "presets",
+                "model",
+                "profile",
+                "prompt_tokens",
+                "batch",
+                "decode_tokens",
+                "repeats",
+                "profile_rounds",
+            )
         }
         | {
             key: getattr(grids, gpu + name)

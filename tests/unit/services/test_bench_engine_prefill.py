@@ -69,6 +69,29 @@ def test_the_prefill_profile_times_every_cell_and_fits_the_cost_model(tmp_path) 
     assert again.predict(64, 300) == pytest.approx(fit["model"].predict(64, 300))
 
 
+def test_the_fit_and_held_out_grids_alternate_and_keep_each_cells_minimum(tmp_path, monkeypatch) -> None:
+    """`profile_fit_and_heldout`: rounds alternate fit, held-out, fit, ... (a host that slows
+    down mid-profile slows both grids), every cell keeps its fastest round, and one runner
+    serves both grids (it holds the longer of their positions)."""
+    from engine.checkpoint.generate import write_config_dir
+    from services.bench import _engine_costmodel as cm
+
+    model = write_config_dir("tiny", tmp_path / "tiny", seed=0)
+    built, timed = [], []
+    monkeypatch.setattr(cm._Prefiller, "__init__", lambda self, d, dev, n: built.append(n))
+    slow = {0: 2.0, 1: 2.0, 2: 1.0, 3: 3.0}  # the fit grid's fastest round is its second
+
+    def time_grid(self, chunks, prefixes, repeats):
+        timed.append(chunks)
+        return [(c, h, slow[len(timed) - 1] * c) for h in prefixes for c in chunks]
+
+    monkeypatch.setattr(cm._Prefiller, "time_grid", time_grid)
+    fit, held = cm.profile_fit_and_heldout(model, "cpu", ((16, 64), (0, 300)), ((32,), (512,)), 1, 2)
+    assert built == [544] and timed == [(16, 64), (32,), (16, 64), (32,)]
+    assert fit == [(16, 0, 16.0), (64, 0, 64.0), (16, 300, 16.0), (64, 300, 64.0)]
+    assert held == [(32, 512, 64.0)]  # min(2 x 32, 3 x 32)
+
+
 def test_the_host_profile_names_where_a_steps_host_time_went() -> None:
     """`host_profile` (``--host-profile``): the step's own functions, largest first, in ms."""
     import time
