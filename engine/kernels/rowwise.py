@@ -9,6 +9,11 @@
 * `index_reduce`: the CSA indexer's score of each entry, the head-weighted sum of the
   ReLU of the heads' dot products, in one read of the products (eagerly a ReLU pass and
   a batched matrix-vector product).
+* `index_scores`: the same score fused with the dot products of shared entry keys: per
+  tile of rows x entries, each head's q . k on tensor cores (bf16 in, fp32 out) goes
+  through its ReLU and weight into the sum in registers, so the [rows, heads, entries]
+  products (128 MB for 512 queries x 64 heads x 1,024 entries) never reach memory, and
+  the indexer's tiles can be 64x larger for the same memory.
 * `combine`: each token's weighted sum of its k expert outputs, read in place from the
   grouped GEMM's expert-major rows through the inverse permutation, summed in fp32 in the
   order k = 0, 1, ... (`engine.model.moe.combine`'s order), rounded once. Eagerly: a scatter
@@ -95,8 +100,29 @@ def _kernels() -> dict:  # built on first use, so importing this module never ne
             acc += tl.maximum(tl.load(s_ptr + r * s_r + h * s_h + e, mask=m, other=0.0), 0.0) * w
         tl.store(o_ptr + r * s_o + e, acc, mask=m)
 
+    @triton.jit
+    def index_scores_kernel(
+        q_ptr, k_ptr, w_ptr, o_ptr, R, E, NH, D, s_qr, s_qh, s_ke, s_wr, s_or,
+        BR: tl.constexpr, BE: tl.constexpr, BD: tl.constexpr,
+    ):  # fmt: skip
+        r = (tl.program_id(0) * BR + tl.arange(0, BR)).to(tl.int64)
+        e = (tl.program_id(1) * BE + tl.arange(0, BE)).to(tl.int64)
+        d = tl.arange(0, BD)
+        rm, em, dm = r < R, e < E, d < D
+        kt = tl.trans(
+            tl.load(k_ptr + e[:, None] * s_ke + d[None, :], mask=em[:, None] & dm[None, :], other=0.0)
+        )
+        acc = tl.zeros((BR, BE), tl.float32)
+        for h in range(NH):  # heads in order, as `index_reduce_kernel`
+            q = tl.load(
+                q_ptr + r[:, None] * s_qr + h * s_qh + d[None, :], mask=rm[:, None] & dm[None, :], other=0.0
+            )
+            w = tl.load(w_ptr + r * s_wr + h, mask=rm, other=0.0)
+            acc += tl.maximum(tl.dot(q, kt), 0.0) * w[:, None]  # exact bf16 products, fp32 sums
+        tl.store(o_ptr + r[:, None] * s_or + e[None, :], acc, mask=rm[:, None] & em[None, :])
+
     return {
-        "index_reduce": index_reduce_kernel,
+        "index_reduce": index_reduce_kernel, "index_scores": index_scores_kernel,
         "rms": rms_kernel, "combine": combine_kernel,
         "swiglu": swiglu_kernel,
     }  # fmt: skip
@@ -172,4 +198,29 @@ def index_reduce(dots: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         _kernels()["index_reduce"][(r, -(-e // INDEX_BLOCK_E))](
             dots, w, out, nh, e, dots.stride(0), dots.stride(1), w.stride(0), out.stride(0), BE=INDEX_BLOCK_E
         )
+    return out
+
+
+#: (rows, entries, warps, stages) of `index_scores`' programs
+INDEX_SCORE_TILES = (64, 128, 4, 2)
+
+
+def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """``sum_h w[r, h] * relu(q[r, h] . keys[e])`` in fp32 without the per-head products in
+    memory: q [R, nI, dI] and keys [E, dI] bf16 (dI <= 256), w [R, nI] -> [R, E]. Each
+    product is exact (bf16 in, fp32 out) and the heads are summed in order, as `index_reduce`
+    sums `engine.model.compressor`'s tensor-core products; the products' own fp32 sums may
+    run in another order than cuBLAS's."""
+    r, nh, d = q.shape
+    e = keys.shape[0]
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    keys = keys if keys.stride(-1) == 1 else keys.contiguous()
+    w = w.float().contiguous()
+    out = torch.empty(r, e, dtype=torch.float32, device=q.device)
+    if r and e:
+        br, be, warps, stages = INDEX_SCORE_TILES
+        _kernels()["index_scores"][(-(-r // br), -(-e // be))](
+            q, keys, w, out, r, e, nh, d, q.stride(0), q.stride(1), keys.stride(0), w.stride(0), out.stride(0),
+            BR=br, BE=be, BD=max(16, 1 << (d - 1).bit_length()), num_warps=warps, num_stages=stages,
+        )  # fmt: skip
     return out

@@ -134,9 +134,21 @@ def _dots(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     return torch.einsum(eq, q.float(), keys.float())
 
 
+def fused_index_scores(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether `index_scores` runs as one kernel (`rowwise.index_scores`: no per-head products
+    in memory): keys shared by every row, bf16 on CUDA with the kernels on, outside the
+    batch-invariant mode (which keeps its fixed-order einsum)."""
+    return (
+        keys.dim() == 2 and q.dtype == keys.dtype == torch.bfloat16 and q.shape[-1] <= 256
+        and rowwise.usable(q, keys) and not batch_invariant.enabled()
+    )  # fmt: skip
+
+
 def index_scores(ix: Indexer, q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """``sum_h w_h relu(q_h . k) / sqrt(dI)`` in fp32: queries q [R, nI, dI], head weights
     w [R, nI] and entry keys shared by every row ([E, dI]) or per row ([R, E, dI]) -> [R, E]."""
+    if fused_index_scores(q, keys):
+        return rowwise.index_scores(q, w * ix.dim**-0.5, keys)
     dots = _dots(q, keys)  # a new tensor
     if batch_invariant.enabled():  # a matmul: its order is fixed; torch's sum's is not
         return torch.einsum("rhe,rh->re", F.relu(dots) * ix.dim**-0.5, w)

@@ -29,7 +29,7 @@ import torch
 
 from engine.kernels import batch_invariant
 from engine.kernels import prefill_attention as kernel
-from engine.model.compressor import Indexer, index_scores
+from engine.model.compressor import Indexer, fused_index_scores, index_scores
 from engine.model.decode import decode_attend
 
 #: scratch memory one query chunk may use for its keys, logits and probabilities; the
@@ -41,6 +41,19 @@ INDEX_TILE_ELEMENTS = 32 << 20
 #: the indexer scores at least this many queries per tile (fewer entries per tile instead):
 #: a 131,072-token prompt's last steps score 32,768 entries per query
 INDEX_MIN_QUERIES = 64
+#: the same bound where the scores are fused (`compressor.fused_index_scores`): no per-head
+#: products, so a tile is its scores and its running top-k's sort, ~32 bytes an element (the
+#: scores, the candidates, the sort's values and int64 indices, the gathers): 256 MiB here
+INDEX_FUSED_TILE_ELEMENTS = 8 << 20
+
+
+def _index_tile(q: torch.Tensor, keys: torch.Tensor, heads: int) -> tuple[int, int]:
+    """(elements an indexer tile may hold, elements per query and entry): every head's product
+    where the scoring materialises them, the score alone where it is fused."""
+    if fused_index_scores(q, keys):
+        return INDEX_FUSED_TILE_ELEMENTS, 1
+    return INDEX_TILE_ELEMENTS, heads
+
 
 #: a CSA layer's indexer inputs for one sequence's step: (indexer, its queries [n, nI, dI],
 #: head weights [n, nI] fp32, every entry's indexer key [E, dI])
@@ -92,7 +105,8 @@ def select_topk(
     c, heads, _ = q.shape
     e = keys.shape[0]
     k = min(ix.topk, e)
-    tile = max(1, (tile_elements or INDEX_TILE_ELEMENTS) // max(1, c * heads))
+    budget, per = _index_tile(q, keys, heads)
+    tile = max(1, (tile_elements or budget) // max(1, c * per))
     best_s = q.new_empty(c, 0, dtype=torch.float32)
     best_i = torch.empty(c, 0, dtype=torch.long, device=q.device)
     for lo in range(0, e, tile):
@@ -161,7 +175,8 @@ def _choices(csa: IndexerInputs, n0: int, n: int, rate: int, e_all: int) -> torc
     `INDEX_MIN_QUERIES` queries over several tiles of entries."""
     ix, iq, iw, ikeys = csa
     heads = iq.shape[1]
-    chunk = min(n, max(INDEX_MIN_QUERIES, INDEX_TILE_ELEMENTS // max(1, heads * e_all)))
+    budget, per = _index_tile(iq, ikeys, heads)
+    chunk = min(n, max(INDEX_MIN_QUERIES, budget // max(1, per * e_all)))
     parts = []
     for s in range(0, n, chunk):
         c = min(chunk, n - s)

@@ -243,6 +243,26 @@ def test_the_index_reduce_kernel_matches_the_eager_sum() -> None:
     assert torch.equal(rowwise.index_reduce(dots[5:6], w[5:6])[0], got[5])
 
 
+def test_the_fused_index_scores_match_the_products_then_the_reduce() -> None:
+    """rowwise.index_scores (the indexer's products, ReLU and head sum in one kernel) against
+    the tensor-core products then `index_reduce`: the same exact products and head order,
+    the products' own sums in another order; a row's scores are the same in any batch and
+    any slice of the entries; uneven sizes (rows and entries not whole tiles)."""
+    from engine.kernels import rowwise
+    from engine.model.compressor import _dots
+
+    g = torch.Generator(device="cuda").manual_seed(11)
+    q = torch.randn(1000, 64, 128, device="cuda", generator=g).to(torch.bfloat16)
+    keys = torch.randn(1500, 128, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.rand(1000, 64, device="cuda", generator=g)
+    want = rowwise.index_reduce(_dots(q, keys), w)
+    got = rowwise.index_scores(q, w, keys)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    print(f"fused index scores: bitwise equal {(got == want).float().mean().item():.4f}")
+    assert torch.equal(rowwise.index_scores(q[7:9], w[7:9], keys)[1], got[8])
+    assert torch.equal(rowwise.index_scores(q, w, keys[300:700]), got[:, 300:700])
+
+
 def test_the_grouped_output_projection_writes_its_groups_in_place() -> None:
     """GroupedLinear on CUDA (strided batches into [T, G, out]) against the einsum it
     replaces, flash widths in bf16."""
