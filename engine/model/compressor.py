@@ -13,7 +13,7 @@ from torch import nn
 
 from engine.cache.pool import CompressedPool
 from engine.cache.swa import SWASlots
-from engine.kernels import batch_invariant, kernels_on, rowwise
+from engine.kernels import batch_invariant, kernels_on, pooling, rowwise
 from engine.model.norms import RMSNorm
 from engine.model.rope import Rotary
 
@@ -52,30 +52,38 @@ class Compressor(nn.Module):
             lo = max(0, w0 * m - (m if self.overlap else 0))
             all_kv = torch.cat([SWASlots.ring_read(ring_kv, slot, lo, n0), kv_new], dim=0)  # [n1 - lo, C]
             all_gate = torch.cat([SWASlots.ring_read(ring_gate, slot, lo, n0), gate_new], dim=0)
-            nw = w1 - w0
-            a = w0 * m - lo
-            cur_kv = all_kv[a : a + nw * m].view(nw, m, -1)  # [nw, m, C]
-            cur_gate = all_gate[a : a + nw * m].view(nw, m, -1) + self.position_bias  # fp32
-            if self.overlap:
-                kv = cur_kv.new_zeros(nw, 2 * m, d)
-                gate = cur_gate.new_full((nw, 2 * m, d), float("-inf"))
-                kv[:, m:], gate[:, m:] = cur_kv[..., d:], cur_gate[..., d:]
-                # Ca half of the previous window (positions [w*m - m, w*m)); window 0 has none.
-                first_prev = 1 if w0 == 0 else 0
-                if nw > first_prev:
-                    b = (w0 + first_prev) * m - m - lo
-                    cnt = nw - first_prev
-                    prev_kv = all_kv[b : b + cnt * m].view(cnt, m, -1)
-                    prev_gate = all_gate[b : b + cnt * m].view(cnt, m, -1) + self.position_bias
-                    kv[first_prev:, :m], gate[first_prev:, :m] = prev_kv[..., :d], prev_gate[..., :d]
+            a, nw = w0 * m - lo, w1 - w0  # window w0's first row, the closing windows
+            if pooling.usable(all_kv):  # `_pool` in one kernel
+                pooled = pooling.pool(all_kv, all_gate, self.position_bias, a, w0, nw, m, d, self.overlap)
             else:
-                kv, gate = cur_kv, cur_gate
-            pooled = (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)  # [nw, d]
+                pooled = self._pool(all_kv, all_gate, a, w0, nw)  # [nw, d]
             pos = torch.arange(w0, w1, device=kv_new.device) * m
             entries = rotary(self.kv_norm(pooled), pos)
         SWASlots.ring_write_from(ring_kv, slot, n0, kv_new, keep_until)
         SWASlots.ring_write_from(ring_gate, slot, n0, gate_new, keep_until)
         return w0, entries
+
+    def _pool(self, all_kv: torch.Tensor, all_gate: torch.Tensor, a: int, w0: int, nw: int) -> torch.Tensor:
+        """Pooled rows [nw, dim] of windows ``w0 ..`` from the step's rows ``all_kv`` / ``all_gate``
+        [L, C] (window ``w0`` starts at row ``a``)."""
+        m, d = self.rate, self.dim
+        cur_kv = all_kv[a : a + nw * m].view(nw, m, -1)  # [nw, m, C]
+        cur_gate = all_gate[a : a + nw * m].view(nw, m, -1) + self.position_bias  # fp32
+        if self.overlap:
+            kv = cur_kv.new_zeros(nw, 2 * m, d)
+            gate = cur_gate.new_full((nw, 2 * m, d), float("-inf"))
+            kv[:, m:], gate[:, m:] = cur_kv[..., d:], cur_gate[..., d:]
+            # Ca half of the previous window (positions [w*m - m, w*m)); window 0 has none.
+            first_prev = 1 if w0 == 0 else 0
+            if nw > first_prev:
+                b = a + (first_prev - 1) * m
+                cnt = nw - first_prev
+                prev_kv = all_kv[b : b + cnt * m].view(cnt, m, -1)
+                prev_gate = all_gate[b : b + cnt * m].view(cnt, m, -1) + self.position_bias
+                kv[first_prev:, :m], gate[first_prev:, :m] = prev_kv[..., :d], prev_gate[..., :d]
+        else:
+            kv, gate = cur_kv, cur_gate
+        return (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
 
 
 def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:

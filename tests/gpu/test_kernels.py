@@ -263,6 +263,34 @@ def test_the_fused_index_scores_match_the_products_then_the_reduce() -> None:
     assert torch.equal(rowwise.index_scores(q, w, keys[300:700]), got[:, 300:700])
 
 
+@pytest.mark.parametrize("overlap, rate", [(True, 4), (False, 128)])
+def test_the_pooling_kernel_matches_the_eager_pooling(overlap: bool, rate: int) -> None:
+    """engine.kernels.pooling against `Compressor._pool` in bf16 at flash widths (CSA: rate 4,
+    overlapping; HCA: rate 128), from window 0 and from a later one: within a bf16 ulp (the
+    sums' order), and each window the same computed alone."""
+    from engine.kernels import pooling
+    from engine.model.compressor import Compressor
+
+    g = torch.Generator(device="cuda").manual_seed(12)
+    d = 512
+    comp = Compressor(64, d, rate, overlap, 1e-6).cuda()
+    with torch.no_grad():
+        comp.position_bias.copy_(torch.randn(comp.position_bias.shape, device="cuda", generator=g))
+    width = 2 * d if overlap else d
+    for w0, nw in ((0, 4096 // rate), (7, 5)):
+        lo = max(0, w0 * rate - (rate if overlap else 0))
+        a = w0 * rate - lo
+        length = a + nw * rate + 3
+        kv = torch.randn(length, width, device="cuda", generator=g).to(torch.bfloat16)
+        gate = (torch.randn(length, width, device="cuda", generator=g) * 3).to(torch.bfloat16)
+        want = comp._pool(kv, gate, a, w0, nw)
+        got = pooling.pool(kv, gate, comp.position_bias.detach(), a, w0, nw, rate, d, overlap)
+        torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-3)
+        print(f"pooling overlap={overlap} w0={w0}: bitwise equal {(got == want).float().mean().item():.4f}")
+        one = pooling.pool(kv, gate, comp.position_bias.detach(), a + rate, w0 + 1, 1, rate, d, overlap)
+        assert torch.equal(one[0], got[1])
+
+
 def test_the_grouped_output_projection_writes_its_groups_in_place() -> None:
     """GroupedLinear on CUDA (strided batches into [T, G, out]) against the einsum it
     replaces, flash widths in bf16."""
