@@ -18,6 +18,7 @@ profile is one machine's (`engine.spec.profile.spec_steps_file`).
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -122,9 +123,11 @@ class SpecPolicy:
     MIN_EVIDENCE: Final = 32.0
     # Pseudo-observations of the prior (the confidence head's mean per position).
     PRIOR_WEIGHT: Final = 4.0
-    # With speculation off, one step in this many drafts again, so the rates stay current
-    # (at most 1/64 of a drafting step's cost).
-    PROBE_EVERY: Final = 64
+    # With speculation off, a step drafts again now and then (a probe), so the rates follow
+    # the traffic. A probe costs a drafting step and, when its drafts are worth verifying, a
+    # verification step, each beyond a plain step's time; probes come far enough apart that
+    # this stays within PROBE_BUDGET of the plain steps' time (`probe_every`).
+    PROBE_BUDGET: Final = 0.01
 
     def __init__(self, config: SpecConfig, profile: SpecProfile | None) -> None:
         self.config = config
@@ -143,7 +146,8 @@ class SpecPolicy:
         self._tried_n = [0] * (k + 1)
         self._hit_n = [0] * (k + 1)
         self._unfolded = False
-        self._off_steps = 0
+        self._since_probe = 0  # steps off since the last probe
+        self._probe_every_at: dict[int, int] = {}
         self._off_by_bound = False  # off because no acceptance could pay (``_never_pays``)
         self._never_pays_at: dict[int, bool] = {}
         # set to [] to record every step: per request (confidences, drafts verified, accepted)
@@ -295,7 +299,7 @@ class SpecPolicy:
         """Before there is evidence: a step whose selection, on its own confidences, verifies
         none of its drafts yields no observation, so waiting for evidence would draft for
         nothing forever (the H200 at 128 requests drafted every step and verified none, 1.4x a
-        plain step). Drafting stops there, as when off (probing every ``PROBE_EVERY`` steps);
+        plain step). Drafting stops there, as when off (probing every `probe_every` steps);
         a probe whose drafts are verified drafts again to gather the evidence."""
         if not verified:
             self.mode, self.depth = "off", 0
@@ -329,7 +333,7 @@ class SpecPolicy:
         if rates is None or self._tries[0] < self.MIN_EVIDENCE:
             # too little evidence yet: keep drafting num_drafts (unless the selection
             # verified nothing: `_follow_selection`, off and probing)
-            self._probe()
+            self._probe(b)
             return None
         p, full = self.profile, self.config.num_drafts
         secs = p.uniform_seconds(b, full)
@@ -348,14 +352,33 @@ class SpecPolicy:
         if best != self.mode and options[best][0] > current * (1.0 + self.config.margin):
             self.mode = best
         self.depth = options[self.mode][1] if self.mode in options else full
-        self._probe()
+        self._probe(b)
         return plan if isinstance(conf, np.ndarray) and conf.shape[1] >= full else None
 
-    def _probe(self) -> None:
-        """Off: draft now and then, so that the rates follow the traffic."""
+    def _probe(self, b: int) -> None:
+        """Off: draft now and then (every `probe_every` steps), so that the rates follow the
+        traffic."""
         if self.mode == "off":
-            self._off_steps += 1
-            self.depth = self.config.num_drafts if self._off_steps % self.PROBE_EVERY == 0 else 0
+            self._since_probe += 1
+            probe = self._since_probe >= self.probe_every(b)
+            self.depth = self.config.num_drafts if probe else 0
+            self._since_probe = 0 if probe else self._since_probe
+
+    def probe_every(self, b: int) -> int:
+        """Steps between probes at ``b`` requests: a probe's cost beyond two plain steps (its
+        drafting step, and a step verifying every draft, at most what follows it) over
+        ``PROBE_BUDGET`` of a plain step, from the profile: on the CPU profile in
+        docs/data/spec_profile_cpu.json, 385 steps at 16 requests (a probe there costs ~4
+        plain steps, so the earlier fixed 64 steps priced at 1.7-6 % of plain decoding's
+        time). Cached per batch size."""
+        assert self.profile is not None
+        hit = self._probe_every_at.get(b)
+        if hit is None:
+            p, full = self.profile, self.config.num_drafts
+            plain = p.step_seconds(b, 0, 0)
+            extra = p.step_seconds(b, 0, full) + p.step_seconds(b, full, full) - 2 * plain
+            hit = self._probe_every_at[b] = max(1, math.ceil(extra / (self.PROBE_BUDGET * plain)))
+        return hit
 
     def observe(self, rid: str, accepted: int) -> None:
         """The outcome of ``rid``'s verification in the step last chosen: positions 1 ..

@@ -132,11 +132,30 @@ def test_depth_waits_for_evidence_and_probes_while_off() -> None:
     assert pol.depth == 5
     _observe(pol, 0.3)
     depths = []
-    for _ in range(2 * SpecPolicy.PROBE_EVERY):
+    every = pol.probe_every(32)
+    for _ in range(2 * every):
         pol.choose([f"r{i}" for i in range(32)], [[] for _ in range(32)])
         depths.append(pol.depth)
     assert pol.mode == "off"
-    assert depths.count(5) == 2 and depths.count(0) == len(depths) - 2  # one probe step in 64
+    assert depths.count(5) == 2 and depths.count(0) == len(depths) - 2  # one probe step in `every`
+
+
+def test_probes_cost_at_most_their_budget_of_the_plain_steps_time() -> None:
+    """`probe_every`: a probe (a drafting step, then at most a step verifying every draft)
+    costs no more than ``PROBE_BUDGET`` of the plain steps between probes, at every batch
+    size, and probes come sooner where drafting is cheaper."""
+    for verify_s, pass_s in ((0.001, 0.004), (0.004, 0.001), (0.0001, 0.0001)):
+        prof = _profile(verify_s=verify_s, pass_s=pass_s, plain_s=0.010)
+        pol = SpecPolicy(SpecConfig("dspark"), prof)
+        for b in (1, 8, 32, 64):
+            plain = prof.step_seconds(b, 0, 0)
+            extra = prof.step_seconds(b, 0, 5) + prof.step_seconds(b, 5, 5) - 2 * plain
+            every = pol.probe_every(b)
+            assert extra <= SpecPolicy.PROBE_BUDGET * plain * every
+            assert extra > SpecPolicy.PROBE_BUDGET * plain * (every - 1)  # and no rarer than that
+    cheap = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.0001, pass_s=0.0001, plain_s=0.010))
+    dear = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.004, pass_s=0.004, plain_s=0.010))
+    assert cheap.probe_every(8) < dear.probe_every(8)
 
 
 def test_drafts_the_selection_never_verifies_stop_before_any_evidence() -> None:
@@ -151,10 +170,10 @@ def test_drafts_the_selection_never_verifies_stop_before_any_evidence() -> None:
     assert (ks, name) == ([0] * 32, "none") and pol.rates() is None
     assert (pol.mode, pol.depth) == ("off", 0)
     depths = []
-    for _ in range(SpecPolicy.PROBE_EVERY):
+    for _ in range(pol.probe_every(32)):
         assert pol.choose(rids, [[] for _ in rids]) == ([0] * 32, "off")
         depths.append(pol.depth)
-    assert depths.count(5) == 1 and depths[-1] == 5  # one probe in 64
+    assert depths.count(5) == 1 and depths[-1] == 5  # one probe, at the end of the interval
     ks, _ = pol.choose(rids, [[0.95] * 5] * 32)  # the probe's drafts are worth verifying
     assert any(ks) and (pol.mode, pol.depth) == ("dspark", 5)
 
@@ -173,7 +192,7 @@ def test_speculation_that_cannot_pay_at_any_acceptance_is_off_without_evidence()
     assert pol.rates() is None
     ks, _ = pol.choose(["a"], [[0.9] * 5])
     assert (pol.mode, pol.depth) == ("off", 0)
-    for _ in range(2 * SpecPolicy.PROBE_EVERY):
+    for _ in range(2 * pol.probe_every(1)):
         assert pol.choose(["a"], [[]]) == ([0], "off") and pol.depth == 0  # no probe: none could pay
     cheap = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.0001, pass_s=0.0001, plain_s=0.010))
     cheap.choose(["a"], [[0.9] * 5])
