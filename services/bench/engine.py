@@ -100,6 +100,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "mode; engine.model.experts.force_experts_gemm); auto: the engine's bands (default)",
     )  # fmt: skip
     d.add_argument(
+        "--pooling-kernel", default="default", choices=("default", "on", "off"),
+        help="the compressors' pooling kernel (engine.kernels.pooling.FUSED_POOLING; CUDA, outside "
+        "the batch-invariant mode): on or off for this run, or the engine's setting (default)",
+    )  # fmt: skip
+    d.add_argument(
         "--quant", default="none", choices=("none", "fp8", "fp8-w8a8"),
         help="fp8: the random weights quantised to FP8 (128x128 block scales) and kept so, as an FP8 "
         "checkpoint with keep_quantized (read by engine.kernels.fp8 on CUDA, bf16 activations); "
@@ -426,12 +431,17 @@ def run(args: argparse.Namespace) -> Report:
         | {"torch_threads": torch.get_num_threads()},
     )
     if args.preset:
-        from engine.kernels import set_kernels
+        from engine.kernels import pooling, set_kernels
         from engine.model.experts import force_experts_gemm
 
         set_kernels(not args.no_kernels)  # process-wide, as the bench runs one configuration
         force_experts_gemm(args.experts_gemm)
-        report.config.update({"kernels": not args.no_kernels, "experts_gemm": args.experts_gemm})
+        if args.pooling_kernel != "default":
+            pooling.FUSED_POOLING = args.pooling_kernel == "on"
+        report.config.update({
+            "kernels": not args.no_kernels, "experts_gemm": args.experts_gemm,
+            "pooling_kernel": pooling.FUSED_POOLING,
+        })  # fmt: skip
         parts = {x.strip() for x in args.parts.split(",") if x.strip()}
         if unknown := parts - {"decode", "prefill"}:
             raise SystemExit(f"--parts: unknown {sorted(unknown)}; known: decode, prefill")

@@ -34,15 +34,20 @@ def test_tiny_prefill_report_has_the_roofline_transformers_and_the_long_prompt()
     engine.add_arguments(p)
     args = p.parse_args(
         ["--preset", "tiny", "--parts", "prefill", "--prefill-tokens", "64,128", "--long-context", "600",
-         "--long-chunk", "256", "--prefill-repeats", "1", "--host-profile", "--experts-gemm", "tuned"]
+         "--long-chunk", "256", "--prefill-repeats", "1", "--host-profile", "--experts-gemm", "tuned",
+         "--pooling-kernel", "off"]
     )  # fmt: skip
+    from engine.kernels import pooling
+
+    setting = pooling.FUSED_POOLING
     try:
         report = json.loads(json.dumps(engine.run(args).to_json()))
     finally:
         from engine.model.experts import force_experts_gemm
 
         force_experts_gemm("auto")
-    assert report["config"]["experts_gemm"] == "tuned"
+        pooling.FUSED_POOLING = setting
+    assert report["config"]["experts_gemm"] == "tuned" and report["config"]["pooling_kernel"] is False
     out = report["results"]["prefill"]
     assert [r["tokens"] for r in out["engine"]] == [64, 128]
     assert all(r["host_profile"]["functions"] for r in out["engine"])
