@@ -358,11 +358,13 @@ class SpecPolicy:
     def _probe(self, b: int) -> None:
         """Off: draft now and then (every `probe_every` steps), so that the rates follow the
         traffic."""
-        if self.mode == "off":
-            self._since_probe += 1
-            probe = self._since_probe >= self.probe_every(b)
-            self.depth = self.config.num_drafts if probe else 0
-            self._since_probe = 0 if probe else self._since_probe
+        if self.mode != "off":
+            return
+        self._since_probe += 1
+        if self._since_probe >= self.probe_every(b):
+            self.depth, self._since_probe = self.config.num_drafts, 0
+        else:
+            self.depth = 0
 
     def probe_every(self, b: int) -> int:
         """Steps between probes at ``b`` requests: a probe's cost beyond two plain steps (its

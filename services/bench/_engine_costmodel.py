@@ -4,7 +4,7 @@ prefix) grid with random weights at a checkpoint's config, on any device (`profi
 ``costmodel.CostModel``'s four terms, each >= 0, on relative error (`fit_cost_model`), and
 its error on held-out shapes that the fit never saw (`heldout_error`; `HELDOUT_C` x
 `HELDOUT_H`, `GPU_HELDOUT_C` x `GPU_HELDOUT_H`: other chunk sizes, and prefixes from none to
-twice the grid's longest)."""
+twice the grid's longest); `fit_and_grade` does all three for the bench."""
 
 from __future__ import annotations
 
@@ -126,6 +126,23 @@ def profile_fit_and_heldout(
                 got if not best[i] else [(c, h, min(t, u)) for (c, h, t), (_, _, u) in zip(best[i], got)]
             )
     return best[0], best[1]
+
+
+def fit_and_grade(
+    model_dir: Path,
+    device: str,
+    fit: tuple[tuple[int, ...], tuple[int, ...]],
+    heldout: tuple[tuple[int, ...], tuple[int, ...]],
+    repeats: int,
+    rounds: int,
+) -> tuple[Any, dict[str, Any]]:
+    """The cost model fitted on the ``fit`` grid (`fit_cost_model`) and its report, with its
+    error on the ``heldout`` grid (`heldout_error`), both timed by `profile_fit_and_heldout`."""
+    samples, held = profile_fit_and_heldout(model_dir, device, fit, heldout, repeats, rounds)
+    report = fit_cost_model(samples)
+    model = report.pop("model")
+    report.update(heldout_error(model, held))
+    return model, report
 
 
 def _nonnegative_lstsq(x: Any, y: Any) -> Any:

@@ -27,7 +27,7 @@ from typing import Any
 
 from services.bench import Report, module_main, progress
 from services.bench import _engine_costmodel as grids
-from services.bench._engine_costmodel import fit_cost_model, heldout_error, profile_fit_and_heldout
+from services.bench._engine_costmodel import fit_and_grade
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -164,13 +164,10 @@ def _measure(name: str, model_dir: Path, args: argparse.Namespace, report: Repor
     progress(
         f"{name}: step-time grid {len(grids.GRID_C)}x{len(grids.GRID_H)}, then {len(grids.HELDOUT_C)}x{len(grids.HELDOUT_H)} held out"
     )
-    samples, heldout = profile_fit_and_heldout(
+    model, fit = fit_and_grade(
         model_dir, "cpu", (grids.GRID_C, grids.GRID_H), (grids.HELDOUT_C, grids.HELDOUT_H),
         args.repeats, args.profile_rounds,
     )  # fmt: skip
-    fit = fit_cost_model(samples)
-    model = fit.pop("model")
-    fit.update(heldout_error(model, heldout))
     if args.profile:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(model.to_json())
@@ -216,13 +213,10 @@ def _profile_decode_on_gpu(model_dir: Path, args: argparse.Namespace, report: Re
     progress(
         f"{model_dir.name}: then held-out shapes (chunks {grids.GPU_HELDOUT_C} x prefixes {grids.GPU_HELDOUT_H})"
     )
-    samples, heldout = profile_fit_and_heldout(
+    model, pre = fit_and_grade(
         model_dir, args.device, (grids.GPU_GRID_C, grids.GPU_GRID_H),
         (grids.GPU_HELDOUT_C, grids.GPU_HELDOUT_H), args.repeats, args.profile_rounds,
     )  # fmt: skip
-    pre = fit_cost_model(samples)
-    model = pre.pop("model")
-    pre.update(heldout_error(model, heldout))
     cost_out = Path(args.out or model_dir / "sluice_cost_model.json")
     cost_out.parent.mkdir(parents=True, exist_ok=True)
     cost_out.write_text(model.to_json() + "\n")
