@@ -35,8 +35,15 @@ over the same number of tokens with its cache and ``logits_to_keep=1``, synchron
 after a warm-up. Its figure from 2026-12-01 on the H200 is `TF_REFERENCE_MS`; a run more than
 15% away says so.
 
+The A/B (``--pooling-kernel ab``). After the rest, `pooling_ab`: the compressors' pooling
+kernel off then on, in ``--ab-rounds`` rounds on one runner, each size's step time per round.
+
 The long prompt. One sequence of ``--long-context`` tokens prefilled in chunks of
-``--long-chunk`` (the steps a scheduler would run), then 32 decode steps. Peak memory
+``--long-chunk`` (the steps a scheduler would run), then 32 decode steps. The prompt is
+prefilled twice: a first pass (``first_pass_s``: it compiles and tunes every kernel shape the
+prompt's chunks use, ~3 s on the H200 that a served engine pays once) and the timed pass
+(``prefill_s``, ``chunk_ms``: each chunk's time on the device's clock, CUDA events between the
+chunks, so the host still issues ahead). Peak memory of the timed pass
 (``torch.cuda.max_memory_allocated``) at each power-of-two multiple of 32,768 tokens and at
 the end, beside the bound: the weights (bytes of every parameter and buffer) plus the cache
 formula (`engine.cache.spec.CacheSpec`: the paged blocks of the context and one sequence's
@@ -78,6 +85,7 @@ class PrefillArgs:
     fp8: bool = False  # the random weights quantised to FP8 and kept so (`ModelRunner.random`)
     fp8_compute: str = "w8a16"  # RunnerConfig.fp8_compute
     host_profile: bool = False  # one more step per size under cProfile (`host_profile`)
+    ab_rounds: int = 0  # > 0: `pooling_ab`, the pooling kernel off and on interleaved, this many rounds
 
 
 def prefill_flops(mc: Any, tokens: int) -> float:
@@ -196,6 +204,46 @@ def engine_prefill(a: PrefillArgs) -> list[dict[str, Any]]:
     return rows
 
 
+def pooling_ab(a: PrefillArgs) -> list[dict[str, Any]]:
+    """The compressors' pooling kernel off, then on, for ``a.ab_rounds`` rounds on one runner:
+    each round times every size of ``a.tokens`` (median of ``a.repeats`` after a warm-up), so
+    a host or clock that drifts during the run moves both variants alike. Restores the setting."""
+    from engine.config import BLOCK_TOKENS
+    from engine.kernels import pooling
+
+    setting = pooling.FUSED_POOLING
+    blocks = -(-max(a.tokens) // BLOCK_TOKENS)
+    runner = _runner(a, blocks)
+    rows: list[dict[str, Any]] = []
+    try:
+        mc = runner.model_cfg
+        table = list(range(blocks))
+        for rnd in range(a.ab_rounds):
+            for on in (False, True):
+                pooling.FUSED_POOLING = on
+                for n in a.tokens:
+                    times, hosts = [], []
+                    for r in range(a.repeats + 1):
+                        batch = _batch(_ids(mc.vocab_size, n, a.seed + r), 0, table, a.device)
+                        _sync(a.device)
+                        t0 = time.perf_counter()
+                        runner.execute(batch)
+                        hosts.append(time.perf_counter() - t0)
+                        _sync(a.device)
+                        times.append(time.perf_counter() - t0)
+                    rows.append({
+                        "round": rnd, "pooling_kernel": on, "tokens": n,
+                        "ms": statistics.median(times[1:]) * 1e3, "host_ms": statistics.median(hosts[1:]) * 1e3,
+                    })  # fmt: skip
+                    progress(f"engine prefill A/B round {rnd + 1}/{a.ab_rounds}: pooling kernel "
+                             f"{'on' if on else 'off'}, {n} tokens in {rows[-1]['ms']:.2f} ms")  # fmt: skip
+    finally:
+        pooling.FUSED_POOLING = setting
+        del runner
+        _free(a.device)
+    return rows
+
+
 def host_profile(step: Any, device: str, top: int = 15) -> dict[str, Any]:
     """Where one ``step()`` spends the host's time: ``cProfile`` over the step (its launches,
     up to the return), the ``top`` functions by time of their own, in ms. Profiling slows the
@@ -268,8 +316,8 @@ def _model_bytes(model: Any) -> int:
 
 
 def long_prefill(a: PrefillArgs) -> dict[str, Any]:
-    """``a.long_context`` tokens in chunks of ``a.long_chunk``, then 32 decode steps: times and
-    peak memory against weights + cache formula + workspace."""
+    """``a.long_context`` tokens in chunks of ``a.long_chunk``, a first pass then a timed one,
+    then 32 decode steps: times and peak memory against weights + cache formula + workspace."""
     import torch
 
     from engine.cache.spec import CacheSpec
@@ -286,14 +334,30 @@ def long_prefill(a: PrefillArgs) -> dict[str, Any]:
         spec = CacheSpec.from_model(mc, elem_bytes=elem, state_bytes=4)
         ids = _ids(mc.vocab_size, a.long_context + decode_steps, a.seed)
         table = list(range(blocks))
-        if cuda:
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        marks: list[dict[str, Any]] = []
+        chunks = [(s, min(a.long_context, s + a.long_chunk)) for s in range(0, a.long_context, a.long_chunk)]
+
+        _sync(a.device)
         t0 = time.perf_counter()
-        for s in range(0, a.long_context, a.long_chunk):
-            e = min(a.long_context, s + a.long_chunk)
+        for s, e in chunks:
             runner.execute(_batch(ids[s:e], s, table, a.device, sample=e == a.long_context))
+        _sync(a.device)
+        first_pass_s = time.perf_counter() - t0
+        progress(f"engine prefill: long prompt's first pass (compiles included) in {first_pass_s:.1f} s")
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
+            events = [torch.cuda.Event(enable_timing=True) for _ in range(len(chunks) + 1)]
+        marks: list[dict[str, Any]] = []
+        cpu_chunk_s: list[float] = []
+        t0 = time.perf_counter()
+        if cuda:
+            events[0].record()
+        for i, (s, e) in enumerate(chunks):
+            t = time.perf_counter()
+            runner.execute(_batch(ids[s:e], s, table, a.device, sample=e == a.long_context))
+            if cuda:
+                events[i + 1].record()
+            else:
+                cpu_chunk_s.append(time.perf_counter() - t)
             if e == a.long_context or (e % 32768 == 0 and (e // 32768) & (e // 32768 - 1) == 0):
                 _sync(a.device)
                 cache = spec.paged_bytes_per_block() * -(-e // BLOCK_TOKENS) + spec.slot_bytes()
@@ -311,6 +375,11 @@ def long_prefill(a: PrefillArgs) -> dict[str, Any]:
                 )
                 progress(f"engine prefill: long prompt at {e} tokens after {marks[-1]['seconds']:.1f} s{mem}")
         prefill_s = time.perf_counter() - t0
+        chunk_ms = (
+            [events[i].elapsed_time(events[i + 1]) for i in range(len(chunks))]
+            if cuda
+            else [t * 1e3 for t in cpu_chunk_s]
+        )
         times = []
         for i in range(decode_steps):
             p = a.long_context + i
@@ -320,9 +389,10 @@ def long_prefill(a: PrefillArgs) -> dict[str, Any]:
             _sync(a.device)
             times.append(time.perf_counter() - t)
         return {
-            "tokens": a.long_context, "chunk": a.long_chunk, "prefill_s": prefill_s,
-            "prefill_tokens_per_s": a.long_context / prefill_s, "marks": marks,
-            "decode_steps": decode_steps, "decode_ms_median": statistics.median(times) * 1e3,
+            "tokens": a.long_context, "chunk": a.long_chunk, "first_pass_s": first_pass_s,
+            "prefill_s": prefill_s, "prefill_tokens_per_s": a.long_context / prefill_s,
+            "chunk_ms": chunk_ms, "marks": marks, "decode_steps": decode_steps,
+            "decode_ms_median": statistics.median(times) * 1e3,
             "peak_bytes_end": torch.cuda.max_memory_allocated() if cuda else None,
         }  # fmt: skip
     finally:
@@ -360,7 +430,8 @@ def prefill_report(a: PrefillArgs, model_dir: Any) -> dict[str, Any]:
         if ours is not None:
             versus = {"tokens": a.tf_tokens, "speedup": tf["ms"] / ours["ms"]}
     long = long_prefill(a) if a.long_context else None
+    ab = pooling_ab(a) if a.ab_rounds else None
     return {
         "matmul_flops": rate, "roofline_flops": denom, "engine": rows, "transformers": tf,
-        "versus_transformers": versus, "long_context": long, "method": __doc__,
+        "versus_transformers": versus, "long_context": long, "pooling_ab": ab, "method": __doc__,
     }  # fmt: skip

@@ -100,10 +100,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "mode; engine.model.experts.force_experts_gemm); auto: the engine's bands (default)",
     )  # fmt: skip
     d.add_argument(
-        "--pooling-kernel", default="default", choices=("default", "on", "off"),
+        "--pooling-kernel", default="default", choices=("default", "on", "off", "ab"),
         help="the compressors' pooling kernel (engine.kernels.pooling.FUSED_POOLING; CUDA, outside "
-        "the batch-invariant mode): on or off for this run, or the engine's setting (default)",
+        "the batch-invariant mode): on or off for this run, or the engine's setting (default); ab: "
+        "the engine's setting, then with --parts prefill an interleaved off/on A/B (--ab-rounds)",
     )  # fmt: skip
+    d.add_argument("--ab-rounds", type=int, default=3, help="rounds of --pooling-kernel ab (default 3)")
     d.add_argument(
         "--quant", default="none", choices=("none", "fp8", "fp8-w8a8"),
         help="fp8: the random weights quantised to FP8 (128x128 block scales) and kept so, as an FP8 "
@@ -341,7 +343,8 @@ def _prefill(args: argparse.Namespace, report: Report) -> None:
         device=args.device, dtype=args.dtype or ("bfloat16" if cuda else "float32"), preset=args.preset,
         layers=layers, tokens=tokens, repeats=args.prefill_repeats, transformers=not args.no_transformers,
         tf_tokens=tokens[0], long_context=args.long_context if args.long_context is not None else (131072 if cuda else 0),
-        long_chunk=args.long_chunk, host_profile=args.host_profile, **_quant(args),
+        long_chunk=args.long_chunk, host_profile=args.host_profile,
+        ab_rounds=args.ab_rounds if args.pooling_kernel == "ab" else 0, **_quant(args),
     )  # fmt: skip
     report.config.update({"prefill": a.__dict__})
     with tempfile.TemporaryDirectory(prefix="sluice-bench-prefill-") as tmp:
@@ -363,6 +366,10 @@ def _prefill(args: argparse.Namespace, report: Report) -> None:
         })  # fmt: skip
     long = out["long_context"]
     if long is not None:
+        report.rows.append({
+            "part": f"long prompt, first pass (compiles), chunks of {long['chunk']}", "tokens": long["tokens"],
+            "ms": round(long["first_pass_s"] * 1e3),
+        })  # fmt: skip
         for m in long["marks"]:
             report.rows.append({
                 "part": f"long prompt, chunks of {long['chunk']}", "tokens": m["tokens"],
@@ -371,6 +378,11 @@ def _prefill(args: argparse.Namespace, report: Report) -> None:
             })  # fmt: skip
         report.rows.append({
             "part": f"decode after {long['tokens']} tokens", "tokens": 1, "ms": round(long["decode_ms_median"], 2),
+        })  # fmt: skip
+    for r in out["pooling_ab"] or ():
+        report.rows.append({
+            "part": f"A/B round {r['round'] + 1}, pooling kernel {'on' if r['pooling_kernel'] else 'off'}",
+            "tokens": r["tokens"], "ms": round(r["ms"], 2), "host ms": round(r["host_ms"], 2),
         })  # fmt: skip
     first = next((r for r in out["engine"] if r["tokens"] == 4096), None)
     if cuda and first is not None:
@@ -430,7 +442,7 @@ def run(args: argparse.Namespace) -> Report:
 
         set_kernels(not args.no_kernels)  # process-wide, as the bench runs one configuration
         force_experts_gemm(args.experts_gemm)
-        if args.pooling_kernel != "default":
+        if args.pooling_kernel in ("on", "off"):
             pooling.FUSED_POOLING = args.pooling_kernel == "on"
         report.config.update({
             "kernels": not args.no_kernels, "experts_gemm": args.experts_gemm,

@@ -54,7 +54,10 @@ def test_tiny_prefill_report_has_the_roofline_transformers_and_the_long_prompt()
     assert all(r["fraction_of_roofline"] > 0 and r["flops"] > 0 for r in out["engine"])
     assert all(0 < r["host_ms"] <= max(r["step_ms"]) for r in out["engine"])  # on the CPU: the step
     assert out["transformers"]["tokens"] == 64 and out["versus_transformers"]["speedup"] > 0
-    assert [m["tokens"] for m in out["long_context"]["marks"]] == [600]
+    long = out["long_context"]
+    assert [m["tokens"] for m in long["marks"]] == [600] and len(long["chunk_ms"]) == 3  # 256 + 256 + 88
+    assert all(t > 0 for t in long["chunk_ms"]) and long["first_pass_s"] > 0
+    assert sum(long["chunk_ms"]) <= long["prefill_s"] * 1e3
     assert out["long_context"]["decode_steps"] == 32
 
 
@@ -117,3 +120,30 @@ def test_the_host_profile_names_where_a_steps_host_time_went() -> None:
     assert own == sorted(own, reverse=True) and own[0] >= 15
     assert out["profiled_ms"] >= own[0]
     assert any("slow_part" in n for n in [f["function"] for f in out["functions"]])
+
+
+def test_the_pooling_ab_interleaves_the_kernel_off_and_on_and_restores_the_setting(monkeypatch) -> None:
+    """`pooling_ab`: rounds of off then on, every size per variant, each step run with the
+    variant its row names; the engine's setting is back afterwards."""
+    from engine.kernels import pooling
+    from services.bench import _engine_prefill as ep
+
+    seen: list[bool] = []
+    make = ep._runner
+
+    def runner(a, blocks):
+        r = make(a, blocks)
+        run = r.execute
+        r.execute = lambda batch: (seen.append(pooling.FUSED_POOLING), run(batch))[1]
+        return r
+
+    monkeypatch.setattr(ep, "_runner", runner)
+    a = ep.PrefillArgs(device="cpu", dtype="float32", preset="tiny", layers=2, tokens=(16, 32), repeats=1,
+                       transformers=False, tf_tokens=16, long_context=0, long_chunk=16, ab_rounds=2)  # fmt: skip
+    setting = pooling.FUSED_POOLING
+    rows = ep.pooling_ab(a)
+    assert setting == pooling.FUSED_POOLING
+    order = [(r["round"], r["pooling_kernel"], r["tokens"]) for r in rows]
+    assert order == [(k, on, n) for k in (0, 1) for on in (False, True) for n in (16, 32)]
+    assert all(r["ms"] > 0 and 0 < r["host_ms"] <= r["ms"] * 1.5 for r in rows)
+    assert seen == [on for _ in (0, 1) for on in (False, True) for _n in (16, 32) for _r in range(2)]
