@@ -9,8 +9,8 @@ reduced and output widths (N, K), never on the number of rows M:
 * ``aten::mm``, ``aten::addmm`` and ``aten::bmm`` on CUDA (``F.linear``, ``torch.einsum``,
   ``torch.matmul``) run ``_matmul``: fixed tiles, and a split of K chosen from (N, K) and the
   GPU's multiprocessor count. The split's fp32 partial sums are added in a fixed order.
-* The routed experts' grouped GEMM runs ``grouped_matmul``: each tile holds rows of one
-  expert, with the same fixed tiles.
+* The routed experts' grouped GEMM runs `engine.kernels.grouped.grouped_matmul` with these
+  fixed tiles: each tile holds rows of one expert.
 * Decode and verification attention runs ``attend``: one program per (token, block of
   heads) walks the keys in blocks of fixed size with an online softmax; a block whose keys
   are all masked leaves the state exactly unchanged, so the padding a batch adds (a longer
@@ -20,18 +20,15 @@ Per-row elementwise kernels and per-row reductions of torch are left alone: test
 checks end to end that a request's logits are bitwise equal alone and in batches.
 
 The mode is process-wide (the overrides are registered on the CUDA dispatch key, as
-batch_invariant_ops, vLLM and SGLang do it) and is switched on once by ``enable``. The
-experts' kernel also serves decode-sized batches outside the mode (`engine.model.experts`),
-where it beats torch's grouped GEMM. ``enable("cpu")`` with ``TRITON_INTERPRET=1`` runs the
-kernels in Triton's interpreter, to check their logic without a GPU (fp32 and fp16: the
-interpreter's bf16 products are wrong).
+batch_invariant_ops, vLLM and SGLang do it) and is switched on once by ``enable``.
+``enable("cpu")`` with ``TRITON_INTERPRET=1`` runs the kernels in Triton's interpreter, to
+check their logic without a GPU (fp32 and fp16: the interpreter's bf16 products are wrong).
 """
 
 from __future__ import annotations
 
 import functools
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -52,29 +49,6 @@ SPLIT_TARGET = 2
 MIN_K_PER_SPLIT = 256
 ATTN_BLOCK_H, ATTN_BLOCK_K = 16, 32
 MAX_GRID_Z = 65535
-
-
-@dataclass(frozen=True)
-class GroupedTiles:
-    """One configuration of the grouped kernel: tiles of ``bm`` rows x ``bn`` columns, the
-    reduction in steps of ``bk``; ``columns_first`` orders the programs column tile fastest, so
-    the programs of one row tile run together and its activations stay in L2 while the
-    expert's weight streams through once."""
-
-    bm: int
-    bn: int
-    bk: int
-    warps: int
-    stages: int
-    columns_first: bool = False
-
-
-#: the grouped kernel's configuration outside the mode (`engine.model.experts` takes it from
-#: decode to prefill sizes): the fastest of 32 configurations `sluice bench moe --sweep` timed
-#: on an H200 at flash-shape widths, 96 rows per expert (2026-12-04; docs/benchmarks.md,
-#: "Routed experts from decode to prefill sizes"). A 128-row tile holds a typical prefill
-#: expert's rows, so each expert's weight is read from memory once.
-TUNED_GROUPED = GroupedTiles(128, 256, 64, warps=8, stages=4, columns_first=True)
 
 
 def enabled() -> bool:
@@ -192,48 +166,6 @@ def _kernels() -> dict[str, Any]:
         tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=live)
 
     @triton.jit
-    def grouped_kernel(
-        x_ptr, w_ptr, s_ptr, out_ptr, tile_expert_ptr, tile_row_ptr, row_end_ptr, N, K, E,
-        s_xm, s_xk, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_om, s_on,
-        BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SCALED: tl.constexpr, BLOCK: tl.constexpr,
-        COLUMNS_FIRST: tl.constexpr = False,
-    ):  # fmt: skip
-        # SCALED: w is FP8 with one scale per BLOCK x BLOCK block (s_ptr), each tile scaled and
-        # rounded to x's dtype in registers (`engine.kernels.fp8`); BN divides BLOCK, BK is BLOCK.
-        # COLUMNS_FIRST: a 1-D grid, column tiles fastest (`GroupedTiles.columns_first`)
-        if COLUMNS_FIRST:
-            column_tiles = tl.cdiv(N, BN)
-            tile = tl.program_id(0) // column_tiles
-            pid_n = tl.program_id(0) % column_tiles
-        else:
-            tile = tl.program_id(0)
-            pid_n = tl.program_id(1)
-        e = tl.load(tile_expert_ptr + tile)
-        if e < E:
-            row0 = tl.load(tile_row_ptr + tile)
-            row_end = tl.load(row_end_ptr + e)
-            rm = row0 + tl.arange(0, BM)
-            rn = pid_n * BN + tl.arange(0, BN)
-            w_base = w_ptr + e.to(tl.int64) * s_we
-            s_base = s_ptr + e.to(tl.int64) * s_se + ((pid_n * BN) // BLOCK) * s_sn
-            acc = tl.zeros((BM, BN), dtype=tl.float32)
-            for k0 in range(0, K, BK):
-                rk = (k0 + tl.arange(0, BK)).to(tl.int64)
-                a = tl.load(
-                    x_ptr + rm[:, None].to(tl.int64) * s_xm + rk[None, :] * s_xk,
-                    mask=(rm[:, None] < row_end) & (rk[None, :] < K), other=0.0,
-                )  # fmt: skip
-                b = tl.load(
-                    w_base + rk[:, None] * s_wk + rn[None, :].to(tl.int64) * s_wn,
-                    mask=(rk[:, None] < K) & (rn[None, :] < N), other=0.0,
-                )  # fmt: skip
-                if SCALED:  # the dequantised weight's values
-                    b = (b.to(tl.float32) * tl.load(s_base + (k0 // BLOCK) * s_sk)).to(a.dtype)
-                acc = tl.dot(a, b, acc)
-            o = out_ptr + rm[:, None].to(tl.int64) * s_om + rn[None, :] * s_on
-            tl.store(o, acc.to(out_ptr.dtype.element_ty), mask=(rm[:, None] < row_end) & (rn[None, :] < N))
-
-    @triton.jit
     def attend_kernel(
         q_ptr, k_ptr, vis_ptr, sink_ptr, o_ptr, H, K, D, scale,
         s_qr, s_qh, s_kr, s_kk, s_vr, s_or, s_oh,
@@ -281,12 +213,11 @@ def _kernels() -> dict[str, Any]:
         )
 
     return {
-        "matmul": matmul_kernel, "reduce": reduce_kernel, "grouped": grouped_kernel,
-        "attend": attend_kernel,
+        "matmul": matmul_kernel, "reduce": reduce_kernel, "attend": attend_kernel,
     }  # fmt: skip
 
 
-def _check(a: torch.Tensor, b: torch.Tensor) -> None:
+def check_operands(a: torch.Tensor, b: torch.Tensor) -> None:
     if a.dtype != b.dtype or a.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise TypeError(
             f"batch-invariant matmul takes matching bf16/fp16/fp32 operands, not {a.dtype} x {b.dtype}"
@@ -298,7 +229,7 @@ def _matmul(
 ) -> torch.Tensor:
     """a [Bt, M, K] @ b [Bt, K, N] (+ bias [N]) -> [Bt, M, N] in a's dtype. ``split_k``
     (mm, addmm): split K by ``k_split``; a bmm never splits, so its batch size cannot matter."""
-    _check(a, b)
+    check_operands(a, b)
     bt, m, k = a.shape
     n = b.shape[2]
     out = torch.empty((bt, m, n), dtype=a.dtype, device=a.device)
@@ -350,84 +281,6 @@ def _addmm(bias: torch.Tensor, a: torch.Tensor, b: torch.Tensor, *, beta=1, alph
 
 def _bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return _matmul(a, b)
-
-
-def grouped_kernel() -> Any:
-    """`grouped_matmul`'s Triton kernel; `engine.kernels.fp8` runs it with ``SCALED``."""
-    return _kernels()["grouped"]
-
-
-def tile_map(row_end: torch.Tensor, rows: int, bm: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each tile's expert and first row (int32) for ``rows`` rows grouped by expert (``row_end``:
-    each group's end), tiles of ``bm`` rows that never mix experts. Built on the device, so the
-    caller never waits for it (a CUDA graph can capture it); sized for the worst case, rows /
-    bm tiles plus one partial tile per expert with rows (at most min(E, rows)); a tile past
-    the last has expert E."""
-    e = row_end.shape[0]
-    ends = row_end.long()
-    starts = torch.cat([ends.new_zeros(1), ends[:-1]])
-    tiles = (ends - starts + bm - 1) // bm  # [E]
-    tile_end = torch.cumsum(tiles, 0)
-    most = _cdiv(rows, bm) + min(e, rows)
-    t = torch.arange(most, device=row_end.device)
-    expert = torch.searchsorted(tile_end, t, right=True)  # [most]; E past the last tile
-    first = (tile_end - tiles).index_select(0, expert.clamp(max=e - 1))
-    row = starts.index_select(0, expert.clamp(max=e - 1)) + (t - first) * bm
-    return expert.to(torch.int32), row.to(torch.int32)
-
-
-#: tile maps already built for one grouping of rows (one ``row_end``), by (tile height, rows):
-#: an expert pass's gate/up and down products share one (`shared_tile_map`)
-TileMaps = dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]]
-
-
-def shared_tile_map(
-    row_end: torch.Tensor, rows: int, bm: int, maps: TileMaps | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`tile_map`, built once per (``bm``, ``rows``) in ``maps`` when given: ``maps`` belongs to
-    one ``row_end`` (its caller's grouping), so the second product over the same rows issues
-    none of the map's ~17 small device operations again."""
-    if maps is None:
-        return tile_map(row_end, rows, bm)
-    key = (bm, rows)
-    if key not in maps:
-        maps[key] = tile_map(row_end, rows, bm)
-    return maps[key]
-
-
-def grouped_matmul(
-    x: torch.Tensor,
-    w: torch.Tensor,
-    row_end: torch.Tensor,
-    tiles: GroupedTiles | None = None,
-    *,
-    maps: TileMaps | None = None,
-) -> torch.Tensor:
-    """Rows ``x`` [R, K] sorted by expert, ``row_end`` [E] (int32, the cumulative row counts as
-    ``torch._grouped_mm``'s ``offs``), experts' weights ``w`` [E, N, K] -> [R, N] = x @ w[e].T.
-
-    Tiles never mix experts (`tile_map`; ``maps`` shares it between products over the same
-    rows, `shared_tile_map`). ``tiles``: the mode's fixed tiles unless given
-    (`TUNED_GROUPED`); only the fixed tiles are batch-invariant."""
-    _check(x, w)
-    r, k = x.shape
-    e, n, _ = w.shape
-    out = torch.empty((r, n), dtype=x.dtype, device=x.device)
-    if r == 0:
-        return out
-    if tiles is None:
-        bm, bn, bk = TILES[x.element_size()]
-        tiles = GroupedTiles(bm, bn, bk, NUM_WARPS, NUM_STAGES)
-    expert, row = shared_tile_map(row_end, r, tiles.bm, maps)
-    columns = _cdiv(n, tiles.bn)
-    grid = (expert.shape[0] * columns,) if tiles.columns_first else (expert.shape[0], columns)
-    _kernels()["grouped"][grid](
-        x, w, w, out, expert, row, row_end, n, k, e,
-        x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), 0, 0, 0, out.stride(0), out.stride(1),
-        BM=tiles.bm, BN=tiles.bn, BK=tiles.bk, SCALED=False, BLOCK=1, COLUMNS_FIRST=tiles.columns_first,
-        num_warps=tiles.warps, num_stages=tiles.stages,
-    )  # fmt: skip
-    return out
 
 
 def attend(q: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ without a bf16 copy of the weight, in one of two ways (`set_compute`, `RunnerCon
   code (`fake_quantize_rows`), so both paths compute the same function.
 
 `grouped_matmul` takes rows grouped by expert (the routed experts; tiles never mix experts,
-`engine.kernels.batch_invariant.tile_map`); `linear` is the same with one group. Our kernels'
+`engine.kernels.grouped.tile_map`); `linear` is the same with one group. Our kernels'
 tiles are fixed (never chosen from the number of rows), so a row's result is the same in any
 batch, in both modes; torch's GEMM (chosen by the shape) is never used in the batch-invariant
 mode.
@@ -33,7 +33,7 @@ import torch
 from engine.kernels import kernels_on, tracks_grad
 
 if TYPE_CHECKING:
-    from engine.kernels.batch_invariant import TileMaps
+    from engine.kernels.grouped import TileMaps
 
 #: DeepSeek's FP8 scale block (rows and columns of the weight; columns of an activation row)
 BLOCK = 128
@@ -220,7 +220,7 @@ def w8a8_grouped_matmul(
     maps: TileMaps | None = None,
 ) -> torch.Tensor:
     """`grouped_matmul` with the activations quantised (``w8a8``; K a multiple of 128)."""
-    from engine.kernels.batch_invariant import shared_tile_map
+    from engine.kernels.grouped import shared_tile_map
 
     r, k = x.shape
     e, n, _ = q.shape
@@ -267,8 +267,8 @@ def grouped_matmul(
     """Rows x [R, K] grouped by expert (``row_end`` [E], int32, each group's end), FP8 weights
     q [E, N, K] with block scales [E, ceil(N/128), ceil(K/128)] -> [R, N] = x @ dequant(q[e]).T,
     in the process's compute mode (module docstring). ``maps``: tile maps shared with other
-    products over the same rows (`batch_invariant.shared_tile_map`)."""
-    from engine.kernels.batch_invariant import grouped_kernel, shared_tile_map
+    products over the same rows (`grouped.shared_tile_map`)."""
+    from engine.kernels.grouped import grouped_kernel, shared_tile_map
 
     r, k = x.shape
     if quantizes_activations(x, q):

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.checkpoint.quant import dequantize
-from engine.kernels import batch_invariant, fp8, kernels_on, rowwise
-from engine.kernels.batch_invariant import TileMaps
+from engine.kernels import batch_invariant, fp8, grouped, kernels_on, rowwise
+from engine.kernels.grouped import TileMaps
 
 
 def count_ids(ids: torch.Tensor, n: int) -> torch.Tensor:
@@ -44,7 +44,7 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 #:   0.38-6 rows per expert, 0.28x at 0.02). The tuned tiles ran within 5 % of them there in
 #:   isolation, but slower in the engine's graphed decode steps (batch 256: 10.5-11.4 against
 #:   9.65 ms): the engine's measurement decides.
-#: * above 12 to 136: the same kernel with `batch_invariant.TUNED_GROUPED`'s 128-row tiles
+#: * above 12 to 136: the same kernel with `grouped.TUNED_GROUPED`'s 128-row tiles
 #:   (1.14-1.28x torch at 12, 48 and 96 rows per expert in two runs, 1.22x and 0.95x at 24,
 #:   0.84-0.86x at 192); a 4,096-token prefill (96 rows per expert) took 17.4-18.1 ms
 #:   against torch's 19.0-20.4 in the same leases.
@@ -56,7 +56,7 @@ TUNED_ROWS_PER_EXPERT = (12.0, 136.0)
 def torch_grouped_matmul(
     x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor, *, maps: TileMaps | None = None
 ) -> torch.Tensor:
-    """torch's grouped GEMM with ``batch_invariant.grouped_matmul``'s arguments: rows sorted by
+    """torch's grouped GEMM with ``grouped.grouped_matmul``'s arguments: rows sorted by
     expert, their cumulative counts, weights [E, N, K] -> [R, N] (it builds no tile map)."""
     return torch._grouped_mm(x, w.transpose(1, 2), offs=row_end)
 
@@ -64,8 +64,8 @@ def torch_grouped_matmul(
 def tuned_grouped_matmul(
     x: torch.Tensor, w: torch.Tensor, row_end: torch.Tensor, *, maps: TileMaps | None = None
 ) -> torch.Tensor:
-    """The grouped kernel with `batch_invariant.TUNED_GROUPED`'s tiles, same arguments."""
-    return batch_invariant.grouped_matmul(x, w, row_end, batch_invariant.TUNED_GROUPED, maps=maps)
+    """The grouped kernel with `grouped.TUNED_GROUPED`'s tiles, same arguments."""
+    return grouped.grouped_matmul(x, w, row_end, grouped.TUNED_GROUPED, maps=maps)
 
 
 class GroupedMatmul(Protocol):
@@ -80,7 +80,7 @@ class GroupedMatmul(Protocol):
 #: the grouped GEMMs the bands choose between, by name (`sluice bench moe` times each)
 GROUPED_GEMMS: dict[str, GroupedMatmul] = {
     "torch": torch_grouped_matmul,
-    "fixed": batch_invariant.grouped_matmul,
+    "fixed": grouped.grouped_matmul,
     "tuned": tuned_grouped_matmul,
 }
 #: what `force_experts_gemm` takes: "auto" (the bands above) or one GEMM for every size
@@ -102,13 +102,13 @@ def experts_gemm(x: torch.Tensor, experts: int) -> GroupedMatmul:
     whenever the batch-invariant mode applies; on CUDA bf16 with the kernels on, by the bands
     above (or what `force_experts_gemm` set); else torch's."""
     if batch_invariant.applies(x):
-        return batch_invariant.grouped_matmul
+        return grouped.grouped_matmul
     if x.is_cuda and x.dtype == torch.bfloat16 and kernels_on():
         if _FORCED[0] != "auto":
             return GROUPED_GEMMS[_FORCED[0]]
         rows = x.shape[0]
         if FIXED_ROWS_PER_EXPERT[0] * experts <= rows <= FIXED_ROWS_PER_EXPERT[1] * experts:
-            return batch_invariant.grouped_matmul
+            return grouped.grouped_matmul
         if TUNED_ROWS_PER_EXPERT[0] * experts < rows <= TUNED_ROWS_PER_EXPERT[1] * experts:
             return tuned_grouped_matmul
     return torch_grouped_matmul

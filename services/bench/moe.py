@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> Report:
 def _sweep(args: argparse.Namespace, e: int, k: int, d: int, inter: int, gate_up: Any, down: Any,
            bw: float, layer_ms: Any, gen: Any) -> list[dict[str, Any]]:  # fmt: skip
     """Every `sweep_space` configuration at each sweep token count, fastest first, beside torch."""
-    from engine.kernels.batch_invariant import GroupedTiles, grouped_matmul
+    from engine.kernels.grouped import GroupedTiles, grouped_matmul
     from engine.model.experts import torch_grouped_matmul
 
     cells = []

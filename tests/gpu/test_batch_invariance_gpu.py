@@ -19,7 +19,7 @@ from engine.checkpoint.presets import SHIPPED, preset_config
 from engine.config import ModelConfig
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.kernels import batch_invariant as bi
-from engine.kernels import triton_available
+from engine.kernels import grouped, triton_available
 from engine.model.decode import decode_attend
 from engine.runner import ModelRunner, RunnerConfig
 
@@ -106,7 +106,7 @@ def test_grouped_experts_match_a_loop_and_ignore_other_rows() -> None:
         order = torch.argsort(sub, stable=True)
         ends = torch.cumsum(torch.bincount(sub, minlength=e), 0).to(torch.int32)
         out = torch.empty(rows, n, device="cuda", dtype=torch.bfloat16)
-        out[order] = bi.grouped_matmul(x[:rows][order], w, ends)
+        out[order] = grouped.grouped_matmul(x[:rows][order], w, ends)
         return out
 
     full = run(300)
@@ -114,7 +114,7 @@ def test_grouped_experts_match_a_loop_and_ignore_other_rows() -> None:
         assert torch.equal(run(rows), full[:rows]), rows
     want = torch.stack([x[i].double() @ w[ids[i]].double().T for i in range(300)])
     assert (full.double() - want).abs().max().item() <= 1e-2 * want.abs().max().item()
-    empty = bi.grouped_matmul(x[:0], w, torch.zeros(e, dtype=torch.int32, device="cuda"))
+    empty = grouped.grouped_matmul(x[:0], w, torch.zeros(e, dtype=torch.int32, device="cuda"))
     assert empty.shape == (0, n)
 
 

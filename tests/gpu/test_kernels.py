@@ -317,11 +317,11 @@ def _fp8_weights(e: int, n: int, k: int, seed: int):
 
 
 def test_the_tuned_grouped_tiles_match_torchs_grouped_gemm() -> None:
-    """engine/kernels/batch_invariant.py's grouped kernel with `TUNED_GROUPED` (128-row tiles,
+    """engine/kernels/grouped.py's kernel with `TUNED_GROUPED` (128-row tiles,
     column tiles first) against torch's grouped GEMM: uneven groups, one past a row tile (two
     tiles), an empty one; widths not a whole column tile. bf16 products, fp32 sums in the same
     or another order: within bf16 rounding of the result. And which GEMM the experts take."""
-    from engine.kernels import batch_invariant as bi
+    from engine.kernels import grouped
     from engine.model.experts import experts_gemm, torch_grouped_matmul, tuned_grouped_matmul
 
     g = torch.Generator(device="cuda").manual_seed(4)
@@ -330,14 +330,14 @@ def test_the_tuned_grouped_tiles_match_torchs_grouped_gemm() -> None:
     for n, k in ((4096, 4096), (4096, 2048), (200, 512)):
         w = torch.randn(8, n, k, device="cuda", generator=g).to(torch.bfloat16) * k**-0.5
         x = torch.randn(int(counts.sum()), k, device="cuda", generator=g).to(torch.bfloat16)
-        got = bi.grouped_matmul(x, w, ends, bi.TUNED_GROUPED)
+        got = grouped.grouped_matmul(x, w, ends, grouped.TUNED_GROUPED)
         want = torch_grouped_matmul(x, w, ends)
         torch.testing.assert_close(got, want, rtol=1.6e-2, atol=1e-2)
         print(f"tuned tiles N={n} K={k}: bitwise equal to torch {(got == want).float().mean().item():.4f}")
     rows = torch.zeros(256 * 400, 64, device="cuda", dtype=torch.bfloat16)
     assert experts_gemm(rows[: 256 * 96], 256) is tuned_grouped_matmul  # a 4,096-token prefill
     assert experts_gemm(rows[: 256 * 13], 256) is tuned_grouped_matmul
-    assert experts_gemm(rows[: 256 * 4], 256) is bi.grouped_matmul  # decode, 171 tokens
+    assert experts_gemm(rows[: 256 * 4], 256) is grouped.grouped_matmul  # decode, 171 tokens
     assert experts_gemm(rows[:6], 256) is torch_grouped_matmul  # one token
     assert experts_gemm(rows, 256) is torch_grouped_matmul  # 400 rows per expert
     from engine.model.experts import force_experts_gemm
@@ -345,7 +345,7 @@ def test_the_tuned_grouped_tiles_match_torchs_grouped_gemm() -> None:
     try:  # what `sluice bench engine --experts-gemm` measures
         for kind, want in (
             ("torch", torch_grouped_matmul),
-            ("fixed", bi.grouped_matmul),
+            ("fixed", grouped.grouped_matmul),
             ("tuned", tuned_grouped_matmul),
         ):
             force_experts_gemm(kind)

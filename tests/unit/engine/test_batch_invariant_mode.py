@@ -41,19 +41,21 @@ def test_the_k_split_depends_on_the_output_and_reduced_widths_only() -> None:
 def test_the_tile_map_never_mixes_experts_and_is_built_once_per_grouping(monkeypatch) -> None:
     import torch
 
+    from engine.kernels import grouped
+
     row_end = torch.tensor([3, 3, 8, 9], dtype=torch.int32)  # 3, 0, 5 and 1 rows; bm 4
-    expert, row = batch_invariant.tile_map(row_end, 9, 4)
+    expert, row = grouped.tile_map(row_end, 9, 4)
     real = expert < 4
     assert expert[real].tolist() == [0, 2, 2, 3] and row[real].tolist() == [0, 3, 7, 8]
     assert (expert[~real] == 4).all()  # the worst-case tail: past the last tile
 
     built = []
-    monkeypatch.setattr(batch_invariant, "tile_map", lambda *a: built.append(a) or (expert, row))
-    maps: batch_invariant.TileMaps = {}
-    first = batch_invariant.shared_tile_map(row_end, 9, 4, maps)
-    assert batch_invariant.shared_tile_map(row_end, 9, 4, maps) is first  # the down product
-    batch_invariant.shared_tile_map(row_end, 9, 8, maps)  # another tile height: its own map
-    batch_invariant.shared_tile_map(row_end, 9, 4, None)  # no sharing asked: built again
+    monkeypatch.setattr(grouped, "tile_map", lambda *a: built.append(a) or (expert, row))
+    maps: grouped.TileMaps = {}
+    first = grouped.shared_tile_map(row_end, 9, 4, maps)
+    assert grouped.shared_tile_map(row_end, 9, 4, maps) is first  # the down product
+    grouped.shared_tile_map(row_end, 9, 8, maps)  # another tile height: its own map
+    grouped.shared_tile_map(row_end, 9, 4, None)  # no sharing asked: built again
     assert len(built) == 3
 
 

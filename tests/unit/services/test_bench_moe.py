@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import astuple
 
-from engine.kernels.batch_invariant import TUNED_GROUPED
+from engine.kernels.grouped import TUNED_GROUPED
 from services.bench.moe import sweep_space
 
 
