@@ -16,6 +16,7 @@ from engine.model.layer import DecoderLayer
 from engine.model.moe import ExpertPlacement, MoE
 from engine.model.mtp import MTPLayer
 from engine.model.norms import RMSNorm
+from engine.model.packed_linear import PackedLinear
 
 
 class V4Backbone(nn.Module):
@@ -43,7 +44,8 @@ class DeepseekV4(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.model = V4Backbone(cfg, placement, ep_rank)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # on the CPU through oneDNN with its weight packed once (docs/engine.md, "The output head on the CPU")
+        self.lm_head = PackedLinear(cfg.hidden_size, cfg.vocab_size, bias=False)
         n_mtp = cfg.num_nextn_predict_layers if with_mtp else 0
         self.mtp = nn.ModuleList(MTPLayer(cfg, placement, ep_rank) for _ in range(n_mtp))
 

@@ -107,6 +107,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     d.add_argument("--ab-rounds", type=int, default=3, help="rounds of --pooling-kernel ab (default 3)")
     d.add_argument(
+        "--cpu-head", default="packed", choices=("packed", "torch"),
+        help="the output head on the CPU: oneDNN with its weight packed once (engine.model.packed_linear, "
+        "the engine's default) or torch's F.linear, for an A/B",
+    )  # fmt: skip
+    d.add_argument(
         "--quant", default="none", choices=("none", "fp8", "fp8-w8a8"),
         help="fp8: the random weights quantised to FP8 (128x128 block scales) and kept so, as an FP8 "
         "checkpoint with keep_quantized (read by engine.kernels.fp8 on CUDA, bf16 activations); "
@@ -438,15 +443,17 @@ def run(args: argparse.Namespace) -> Report:
     )
     if args.preset:
         from engine.kernels import pooling, set_kernels
+        from engine.model import packed_linear
         from engine.model.experts import force_experts_gemm
 
         set_kernels(not args.no_kernels)  # process-wide, as the bench runs one configuration
         force_experts_gemm(args.experts_gemm)
+        packed_linear.PACKED = args.cpu_head == "packed"
         if args.pooling_kernel in ("on", "off"):
             pooling.FUSED_POOLING = args.pooling_kernel == "on"
         report.config.update({
             "kernels": not args.no_kernels, "experts_gemm": args.experts_gemm,
-            "pooling_kernel": pooling.FUSED_POOLING,
+            "pooling_kernel": pooling.FUSED_POOLING, "cpu_head": args.cpu_head,
         })  # fmt: skip
         parts = {x.strip() for x in args.parts.split(",") if x.strip()}
         if unknown := parts - {"decode", "prefill"}:

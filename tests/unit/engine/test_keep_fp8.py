@@ -15,6 +15,7 @@ from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.kernels import kernels_on
 from engine.model.attention import GroupedLinear
 from engine.model.experts import Experts
+from engine.model.packed_linear import PackedLinear
 from engine.model.qlinear import QuantLinear, graph_safe, keep_fp8_
 from engine.runner import ModelRunner, RunnerConfig
 
@@ -36,8 +37,10 @@ def test_keep_fp8_quantises_what_an_fp8_checkpoint_ships_and_nothing_else() -> N
         if name.endswith("o_a_proj"):
             assert isinstance(mod, GroupedLinear) and mod.qweight is not None
         # BF16 in DeepSeek's FP8 checkpoints: the head, the compressors', the indexer's weights
-        if name == "lm_head" or name.endswith(("compressor.kv_proj", "indexer.gate_proj", "weights_proj")):
+        if name.endswith(("compressor.kv_proj", "indexer.gate_proj", "weights_proj")):
             assert type(mod) is nn.Linear, name
+        if name == "lm_head":
+            assert type(mod) is PackedLinear  # a plain linear's weight (packed for the CPU on use)
     # FP8 experts leave decode steps capturable only where the FP8 kernels run
     assert graph_safe(r.model) == kernels_on() and graph_safe(_runner(fp8=False).model)
 
