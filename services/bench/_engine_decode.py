@@ -36,6 +36,12 @@ says whether the step is bound by the device or by the host issuing its kernels,
 infinitely fast host). Where its step is more than 15 % away from the 2026-12-01 reference
 (``TF_REFERENCE_MS``), ``reference_check.why`` says which, with the host's cost of one bare
 kernel launch (``host_launch_us``) measured in the same run.
+
+Rounds (``--decode-rounds R``, default 3 on the CPU, 1 on CUDA). Where a machine's speed
+drifts during the run (a shared 2-core VM), an engine figure and a transformers figure timed
+minutes apart compare two machines. Rounds 2..R time, per batch, the engine and then
+transformers back to back; ``speedup`` is the median over the rounds of each round's ratio
+(round 1: the figures above), ``rounds`` keeps every pair.
 """
 
 from __future__ import annotations
@@ -76,6 +82,7 @@ class DecodeArgs:
     fp8: bool = False  # EngineConfig.keep_quantized: the random weights quantised to FP8 and kept so
     fp8_compute: str = "w8a16"  # EngineConfig.fp8_compute
     sampling: str = "greedy"  # the requests' sampling: greedy, drawn or penalised (`request_params`)
+    rounds: int = 1  # > 1: more rounds of engine then transformers per batch, the ratio's median
 
 
 def request_params(sampling: str, i: int, max_tokens: int) -> Any:
@@ -378,6 +385,7 @@ def decode_report(a: DecodeArgs, workdir: Path) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     like: list[dict[str, Any]] = []
     tf: list[dict[str, Any]] = []
+    pairs: list[dict[str, Any]] = []  # rounds 2.. (`DecodeArgs.rounds`)
     for layers in a.layers:
         model_dir = write_config_dir(
             a.preset, workdir / f"{a.preset}-{layers}", seed=a.seed, num_hidden_layers=layers
@@ -404,6 +412,16 @@ def decode_report(a: DecodeArgs, workdir: Path) -> dict[str, Any]:
                 progress(
                     f"engine decode: transformers batch {b}: {t.get('ms_per_step', float('nan')):.2f} ms/step"
                 )
+            for rnd in range(1, a.rounds):
+                for b in a.batches:
+                    ours = engine_decode(model_dir, a, b, a.tf_context)
+                    t = transformers_decode(model_dir, a, b)
+                    pairs.append({"round": rnd, "batch": b, "sluice_ms": ours["ms_per_step"],
+                                  "transformers_ms": t["ms_per_step"]})  # fmt: skip
+                    progress(
+                        f"engine decode: round {rnd + 1}/{a.rounds}, batch {b}: sluice "
+                        f"{ours['ms_per_step']:.2f} ms/step, transformers {t['ms_per_step']:.2f}"
+                    )
     cuda = a.device.startswith("cuda")
     launch_us = launch_cost_us(a.device) if tf and cuda else None
     same_ctx = like or rows
@@ -413,10 +431,20 @@ def decode_report(a: DecodeArgs, workdir: Path) -> dict[str, Any]:
             continue
         ours = next(r for r in same_ctx if r["batch"] == t["batch"] and r["layers"] == a.layers[0])
         ref = TF_REFERENCE_MS.get(t["batch"])
+        rounds = [
+            {
+                "round": 0,
+                "batch": t["batch"],
+                "sluice_ms": ours["ms_per_step"],
+                "transformers_ms": t["ms_per_step"],
+            }
+        ]
+        rounds += [p for p in pairs if p["batch"] == t["batch"]]
         versus.append({
             "batch": t["batch"], "context": t["context"], "sluice_ms": ours["ms_per_step"],
-            "transformers_ms": t["ms_per_step"], "speedup": t["ms_per_step"] / ours["ms_per_step"],
-            "transformers_vs_reference": (t["ms_per_step"] / ref) if ref and cuda else None,
+            "transformers_ms": t["ms_per_step"],
+            "speedup": statistics.median(p["transformers_ms"] / p["sluice_ms"] for p in rounds),
+            "rounds": rounds, "transformers_vs_reference": (t["ms_per_step"] / ref) if ref and cuda else None,
         })  # fmt: skip
         if "device_busy_ms" in t:  # against a transformers whose host cost nothing: a floor
             versus[-1]["speedup_vs_its_device_time"] = t["device_busy_ms"] / ours["ms_per_step"]

@@ -67,6 +67,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     d.add_argument("--tf-context", type=int, default=128, help="transformers' prompt tokens (default 128)")
     d.add_argument("--steps", type=int, default=32, help="timed decode steps (default 32)")
+    d.add_argument(
+        "--decode-rounds", type=int,
+        help="rounds of engine then transformers per batch; the ratio is their median (default 3 on cpu, 1 on cuda)",
+    )  # fmt: skip
     d.add_argument("--no-transformers", action="store_true", help="skip transformers' DeepseekV4ForCausalLM")
     d.add_argument(
         "--decode-graphs", default="auto", choices=("auto", "off", "padded"),
@@ -286,7 +290,8 @@ def _decode(args: argparse.Namespace, report: Report) -> None:
         transformers=not args.no_transformers, seed=0, decode_graphs=args.decode_graphs,
         async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         pipeline_steps={"auto": None, "on": True, "off": False}[args.pipeline_steps],
-        batch_invariant=args.batch_invariant, sampling=args.sampling, **_quant(args),
+        batch_invariant=args.batch_invariant, sampling=args.sampling,
+        rounds=args.decode_rounds or (1 if cuda else 3), **_quant(args),
     )  # fmt: skip
     report.config.update({"decode": a.__dict__})
     with tempfile.TemporaryDirectory(prefix="sluice-bench-decode-") as tmp:
@@ -309,6 +314,12 @@ def _decode(args: argparse.Namespace, report: Report) -> None:
             "ms/step": round(t["ms_per_step"], 3) if "ms_per_step" in t else t.get("error"),
             "tok/s": round(t["tokens_per_s"], 1) if "tokens_per_s" in t else "",
         })  # fmt: skip
+    for v in out["versus_transformers"]:
+        for p in v["rounds"][1:]:
+            report.rows.append({
+                "part": f"round {p['round'] + 1}: sluice / transformers ms/step", "batch": p["batch"],
+                "context": v["context"], "ms/step": f"{p['sluice_ms']:.3f} / {p['transformers_ms']:.3f}",
+            })  # fmt: skip
     first = [r for r in out["engine"] if r["layers"] == a.layers[0]]
     if cuda:
         for r in first:

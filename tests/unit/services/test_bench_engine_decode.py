@@ -34,7 +34,7 @@ def test_kv_bytes_follow_the_layer_types() -> None:
 def test_tiny_decode_report_has_the_roofline_per_layer_fit_and_transformers() -> None:
     report = engine.run(
         _args("--preset", "tiny", "--layers", "1,2", "--decode-batches", "1,16", "--context", "40",
-              "--tf-context", "24", "--steps", "3")
+              "--tf-context", "24", "--steps", "3", "--decode-rounds", "3")
     )  # fmt: skip
     out = json.loads(json.dumps(report.to_json()))
     dec = out["results"]["decode"]
@@ -53,6 +53,12 @@ def test_tiny_decode_report_has_the_roofline_per_layer_fit_and_transformers() ->
     assert [t["batch"] for t in dec["transformers"]] == [1, 16] and all(
         "ms_per_step" in t for t in dec["transformers"]
     )
+    for v in dec["versus_transformers"]:  # three rounds, the ratio their median
+        assert [p["round"] for p in v["rounds"]] == [0, 1, 2] and {p["batch"] for p in v["rounds"]} == {
+            v["batch"]
+        }
+        ratios = sorted(p["transformers_ms"] / p["sluice_ms"] for p in v["rounds"])
+        assert v["speedup"] == pytest.approx(ratios[1])
     (target,) = out["targets"]  # on CPU: batch 16 against transformers
     assert (
         target["name"].startswith("decode at batch 16, context 24: sluice / transformers")
