@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -9,6 +10,7 @@ from torch import nn
 from engine.config import ModelConfig
 from engine.kernels import hyper as hyper_kernel
 from engine.kernels import sinkhorn as sinkhorn_kernel
+from engine.kernels import tracks_grad
 from engine.model.norms import rms_unweighted
 
 
@@ -56,14 +58,42 @@ def hc_mixes(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tenso
     return F.linear(rms_unweighted(streams.flatten(1).float(), eps), fn.float())
 
 
+#: at most this many elements, the CPU's Sinkhorn runs in numpy (`_sinkhorn_numpy`): ~120
+#: operations on a few hundred numbers cost torch ~2 us each and numpy less than 1. The
+#: crossover measured by `sluice bench hyper --device cpu` on the 2-core VM (4 x 4 matrices, 20
+#: iterations): numpy 113 against torch 254 us at 1 row, 353 against 378 at 64, 489 against
+#: 459 at 96 (docs/engine.md, "mHC's Sinkhorn on the CPU").
+NUMPY_SINKHORN_ELEMENTS = 1024
+
+
 def sinkhorn_eager(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
     """Sinkhorn normalisation of ``comb`` [T, n, n]: columns, then ``iters - 1`` rounds of
     rows and columns, each divided by its sum + eps (transformers' order)."""
+    if (
+        comb.device.type == "cpu"
+        and comb.dtype == torch.float32
+        and comb.numel() <= NUMPY_SINKHORN_ELEMENTS
+        and not tracks_grad(comb)
+    ):
+        return _sinkhorn_numpy(comb, iters, eps)
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     for _ in range(iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
     return comb
+
+
+def _sinkhorn_numpy(comb: torch.Tensor, iters: int, eps: float) -> torch.Tensor:
+    """`sinkhorn_eager` in numpy, in place on a copy: the same operations in the same order
+    (each sum over 4 elements accumulated in order, the fp32 eps added, one division), so
+    bitwise the torch loop's result (`tests/unit/engine/test_hyper_numpy.py`)."""
+    c = comb.detach().numpy().copy()
+    e = np.float32(eps)
+    c /= c.sum(axis=-2, keepdims=True) + e
+    for _ in range(iters - 1):
+        c /= c.sum(axis=-1, keepdims=True) + e
+        c /= c.sum(axis=-2, keepdims=True) + e
+    return torch.from_numpy(c)
 
 
 def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:

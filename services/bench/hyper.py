@@ -10,6 +10,12 @@ after a warm-up, by CUDA events, over ``--repeats``, at 1, 64, 256 and 4,096 row
 because back-to-back eager calls measure the host's launches, ~80-130 us a call, not the
 kernels: the first H200 run of this bench timed them eagerly and showed only that). The engine's setting is written into
 the code (the GPU machine keeps nothing between runs).
+
+``--device cpu``: the CPU's eager Sinkhorn (`engine.model.hyper.sinkhorn_eager`, 4 x 4
+matrices, 20 iterations) through torch and through numpy (`_sinkhorn_numpy`) at 1 to 256
+rows, alternating per row count, the median of ``--repeats`` calls each, and whether the two
+results are bitwise equal: where numpy stops winning is where the engine's
+`NUMPY_SINKHORN_ELEMENTS` should sit.
 """
 
 from __future__ import annotations
@@ -25,9 +31,57 @@ ROWS = (1, 64, 256, 4096)
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preset", default="flash-shape", help="hidden size and hc_mult of this preset")
     p.add_argument("--repeats", type=int, default=20, help="timed launches per cell (default 20)")
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: the eager Sinkhorn's A/B")
+
+
+SINKHORN_ROWS = (1, 4, 16, 32, 64, 96, 128, 256)
+
+
+def _cpu_sinkhorn(args: argparse.Namespace) -> Report:
+    import statistics
+    import time
+
+    import torch
+
+    from engine.model import hyper
+
+    report = Report("hyper", {"device": "cpu", "repeats": args.repeats, "threads": torch.get_num_threads()})
+    g = torch.Generator().manual_seed(0)
+    limit = hyper.NUMPY_SINKHORN_ELEMENTS
+    for rows in SINKHORN_ROWS:
+        comb = torch.softmax(torch.randn(rows, 4, 4, generator=g), dim=-1) + 1e-6
+        times: dict[str, list[float]] = {"torch": [], "numpy": []}
+        try:
+            for _ in range(args.repeats):
+                for name, lim in (("torch", -1), ("numpy", comb.numel())):
+                    hyper.NUMPY_SINKHORN_ELEMENTS = lim
+                    t = time.perf_counter()
+                    hyper.sinkhorn_eager(comb, 20, 1e-6)
+                    times[name].append(time.perf_counter() - t)
+        finally:
+            hyper.NUMPY_SINKHORN_ELEMENTS = limit
+        row = {
+            "rows": rows, "elements": comb.numel(),
+            "torch us": round(statistics.median(times["torch"]) * 1e6, 1),
+            "numpy us": round(statistics.median(times["numpy"]) * 1e6, 1),
+            "engine takes": "numpy" if comb.numel() <= limit else "torch",
+        }  # fmt: skip
+        hyper.NUMPY_SINKHORN_ELEMENTS = -1  # the torch loop, against numpy's result
+        try:
+            row["bitwise equal"] = torch.equal(
+                hyper.sinkhorn_eager(comb, 20, 1e-6), hyper._sinkhorn_numpy(comb, 20, 1e-6)
+            )
+        finally:
+            hyper.NUMPY_SINKHORN_ELEMENTS = limit
+        report.rows.append(row)
+        progress(f"hyper: cpu sinkhorn {row}")
+    report.results["cpu_sinkhorn"] = report.rows
+    return report
 
 
 def run(args: argparse.Namespace) -> Report:
+    if args.device == "cpu":
+        return _cpu_sinkhorn(args)
     import torch
 
     from engine.checkpoint.presets import preset_config
