@@ -183,14 +183,25 @@ def fit_cost_model(samples: list[tuple[int, int, float]]) -> dict[str, Any]:
     c, h, t = arr[:, 0], arr[:, 1], arr[:, 2]
     x = np.stack([c * (c + h), c + h, c, np.ones_like(c)], axis=1) / t[:, None]  # [S, 4]
     a, b, d, c0 = (float(v) for v in _nonnegative_lstsq(x, np.ones_like(t)))
+    if a == b == d == 0:
+        raise ValueError(
+            "the step times do not grow with the tokens a step computes, so there is no cost model "
+            "to fit: the machine's noise is larger than the work (profile larger chunks, or with "
+            "more repeats on an idle machine)"
+        )
     model = CostModel(a=a, b=b, c=c0, d=d)
-    absolute = CostModel.fit(samples)
     rel = [(model.predict(c, h) - t) / t for c, h, t in samples]
-    abs_rel = [(absolute.predict(c, h) - t) / t for c, h, t in samples]
+    try:  # reported beside the fit; where it clips every term to 0 it has no error to report
+        absolute = CostModel.fit(samples)
+        abs_rel: float | None = math.sqrt(
+            statistics.fmean(((absolute.predict(c, h) - t) / t) ** 2 for c, h, t in samples)
+        )
+    except ValueError:
+        abs_rel = None
     return {
         "model": model,
         "samples_chunk_prefix_s": [list(s) for s in samples],
-        "abs_fit_rel_rmse": math.sqrt(statistics.fmean(r * r for r in abs_rel)),
+        "abs_fit_rel_rmse": abs_rel,
         "a": model.a,
         "b": model.b,
         "c": model.c,

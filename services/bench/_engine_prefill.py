@@ -168,6 +168,21 @@ def _batch(ids: list[int], start: int, table: list[int], device: str, sample: bo
     return ForwardBatch.from_sequences([seq], device=torch.device(device))
 
 
+def _time_steps(runner: Any, a: PrefillArgs, n: int, table: list[int]) -> tuple[list[float], list[float]]:
+    """``a.repeats`` one-chunk prefills of ``n`` tokens after a warm-up: (seconds until the
+    step finished, seconds until ``execute`` returned: the host's launches and its own waits)."""
+    times, hosts = [], []
+    for r in range(a.repeats + 1):
+        batch = _batch(_ids(runner.model_cfg.vocab_size, n, a.seed + r), 0, table, a.device)
+        _sync(a.device)
+        t0 = time.perf_counter()
+        runner.execute(batch)
+        hosts.append(time.perf_counter() - t0)
+        _sync(a.device)
+        times.append(time.perf_counter() - t0)
+    return times[1:], hosts[1:]
+
+
 def engine_prefill(a: PrefillArgs) -> list[dict[str, Any]]:
     """Step time of a one-chunk prefill of each of ``a.tokens`` (one runner, the largest's blocks)."""
     from engine.config import BLOCK_TOKENS
@@ -179,20 +194,12 @@ def engine_prefill(a: PrefillArgs) -> list[dict[str, Any]]:
         mc = runner.model_cfg
         table = list(range(blocks))
         for n in a.tokens:
-            times, hosts = [], []
-            for r in range(a.repeats + 1):
-                batch = _batch(_ids(mc.vocab_size, n, a.seed + r), 0, table, a.device)
-                _sync(a.device)
-                t0 = time.perf_counter()
-                runner.execute(batch)
-                hosts.append(time.perf_counter() - t0)  # the host's launches (and its own waits)
-                _sync(a.device)
-                times.append(time.perf_counter() - t0)
-            ms = statistics.median(times[1:]) * 1e3
+            times, hosts = _time_steps(runner, a, n, table)
+            ms = statistics.median(times) * 1e3
             rows.append({
                 "tokens": n, "layers": mc.num_hidden_layers, "ms": ms, "tokens_per_s": n / ms * 1e3,
-                "flops": prefill_flops(mc, n), "step_ms": [t * 1e3 for t in times[1:]],
-                "host_ms": statistics.median(hosts[1:]) * 1e3,
+                "flops": prefill_flops(mc, n), "step_ms": [t * 1e3 for t in times],
+                "host_ms": statistics.median(hosts) * 1e3,
             })  # fmt: skip
             if a.host_profile:
                 batch = _batch(_ids(mc.vocab_size, n, a.seed), 0, table, a.device)
@@ -216,24 +223,15 @@ def pooling_ab(a: PrefillArgs) -> list[dict[str, Any]]:
     runner = _runner(a, blocks)
     rows: list[dict[str, Any]] = []
     try:
-        mc = runner.model_cfg
         table = list(range(blocks))
         for rnd in range(a.ab_rounds):
             for on in (False, True):
                 pooling.FUSED_POOLING = on
                 for n in a.tokens:
-                    times, hosts = [], []
-                    for r in range(a.repeats + 1):
-                        batch = _batch(_ids(mc.vocab_size, n, a.seed + r), 0, table, a.device)
-                        _sync(a.device)
-                        t0 = time.perf_counter()
-                        runner.execute(batch)
-                        hosts.append(time.perf_counter() - t0)
-                        _sync(a.device)
-                        times.append(time.perf_counter() - t0)
+                    times, hosts = _time_steps(runner, a, n, table)
                     rows.append({
                         "round": rnd, "pooling_kernel": on, "tokens": n,
-                        "ms": statistics.median(times[1:]) * 1e3, "host_ms": statistics.median(hosts[1:]) * 1e3,
+                        "ms": statistics.median(times) * 1e3, "host_ms": statistics.median(hosts) * 1e3,
                     })  # fmt: skip
                     progress(f"engine prefill A/B round {rnd + 1}/{a.ab_rounds}: pooling kernel "
                              f"{'on' if on else 'off'}, {n} tokens in {rows[-1]['ms']:.2f} ms")  # fmt: skip

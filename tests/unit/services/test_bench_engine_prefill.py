@@ -69,12 +69,14 @@ def test_the_prefill_profile_times_every_cell_and_fits_the_cost_model(tmp_path) 
     from services.bench._engine_costmodel import fit_cost_model, profile_prefill
 
     model = write_config_dir("tiny", tmp_path / "tiny", seed=0)
-    samples = profile_prefill(model, "cpu", (16, 64), (0, 300), repeats=1)
-    assert sorted((c, h) for c, h, _ in samples) == [(16, 0), (16, 300), (64, 0), (64, 300)]
+    # chunks 16 and 256: work that differs 16-fold, so a loaded machine's noise cannot make the
+    # larger chunk look cheaper and leave the fit nothing to fit (the minimum of 3 timings)
+    samples = profile_prefill(model, "cpu", (16, 256), (0, 300), repeats=3)
+    assert sorted((c, h) for c, h, _ in samples) == [(16, 0), (16, 300), (256, 0), (256, 300)]
     assert all(t > 0 for _, _, t in samples)
     fit = fit_cost_model(samples)
     again = CostModel.from_json(fit["model"].to_json())
-    assert again.predict(64, 300) == pytest.approx(fit["model"].predict(64, 300))
+    assert again.predict(256, 300) == pytest.approx(fit["model"].predict(256, 300))
 
 
 def test_the_fit_and_held_out_grids_alternate_and_keep_each_cells_minimum(tmp_path, monkeypatch) -> None:
@@ -147,3 +149,15 @@ def test_the_pooling_ab_interleaves_the_kernel_off_and_on_and_restores_the_setti
     assert order == [(k, on, n) for k in (0, 1) for on in (False, True) for n in (16, 32)]
     assert all(r["ms"] > 0 and 0 < r["host_ms"] <= r["ms"] * 1.5 for r in rows)
     assert seen == [on for _ in (0, 1) for on in (False, True) for _n in (16, 32) for _r in range(2)]
+
+
+def test_step_times_that_do_not_grow_with_the_work_are_refused_with_a_reason() -> None:
+    """Noise larger than the work (a loaded machine, tiny chunks): larger chunks timed faster
+    leave every term but the constant at 0; the fit says so instead of a model's own error."""
+    from services.bench._engine_costmodel import fit_cost_model
+
+    noise = [(16, 0, 0.026), (16, 300, 0.024), (64, 0, 0.0155), (64, 300, 0.0115)]
+    with pytest.raises(ValueError, match="do not grow with the tokens"):
+        fit_cost_model(noise)
+    fit = fit_cost_model([(16, 0, 0.010), (16, 300, 0.013), (64, 0, 0.020), (64, 300, 0.026)])
+    assert fit["model"].predict(64, 300) > fit["model"].predict(16, 0)
