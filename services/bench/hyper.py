@@ -48,33 +48,28 @@ def _cpu_sinkhorn(args: argparse.Namespace) -> Report:
     report = Report("hyper", {"device": "cpu", "repeats": args.repeats, "threads": torch.get_num_threads()})
     g = torch.Generator().manual_seed(0)
     limit = hyper.NUMPY_SINKHORN_ELEMENTS
-    for rows in SINKHORN_ROWS:
-        comb = torch.softmax(torch.randn(rows, 4, 4, generator=g), dim=-1) + 1e-6
-        times: dict[str, list[float]] = {"torch": [], "numpy": []}
-        try:
+    try:  # the threshold picks the path: -1 the torch loop, the matrix's size numpy
+        for rows in SINKHORN_ROWS:
+            comb = torch.softmax(torch.randn(rows, 4, 4, generator=g), dim=-1) + 1e-6
+            times: dict[str, list[float]] = {"torch": [], "numpy": []}
             for _ in range(args.repeats):
                 for name, lim in (("torch", -1), ("numpy", comb.numel())):
                     hyper.NUMPY_SINKHORN_ELEMENTS = lim
                     t = time.perf_counter()
                     hyper.sinkhorn_eager(comb, 20, 1e-6)
                     times[name].append(time.perf_counter() - t)
-        finally:
-            hyper.NUMPY_SINKHORN_ELEMENTS = limit
-        row = {
-            "rows": rows, "elements": comb.numel(),
-            "torch us": round(statistics.median(times["torch"]) * 1e6, 1),
-            "numpy us": round(statistics.median(times["numpy"]) * 1e6, 1),
-            "engine takes": "numpy" if comb.numel() <= limit else "torch",
-        }  # fmt: skip
-        hyper.NUMPY_SINKHORN_ELEMENTS = -1  # the torch loop, against numpy's result
-        try:
-            row["bitwise equal"] = torch.equal(
-                hyper.sinkhorn_eager(comb, 20, 1e-6), hyper._sinkhorn_numpy(comb, 20, 1e-6)
-            )
-        finally:
-            hyper.NUMPY_SINKHORN_ELEMENTS = limit
-        report.rows.append(row)
-        progress(f"hyper: cpu sinkhorn {row}")
+            hyper.NUMPY_SINKHORN_ELEMENTS = -1
+            row = {
+                "rows": rows, "elements": comb.numel(),
+                "torch us": round(statistics.median(times["torch"]) * 1e6, 1),
+                "numpy us": round(statistics.median(times["numpy"]) * 1e6, 1),
+                "engine takes": "numpy" if comb.numel() <= limit else "torch",
+                "bitwise equal": torch.equal(hyper.sinkhorn_eager(comb, 20, 1e-6), hyper._sinkhorn_numpy(comb, 20, 1e-6)),
+            }  # fmt: skip
+            report.rows.append(row)
+            progress(f"hyper: cpu sinkhorn {row}")
+    finally:
+        hyper.NUMPY_SINKHORN_ELEMENTS = limit
     report.results["cpu_sinkhorn"] = report.rows
     return report
 
