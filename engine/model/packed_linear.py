@@ -12,7 +12,8 @@ change), so nothing beyond torch is needed.
 The packed copy is kept beside the weight and rebuilt whenever the weight is another tensor
 or was written in place (its version counter), so loading, moving or editing the weight never
 leaves a stale copy. It costs a second copy of the weight in host memory (132 MB for the
-`small` preset's head). Off the CPU, in other dtypes, under autograd (training), or with
+`small` preset's head). Off the CPU, in other dtypes, under autograd (training), for a
+weight made under `torch.inference_mode` (whose in-place writes no counter records), or with
 `PACKED = False`, the layer is `nn.Linear`. The sums run in another order than MKL's: the
 head's logits differ from `F.linear`'s by fp32 rounding (~3e-6 relative).
 """
@@ -65,6 +66,7 @@ class PackedLinear(nn.Linear):
             and x.dtype == torch.float32
             and w.dtype == torch.float32
             and w.device.type == "cpu"
+            and not w.is_inference()  # built under inference_mode: no version counter to trust
             and not tracks_grad(x, w)
             and available()
         )

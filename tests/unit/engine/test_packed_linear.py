@@ -56,3 +56,13 @@ def test_autograd_other_dtypes_and_the_switch_take_f_linear(monkeypatch) -> None
         plain = x.detach()
         assert not lin.uses_packed(plain)
         assert torch.equal(lin(plain), F.linear(plain, lin.weight, lin.bias))
+
+
+def test_a_weight_made_under_inference_mode_takes_f_linear() -> None:
+    """Inference tensors keep no version counter, so a packed copy could go stale unseen."""
+    with torch.inference_mode():
+        lin = _layer(False)
+        x = torch.randn(4, 96)
+        assert not lin.uses_packed(x)
+        assert torch.equal(lin(x), F.linear(x, lin.weight))
+    assert lin._packed is None
