@@ -36,6 +36,8 @@ GPU_HELDOUT_H = (0, 16384, 65536)
 
 
 Samples = list[tuple[int, int, float]]
+#: a grid of step shapes: (chunk sizes, cached-prefix lengths)
+Grid = tuple[tuple[int, ...], tuple[int, ...]]
 
 
 class _Prefiller:
@@ -102,12 +104,7 @@ def profile_prefill(
 
 
 def profile_fit_and_heldout(
-    model_dir: Path,
-    device: str,
-    fit: tuple[tuple[int, ...], tuple[int, ...]],
-    heldout: tuple[tuple[int, ...], tuple[int, ...]],
-    repeats: int,
-    rounds: int,
+    model_dir: Path, device: str, fit: Grid, heldout: Grid, repeats: int, rounds: int
 ) -> tuple[Samples, Samples]:
     """The fit grid's and the held-out grid's samples (each a (chunks, prefixes) pair), timed
     in ``rounds`` alternating rounds (fit, held-out, fit, ...) of ``repeats`` timings per
@@ -129,12 +126,7 @@ def profile_fit_and_heldout(
 
 
 def fit_and_grade(
-    model_dir: Path,
-    device: str,
-    fit: tuple[tuple[int, ...], tuple[int, ...]],
-    heldout: tuple[tuple[int, ...], tuple[int, ...]],
-    repeats: int,
-    rounds: int,
+    model_dir: Path, device: str, fit: Grid, heldout: Grid, repeats: int, rounds: int
 ) -> tuple[Any, dict[str, Any]]:
     """The cost model fitted on the ``fit`` grid (`fit_cost_model`) and its report, with its
     error on the ``heldout`` grid (`heldout_error`), both timed by `profile_fit_and_heldout`."""
