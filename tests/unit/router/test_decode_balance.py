@@ -158,6 +158,34 @@ def test_generated_traces_round_trip_the_mooncake_format(tmp_path):
         assert np.allclose(back.arrival_s, t.arrival_s, atol=1e-3)
 
 
+def test_the_bench_generates_every_family_under_its_own_name_with_its_shape_printed():
+    from services.bench.router import HOLDOUT_SHAPES, _generated
+
+    config: dict = {}
+    families = _generated(1, config)
+    names = [f[0].name for f in families]
+    assert names == ["long_documents", "agents", "agents_burst", *HOLDOUT_SHAPES]
+    for name, params in HOLDOUT_SHAPES.items():  # each differs from the two shapes
+        assert params not in (LongDocsParams(), AgentParams())
+        assert (
+            config["generated_traces"][name]["params"]
+            == describe(families[names.index(name)][0], params)["params"]
+        )
+
+
+def test_paired_difference_reports_the_seedwise_gap_and_its_standard_error():
+    from services.bench.router import paired_difference
+
+    p = paired_difference([1.00, 1.02, 1.01], [1.01, 1.01, 1.03])
+    assert p["mean_diff"] == pytest.approx(-0.02 / 3)
+    assert p["stderr"] == pytest.approx(
+        0.0152753 / 3**0.5, rel=1e-5
+    )  # differences -0.01, 0.01, -0.02: sd 0.01528
+    assert (p["seeds"], p["ours_lower_on"]) == (3, 2)
+    with pytest.raises(ValueError):
+        paired_difference([1.0], [1.0, 2.0])
+
+
 # ---------------------------------------------------------------- the decode rule
 LOADS = [EngineLoad(0, running=2, kv_tokens=200_000), EngineLoad(1, running=12, kv_tokens=24_000)]
 
