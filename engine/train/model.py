@@ -302,19 +302,39 @@ class TrainModel(nn.Module):
         m: Any = self.mtp
         return self.lm.lm_head(m.norm(m.hc_head(mtp_streams)))
 
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> dict[str, torch.Tensor]:
-        """x [B, S] inputs, y [B, S] next tokens -> losses: ``lm``, ``mtp`` (token after next), ``indexer``."""
+    def forward(self, x: torch.Tensor, y: torch.Tensor, ul_window: int = 0) -> dict[str, torch.Tensor]:
+        """x [B, S] inputs, y [B, S] next tokens -> losses: ``lm``, ``mtp`` (token after next),
+        ``indexer``, and ``ul`` (``unlikelihood`` over the last ``ul_window`` tokens; 0 when 0)."""
         self.indexer.records.clear()
         streams, kwargs = self.trunk(x)
         vocab = self.hf_cfg.vocab_size
-        lm = F.cross_entropy(self.main_logits(streams).float().reshape(-1, vocab), y.reshape(-1))
+        logits = self.main_logits(streams).float()
+        lm = F.cross_entropy(logits.reshape(-1, vocab), y.reshape(-1))
         mtp_out = self.mtp_streams(streams, y, kwargs)
         mtp_logits = self.mtp_logits(mtp_out[:, :-1]).float()
         mtp = F.cross_entropy(mtp_logits.reshape(-1, vocab), y[:, 1:].reshape(-1))
         idx = self.indexer.loss()
         out = {"lm": lm, "mtp": mtp}
         out["indexer"] = idx if idx is not None else lm.new_zeros(())
+        out["ul"] = unlikelihood(logits, y, ul_window) if ul_window > 0 else lm.new_zeros(())
         return out
+
+
+def unlikelihood(logits: torch.Tensor, y: torch.Tensor, window: int) -> torch.Tensor:
+    """Token-level unlikelihood (Welleck et al., 2019, "Neural Text Generation with
+    Unlikelihood Training"), mean per position: at position t the negative candidates are
+    the tokens of the ``window`` positions before it (``y[t - window .. t - 1]``, the context
+    the model just read) other than the target ``y[t]``, and each adds ``-log(1 - p(c))``.
+    It lowers the probability of repeating recent text where the data does not repeat it,
+    the mechanism behind greedy repetition loops, and leaves the target's own term to the
+    cross-entropy. logits [B, S, V] (float), y [B, S]."""
+    b, s, v = logits.shape
+    cand = torch.zeros(b, s, v, dtype=torch.bool, device=logits.device)
+    for o in range(1, min(window, s - 1) + 1):
+        cand[:, o:].scatter_(2, y[:, : s - o, None], True)
+    cand.scatter_(2, y[..., None], False)
+    p = logits.softmax(-1)
+    return -(torch.log1p(-p.clamp(max=1 - 1e-5)) * cand).sum() / (b * s)
 
 
 def export_state(model: TrainModel) -> dict[str, torch.Tensor]:

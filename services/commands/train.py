@@ -3,6 +3,8 @@
 * ``data``: corpus manifest, held-out split, cut vocabulary, token arrays, baselines;
 * ``model``: train ``DeepseekV4ForCausalLM`` plus its MTP layer on a data directory, and
   score it on the held-out split (perplexity beside the baselines, MTP acceptance);
+* ``unlikelihood``: continue a ``model`` checkpoint for a few steps with token-level
+  unlikelihood added, against greedy repetition loops; score it as ``model`` does;
 * ``headers``: greedy continuations of 20 held-out function headers through the engine;
 * ``confidence``: fit the MTP drafts' confidence head on the model's own drafts over the
   training split, and report its calibration on the held-out split.
@@ -19,7 +21,8 @@ from typing import Any
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
-        "train", help="train the small trained preset (stages: data, model, headers, confidence)"
+        "train",
+        help="train the small trained preset (stages: data, model, unlikelihood, eval, headers, confidence)",
     )
     stages = p.add_subparsers(dest="stage", metavar="STAGE")
     stages.required = True
@@ -73,6 +76,24 @@ def register(sub: argparse._SubParsersAction) -> None:
             help=f"(default {field.default})",
         )
     m.set_defaults(func=run_model)
+
+    from engine.train.unlikelihood import UnlikelihoodSettings
+
+    u = stages.add_parser(
+        "unlikelihood",
+        help="continue a `model` checkpoint with token-level unlikelihood (against greedy loops); write a checkpoint",
+    )
+    _checkpoint_args(u)
+    u.add_argument("--out", type=Path, required=True, help="checkpoint directory to write (not --model)")
+    u.add_argument("--json", action="store_true", help="print training.json")
+    for field in dataclasses.fields(UnlikelihoodSettings):
+        u.add_argument(
+            "--" + field.name.replace("_", "-"),
+            type=type(field.default),
+            default=field.default,
+            help=f"(default {field.default})",
+        )
+    u.set_defaults(func=run_unlikelihood)
 
     e = stages.add_parser(
         "eval", help="score a checkpoint on heldout-v1: perplexity beside the baselines, MTP acceptance"
@@ -181,6 +202,20 @@ def run_model(args: argparse.Namespace) -> int:
     if info is None:
         print(f"stopped after step {args.stop_after}; continue with the same command and --resume")
         return 0
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    _print_measures(info)
+    print(f"trained in {info['train_seconds']:.0f} s on {info['environment']['device']}; wrote {args.out}")
+    return 0
+
+
+def run_unlikelihood(args: argparse.Namespace) -> int:
+    from engine.train.unlikelihood import UnlikelihoodSettings, train_unlikelihood
+
+    names = [f.name for f in dataclasses.fields(UnlikelihoodSettings)]
+    settings = UnlikelihoodSettings(**{n: getattr(args, n) for n in names})
+    info = train_unlikelihood(args.model, args.data, args.out, settings, device=args.device)
     if args.json:
         print(json.dumps(info, indent=1))
         return 0

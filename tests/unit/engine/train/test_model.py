@@ -251,3 +251,47 @@ def test_a_run_split_by_stop_and_resume_equals_one_run(built: Path, trained: Pat
     other = TrainSettings(**{**SETTINGS.__dict__, "lr": 1e-3})
     with pytest.raises(ValueError, match="other settings"):
         train(built, out, other, model_overrides=SMALL, resume=True)
+
+
+def test_unlikelihood_penalises_recent_tokens_other_than_the_target() -> None:
+    from engine.train.model import unlikelihood
+
+    torch.manual_seed(0)
+    y = torch.tensor([[5, 6, 5, 7]])
+    logits = torch.randn(1, 4, 10, requires_grad=True)
+    ul = unlikelihood(logits, y, window=2)
+    p = logits.detach().softmax(-1)[0]
+    # position 1: {5}; 2: {5, 6} minus the target 5 -> {6}; 3: {6, 5}; position 0 has no context
+    want = (
+        -(torch.log1p(-p[1, 5]) + torch.log1p(-p[2, 6]) + torch.log1p(-p[3, 6]) + torch.log1p(-p[3, 5])) / 4
+    )
+    assert float(ul) == pytest.approx(float(want), rel=1e-6)
+    ul.backward()
+    g = logits.grad[0]
+    assert float(g[1, 5]) > 0 and float(g[3, 7]) < 0  # a candidate is pushed down, the target's share rises
+    assert unlikelihood(logits.detach(), y, window=1) < ul.detach()  # a narrower window, fewer candidates
+
+
+def test_unlikelihood_stage_is_deterministic_keeps_the_base_and_records_it(
+    built: Path, trained: Path, tmp_path: Path
+) -> None:
+    from engine.train.unlikelihood import CURVE_NAME, UnlikelihoodSettings, train_unlikelihood
+
+    s = UnlikelihoodSettings(steps=3, warmup=1, seq_len=64, batch=4, micro_batch=2, accept_prompts=4, lr=1e-3)
+    base_sha = _sha(trained / "model.safetensors")
+    a = train_unlikelihood(trained, built, tmp_path / "a", s)
+    b = train_unlikelihood(trained, built, tmp_path / "b", s)
+    assert _sha(trained / "model.safetensors") == base_sha  # the base is read, never rewritten
+    assert _sha(tmp_path / "a" / "model.safetensors") == _sha(tmp_path / "b" / "model.safetensors")
+    assert _sha(tmp_path / "a" / "model.safetensors") != base_sha  # it trained
+    info = json.loads((tmp_path / "a" / "training.json").read_text())
+    assert info == json.loads(json.dumps(a)) and a["heldout"] == b["heldout"]
+    assert info["base"]["model_safetensors_sha256"] == base_sha
+    assert info["base"]["training"]["settings"]["steps"] == SETTINGS.steps
+    assert info["stage"] == "unlikelihood" and info["settings"]["alpha"] == s.alpha
+    steps = [json.loads(line) for line in (tmp_path / "a" / CURVE_NAME).read_text().splitlines()]
+    assert [r["step"] for r in steps] == [1, 2, 3] and all(r["ul"] > 0 for r in steps)
+    assert (tmp_path / "a" / "curve.jsonl").read_text() == (trained / "curve.jsonl").read_text()
+    load_trained(tmp_path / "a")  # the checkpoint loads like a model stage's
+    with pytest.raises(ValueError, match="must differ"):
+        train_unlikelihood(trained, built, trained, s)
