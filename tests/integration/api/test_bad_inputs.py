@@ -46,6 +46,10 @@ class Case:
     headers: dict[str, str] = field(default_factory=dict)
     auth: str | None = "default"  # "default": the test key; None: no key; other: that key
     chunked: bool = False
+    # uvicorn's h11 parser answers a request it cannot parse with 400 and closes at once, with
+    # the rest of the client's bytes unread, so the kernel may reset the connection before the
+    # client reads the 400 (no lingering close): a reset is then the refusal, seen from TCP
+    reset_ok: bool = False
 
 
 TOKENS_9000 = json.dumps({"model": "deepseek-chat", "prompt": [5] * 9000, "max_tokens": 5}).encode()
@@ -90,7 +94,7 @@ CORPUS = [
     Case("remote image URL (off by default)", 400, "allow_remote_images",
          chat(messages=image_msg("http://169.254.169.254/latest/meta-data"))),
     Case("headers over max_header_bytes", 431, "max_header_bytes", chat(), headers={"x-pad": "a" * 20_000}),
-    Case("headers over the parser bound", (400, 431), "", chat(), headers={"x-pad": "a" * 70_000}),
+    Case("headers over the parser bound", (400, 431), "", chat(), headers={"x-pad": "a" * 70_000}, reset_ok=True),
     Case("body over max_body_bytes (Content-Length)", 413, "max_body_bytes", b"x" * (8 * 2**20 + 1)),
     Case("chunked body over max_body_bytes", 413, "max_body_bytes", b"x" * (8 * 2**20 + 1), chunked=True),
     Case("missing API key", 401, "api_key", chat(), auth=None),
@@ -160,7 +164,18 @@ def test_bad_inputs_get_their_4xx_fast_while_a_good_request_succeeds(api_server)
     with httpx.Client(base_url=api_server.url, timeout=10) as client:
         for case in CORPUS:
             t0 = time.monotonic()
-            resp = send(client, case, key)
+            try:
+                resp = send(client, case, key)
+            except (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError) as exc:
+                if not case.reset_ok:
+                    raise
+                if time.monotonic() - t0 > 1.0:
+                    failures.append(
+                        f"{case.name}: connection reset after {time.monotonic() - t0:.2f}s: {exc}"
+                    )
+                client.close()  # the server closed this connection
+                client = httpx.Client(base_url=api_server.url, timeout=10)
+                continue
             elapsed = time.monotonic() - t0
             text = error_text(resp)
             statuses = case.status if isinstance(case.status, tuple) else (case.status,)
