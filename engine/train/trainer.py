@@ -146,6 +146,12 @@ def run_environment(dev: torch.device) -> dict[str, Any]:
     }
 
 
+def trained_environment(dev: torch.device) -> dict[str, Any]:
+    """``run_environment`` after a training stage, with its peak GPU memory (None on the CPU)."""
+    peak = round(torch.cuda.max_memory_allocated(dev) / 1e9, 2) if dev.type == "cuda" else None
+    return {**run_environment(dev), "peak_gpu_memory_gb": peak}
+
+
 def _fmt_eta(seconds: float) -> str:
     m, sec = divmod(int(seconds), 60)
     return f"{m}m{sec:02d}s"
@@ -271,12 +277,7 @@ def train(
             "heldout_sha256": data.header["arrays"]["heldout"]["sha256"],
             "train_tokens_used": int(len(data.train)),
         },
-        "environment": {
-            **run_environment(dev),
-            "peak_gpu_memory_gb": round(torch.cuda.max_memory_allocated(dev) / 1e9, 2)
-            if dev.type == "cuda"
-            else None,
-        },
+        "environment": trained_environment(dev),
         "train_seconds": round(train_s, 1),
         "final_step": last,
         **measures,

@@ -39,7 +39,7 @@ from engine.train.trainer import (
     _measure,
     _param_groups,
     batches,
-    run_environment,
+    trained_environment,
     write_checkpoint,
 )
 
@@ -168,12 +168,7 @@ def train_unlikelihood(
         "settings": dataclasses.asdict(s),
         "base": {"model_safetensors_sha256": base_sha, "training": base_info},
         "data": base_info.get("data", {"tokenizer_sha256": data.header["tokenizer"]["sha256"]}),
-        "environment": {
-            **run_environment(dev),
-            "peak_gpu_memory_gb": round(torch.cuda.max_memory_allocated(dev) / 1e9, 2)
-            if dev.type == "cuda"
-            else None,
-        },
+        "environment": trained_environment(dev),
         "train_seconds": round(train_s, 1),
         "final_step": last,
         **measures,
