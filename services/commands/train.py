@@ -68,13 +68,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="replace one preset config value (e.g. moe_intermediate_size=64, layer_types='[...]'); "
         "repeatable; recorded in training.json as model_overrides",
     )
-    for field in dataclasses.fields(TrainSettings):
-        m.add_argument(
-            "--" + field.name.replace("_", "-"),
-            type=type(field.default),
-            default=field.default,
-            help=f"(default {field.default})",
-        )
+    _settings_args(m, TrainSettings)
     m.set_defaults(func=run_model)
 
     from engine.train.unlikelihood import UnlikelihoodSettings
@@ -86,13 +80,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _checkpoint_args(u)
     u.add_argument("--out", type=Path, required=True, help="checkpoint directory to write (not --model)")
     u.add_argument("--json", action="store_true", help="print training.json")
-    for field in dataclasses.fields(UnlikelihoodSettings):
-        u.add_argument(
-            "--" + field.name.replace("_", "-"),
-            type=type(field.default),
-            default=field.default,
-            help=f"(default {field.default})",
-        )
+    _settings_args(u, UnlikelihoodSettings)
     u.set_defaults(func=run_unlikelihood)
 
     e = stages.add_parser(
@@ -136,14 +124,23 @@ def register(sub: argparse._SubParsersAction) -> None:
         "(e.g. the checkpoint directory; nothing else there is touched)",
     )
     c.add_argument("--json", action="store_true", help="print confidence.json")
-    for field in dataclasses.fields(ConfidenceSettings):
-        c.add_argument(
-            "--" + field.name.replace("_", "-"),
-            type=type(field.default),
-            default=field.default,
-            help=f"(default {field.default})",
-        )
+    _settings_args(c, ConfidenceSettings)
     c.set_defaults(func=run_confidence)
+
+
+def _settings_args(p: argparse.ArgumentParser, settings: type) -> None:
+    """One ``--flag`` per field of a settings dataclass, its default the field's."""
+    for f in dataclasses.fields(settings):
+        p.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=type(f.default),
+            default=f.default,
+            help=f"(default {f.default})",
+        )
+
+
+def _settings_from(args: argparse.Namespace, settings: type) -> Any:
+    return settings(**{f.name: getattr(args, f.name) for f in dataclasses.fields(settings)})
 
 
 def _checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -188,8 +185,7 @@ def run_data(args: argparse.Namespace) -> int:
 def run_model(args: argparse.Namespace) -> int:
     from engine.train.trainer import TrainSettings, train
 
-    names = [f.name for f in dataclasses.fields(TrainSettings)]
-    settings = TrainSettings(**{n: getattr(args, n) for n in names})
+    settings = _settings_from(args, TrainSettings)
     info = train(
         args.data,
         args.out,
@@ -213,8 +209,7 @@ def run_model(args: argparse.Namespace) -> int:
 def run_unlikelihood(args: argparse.Namespace) -> int:
     from engine.train.unlikelihood import UnlikelihoodSettings, train_unlikelihood
 
-    names = [f.name for f in dataclasses.fields(UnlikelihoodSettings)]
-    settings = UnlikelihoodSettings(**{n: getattr(args, n) for n in names})
+    settings = _settings_from(args, UnlikelihoodSettings)
     info = train_unlikelihood(args.model, args.data, args.out, settings, device=args.device)
     if args.json:
         print(json.dumps(info, indent=1))
@@ -279,8 +274,7 @@ def run_headers(args: argparse.Namespace) -> int:
 def run_confidence(args: argparse.Namespace) -> int:
     from engine.train.confidence import ConfidenceSettings, train_confidence
 
-    names = [f.name for f in dataclasses.fields(ConfidenceSettings)]
-    settings = ConfidenceSettings(**{n: getattr(args, n) for n in names})
+    settings = _settings_from(args, ConfidenceSettings)
     report = train_confidence(args.model, args.data, args.out, settings, device=args.device)
     if args.json:
         print(json.dumps(report, indent=1))
