@@ -70,7 +70,7 @@ from engine.model.confidence import (
 from engine.train.data import read_array
 from engine.train.evaluate import greedy_chains, prompt_offsets
 from engine.train.model import TrainModel
-from engine.train.trainer import Log, Streams, run_environment
+from engine.train.trainer import Log, Streams, run_environment, training_record
 
 SOURCES = ("train", "valid", "fit")
 CHAINS = ("engine", "recompute")
@@ -402,11 +402,7 @@ def train_confidence(
     model_dir, data_dir, out_dir = Path(model_dir), Path(data_dir), Path(out_dir)
     torch.use_deterministic_algorithms(True, warn_only=True)
     data = Streams(data_dir)
-    info_path = model_dir / "training.json"
-    trained_on = json.loads(info_path.read_text()).get("data", {}) if info_path.is_file() else {}
-    want = trained_on.get("tokenizer_sha256")
-    if want is not None and want != data.header["tokenizer"]["sha256"]:
-        raise ValueError(f"{model_dir} was trained with another tokenizer than {data_dir}'s")
+    training_record(model_dir, data, data_dir)
     stream = {"valid": data.valid, "fit": data.train}.get(s.source)
     if stream is None:
         stream = read_array(data_dir, "train").astype(np.int64)

@@ -322,6 +322,17 @@ def _measure(
     }
 
 
+def training_record(model_dir: Path | str, data: Streams, data_dir: Path | str) -> dict[str, Any]:
+    """A checkpoint's ``training.json`` ({} when it has none); raises ``ValueError`` when it was
+    trained with another tokenizer than ``data``'s (read from ``data_dir``)."""
+    path = Path(model_dir) / "training.json"
+    record = json.loads(path.read_text()) if path.is_file() else {}
+    want = record.get("data", {}).get("tokenizer_sha256")
+    if want is not None and want != data.header["tokenizer"]["sha256"]:
+        raise ValueError(f"{model_dir} was trained with another tokenizer than {data_dir}'s")
+    return record
+
+
 def evaluate_checkpoint(
     model_dir: Path | str,
     data_dir: Path | str,
@@ -335,14 +346,7 @@ def evaluate_checkpoint(
 
     log = log if log is not None else Log()
     data = Streams(Path(data_dir))
-    tok = (
-        json.loads((Path(model_dir) / "training.json").read_text())
-        if (Path(model_dir) / "training.json").is_file()
-        else {}
-    )
-    want = tok.get("data", {}).get("tokenizer_sha256")
-    if want is not None and want != data.header["tokenizer"]["sha256"]:
-        raise ValueError(f"{model_dir} was trained with another tokenizer than {data_dir}'s")
+    training_record(model_dir, data, data_dir)
     dev = torch.device(device)
     model = load_trained(model_dir, dev)
     return _measure(model, data, dev, seq_len, _eval_batch(dev, seq_len, 1), accept_prompts, log)

@@ -40,6 +40,7 @@ from engine.train.trainer import (
     _param_groups,
     batches,
     trained_environment,
+    training_record,
     write_checkpoint,
 )
 
@@ -104,11 +105,7 @@ def train_unlikelihood(
         torch.backends.cudnn.allow_tf32 = True
     torch.use_deterministic_algorithms(True, warn_only=True)
     data = Streams(data_dir)
-    base_info_path = model_dir / "training.json"
-    base_info = json.loads(base_info_path.read_text()) if base_info_path.is_file() else {}
-    want = base_info.get("data", {}).get("tokenizer_sha256")
-    if want is not None and want != data.header["tokenizer"]["sha256"]:
-        raise ValueError(f"{model_dir} was trained with another tokenizer than {data_dir}'s")
+    base_info = training_record(model_dir, data, data_dir)
     base_sha = _sha256(model_dir / "model.safetensors")
     torch.manual_seed(s.seed)
     model = load_trained(model_dir, dev)

@@ -198,12 +198,7 @@ def run_model(args: argparse.Namespace) -> int:
     if info is None:
         print(f"stopped after step {args.stop_after}; continue with the same command and --resume")
         return 0
-    if args.json:
-        print(json.dumps(info, indent=1))
-        return 0
-    _print_measures(info)
-    print(f"trained in {info['train_seconds']:.0f} s on {info['environment']['device']}; wrote {args.out}")
-    return 0
+    return _print_trained(info, args)
 
 
 def run_unlikelihood(args: argparse.Namespace) -> int:
@@ -211,12 +206,7 @@ def run_unlikelihood(args: argparse.Namespace) -> int:
 
     settings = _settings_from(args, UnlikelihoodSettings)
     info = train_unlikelihood(args.model, args.data, args.out, settings, device=args.device)
-    if args.json:
-        print(json.dumps(info, indent=1))
-        return 0
-    _print_measures(info)
-    print(f"trained in {info['train_seconds']:.0f} s on {info['environment']['device']}; wrote {args.out}")
-    return 0
+    return _print_trained(info, args)
 
 
 def parse_overrides(items: list[str]) -> dict[str, Any]:
@@ -243,6 +233,15 @@ def run_eval(args: argparse.Namespace) -> int:
         print(json.dumps(report, indent=1))
         return 0
     _print_measures(report)
+    return 0
+
+
+def _print_trained(info: dict, args: argparse.Namespace) -> int:
+    if args.json:
+        print(json.dumps(info, indent=1))
+        return 0
+    _print_measures(info)
+    print(f"trained in {info['train_seconds']:.0f} s on {info['environment']['device']}; wrote {args.out}")
     return 0
 
 
