@@ -227,6 +227,35 @@ def text_or_random_prompts(
     return random_prompts(vocab, n, length, seed), f"random tokens{reason}"
 
 
+def staggered(prompts: Sequence[Sequence[int]], period: int) -> list[list[int]]:
+    """Prompt ``k`` shortened by ``k mod period`` ids, so that a batch's positions are spread
+    over ``period`` phases, as independent requests' are.
+
+    Prompts of one length decode in lockstep: every compressor window closes in the same step
+    for every request (one pooling call a layer), a phase that speculation breaks as soon as
+    requests accept different numbers of drafts. Comparing plain decoding in lockstep with
+    speculation out of it priced the phase, not the policy (the CPU's DSpark with speculation
+    off ran 4-7 % below plain decoding at 16 requests: docs/benchmarks.md). ``period``: the
+    least common multiple of the model's compression rates (`phase_period`)."""
+    if period < 1:
+        raise ValueError(f"period must be >= 1, got {period}")
+    out = [list(p[: max(len(p) - k % period, 0)]) for k, p in enumerate(prompts)]
+    if any(not p for p in out):
+        raise ValueError(
+            f"prompts of {min(len(p) for p in prompts)} ids are too short to stagger over {period} phases"
+        )
+    return out
+
+
+def phase_period(model_dir: str | Path) -> int:
+    """The least common multiple of the compression rates of the checkpoint in ``model_dir``
+    (`staggered`'s period: 128 for V4's rates of 4 and 128)."""
+    from engine.config import ModelConfig
+
+    cfg = ModelConfig.from_dir(model_dir)
+    return math.lcm(cfg.csa_rate, cfg.hca_rate)
+
+
 def random_prompts(vocab_size: int, n: int, length: int, seed: int = 0) -> list[list[int]]:
     """``n`` prompts of ``length`` ids uniform over ``[3, vocab_size)`` (past BOS, EOS, pad), seeded."""
     g = torch.Generator().manual_seed(seed)

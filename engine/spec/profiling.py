@@ -7,7 +7,8 @@ ever adds time.
 
 For every batch size ``B`` and draft count ``k = 0 .. drafted`` an `EngineCore` runs the
 ``fixed-k:drafted`` policy (the MTP layer drafts ``drafted`` tokens per request, ``k`` are
-verified) over ``B`` requests of ``prompt_tokens`` tokens, decoding greedily without
+verified) over ``B`` requests of up to ``prompt_tokens`` tokens (staggered by ``k`` mod the
+model's compression period, as the bench's runs are), decoding greedily without
 stopping. After ``warmup`` steps of the decode phase, a step counts when every one of the
 ``B`` requests verified exactly ``k`` drafts; the profile keeps the median of ``steps`` such
 steps. Prefix caching is off so that no request starts from another's state.
@@ -144,7 +145,12 @@ def measure_spec_profile(
 
 
 def _prompts(model: Path, n: int, length: int, seed: int) -> tuple[list[list[int]], str]:
-    """``n`` prompts of ``length`` ids: held-out text, else seeded random tokens; and which."""
-    from engine.replay_quality import text_or_random_prompts
+    """``n`` prompts of at most ``length`` ids: held-out text, else seeded random tokens; and
+    which. Staggered (`engine.replay_quality.staggered`): prompt k is k mod the model's
+    compression period shorter, so that plain steps are not priced in a lockstep that
+    speculating steps leave."""
+    from engine.replay_quality import phase_period, staggered, text_or_random_prompts
 
-    return text_or_random_prompts(model, n, length, seed)
+    prompts, source = text_or_random_prompts(model, n, length, seed)
+    period = phase_period(model)
+    return staggered(prompts, period), f"{source}, {length} - (k mod {period}) ids"

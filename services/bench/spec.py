@@ -3,7 +3,9 @@ its two-step-lagged variant, at several concurrencies, with the step profile mea
 the same run.
 
 For each concurrency ``c`` and policy, an `EngineCore` takes ``c`` held-out prompts
-(heldout-v1 windows of ``--prompt-tokens`` tokens) at once and decodes ``--tokens``
+(heldout-v1 windows; prompt ``k`` has ``--prompt-tokens`` minus ``k`` mod 128 tokens, 128
+being the model's compression period, so that requests do not decode in a lockstep that only
+plain decoding keeps: `engine.replay_quality.staggered`) at once and decodes ``--tokens``
 greedy tokens for each (EOS ignored, prefix caching off). Only the decode phase is timed:
 the first step (every prefill, the first tokens) is not, nor an untimed warm-up round on the
 same engine before it (``--warmup-tokens``: the policy's acceptance estimates and torch are
@@ -263,7 +265,7 @@ def _modelled(
 def run(args: argparse.Namespace) -> Report:
     import torch
 
-    from engine.replay_quality import heldout_prompts
+    from engine.replay_quality import heldout_prompts, phase_period, staggered
     from engine.spec.profile import SPEC_STEPS_FILE, SpecProfile
     from engine.spec.profiling import device_steps_file, measure_spec_profile
 
@@ -298,7 +300,9 @@ def run(args: argparse.Namespace) -> Report:
         progress(f"profile measured in {time.perf_counter() - t_start:.0f} s")
     report.results["profile"] = _profile_table(profile, source)
     report.results["h200_profile"] = _h200_profile(model, args.device)
-    prompts_all = heldout_prompts(model, max(conc), args.prompt_tokens)
+    period = phase_period(model)  # prompt k is k mod period ids shorter: no lockstep (`staggered`)
+    prompts_all = staggered(heldout_prompts(model, max(conc), args.prompt_tokens), period)
+    report.config["prompt_lengths"] = f"{args.prompt_tokens} - (k mod {period}) for prompt k"
     with tempfile.TemporaryDirectory(prefix="sluice-bench-spec-") as tmp:
         ppath = Path(tmp) / SPEC_STEPS_FILE
         ppath.write_text(profile.to_json())

@@ -3,8 +3,12 @@ steps it prices accept drafts as serving does (and cost what they cost then)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import pytest
+
+from engine.replay_quality import phase_period, random_prompts, staggered
 from engine.spec.profiling import _prompts, measure_spec_profile
 
 MODEL = Path(__file__).resolve().parents[4] / "models" / "trained"
@@ -15,13 +19,31 @@ def test_the_profile_is_measured_on_held_out_text() -> None:
         MODEL, batches=(1, 2), drafted=2, prompt_tokens=64, warmup=1, steps=2, rounds=1
     )
     assert prof.batch == (1, 2) and prof.drafts == (0, 1, 2)
-    assert prof.meta["prompts"] == "heldout-v1 windows"
+    assert prof.meta["prompts"] == "heldout-v1 windows, 64 - (k mod 128) ids"
     assert all(s > 0 for row in prof.seconds for s in row) and all(s > 0 for s in prof.plain)
 
 
 def test_prompts_are_text_where_the_tokenizer_reads_it_else_random(tmp_path) -> None:
     text, source = _prompts(MODEL, 3, 32, seed=0)
-    assert source == "heldout-v1 windows" and len(text) == 3 and all(len(p) == 32 for p in text)
-    (tmp_path / "config.json").write_text('{"vocab_size": 100, "bos_token_id": 0, "eos_token_id": 1}')
+    assert source == "heldout-v1 windows, 32 - (k mod 128) ids" and [len(p) for p in text] == [32, 31, 30]
+    config = json.loads((MODEL / "config.json").read_text()) | {"vocab_size": 100}
+    (tmp_path / "config.json").write_text(json.dumps(config))
     rand, source = _prompts(tmp_path, 3, 32, seed=0)  # no tokenizer.json
     assert source.startswith("random tokens") and all(3 <= t < 100 for p in rand for t in p)
+
+
+def test_staggered_prompts_spread_every_compression_phase_and_refuse_what_they_cannot() -> None:
+    """Prompt k loses k mod period ids (a prefix of itself), so a batch's positions cover every
+    phase of every compression rate; too short a prompt is refused, never wrapped around."""
+    period = phase_period(MODEL)
+    assert period == 128  # the trained preset's rates: 4 and 128
+    prompts = random_prompts(1024, 200, 300, seed=3)
+    out = staggered(prompts, period)
+    assert [len(p) for p in out] == [300 - k % period for k in range(200)]
+    assert all(p[: len(q)] == q for p, q in zip(prompts, out))
+    assert {len(q) % period for q in out[:period]} == set(range(period))
+    assert {len(q) % 4 for q in out[:8]} == set(range(4))
+    with pytest.raises(ValueError, match="too short"):
+        staggered(random_prompts(1024, 40, 30, seed=3), period)
+    with pytest.raises(ValueError, match="period"):
+        staggered(prompts, 0)
