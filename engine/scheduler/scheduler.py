@@ -270,8 +270,15 @@ class Scheduler:
         sets how many the step drafts for the next, ``spec.depth``)."""
         assert self.spec is not None
         cands = [r for r in running if r.num_pending == 0 and r.tokens_to_compute == 1]
-        if not cands:  # prompts only: the requests running or admitted now decode next
-            self.spec.prepare(min(len(running) + len(self.waiting), self.config.max_num_seqs))
+        if not cands:
+            pipelined = [r.request_id for r in running if r.tokens_to_compute == 1]
+            if pipelined and self.spec.adaptive:
+                # every decoding request's input is still on the device (a pipelined step, so
+                # speculation is off): nothing to verify, but the policy counts the step and
+                # probes now and then, as in a step that has the tokens (`SpecPolicy._probe`)
+                self.spec.choose(pipelined, [()] * len(pipelined), tokens)
+            else:  # prompts only: the requests running or admitted now decode next
+                self.spec.prepare(min(len(running) + len(self.waiting), self.config.max_num_seqs))
             return {}
         if not any(r.drafts for r in cands):  # nothing to verify; an adaptive policy still sets the depth
             if self.spec.adaptive:

@@ -84,7 +84,7 @@ class SpecConfig:
 class SpecStats:
     """Counters since the engine started (``CoreStats.extra`` reports them)."""
 
-    steps: int = 0  # decode steps in which at least one request had drafts
+    steps: int = 0  # decode steps the policy planned (with drafts to verify or not)
     drafted: int = 0  # drafts available to those steps
     verified: int = 0  # drafts put into verification
     accepted: int = 0  # verified drafts that were accepted
@@ -111,13 +111,18 @@ class SpecPolicy:
     the depth follows the profile: each step compares the expected throughput of plain
     decoding (depth 0: no MTP work at all), of verifying a uniform K drafted tokens
     (depth K) and of DSpark's selection over ``num_drafts`` drafts, using the acceptance
-    rates observed lately (per draft position, decayed by ``DECAY`` per step) and this
+    rates observed lately (per draft position, decayed by ``DECAY`` per step that has drafts) and this
     step's confidences; it switches only for a gain above ``margin``. Before there is
     evidence enough the depth is ``num_drafts``, except at a batch size where plain
     decoding beats speculation even with every draft accepted (``_never_pays``): there it
     is 0 at once."""
 
-    DECAY: Final = 0.98  # per step: observations fade over ~50 steps
+    # Per step with drafts to verify: observations fade over ~50 such steps. A step without
+    # drafts (speculation off, a prefill's) adds no evidence and forgets none: decayed there, a
+    # long off period emptied the record, and each probe then sent the policy back to drafting
+    # every step until MIN_EVIDENCE outcomes were in again (on the H200 at one request that
+    # ran at 0.49 of plain decoding, graph captures of the revisited shapes included).
+    DECAY: Final = 0.98
     # The depth leaves num_drafts only on this much (decayed) evidence of position 1: the
     # rate's standard error is then below 0.09 whatever it is.
     MIN_EVIDENCE: Final = 32.0
@@ -203,11 +208,11 @@ class SpecPolicy:
             return [], "none"
         b = batch if batch is not None else len(rids)
         self._fold()
+        if not any(n):  # no evidence comes from this step, and none is forgotten
+            return self._choose_none(len(rids), b)
         d = self.DECAY
         for acc in (self._hits, self._tries, self._conf_sum, self._conf_n):
             acc[:] = [x * d for x in acc]
-        if not any(n):
-            return self._choose_none(len(rids), b)
         conf = self._record_confidences(rids, confidences, n)
         plan = self._set_depth(b, conf) if self.adaptive else None
         if self.config.policy == "fixed" or self.profile is None:

@@ -11,7 +11,8 @@ the first step (every prefill, the first tokens) is not, nor an untimed warm-up 
 same engine before it (``--warmup-tokens``: the policy's acceptance estimates and torch are
 then warm, as on a serving engine; where the engine runs CUDA graphs, the warm-up takes the
 whole prompts and as many tokens as the timed round, so that the graphs the timed round
-replays are captured before it: ``graph_captures_timed`` counts those that were not).
+replays are captured before it, repeated (up to 3 rounds) until a round captures nothing new:
+``graph_captures_timed`` counts those captured in the timed round all the same).
 Reported per run:
 
 * **verified per step**: drafts put into verification per step, summed over the batch;
@@ -90,6 +91,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
+#: most warm-up rounds with CUDA graphs (each on the same engine; the last captured nothing new)
+WARMUP_ROUNDS = 3
+
+
 def _run(
     model: Path,
     prompts: list[list[int]],
@@ -117,12 +122,21 @@ def _run(
         graphs = core.runner.graphs if core.runner.graphs is not None and core.runner.graphs.capture else None
         if graphs is not None:  # the timed round's shapes, captured before it
             warmup_tokens = max(warmup_tokens, tokens)
+        warmup_rounds = 0
         if warmup_tokens:
             warm = SamplingParams(temperature=0.0, max_tokens=warmup_tokens, ignore_eos=True)
-            for i, p in enumerate(prompts):
-                core.add(CoreRequest(f"w{i}", tuple(p if graphs is not None else p[:64]), warm))
-            while core.has_work():
-                core.step()
+            # with graphs, rounds until one captures nothing new: a policy that changes its
+            # mind in a round (DSpark turning speculation off once its evidence is in) reaches
+            # shapes the round before never ran, and their captures belong to the warm-up
+            for rnd in range(WARMUP_ROUNDS if graphs is not None else 1):
+                warmup_rounds = rnd + 1
+                before = graphs.captures if graphs is not None else 0
+                for i, p in enumerate(prompts):
+                    core.add(CoreRequest(f"w{rnd}-{i}", tuple(p if graphs is not None else p[:64]), warm))
+                while core.has_work():
+                    core.step()
+                if graphs is None or graphs.captures == before:
+                    break
             if core.spec is not None:
                 core.spec.stats = type(core.spec.stats)()  # count the timed round only
         if core.spec is not None:
@@ -169,6 +183,7 @@ def _run(
             # CUDA graphs (decode, verification and drafting chains) captured during the
             # timed round (its first steps of a shape the warm-up did not reach); null: no graphs
             "graph_captures_timed": graphs.captures - captured if graphs is not None else None,
+            "warmup_rounds": warmup_rounds,
             "_trace": trace,
         }
     finally:

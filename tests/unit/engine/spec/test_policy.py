@@ -140,6 +140,29 @@ def test_depth_waits_for_evidence_and_probes_while_off() -> None:
     assert depths.count(5) == 2 and depths.count(0) == len(depths) - 2  # one probe step in `every`
 
 
+def test_evidence_outlives_an_off_period_so_a_probe_does_not_restart_drafting() -> None:
+    """Off on evidence, the plain steps that follow bring no outcome and forget none: when a
+    probe's drafts are verified and fare as before, the policy stays off. (Decayed through
+    the off period, the record fell below MIN_EVIDENCE and each probe sent the policy back to
+    drafting every step until it was rebuilt: on the H200 at one request, 0.49 of plain.)"""
+    pol = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.001, pass_s=0.004, plain_s=0.010))
+    rids = [f"r{i}" for i in range(32)]
+    _observe(pol, 0.3)
+    pol.choose(rids, [[0.3] * 5] * 32)
+    assert (pol.mode, pol.depth) == ("off", 0)
+    before = pol.rates()
+    for _ in range(pol.probe_every(32)):
+        pol.choose(rids, [[] for _ in rids])
+        if pol.depth:
+            break
+    assert pol.depth == 5 and pol.rates() == pytest.approx(before)  # the probe drafts; nothing forgotten
+    ks, _ = pol.choose(rids, [[0.3] * 5] * 32)  # the probe's drafts: verified
+    assert any(ks)
+    _observe(pol, 0.3, steps=1)
+    pol.choose(rids, [[] for _ in rids])
+    assert (pol.mode, pol.depth) == ("off", 0)
+
+
 def test_probes_cost_at_most_their_budget_of_the_plain_steps_time() -> None:
     """`probe_every`: a probe (a drafting step, then at most a step verifying every draft)
     costs no more than ``PROBE_BUDGET`` of the plain steps between probes, at every batch

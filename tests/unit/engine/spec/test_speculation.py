@@ -19,6 +19,7 @@ import torch
 from engine.llm import LLM
 from engine.replay_quality import heldout_prompts
 from engine.sampling.params import SamplingParams, StructuredOutput
+from engine.spec.policy import SpecPolicy
 from engine.spec.profile import SpecProfile
 
 MODEL = Path(__file__).resolve().parents[4] / "models" / "trained"
@@ -205,5 +206,57 @@ def test_speculation_switched_off_overlaps_steps_and_keeps_the_tokens(tmp_path, 
         spec = llm.core.spec
         assert (spec.stats.drafted, spec.stats.verified, spec.mode, spec.depth) == (0, 0, "off", 0)
         assert set(spec.stats.policies) <= {"off"}, spec.stats.policies
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("loop", ["async_scheduling", "pipeline_steps"])
+def test_speculation_off_on_evidence_keeps_probing_in_overlapped_steps(
+    tmp_path, monkeypatch, loop: str
+) -> None:
+    """Off on evidence (the trained preset's drafts are accepted too rarely for this profile's
+    verification price, though with every draft accepted K = 5 would pay: 6 / 4.5 plain
+    steps), DSpark keeps probing in steps launched or scheduled while the one before runs:
+    their inputs are still on the device, nothing is verified, and the policy counts each
+    ``off`` and drafts again every `probe_every` steps. Such steps once never reached the
+    policy, which then never drafted again. The tokens stay plain decoding's."""
+    batch = (1, 8, 32)
+    secs = tuple(tuple(b * 0.01 * (2.0 + 0.5 * k) for k in range(6)) for b in batch)
+    path = tmp_path / "steps.json"
+    path.write_text(
+        SpecProfile(
+            batch, tuple(range(6)), secs, 5, tuple(b * 0.001 for b in batch), tuple(b * 0.01 for b in batch)
+        ).to_json()
+    )
+    monkeypatch.setattr(SpecPolicy, "PROBE_BUDGET", 0.5)  # a probe every 9 steps, not every 450
+    prompts = [p[:200] for p in _prompts(8)[4:]]
+    greedy = [SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)] * len(prompts)
+    plain = LLM(MODEL, max_num_seqs=16, num_swa_slots=32)
+    try:
+        want = _generate(plain, prompts, greedy)
+    finally:
+        plain.close()
+    llm = LLM(
+        MODEL, max_num_seqs=16, num_swa_slots=32, speculative="dspark", spec_profile_path=str(path),
+        **{loop: True},
+    )  # fmt: skip
+    try:
+        spec = llm.core.spec
+        seen: list[tuple[str, str, int]] = []  # per planned step: policy, mode after it, next depth
+        choose = spec.choose
+
+        def recording(*args, **kwargs):
+            out = choose(*args, **kwargs)
+            seen.append((out[1], spec.mode, spec.depth))
+            return out
+
+        monkeypatch.setattr(spec, "choose", recording)
+        assert _generate(llm, prompts, greedy) == want
+        assert spec.probe_every(len(prompts)) == 9
+        assert (llm.loop.overlapped if loop == "async_scheduling" else llm.loop.pipelined) > 0
+        off = next(i for i, (_, mode, _) in enumerate(seen) if mode == "off")
+        probes = [i for i, (_, mode, depth) in enumerate(seen) if i > off and mode == "off" and depth == 5]
+        assert len(probes) >= 5, seen
+        assert sum(name == "off" for name, _, _ in seen) >= 40, seen
     finally:
         llm.close()
