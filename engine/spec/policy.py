@@ -120,8 +120,7 @@ class SpecPolicy:
     # Per step with drafts to verify: observations fade over ~50 such steps. A step without
     # drafts (speculation off, a prefill's) adds no evidence and forgets none: decayed there, a
     # long off period emptied the record, and each probe then sent the policy back to drafting
-    # every step until MIN_EVIDENCE outcomes were in again (on the H200 at one request that
-    # ran at 0.49 of plain decoding, graph captures of the revisited shapes included).
+    # every step until MIN_EVIDENCE outcomes were in again.
     DECAY: Final = 0.98
     # The depth leaves num_drafts only on this much (decayed) evidence of position 1: the
     # rate's standard error is then below 0.09 whatever it is.

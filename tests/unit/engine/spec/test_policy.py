@@ -144,7 +144,7 @@ def test_evidence_outlives_an_off_period_so_a_probe_does_not_restart_drafting() 
     """Off on evidence, the plain steps that follow bring no outcome and forget none: when a
     probe's drafts are verified and fare as before, the policy stays off. (Decayed through
     the off period, the record fell below MIN_EVIDENCE and each probe sent the policy back to
-    drafting every step until it was rebuilt: on the H200 at one request, 0.49 of plain.)"""
+    drafting every step until it was rebuilt.)"""
     pol = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.001, pass_s=0.004, plain_s=0.010))
     rids = [f"r{i}" for i in range(32)]
     _observe(pol, 0.3)
