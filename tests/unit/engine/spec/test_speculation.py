@@ -174,6 +174,41 @@ def test_published_blocks_equal_plain_decodings(steep_profile) -> None:
             assert (a - b).abs().max().item() < 1e-4, h.hex()
 
 
+def _overlap_profile(tmp_path: Path, verify_s: float, fixed_s: float, pass_s: float) -> str:
+    """A profile file for batches 1, 8 and 32: plain steps of 0.01 s per request, a step
+    verifying k of 5 drafts ``fixed_s + k * verify_s`` per request, drafting passes ``pass_s``."""
+    batch = (1, 8, 32)
+    secs = tuple(tuple(b * (fixed_s + verify_s * k) for k in range(6)) for b in batch)
+    path = tmp_path / "steps.json"
+    path.write_text(
+        SpecProfile(
+            batch, tuple(range(6)), secs, 5, tuple(b * pass_s for b in batch), tuple(b * 0.01 for b in batch)
+        ).to_json()
+    )
+    return str(path)
+
+
+def _dspark_and_plain(
+    profile: str, loop: str, prompts: list[list[int]], params: list[SamplingParams]
+) -> tuple[LLM, list[list[int]]]:
+    """Plain decoding's tokens for ``prompts``, and a DSpark engine on ``profile`` with the
+    overlapping step ``loop`` (the caller closes it)."""
+    plain = LLM(MODEL, max_num_seqs=16, num_swa_slots=32)
+    try:
+        want = _generate(plain, prompts, params)
+    finally:
+        plain.close()
+    llm = LLM(
+        MODEL,
+        max_num_seqs=16,
+        num_swa_slots=32,
+        speculative="dspark",
+        spec_profile_path=profile,
+        **{loop: True},
+    )
+    return llm, want
+
+
 @pytest.mark.parametrize("loop", ["async_scheduling", "pipeline_steps"])
 def test_speculation_switched_off_overlaps_steps_and_keeps_the_tokens(tmp_path, loop: str) -> None:
     """A profile on which speculation never pays (verification at ~10 plain steps, as the
@@ -181,25 +216,10 @@ def test_speculation_switched_off_overlaps_steps_and_keeps_the_tokens(tmp_path, 
     step, and decodes plainly from the first step; the engine then schedules (asynchronous
     steps) or launches (pipelined steps) step N+1 while step N runs, as plain decoding does;
     the tokens are plain decoding's."""
-    batch = (1, 8, 32)
-    secs = tuple(tuple(b * (0.01 + 0.03 + 0.05 * k) for k in range(6)) for b in batch)
-    path = tmp_path / "steps.json"
-    path.write_text(
-        SpecProfile(
-            batch, tuple(range(6)), secs, 5, tuple(b * 0.006 for b in batch), tuple(b * 0.01 for b in batch)
-        ).to_json()
-    )
+    profile = _overlap_profile(tmp_path, verify_s=0.05, fixed_s=0.04, pass_s=0.006)
     prompts = _prompts(6)
     greedy = [SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)] * len(prompts)
-    plain = LLM(MODEL, max_num_seqs=16, num_swa_slots=32)
-    try:
-        want = _generate(plain, prompts, greedy)
-    finally:
-        plain.close()
-    llm = LLM(
-        MODEL, max_num_seqs=16, num_swa_slots=32, speculative="dspark", spec_profile_path=str(path),
-        **{loop: True},
-    )  # fmt: skip
+    llm, want = _dspark_and_plain(profile, loop, prompts, greedy)
     try:
         assert _generate(llm, prompts, greedy) == want
         assert (llm.loop.overlapped if loop == "async_scheduling" else llm.loop.pipelined) > 0
@@ -220,26 +240,11 @@ def test_speculation_off_on_evidence_keeps_probing_in_overlapped_steps(
     their inputs are still on the device, nothing is verified, and the policy counts each
     ``off`` and drafts again every `probe_every` steps. Such steps once never reached the
     policy, which then never drafted again. The tokens stay plain decoding's."""
-    batch = (1, 8, 32)
-    secs = tuple(tuple(b * 0.01 * (2.0 + 0.5 * k) for k in range(6)) for b in batch)
-    path = tmp_path / "steps.json"
-    path.write_text(
-        SpecProfile(
-            batch, tuple(range(6)), secs, 5, tuple(b * 0.001 for b in batch), tuple(b * 0.01 for b in batch)
-        ).to_json()
-    )
+    profile = _overlap_profile(tmp_path, verify_s=0.005, fixed_s=0.02, pass_s=0.001)
     monkeypatch.setattr(SpecPolicy, "PROBE_BUDGET", 0.5)  # a probe every 9 steps, not every 450
     prompts = [p[:200] for p in _prompts(8)[4:]]
     greedy = [SamplingParams(temperature=0.0, max_tokens=96, ignore_eos=True)] * len(prompts)
-    plain = LLM(MODEL, max_num_seqs=16, num_swa_slots=32)
-    try:
-        want = _generate(plain, prompts, greedy)
-    finally:
-        plain.close()
-    llm = LLM(
-        MODEL, max_num_seqs=16, num_swa_slots=32, speculative="dspark", spec_profile_path=str(path),
-        **{loop: True},
-    )  # fmt: skip
+    llm, want = _dspark_and_plain(profile, loop, prompts, greedy)
     try:
         spec = llm.core.spec
         seen: list[tuple[str, str, int]] = []  # per planned step: policy, mode after it, next depth
