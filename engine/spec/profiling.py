@@ -146,10 +146,10 @@ def measure_spec_profile(
 
 def _prompts(model: Path, n: int, length: int, seed: int) -> tuple[list[list[int]], str]:
     """``n`` prompts of at most ``length`` ids: held-out text, else seeded random tokens; and
-    which. Staggered (`engine.replay_quality.staggered`): prompt k is k mod the model's
+    which. Staggered (`engine.prompts.staggered`): prompt k is k mod the model's
     compression period shorter, so that plain steps are not priced in a lockstep that
     speculating steps leave."""
-    from engine.replay_quality import phase_period, staggered, text_or_random_prompts
+    from engine.prompts import phase_period, staggered, text_or_random_prompts
 
     prompts, source = text_or_random_prompts(model, n, length, seed)
     period = phase_period(model)

@@ -5,7 +5,7 @@ the same run.
 For each concurrency ``c`` and policy, an `EngineCore` takes ``c`` held-out prompts
 (heldout-v1 windows; prompt ``k`` has ``--prompt-tokens`` minus ``k`` mod 128 tokens, 128
 being the model's compression period, so that requests do not decode in a lockstep that only
-plain decoding keeps: `engine.replay_quality.staggered`) at once and decodes ``--tokens``
+plain decoding keeps: `engine.prompts.staggered`) at once and decodes ``--tokens``
 greedy tokens for each (EOS ignored, prefix caching off). Only the decode phase is timed:
 the first step (every prefill, the first tokens) is not, nor an untimed warm-up round on the
 same engine before it (``--warmup-tokens``: the policy's acceptance estimates and torch are
@@ -280,7 +280,7 @@ def _modelled(
 def run(args: argparse.Namespace) -> Report:
     import torch
 
-    from engine.replay_quality import heldout_prompts, phase_period, staggered
+    from engine.prompts import heldout_prompts, phase_period, staggered
     from engine.spec.profile import SPEC_STEPS_FILE, SpecProfile
     from engine.spec.profiling import device_steps_file, measure_spec_profile
 

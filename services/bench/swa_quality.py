@@ -19,9 +19,9 @@ Host-slot variants (``--slot-variants``), each measured the same way from the ex
 kept layers (20 of 43, rounded).
 
 Prompts: for a checkpoint whose ``config.json`` names the ``trained`` preset, windows of the
-held-out split of this interpreter's stdlib (`engine.replay_quality.heldout_prompts`: starts
+held-out split of this interpreter's stdlib (`engine.prompts.heldout_prompts`: starts
 evenly spread over the held-out token stream); for any other (random) checkpoint, seeded
-uniform random ids (`engine.replay_quality.random_prompts`). fp32 on the CPU.
+uniform random ids (`engine.prompts.random_prompts`). fp32 on the CPU.
 """
 
 from __future__ import annotations
@@ -81,7 +81,8 @@ def _is_trained(model_dir: Path) -> bool:
 
 def _measure(name: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
     from engine.config import ModelConfig
-    from engine.replay_quality import SlotVariant, default_hit, heldout_prompts, measure, random_prompts
+    from engine.prompts import heldout_prompts, random_prompts
+    from engine.replay_quality import SlotVariant, default_hit, measure
 
     cfg = ModelConfig.from_dir(model_dir)
     hit = args.hit if args.hit is not None else default_hit(cfg.num_hidden_layers, cfg.sliding_window)

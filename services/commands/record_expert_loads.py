@@ -77,6 +77,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _prompts(args: argparse.Namespace) -> tuple[list[list[int]], str]:
     """The prompts and where they came from (``--prompts``)."""
-    from engine.replay_quality import text_or_random_prompts
+    from engine.prompts import text_or_random_prompts
 
     return text_or_random_prompts(args.model, args.seqs, args.prompt_len, args.seed, args.prompts)

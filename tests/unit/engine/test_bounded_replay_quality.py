@@ -14,14 +14,8 @@ from pathlib import Path
 import pytest
 
 from engine.config import BLOCK_TOKENS
-from engine.replay_quality import (
-    SlotVariant,
-    default_hit,
-    exact_replay,
-    heldout_prompts,
-    measure,
-    random_prompts,
-)
+from engine.prompts import heldout_prompts, random_prompts
+from engine.replay_quality import SlotVariant, default_hit, exact_replay, measure
 
 TRAINED = Path(__file__).resolve().parents[3] / "models" / "trained"
 CONTROL_KL = 1e-9  # KL of the exact-replay control: float64 log-softmax of fp32 logits, rounding only

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from engine.llm import LLM
-from engine.replay_quality import heldout_prompts
+from engine.prompts import heldout_prompts
 from engine.sampling.params import SamplingParams
 
 MODEL = Path(__file__).resolve().parents[3] / "models" / "trained"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.replay_quality import phase_period, random_prompts, staggered
+from engine.prompts import phase_period, random_prompts, staggered
 from engine.spec.profiling import _prompts, measure_spec_profile
 
 MODEL = Path(__file__).resolve().parents[4] / "models" / "trained"

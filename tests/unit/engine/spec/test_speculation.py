@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from engine.llm import LLM
-from engine.replay_quality import heldout_prompts
+from engine.prompts import heldout_prompts
 from engine.sampling.params import SamplingParams, StructuredOutput
 from engine.spec.policy import SpecPolicy
 from engine.spec.profile import SpecProfile
