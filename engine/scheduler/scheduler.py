@@ -269,20 +269,18 @@ class Scheduler:
         """The drafts each decoding sequence verifies this step (the policy's choice; it also
         sets how many the step drafts for the next, ``spec.depth``)."""
         assert self.spec is not None
-        cands = [r for r in running if r.num_pending == 0 and r.tokens_to_compute == 1]
-        if not cands:
-            pipelined = [r.request_id for r in running if r.tokens_to_compute == 1]
-            if pipelined and self.spec.adaptive:
-                # every decoding request's input is still on the device (a pipelined step, so
-                # speculation is off): nothing to verify, but the policy counts the step and
-                # probes now and then, as in a step that has the tokens (`SpecPolicy._probe`)
-                self.spec.choose(pipelined, [()] * len(pipelined), tokens)
-            else:  # prompts only: the requests running or admitted now decode next
-                self.spec.prepare(min(len(running) + len(self.waiting), self.config.max_num_seqs))
+        decoding = [r for r in running if r.tokens_to_compute == 1]
+        if not decoding:  # prompts only: the requests running or admitted now decode next
+            self.spec.prepare(min(len(running) + len(self.waiting), self.config.max_num_seqs))
             return {}
-        if not any(r.drafts for r in cands):  # nothing to verify; an adaptive policy still sets the depth
+        cands = [r for r in decoding if r.num_pending == 0]
+        if not any(r.drafts for r in cands):
+            # nothing to verify: no drafts, or every input still on the device (a pipelined
+            # step, speculation off); an adaptive policy still counts the step, sets the depth
+            # and probes now and then (`SpecPolicy._probe`)
             if self.spec.adaptive:
-                self.spec.choose([r.request_id for r in cands], [()] * len(cands), tokens)
+                rids = [r.request_id for r in cands or decoding]
+                self.spec.choose(rids, [()] * len(rids), tokens)
             return {}
         # drafts past max_tokens could never be emitted
         room = [max(min(len(r.drafts), r.max_tokens - len(r.output_token_ids) - 1), 0) for r in cands]
