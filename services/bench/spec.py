@@ -27,6 +27,12 @@ drafts were accepted at every step (``L``). On that trace, with the profile of t
 the oracle verifies exactly ``L`` drafts (every verified draft accepted); its throughput
 is ``sum(1 + L) / seconds(c, T)``. The same model also prices fixed-5 and DSpark on the
 trace, so the modelled and the measured figures can be compared.
+
+**Selection replay** (``selection_replay``, `_selection_replay`). On the same trace: how much
+accepted length the confidence head's ranking keeps as fewer drafts are verified (the
+curve, and its value at 25 % fewer), and where DSpark's selection lands on it when
+speculation stays on, priced by this machine's profile and the H200's. It separates the
+head's quality from the cost regime that decides whether selection runs at all.
 """
 
 from __future__ import annotations
@@ -38,11 +44,19 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from engine.spec.profile import spec_steps_file  # pure: numpy, no torch
 from services.bench import Report, progress
 
 CONCURRENCY = (1, 8, 16, 32, 60, 128)
 POLICIES = ("none", "fixed-1", "fixed-2", "fixed-3", "fixed-4", "fixed-5", "dspark", "dspark-lagged")
+Trace = list[list[tuple[tuple[float, ...], int, int]]]  # per step: (confidences, verified, accepted)
+
+#: survival thresholds of the confidence head's trade-off curve (`_selection_replay`)
+TRADEOFF_THRESHOLDS = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+#: the verified share at which the selection targets ask for the accepted length (c >= 32)
+TARGET_VERIFIED_SHARE = 0.75
 
 
 # the step profile an H200 measured for a checkpoint (`--save-profile --device cuda` there),
@@ -235,7 +249,7 @@ def _h200_profile(model: Path, device: str) -> dict[str, Any] | str:
     return _profile_table(SpecProfile.load(path), f"measured on an H200, shipped as {path}")
 
 
-def _acceptance(trace: list[list[tuple[tuple[float, ...], int, int]]], depth: int = 5) -> list[float]:
+def _acceptance(trace: Trace, depth: int = 5) -> list[float]:
     """P(draft j accepted | drafts 1..j-1 accepted) over a fixed-5 trace."""
     reach = [0] * depth
     hit = [0] * depth
@@ -250,9 +264,12 @@ def _acceptance(trace: list[list[tuple[tuple[float, ...], int, int]]], depth: in
     return [h / r if r else 0.0 for h, r in zip(hit, reach)]
 
 
-def _modelled(
-    trace: list[list[tuple[tuple[float, ...], int, int]]], profile: Any, c: int
-) -> dict[str, float]:
+def _verified_rows(trace: Trace) -> list[tuple[list[float], int]]:
+    """(confidences, accepted drafts) of every request-step of a fixed-5 trace that drafted."""
+    return [(list(cf), acc) for step in trace for cf, k, acc in step if k]
+
+
+def _modelled(trace: Trace, profile: Any, c: int) -> dict[str, float]:
     """Throughput the profile predicts on the fixed-5 trace for the oracle, fixed-5 and DSpark."""
     from engine.spec.dspark import select_dspark
 
@@ -275,6 +292,61 @@ def _modelled(
             out[name] += sum(1 + min(k, acc) for k, acc in zip(ks, L))
             secs[name] += float(table.seconds(sum(k + 1 for k in ks)))
     return {f"modelled_{k}_tokens_per_s": (out[k] / secs[k] if secs[k] else 0.0) for k in out}
+
+
+def _shares(rows: list[tuple[list[float], int]], ks: list[int]) -> dict[str, float]:
+    """Verified drafts and accepted length of choice ``ks``, each as a share of fixed-5's."""
+    n = len(rows)
+    drafted = sum(len(cf) for cf, _ in rows)
+    accepted = sum(acc for _, acc in rows)
+    kept = sum(min(k, acc) for k, (_, acc) in zip(ks, rows))
+    return {
+        "verified_share": sum(ks) / drafted if drafted else 0.0,
+        "accepted_length": 1.0 + kept / n if n else 1.0,
+        "accepted_length_share": (n + kept) / (n + accepted) if n else 1.0,
+    }
+
+
+def _selection_replay(trace: Trace, profiles: dict[str, Any]) -> dict[str, Any]:
+    """DSpark's selection within speculation, replayed on the fixed-5 trace (every draft
+    verified, so each request-step's confidences and accepted drafts ``L`` are known; a
+    choice of ``k`` drafts accepts ``min(k, L)``).
+
+    * ``tradeoff``: the confidence head's ranking alone. Each request verifies the drafts
+      whose survival (product of confidences) exceeds a threshold; per threshold, the verified
+      drafts and the accepted length as shares of fixed-5's. ``accepted_length_share_at_0.75``
+      interpolates it where 25 % fewer drafts are verified (the c >= 32 target's point).
+    * ``speculating``: DSpark's selection with speculation kept on at depth 5 (DeepSeek's
+      production setting; the engine's policy may instead turn speculation off), priced by
+      each profile: where its throughput-optimal prefix lands on that curve.
+    """
+    from engine.spec.dspark import select_dspark, survival
+
+    rows = _verified_rows(trace)
+    if not rows:
+        return {}
+    surv = [survival(cf) for cf, _ in rows]
+    curve = [
+        {"threshold": t, **_shares(rows, [int((a > t).sum()) for a in surv])} for t in TRADEOFF_THRESHOLDS
+    ]
+    by_share = sorted(curve, key=lambda p: p["verified_share"])
+    at_target = float(
+        np.interp(TARGET_VERIFIED_SHARE, [p["verified_share"] for p in by_share],
+                  [p["accepted_length_share"] for p in by_share])
+    )  # fmt: skip
+    speculating: dict[str, dict[str, float]] = {}
+    for name, profile in profiles.items():
+        ks: list[int] = []
+        for step in trace:
+            conf = [list(cf) for cf, k, _ in step if k]
+            if conf:
+                ks += select_dspark(conf, profile.for_batch(len(step)))
+        speculating[name] = _shares(rows, ks)
+    return {
+        "tradeoff": curve,
+        f"accepted_length_share_at_{TARGET_VERIFIED_SHARE}": at_target,
+        "speculating": speculating,
+    }
 
 
 def run(args: argparse.Namespace) -> Report:
@@ -315,6 +387,9 @@ def run(args: argparse.Namespace) -> Report:
         progress(f"profile measured in {time.perf_counter() - t_start:.0f} s")
     report.results["profile"] = _profile_table(profile, source)
     report.results["h200_profile"] = _h200_profile(model, args.device)
+    replay_profiles = {"this machine": profile}  # what prices the selection replay
+    if not args.device.startswith("cuda") and (model / H200_SPEC_STEPS_FILE).is_file():
+        replay_profiles["H200"] = SpecProfile.load(model / H200_SPEC_STEPS_FILE)
     period = phase_period(model)  # prompt k is k mod period ids shorter: no lockstep (`staggered`)
     prompts_all = staggered(heldout_prompts(model, max(conc), args.prompt_tokens), period)
     report.config["prompt_lengths"] = f"{args.prompt_tokens} - (k mod {period}) for prompt k"
@@ -347,6 +422,7 @@ def run(args: argparse.Namespace) -> Report:
             extra: dict[str, Any] = {}
             if trace:
                 extra = _modelled(trace, profile, c) | {"acceptance_by_position": _acceptance(trace)}
+                extra["selection_replay"] = _selection_replay(trace, replay_profiles)
             for r in runs[c].values():
                 r.pop("_trace", None)
             report.results[f"c{c}"] = {**runs[c], **extra}
@@ -359,6 +435,11 @@ def run(args: argparse.Namespace) -> Report:
             row["fixed-5 acc len"] = round(runs[c].get("fixed-5", {}).get("accepted_length", 0.0), 3)
             if extra:
                 row["oracle tok/s (modelled)"] = round(extra["modelled_oracle_tokens_per_s"], 1)
+                replay = extra["selection_replay"]
+                if replay:  # the head's ranking at the selection targets' point (replayed)
+                    row["acc len share at 0.75 verified"] = round(
+                        replay[f"accepted_length_share_at_{TARGET_VERIFIED_SHARE}"], 3
+                    )
             report.rows.append(row)
             _targets(report, c, runs[c])
     report.results["wall_s"] = round(time.perf_counter() - t_start, 1)

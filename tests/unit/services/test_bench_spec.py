@@ -1,0 +1,59 @@
+"""The fixed-5 trace replays of `sluice bench spec`: pure functions over recorded steps."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.spec.profile import SpecProfile
+from services.bench.spec import TARGET_VERIFIED_SHARE, _acceptance, _selection_replay
+
+# two steps of two requests: (confidences, drafts verified, drafts accepted)
+TRACE = [
+    [((0.9, 0.9, 0.9, 0.1, 0.1), 5, 3), ((0.2, 0.5, 0.5, 0.5, 0.5), 5, 0)],
+    [((0.95, 0.95, 0.95, 0.95, 0.95), 5, 5), ((0.6, 0.1, 0.1, 0.1, 0.1), 5, 1)],
+]
+
+
+def _profile(verify_cost: float) -> SpecProfile:
+    """A step of batch b verifying k drafts each costs 1 + verify_cost * b * k seconds."""
+    batches = (1, 2, 4)
+    seconds = tuple(tuple(1.0 + verify_cost * b * k for k in range(6)) for b in batches)
+    return SpecProfile(batches, tuple(range(6)), seconds, 5, (0.01,) * 3, (0.5,) * 3)
+
+
+def test_the_tradeoff_curve_runs_from_fixed_5_to_no_drafts() -> None:
+    replay = _selection_replay(TRACE, {})
+    curve = {p["threshold"]: p for p in replay["tradeoff"]}
+    # threshold 0: every draft verified, fixed-5's accepted length (1 + 9 / 4)
+    assert curve[0.0]["verified_share"] == 1.0
+    assert curve[0.0]["accepted_length"] == pytest.approx(1 + 9 / 4)
+    assert curve[0.0]["accepted_length_share"] == 1.0
+    # threshold 1: nothing verified, one token per request-step
+    assert curve[1.0]["verified_share"] == 0.0
+    assert curve[1.0]["accepted_length_share"] == pytest.approx(4 / 13)
+    # threshold 0.5: survival 0.9, 0.81, 0.729 | none | 0.95 .. 0.774 | 0.6 -> 3 + 0 + 5 + 1 drafts
+    assert curve[0.5]["verified_share"] == pytest.approx(9 / 20)
+    assert curve[0.5]["accepted_length_share"] == 1.0  # the ranking dropped only rejected drafts
+    shares = [p["verified_share"] for p in replay["tradeoff"]]
+    assert shares == sorted(shares, reverse=True)
+    assert 0.0 < replay[f"accepted_length_share_at_{TARGET_VERIFIED_SHARE}"] <= 1.0
+
+
+def test_speculating_selection_verifies_less_where_verifying_costs_more() -> None:
+    replay = _selection_replay(TRACE, {"cheap": _profile(1e-4), "dear": _profile(0.5)})
+    cheap, dear = replay["speculating"]["cheap"], replay["speculating"]["dear"]
+    assert cheap["verified_share"] > dear["verified_share"]
+    assert cheap["accepted_length_share"] >= dear["accepted_length_share"]
+
+
+def test_an_empty_trace_replays_to_nothing() -> None:
+    assert _selection_replay([], {"p": _profile(0.1)}) == {}
+    assert _selection_replay([[((0.5,), 0, 0)]], {}) == {}
+
+
+def test_acceptance_by_position_is_conditional_on_reaching_it() -> None:
+    # position 1: reached 4 times, accepted 3; position 2: reached 3, accepted 2 (...)
+    acc = _acceptance(TRACE)
+    assert acc[0] == pytest.approx(3 / 4)
+    assert acc[1] == pytest.approx(2 / 3)
+    assert acc[3] == pytest.approx(1 / 2)
