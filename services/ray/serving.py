@@ -500,7 +500,10 @@ class RayServingClient:
         extra = dict(front.extra)
         for s in per:
             for k, v in s.extra.items():
-                extra[f"decode_{k}"] = extra.get(f"decode_{k}", 0.0) + v
+                # speculation runs in decode engines only: its counters keep their names, so
+                # /metrics reports them as a single engine's (sluice_spec_*)
+                key = k if k.startswith("spec_") else f"decode_{k}"
+                extra[key] = extra.get(key, 0.0) + v
         return EngineStats(
             running=front.running + sum(s.running for s in per),
             waiting=front.waiting + sum(s.waiting for s in per),
