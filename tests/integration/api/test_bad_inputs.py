@@ -177,10 +177,11 @@ def test_bad_inputs_get_their_4xx_fast_while_a_good_request_succeeds(api_server)
     assert api_server.engine.stats().running == 0
 
 
-def test_headers_past_the_parser_bound_are_answered_not_reset(api_server):
-    """h11 refuses such a request before the app runs. The client still reads a 431 naming the
-    limit, in its path's error shape, although it sent far more than was read (the server
-    drains the rest before it closes, so the kernel sends no reset); the server keeps serving.
+def test_requests_the_parser_refuses_are_answered_not_reset(api_server):
+    """h11 refuses headers past its bound before the app runs. The client still reads a 431
+    naming the limit, in its path's error shape, although it sent far more than was read (the
+    server drains the rest before it closes, so the kernel sends no reset); any other request
+    h11 cannot parse gets a 400 in the same shape; the server keeps serving.
     Raw sockets: every byte is sent before anything is read, as a client that does not watch
     for an early answer does."""
     host, port = api_server.url.removeprefix("http://").split(":")
@@ -200,6 +201,15 @@ def test_headers_past_the_parser_bound_are_answered_not_reset(api_server):
             assert err["type"] == "error" and "max_header_bytes" in err["error"]["message"]
         else:
             assert err["error"]["param"] == "max_header_bytes" and err["error"]["code"] == "limit_exceeded"
+    # any other request h11 cannot parse: a 400 in the same shape, naming the HTTP framing
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(b"NOT AN HTTP REQUEST\r\n\r\n")
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400 "), head
+    assert json.loads(body)["error"]["param"] == "http"
     with httpx.Client(base_url=api_server.url, timeout=10) as c:
         assert c.get("/health").status_code == 200
 
