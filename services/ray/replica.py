@@ -128,7 +128,11 @@ class RayEngineReplica:
 
     async def rebind(self, actor: Any, info: Mapping[str, Any]) -> None:
         """Follow a new actor in this replica's place (its EP group was restarted whole): the
-        router keeps its index and learns that the engine's cache is empty."""
+        router keeps its index and learns that the engine's cache is empty. A replica still
+        up until now goes down here: the restart ends its actor (its own stream may not have
+        broken yet, when the supervisor acted on a peer's death first)."""
+        if self._alive:
+            self.down_at = time.monotonic()
         await self.close()
         self.actor, self.info = actor, dict(info)
         self._events = CacheEventBatch(snapshot=())

@@ -5,13 +5,12 @@ text equals plain decoding's offline (greedy, and seeded sampling), streamed or 
 from __future__ import annotations
 
 import anthropic
-import httpx
-import openai
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.checkpoint.presets import SHIPPED
 from tests.integration.serve_proc import ServeProcess
+from tests.integration.speculation import assert_chats_equal_plain, spec_counts
 
 # make test-slow: a server subprocess plus the offline engine (the identity itself is in
 # tests/unit/engine/spec/test_speculation.py, under make test)
@@ -40,29 +39,12 @@ def plain() -> LLM:
 
 
 def test_served_text_equals_plain_decoding_offline(spec_server, plain):
-    client = openai.OpenAI(base_url=f"{spec_server.url}/v1", api_key="unused", timeout=120, max_retries=0)
-    for kw, sp in (
-        ({"temperature": 0}, SamplingParams(temperature=0.0, max_tokens=64)),
-        ({"temperature": 0.8, "seed": 11}, SamplingParams(temperature=0.8, seed=11, max_tokens=64)),
-    ):
-        # the API renders without thinking unless asked; LLM.chat's default is the recipe's (thinking)
-        want = plain.chat(MESSAGES, sp, thinking=False)[0].outputs[0].text
-        r = client.chat.completions.create(model="deepseek-chat", messages=MESSAGES, max_tokens=64, **kw)
-        assert r.choices[0].message.content == want, kw
-        stream = client.chat.completions.create(
-            model="deepseek-chat", messages=MESSAGES, max_tokens=64, stream=True, **kw
-        )
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want, kw
+    assert_chats_equal_plain(spec_server.url, plain, MESSAGES, max_tokens=64)
     msg = anthropic.Anthropic(
         base_url=spec_server.url, api_key="unused", timeout=120, max_retries=0
     ).messages.create(model="deepseek-chat", max_tokens=32, messages=MESSAGES)
     assert msg.content and msg.content[0].text.strip()
-    metrics = httpx.get(f"{spec_server.url}/metrics", timeout=10).text
-    counts = {
-        line.split()[0]: float(line.split()[1])
-        for line in metrics.splitlines()
-        if line.startswith("sluice_spec_") and not line.startswith("#")
-    }
+    counts = spec_counts(spec_server.url)
     assert counts["sluice_spec_verified_tokens_total"] > 0, counts
     assert counts["sluice_spec_accepted_tokens_total"] > 0, counts
     assert counts["sluice_spec_choose_seconds_total"] > 0, counts

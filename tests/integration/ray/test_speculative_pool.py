@@ -13,14 +13,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-import httpx
-import openai
 import pytest
 
-from engine import LLM, SamplingParams
+from engine import LLM
 from engine.checkpoint.presets import SHIPPED
 from services.ray.serving import PoolConfig, RayServingClient
 from tests.integration.ray.conftest import served
+from tests.integration.speculation import assert_chats_equal_plain, spec_counts
 
 pytestmark = pytest.mark.integration  # ~15 s on 2 cores
 
@@ -46,30 +45,12 @@ def plain() -> Iterator[LLM]:
     llm.close()
 
 
-def _spec_counts(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics", timeout=10).text
-    return {
-        line.split()[0]: float(line.split()[1])
-        for line in text.splitlines()
-        if line.startswith("sluice_spec_") and not line.startswith("#")
-    }
-
-
 def test_a_speculating_decode_pool_answers_as_plain_decoding(stack, plain):
-    oai = openai.OpenAI(base_url=f"{stack}/v1", api_key="unused", timeout=120, max_retries=0)
-    for kw, sp in (
-        ({"temperature": 0}, SamplingParams(temperature=0.0, max_tokens=48)),
-        ({"temperature": 0.8, "seed": 5}, SamplingParams(temperature=0.8, seed=5, max_tokens=48)),
-    ):
-        want = plain.chat(MESSAGES, sp, thinking=False)[0].outputs[0].text
-        got = oai.chat.completions.create(model="deepseek-chat", messages=MESSAGES, max_tokens=48, **kw)
-        assert got.choices[0].message.content == want, kw
-        stream = oai.chat.completions.create(
-            model="deepseek-chat", messages=MESSAGES, max_tokens=48, stream=True, **kw
-        )
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want, kw
-    counts = _spec_counts(stack)
+    assert_chats_equal_plain(stack, plain, MESSAGES, max_tokens=48)
+    counts = spec_counts(stack)
     assert counts["sluice_spec_verified_tokens_total"] > 0, counts
-    assert 0 < counts["sluice_spec_accepted_tokens_total"] <= counts["sluice_spec_verified_tokens_total"], (
-        counts
+    verified, accepted = (
+        counts["sluice_spec_verified_tokens_total"],
+        counts["sluice_spec_accepted_tokens_total"],
     )
+    assert 0 < accepted <= verified, counts
