@@ -177,6 +177,19 @@ def test_bad_inputs_get_their_4xx_fast_while_a_good_request_succeeds(api_server)
     assert api_server.engine.stats().running == 0
 
 
+def _raw_exchange(url: str, request: bytes) -> tuple[bytes, bytes]:
+    """Send ``request`` whole over a raw socket, then read to the server's end of the stream
+    (bounded by the timeout): the answer's (status line and headers, body)."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(request)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+    head, _, body = answer.partition(b"\r\n\r\n")
+    return head, body
+
+
 def test_requests_the_parser_refuses_are_answered_not_reset(api_server):
     """h11 refuses headers past its bound before the app runs. The client still reads a 431
     naming the limit, in its path's error shape, although it sent far more than was read (the
@@ -184,17 +197,10 @@ def test_requests_the_parser_refuses_are_answered_not_reset(api_server):
     h11 cannot parse gets a 400 in the same shape; the server keeps serving.
     Raw sockets: every byte is sent before anything is read, as a client that does not watch
     for an early answer does."""
-    host, port = api_server.url.removeprefix("http://").split(":")
     pad = "a" * 200_000
     for path in ("/v1/chat/completions", "/v1/messages") * 5:
-        with socket.create_connection((host, int(port)), timeout=10) as sock:
-            sock.sendall(
-                f"POST {path} HTTP/1.1\r\nhost: x\r\nx-pad: {pad}\r\ncontent-length: 2\r\n\r\n{{}}".encode()
-            )
-            answer = b""
-            while chunk := sock.recv(65536):  # to the server's end of the stream (bounded by the timeout)
-                answer += chunk
-        head, _, body = answer.partition(b"\r\n\r\n")
+        request = f"POST {path} HTTP/1.1\r\nhost: x\r\nx-pad: {pad}\r\ncontent-length: 2\r\n\r\n{{}}"
+        head, body = _raw_exchange(api_server.url, request.encode())
         assert head.startswith(b"HTTP/1.1 431 "), head
         err = json.loads(body)
         if path == "/v1/messages":
@@ -202,12 +208,7 @@ def test_requests_the_parser_refuses_are_answered_not_reset(api_server):
         else:
             assert err["error"]["param"] == "max_header_bytes" and err["error"]["code"] == "limit_exceeded"
     # any other request h11 cannot parse: a 400 in the same shape, naming the HTTP framing
-    with socket.create_connection((host, int(port)), timeout=10) as sock:
-        sock.sendall(b"NOT AN HTTP REQUEST\r\n\r\n")
-        answer = b""
-        while chunk := sock.recv(65536):
-            answer += chunk
-    head, _, body = answer.partition(b"\r\n\r\n")
+    head, body = _raw_exchange(api_server.url, b"NOT AN HTTP REQUEST\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400 "), head
     assert json.loads(body)["error"]["param"] == "http"
     with httpx.Client(base_url=api_server.url, timeout=10) as c:
