@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from costmodel.online import DecodeStepSums
 from engine.engine_config import COST_MODEL_FILE, EngineConfig
 from engine.executor import ModelExecutor
 from engine.kvconnector.connector import ConnectorConfig, PendingFetch, StoreConnector
@@ -130,8 +132,14 @@ class EngineCore:
         self.loop = EngineLoop(
             self.scheduler, self.executor.execute, cfg.overlaps_steps,
             overlap_after=_drafts_nothing if self.spec is not None else None,
-            launcher=self.executor if cfg.pipelines_steps else None,
+            launcher=self.executor if cfg.pipelines_steps else None, on_step=self._observe_step,
         )  # fmt: skip
+        # the plain decode steps this engine runs, for the router's decode cost model
+        # (costmodel.online): noted on the executing thread, summed on the driving one
+        self.decode_steps = DecodeStepSums()
+        self._decode_steps_extra = self.decode_steps.to_extra()  # replaced whole: read by stats()
+        self._new_decode_steps: deque[tuple[int, int, float]] = deque(maxlen=4096)
+        self._graph_captures = 0
         self._tracks: dict[str, _Track] = {}
         self._out: list[SeqOutput] = []
         self._fetches: dict[str, PendingFetch] = {}
@@ -382,12 +390,37 @@ class EngineCore:
         self._poll_fetches()
         if self.loop.has_work() and (not self.loop.idle or self.scheduler.has_ready()):
             self._collect(self.loop.step())
+            self._sum_decode_steps()
         elif (self._fetches or self._slot_fetches) and not self._out:
             waiting = [f.future for f in self._fetches.values()] + list(self._slot_fetches.values())
             concurrent.futures.wait(waiting, _FETCH_POLL_S)
         if self.loop.idle:
             self._save_idle()
         return self.take_outputs()
+
+    def _observe_step(self, out: SchedulerOutput, seconds: float) -> None:
+        """Note ``out`` if it is a plain decode step: every sequence computes one token and
+        samples the next, nothing is drafted, and nothing but the forward pass and sampling
+        ran in it (no cache loads, slot saves or fork copies, no CUDA graph captured).
+        Its batch, the KV tokens it read (those in the caches before it, as the profiled
+        step tables count them) and its seconds are what the decode cost model fits."""
+        graphs = self.runner.graphs
+        captures = graphs.captures if graphs is not None else 0
+        captured, self._graph_captures = captures != self._graph_captures, captures
+        if captured or not out.seqs or self.executor.draft_depth(out) > 0:
+            return
+        if out.kv_loads or out.slot_loads or out.slot_saves or out.block_copies or out.slot_copies:
+            return
+        if any(s.num_new != 1 or s.num_drafts or not s.sample for s in out.seqs):
+            return
+        self._new_decode_steps.append((len(out.seqs), sum(s.start_pos for s in out.seqs), seconds))
+
+    def _sum_decode_steps(self) -> None:
+        if not self._new_decode_steps:
+            return
+        while self._new_decode_steps:
+            self.decode_steps.add(*self._new_decode_steps.popleft())
+        self._decode_steps_extra = self.decode_steps.to_extra()
 
     def take_outputs(self) -> list[SeqOutput]:
         out, self._out = self._out, []
@@ -483,6 +516,7 @@ class EngineCore:
             **{f"swa_replays_{k}": float(v) for k, v in sched.cache.replays.items()},
             **{f"swa_replayed_tokens_{k}": float(v) for k, v in sched.cache.replayed_tokens.items()},
         }
+        extra.update(self._decode_steps_extra)
         if self.spec is not None:
             extra.update(self.spec.stats.as_dict())
         graphs = self.runner.graphs

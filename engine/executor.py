@@ -305,9 +305,9 @@ class ModelExecutor:
         is read on the host after the next step could overwrite it (no store snapshot of its
         blocks, no drafts from its hidden states, no verified ring rows to put back)."""
         out = launched.out
-        return not (out.kv_saves or launched.staged is not None or self._draft_depth(out))
+        return not (out.kv_saves or launched.staged is not None or self.draft_depth(out))
 
-    def _draft_depth(self, out: SchedulerOutput) -> int:
+    def draft_depth(self, out: SchedulerOutput) -> int:
         """Drafts the MTP layer proposes after ``out`` (0: none, its hidden states are not read;
         speculation that does not pay drafts nothing and keeps steps pipelined)."""
         if self.drafter is None:
@@ -365,7 +365,7 @@ class ModelExecutor:
                 for j in range(1, s.num_drafts + 1)
             ]
             staged.undo(rejected)
-        depth = self._draft_depth(out)
+        depth = self.draft_depth(out)
         drafts = self._draft(out, result.hidden, sampled, emitted, depth) if depth else {}
         failed = {rid: self._failed[rid] for rid in sampled if rid in self._failed}
         for rid in launched.forget:  # finished while this step was on the device

@@ -78,8 +78,11 @@ class EngineLoop:
         async_scheduling: bool = False,
         overlap_after: Callable[[SchedulerOutput], bool] | None = None,
         launcher: Launcher | None = None,
+        on_step: Callable[[SchedulerOutput, float], None] | None = None,
     ) -> None:
-        """``launcher``: run the sequential loop pipelined (ignored with ``async_scheduling``)."""
+        """``launcher``: run the sequential loop pipelined (ignored with ``async_scheduling``).
+        ``on_step(out, seconds)``: told of every executed step and its time, on the thread
+        that executed it (the worker thread in asynchronous mode)."""
         self.scheduler = scheduler
         self._execute = execute
         self.async_scheduling = async_scheduling
@@ -92,6 +95,7 @@ class EngineLoop:
         self._inflight: deque[tuple[SchedulerOutput, Future[RunnerOutput]]] = deque()
         self.steps = 0
         self.stats: deque[StepStat] = deque(maxlen=4096)  # the latest steps, for benchmarks and metrics
+        self._on_step = on_step
 
     def _timed(self, out: SchedulerOutput) -> RunnerOutput:
         t0 = time.perf_counter()
@@ -102,6 +106,8 @@ class EngineLoop:
     def _record(self, out: SchedulerOutput, seconds: float) -> None:
         decode = sum(1 for s in out.seqs if s.num_new == 1)
         self.stats.append(StepStat(out.num_tokens - decode, decode, seconds))
+        if self._on_step is not None:
+            self._on_step(out, seconds)
 
     def _submit(self, out: SchedulerOutput) -> None:
         fut: Future[RunnerOutput]

@@ -5,14 +5,23 @@ picks an engine from the loads the engines push; the pick holds only once the en
 accepts a reservation for the request's tokens, so a full engine refuses before any work
 is done (backpressure), and the policy picks again among the rest. All refusing is
 ``PoolFull`` (503 with Retry-After, nothing held).
+
+The balancer's decode cost model (``d0 + d1*B + d2*K``: the 2D rule's crossover length is
+``d1 / d2``) starts from the one fitted to the step table measured beside the checkpoint,
+or the default, and is refitted before each choice to the plain decode steps the engines
+have run and push with their loads (``costmodel.online``): the router's model is measured
+on the hardware at hand whether or not anyone profiled it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
+from costmodel import DecodeCostModel
+from costmodel.online import DecodeStepSums, posterior
 from services.api.engine_client import EngineBusy, EngineUnavailable
 from services.ray.replica import RayEngineReplica
 from services.routing.client import accepting
@@ -38,13 +47,28 @@ class DecodeSet:
             raise ValueError("DecodeSet needs at least one decode engine")
         self.replicas = list(replicas)
         self.policy_name = policy
-        ctx = PolicyContext(len(self.replicas))
-        if decode_cost is not None:  # costmodel.DecodeCostModel, fitted to this hardware's step times
-            ctx = PolicyContext(len(self.replicas), decode_cost=decode_cost)
-        self.policy = DECODE_POLICIES.create(policy, ctx)
+        # costmodel.DecodeCostModel: fitted to a step table measured on this hardware, else the default
+        self.prior = decode_cost if decode_cost is not None else DecodeCostModel()
+        self.decode_cost = self.prior  # the prior refitted to the engines' served steps (refit)
+        self.steps = DecodeStepSums()  # those steps, summed over the engines
+        self.policy = DECODE_POLICIES.create(
+            policy, PolicyContext(len(self.replicas), decode_cost=self.prior)
+        )
         self.placed = [0] * len(self.replicas)  # requests placed on each engine
         self.refused = 0  # reservations refused
         self._lock = asyncio.Lock()
+
+    def refit(self) -> None:
+        """Refit the policy's decode cost model to the steps the engines have pushed, when
+        they pushed new ones (`costmodel.online.posterior`)."""
+        steps = DecodeStepSums()
+        for r in self.replicas:
+            steps = steps + DecodeStepSums.from_extra(r.stats().extra)
+        if steps.w == self.steps.w:
+            return
+        self.steps = steps
+        self.decode_cost = posterior(self.prior, steps)
+        self.policy.ctx = dataclasses.replace(self.policy.ctx, decode_cost=self.decode_cost)
 
     def loads(self) -> list[Any]:
         """``EngineLoad`` per decode engine from its latest stats (pushed, or the answer to
@@ -83,6 +107,7 @@ class DecodeSet:
                 )
             block_size = self.replicas[0].cache_identity()[0]
             view = RequestView(request_id, input_len=int(n_tokens), block_size=block_size)
+            self.refit()
             while candidates:
                 self.policy.update_loads(self.loads())
                 len_ref = getattr(self.policy, "len_ref", None)

@@ -550,6 +550,41 @@ class RayServingClient:
             "sluice_decode_reservations_refused", "Decode reservations refused (backpressure).",
             value=float(self.decode.refused),
         )  # fmt: skip
+        yield from _decode_cost_families(self.decode)
+
+
+def _decode_cost_families(decode: DecodeSet) -> Iterator[Any]:
+    """The decode balancer's step-time model, refitted to the steps the engines served
+    (``costmodel.online``), with how well it and the model it started from (a profiled
+    table's fit, or the default) predict those steps."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    from costmodel.online import HALF_LIFE_STEPS
+
+    model = GaugeMetricFamily(
+        "sluice_decode_cost_model",
+        "The decode balancer's step-time model d0 + d1*B + d2*K: d0 in seconds, d1 in seconds per "
+        "running request, d2 in seconds per KV token (refitted to the engines' served decode steps).",
+        labels=["term"],
+    )
+    for term in ("d0", "d1", "d2"):
+        model.add_metric([term], float(getattr(decode.decode_cost, term)))
+    yield model
+    yield GaugeMetricFamily(
+        "sluice_decode_cost_model_steps",
+        "Served decode steps behind the model (older ones fade: a half-life of "
+        f"{HALF_LIFE_STEPS:.0f} steps in each engine).",
+        value=float(decode.steps.w),
+    )
+    err = GaugeMetricFamily(
+        "sluice_decode_cost_model_rel_rmse",
+        "Relative RMS error over those steps of the refitted model and of the model it started from.",
+        labels=["model"],
+    )
+    if decode.steps.w > 0:
+        err.add_metric(["refitted"], decode.steps.rel_rmse(decode.decode_cost))
+        err.add_metric(["prior"], decode.steps.rel_rmse(decode.prior))
+    yield err
 
 
 MAX_GROUP_RESTARTS = 3  # as an EP=1 engine actor's max_restarts: a crash loop stays down

@@ -3,6 +3,8 @@ with the KV they will hold (`waiting_tokens`), apart from what running ones hold
 
 from __future__ import annotations
 
+import pytest
+
 from engine.core import CoreRequest, EngineConfig, EngineCore
 from engine.sampling.params import SamplingParams
 
@@ -18,5 +20,37 @@ def test_waiting_sequences_report_the_kv_they_will_hold(checkpoint_factory) -> N
         assert (st.running, st.waiting) == (1, 2)
         assert st.kv_tokens == lengths[0]  # the running one's prompt, computed
         assert st.extra["waiting_tokens"] == sum(lengths[1:])
+    finally:
+        core.close()
+
+
+def test_plain_decode_steps_are_summed_for_the_routers_decode_cost_model(checkpoint_factory) -> None:
+    """Every plain decode step, and no step that computed a prompt, is in the sums the
+    engine pushes (`costmodel.online`), with the KV tokens it read; a model refitted to them
+    predicts this engine's steps better than the default, which is an H200's."""
+    from costmodel import DecodeCostModel
+    from costmodel.online import DecodeStepSums, posterior
+
+    core = EngineCore(EngineConfig(model=str(checkpoint_factory("tiny")), max_num_seqs=8))
+    try:
+        core.add(CoreRequest("first", tuple(range(3, 43)), SamplingParams(max_tokens=4, ignore_eos=True)))
+        core.step()  # the prompt, and the first token
+        assert DecodeStepSums.from_extra(core.stats().extra).w == 0
+        core.step()  # one decode step: one sequence, its 40 prompt tokens in the caches
+        sums = DecodeStepSums.from_extra(core.stats().extra)
+        assert sums.w == 1 and sums.batch == 1 and sums.kv == 40 and sums.t > 0
+        for i, n in enumerate((20, 90, 150, 300, 60, 200)):  # staggered: batches of 1 to 6
+            core.add(CoreRequest(f"r{i}", tuple(range(3, 3 + n)), SamplingParams(max_tokens=8 + 4 * i, ignore_eos=True)))  # fmt: skip
+            core.step()
+        while core.has_work():
+            core.step()
+        stats = list(core.loop.stats)
+        plain = [s for s in stats if s.prefill_tokens == 0 and s.decode_tokens]
+        sums = DecodeStepSums.from_extra(core.stats().extra)
+        assert len(plain) < len(stats)
+        assert sums.w == pytest.approx(len(plain), rel=0.01)  # (fading: 2^(-n / 4096) per step)
+        assert sums.batch == pytest.approx(sum(s.decode_tokens for s in plain), rel=0.01)
+        fit = posterior(DecodeCostModel(), sums)
+        assert sums.rel_rmse(fit) < 0.5 * sums.rel_rmse(DecodeCostModel())
     finally:
         core.close()
