@@ -22,14 +22,21 @@ serving, over which the load moves through many batch sizes and depths.
 pause, a neighbour's burst on a shared host), while a step faster than predicted pulls in
 proportion. Timings only ever gain time from interference, so this asymmetry suits them.
 
-``posterior(prior, sums)`` is the model the router uses: the least squares above with a
-Gaussian prior around the model it had before (the profiled table's fit, or the default).
+``posterior(prior, sums)`` is the refitted model (the router reports it beside the model it
+places with): the least squares above with a Gaussian prior around the model it had
+(the profiled table's fit, or the default).
 The prior lets every coefficient move by ``PRIOR_REL_SD`` of a typical measured step (its
 standard deviation for coefficient j is ``PRIOR_REL_SD * mean(t) / mean(x_j)``): a prior
 measured on other hardware is trusted to the order of magnitude and no further. Where the
 steps determine a direction (they always vary in K; B varies with the load) the steps
 rule; where they do not (an engine that only ever ran one batch size cannot tell ``d0``
 from ``d1 * B``) the prior stays. With no steps the posterior is the prior.
+
+``keep_d2``: the prior's ``d2`` is kept, and ``d0`` and ``d1`` are refitted around it: what
+served steps add to a table measured on the same hardware, if the table's per-KV-token
+cost is trusted (a table varies batch and depth apart; served traffic mostly moves them
+together, so a refit of all three tells ``d1`` from ``d2`` only loosely). ``sluice bench
+router --online-fit`` compares both.
 """
 
 from __future__ import annotations
@@ -121,10 +128,11 @@ class DecodeStepSums:
 
 
 def posterior(
-    prior: DecodeCostModel, sums: DecodeStepSums, prior_rel_sd: float = PRIOR_REL_SD
+    prior: DecodeCostModel, sums: DecodeStepSums, keep_d2: bool = False, prior_rel_sd: float = PRIOR_REL_SD
 ) -> DecodeCostModel:
     """The decode cost model given ``sums``' steps and ``prior`` (module docstring):
-    coefficients clipped at 0; ``prior`` itself when there are no steps."""
+    coefficients clipped at 0; ``prior`` itself when there are no steps. ``keep_d2``: the
+    prior's ``d2`` is kept and only ``d0`` and ``d1`` are refitted."""
     if sums.w <= 0:
         return prior
     p = np.array([prior.d0, prior.d1, prior.d2])
@@ -136,13 +144,17 @@ def posterior(
     a_u = sums.a * np.outer(scale, scale)
     b_u = sums.b * scale
     p_u = p / scale
+    free = 2 if keep_d2 else 3  # the coefficients solved for: (d0, d1) or (d0, d1, d2)
+    a_f = a_u[:free, :free]
+    b_f = b_u[:free] - (a_u[:free, 2] * p_u[2] if keep_d2 else 0.0)  # the kept term's share moved right
     noise = max(sums.rel_rmse(prior) ** 2, MIN_REL_NOISE**2)  # start from the prior's misfit
     model = prior
     for _ in range(3):  # the residual noise and the coefficients, each given the other
-        u = np.linalg.solve(a_u / noise + prec_u * np.eye(3), b_u / noise + prec_u * p_u)
+        u = p_u.copy()
+        u[:free] = np.linalg.solve(a_f / noise + prec_u * np.eye(free), b_f / noise + prec_u * p_u[:free])
         theta = np.maximum(u * scale, 0.0)
         if not np.any(theta > 0):
             return prior
         model = DecodeCostModel(*(float(x) for x in theta))
-        noise = max(sums.rel_rmse(model) ** 2 * sums.w / max(sums.w - 3.0, 1.0), MIN_REL_NOISE**2)
+        noise = max(sums.rel_rmse(model) ** 2 * sums.w / max(sums.w - free, 1.0), MIN_REL_NOISE**2)
     return model

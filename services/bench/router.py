@@ -105,6 +105,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-tokens",
         help=f"--profile-decode: the KV grid, a comma list (default {','.join(map(str, PROFILE_KV))})",
     )
+    p.add_argument(
+        "--online-fit", action="store_true",
+        help="grade the decode cost model refitted while serving (costmodel.online) on two served "
+        "workloads, against the profiled table's fit (services/bench/_decode_online.py)",
+    )  # fmt: skip
+    p.add_argument("--model", type=Path, default=REPO / "models/trained", help="--online-fit: the checkpoint")
     p.add_argument("--rounds", type=int, default=2, help="--profile-decode: passes over the grid")
     p.add_argument("--repeats", type=int, default=5, help="--profile-decode: timed steps per cell and pass")
 
@@ -114,6 +120,10 @@ def run(args: argparse.Namespace) -> Report:
         return _run_micro()
     if args.profile_decode:
         return _run_profile_decode(args)
+    if args.online_fit:
+        from services.bench._decode_online import run_online_fit
+
+        return run_online_fit(args.model, args.rounds, args.repeats, seed=0)
     return _run_traces(args)
 
 

@@ -6,17 +6,20 @@ accepts a reservation for the request's tokens, so a full engine refuses before 
 is done (backpressure), and the policy picks again among the rest. All refusing is
 ``PoolFull`` (503 with Retry-After, nothing held).
 
-The balancer's decode cost model (``d0 + d1*B + d2*K``: the 2D rule's crossover length is
-``d1 / d2``) starts from the one fitted to the step table measured beside the checkpoint,
-or the default, and is refitted before each choice to the plain decode steps the engines
-have run and push with their loads (``costmodel.online``): the router's model is measured
-on the hardware at hand whether or not anyone profiled it.
+The balancer's decode cost model (``d0 + d1*B + d2*K``; the 2D rule reads only its
+crossover length ``d1 / d2``) is the one fitted to the step table measured beside the
+checkpoint, or the default. Beside it the set keeps a model refitted to the plain decode
+steps the engines have run and push with their loads (``costmodel.online``), for
+``/metrics``: how well the placement model predicts the engines' real steps, and what
+they say instead. Placement does not use the refit: its crossover, the one thing the rule
+reads, moved several-fold between runs of one workload (served traffic mostly moves batch
+and depth together and tells ``d1`` from ``d2`` only loosely; docs/router.md, "Refitted
+while serving").
 """
 
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -48,27 +51,25 @@ class DecodeSet:
         self.replicas = list(replicas)
         self.policy_name = policy
         # costmodel.DecodeCostModel: fitted to a step table measured on this hardware, else the default
-        self.prior = decode_cost if decode_cost is not None else DecodeCostModel()
-        self.decode_cost = self.prior  # the prior refitted to the engines' served steps (refit)
-        self.steps = DecodeStepSums()  # those steps, summed over the engines
+        self.decode_cost = decode_cost if decode_cost is not None else DecodeCostModel()
         self.policy = DECODE_POLICIES.create(
-            policy, PolicyContext(len(self.replicas), decode_cost=self.prior)
+            policy, PolicyContext(len(self.replicas), decode_cost=self.decode_cost)
         )
+        self.steps = DecodeStepSums()  # the engines' served decode steps, summed (refit)
+        self.refitted = self.decode_cost  # the placement model refitted to them (refit)
         self.placed = [0] * len(self.replicas)  # requests placed on each engine
         self.refused = 0  # reservations refused
         self._lock = asyncio.Lock()
 
-    def refit(self) -> None:
-        """Refit the policy's decode cost model to the steps the engines have pushed, when
-        they pushed new ones (`costmodel.online.posterior`)."""
+    def refit(self) -> DecodeCostModel:
+        """The placement model refitted to the steps the engines have pushed
+        (`costmodel.online.posterior`; recomputed only when they pushed new ones)."""
         steps = DecodeStepSums()
         for r in self.replicas:
             steps = steps + DecodeStepSums.from_extra(r.stats().extra)
-        if steps.w == self.steps.w:
-            return
-        self.steps = steps
-        self.decode_cost = posterior(self.prior, steps)
-        self.policy.ctx = dataclasses.replace(self.policy.ctx, decode_cost=self.decode_cost)
+        if steps.w != self.steps.w:
+            self.steps, self.refitted = steps, posterior(self.decode_cost, steps)
+        return self.refitted
 
     def loads(self) -> list[Any]:
         """``EngineLoad`` per decode engine from its latest stats (pushed, or the answer to
@@ -107,7 +108,6 @@ class DecodeSet:
                 )
             block_size = self.replicas[0].cache_identity()[0]
             view = RequestView(request_id, input_len=int(n_tokens), block_size=block_size)
-            self.refit()
             while candidates:
                 self.policy.update_loads(self.loads())
                 len_ref = getattr(self.policy, "len_ref", None)

@@ -554,36 +554,40 @@ class RayServingClient:
 
 
 def _decode_cost_families(decode: DecodeSet) -> Iterator[Any]:
-    """The decode balancer's step-time model, refitted to the steps the engines served
-    (``costmodel.online``), with how well it and the model it started from (a profiled
-    table's fit, or the default) predict those steps."""
+    """The decode balancer's step-time model, the same model refitted to the plain decode
+    steps the engines served (``costmodel.online``), and how well each predicts them."""
     from prometheus_client.core import GaugeMetricFamily
 
     from costmodel.online import HALF_LIFE_STEPS
 
-    model = GaugeMetricFamily(
-        "sluice_decode_cost_model",
-        "The decode balancer's step-time model d0 + d1*B + d2*K: d0 in seconds, d1 in seconds per "
-        "running request, d2 in seconds per KV token (refitted to the engines' served decode steps).",
-        labels=["term"],
-    )
-    for term in ("d0", "d1", "d2"):
-        model.add_metric([term], float(getattr(decode.decode_cost, term)))
-    yield model
+    refitted = decode.refit()
+    for name, what, model in (
+        ("sluice_decode_cost_model", "The decode balancer's step-time model", decode.decode_cost),
+        ("sluice_decode_cost_refit", "The step-time model of the decode engines' served steps", refitted),
+    ):
+        fam = GaugeMetricFamily(
+            name,
+            f"{what}, d0 + d1*B + d2*K: d0 in seconds, d1 in seconds per running request, d2 in "
+            "seconds per KV token.",
+            labels=["term"],
+        )
+        for term in ("d0", "d1", "d2"):
+            fam.add_metric([term], float(getattr(model, term)))
+        yield fam
     yield GaugeMetricFamily(
-        "sluice_decode_cost_model_steps",
-        "Served decode steps behind the model (older ones fade: a half-life of "
+        "sluice_decode_cost_refit_steps",
+        "Served decode steps behind the refit (older ones fade: a half-life of "
         f"{HALF_LIFE_STEPS:.0f} steps in each engine).",
         value=float(decode.steps.w),
     )
     err = GaugeMetricFamily(
-        "sluice_decode_cost_model_rel_rmse",
-        "Relative RMS error over those steps of the refitted model and of the model it started from.",
+        "sluice_decode_cost_rel_rmse",
+        "Relative RMS error over the served decode steps of the balancer's model and of its refit.",
         labels=["model"],
     )
     if decode.steps.w > 0:
-        err.add_metric(["refitted"], decode.steps.rel_rmse(decode.decode_cost))
-        err.add_metric(["prior"], decode.steps.rel_rmse(decode.prior))
+        err.add_metric(["placement"], decode.steps.rel_rmse(decode.decode_cost))
+        err.add_metric(["refit"], decode.steps.rel_rmse(refitted))
     yield err
 
 

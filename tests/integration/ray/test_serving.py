@@ -194,9 +194,6 @@ def test_decode_placement_follows_the_2d_rule(stack):
                 )
             )
             before = list(decode.placed)
-            # the router's decode cost model as this choice will refit it (only the steps the
-            # engines push enter it; they are settled with the loads)
-            decode.refit()
             policy = TwoDimDecode(PolicyContext(len(decode.replicas), decode_cost=decode.decode_cost))
             policy.update_loads(decode.loads())
             got = _chat(url, [{"role": "user", "content": f"Place me {k}."}], max_tokens=2)
@@ -287,8 +284,8 @@ def _value(family, sample_name: str, **labels) -> float:
 def test_metrics_per_pool_and_engine_and_request_ids_across_processes(stack, caplog):
     """``/metrics`` has TTFT per prefill engine, TPOT and the handoff gap per decode engine,
     queue depth, running requests, KV tokens and handoff bytes per engine, and the EPLB
-    imbalance of every EP rank, and the decode balancer's cost model refitted to the steps
-    the decode engines served; one request's id is in the API process's log and in the
+    imbalance of every EP rank, and the decode balancer's cost model beside its refit to the
+    steps the decode engines served; one request's id is in the API process's log and in the
     logs of the prefill and the decode actor that served it."""
     import logging
     from pathlib import Path
@@ -355,18 +352,19 @@ def test_metrics_per_pool_and_engine_and_request_ids_across_processes(stack, cap
     assert reporting() == engines
     assert all(s.value >= 1.0 for s in _families(url)["sluice_eplb_imbalance"].samples)
 
-    # the decode balancer's cost model, refitted to the decode steps the engines pushed
+    # the decode balancer's cost model, and its refit to the decode steps the engines pushed
     from costmodel.online import DecodeStepSums
 
     wait_until(lambda: sum(DecodeStepSums.from_extra(r.stats().extra).w for r in client.decode.replicas) > 0)
-    _chat(url, [{"role": "user", "content": "Refit."}], max_tokens=2)  # a decode placement refits it
     fam = _families(url)
-    assert fam["sluice_decode_cost_model_steps"].samples[0].value > 0
-    model = {s.labels["term"]: s.value for s in fam["sluice_decode_cost_model"].samples}
-    assert model == {t: getattr(client.decode.decode_cost, t) for t in ("d0", "d1", "d2")}
-    assert model != {t: getattr(client.decode.prior, t) for t in ("d0", "d1", "d2")}
-    err = {s.labels["model"]: s.value for s in fam["sluice_decode_cost_model_rel_rmse"].samples}
-    assert err["refitted"] <= err["prior"]
+    assert fam["sluice_decode_cost_refit_steps"].samples[0].value > 0
+    terms = ("d0", "d1", "d2")
+    placement = {s.labels["term"]: s.value for s in fam["sluice_decode_cost_model"].samples}
+    refit = {s.labels["term"]: s.value for s in fam["sluice_decode_cost_refit"].samples}
+    assert placement == {t: getattr(client.decode.decode_cost, t) for t in terms}
+    assert refit == {t: getattr(client.decode.refitted, t) for t in terms} != placement
+    err = {s.labels["model"]: s.value for s in fam["sluice_decode_cost_rel_rmse"].samples}
+    assert err["refit"] <= err["placement"]
 
 
 def test_every_listener_is_on_loopback(stack, store):

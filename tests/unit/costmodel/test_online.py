@@ -74,6 +74,19 @@ def test_what_the_steps_cannot_tell_apart_stays_with_the_prior():
     assert fits[0].d0 > 1.5 * fits[1].d0  # the prior with the larger d0 keeps the larger d0
 
 
+def test_a_kept_d2_stays_and_the_rest_is_refitted_around_it():
+    """With a table measured on the hardware the router keeps its d2 and refits d0 and d1
+    (the host's per-step and per-sequence work, which a table of forward passes misses)."""
+    table = DecodeCostModel(d0=0.5 * TRUE.d0, d1=0.4 * TRUE.d1, d2=TRUE.d2)
+    sums = _summed(_steps(TRUE, 1000, seed=7, noise=0.0))
+    fit = posterior(table, sums, keep_d2=True)
+    assert fit.d2 == table.d2
+    assert _rel(fit.d0, TRUE.d0) < 0.02 and _rel(fit.d1, TRUE.d1) < 0.02
+    off = DecodeCostModel(d0=TRUE.d0, d1=TRUE.d1, d2=3 * TRUE.d2)  # a d2 the steps disagree with stays
+    assert posterior(off, sums, keep_d2=True).d2 == off.d2
+    assert posterior(off, sums).d2 == pytest.approx(TRUE.d2, rel=0.02)
+
+
 def test_slow_outliers_pull_boundedly():
     """One step in twenty 30x slower (a graph capture, a GC pause) barely moves the fit; an
     absolute least squares on the same steps is dragged by them."""

@@ -40,3 +40,61 @@ def test_profile_decode_measures_a_checkpoint_directory(model):
     table = StepTable.from_dict(json.loads(json.dumps(raw)))
     assert all(t > 0 for row in raw["seconds"] for t in row)
     assert table.step_time(2, 1024) > 0
+
+
+def test_the_online_fit_bench_grades_each_model_on_each_workloads_steps(model, monkeypatch):
+    """`sluice bench router --online-fit`, shrunk: a table, two served workloads, and every
+    model graded on both (the refits in-sample no worse than where they started)."""
+    from services.bench import _decode_online as bench
+
+    monkeypatch.setattr(bench, "CONCURRENCY", (1, 2))
+    monkeypatch.setattr(
+        bench, "WORKLOADS",
+        {"short": {"prompt": (16, 64), "output": (6, 10)}, "long": {"prompt": (300, 600), "output": (4, 8)}},
+    )  # fmt: skip
+    monkeypatch.setattr(bench, "TABLE_BATCH", (1, 2))
+    monkeypatch.setattr(bench, "TABLE_KV", (0, 1024))
+    report = bench.run_online_fit(model, rounds=1, repeats=2, seed=0)
+    errors = report.results["rel_rmse"]
+    assert set(errors) == {"short", "long"}
+    for wl, e in errors.items():
+        assert report.results["served"][wl]["requests"] == 6  # 2 x c per phase: 2 + 4
+        assert e[f"refit of default on {wl}"] <= e["default"]
+        assert e[f"refit of table fit on {wl}"] <= e["table fit"]
+    assert len(report.targets) == 6
+    assert set(report.results["crossover_tokens"]) == set(report.results["models"])
+
+
+class _Pushing:
+    """What `DecodeSet.refit` reads of a decode engine: the stats it last pushed."""
+
+    def __init__(self, sums) -> None:
+        from services.api.engine_client import EngineStats
+
+        self._stats = EngineStats(0, 0, 0, 0, 0, 0, 0, 0, extra=sums.to_extra())
+
+    def stats(self):
+        return self._stats
+
+
+def test_the_decode_set_refits_its_engines_pooled_steps_beside_the_placement_model():
+    from costmodel.online import DecodeStepSums
+    from services.ray.decode_set import DecodeSet
+
+    true = DecodeCostModel(d0=0.012, d1=4e-4, d2=2e-7)
+    engines = []
+    for e in range(2):  # two engines, each with its own steps
+        sums = DecodeStepSums()
+        for b in range(1, 33):
+            k = b * (300 + 200 * e + 40 * b)
+            sums.add(b, k, true.step_time(b, k))
+        engines.append(_Pushing(sums))
+    table = DecodeCostModel(d0=0.006, d1=2e-4, d2=1.5e-7)
+    for placement in (None, table):  # without a profiled table, and with one
+        decode = DecodeSet(engines, decode_cost=placement)
+        assert decode.refitted == decode.decode_cost == (placement or DecodeCostModel())  # nothing read yet
+        refit = decode.refit()
+        assert decode.steps.w == pytest.approx(64, rel=0.01)
+        for term in ("d0", "d1", "d2"):
+            assert getattr(refit, term) == pytest.approx(getattr(true, term), rel=0.05), (placement, term)
+        assert decode.policy.ctx.decode_cost is decode.decode_cost  # placement keeps its model
