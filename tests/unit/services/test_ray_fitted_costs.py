@@ -42,6 +42,32 @@ def test_profile_decode_measures_a_checkpoint_directory(model):
     assert table.step_time(2, 1024) > 0
 
 
+def test_profiled_steps_read_caches_of_varied_entries(model):
+    """`profile_decode` times steps over compressed caches of seeded random entries, not the
+    zeros a fresh pool holds: the indexer sorts every entry's score each step, and sorting
+    equal scores is several times faster than sorting a real cache's."""
+    import torch
+
+    from engine.checkpoint.presets import preset_config
+    from engine.config import ModelConfig
+    from engine.runner import ModelRunner, RunnerConfig
+    from services.bench.router import _fill_caches
+
+    runner = ModelRunner.random(
+        ModelConfig.from_dict(preset_config("tiny")),
+        RunnerConfig(num_blocks=4, num_slots=1, with_mtp=False),
+        seed=0,
+    )
+    stores = [*runner.pool.rows.values(), *runner.pool.index_rows.values()]
+    assert runner.pool.index_rows and all(not s.any() for s in stores)  # a fresh pool: zeros
+    _fill_caches(runner, seed=0)
+    for s in stores:
+        assert torch.isfinite(s).all() and s.std() > 0.5
+    first = [s.clone() for s in stores]
+    _fill_caches(runner, seed=0)
+    assert all(torch.equal(a, b) for a, b in zip(first, stores))  # seeded
+
+
 def test_the_online_fit_bench_grades_each_model_on_each_workloads_steps(model, monkeypatch):
     """`sluice bench router --online-fit`, shrunk: a table, two served workloads, and every
     model graded on both (the refits in-sample no worse than where they started)."""
