@@ -7,19 +7,28 @@ is done (backpressure), and the policy picks again among the rest. All refusing 
 ``PoolFull`` (503 with Retry-After, nothing held).
 
 The balancer's decode cost model (``d0 + d1*B + d2*K``; the 2D rule reads only its
-crossover length ``d1 / d2``) is the one fitted to the step table measured beside the
-checkpoint, or the default. Beside it the set keeps a model refitted to the plain decode
-steps the engines have run and push with their loads (``costmodel.online``), for
-``/metrics``: how well the placement model predicts the engines' real steps, and what
-they say instead. Placement does not use the refit: its crossover, the one thing the rule
-reads, moved several-fold between runs of one workload (served traffic mostly moves batch
-and depth together and tells ``d1`` from ``d2`` only loosely; docs/router.md, "Refitted
-while serving").
+crossover length ``d1 / d2``) starts from the one fitted to the step table measured beside
+the checkpoint, or the default, and the set refits it to the plain decode steps the
+engines have run and push with their loads (``costmodel.online``):
+
+* **With a measured table**, placement uses the table's fit refitted with its ``d2`` kept:
+  the table varies batch and depth apart, which pins the per-KV-token cost, and the served
+  steps add what a table of forward passes does not time, the host's per-step and
+  per-sequence work. Refitted on one of two served workloads, it predicted the other's
+  steps with relative error 0.08-0.13 against the table fit's 0.16-0.20 (two runs;
+  docs/router.md, "Refitted while serving").
+* **Without one**, placement keeps the default and the refit of all three coefficients is
+  only reported: refitted on one workload's steps, its crossover moved several-fold between
+  runs (served traffic mostly moves batch and depth together).
+
+``/metrics`` shows the placement model, the refit of all three, and how well each predicts
+the served steps.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -51,25 +60,31 @@ class DecodeSet:
         self.replicas = list(replicas)
         self.policy_name = policy
         # costmodel.DecodeCostModel: fitted to a step table measured on this hardware, else the default
-        self.decode_cost = decode_cost if decode_cost is not None else DecodeCostModel()
+        self.prior = decode_cost if decode_cost is not None else DecodeCostModel()
+        self.profiled = decode_cost is not None
+        self.decode_cost = self.prior  # what placement uses (refit)
+        self.refitted = self.prior  # all three coefficients refitted to the steps (reported)
+        self.steps = DecodeStepSums()  # the engines' served decode steps, summed
         self.policy = DECODE_POLICIES.create(
             policy, PolicyContext(len(self.replicas), decode_cost=self.decode_cost)
         )
-        self.steps = DecodeStepSums()  # the engines' served decode steps, summed (refit)
-        self.refitted = self.decode_cost  # the placement model refitted to them (refit)
         self.placed = [0] * len(self.replicas)  # requests placed on each engine
         self.refused = 0  # reservations refused
         self._lock = asyncio.Lock()
 
-    def refit(self) -> DecodeCostModel:
-        """The placement model refitted to the steps the engines have pushed
-        (`costmodel.online.posterior`; recomputed only when they pushed new ones)."""
+    def refit(self) -> None:
+        """Refit to the steps the engines have pushed, when they pushed new ones
+        (`costmodel.online.posterior`): the reported model always, the placement model when
+        the prior is a measured table (module docstring)."""
         steps = DecodeStepSums()
         for r in self.replicas:
             steps = steps + DecodeStepSums.from_extra(r.stats().extra)
-        if steps.w != self.steps.w:
-            self.steps, self.refitted = steps, posterior(self.decode_cost, steps)
-        return self.refitted
+        if steps.w == self.steps.w:
+            return
+        self.steps, self.refitted = steps, posterior(self.prior, steps)
+        if self.profiled:
+            self.decode_cost = posterior(self.prior, steps, keep_d2=True)
+            self.policy.ctx = dataclasses.replace(self.policy.ctx, decode_cost=self.decode_cost)
 
     def loads(self) -> list[Any]:
         """``EngineLoad`` per decode engine from its latest stats (pushed, or the answer to
@@ -108,6 +123,7 @@ class DecodeSet:
                 )
             block_size = self.replicas[0].cache_identity()[0]
             view = RequestView(request_id, input_len=int(n_tokens), block_size=block_size)
+            self.refit()
             while candidates:
                 self.policy.update_loads(self.loads())
                 len_ref = getattr(self.policy, "len_ref", None)

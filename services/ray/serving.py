@@ -554,13 +554,15 @@ class RayServingClient:
 
 
 def _decode_cost_families(decode: DecodeSet) -> Iterator[Any]:
-    """The decode balancer's step-time model, the same model refitted to the plain decode
-    steps the engines served (``costmodel.online``), and how well each predicts them."""
+    """The decode balancer's step-time model (``DecodeSet``), its prior refitted whole to the
+    plain decode steps the engines served (``costmodel.online``), and how well each predicts
+    those steps."""
     from prometheus_client.core import GaugeMetricFamily
 
     from costmodel.online import HALF_LIFE_STEPS
 
-    refitted = decode.refit()
+    decode.refit()
+    refitted = decode.refitted
     for name, what, model in (
         ("sluice_decode_cost_model", "The decode balancer's step-time model", decode.decode_cost),
         ("sluice_decode_cost_refit", "The step-time model of the decode engines' served steps", refitted),
@@ -582,12 +584,14 @@ def _decode_cost_families(decode: DecodeSet) -> Iterator[Any]:
     )
     err = GaugeMetricFamily(
         "sluice_decode_cost_rel_rmse",
-        "Relative RMS error over the served decode steps of the balancer's model and of its refit.",
+        "Relative RMS error over the served decode steps of the balancer's model, of the refit of "
+        "all three terms, and of the model placement started from (a profiled table's fit or the default).",
         labels=["model"],
     )
     if decode.steps.w > 0:
         err.add_metric(["placement"], decode.steps.rel_rmse(decode.decode_cost))
         err.add_metric(["refit"], decode.steps.rel_rmse(refitted))
+        err.add_metric(["prior"], decode.steps.rel_rmse(decode.prior))
     yield err
 
 

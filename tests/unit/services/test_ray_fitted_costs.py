@@ -103,7 +103,9 @@ class _Pushing:
         return self._stats
 
 
-def test_the_decode_set_refits_its_engines_pooled_steps_beside_the_placement_model():
+def test_the_decode_set_refits_its_engines_pooled_steps():
+    """Placement keeps the default without a table; with one, it refits the table's fit
+    keeping its d2. The refit of all three coefficients is kept beside, for /metrics."""
     from costmodel.online import DecodeStepSums
     from services.ray.decode_set import DecodeSet
 
@@ -115,12 +117,23 @@ def test_the_decode_set_refits_its_engines_pooled_steps_beside_the_placement_mod
             k = b * (300 + 200 * e + 40 * b)
             sums.add(b, k, true.step_time(b, k))
         engines.append(_Pushing(sums))
-    table = DecodeCostModel(d0=0.006, d1=2e-4, d2=1.5e-7)
-    for placement in (None, table):  # without a profiled table, and with one
-        decode = DecodeSet(engines, decode_cost=placement)
-        assert decode.refitted == decode.decode_cost == (placement or DecodeCostModel())  # nothing read yet
-        refit = decode.refit()
+    table = DecodeCostModel(d0=0.006, d1=2e-4, d2=true.d2)  # forward passes only: no host work
+    for prior in (None, table):
+        decode = DecodeSet(engines, decode_cost=prior)
+        assert decode.decode_cost == decode.refitted == (prior or DecodeCostModel())  # nothing read yet
+        decode.refit()
         assert decode.steps.w == pytest.approx(64, rel=0.01)
         for term in ("d0", "d1", "d2"):
-            assert getattr(refit, term) == pytest.approx(getattr(true, term), rel=0.05), (placement, term)
-        assert decode.policy.ctx.decode_cost is decode.decode_cost  # placement keeps its model
+            assert getattr(decode.refitted, term) == pytest.approx(getattr(true, term), rel=0.05), (
+                prior,
+                term,
+            )
+        assert decode.policy.ctx.decode_cost is decode.decode_cost
+    unprofiled = DecodeSet(engines)
+    unprofiled.refit()
+    assert unprofiled.decode_cost == DecodeCostModel()  # placement keeps the default
+    placement = decode.decode_cost  # profiled: the table's d2, the host's d0 and d1 from the steps
+    assert placement.d2 == table.d2
+    assert placement.d0 == pytest.approx(true.d0, rel=0.05) and placement.d1 == pytest.approx(
+        true.d1, rel=0.05
+    )
