@@ -416,11 +416,10 @@ class EngineCore:
         self._new_decode_steps.append((len(out.seqs), sum(s.start_pos for s in out.seqs), seconds))
 
     def _sum_decode_steps(self) -> None:
-        if not self._new_decode_steps:
-            return
-        while self._new_decode_steps:
-            self.decode_steps.add(*self._new_decode_steps.popleft())
-        self._decode_steps_extra = self.decode_steps.to_extra()
+        if self._new_decode_steps:
+            while self._new_decode_steps:
+                self.decode_steps.add(*self._new_decode_steps.popleft())
+            self._decode_steps_extra = self.decode_steps.to_extra()
 
     def take_outputs(self) -> list[SeqOutput]:
         out, self._out = self._out, []

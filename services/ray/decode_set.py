@@ -63,8 +63,8 @@ class DecodeSet:
         self.prior = decode_cost if decode_cost is not None else DecodeCostModel()
         self.profiled = decode_cost is not None
         self.decode_cost = self.prior  # what placement uses (refit)
-        self.refitted = self.prior  # all three coefficients refitted to the steps (reported)
-        self.steps = DecodeStepSums()  # the engines' served decode steps, summed
+        self.steps = DecodeStepSums()  # the engines' served decode steps, summed (refit)
+        self._refitted = (0.0, self.prior)  # (steps.w it was refitted at, model): `refitted`
         self.policy = DECODE_POLICIES.create(
             policy, PolicyContext(len(self.replicas), decode_cost=self.decode_cost)
         )
@@ -73,18 +73,25 @@ class DecodeSet:
         self._lock = asyncio.Lock()
 
     def refit(self) -> None:
-        """Refit to the steps the engines have pushed, when they pushed new ones
-        (`costmodel.online.posterior`): the reported model always, the placement model when
-        the prior is a measured table (module docstring)."""
+        """Sum the steps the engines have pushed; when they pushed new ones and the prior is
+        a measured table, refit the placement model to them (module docstring)."""
         steps = DecodeStepSums()
         for r in self.replicas:
             steps = steps + DecodeStepSums.from_extra(r.stats().extra)
         if steps.w == self.steps.w:
             return
-        self.steps, self.refitted = steps, posterior(self.prior, steps)
+        self.steps = steps
         if self.profiled:
             self.decode_cost = posterior(self.prior, steps, keep_d2=True)
             self.policy.ctx = dataclasses.replace(self.policy.ctx, decode_cost=self.decode_cost)
+
+    @property
+    def refitted(self) -> DecodeCostModel:
+        """All three coefficients refitted to the summed steps: reported (``/metrics``), not
+        placed with; computed when read, not on the request path."""
+        if self._refitted[0] != self.steps.w:
+            self._refitted = (self.steps.w, posterior(self.prior, self.steps))
+        return self._refitted[1]
 
     def loads(self) -> list[Any]:
         """``EngineLoad`` per decode engine from its latest stats (pushed, or the answer to
@@ -123,7 +130,8 @@ class DecodeSet:
                 )
             block_size = self.replicas[0].cache_identity()[0]
             view = RequestView(request_id, input_len=int(n_tokens), block_size=block_size)
-            self.refit()
+            if self.profiled:  # else placement keeps the default: nothing to refit for it
+                self.refit()
             while candidates:
                 self.policy.update_loads(self.loads())
                 len_ref = getattr(self.policy, "len_ref", None)
