@@ -124,7 +124,11 @@ def run_online_fit(model_dir: Path, rounds: int, repeats: int, seed: int) -> Rep
     for name in WORKLOADS:
         models[f"refit of default on {name}"] = posterior(default, steps[name])
         models[f"refit of table fit on {name}"] = posterior(fitted, steps[name], keep_d2=True)
-    report.results["table"] = {"cells": len(table.samples(TABLE_MAX_DEPTH)), "fit": fitted.to_json(), "wall_s": table_raw["wall_s"]}
+    report.results["table"] = {
+        "cells": len(table.samples(TABLE_MAX_DEPTH)),
+        "fit": fitted.to_json(),
+        "wall_s": table_raw["wall_s"],
+    }
     report.results["served"] = served
     report.results["step_sums"] = {name: steps[name].to_extra() for name in WORKLOADS}
     report.results["models"] = {k: v.to_json() for k, v in models.items()}
