@@ -86,11 +86,40 @@ class Compressor(nn.Module):
         return (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
 
 
+# On the CPU, rows at least this many times longer than k take `_topk_by_selection`; below it
+# its fixed cost (a topk, two sorts of k and a compare over the row) outweighs what it saves:
+# the measured crossover is about 4x, 8x leaves a margin (docs/engine.md, "The indexer's
+# top-k on the CPU")
+SELECT_MIN_RATIO = 8
+
+
 def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
-    """Indices of the k largest scores per row; equal scores resolve to the lowest index, so the
-    choice does not depend on row length, padding, chunking or batch-mates (batch invariance).
-    ``torch.topk`` leaves ties implementation-defined; ReLU scores tie at 0 often."""
-    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., : min(k, scores.shape[-1])]
+    """Indices of the k largest scores per row, in descending score order; equal scores resolve
+    to the lowest index, so the choice does not depend on row length, padding, chunking or
+    batch-mates (batch invariance). ``torch.topk`` leaves ties implementation-defined; ReLU
+    scores tie at 0 often. Defined as the first k of a stable descending sort; long rows on
+    the CPU take an equal, cheaper path (`_topk_by_selection`)."""
+    n = scores.shape[-1]
+    k = min(k, n)
+    if scores.device.type == "cpu" and n >= SELECT_MIN_RATIO * k and scores.numel() > 0:
+        return _topk_by_selection(scores.reshape(-1, n), k).view(*scores.shape[:-1], k)
+    return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def _topk_by_selection(scores: torch.Tensor, k: int) -> torch.Tensor:
+    """`topk_lowest_index` of a 2-D CPU tensor through ``torch.topk`` (a selection, where the
+    sort it replaces orders the whole row). topk's set is the stable sort's wherever the k-th
+    score ties with no score outside the set; those rows are ordered by (score descending,
+    index ascending), the rest (a tie at the boundary, -inf padding past a short row's
+    entries, NaN) are sorted as the definition says. A data-dependent branch: CPU only."""
+    values, ids = torch.topk(scores, k, dim=-1, sorted=False)
+    kth = values.amin(dim=-1, keepdim=True)
+    tied = (scores >= kth).sum(dim=-1) != k
+    ids = ids.sort(dim=-1).values  # index order, so the stable sort below breaks ties low-first
+    out = ids.gather(-1, torch.sort(scores.gather(-1, ids), dim=-1, descending=True, stable=True).indices)
+    if tied.any():
+        out[tied] = torch.sort(scores[tied], dim=-1, descending=True, stable=True).indices[:, :k]
+    return out
 
 
 class IndexerScorer(nn.Module):

@@ -29,7 +29,7 @@ import torch
 
 from engine.kernels import batch_invariant
 from engine.kernels import prefill_attention as kernel
-from engine.model.compressor import Indexer, fused_index_scores, index_scores
+from engine.model.compressor import Indexer, fused_index_scores, index_scores, topk_lowest_index
 from engine.model.decode import decode_attend
 
 #: scratch memory one query chunk may use for its keys, logits and probabilities; the
@@ -117,7 +117,7 @@ def select_topk(
         # running entries first: they all have lower ids, so a stable sort keeps ties lowest-first
         cand_s = torch.cat([best_s, s], dim=1)
         cand_i = torch.cat([best_i, ids[None, :].expand(c, -1)], dim=1)
-        order = torch.sort(cand_s, dim=1, descending=True, stable=True).indices[:, :k]
+        order = topk_lowest_index(cand_s, k)
         best_s, best_i = cand_s.gather(1, order), cand_i.gather(1, order)
     return best_i, best_i < count[:, None]
 
