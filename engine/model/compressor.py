@@ -86,11 +86,13 @@ class Compressor(nn.Module):
         return (kv * gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)).sum(dim=1)
 
 
-# On the CPU, rows at least this many times longer than k take `_topk_by_selection`; below it
-# its fixed cost (a topk, two sorts of k and a compare over the row) outweighs what it saves:
-# the measured crossover is about 4x, 8x leaves a margin (docs/engine.md, "The indexer's
-# top-k on the CPU")
+# On the CPU, scores whose rows are at least SELECT_MIN_RATIO times k long and that hold at
+# least SELECT_MIN_ELEMENTS scores take `_topk_by_selection`; below either its fixed cost (a
+# topk, two sorts of k and a compare over the row: ~0.1 ms) outweighs what it saves. Measured
+# crossovers: about 4x k (16 rows of 1,024, k = 256), and between 2,048 and 4,096 scores for
+# one row; 8x leaves a margin (docs/engine.md, "The indexer's top-k on the CPU")
 SELECT_MIN_RATIO = 8
+SELECT_MIN_ELEMENTS = 4096
 
 
 def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
@@ -101,7 +103,12 @@ def topk_lowest_index(scores: torch.Tensor, k: int) -> torch.Tensor:
     the CPU take an equal, cheaper path (`_topk_by_selection`)."""
     n = scores.shape[-1]
     k = min(k, n)
-    if scores.device.type == "cpu" and n >= SELECT_MIN_RATIO * k and scores.numel() > 0:
+    if (
+        scores.device.type == "cpu"
+        and k > 0
+        and n >= SELECT_MIN_RATIO * k
+        and scores.numel() >= SELECT_MIN_ELEMENTS
+    ):
         return _topk_by_selection(scores.reshape(-1, n), k).view(*scores.shape[:-1], k)
     return torch.sort(scores, dim=-1, descending=True, stable=True).indices[..., :k]
 

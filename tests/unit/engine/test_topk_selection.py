@@ -47,15 +47,31 @@ def test_equals_the_stable_sort(kind: str, rows: int, n: int, k: int) -> None:
     assert torch.equal(topk_lowest_index(s, k), _definition(s, k))
 
 
-def test_the_selection_path_is_taken_and_equal() -> None:
-    """Rows long enough for the selection (`SELECT_MIN_RATIO`), called directly too, so a
-    change of the dispatch rule cannot leave it untested."""
+def test_the_selection_path_is_taken_and_equal(monkeypatch) -> None:
+    """Scores large enough for the selection (`SELECT_MIN_RATIO`, `SELECT_MIN_ELEMENTS`) take
+    it, and it is also called directly, so a change of the dispatch rule cannot leave it
+    untested."""
+    calls = _count_selections(monkeypatch)
     g = torch.Generator().manual_seed(3)
     for kind in ("relu", "coarse", "padded", "nan", "equal"):
-        s = _rows(kind, 9, 8 * 32, g)
-        assert s.shape[-1] >= compressor.SELECT_MIN_RATIO * 32
+        s = _rows(kind, 9, 8 * 64, g)
+        assert s.shape[-1] >= compressor.SELECT_MIN_RATIO * 32 and s.numel() >= compressor.SELECT_MIN_ELEMENTS
         assert torch.equal(compressor._topk_by_selection(s, 32), _definition(s, 32))
         assert torch.equal(topk_lowest_index(s, 32), _definition(s, 32))
+    assert calls == [9 * 8 * 64] * 10
+
+
+def _count_selections(monkeypatch) -> list[int]:
+    """The sizes of the scores each `_topk_by_selection` call gets, from now on."""
+    calls: list[int] = []
+    select = compressor._topk_by_selection
+
+    def counted(scores: torch.Tensor, k: int) -> torch.Tensor:
+        calls.append(scores.numel())
+        return select(scores, k)
+
+    monkeypatch.setattr(compressor, "_topk_by_selection", counted)
+    return calls
 
 
 def test_any_leading_shape() -> None:
@@ -66,21 +82,24 @@ def test_any_leading_shape() -> None:
     assert torch.equal(topk_lowest_index(row, 20), _definition(row, 20))
 
 
-@pytest.mark.parametrize("tile", [2, 9, 1000])
-def test_running_topk_of_long_rows_equals_one_sort(tile: int) -> None:
+@pytest.mark.parametrize("tile", [700, 10_000])
+def test_running_topk_of_long_rows_equals_one_sort(tile: int, monkeypatch) -> None:
     """Chunked prefill's running top-k on rows where the selection path runs (entries many
     times k), with exact ties on the boundary."""
+    calls = _count_selections(monkeypatch)
     g = torch.Generator().manual_seed(5)
     ix = Indexer(hidden=8, q_lora=8, dim=4, n_heads=2, rate=4, topk=3, eps=1e-6)
-    c, e = 6, 97
+    c, e = 6, 1500
     q = torch.randint(-2, 3, (c, 2, 4), generator=g).float()
     keys = torch.randint(-2, 3, (e, 4), generator=g).float()
     w = torch.randint(0, 2, (c, 2), generator=g).float()
-    count = torch.tensor([0, 2, 30, 64, 97, 97])
+    count = torch.tensor([0, 2, 30, 700, 1500, 1500])
     scores = torch.relu(torch.einsum("chd,ed->che", q, keys)) * ix.dim**-0.5
     scores = (scores * w.unsqueeze(-1)).sum(dim=1)
     scores = scores.masked_fill(torch.arange(e)[None, :] >= count[:, None], float("-inf"))
     want = _definition(scores, ix.topk)
+    calls.clear()
     top, valid = prefill.select_topk(ix, q, w, keys, count, tile_elements=tile * c * 2)
+    assert calls  # the running top-k took the selection
     assert torch.equal(valid, want < count[:, None])
     assert torch.equal(torch.where(valid, top, -1), torch.where(valid, want, -1))
