@@ -131,7 +131,8 @@ def posterior(
     prior: DecodeCostModel, sums: DecodeStepSums, keep_d2: bool = False, prior_rel_sd: float = PRIOR_REL_SD
 ) -> DecodeCostModel:
     """The decode cost model given ``sums``' steps and ``prior`` (module docstring):
-    coefficients clipped at 0; ``prior`` itself when there are no steps. ``keep_d2``: the
+    coefficients no lower than 0 (solved for under that bound, not clipped to it:
+    `_nonnegative_minimum`); ``prior`` itself when there are no steps. ``keep_d2``: the
     prior's ``d2`` is kept and only ``d0`` and ``d1`` are refitted."""
     if sums.w <= 0:
         return prior
@@ -151,10 +152,29 @@ def posterior(
     model = prior
     for _ in range(3):  # the residual noise and the coefficients, each given the other
         u = p_u.copy()
-        u[:free] = np.linalg.solve(a_f / noise + prec_u * np.eye(free), b_f / noise + prec_u * p_u[:free])
-        theta = np.maximum(u * scale, 0.0)
+        u[:free] = _nonnegative_minimum(
+            a_f / noise + prec_u * np.eye(free), b_f / noise + prec_u * p_u[:free]
+        )
+        theta = np.maximum(u * scale, 0.0)  # the kept d2 too
         if not np.any(theta > 0):
             return prior
         model = DecodeCostModel(*(float(x) for x in theta))
         noise = max(sums.rel_rmse(model) ** 2 * sums.w / max(sums.w - free, 1.0), MIN_REL_NOISE**2)
     return model
+
+
+def _nonnegative_minimum(h: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """argmin of ``u' h u - 2 c' u`` over ``u >= 0``, ``h`` positive definite and at most 3 x 3:
+    every choice of the coefficients held at 0 is solved and the best feasible one kept (the
+    convex problem's minimum is one of them). Clipping the unconstrained solution instead
+    can land above the prior's own error, where the constrained minimum never does (the
+    prior is feasible)."""
+    n = len(c)
+    best, best_value = np.zeros(n), 0.0
+    for mask in range(1, 1 << n):
+        kept = [i for i in range(n) if mask >> i & 1]
+        u_kept = np.linalg.solve(h[np.ix_(kept, kept)], c[kept])
+        if np.all(u_kept >= 0) and -float(c[kept] @ u_kept) < best_value:
+            best, best_value = np.zeros(n), -float(c[kept] @ u_kept)
+            best[kept] = u_kept
+    return best

@@ -87,6 +87,25 @@ def test_a_kept_d2_stays_and_the_rest_is_refitted_around_it():
     assert posterior(off, sums).d2 == pytest.approx(TRUE.d2, rel=0.02)
 
 
+@pytest.mark.parametrize("keep_d2", [True, False])
+def test_a_coefficient_at_zero_is_solved_for_not_clipped(keep_d2):
+    """Steps that a negative d0 would fit best (a per-step cost below nothing): the refit
+    holds d0 at 0 and solves the rest under that, so it fits the steps no worse than the
+    prior it started from. Clipping the free solution at 0 instead was worse than the prior
+    on every one of these seeds (and failed the online-fit bench's test once)."""
+    prior = DecodeCostModel(d0=0.0005, d1=0.0024, d2=2e-7)
+    for seed in range(10):
+        rng = np.random.default_rng(seed)
+        sums = DecodeStepSums(4096.0)
+        for _ in range(200):
+            b = int(rng.integers(2, 9))
+            k = b * int(rng.integers(64, 600))
+            sums.add(b, k, (-0.004 + 0.003 * b + 2e-7 * k) * (1 + abs(rng.normal(0, 0.05))))
+        fit = posterior(prior, sums, keep_d2=keep_d2)
+        assert fit.d0 == 0.0 and fit.d1 > 0 and fit.d2 >= 0
+        assert sums.rel_rmse(fit) <= sums.rel_rmse(prior)
+
+
 def test_slow_outliers_pull_boundedly():
     """One step in twenty 30x slower (a graph capture, a GC pause) barely moves the fit; an
     absolute least squares on the same steps is dragged by them."""
