@@ -7,6 +7,11 @@ STAMP := $(VENV)/.sluice-installed
 PYTEST_ARGS ?=
 # Fast suite: everything but slow and GPU tests.
 TEST_MARKERS ?= not slow and not gpu
+# pytest-xdist workers for `make test` and `make test-slow`: one per core of the 2-core CI
+# machine. tests/conftest.py deals out whole files, the Ray-starting ones as one unit.
+# TEST_WORKERS=0 runs in one process.
+TEST_WORKERS ?= 2
+XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
 # The pure cores (CONVENTIONS 1) are type-checked.
 MYPY_TARGETS ?= costmodel router kvstore services/envs.py services/bench/__init__.py \
 	engine/eplb.py services/eplb/controller.py services/eplb/rank.py services/api services/ray services/routing \
@@ -57,10 +62,10 @@ define run_pytest
 endef
 
 test: install lint
-	$(call run_pytest,-m "$(TEST_MARKERS)")
+	$(call run_pytest,-m "$(TEST_MARKERS)" $(XDIST))
 
 test-slow: install
-	$(call run_pytest,-m "slow and not gpu")
+	$(call run_pytest,-m "slow and not gpu" $(XDIST))
 
 test-gpu: install
 	$(call run_pytest,-m gpu tests/gpu)

@@ -2,13 +2,63 @@
 
 from __future__ import annotations
 
-import subprocess
-from collections.abc import Iterator
-from pathlib import Path
+import os
 
-import pytest
+# One intra-op thread per test process (inherited by the servers and Ray workers tests start):
+# the test models are tiny, so a second thread only adds synchronisation (test_llm.py: 43.6 s
+# with torch's default 2 threads, 37.9 s with 1), and `make test` runs two pytest workers on
+# two cores, where two threads each would contend. Set before anything imports torch.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from services.local.procs import RedisProcess
+import subprocess  # noqa: E402
+from collections.abc import Iterator  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+
+from services.local.procs import RedisProcess  # noqa: E402
+
+# `make test` runs two pytest-xdist workers. Each test file is one unit of work (its module
+# fixtures are built once), except that every file whose tests start a Ray cluster (the
+# session's `ray_local`, or their own through `sluice serve --config` / `ray start`) is in one
+# unit, so two clusters never share this machine's cores.
+_RAY_PATHS = ("tests/integration/ray/", "tests/integration/sites/")
+_RAY_FILES = frozenset(
+    {
+        "tests/integration/services/test_local_services.py",
+        "tests/unit/services/test_bench_e2e.py",
+        "tests/unit/services/test_bench_handoff.py",
+    }
+)
+
+
+def _work_unit(nodeid: str) -> str:
+    path = nodeid.split("::", 1)[0]
+    return "ray" if path.startswith(_RAY_PATHS) or path in _RAY_FILES else path
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; absent where xdist is (the GPU host)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    from xdist.scheduler import LoadScopeScheduling
+
+    class _PerFileRayTogether(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _work_unit(nodeid)
+
+    return _PerFileRayTogether(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that takes `ray_local` outside the Ray unit would start a second cluster."""
+    stray = sorted(
+        {
+            i.nodeid.split("::", 1)[0]
+            for i in items
+            if "ray_local" in getattr(i, "fixturenames", ()) and _work_unit(i.nodeid) != "ray"
+        }
+    )
+    if stray:
+        raise pytest.UsageError(f"tests/conftest.py: add {stray} to _RAY_FILES (they start Ray)")
 
 
 @pytest.fixture(scope="session")
