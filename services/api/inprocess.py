@@ -53,9 +53,12 @@ _IDLE_WAIT_S = 0.05
 # its start does not start the request afterwards (``aborted_since``).
 ABORT_MEMORY_S = 600.0
 ABORT_MEMORY = 65_536
-# An idle EP rank waits this long between agreements: a new request waits at most this long
-# (plus one collective) for its group to start stepping.
+# An idle EP rank waits between agreements, 10 ms at first, doubling while the whole group
+# stays idle up to 50 ms: a request arriving at a group idle for a while waits at most 50 ms
+# (plus one collective) for its group to start stepping. Each agreement costs every rank a
+# collective and a housekeeping pass (docs/disaggregation.md, "Expert-parallel instances").
 _EP_IDLE_WAIT_S = 0.01
+_EP_IDLE_WAIT_MAX_S = 0.05
 
 
 @dataclass
@@ -459,19 +462,22 @@ class InProcessEngineClient:
         ls = self._lockstep
         assert ls is not None
         try:
+            idle_wait = _EP_IDLE_WAIT_S
             while True:
                 self._drain(live)
                 any_ready, any_stop = ls.agree(self._core.will_forward(), self._stop.is_set())
                 if any_stop:
                     break
                 if any_ready:
+                    idle_wait = _EP_IDLE_WAIT_S
                     self._apply(ls.step(), live)
                     self._publish_stats()
                     self._publish_cache_events()
                     continue
                 self._apply(self._core.housekeeping(), live)
-                self._wake.wait(_EP_IDLE_WAIT_S)
+                woken = self._wake.wait(idle_wait)  # by a command for this rank
                 self._wake.clear()
+                idle_wait = _EP_IDLE_WAIT_S if woken else min(2 * idle_wait, _EP_IDLE_WAIT_MAX_S)
                 self._publish_stats()
             self._stopped(live, None)
         except BaseException as exc:  # a peer died (collective timeout) or the engine failed
@@ -694,10 +700,12 @@ class InProcessEngineClient:
                 self._outbox.publish(batch, self._core.cached_hashes)
 
     def _publish_stats(self) -> None:
+        """Replace the published stats if they changed. ``stats_version`` counts the changes,
+        so an idle engine's snapshot stays the same object: whoever pushes it on when it
+        changes (``services.ray.actors``' ``watch``) sends nothing while nothing happens."""
         st = self._core.stats()
         c = self._counters
-        self._stats_version += 1
-        self._stats = EngineStats(
+        fresh = EngineStats(
             running=st.running,
             waiting=st.waiting,
             free_blocks=st.free_blocks,
@@ -718,6 +726,11 @@ class InProcessEngineClient:
                 **(self._vision.stats() if self._vision is not None else {}),
             },
         )
+        if fresh == self._stats:
+            return
+        self._stats_version += 1
+        fresh.extra["stats_version"] = float(self._stats_version)
+        self._stats = fresh
 
 
 def _sampling_params(request: EngineRequest) -> Any:

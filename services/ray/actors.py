@@ -286,10 +286,16 @@ class EngineActor:
 
     def _stats(self) -> dict[str, Any]:
         """``EngineStats`` as a dict, with this process's pid (a restarted engine has another)."""
-        st = asdict(self.client.stats())
+        return self._stats_of(self.client.stats(), self._own_stats())
+
+    def _own_stats(self) -> dict[str, float]:
+        return {"draining": float(self.draining), **self.handoffs.stats()}
+
+    @staticmethod
+    def _stats_of(engine: Any, own: dict[str, float]) -> dict[str, Any]:
+        st = asdict(engine)
         st["extra"]["pid"] = float(os.getpid())
-        st["extra"]["draining"] = float(self.draining)
-        st["extra"].update(self.handoffs.stats())
+        st["extra"].update(own)
         return st
 
     async def ready(self) -> bool:
@@ -305,15 +311,17 @@ class EngineActor:
 
         name = subscriber or f"anonymous-{id(asyncio.current_task())}"
         self.feeds.subscribe(name)
-        last: dict[str, Any] | None = None
+        last: tuple[Any, dict[str, float]] | None = None  # (the engine's snapshot, ours)
         try:
             while not self._closed and self.client.alive:
                 self.feeds.pump(self.client.take_cache_events(), self.client.take_store_events())
-                stats = self._stats()
+                # the engine replaces its snapshot only when it changed: no copy while idle
+                now = (self.client.stats(), self._own_stats())
                 events, seen = self.feeds.take(name)
-                if stats != last or events or seen:
+                if last is None or now[0] is not last[0] or now[1] != last[1] or events or seen:
+                    stats = self._stats_of(*now)
                     yield {"stats": stats, "events": events_to_wire(events), "store_seen": list(seen)}
-                    last = stats
+                    last = now
                 await asyncio.sleep(interval_s)
         finally:
             self.feeds.unsubscribe(name)

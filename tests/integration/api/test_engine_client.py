@@ -139,3 +139,31 @@ def test_an_engine_behind_a_vision_pool_loads_no_encoder_and_takes_only_pool_row
             await client.close()
 
     asyncio.run(asyncio.wait_for(scenario(), 120))
+
+
+def test_an_idle_engine_keeps_its_stats_snapshot_and_version(tiny_model):
+    """``stats_version`` counts changes, so an idle engine's snapshot is the same object from
+    one idle loop to the next: what pushes it on (the Ray actor's ``watch``) sends nothing."""
+
+    async def scenario():
+        client = InProcessEngineClient(tiny_model)
+        await client.start()
+        try:
+            outs = [o async for o in client.generate(EngineRequest("a", (0, 5, 6), 3, seed=1))]
+            assert outs[-1].finish_reason is not None
+            for _ in range(500):  # the finished request leaves the counters
+                if client.stats().running == 0 and client.stats().finished_total == 1:
+                    break
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.3)  # write-through counters settle
+            idle = client.stats()
+            await asyncio.sleep(0.5)  # tens of idle loops, each republishing
+            assert client.stats() is idle
+            [o async for o in client.generate(EngineRequest("b", (0, 5, 7), 3, seed=1))]
+            busy = client.stats()
+            assert busy.extra["stats_version"] > idle.extra["stats_version"]
+            assert busy.finished_total == 2 or busy.requests_total == 2
+        finally:
+            await client.close()
+
+    asyncio.run(asyncio.wait_for(scenario(), 120))

@@ -28,7 +28,7 @@ from services.local.store import LocalStore
 from tests.integration.api.test_cross_engine_store import metric, tokens, wait_metric
 from tests.integration.serve_proc import ServeProcess, serve_side_by_side
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timing]
 
 FIRST = 1000
 LEASE_S = 2.0

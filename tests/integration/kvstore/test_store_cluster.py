@@ -14,7 +14,7 @@ from kvstore.shardfmt import HEADER_LEN, Shard
 from tests.integration.kvstore.conftest import make_client
 from tests.integration.kvstore.helpers import Load, expect_unavailable_fast, node_index, shard_path
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timing]
 KiB, MiB = 1 << 10, 1 << 20
 # Shard boundaries of 10+2: multiples of k, of ISA-L's 16-byte alignment x k, and block sizes.
 BOUNDARIES = [10, 160, 40 * KiB, 256 * KiB, 1 * MiB, 16 * MiB]

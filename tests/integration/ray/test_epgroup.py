@@ -17,7 +17,7 @@ import torch
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.runner import ModelRunner, RunnerConfig
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.timing]
 
 RUNNER = {"num_blocks": 2, "num_slots": 1}
 ATOL = 1e-4

@@ -22,6 +22,8 @@ from services.api.errors import ApiError
 from services.api.images import ImageLimits, check_image_ref, resolve_images
 from tests.data.hostile_images import accepted, corpus, data_url, gif, jpeg, png
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: `make test` runs these alone
+
 OFF = ImageLimits(
     max_images=8, max_image_bytes=4 * 2**20, max_image_pixels=16 * 2**20, max_image_side_px=8192,
     allow_remote_images=False, allow_hosts=(),

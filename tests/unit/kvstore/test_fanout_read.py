@@ -17,6 +17,8 @@ from kvstore.health import NodeHealth
 from kvstore.shardfmt import Shard
 from kvstore.transport import Cancel, NodeUnavailable, OnShards, ShardMissing, ShardResult
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: `make test` runs these alone
+
 K, M = 10, 2
 NODES = tuple(f"n{i:02d}" for i in range(K + M))
 

@@ -22,6 +22,8 @@ from engine.kvconnector.handoff_server import (
     is_ticket,
 )
 
+pytestmark = pytest.mark.timing  # wall-clock bounds: `make test` runs these alone
+
 
 @pytest.fixture
 def served():
