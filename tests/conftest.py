@@ -32,12 +32,16 @@ _RAY_FILES = frozenset(
 )
 
 
+def _file_of(nodeid: str) -> str:
+    return nodeid.split("::", 1)[0]
+
+
 def _work_unit(nodeid: str) -> str:
-    path = nodeid.split("::", 1)[0]
+    path = _file_of(nodeid)
     return "ray" if path.startswith(_RAY_PATHS) or path in _RAY_FILES else path
 
 
-@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; absent where xdist is (the GPU host)
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; the GPU host has no xdist
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     from xdist.scheduler import LoadScopeScheduling
 
@@ -52,7 +56,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     """A test that takes `ray_local` outside the Ray unit would start a second cluster."""
     stray = sorted(
         {
-            i.nodeid.split("::", 1)[0]
+            _file_of(i.nodeid)
             for i in items
             if "ray_local" in getattr(i, "fixturenames", ()) and _work_unit(i.nodeid) != "ray"
         }
