@@ -42,9 +42,12 @@ shard set, so the LM loaders (Sluice's and transformers') never see them.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
+import threading
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Final
@@ -342,7 +345,7 @@ def load_vision_encoder(
     path = root / VISION_WEIGHTS
     if not path.is_file():
         raise FileNotFoundError(f"{root}: config.json has a vision section but {VISION_WEIGHTS} is missing")
-    with torch.device("meta"):
+    with torch.device("meta"), _parameters_uninitialised():
         enc = VisionEncoder(cfg)
     want = enc.state_dict()
     state: dict[str, torch.Tensor] = {}
@@ -359,6 +362,40 @@ def load_vision_encoder(
             state[name] = t.to(dtype)
     enc.load_state_dict(state, assign=True)
     return enc.to(device=device, dtype=dtype).eval()
+
+
+_INIT_FUNCTIONS: Final = (
+    "uniform_",
+    "normal_",
+    "trunc_normal_",
+    "kaiming_uniform_",
+    "ones_",
+    "zeros_",
+    "constant_",
+)
+_init_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _parameters_uninitialised() -> Iterator[None]:
+    """Modules built inside skip ``torch.nn.init``'s random fills: their tensors are replaced
+    by the checkpoint's. On the meta device those fills run through torch's Python references,
+    whose first call imports ``torch._dynamo`` (2.3-2.6 s of CPU on the 2-core VM, in an
+    engine process that otherwise never loads it). The functions are swapped module-wide
+    for the block, as transformers' ``no_init_weights`` does, so loads are serialised."""
+    with _init_lock:
+        saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+        try:
+            for name in _INIT_FUNCTIONS:
+                setattr(nn.init, name, _unchanged)
+            yield
+        finally:
+            for name, fn in saved.items():
+                setattr(nn.init, name, fn)
+
+
+def _unchanged(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+    return tensor
 
 
 def vision_fingerprint(model_dir: str | Path) -> str:

@@ -203,6 +203,33 @@ def test_generated_checkpoints_carry_a_loadable_encoder(checkpoint_factory) -> N
     assert len(vision_fingerprint(path)) == 64
 
 
+def test_the_encoder_loads_the_files_tensors_without_random_init_or_dynamo(checkpoint_factory) -> None:
+    """The load builds the encoder with torch's init functions switched off (its tensors come
+    from the file): they are restored afterwards, every tensor equals the file's, and a fresh
+    process that loads it never imports torch._dynamo (which the init's meta-device fills did)."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    path = checkpoint_factory("tiny")
+    inits = {
+        name: getattr(torch.nn.init, name) for name in ("normal_", "uniform_", "kaiming_uniform_", "ones_")
+    }
+    enc = load_vision_encoder(path)
+    assert {name: getattr(torch.nn.init, name) for name in inits} == inits
+    saved = load_file(str(path / VISION_WEIGHTS))
+    assert len(saved) == len(enc.state_dict())
+    for name, t in enc.state_dict().items():
+        assert torch.equal(t, saved["vision." + name]), name
+    probe = (
+        "import sys; from engine.model.vision import load_vision_encoder; "
+        f"load_vision_encoder({str(path)!r}); print('torch._dynamo' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
 def test_checkpoints_without_vision_have_no_encoder(tmp_path) -> None:
     from engine.checkpoint.generate import generate_checkpoint
     from engine.checkpoint.presets import SHIPPED
