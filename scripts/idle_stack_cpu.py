@@ -1,11 +1,14 @@
-"""CPU that an idle disaggregated stack burns, per process, on a loopback Ray cluster.
+"""CPU that a disaggregated stack costs to start and then burns while idle, per process, on a
+loopback Ray cluster.
 
 Usage: .venv/bin/python scripts/idle_stack_cpu.py [--seconds S]
 
 Brings up the shape of ``tests/integration/ray/test_serving.py``: two prefill and two decode
 instances of EP 2 (eight engine actors, tiny random checkpoint, CPU), a 12-node KV store with
-its Redis directory, and the API with the router in this process. It serves one chat, waits
-3 s, then reads every process's CPU time from ``/proc`` before and after ``S`` idle seconds.
+its Redis directory, and the API with the router in this process. It reports the start-up
+time and the CPU each engine actor spent until the stack was up (importing torch is most of
+it), serves one chat, waits 3 s, then reads every process's CPU time from ``/proc`` before
+and after ``S`` idle seconds.
 An idle stack should cost next to nothing: engines that push unchanged state, or EP groups
 that agree at full rate, show up here (docs/disaggregation.md).
 """
@@ -72,6 +75,13 @@ def main() -> None:
         t0 = time.monotonic()
         with ServerThread(app, app.state.sluice.config) as srv:
             print(f"stack up in {time.monotonic() - t0:.1f} s", flush=True)
+            actors = sorted(s for s, cmd in cpu_seconds().values() if "EngineActor" in cmd)
+            if actors:
+                print(
+                    f"CPU each of the {len(actors)} engine actors used to start: "
+                    f"{actors[0]:.2f}-{actors[-1]:.2f} s (median {actors[len(actors) // 2]:.2f})",
+                    flush=True,
+                )
             oai = openai.OpenAI(base_url=f"{srv.url}/v1", api_key="unused", timeout=120, max_retries=0)
             chat = [{"role": "user", "content": "Write a haiku about rivers."}]
             t0 = time.monotonic()
