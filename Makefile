@@ -31,8 +31,10 @@ install: $(STAMP) redis-server
 $(STAMP): pyproject.toml
 	@test -x $(PY) || python3 -m venv $(VENV)
 	@# The CPU wheel is pinned explicitly: a bare `torch` would pull a multi-GB CUDA build.
-	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[dev]'
+	@# --no-compile: byte-compiling every module of torch, ray and transformers at install took
+	@# 73 of 180 s on the 2-core VM; Python compiles the few thousand a run imports on first use.
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q --no-compile torch==2.13.0
+	$(PIP) install -q --no-compile -e '.[dev]'
 	$(MAKE) --no-print-directory proto
 	@touch $(STAMP)
 
@@ -42,13 +44,13 @@ redis-server:
 	  { (command -v apt-get >/dev/null && [ "$$(id -u)" = 0 ] && \
 	     (apt-get install -y -q redis-server >/dev/null 2>&1 || \
 	      (apt-get update -q >/dev/null && apt-get install -y -q redis-server >/dev/null))) || \
-	    $(PIP) install -q redis-server==6.0.9; }
+	    $(PIP) install -q --no-compile redis-server==6.0.9; }
 
 proto: $(STAMP)-proto-tools
 	$(PY) -m sluice_proto.generate
 
 $(STAMP)-proto-tools:
-	@test -f $(STAMP) || { test -x $(PY) || python3 -m venv $(VENV); $(PIP) install -q grpcio-tools==1.85.1 protobuf==7.36.2; }
+	@test -f $(STAMP) || { test -x $(PY) || python3 -m venv $(VENV); $(PIP) install -q --no-compile grpcio-tools==1.85.1 protobuf==7.36.2; }
 	@touch $@
 
 lint: install
