@@ -113,6 +113,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", type=Path, default=REPO / "models/trained", help="--online-fit: the checkpoint")
     p.add_argument("--rounds", type=int, default=2, help="--profile-decode: passes over the grid")
     p.add_argument("--repeats", type=int, default=5, help="--profile-decode: timed steps per cell and pass")
+    p.add_argument(
+        "--zeroed-caches", action="store_true",
+        help="--profile-decode: time steps over zeroed cache blocks (the tables before 2026-12-05), "
+        "for an A/B against the default seeded random entries",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> Report:
@@ -153,6 +158,7 @@ def profile_decode(
     model_dir: Path | None = None,
     device: str = "cpu",
     layers: int | None = None,
+    fill_caches: bool = True,
 ) -> dict[str, Any]:
     """Median seconds of one decode step of the engine's model runner over (batch, total KV).
 
@@ -162,10 +168,11 @@ def profile_decode(
     bucket, captured during the warm-up steps) and each timed step ends with a
     synchronisation. A cell runs ``batch`` sequences of one new token each, every sequence
     ``kv_tokens // batch`` tokens deep (at least 1) in its own blocks, so a step reads
-    ``kv_tokens`` tokens of compressed state. The cost of a step depends on the cache's
-    shape, not its content, so the blocks are not prefilled; the sequences' tokens are
-    distinct ids drawn over the vocabulary, so the routed experts a step reads are those of
-    a batch of different requests. ``rounds`` passes go over the
+    ``kv_tokens`` tokens of compressed state. The blocks hold seeded random entries
+    (``_fill_caches``; ``fill_caches=False`` leaves them zeroed, for an A/B): the indexer's
+    cost depends on the scores it ranks, not only on the cache's shape. The sequences'
+    tokens are distinct ids drawn over the vocabulary, so the routed experts a step reads
+    are those of a batch of different requests. ``rounds`` passes go over the
     whole grid; in each, a cell runs ``warmup`` untimed steps and then ``repeats`` timed
     steps back to back (as an engine steps one batch after another), and each cell keeps
     the median of its ``rounds * repeats`` timings: a burst of load on the shared machine
@@ -196,7 +203,8 @@ def profile_decode(
         dtype="bfloat16" if cuda else "float32",
     )  # fmt: skip
     runner = ModelRunner.random(mcfg, rcfg, seed=0)
-    _fill_caches(runner, seed=0)
+    if fill_caches:
+        _fill_caches(runner, seed=0)
     sync = torch.cuda.synchronize if cuda else (lambda: None)
 
     # one token per sequence, spread over the vocabulary (seeded): the hash-MoE layers route
@@ -238,6 +246,7 @@ def profile_decode(
         "model": str(model_dir) if model_dir is not None else None,
         "layers": mcfg.num_hidden_layers,
         "weights": "random (ModelRunner.random, seed 0)",
+        "caches": "seeded random entries" if fill_caches else "zeroed",
         "dtype": runner.cfg.dtype,
         "device": device,
         "gpu": torch.cuda.get_device_name() if cuda else None,
@@ -258,7 +267,8 @@ def profile_decode(
         "command": f"python -m services.cli bench router --profile-decode --preset {preset} "
         f"--rounds {rounds} --repeats {repeats}"
         + (f" --device {device}" if cuda else "")
-        + (f" --layers {layers}" if layers else ""),
+        + (f" --layers {layers}" if layers else "")
+        + ("" if fill_caches else " --zeroed-caches"),
         "batch": list(batches),
         "kv_tokens": list(kv_tokens),
         "kv_tokens_per_sequence": [[per_seq[b, k] for k in kv_tokens] for b in batches],
@@ -300,13 +310,14 @@ def _run_profile_decode(args: argparse.Namespace) -> Report:
         repeats=args.repeats,
         device=args.device,
         layers=args.layers,
+        fill_caches=not args.zeroed_caches,
     )
     out = Path(args.step_table)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(table, indent=1) + "\n")
     report = Report("router", config={"mode": "profile-decode", "out": str(out)} | {
         k: table[k] for k in ("preset", "layers", "device", "gpu", "cpu", "torch", "torch_threads", "rounds",
-                              "repeats", "batch", "kv_tokens")
+                              "repeats", "caches", "batch", "kv_tokens")
     })  # fmt: skip
     report.results["decode_step_table"] = table
     for b, row in zip(table["batch"], table["seconds"]):
