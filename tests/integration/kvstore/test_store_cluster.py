@@ -14,7 +14,7 @@ from kvstore.shardfmt import HEADER_LEN, Shard
 from tests.integration.kvstore.conftest import make_client
 from tests.integration.kvstore.helpers import Load, expect_unavailable_fast, node_index, shard_path
 
-pytestmark = [pytest.mark.integration, pytest.mark.timing]
+pytestmark = pytest.mark.integration  # the tests with wall-clock bounds are marked `timing`
 KiB, MiB = 1 << 10, 1 << 20
 # Shard boundaries of 10+2: multiples of k, of ISA-L's 16-byte alignment x k, and block sizes.
 BOUNDARIES = [10, 160, 40 * KiB, 256 * KiB, 1 * MiB, 16 * MiB]
@@ -93,6 +93,7 @@ def test_all_66_pairs_of_nodes_killed_under_load(live_cluster: LocalStoreCluster
         client.close()
 
 
+@pytest.mark.timing
 def test_third_node_down_is_an_explicit_error_within_a_second(
     live_cluster: LocalStoreCluster, store_client: StoreClient
 ) -> None:
@@ -263,6 +264,7 @@ def test_batched_rpcs_report_each_shard(live_cluster: LocalStoreCluster, store_c
     assert replies[2].to_bytes() == good[2].to_bytes()  # type: ignore[attr-defined]
 
 
+@pytest.mark.timing
 def test_hung_nodes_are_hedged_and_a_third_times_out_explicitly(
     live_cluster: LocalStoreCluster, redis_url: str
 ) -> None:
@@ -321,6 +323,7 @@ def _read(path) -> bytes | None:
         return None
 
 
+@pytest.mark.timing
 def test_redis_down_is_an_error_and_an_empty_redis_is_a_miss(live_cluster: LocalStoreCluster) -> None:
     import redis as redis_lib
 
