@@ -268,6 +268,7 @@ def profile_decode(
         f"--rounds {rounds} --repeats {repeats}"
         + (f" --device {device}" if cuda else "")
         + (f" --layers {layers}" if layers else "")
+        + ("" if tuple(kv_tokens) == PROFILE_KV else f" --kv-tokens {','.join(map(str, kv_tokens))}")
         + ("" if fill_caches else " --zeroed-caches"),
         "batch": list(batches),
         "kv_tokens": list(kv_tokens),
