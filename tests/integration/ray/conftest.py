@@ -55,6 +55,12 @@ def wait_until(predicate: Callable[[], bool], timeout_s: float = 60.0, what: str
         time.sleep(0.01)
 
 
+# How long `served` waits for the API to come up: past RayServingClient's own start bound
+# (300 s), so a stack that cannot start fails with its own error, and a slow machine's start
+# (122 s for test_serving's eight EP ranks beside a loaded second worker) is not a failure.
+STACK_START_S = 330.0
+
+
 @contextlib.contextmanager
 def served(client: object, **config: object) -> Iterator[str]:
     """The API (default limits, or ``ApiConfig`` fields ``config``) over ``client`` on
@@ -64,8 +70,11 @@ def served(client: object, **config: object) -> Iterator[str]:
     from services.api.server import ServerThread
 
     app = create_app(ApiConfig(**config), client)  # type: ignore[arg-type]
-    with ServerThread(app, app.state.sluice.config) as srv:
+    srv = ServerThread(app, app.state.sluice.config).start(timeout_s=STACK_START_S)
+    try:
         yield srv.url
+    finally:
+        srv.stop()
 
 
 def completion_stream(url: str, prompt: str, max_tokens: int):

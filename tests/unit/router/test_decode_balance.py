@@ -256,7 +256,8 @@ def test_profile_decode_times_the_engine_on_a_small_grid():
     assert t.seconds.shape == (2, 2) and np.all(t.seconds > 0)
     assert raw["kv_tokens_per_sequence"] == [[1, 1024], [1, 512]]
     assert (raw["layers"], raw["device"], raw["dtype"], raw["gpu"]) == (2, "cpu", "float32", None)
-    assert raw["decode_graphs"] is False and raw["command"].endswith("--layers 2")
+    assert raw["decode_graphs"] is False and raw["caches"] == "seeded random entries"
+    assert raw["command"].endswith("--layers 2 --kv-tokens 0,1024")  # reruns this grid
     for key in ("preset", "device", "torch", "date", "load_average_before", "load_average_after", "command"):
         assert raw[key]
 
