@@ -70,42 +70,8 @@ from engine.model.confidence import (
 from engine.train.data import read_array
 from engine.train.evaluate import greedy_chains, prompt_offsets
 from engine.train.model import TrainModel
+from engine.train.settings import ConfidenceSettings
 from engine.train.trainer import Log, Streams, run_environment, training_record
-
-SOURCES = ("train", "valid", "fit")
-CHAINS = ("engine", "recompute")
-
-
-@dataclass(frozen=True)
-class ConfidenceSettings:
-    """The shipped head's settings are the defaults (``docs/training.md``, "Confidence head")."""
-
-    seed: int = 0
-    source: str = "train"  # training prompts: "train" (the training split), "valid" (its valid-v1 files), "fit" (the rest)
-    prompts: int = 1024  # training prefixes
-    eval_prompts: int = 256  # held-out prefixes
-    prompt_len: int = 256
-    gen_tokens: int = 32
-    depth: int = 5
-    micro_batch: int = 16  # chains per drafting forward
-    epochs: int = 10
-    batch: int = 256
-    lr: float = 3e-3  # Adam's peak; cosine decay to 0 over the run
-    weight_decay: float = 1e-2  # L2 on the standardised weights (not the bias)
-    bins: int = 10
-    chains: str = "engine"  # "engine" (KV-cached greedy decoding) or "recompute" (evaluate.greedy_chains)
-
-    def validate(self) -> None:
-        if self.source not in SOURCES:
-            raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
-        if self.chains not in CHAINS:
-            raise ValueError(f"chains must be one of {CHAINS}, got {self.chains!r}")
-        if self.prompts < 1 or self.eval_prompts < 1 or self.micro_batch < 1 or self.batch < 1:
-            raise ValueError("prompts, eval_prompts, micro_batch and batch must be >= 1")
-        if self.prompt_len < 2 or self.depth < 1 or self.gen_tokens < self.depth + 2:
-            raise ValueError("prompt_len >= 2, depth >= 1 and gen_tokens >= depth + 2 are required")
-        if self.epochs < 1 or self.lr <= 0 or self.bins < 1:
-            raise ValueError("epochs >= 1, lr > 0 and bins >= 1 are required")
 
 
 @dataclass

@@ -22,7 +22,6 @@ import platform
 import shutil
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -32,38 +31,10 @@ import torch
 from engine.train.data import read_array
 from engine.train.evaluate import mtp_acceptance, score_stream
 from engine.train.model import TrainModel, export_state, model_config
+from engine.train.settings import TrainSettings
 from engine.train.state import STATE_DIR, load_state, open_curve, save_state
 
 PRESET_NAME = "trained"
-
-
-@dataclass(frozen=True)
-class TrainSettings:
-    """The shipped settings are the defaults; ``docs/training.md`` states why each is what it is."""
-
-    seed: int = 0
-    seq_len: int = 4096
-    batch: int = 16  # sequences per optimizer step (65,536 tokens)
-    micro_batch: int = 16  # sequences per forward/backward
-    steps: int = 480
-    lr: float = 2e-3
-    min_lr_ratio: float = 0.1
-    warmup: int = 24
-    weight_decay: float = 0.1
-    clip: float = 1.0
-    mtp_weight: float = 0.3
-    bias_rate: float = 1e-2
-    eval_every: int = 40
-    eval_windows: int = 16
-    accept_prompts: int = 64
-
-    def validate(self) -> None:
-        if self.seq_len < 8 or self.batch < 1 or self.micro_batch < 1 or self.steps < 1:
-            raise ValueError("seq_len >= 8, batch >= 1, micro_batch >= 1 and steps >= 1 are required")
-        if self.batch % self.micro_batch:
-            raise ValueError(f"batch ({self.batch}) must be a multiple of micro_batch ({self.micro_batch})")
-        if not 0 <= self.warmup < self.steps:
-            raise ValueError("warmup must be in [0, steps)")
 
 
 class Streams:

@@ -24,12 +24,12 @@ import hashlib
 import json
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from engine.train.settings import UnlikelihoodSettings
 from engine.train.trainer import (
     PRESET_NAME,
     Log,
@@ -45,32 +45,6 @@ from engine.train.trainer import (
 )
 
 CURVE_NAME = "curve_unlikelihood.jsonl"
-
-
-@dataclass(frozen=True)
-class UnlikelihoodSettings:
-    alpha: float = 3.0  # weight of the unlikelihood term beside the cross-entropy
-    window: int = 128  # previous positions whose tokens are negative candidates
-    steps: int = 60
-    lr: float = 2e-4  # constant after warm-up: the model stage's final rate (2e-3 x 0.1)
-    warmup: int = 5
-    seed: int = 0  # the batches' order (the model stage's, for the same seed)
-    seq_len: int = 4096
-    batch: int = 16
-    micro_batch: int = 16
-    weight_decay: float = 0.1
-    clip: float = 1.0
-    mtp_weight: float = 0.3
-    accept_prompts: int = 64
-
-    def validate(self) -> None:
-        if self.alpha < 0 or self.window < 1 or self.steps < 1 or self.lr <= 0 or self.warmup < 0:
-            raise ValueError(f"bad UnlikelihoodSettings {self}")
-        if self.batch % self.micro_batch:
-            raise ValueError(f"batch {self.batch} is not a multiple of micro_batch {self.micro_batch}")
-
-    def lr_at(self, step: int) -> float:
-        return self.lr * min(1.0, (step + 1) / self.warmup) if self.warmup else self.lr
 
 
 def _sha256(path: Path) -> str:

@@ -47,7 +47,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     d.add_argument("--json", action="store_true", help="print the data.json header (without file indexes)")
     d.set_defaults(func=run_data)
 
-    from engine.train.trainer import TrainSettings
+    from engine.train.settings import TrainSettings
 
     m = stages.add_parser(
         "model", help="train the model plus its MTP layer on a data directory; write a checkpoint"
@@ -71,7 +71,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     _settings_args(m, TrainSettings)
     m.set_defaults(func=run_model)
 
-    from engine.train.unlikelihood import UnlikelihoodSettings
+    from engine.train.settings import UnlikelihoodSettings
 
     u = stages.add_parser(
         "unlikelihood",
@@ -109,7 +109,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     h.add_argument("--json", action="store_true", help="print the JSON report")
     h.set_defaults(func=run_headers)
 
-    from engine.train.confidence import ConfidenceSettings
+    from engine.train.settings import ConfidenceSettings
 
     c = stages.add_parser(
         "confidence",

@@ -30,6 +30,16 @@ def test_console_script_runs():
     assert "SLUICE_MODEL_DIR" in out
 
 
+def test_the_parser_loads_without_torch():
+    """Every `sluice` command builds the whole parser first; the commands that need torch
+    import it when they run, so `sluice store ...` or `--help` does not pay for it (~2 s)."""
+    probe = "import sys; from services.cli import build_parser; build_parser(); print('torch' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == "False", out.stderr[-2000:]
+
+
 def test_gen_checkpoint_rejects_bad_override(tmp_path, capsys):
     assert main(["gen-checkpoint", "--out", str(tmp_path), "--set", "novalue"]) == 2
     assert "KEY=JSON" in capsys.readouterr().err

@@ -1,0 +1,97 @@
+"""The training stages' settings (``sluice train model``, ``unlikelihood``, ``confidence``):
+plain dataclasses, importable without torch, so the CLI can show their defaults in its help
+without loading torch (about 2 s of every ``sluice`` command)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SOURCES = ("train", "valid", "fit")
+CHAINS = ("engine", "recompute")
+
+
+@dataclass(frozen=True)
+class TrainSettings:
+    """The shipped settings are the defaults; ``docs/training.md`` states why each is what it is."""
+
+    seed: int = 0
+    seq_len: int = 4096
+    batch: int = 16  # sequences per optimizer step (65,536 tokens)
+    micro_batch: int = 16  # sequences per forward/backward
+    steps: int = 480
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1
+    warmup: int = 24
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    mtp_weight: float = 0.3
+    bias_rate: float = 1e-2
+    eval_every: int = 40
+    eval_windows: int = 16
+    accept_prompts: int = 64
+
+    def validate(self) -> None:
+        if self.seq_len < 8 or self.batch < 1 or self.micro_batch < 1 or self.steps < 1:
+            raise ValueError("seq_len >= 8, batch >= 1, micro_batch >= 1 and steps >= 1 are required")
+        if self.batch % self.micro_batch:
+            raise ValueError(f"batch ({self.batch}) must be a multiple of micro_batch ({self.micro_batch})")
+        if not 0 <= self.warmup < self.steps:
+            raise ValueError("warmup must be in [0, steps)")
+
+
+@dataclass(frozen=True)
+class UnlikelihoodSettings:
+    alpha: float = 3.0  # weight of the unlikelihood term beside the cross-entropy
+    window: int = 128  # previous positions whose tokens are negative candidates
+    steps: int = 60
+    lr: float = 2e-4  # constant after warm-up: the model stage's final rate (2e-3 x 0.1)
+    warmup: int = 5
+    seed: int = 0  # the batches' order (the model stage's, for the same seed)
+    seq_len: int = 4096
+    batch: int = 16
+    micro_batch: int = 16
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    mtp_weight: float = 0.3
+    accept_prompts: int = 64
+
+    def validate(self) -> None:
+        if self.alpha < 0 or self.window < 1 or self.steps < 1 or self.lr <= 0 or self.warmup < 0:
+            raise ValueError(f"bad UnlikelihoodSettings {self}")
+        if self.batch % self.micro_batch:
+            raise ValueError(f"batch {self.batch} is not a multiple of micro_batch {self.micro_batch}")
+
+    def lr_at(self, step: int) -> float:
+        return self.lr * min(1.0, (step + 1) / self.warmup) if self.warmup else self.lr
+
+
+@dataclass(frozen=True)
+class ConfidenceSettings:
+    """The shipped head's settings are the defaults (``docs/training.md``, "Confidence head")."""
+
+    seed: int = 0
+    source: str = "train"  # training prompts: "train" (the training split), "valid" (its valid-v1 files), "fit" (the rest)
+    prompts: int = 1024  # training prefixes
+    eval_prompts: int = 256  # held-out prefixes
+    prompt_len: int = 256
+    gen_tokens: int = 32
+    depth: int = 5
+    micro_batch: int = 16  # chains per drafting forward
+    epochs: int = 10
+    batch: int = 256
+    lr: float = 3e-3  # Adam's peak; cosine decay to 0 over the run
+    weight_decay: float = 1e-2  # L2 on the standardised weights (not the bias)
+    bins: int = 10
+    chains: str = "engine"  # "engine" (KV-cached greedy decoding) or "recompute" (evaluate.greedy_chains)
+
+    def validate(self) -> None:
+        if self.source not in SOURCES:
+            raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
+        if self.chains not in CHAINS:
+            raise ValueError(f"chains must be one of {CHAINS}, got {self.chains!r}")
+        if self.prompts < 1 or self.eval_prompts < 1 or self.micro_batch < 1 or self.batch < 1:
+            raise ValueError("prompts, eval_prompts, micro_batch and batch must be >= 1")
+        if self.prompt_len < 2 or self.depth < 1 or self.gen_tokens < self.depth + 2:
+            raise ValueError("prompt_len >= 2, depth >= 1 and gen_tokens >= depth + 2 are required")
+        if self.epochs < 1 or self.lr <= 0 or self.bins < 1:
+            raise ValueError("epochs >= 1, lr > 0 and bins >= 1 are required")
