@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -148,3 +148,41 @@ class SpecProfile:
     @classmethod
     def load(cls, path: str | Path) -> SpecProfile:
         return cls.from_json(Path(path).read_text())
+
+
+def extrapolate_layers(profiles: Mapping[int, SpecProfile], layers: int) -> SpecProfile:
+    """The profile of a model ``layers`` decoder layers deep, from two profiles of the same
+    widths measured at two depths (``{depth: profile}``, same batches and draft counts).
+
+    The principle: a step is affine in the number of decoder layers. Every decoder layer adds
+    its own forward time (attention and MoE over the step's tokens); the embedding, the LM
+    head, sampling, the MTP drafting passes and the host's scheduling do not grow with depth.
+    So each cell is ``cell(a) + (layers - a) * slope`` with ``slope = (cell(b) - cell(a)) /
+    (b - a)``, floored at 0 (a layer never makes a step faster; a negative difference is
+    measurement noise). The drafting pass runs the MTP layer, not a decoder layer: its cost is
+    the mean of the two measured. Noise in the slope is multiplied by ``layers - a``: measure
+    at depths whose difference is well above run-to-run spread."""
+    if len(profiles) != 2:
+        raise ValueError(f"give profiles at exactly two depths, not {sorted(profiles)}")
+    (a, pa), (b, pb) = sorted(profiles.items())
+    if a < 1 or layers < 1:
+        raise ValueError("depths must be >= 1")
+    if (pa.batch, pa.drafts, pa.drafted) != (pb.batch, pb.drafts, pb.drafted):
+        raise ValueError("the two profiles must share batch sizes, draft counts and drafted depth")
+    if pa.adaptive != pb.adaptive:
+        raise ValueError("both profiles must price plain decoding and the drafting pass, or neither")
+
+    def at(x: float, y: float) -> float:
+        return x + (layers - a) * max(y - x, 0.0) / (b - a)
+
+    seconds = tuple(tuple(at(x, y) for x, y in zip(ra, rb)) for ra, rb in zip(pa.seconds, pb.seconds))
+    meta = {
+        "method": f"extrapolated to {layers} decoder layers from depths {a} and {b} "
+        "(engine.spec.profile.extrapolate_layers: affine in depth)",
+        "measured": {str(a): pa.meta, str(b): pb.meta},
+    }
+    return SpecProfile(
+        pa.batch, pa.drafts, seconds, pa.drafted,
+        tuple((x + y) / 2 for x, y in zip(pa.draft_pass, pb.draft_pass)),
+        tuple(at(x, y) for x, y in zip(pa.plain, pb.plain)), meta,
+    )  # fmt: skip

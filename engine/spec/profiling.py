@@ -154,3 +154,37 @@ def _prompts(model: Path, n: int, length: int, seed: int) -> tuple[list[list[int
     prompts, source = text_or_random_prompts(model, n, length, seed)
     period = phase_period(model)
     return staggered(prompts, period), f"{source}, {length} - (k mod {period}) ids"
+
+
+def measure_width_profiles(
+    preset: str,
+    depths: Sequence[int],
+    work_dir: str | Path,
+    batches: Sequence[int] = (1, 8, 32, 64, 128),
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+    **kwargs: Any,
+) -> dict[int, SpecProfile]:
+    """`measure_spec_profile` of a generated preset's widths (flash-shape: DeepSeek-V4-Flash's)
+    at each decoder depth in ``depths``, with its MTP layer and seeded random weights built on
+    the device (``EngineConfig.random_weights``; no checkpoint is written). Random weights
+    accept almost no drafts, so the MTP layer's first pass runs over one row per request (a
+    trained model's runs over 1 + its accepted drafts); the verification forward, which DSpark
+    trades against, is priced exactly. `engine.spec.profile.extrapolate_layers` takes two of
+    them to the model's real depth."""
+    from engine.checkpoint.generate import write_config_dir
+
+    out: dict[int, SpecProfile] = {}
+    for depth in depths:
+        model = write_config_dir(preset, Path(work_dir) / f"{preset}-{depth}l", seed, num_hidden_layers=depth)
+
+        def say(msg: str, depth: int = depth) -> None:
+            if progress is not None:
+                progress(f"{preset} x {depth} layers: {msg}")
+
+        p = measure_spec_profile(model, batches, progress=say, random_weights=seed, **kwargs)
+        out[depth] = SpecProfile(
+            p.batch, p.drafts, p.seconds, p.drafted, p.draft_pass, p.plain,
+            {**p.meta, "preset": preset, "layers": depth, "weights": f"random, seed {seed}"},
+        )  # fmt: skip
+    return out

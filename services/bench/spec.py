@@ -33,6 +33,14 @@ accepted length the confidence head's ranking keeps as fewer drafts are verified
 curve, and its value at 25 % fewer), and where DSpark's selection lands on it when
 speculation stays on, priced by this machine's profile and the H200's. It separates the
 head's quality from the cost regime that decides whether selection runs at all.
+
+**Another machine's costs** (``--priced-by FILE``). A step profile measured elsewhere, for
+example at DeepSeek-V4-Flash's widths on a GPU (``--width-profile flash-shape --device cuda``:
+`engine.spec.profiling.measure_width_profiles` at two depths, `extrapolate_layers` to 43).
+DSpark's engines then schedule by it, so their measured verified drafts and accepted lengths
+are what DSpark chooses under those costs; every run's decode steps are priced by it (each
+step at its batch, verified drafts and drafting depth: ``tokens_per_s``, with the wall-clock
+figure kept as ``measured_tokens_per_s``), and the targets judge the priced throughputs.
 """
 
 from __future__ import annotations
@@ -92,6 +100,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "generated (the policy's acceptance rates and torch warm up, as on a serving engine; default 16); "
         "with CUDA graphs, the whole prompts and at least --tokens",
     )  # fmt: skip
+    p.add_argument(
+        "--priced-by", default=None, metavar="FILE",
+        help="a step profile of another machine or width (--width-profile's): DSpark's engines schedule by "
+        "it, and every run's measured steps are priced by it (priced_tokens_per_s); the targets then judge "
+        "the priced throughputs, the measured ones are reported beside them",
+    )  # fmt: skip
+    p.add_argument(
+        "--width-profile", default=None, metavar="PRESET",
+        help="instead of the runs: measure the step profile of a generated preset's widths (flash-shape: "
+        "DeepSeek-V4-Flash's) with random weights at --width-depths and extrapolate it to --width-layers "
+        "decoder layers (extrapolate_layers); written to --width-out",
+    )  # fmt: skip
+    p.add_argument("--width-depths", default="1,3", help="--width-profile: two decoder depths (default 1,3)")
+    p.add_argument(
+        "--width-layers",
+        type=int,
+        default=43,
+        help="--width-profile: the real depth (default 43, V4-Flash's)",
+    )
+    p.add_argument("--width-batches", default="1,8,32,64,128", help="--width-profile: batch sizes")
+    p.add_argument("--width-out", default=None, help="--width-profile: the extrapolated profile's JSON file")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", default=None, help="engine dtype (default float32 on cpu, bfloat16 on cuda)")
     p.add_argument(
@@ -294,6 +323,25 @@ def _modelled(trace: Trace, profile: Any, c: int) -> dict[str, float]:
     return {f"modelled_{k}_tokens_per_s": (out[k] / secs[k] if secs[k] else 0.0) for k in out}
 
 
+def _priced_seconds(run: dict[str, Any], trace: Trace | None, profile: Any) -> float:
+    """The decode phase of a run as ``profile`` prices it: each step of its trace at its batch
+    (the requests in it), the drafts each verified and the depth they were drafted to (the
+    confidences it carries; none: a plain step). A run without a trace (no speculation) has
+    every request in every step: ``decode_steps`` plain steps of ``concurrency``."""
+    if not trace:
+        return run["decode_steps"] * profile.step_seconds(run["concurrency"], 0, 0)
+    total = 0.0
+    for step in trace:
+        if not step:
+            continue
+        drafted = max(len(cf) for cf, _, _ in step)
+        if drafted == 0:
+            total += profile.step_seconds(len(step), 0, 0)
+        else:
+            total += float(profile.for_batch(len(step), drafted).seconds(sum(k + 1 for _, k, _ in step)))
+    return total
+
+
 def _shares(rows: list[tuple[list[float], int]], ks: list[int]) -> dict[str, float]:
     """Verified drafts and accepted length of choice ``ks``, each as a share of fixed-5's."""
     n = len(rows)
@@ -375,6 +423,8 @@ def run(args: argparse.Namespace) -> Report:
     }
     report.config.update(engine_kwargs)
     t_start = time.perf_counter()
+    if args.width_profile:
+        return _width_profile(args, report, engine_kwargs)
     if args.profile_from:
         profile = SpecProfile.load(args.profile_from)
         source = f"loaded from {args.profile_from}"
@@ -388,6 +438,11 @@ def run(args: argparse.Namespace) -> Report:
     report.results["profile"] = _profile_table(profile, source)
     report.results["h200_profile"] = _h200_profile(model, args.device)
     replay_profiles = {"this machine": profile}  # what prices the selection replay
+    priced = SpecProfile.load(args.priced_by) if args.priced_by else None
+    if priced is not None:
+        report.config["priced_by"] = args.priced_by
+        report.results["priced_by_profile"] = _profile_table(priced, f"loaded from {args.priced_by}")
+        replay_profiles["priced by"] = priced
     if not args.device.startswith("cuda") and (model / H200_SPEC_STEPS_FILE).is_file():
         replay_profiles["H200"] = SpecProfile.load(model / H200_SPEC_STEPS_FILE)
     period = phase_period(model)  # prompt k is k mod period ids shorter: no lockstep (`staggered`)
@@ -396,6 +451,9 @@ def run(args: argparse.Namespace) -> Report:
     with tempfile.TemporaryDirectory(prefix="sluice-bench-spec-") as tmp:
         ppath = Path(tmp) / SPEC_STEPS_FILE
         ppath.write_text(profile.to_json())
+        # DSpark's engines schedule by --priced-by's profile when given (it is that machine's choice
+        # being measured); the fixed policies ignore the profile
+        dspark_path = Path(args.priced_by) if args.priced_by else ppath
         if args.save_profile:  # where this machine's engines look for it
             (model / device_steps_file(args.device)).write_text(profile.to_json() + "\n")
         runs: dict[int, dict[str, Any]] = {}
@@ -404,9 +462,13 @@ def run(args: argparse.Namespace) -> Report:
             for rep in range(args.repeats):  # interleaved, so that a burst of load hits every policy alike
                 for policy in policies:
                     t0 = time.perf_counter()
+                    path = dspark_path if policy.startswith("dspark") else ppath
                     r = _run(
-                        model, prompts_all[:c], args.tokens, policy, ppath, engine_kwargs, args.warmup_tokens
+                        model, prompts_all[:c], args.tokens, policy, path, engine_kwargs, args.warmup_tokens
                     )
+                    if priced is not None:
+                        r["measured_tokens_per_s"] = r["tokens_per_s"]
+                        r["tokens_per_s"] = r["emitted"] / _priced_seconds(r, r["_trace"], priced)
                     tries[policy].append(r)
                     progress(
                         f"c={c} {policy} #{rep + 1}: {r['tokens_per_s']:.1f} tok/s, {r['verified_per_step']:.1f} "
@@ -421,29 +483,78 @@ def run(args: argparse.Namespace) -> Report:
             trace = runs[c].get("fixed-5", {}).get("_trace")
             extra: dict[str, Any] = {}
             if trace:
-                extra = _modelled(trace, profile, c) | {"acceptance_by_position": _acceptance(trace)}
+                extra = _modelled(trace, priced or profile, c) | {
+                    "acceptance_by_position": _acceptance(trace)
+                }
                 extra["selection_replay"] = _selection_replay(trace, replay_profiles)
             for r in runs[c].values():
                 r.pop("_trace", None)
             report.results[f"c{c}"] = {**runs[c], **extra}
-            row: dict[str, Any] = {"concurrency": c}
-            for policy, r in runs[c].items():
-                row[f"{policy} tok/s"] = round(r["tokens_per_s"], 1)
-            row["dspark verified/step"] = round(runs[c].get("dspark", {}).get("verified_per_step", 0.0), 2)
-            row["fixed-5 verified/step"] = round(runs[c].get("fixed-5", {}).get("verified_per_step", 0.0), 2)
-            row["dspark acc len"] = round(runs[c].get("dspark", {}).get("accepted_length", 0.0), 3)
-            row["fixed-5 acc len"] = round(runs[c].get("fixed-5", {}).get("accepted_length", 0.0), 3)
-            if extra:
-                row["oracle tok/s (modelled)"] = round(extra["modelled_oracle_tokens_per_s"], 1)
-                replay = extra["selection_replay"]
-                if replay:  # the head's ranking at the selection targets' point (replayed)
-                    row["acc len share at 0.75 verified"] = round(
-                        replay[f"accepted_length_share_at_{TARGET_VERIFIED_SHARE}"], 3
-                    )
-            report.rows.append(row)
+            report.rows.append(_row(c, runs[c], extra))
             _targets(report, c, runs[c])
     report.results["wall_s"] = round(time.perf_counter() - t_start, 1)
     return report
+
+
+def _row(c: int, runs: dict[str, dict[str, Any]], extra: dict[str, Any]) -> dict[str, Any]:
+    """The table's row of one concurrency."""
+    row: dict[str, Any] = {"concurrency": c}
+    for policy, r in runs.items():
+        row[f"{policy} tok/s"] = round(r["tokens_per_s"], 1)
+    row["dspark verified/step"] = round(runs.get("dspark", {}).get("verified_per_step", 0.0), 2)
+    row["fixed-5 verified/step"] = round(runs.get("fixed-5", {}).get("verified_per_step", 0.0), 2)
+    row["dspark acc len"] = round(runs.get("dspark", {}).get("accepted_length", 0.0), 3)
+    row["fixed-5 acc len"] = round(runs.get("fixed-5", {}).get("accepted_length", 0.0), 3)
+    if extra:
+        row["oracle tok/s (modelled)"] = round(extra["modelled_oracle_tokens_per_s"], 1)
+        replay = extra["selection_replay"]
+        if replay:  # the head's ranking at the selection targets' point (replayed)
+            row["acc len share at 0.75 verified"] = round(
+                replay[f"accepted_length_share_at_{TARGET_VERIFIED_SHARE}"], 3
+            )
+    return row
+
+
+def _width_profile(args: argparse.Namespace, report: Report, engine_kwargs: dict[str, Any]) -> Report:
+    """``--width-profile``: the step profile at a preset's widths, measured at two depths and
+    extrapolated to the real one (`engine.spec.profiling.measure_width_profiles`)."""
+    from engine.spec.profile import extrapolate_layers
+    from engine.spec.profiling import measure_width_profiles
+
+    depths = [int(x) for x in args.width_depths.split(",") if x.strip()]
+    batches = [int(x) for x in args.width_batches.split(",") if x.strip()]
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="sluice-width-profile-") as tmp:
+        measured = measure_width_profiles(
+            args.width_profile, depths, tmp, batches, prompt_tokens=args.prompt_tokens, steps=args.profile_steps,
+            rounds=1, progress=progress, device=engine_kwargs["device"], dtype=engine_kwargs["dtype"],
+        )  # fmt: skip
+    profile = extrapolate_layers(measured, args.width_layers)
+    profile.meta.update(preset=args.width_profile, layers=args.width_layers, device=_device_name(args.device))
+    report.config.update(
+        width_profile=args.width_profile, depths=depths, layers=args.width_layers, batches=batches
+    )
+    for depth, p in measured.items():
+        report.results[f"measured_{depth}_layers"] = _profile_table(p, f"measured, {depth} decoder layers")
+    report.results["profile"] = _profile_table(profile, profile.meta["method"])
+    if args.width_out:
+        Path(args.width_out).write_text(profile.to_json() + "\n")
+        report.results["saved_to"] = args.width_out
+    for i, b in enumerate(profile.batch):
+        row: dict[str, Any] = {"batch": b, "plain ms": round(profile.plain[i] * 1e3, 2)}
+        row.update({f"k={k} ms": round(s * 1e3, 2) for k, s in enumerate(profile.seconds[i])})
+        row["draft pass ms"] = round(profile.draft_pass[i] * 1e3, 2)
+        report.rows.append(row)
+    report.results["wall_s"] = round(time.perf_counter() - t0, 1)
+    return report
+
+
+def _device_name(device: str) -> str:
+    if not device.startswith("cuda"):
+        return "cpu"
+    import torch
+
+    return torch.cuda.get_device_name(torch.device(device))
 
 
 def _targets(report: Report, c: int, runs: dict[str, dict[str, Any]]) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine.spec.profile import SpecProfile
-from services.bench.spec import TARGET_VERIFIED_SHARE, _acceptance, _selection_replay
+from services.bench.spec import TARGET_VERIFIED_SHARE, _acceptance, _priced_seconds, _selection_replay
 
 # two steps of two requests: (confidences, drafts verified, drafts accepted)
 TRACE = [
@@ -57,3 +57,16 @@ def test_acceptance_by_position_is_conditional_on_reaching_it() -> None:
     assert acc[0] == pytest.approx(3 / 4)
     assert acc[1] == pytest.approx(2 / 3)
     assert acc[3] == pytest.approx(1 / 2)
+
+
+def test_a_run_is_priced_step_by_step_at_its_batch_drafts_and_depth() -> None:
+    p = _profile(0.25)
+    # TRACE: two steps of two requests, 5 drafted and 5 verified each: 12 tokens a step
+    step = float(p.for_batch(2, 5).seconds(12))
+    assert step == pytest.approx(1.0 + 0.25 * 2 * 5)
+    assert _priced_seconds({}, TRACE, p) == pytest.approx(2 * step)
+    # a step in which nothing was drafted is a plain step; an empty step costs nothing
+    plain_steps = [[((), 0, 0), ((), 0, 0)], []]
+    assert _priced_seconds({}, plain_steps, p) == pytest.approx(p.step_seconds(2, 0, 0)) == 0.5
+    # a run without a trace (no speculation): its decode steps, plain, at its concurrency
+    assert _priced_seconds({"decode_steps": 7, "concurrency": 4}, None, p) == pytest.approx(7 * 0.5)

@@ -290,3 +290,27 @@ def test_observations_count_each_position_tried_and_accepted() -> None:
     pol.rates()
     np.testing.assert_allclose(pol._tries, tries)
     np.testing.assert_allclose(pol._hits, hits)
+
+
+def test_a_profile_extrapolated_in_depth_is_affine_in_layers() -> None:
+    from engine.spec.profile import extrapolate_layers
+
+    def at_depth(layers: int, noise: float = 0.0) -> SpecProfile:
+        # fixed 2 ms + 1.5 ms a layer, and 0.1 ms a layer per verified draft; drafting is the MTP's
+        secs = tuple(tuple(2e-3 + layers * (1.5e-3 + k * 1e-4) + b * 1e-5 for k in DRAFTS) for b in (1, 8))
+        return SpecProfile((1, 8), DRAFTS, secs, 5, (4e-4 + noise, 4e-4 - noise), (layers * 1e-3, layers * 1e-3))
+
+    deep = extrapolate_layers({3: at_depth(3, 1e-5), 1: at_depth(1)}, 43)
+    want = at_depth(43)
+    for got_row, want_row in zip(deep.seconds, want.seconds):
+        assert got_row == pytest.approx(want_row)
+    assert deep.plain == pytest.approx(want.plain)
+    assert deep.draft_pass == pytest.approx((4e-4 + 5e-6, 4e-4 - 5e-6))  # the two depths' mean
+    assert "43 decoder layers" in deep.meta["method"]
+    # a deeper step measured faster is noise: the slope is floored at 0, never extrapolated down
+    flat = extrapolate_layers({1: at_depth(3), 3: at_depth(1)}, 43)
+    assert flat.seconds == at_depth(3).seconds
+    with pytest.raises(ValueError, match="two depths"):
+        extrapolate_layers({1: at_depth(1)}, 43)
+    with pytest.raises(ValueError, match="share"):
+        extrapolate_layers({1: at_depth(1), 3: SpecProfile((1,), DRAFTS, (at_depth(3).seconds[0],))}, 43)
