@@ -298,7 +298,9 @@ def test_a_profile_extrapolated_in_depth_is_affine_in_layers() -> None:
     def at_depth(layers: int, noise: float = 0.0) -> SpecProfile:
         # fixed 2 ms + 1.5 ms a layer, and 0.1 ms a layer per verified draft; drafting is the MTP's
         secs = tuple(tuple(2e-3 + layers * (1.5e-3 + k * 1e-4) + b * 1e-5 for k in DRAFTS) for b in (1, 8))
-        return SpecProfile((1, 8), DRAFTS, secs, 5, (4e-4 + noise, 4e-4 - noise), (layers * 1e-3, layers * 1e-3))
+        return SpecProfile(
+            (1, 8), DRAFTS, secs, 5, (4e-4 + noise, 4e-4 - noise), (layers * 1e-3, layers * 1e-3)
+        )
 
     deep = extrapolate_layers({3: at_depth(3, 1e-5), 1: at_depth(1)}, 43)
     want = at_depth(43)
