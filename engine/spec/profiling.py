@@ -91,6 +91,23 @@ def _cell(
         return statistics.median(times)
     finally:
         core.close()
+        release_memory(engine_kwargs)
+
+
+def release_memory(engine_kwargs: dict[str, Any]) -> None:
+    """Free a closed engine's memory before the next cell builds one: its weights, caches and
+    CUDA graphs sit in reference cycles, freed by the cycle collector at a random later point;
+    at DeepSeek-V4-Flash's widths two engines' weights do not fit one GPU (an H200 ran out of
+    memory 30 cells into a profile), and frees inside another engine's timed steps stretch
+    them (on the H200 a DSpark engine with speculation off stepped at 5.5-7.2 ms after the
+    fixed-K engines at 128 requests, and at 3.66 ms alone in a fresh process)."""
+    import gc
+
+    gc.collect()
+    if str(engine_kwargs.get("device", "cpu")).startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def measure_spec_profile(

@@ -112,14 +112,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "DeepSeek-V4-Flash's) with random weights at --width-depths and extrapolate it to --width-layers "
         "decoder layers (extrapolate_layers); written to --width-out",
     )  # fmt: skip
-    p.add_argument("--width-depths", default="1,3", help="--width-profile: two decoder depths (default 1,3)")
+    p.add_argument(
+        "--width-depths", default="1,3",
+        help="--width-profile: decoder depths (default 1,3); the extremes are extrapolated, any between "
+        "checks the extrapolation (check_<depth>_layers)",
+    )  # fmt: skip
     p.add_argument(
         "--width-layers",
         type=int,
         default=43,
         help="--width-profile: the real depth (default 43, V4-Flash's)",
     )
-    p.add_argument("--width-batches", default="1,8,32,64,128", help="--width-profile: batch sizes")
+    p.add_argument("--width-batches", default="1,8,16,32,64,128", help="--width-profile: batch sizes")
+    p.add_argument(
+        "--width-rounds", type=int, default=2,
+        help="--width-profile: fresh engines per cell, the fastest kept (default 2: the slope is multiplied)",
+    )  # fmt: skip
     p.add_argument("--width-out", default=None, help="--width-profile: the extrapolated profile's JSON file")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")
     p.add_argument("--dtype", default=None, help="engine dtype (default float32 on cpu, bfloat16 on cuda)")
@@ -151,6 +159,7 @@ def _run(
     from engine.engine_config import EngineConfig
     from engine.messages import CoreRequest
     from engine.sampling.params import SamplingParams
+    from engine.spec.profiling import release_memory
 
     c = len(prompts)
     per_req = len(prompts[0]) + tokens
@@ -231,22 +240,7 @@ def _run(
         }
     finally:
         core.close()
-        _release(engine_kwargs)
-
-
-def _release(engine_kwargs: dict[str, Any]) -> None:
-    """Free a closed engine's memory before the next one runs. Its CUDA graphs and caches sit
-    in reference cycles; left to the cycle collector they are freed at a random later point,
-    inside another engine's timed round, whose steps then wait on the frees: on the H200 a
-    DSpark engine that kept speculation off stepped at 5.5-7.2 ms after the fixed-K engines at
-    128 requests, and at 3.66 ms (plain decoding's 3.68) alone in a fresh process."""
-    import gc
-
-    gc.collect()
-    if str(engine_kwargs.get("device", "cpu")).startswith("cuda"):
-        import torch
-
-        torch.cuda.empty_cache()
+        release_memory(engine_kwargs)
 
 
 def _profile_table(profile: Any, source: str) -> dict[str, Any]:
@@ -527,9 +521,17 @@ def _width_profile(args: argparse.Namespace, report: Report, engine_kwargs: dict
     with tempfile.TemporaryDirectory(prefix="sluice-width-profile-") as tmp:
         measured = measure_width_profiles(
             args.width_profile, depths, tmp, batches, prompt_tokens=args.prompt_tokens, steps=args.profile_steps,
-            rounds=1, progress=progress, device=engine_kwargs["device"], dtype=engine_kwargs["dtype"],
+            rounds=args.width_rounds, progress=progress, device=engine_kwargs["device"], dtype=engine_kwargs["dtype"],
         )  # fmt: skip
-    profile = extrapolate_layers(measured, args.width_layers)
+    ends = (min(measured), max(measured))
+    profile = extrapolate_layers({d: measured[d] for d in ends}, args.width_layers)
+    for d in sorted(set(measured) - set(ends)):  # a depth between: the affine principle, checked
+        between = extrapolate_layers({e: measured[e] for e in ends}, d)
+        ratio = [m / b for rm, rb in zip(measured[d].seconds, between.seconds) for m, b in zip(rm, rb)]
+        report.results[f"check_{d}_layers"] = {
+            "measured / interpolated, every cell": [round(r, 3) for r in ratio],
+            "min": round(min(ratio), 3), "max": round(max(ratio), 3),
+        }  # fmt: skip
     profile.meta.update(preset=args.width_profile, layers=args.width_layers, device=_device_name(args.device))
     report.config.update(
         width_profile=args.width_profile, depths=depths, layers=args.width_layers, batches=batches
