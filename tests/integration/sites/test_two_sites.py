@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import subprocess
 import sys
 import tempfile
 import time
@@ -94,18 +95,24 @@ def sites(model) -> Iterator[tuple[netns.TwoSites, Path, dict[str, str]]]:
                     "--include-dashboard", "false", "--resources", json.dumps({"prefill": 1, "decode": 1, "dc:a": 1}),
                     *common], tmp / "ray-a.log", env)  # fmt: skip
         _wait_for(lambda: (tmp / "store.json").exists(), 60, "the store spec", tmp / "store.log")
-        _wait_for(lambda: _nodes(s, env) >= 1, 60, "the Ray head", tmp / "ray-a.log")
+        _wait_for(lambda: _nodes(s, env) >= 1, 180, "the Ray head", tmp / "ray-a.log")
         s.run("b", [ray_bin, "start", "--address", HEAD, "--node-ip-address", netns.ADDRESSES["b"],
                     "--resources", json.dumps({"decode": 1, "dc:b": 1}), *common], tmp / "ray-b.log", env)  # fmt: skip
-        _wait_for(lambda: _nodes(s, env) == 2, 60, "the second Ray node", tmp / "ray-b.log")
+        _wait_for(lambda: _nodes(s, env) == 2, 180, "the second Ray node", tmp / "ray-b.log")
         yield s, tmp, env
 
 
 def _nodes(s: netns.TwoSites, env: dict[str, str]) -> int:
-    code = f"import ray; ray.init(address={HEAD!r}, log_to_driver=False); print(sum(n['Alive'] for n in ray.nodes()))"
+    """Alive Ray nodes, as a driver at site a sees them; 0 while it cannot tell. The probe exits
+    as soon as it has printed: on a loaded 2-core machine a driver's orderly exit outlasted the
+    probe's bound after the count was out (import and connect alone took 12 s there)."""
+    code = (
+        f"import os, ray; ray.init(address={HEAD!r}, log_to_driver=False); "
+        "print(sum(n['Alive'] for n in ray.nodes()), flush=True); os._exit(0)"
+    )
     try:
-        return int(s.call("a", [sys.executable, "-c", code], 30, env).strip().splitlines()[-1])
-    except (RuntimeError, ValueError):
+        return int(s.call("a", [sys.executable, "-c", code], 60, env).strip().splitlines()[-1])
+    except (RuntimeError, ValueError, IndexError, subprocess.TimeoutExpired):
         return 0
 
 
