@@ -91,7 +91,6 @@ def _cell(
         return statistics.median(times)
     finally:
         core.close()
-        release_memory(engine_kwargs)
 
 
 def release_memory(engine_kwargs: dict[str, Any]) -> None:
@@ -128,7 +127,11 @@ def measure_spec_profile(
     prompts, source = _prompts(model, max(batches), prompt_tokens, seed)
 
     def cell(b: int, k: int, d: int) -> float:
-        t = min(_cell(model, b, k, d, prompts, warmup, steps, engine_kwargs) for _ in range(rounds))
+        times = []
+        for _ in range(rounds):
+            times.append(_cell(model, b, k, d, prompts, warmup, steps, engine_kwargs))
+            release_memory(engine_kwargs)  # here: inside `_cell` its frame still holds the engine
+        t = min(times)
         if progress is not None:
             what = f"{k} of {d} drafts verified" if d else "plain decoding"
             progress(f"spec profile: batch {b}, {what}: {t * 1e3:.1f} ms/step")

@@ -159,7 +159,6 @@ def _run(
     from engine.engine_config import EngineConfig
     from engine.messages import CoreRequest
     from engine.sampling.params import SamplingParams
-    from engine.spec.profiling import release_memory
 
     c = len(prompts)
     per_req = len(prompts[0]) + tokens
@@ -240,7 +239,6 @@ def _run(
         }
     finally:
         core.close()
-        release_memory(engine_kwargs)
 
 
 def _profile_table(profile: Any, source: str) -> dict[str, Any]:
@@ -396,7 +394,7 @@ def run(args: argparse.Namespace) -> Report:
 
     from engine.prompts import heldout_prompts, phase_period, staggered
     from engine.spec.profile import SPEC_STEPS_FILE, SpecProfile
-    from engine.spec.profiling import device_steps_file, measure_spec_profile
+    from engine.spec.profiling import device_steps_file, measure_spec_profile, release_memory
 
     torch.set_num_threads(args.threads)
     model = Path(args.model)
@@ -460,6 +458,7 @@ def run(args: argparse.Namespace) -> Report:
                     r = _run(
                         model, prompts_all[:c], args.tokens, policy, path, engine_kwargs, args.warmup_tokens
                     )
+                    release_memory(engine_kwargs)  # the engine is unreachable only once `_run` returned
                     if priced is not None:
                         r["measured_tokens_per_s"] = r["tokens_per_s"]
                         r["tokens_per_s"] = r["emitted"] / _priced_seconds(r, r["_trace"], priced)

@@ -3,6 +3,7 @@ steps it prices accept drafts as serving does (and cost what they cost then)."""
 
 from __future__ import annotations
 
+import gc
 import json
 from pathlib import Path
 
@@ -21,6 +22,11 @@ def test_the_profile_is_measured_on_held_out_text() -> None:
     assert prof.batch == (1, 2) and prof.drafts == (0, 1, 2)
     assert prof.meta["prompts"] == "heldout-v1 windows, 64 - (k mod 128) ids"
     assert all(s > 0 for row in prof.seconds for s in row) and all(s > 0 for s in prof.plain)
+    # every cell's engine is freed before the next is built (at DeepSeek-V4-Flash's widths two
+    # engines' weights do not fit one GPU): none is left once the profile is measured
+    from engine.core import EngineCore
+
+    assert not [o for o in gc.get_objects() if isinstance(o, EngineCore)]
 
 
 def test_prompts_are_text_where_the_tokenizer_reads_it_else_random(tmp_path) -> None:
