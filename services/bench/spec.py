@@ -103,8 +103,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--priced-by", default=None, metavar="FILE",
         help="a step profile of another machine or width (--width-profile's): DSpark's engines schedule by "
-        "it, and every run's measured steps are priced by it (priced_tokens_per_s); the targets then judge "
-        "the priced throughputs, the measured ones are reported beside them",
+        "it, and every run's measured steps are priced by it (tokens_per_s; the wall clock's is kept as "
+        "measured_tokens_per_s); the targets judge the priced throughputs. Without --profile-from, this "
+        "machine's profile is not measured (the fixed policies do not use one)",
     )  # fmt: skip
     p.add_argument(
         "--width-profile", default=None, metavar="PRESET",
@@ -420,6 +421,9 @@ def run(args: argparse.Namespace) -> Report:
     if args.profile_from:
         profile = SpecProfile.load(args.profile_from)
         source = f"loaded from {args.profile_from}"
+    elif args.priced_by:  # every policy that reads a profile reads --priced-by's
+        profile = SpecProfile.load(args.priced_by)
+        source = f"--priced-by's ({args.priced_by}); this machine's was not measured"
     else:
         profile = measure_spec_profile(
             model, sorted(set(conc)), prompt_tokens=args.prompt_tokens, steps=args.profile_steps,
