@@ -1,11 +1,12 @@
-"""The fixed-5 trace replays of `sluice bench spec`: pure functions over recorded steps."""
+"""The trace replays of `sluice bench spec` (`services/bench/_spec_replay.py`): pure functions over
+recorded steps."""
 
 from __future__ import annotations
 
 import pytest
 
 from engine.spec.profile import SpecProfile
-from services.bench.spec import TARGET_VERIFIED_SHARE, _acceptance, _priced_seconds, _selection_replay
+from services.bench._spec_replay import TARGET_VERIFIED_SHARE, _acceptance, _priced_seconds, _selection_replay
 
 # two steps of two requests: (confidences, drafts verified, drafts accepted)
 TRACE = [

@@ -1,0 +1,141 @@
+"""`sluice bench spec`'s replays of recorded decode steps: pure functions over a run's trace
+(per step, per request: the draft confidences, the drafts verified, the drafts accepted).
+
+* ``_acceptance``: per-position acceptance of a fixed-5 trace;
+* ``_modelled``: what a step profile predicts for the oracle, fixed-5 and DSpark on it;
+* ``_priced_seconds``: a run's decode phase priced step by step by another profile;
+* ``_selection_replay``: the confidence head's trade-off curve and DSpark's speculating
+  selection priced by each profile (`services.bench.spec`'s module doc says why).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+Trace = list[list[tuple[tuple[float, ...], int, int]]]  # per step: (confidences, verified, accepted)
+
+#: survival thresholds of the confidence head's trade-off curve (`_selection_replay`)
+TRADEOFF_THRESHOLDS = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
+#: the verified share at which the selection targets ask for the accepted length (c >= 32)
+TARGET_VERIFIED_SHARE = 0.75
+
+
+def _acceptance(trace: Trace, depth: int = 5) -> list[float]:
+    """P(draft j accepted | drafts 1..j-1 accepted) over a fixed-5 trace."""
+    reach = [0] * depth
+    hit = [0] * depth
+    for step in trace:
+        for _, k, acc in step:
+            for j in range(min(k, depth)):
+                reach[j] += 1
+                if acc > j:
+                    hit[j] += 1
+                else:
+                    break
+    return [h / r if r else 0.0 for h, r in zip(hit, reach)]
+
+
+def _verified_rows(trace: Trace) -> list[tuple[list[float], int]]:
+    """(confidences, accepted drafts) of every request-step of a fixed-5 trace that drafted."""
+    return [(list(cf), acc) for step in trace for cf, k, acc in step if k]
+
+
+def _modelled(trace: Trace, profile: Any, c: int) -> dict[str, float]:
+    """Throughput the profile predicts on the fixed-5 trace for the oracle, fixed-5 and DSpark."""
+    from engine.spec.dspark import select_dspark
+
+    out = {"oracle": 0.0, "fixed-5": 0.0, "dspark": 0.0}
+    secs = dict.fromkeys(out, 0.0)
+    for step in trace:
+        if not step:
+            continue
+        table = profile.for_batch(len(step))
+        L = [acc for _, k, acc in step if k]  # the fixed-5 trace verifies every draft it has
+        conf = [list(cf) for cf, k, _ in step if k]
+        if not L:
+            continue
+        choices = {
+            "oracle": L,
+            "fixed-5": [len(cf) for cf in conf],
+            "dspark": select_dspark(conf, table),
+        }
+        for name, ks in choices.items():
+            out[name] += sum(1 + min(k, acc) for k, acc in zip(ks, L))
+            secs[name] += float(table.seconds(sum(k + 1 for k in ks)))
+    return {f"modelled_{k}_tokens_per_s": (out[k] / secs[k] if secs[k] else 0.0) for k in out}
+
+
+def _priced_seconds(run: dict[str, Any], trace: Trace | None, profile: Any) -> float:
+    """The decode phase of a run as ``profile`` prices it: each step of its trace at its batch
+    (the requests in it), the drafts each verified and the depth they were drafted to (the
+    confidences it carries; none: a plain step). A run without a trace (no speculation) has
+    every request in every step: ``decode_steps`` plain steps of ``concurrency``."""
+    if not trace:
+        return run["decode_steps"] * profile.step_seconds(run["concurrency"], 0, 0)
+    total = 0.0
+    for step in trace:
+        if not step:
+            continue
+        drafted = max(len(cf) for cf, _, _ in step)
+        if drafted == 0:
+            total += profile.step_seconds(len(step), 0, 0)
+        else:
+            total += float(profile.for_batch(len(step), drafted).seconds(sum(k + 1 for _, k, _ in step)))
+    return total
+
+
+def _shares(rows: list[tuple[list[float], int]], ks: list[int]) -> dict[str, float]:
+    """Verified drafts and accepted length of choice ``ks``, each as a share of fixed-5's."""
+    n = len(rows)
+    drafted = sum(len(cf) for cf, _ in rows)
+    accepted = sum(acc for _, acc in rows)
+    kept = sum(min(k, acc) for k, (_, acc) in zip(ks, rows))
+    return {
+        "verified_share": sum(ks) / drafted if drafted else 0.0,
+        "accepted_length": 1.0 + kept / n if n else 1.0,
+        "accepted_length_share": (n + kept) / (n + accepted) if n else 1.0,
+    }
+
+
+def _selection_replay(trace: Trace, profiles: dict[str, Any]) -> dict[str, Any]:
+    """DSpark's selection within speculation, replayed on the fixed-5 trace (every draft
+    verified, so each request-step's confidences and accepted drafts ``L`` are known; a
+    choice of ``k`` drafts accepts ``min(k, L)``).
+
+    * ``tradeoff``: the confidence head's ranking alone. Each request verifies the drafts
+      whose survival (product of confidences) exceeds a threshold; per threshold, the verified
+      drafts and the accepted length as shares of fixed-5's. ``accepted_length_share_at_0.75``
+      interpolates it where 25 % fewer drafts are verified (the c >= 32 target's point).
+    * ``speculating``: DSpark's selection with speculation kept on at depth 5 (DeepSeek's
+      production setting; the engine's policy may instead turn speculation off), priced by
+      each profile: where its throughput-optimal prefix lands on that curve.
+    """
+    from engine.spec.dspark import select_dspark, survival
+
+    rows = _verified_rows(trace)
+    if not rows:
+        return {}
+    surv = [survival(cf) for cf, _ in rows]
+    curve = [
+        {"threshold": t, **_shares(rows, [int((a > t).sum()) for a in surv])} for t in TRADEOFF_THRESHOLDS
+    ]
+    by_share = sorted(curve, key=lambda p: p["verified_share"])
+    at_target = float(
+        np.interp(TARGET_VERIFIED_SHARE, [p["verified_share"] for p in by_share],
+                  [p["accepted_length_share"] for p in by_share])
+    )  # fmt: skip
+    speculating: dict[str, dict[str, float]] = {}
+    for name, profile in profiles.items():
+        ks: list[int] = []
+        for step in trace:
+            conf = [list(cf) for cf, k, _ in step if k]
+            if conf:
+                ks += select_dspark(conf, profile.for_batch(len(step)))
+        speculating[name] = _shares(rows, ks)
+    return {
+        "tradeoff": curve,
+        f"accepted_length_share_at_{TARGET_VERIFIED_SHARE}": at_target,
+        "speculating": speculating,
+    }
