@@ -3,8 +3,8 @@ steps it prices accept drafts as serving does (and cost what they cost then)."""
 
 from __future__ import annotations
 
-import gc
 import json
+import weakref
 from pathlib import Path
 
 import pytest
@@ -15,7 +15,17 @@ from engine.spec.profiling import _prompts, measure_spec_profile
 MODEL = Path(__file__).resolve().parents[4] / "models" / "trained"
 
 
-def test_the_profile_is_measured_on_held_out_text() -> None:
+def test_the_profile_is_measured_on_held_out_text(monkeypatch) -> None:
+    from engine.core import EngineCore
+
+    engines: list[weakref.ref] = []  # every engine the profile builds
+    init = EngineCore.__init__
+
+    def tracked(self, *args, **kwargs) -> None:
+        engines.append(weakref.ref(self))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(EngineCore, "__init__", tracked)
     prof = measure_spec_profile(
         MODEL, batches=(1, 2), drafted=2, prompt_tokens=64, warmup=1, steps=2, rounds=1
     )
@@ -23,10 +33,8 @@ def test_the_profile_is_measured_on_held_out_text() -> None:
     assert prof.meta["prompts"] == "heldout-v1 windows, 64 - (k mod 128) ids"
     assert all(s > 0 for row in prof.seconds for s in row) and all(s > 0 for s in prof.plain)
     # every cell's engine is freed before the next is built (at DeepSeek-V4-Flash's widths two
-    # engines' weights do not fit one GPU): none is left once the profile is measured
-    from engine.core import EngineCore
-
-    assert not [o for o in gc.get_objects() if isinstance(o, EngineCore)]
+    # engines' weights do not fit one GPU): none outlives the profile
+    assert len(engines) == 2 * 5 and all(ref() is None for ref in engines)
 
 
 def test_prompts_are_text_where_the_tokenizer_reads_it_else_random(tmp_path) -> None:
