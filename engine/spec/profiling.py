@@ -27,6 +27,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -180,7 +181,7 @@ def measure_width_profiles(
     preset: str,
     depths: Sequence[int],
     work_dir: str | Path,
-    batches: Sequence[int] = (1, 8, 32, 64, 128),
+    batches: Sequence[int] = (1, 8, 16, 32, 64, 128),
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
     **kwargs: Any,
@@ -203,8 +204,7 @@ def measure_width_profiles(
                 progress(f"{preset} x {depth} layers: {msg}")
 
         p = measure_spec_profile(model, batches, progress=say, random_weights=seed, **kwargs)
-        out[depth] = SpecProfile(
-            p.batch, p.drafts, p.seconds, p.drafted, p.draft_pass, p.plain,
-            {**p.meta, "preset": preset, "layers": depth, "weights": f"random, seed {seed}"},
-        )  # fmt: skip
+        out[depth] = replace(
+            p, meta={**p.meta, "preset": preset, "layers": depth, "weights": f"random, seed {seed}"}
+        )
     return out

@@ -261,9 +261,7 @@ def _h200_profile(model: Path, device: str) -> dict[str, Any] | str:
     from engine.spec.profile import SpecProfile
 
     if device.startswith("cuda"):
-        import torch
-
-        return f"this run's profile (measured on {torch.cuda.get_device_name(torch.device(device))})"
+        return f"this run's profile (measured on {_device_name(device)})"
     path = model / H200_SPEC_STEPS_FILE
     if not path.is_file():
         return f"none shipped with this checkpoint ({H200_SPEC_STEPS_FILE})"
@@ -406,10 +404,10 @@ def _width_profile(args: argparse.Namespace, report: Report, engine_kwargs: dict
             args.width_profile, depths, tmp, batches, prompt_tokens=args.prompt_tokens, steps=args.profile_steps,
             rounds=args.width_rounds, progress=progress, device=engine_kwargs["device"], dtype=engine_kwargs["dtype"],
         )  # fmt: skip
-    ends = (min(measured), max(measured))
-    profile = extrapolate_layers({d: measured[d] for d in ends}, args.width_layers)
+    ends = {d: measured[d] for d in (min(measured), max(measured))}
+    profile = extrapolate_layers(ends, args.width_layers)
     for d in sorted(set(measured) - set(ends)):  # a depth between: the affine principle, checked
-        between = extrapolate_layers({e: measured[e] for e in ends}, d)
+        between = extrapolate_layers(ends, d)
         ratio = [m / b for rm, rb in zip(measured[d].seconds, between.seconds) for m, b in zip(rm, rb)]
         report.results[f"check_{d}_layers"] = {
             "measured / interpolated, every cell": [round(r, 3) for r in ratio],
