@@ -19,7 +19,9 @@ does; ``reserve`` / ``release`` promise room to a sequence before its payload ar
 
 With ``cache_event_capacity > 0`` the engine records prefix-cache events; after every step
 the engine thread moves them (``EngineCore.drain_events``) into a bounded outbox (``CacheEventOutbox``, under a lock held
-for microseconds) that a router drains with ``take_cache_events``.
+for microseconds) that a router drains with ``take_cache_events``. ``changed(timeout_s)``
+returns once either moved on (new stats or cache events), so a watcher that pushes them on
+sleeps while the engine is idle instead of polling.
 """
 
 from __future__ import annotations
@@ -136,6 +138,8 @@ class InProcessEngineClient:
         self._outbox: Any = None  # CacheEventOutbox when the engine records cache events
         self.reservations = Reservations()  # engine thread only
         self._stats_version = 0
+        self._changed: asyncio.Event | None = None  # set on the loop when stats or events move
+        self._change_pending = threading.Event()  # one wake-up in flight at a time
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -144,6 +148,7 @@ class InProcessEngineClient:
         from engine.core import EngineConfig, EngineCore
 
         self._loop = asyncio.get_running_loop()
+        self._changed = asyncio.Event()
         if self.ep is None:
             config = EngineConfig(model=str(self.model_dir), **self.engine_kwargs)
             self._core = await asyncio.to_thread(EngineCore, config)
@@ -253,6 +258,35 @@ class InProcessEngineClient:
             return CacheEventBatch()
         with self._events_lock:
             return self._outbox.take()
+
+    async def changed(self, timeout_s: float) -> bool:
+        """Wait until the published stats or the cache events moved since the last call, at
+        most ``timeout_s``; whether they did. Before ``start``: a plain sleep."""
+        if self._changed is None:
+            await asyncio.sleep(timeout_s)
+            return False
+        if not self._changed.is_set():
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout_s)
+            except TimeoutError:
+                return False
+        self._changed.clear()
+        return True
+
+    def _notify_changed(self) -> None:
+        """From the engine thread: wake ``changed``. At most one call is queued on the loop
+        at a time (a step publishes every few milliseconds while the engine runs)."""
+        if self._loop is None or self._changed is None or self._change_pending.is_set():
+            return
+        self._change_pending.set()
+        event, pending = self._changed, self._change_pending
+
+        def wake() -> None:
+            pending.clear()
+            event.set()
+
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is listening
+            self._loop.call_soon_threadsafe(wake)
 
     def take_store_events(self) -> list[bytes]:
         """Block hashes the engine saw in the KV store since the last call (thread-safe)."""
@@ -698,6 +732,7 @@ class InProcessEngineClient:
         if batch:
             with self._events_lock:
                 self._outbox.publish(batch, self._core.cached_hashes)
+            self._notify_changed()
 
     def _publish_stats(self) -> None:
         """Replace the published stats if they changed. ``stats_version`` counts the changes,
@@ -731,6 +766,7 @@ class InProcessEngineClient:
         self._stats_version += 1
         fresh.extra["stats_version"] = float(self._stats_version)
         self._stats = fresh
+        self._notify_changed()
 
 
 def _sampling_params(request: EngineRequest) -> Any:
