@@ -3,7 +3,6 @@ long as the server, whichever way the server ends."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import re
 import signal
@@ -25,14 +24,6 @@ _NODE_ID = re.compile(r"kvstore\.node .*--node-id (\S+)")
 def _node_ids(lines: list[str]) -> set[str]:
     """Store node ids among command lines (a node's own children, if any, repeat its id)."""
     return {m.group(1) for c in lines if (m := _NODE_ID.search(c))}
-
-
-def _engine_takes_kv_store() -> bool:
-    try:
-        from engine.llm import EngineConfig
-    except ImportError:
-        return False
-    return "kv_store" in {f.name for f in dataclasses.fields(EngineConfig)}
 
 
 def _store_children(pid: int, timeout_s: float = 20.0) -> set[int]:
@@ -58,10 +49,7 @@ def _wait_for_line(server: ServeProcess, pattern: re.Pattern[str], timeout_s: fl
 
 
 def test_serve_store_local_answers_then_stops_the_store_on_sigterm(tiny_model: Path, tmp_path: Path) -> None:
-    if not _engine_takes_kv_store():
-        pytest.skip("EngineConfig has no kv_store field yet (the engine's KV connector is not merged)")
     env = {"SLUICE_HOME": str(tmp_path), "SLUICE_LOG_LEVEL": "INFO"}
-    start = time.monotonic()
     server = ServeProcess(["--model", str(tiny_model), "--store", "local"], env, timeout_s=30)
     try:
         kids = _store_children(server.proc.pid)
@@ -74,7 +62,6 @@ def test_serve_store_local_answers_then_stops_the_store_on_sigterm(tiny_model: P
     assert server.returncode in (0, -signal.SIGTERM), server.output()
     assert wait_gone(kids, 10) == set(), command_lines(kids)
     assert not spec.exists() and not spec.parent.exists()
-    assert time.monotonic() - start < 30
 
 
 @pytest.mark.slow  # make test-slow: keeps make test under 15 minutes on 2 cores
