@@ -1,8 +1,8 @@
 """The disaggregated stack on a loopback Ray cluster, driven through the ``openai`` SDK.
 
-Two prefill and two decode instances of EP 2 (eight engine actors: each rank an engine
-with its own requests, the two ranks of an instance sharing their experts in lockstep over
-gloo; tiny checkpoint, CPU), a 12-node KV store with its Redis directory, the router in the
+One prefill and two decode instances of EP 2 (six engine actors: each rank an engine with
+its own requests, the two ranks of an instance sharing their experts in lockstep over gloo;
+tiny checkpoint, CPU; two engines in each pool), a 12-node KV store with its Redis directory, the router in the
 API process fed by the engines' pushed state, and the API server on 127.0.0.1. A second API server over one in-process engine is the
 reference: greedy answers must be equal.
 """
@@ -49,7 +49,7 @@ def stack(ray_local, model, store) -> Iterator[tuple[str, RayServingClient]]:
     engine = {**ENGINE, "kv_store": str(store.spec_path)}
     client = RayServingClient(
         model,
-        PoolConfig(2, engine, resources={"prefill": 1}, expert_parallel=2, eplb=_eplb("prefill")),
+        PoolConfig(1, engine, resources={"prefill": 1}, expert_parallel=2, eplb=_eplb("prefill")),
         PoolConfig(2, engine, resources={"decode": 1}, expert_parallel=2, eplb=_eplb("decode")),
         policy="round_robin",
     )

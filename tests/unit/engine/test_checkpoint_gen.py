@@ -20,7 +20,8 @@ def _hf_logits(path, ids):
         return model, model(torch.tensor([ids])).logits
 
 
-@pytest.mark.parametrize("preset", ["tiny", "small"])
+# small: the same code on a bigger preset, in `make test-slow`
+@pytest.mark.parametrize("preset", ["tiny", pytest.param("small", marks=pytest.mark.slow)])
 def test_preset_loads_in_transformers_with_finite_logits(checkpoint_factory, preset):
     path = checkpoint_factory(preset)
     model, logits = _hf_logits(path, list(range(3, 300)))

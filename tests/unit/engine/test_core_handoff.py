@@ -196,8 +196,18 @@ EXPORT_POINTS = [
 ]
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-@pytest.mark.parametrize(("after", "plen", "tail"), EXPORT_POINTS)
+# Greedy at every export point; seeded at a tail and at a boundary point in `make test`,
+# at the other two in `make test-slow`.
+HANDOFF_CASES = [
+    *(pytest.param(GREEDY, *p.values, id=f"{p.id}-greedy") for p in EXPORT_POINTS),
+    *(
+        pytest.param(SEEDED, *p.values, id=f"{p.id}-seeded", marks=() if k in (0, 3) else pytest.mark.slow)
+        for k, p in enumerate(EXPORT_POINTS)
+    ),
+]
+
+
+@pytest.mark.parametrize(("params", "after", "plen", "tail"), HANDOFF_CASES)
 def test_handoff_equals_a_single_engine_run(a, b, ref, params, after, plen, tail):
     request_id, prompt = rid("h"), prompt_of(plen * 7 + after, plen)
     want = run_alone(ref, request_id, prompt, params)
@@ -250,8 +260,15 @@ def test_handoff_with_pipelined_steps(model, ref, pipe_a, pipe_b):
         b_pipe.close()
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
-@pytest.mark.parametrize("after", [1, 12])
+@pytest.mark.parametrize(
+    ("after", "temperature"),
+    [
+        pytest.param(1, 0.0, id="1-greedy"),
+        pytest.param(12, 1.0, id="12-seeded"),
+        pytest.param(1, 1.0, id="1-seeded", marks=pytest.mark.slow),
+        pytest.param(12, 0.0, id="12-greedy", marks=pytest.mark.slow),
+    ],
+)
 def test_handoff_of_a_json_schema_request(a, b, ref, tokenizer, temperature, after):
     params = SamplingParams(
         temperature=temperature,
@@ -273,7 +290,7 @@ def test_handoff_of_a_json_schema_request(a, b, ref, tokenizer, temperature, aft
     assert set(json.loads(text)) == set(KEYS)
 
 
-@pytest.mark.parametrize("after", [1, 10])
+@pytest.mark.parametrize("after", [1, pytest.param(10, marks=pytest.mark.slow)])
 def test_handoff_of_a_request_that_hit_a_prefix_on_a(a, b, ref, after):
     """A second request shares 520 tokens (two full blocks) with a first one on A: it skips
     most of them; handed to B it continues like a cold single-engine run of it."""

@@ -82,8 +82,16 @@ KINDS = {
 
 
 @pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="the trained preset is not built")
-@pytest.mark.parametrize("kind", KINDS)
-@pytest.mark.parametrize("graphs", ["off", "padded"])
+# each path and each kind once in `make test`; the other two pairings in `make test-slow`
+@pytest.mark.parametrize(
+    ("graphs", "kind"),
+    [
+        ("off", "greedy"),
+        ("padded", "sampled"),
+        pytest.param("off", "sampled", marks=pytest.mark.slow),
+        pytest.param("padded", "greedy", marks=pytest.mark.slow),
+    ],
+)
 def test_a_decoding_batch_reads_every_input_token_on_the_device(graphs: str, kind: str) -> None:
     """Greedy or drawn together: every step after the first launches before its predecessor
     is sampled, so each decode input token is fed on the device; also through the CUDA
