@@ -228,6 +228,7 @@ def test_settings_are_validated() -> None:
     assert prompt_offsets(1000, 4, 100) == [0, 224, 449, 674]
 
 
+@pytest.mark.slow  # two more training runs each: make test keeps the module's one
 def test_a_run_split_by_stop_and_resume_equals_one_run(built: Path, trained: Path, tmp_path: Path) -> None:
     out = tmp_path / "split"
     assert train(built, out, SETTINGS, model_overrides=SMALL, stop_after=2) is None
@@ -272,6 +273,7 @@ def test_unlikelihood_penalises_recent_tokens_other_than_the_target() -> None:
     assert unlikelihood(logits.detach(), y, window=1) < ul.detach()  # a narrower window, fewer candidates
 
 
+@pytest.mark.slow  # two more training runs each: make test keeps the module's one
 def test_unlikelihood_stage_is_deterministic_keeps_the_base_and_records_it(
     built: Path, trained: Path, tmp_path: Path
 ) -> None:
