@@ -3,9 +3,9 @@ loopback Ray cluster.
 
 Usage: .venv/bin/python scripts/idle_stack_cpu.py [--seconds S]
 
-Brings up the shape of ``tests/integration/ray/test_serving.py``: two prefill and two decode
-instances of EP 2 (eight engine actors, tiny random checkpoint, CPU), a 12-node KV store with
-its Redis directory, and the API with the router in this process. It reports the start-up
+Brings up two prefill and two decode instances of EP 2 (eight engine actors, tiny random
+checkpoint, CPU), a 12-node KV store with its Redis directory, and the API with the router in
+this process. It reports the start-up
 time and the CPU each engine actor spent until the stack was up (importing torch is most of
 it), serves one chat, waits 3 s, then reads every process's CPU time from ``/proc`` before
 and after ``S`` idle seconds.
