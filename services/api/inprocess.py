@@ -19,7 +19,7 @@ does; ``reserve`` / ``release`` promise room to a sequence before its payload ar
 
 With ``cache_event_capacity > 0`` the engine records prefix-cache events; after every step
 the engine thread moves them (``EngineCore.drain_events``) into a bounded outbox (``CacheEventOutbox``, under a lock held
-for microseconds) that a router drains with ``take_cache_events``. ``changed(timeout_s)``
+for microseconds) that a router drains with ``take_cache_events``. ``changed(seen, timeout_s)``
 returns once either moved on (new stats or cache events), so a watcher that pushes them on
 sleeps while the engine is idle instead of polling.
 """
@@ -138,7 +138,8 @@ class InProcessEngineClient:
         self._outbox: Any = None  # CacheEventOutbox when the engine records cache events
         self.reservations = Reservations()  # engine thread only
         self._stats_version = 0
-        self._changed: asyncio.Event | None = None  # set on the loop when stats or events move
+        self._changes = 0  # changes announced (loop side); ``changed`` waits for the next
+        self._changed: asyncio.Event | None = None  # set, and replaced, at each announcement
         self._change_pending = threading.Event()  # one wake-up in flight at a time
 
     # -- lifecycle -------------------------------------------------------------------------
@@ -259,31 +260,33 @@ class InProcessEngineClient:
         with self._events_lock:
             return self._outbox.take()
 
-    async def changed(self, timeout_s: float) -> bool:
-        """Wait until the published stats or the cache events moved since the last call, at
-        most ``timeout_s``; whether they did. Before ``start``: a plain sleep."""
-        if self._changed is None:
+    async def changed(self, seen: int, timeout_s: float) -> int:
+        """How many changes (new stats or cache events) the engine has announced, once it is
+        more than ``seen`` (what this returned to the caller before; 0 at first), or after
+        ``timeout_s``. Every caller keeps its own ``seen``: several watchers wake together."""
+        if self._changes != seen:
+            return self._changes
+        woken = self._changed
+        if woken is None:  # not started: nothing will announce a change
             await asyncio.sleep(timeout_s)
-            return False
-        if not self._changed.is_set():
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout_s)
-            except TimeoutError:
-                return False
-        self._changed.clear()
-        return True
+            return self._changes
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(woken.wait(), timeout_s)
+        return self._changes
 
     def _notify_changed(self) -> None:
-        """From the engine thread: wake ``changed``. At most one call is queued on the loop
-        at a time (a step publishes every few milliseconds while the engine runs)."""
-        if self._loop is None or self._changed is None or self._change_pending.is_set():
+        """From the engine thread: wake ``changed``'s callers. At most one wake-up is queued
+        on the loop at a time (a step publishes every few milliseconds while the engine runs)."""
+        if self._loop is None or self._change_pending.is_set():
             return
         self._change_pending.set()
-        event, pending = self._changed, self._change_pending
 
         def wake() -> None:
-            pending.clear()
-            event.set()
+            self._change_pending.clear()
+            self._changes += 1
+            woken, self._changed = self._changed, asyncio.Event()
+            if woken is not None:
+                woken.set()
 
         with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is listening
             self._loop.call_soon_threadsafe(wake)

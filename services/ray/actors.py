@@ -320,6 +320,7 @@ class EngineActor:
         name = subscriber or f"anonymous-{id(asyncio.current_task())}"
         self.feeds.subscribe(name)
         last: tuple[Any, dict[str, float]] | None = None  # (the engine's snapshot, ours)
+        announced = 0  # the engine's announced changes this watch has looked at
         try:
             while not self._closed and self.client.alive:
                 self.feeds.pump(self.client.take_cache_events(), self.client.take_store_events())
@@ -331,7 +332,7 @@ class EngineActor:
                     yield {"stats": stats, "events": events_to_wire(events), "store_seen": list(seen)}
                     last = now
                 await asyncio.sleep(interval_s)  # at most one push per interval
-                await self.client.changed(WATCH_IDLE_REFRESH_S)  # asleep while the engine idles
+                announced = await self.client.changed(announced, WATCH_IDLE_REFRESH_S)  # asleep while idle
         finally:
             self.feeds.unsubscribe(name)
 

@@ -144,8 +144,8 @@ def test_an_engine_behind_a_vision_pool_loads_no_encoder_and_takes_only_pool_row
 def test_an_idle_engine_keeps_its_stats_snapshot_and_version(tiny_model):
     """``stats_version`` counts changes, so an idle engine's snapshot is the same object from
     one idle loop to the next: what pushes it on (the Ray actor's ``watch``) sends nothing,
-    and ``changed`` sleeps through the idle loops but returns as soon as a request moves
-    the stats."""
+    and ``changed`` sleeps through the idle loops but wakes every caller as soon as a request
+    moves the stats."""
 
     async def scenario():
         client = InProcessEngineClient(tiny_model)
@@ -161,11 +161,12 @@ def test_an_idle_engine_keeps_its_stats_snapshot_and_version(tiny_model):
             idle = client.stats()
             await asyncio.sleep(0.5)  # tens of idle loops, each republishing
             assert client.stats() is idle
-            await client.changed(0.0)  # forget what the last request's steps announced
-            assert await client.changed(0.5) is False  # ten idle loops: nothing announced
-            waiter = asyncio.create_task(client.changed(30.0))
+            seen = await client.changed(0, 0.0)  # what the last request's steps announced
+            assert seen > 0 and await client.changed(seen, 0.5) == seen  # ten idle loops: none
+            watchers = [asyncio.create_task(client.changed(seen, 30.0)) for _ in range(2)]
             [o async for o in client.generate(EngineRequest("b", (0, 5, 7), 3, seed=1))]
-            assert waiter.done() and waiter.result() is True  # woken by the request's steps
+            # both woken by the request's steps (each watcher keeps its own count)
+            assert all(w.done() and w.result() > seen for w in watchers)
             busy = client.stats()
             assert busy.extra["stats_version"] > idle.extra["stats_version"]
             assert busy.finished_total == 2 or busy.requests_total == 2
