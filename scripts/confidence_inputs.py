@@ -1,0 +1,156 @@
+"""What the confidence head's inputs can tell: held-out AUC and the selection's trade-off of
+the head the issue specifies against the same head with the drafter's own softmax added.
+
+Two logistic heads are fitted (``engine.train.confidence.fit_head``, the shipped settings) on
+the trained preset's drafts over the training split:
+
+* ``[h; e]``: the shipped form, ``sigmoid(w . [h ; e] + b)`` (``h`` the MTP pass's output,
+  ``e`` the embedding of the token it was fed);
+* ``[h; e; softmax; position]``: the same plus the pass's own softmax over the vocabulary
+  (log of its top probability, log-ratio of the top two, entropy) and the draft's position
+  (one-hot), all computable where the drafter already takes its argmax.
+
+Each is scored on held-out-v1 anchors with every draft (reached or not): the AUC over the
+reached drafts (what ``confidence.json`` reports), and DSpark's survival-threshold
+trade-off (``services.bench._spec_replay``'s): the share of fixed-5's drafts verified and of
+its accepted length kept, at 75 % verified (the c >= 32 target's point) and at the thresholds
+DeepSeek's published costs imply (``scripts/dspark_threshold.py``: 0.148, 0.178, 0.444).
+The softmax features alone are also scored (AUC, no fit).
+
+    .venv/bin/python scripts/confidence_inputs.py [--prompts 512] [--eval-prompts 256]
+
+About 10 minutes on the 2-core VM at the defaults (the greedy chains and the drafting passes).
+Needs the training data (``sluice train data --out var/train-data``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from engine.train.confidence import _auc, draft_examples, fit_head, make_chains, prompt_rows
+from engine.train.model import load_trained
+from engine.train.settings import ConfidenceSettings
+from engine.train.trainer import Streams
+
+THRESHOLDS = (0.07, 0.148, 0.178, 0.444)
+TARGET_VERIFIED = 0.75
+
+
+@torch.no_grad()
+def softmax_features(model, h: torch.Tensor) -> torch.Tensor:
+    """[N, 3]: log p_max, log p_max - log p_second, entropy of the pass's next-token softmax."""
+    lp = torch.log_softmax(model.lm.lm_head(h.to(model.lm.lm_head.weight.dtype)).float(), -1)
+    top = lp.topk(2, -1).values
+    return torch.stack([top[:, 0], top[:, 0] - top[:, 1], -(lp.exp() * lp).sum(-1)], 1)
+
+
+def one_hot(position: np.ndarray, depth: int) -> torch.Tensor:
+    return F.one_hot(torch.as_tensor(position - 1), depth).float()
+
+
+@torch.no_grad()
+def every_draft(model, chains: torch.Tensor, s: ConfidenceSettings):
+    """Per anchor, every draft (reached or not): h, e [A, depth, D] and accepted [A, depth]
+    (draft j equals the target's greedy token), along ``draft_examples``' passes."""
+    model.eval()
+    model.indexer.enabled = False
+    mtp, embed = model.mtp, model.lm.model.embed_tokens
+    hs, es, ok = [], [], []
+    for i in range(0, len(chains), s.micro_batch):
+        chain = chains[i : i + s.micro_batch]
+        streams, kwargs = model.trunk(chain)
+        nxt = torch.cat([chain[:, 1:], chain[:, -1:]], dim=1)
+        t = torch.arange(s.prompt_len - 1, chain.shape[1] - s.depth - 1)
+        hidden, h_j, e_j, ok_j = streams, [], [], []
+        for j in range(1, s.depth + 1):
+            if j > 1:
+                hidden = torch.cat([hidden[:, :1], hidden[:, :-1]], dim=1)
+            hidden = model.mtp_streams(hidden, nxt, kwargs)
+            q = t + j - 1
+            h = mtp.norm(mtp.hc_head(hidden[:, q])).float()
+            h_j.append(h)
+            e_j.append(embed(nxt[:, q]).float())
+            ok_j.append(model.lm.lm_head(h).float().argmax(-1) == chain[:, t + j + 1])
+        hs.append(torch.stack(h_j, 2).flatten(0, 1))
+        es.append(torch.stack(e_j, 2).flatten(0, 1))
+        ok.append(torch.stack(ok_j, 2).flatten(0, 1))
+    model.indexer.enabled = True
+    return torch.cat(hs), torch.cat(es), torch.cat(ok).numpy()
+
+
+def shares(conf: np.ndarray, accepted: np.ndarray, threshold: float) -> tuple[float, float]:
+    """(verified share, accepted-length share) of fixed-5's when each anchor verifies the
+    drafts whose survival exceeds ``threshold`` (the accepted length counts the bonus token)."""
+    k = (np.cumprod(conf, axis=1) > threshold).sum(1)
+    kept = np.minimum(k, accepted)
+    return float(k.sum() / conf.size), float((len(k) + kept.sum()) / (len(k) + accepted.sum()))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="models/trained")
+    p.add_argument("--data", default="var/train-data")
+    p.add_argument("--prompts", type=int, default=512, help="training prefixes")
+    p.add_argument("--eval-prompts", type=int, default=256, help="held-out prefixes")
+    args = p.parse_args()
+    t0 = time.monotonic()
+    s = ConfidenceSettings(prompts=args.prompts, eval_prompts=args.eval_prompts)
+    model_dir = Path(args.model)
+    data = Streams(Path(args.data))
+    model = load_trained(model_dir, "cpu")
+
+    def chains_of(stream: np.ndarray, n: int) -> torch.Tensor:
+        rows = prompt_rows(stream, n, s.prompt_len, data.bos)
+        return make_chains(rows, s.gen_tokens, s.chains, model, model_dir, "cpu", s.micro_batch)
+
+    train = draft_examples(model, chains_of(data.train, s.prompts), s.prompt_len, s.depth, s.micro_batch)
+    print(f"[{time.monotonic() - t0:5.0f}s] train: {len(train.label)} drafts reached", flush=True)
+    h, e, ok = every_draft(model, chains_of(data.heldout, s.eval_prompts), s)
+    anchors, depth = ok.shape
+    accepted = np.cumprod(ok, axis=1).sum(1)
+    reached = np.concatenate([np.ones((anchors, 1), bool), np.cumprod(ok, 1)[:, :-1].astype(bool)], 1)
+    print(f"[{time.monotonic() - t0:5.0f}s] held out: {anchors} anchors", flush=True)
+
+    hf, ef = h.flatten(0, 1), e.flatten(0, 1)
+    soft_held = softmax_features(model, hf)
+    position = np.tile(np.arange(1, depth + 1), anchors)
+    inputs = {
+        "[h; e]": (train.x, torch.cat([hf, ef], 1)),
+        "[h; e; softmax; position]": (
+            torch.cat([train.x, softmax_features(model, train.h), one_hot(train.position, depth)], 1),
+            torch.cat([hf, ef, soft_held, one_hot(position, depth)], 1),
+        ),
+    }
+    report: dict[str, dict] = {"softmax features alone (AUC)": {}}
+    labels = ok[reached].astype(np.float32)
+    for i, name in enumerate(("log_p_max", "log_margin", "entropy")):
+        score = soft_held[:, i].double().numpy().reshape(anchors, depth) * (-1 if name == "entropy" else 1)
+        report["softmax features alone (AUC)"][name] = _auc(score[reached], labels)
+    for name, (x_train, x_held) in inputs.items():
+        head, _ = fit_head(x_train, train.label, s)
+        w, b = head.confidence.weight[0].detach().double(), head.confidence.bias.detach().double()
+        conf = torch.sigmoid(x_held.double() @ w + b).view(anchors, depth).numpy()
+        curve = sorted(shares(conf, accepted, t) for t in np.linspace(0.0, 0.9, 181))
+        row = {
+            "auc": _auc(conf[reached], labels),
+            f"accepted_length_share_at_{TARGET_VERIFIED}_verified": float(
+                np.interp(TARGET_VERIFIED, [c[0] for c in curve], [c[1] for c in curve])
+            ),
+        }
+        for t in THRESHOLDS:
+            v, a = shares(conf, accepted, t)
+            row[f"threshold_{t}"] = {"verified_share": round(v, 3), "accepted_length_share": round(a, 4)}
+        report[name] = row
+    print(json.dumps(report, indent=1))
+    print(f"[{time.monotonic() - t0:5.0f}s] done", flush=True)
+
+
+if __name__ == "__main__":
+    main()
