@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from services.api.announce import Announcements
 from services.api.engine_client import (
     EngineOutput,
     EngineRequest,
@@ -138,9 +139,7 @@ class InProcessEngineClient:
         self._outbox: Any = None  # CacheEventOutbox when the engine records cache events
         self.reservations = Reservations()  # engine thread only
         self._stats_version = 0
-        self._changes = 0  # changes announced (loop side); ``changed`` waits for the next
-        self._changed: asyncio.Event | None = None  # set, and replaced, at each announcement
-        self._change_pending = threading.Event()  # one wake-up in flight at a time
+        self._announced = Announcements()  # each change of the stats or cache events
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -149,7 +148,7 @@ class InProcessEngineClient:
         from engine.core import EngineConfig, EngineCore
 
         self._loop = asyncio.get_running_loop()
-        self._changed = asyncio.Event()
+        self._announced.bind(self._loop)
         if self.ep is None:
             config = EngineConfig(model=str(self.model_dir), **self.engine_kwargs)
             self._core = await asyncio.to_thread(EngineCore, config)
@@ -261,35 +260,10 @@ class InProcessEngineClient:
             return self._outbox.take()
 
     async def changed(self, seen: int, timeout_s: float) -> int:
-        """How many changes (new stats or cache events) the engine has announced, once it is
-        more than ``seen`` (what this returned to the caller before; 0 at first), or after
-        ``timeout_s``. Every caller keeps its own ``seen``: several watchers wake together."""
-        if self._changes != seen:
-            return self._changes
-        woken = self._changed
-        if woken is None:  # not started: nothing will announce a change
-            await asyncio.sleep(timeout_s)
-            return self._changes
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(woken.wait(), timeout_s)
-        return self._changes
-
-    def _notify_changed(self) -> None:
-        """From the engine thread: wake ``changed``'s callers. At most one wake-up is queued
-        on the loop at a time (a step publishes every few milliseconds while the engine runs)."""
-        if self._loop is None or self._change_pending.is_set():
-            return
-        self._change_pending.set()
-
-        def wake() -> None:
-            self._change_pending.clear()
-            self._changes += 1
-            woken, self._changed = self._changed, asyncio.Event()
-            if woken is not None:
-                woken.set()
-
-        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is listening
-            self._loop.call_soon_threadsafe(wake)
+        """How many changes (new stats or cache events) the engine has announced, once more
+        than ``seen`` (what this returned to the caller before; 0 at first), or after
+        ``timeout_s`` (``services.api.announce``)."""
+        return await self._announced.wait(seen, timeout_s)
 
     def take_store_events(self) -> list[bytes]:
         """Block hashes the engine saw in the KV store since the last call (thread-safe)."""
@@ -735,7 +709,7 @@ class InProcessEngineClient:
         if batch:
             with self._events_lock:
                 self._outbox.publish(batch, self._core.cached_hashes)
-            self._notify_changed()
+            self._announced.announce()
 
     def _publish_stats(self) -> None:
         """Replace the published stats if they changed. ``stats_version`` counts the changes,
@@ -769,7 +743,7 @@ class InProcessEngineClient:
         self._stats_version += 1
         fresh.extra["stats_version"] = float(self._stats_version)
         self._stats = fresh
-        self._notify_changed()
+        self._announced.announce()
 
 
 def _sampling_params(request: EngineRequest) -> Any:
