@@ -34,13 +34,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from engine.train.confidence import _auc, draft_examples, fit_head, make_chains, prompt_rows
+from engine.train.confidence import _auc, draft_examples, fit_head, make_chains, mtp_passes, prompt_rows
 from engine.train.model import load_trained
 from engine.train.settings import ConfidenceSettings
 from engine.train.trainer import Streams
+from services.bench._spec_replay import TARGET_VERIFIED_SHARE, shares
 
 THRESHOLDS = (0.07, 0.148, 0.178, 0.444)
-TARGET_VERIFIED = 0.75
 
 
 @torch.no_grad()
@@ -58,39 +58,25 @@ def one_hot(position: np.ndarray, depth: int) -> torch.Tensor:
 @torch.no_grad()
 def every_draft(model, chains: torch.Tensor, s: ConfidenceSettings):
     """Per anchor, every draft (reached or not): h, e [A, depth, D] and accepted [A, depth]
-    (draft j equals the target's greedy token), along ``draft_examples``' passes."""
+    (draft j equals the target's greedy token), from ``mtp_passes``."""
     model.eval()
     model.indexer.enabled = False
-    mtp, embed = model.mtp, model.lm.model.embed_tokens
     hs, es, ok = [], [], []
     for i in range(0, len(chains), s.micro_batch):
-        chain = chains[i : i + s.micro_batch]
-        streams, kwargs = model.trunk(chain)
-        nxt = torch.cat([chain[:, 1:], chain[:, -1:]], dim=1)
-        t = torch.arange(s.prompt_len - 1, chain.shape[1] - s.depth - 1)
-        hidden, h_j, e_j, ok_j = streams, [], [], []
-        for j in range(1, s.depth + 1):
-            if j > 1:
-                hidden = torch.cat([hidden[:, :1], hidden[:, :-1]], dim=1)
-            hidden = model.mtp_streams(hidden, nxt, kwargs)
-            q = t + j - 1
-            h = mtp.norm(mtp.hc_head(hidden[:, q])).float()
-            h_j.append(h)
-            e_j.append(embed(nxt[:, q]).float())
-            ok_j.append(model.lm.lm_head(h).float().argmax(-1) == chain[:, t + j + 1])
-        hs.append(torch.stack(h_j, 2).flatten(0, 1))
-        es.append(torch.stack(e_j, 2).flatten(0, 1))
-        ok.append(torch.stack(ok_j, 2).flatten(0, 1))
+        passes = list(mtp_passes(model, chains[i : i + s.micro_batch], s.prompt_len, s.depth))
+        hs.append(torch.stack([h for _, h, _, _ in passes], 2).flatten(0, 1))
+        es.append(torch.stack([e for _, _, e, _ in passes], 2).flatten(0, 1))
+        ok.append(torch.stack([a for _, _, _, a in passes], 2).flatten(0, 1))
     model.indexer.enabled = True
     return torch.cat(hs), torch.cat(es), torch.cat(ok).numpy()
 
 
-def shares(conf: np.ndarray, accepted: np.ndarray, threshold: float) -> tuple[float, float]:
+def threshold_shares(conf: np.ndarray, rows: list, threshold: float) -> tuple[float, float]:
     """(verified share, accepted-length share) of fixed-5's when each anchor verifies the
-    drafts whose survival exceeds ``threshold`` (the accepted length counts the bonus token)."""
-    k = (np.cumprod(conf, axis=1) > threshold).sum(1)
-    kept = np.minimum(k, accepted)
-    return float(k.sum() / conf.size), float((len(k) + kept.sum()) / (len(k) + accepted.sum()))
+    drafts whose survival exceeds ``threshold`` (the bench's replay, ``_spec_replay.shares``,
+    over ``rows``: each anchor's (drafts, accepted drafts))."""
+    out = shares(rows, (np.cumprod(conf, axis=1) > threshold).sum(1).tolist())
+    return out["verified_share"], out["accepted_length_share"]
 
 
 def main() -> None:
@@ -115,6 +101,7 @@ def main() -> None:
     h, e, ok = every_draft(model, chains_of(data.heldout, s.eval_prompts), s)
     anchors, depth = ok.shape
     accepted = np.cumprod(ok, axis=1).sum(1)
+    rows = [((0.0,) * depth, int(n)) for n in accepted]  # shares reads the drafts' count only
     reached = np.concatenate([np.ones((anchors, 1), bool), np.cumprod(ok, 1)[:, :-1].astype(bool)], 1)
     print(f"[{time.monotonic() - t0:5.0f}s] held out: {anchors} anchors", flush=True)
 
@@ -137,15 +124,15 @@ def main() -> None:
         head, _ = fit_head(x_train, train.label, s)
         w, b = head.confidence.weight[0].detach().double(), head.confidence.bias.detach().double()
         conf = torch.sigmoid(x_held.double() @ w + b).view(anchors, depth).numpy()
-        curve = sorted(shares(conf, accepted, t) for t in np.linspace(0.0, 0.9, 181))
+        curve = sorted(threshold_shares(conf, rows, t) for t in np.linspace(0.0, 0.9, 181))
         row = {
             "auc": _auc(conf[reached], labels),
-            f"accepted_length_share_at_{TARGET_VERIFIED}_verified": float(
-                np.interp(TARGET_VERIFIED, [c[0] for c in curve], [c[1] for c in curve])
+            f"accepted_length_share_at_{TARGET_VERIFIED_SHARE}_verified": float(
+                np.interp(TARGET_VERIFIED_SHARE, [c[0] for c in curve], [c[1] for c in curve])
             ),
         }
         for t in THRESHOLDS:
-            v, a = shares(conf, accepted, t)
+            v, a = threshold_shares(conf, rows, t)
             row[f"threshold_{t}"] = {"verified_share": round(v, 3), "accepted_length_share": round(a, 4)}
         report[name] = row
     print(json.dumps(report, indent=1))

@@ -51,6 +51,7 @@ import hashlib
 import json
 import math
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -141,8 +142,6 @@ def draft_examples(
     model.eval()
     model.indexer.enabled = False
     dev = next(model.parameters()).device
-    m: Any = model.mtp
-    embed = model.lm.model.embed_tokens
     hs: list[torch.Tensor] = []
     es: list[torch.Tensor] = []
     pos: list[np.ndarray] = []
@@ -153,28 +152,18 @@ def draft_examples(
     try:
         for i in range(0, len(chains), micro_batch):
             chain = chains[i : i + micro_batch].to(dev)
-            streams, kwargs = model.trunk(chain)
-            n = chain.shape[1]
-            nxt = torch.cat([chain[:, 1:], chain[:, -1:]], dim=1)  # the token after each position
-            t = torch.arange(prompt_len - 1, n - depth - 1, device=dev)  # anchors: t + depth + 1 < n
-            hidden = streams
-            reached = torch.ones(chain.shape[0], len(t), dtype=torch.bool, device=dev)
-            for j in range(1, depth + 1):
-                if j > 1:  # pass j reads pass j-1's output one position earlier
-                    hidden = torch.cat([hidden[:, :1], hidden[:, :-1]], dim=1)
-                hidden = model.mtp_streams(hidden, nxt, kwargs)
-                q = t + j - 1
-                h = m.norm(m.hc_head(hidden[:, q])).float()  # [P, A, D]
-                draft = model.lm.lm_head(h.to(model.lm.lm_head.weight.dtype)).float().argmax(dim=-1)
-                agree = draft == chain[:, t + j + 1]
-                e = embed(nxt[:, q]).float()  # the token pass j was fed: c[t + j]
+            reached: torch.Tensor | None = None
+            for j, h, e, agree in mtp_passes(model, chain, prompt_len, depth):
+                if reached is None:
+                    reached = torch.ones_like(agree)
                 hs.append(h[reached].cpu())
                 es.append(e[reached].cpu())
                 lab.append(agree[reached].cpu().numpy().astype(np.float32))
                 pos.append(np.full(int(reached.sum()), j, dtype=np.int64))
                 uncond[j - 1] += float(agree.sum())
                 reached = reached & agree
-            anchors += chain.shape[0] * len(t)
+            assert reached is not None
+            anchors += reached.numel()
             now = time.monotonic()
             if log is not None and (now - last >= 10 or i + micro_batch >= len(chains)):
                 last = now
@@ -190,6 +179,33 @@ def draft_examples(
         anchors=anchors,
         unconditional=[float(u / max(anchors, 1)) for u in uncond],
     )
+
+
+@torch.no_grad()
+def mtp_passes(
+    model: TrainModel, chain: torch.Tensor, prompt_len: int, depth: int
+) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """The MTP layer's ``depth`` drafting passes along greedy chains ``chain`` [P, n], at every
+    anchor ``t`` from the prompt's last position on (while ``t + depth + 1 < n``): per pass
+    ``j``, (j, h [P, A, D], e [P, A, D], agree [P, A]): the pass's output (the head's ``h``),
+    the embedding of the token it was fed, ``c[t + j]`` (draft 1: the target's token; a later
+    draft reached with every earlier one accepted: the previous draft), and whether its argmax
+    equals the chain's next token. Call with the model in eval mode and its indexer off."""
+    m: Any = model.mtp
+    embed = model.lm.model.embed_tokens
+    streams, kwargs = model.trunk(chain)
+    n = chain.shape[1]
+    nxt = torch.cat([chain[:, 1:], chain[:, -1:]], dim=1)  # the token after each position
+    t = torch.arange(prompt_len - 1, n - depth - 1, device=chain.device)  # anchors: t + depth + 1 < n
+    hidden = streams
+    for j in range(1, depth + 1):
+        if j > 1:  # pass j reads pass j-1's output one position earlier
+            hidden = torch.cat([hidden[:, :1], hidden[:, :-1]], dim=1)
+        hidden = model.mtp_streams(hidden, nxt, kwargs)
+        q = t + j - 1
+        h = m.norm(m.hc_head(hidden[:, q])).float()  # [P, A, D]
+        draft = model.lm.lm_head(h.to(model.lm.lm_head.weight.dtype)).float().argmax(dim=-1)
+        yield j, h, embed(nxt[:, q]).float(), draft == chain[:, t + j + 1]  # e: c[t + j]
 
 
 def _logit(p: float) -> float:

@@ -1,10 +1,10 @@
 """`sluice bench spec`'s replays of recorded decode steps: pure functions over a run's trace
 (per step, per request: the draft confidences, the drafts verified, the drafts accepted).
 
-* ``_acceptance``: per-position acceptance of a fixed-5 trace;
-* ``_modelled``: what a step profile predicts for the oracle, fixed-5 and DSpark on it;
-* ``_priced_seconds``: a run's decode phase priced step by step by another profile;
-* ``_selection_replay``: the confidence head's trade-off curve and DSpark's speculating
+* ``acceptance``: per-position acceptance of a fixed-5 trace;
+* ``modelled``: what a step profile predicts for the oracle, fixed-5 and DSpark on it;
+* ``priced_seconds``: a run's decode phase priced step by step by another profile;
+* ``selection_replay``: the confidence head's trade-off curve and DSpark's speculating
   selection priced by each profile (`services.bench.spec`'s module doc says why).
 """
 
@@ -16,13 +16,13 @@ import numpy as np
 
 Trace = list[list[tuple[tuple[float, ...], int, int]]]  # per step: (confidences, verified, accepted)
 
-#: survival thresholds of the confidence head's trade-off curve (`_selection_replay`)
+#: survival thresholds of the confidence head's trade-off curve (`selection_replay`)
 TRADEOFF_THRESHOLDS = (0.0, 0.02, 0.05, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0)
 #: the verified share at which the selection targets ask for the accepted length (c >= 32)
 TARGET_VERIFIED_SHARE = 0.75
 
 
-def _acceptance(trace: Trace, depth: int = 5) -> list[float]:
+def acceptance(trace: Trace, depth: int = 5) -> list[float]:
     """P(draft j accepted | drafts 1..j-1 accepted) over a fixed-5 trace."""
     reach = [0] * depth
     hit = [0] * depth
@@ -42,7 +42,7 @@ def _verified_rows(trace: Trace) -> list[tuple[list[float], int]]:
     return [(list(cf), acc) for step in trace for cf, k, acc in step if k]
 
 
-def _modelled(trace: Trace, profile: Any, c: int) -> dict[str, float]:
+def modelled(trace: Trace, profile: Any, c: int) -> dict[str, float]:
     """Throughput the profile predicts on the fixed-5 trace for the oracle, fixed-5 and DSpark."""
     from engine.spec.dspark import select_dspark
 
@@ -67,7 +67,7 @@ def _modelled(trace: Trace, profile: Any, c: int) -> dict[str, float]:
     return {f"modelled_{k}_tokens_per_s": (out[k] / secs[k] if secs[k] else 0.0) for k in out}
 
 
-def _priced_seconds(run: dict[str, Any], trace: Trace | None, profile: Any) -> float:
+def priced_seconds(run: dict[str, Any], trace: Trace | None, profile: Any) -> float:
     """The decode phase of a run as ``profile`` prices it: each step of its trace at its batch
     (the requests in it), the drafts each verified and the depth they were drafted to (the
     confidences it carries; none: a plain step). A run without a trace (no speculation) has
@@ -86,7 +86,7 @@ def _priced_seconds(run: dict[str, Any], trace: Trace | None, profile: Any) -> f
     return total
 
 
-def _shares(rows: list[tuple[list[float], int]], ks: list[int]) -> dict[str, float]:
+def shares(rows: list[tuple[list[float], int]], ks: list[int]) -> dict[str, float]:
     """Verified drafts and accepted length of choice ``ks``, each as a share of fixed-5's."""
     n = len(rows)
     drafted = sum(len(cf) for cf, _ in rows)
@@ -99,7 +99,7 @@ def _shares(rows: list[tuple[list[float], int]], ks: list[int]) -> dict[str, flo
     }
 
 
-def _selection_replay(trace: Trace, profiles: dict[str, Any]) -> dict[str, Any]:
+def selection_replay(trace: Trace, profiles: dict[str, Any]) -> dict[str, Any]:
     """DSpark's selection within speculation, replayed on the fixed-5 trace (every draft
     verified, so each request-step's confidences and accepted drafts ``L`` are known; a
     choice of ``k`` drafts accepts ``min(k, L)``).
@@ -119,7 +119,7 @@ def _selection_replay(trace: Trace, profiles: dict[str, Any]) -> dict[str, Any]:
         return {}
     surv = [survival(cf) for cf, _ in rows]
     curve = [
-        {"threshold": t, **_shares(rows, [int((a > t).sum()) for a in surv])} for t in TRADEOFF_THRESHOLDS
+        {"threshold": t, **shares(rows, [int((a > t).sum()) for a in surv])} for t in TRADEOFF_THRESHOLDS
     ]
     by_share = sorted(curve, key=lambda p: p["verified_share"])
     at_target = float(
@@ -133,7 +133,7 @@ def _selection_replay(trace: Trace, profiles: dict[str, Any]) -> dict[str, Any]:
             conf = [list(cf) for cf, k, _ in step if k]
             if conf:
                 ks += select_dspark(conf, profile.for_batch(len(step)))
-        speculating[name] = _shares(rows, ks)
+        speculating[name] = shares(rows, ks)
     return {
         "tradeoff": curve,
         f"accepted_length_share_at_{TARGET_VERIFIED_SHARE}": at_target,

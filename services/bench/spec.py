@@ -28,7 +28,7 @@ the oracle verifies exactly ``L`` drafts (every verified draft accepted); its th
 is ``sum(1 + L) / seconds(c, T)``. The same model also prices fixed-5 and DSpark on the
 trace, so the modelled and the measured figures can be compared.
 
-**Selection replay** (``selection_replay``, `_selection_replay`). On the same trace: how much
+**Selection replay** (``selection_replay``, `selection_replay`). On the same trace: how much
 accepted length the confidence head's ranking keeps as fewer drafts are verified (the
 curve, and its value at 25 % fewer), and where DSpark's selection lands on it when
 speculation stays on, priced by this machine's profile and the H200's. It separates the
@@ -56,10 +56,10 @@ from engine.spec.profile import spec_steps_file  # pure: numpy, no torch
 from services.bench import Report, progress
 from services.bench._spec_replay import (
     TARGET_VERIFIED_SHARE,
-    _acceptance,
-    _modelled,
-    _priced_seconds,
-    _selection_replay,
+    acceptance,
+    modelled,
+    priced_seconds,
+    selection_replay,
 )
 
 CONCURRENCY = (1, 8, 16, 32, 60, 128)
@@ -343,7 +343,7 @@ def run(args: argparse.Namespace) -> Report:
                     release_memory(engine_kwargs)  # the engine is unreachable only once `_run` returned
                     if priced is not None:
                         r["measured_tokens_per_s"] = r["tokens_per_s"]
-                        r["tokens_per_s"] = r["emitted"] / _priced_seconds(r, r["_trace"], priced)
+                        r["tokens_per_s"] = r["emitted"] / priced_seconds(r, r["_trace"], priced)
                     tries[policy].append(r)
                     progress(
                         f"c={c} {policy} #{rep + 1}: {r['tokens_per_s']:.1f} tok/s, {r['verified_per_step']:.1f} "
@@ -358,10 +358,8 @@ def run(args: argparse.Namespace) -> Report:
             trace = runs[c].get("fixed-5", {}).get("_trace")
             extra: dict[str, Any] = {}
             if trace:
-                extra = _modelled(trace, priced or profile, c) | {
-                    "acceptance_by_position": _acceptance(trace)
-                }
-                extra["selection_replay"] = _selection_replay(trace, replay_profiles)
+                extra = modelled(trace, priced or profile, c) | {"acceptance_by_position": acceptance(trace)}
+                extra["selection_replay"] = selection_replay(trace, replay_profiles)
             for r in runs[c].values():
                 r.pop("_trace", None)
             report.results[f"c{c}"] = {**runs[c], **extra}

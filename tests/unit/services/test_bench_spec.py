@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from engine.spec.profile import SpecProfile
-from services.bench._spec_replay import TARGET_VERIFIED_SHARE, _acceptance, _priced_seconds, _selection_replay
+from services.bench._spec_replay import TARGET_VERIFIED_SHARE, acceptance, priced_seconds, selection_replay
 
 # two steps of two requests: (confidences, drafts verified, drafts accepted)
 TRACE = [
@@ -23,7 +23,7 @@ def _profile(verify_cost: float) -> SpecProfile:
 
 
 def test_the_tradeoff_curve_runs_from_fixed_5_to_no_drafts() -> None:
-    replay = _selection_replay(TRACE, {})
+    replay = selection_replay(TRACE, {})
     curve = {p["threshold"]: p for p in replay["tradeoff"]}
     # threshold 0: every draft verified, fixed-5's accepted length (1 + 9 / 4)
     assert curve[0.0]["verified_share"] == 1.0
@@ -41,20 +41,20 @@ def test_the_tradeoff_curve_runs_from_fixed_5_to_no_drafts() -> None:
 
 
 def test_speculating_selection_verifies_less_where_verifying_costs_more() -> None:
-    replay = _selection_replay(TRACE, {"cheap": _profile(1e-4), "dear": _profile(0.5)})
+    replay = selection_replay(TRACE, {"cheap": _profile(1e-4), "dear": _profile(0.5)})
     cheap, dear = replay["speculating"]["cheap"], replay["speculating"]["dear"]
     assert cheap["verified_share"] > dear["verified_share"]
     assert cheap["accepted_length_share"] >= dear["accepted_length_share"]
 
 
 def test_an_empty_trace_replays_to_nothing() -> None:
-    assert _selection_replay([], {"p": _profile(0.1)}) == {}
-    assert _selection_replay([[((0.5,), 0, 0)]], {}) == {}
+    assert selection_replay([], {"p": _profile(0.1)}) == {}
+    assert selection_replay([[((0.5,), 0, 0)]], {}) == {}
 
 
 def test_acceptance_by_position_is_conditional_on_reaching_it() -> None:
     # position 1: reached 4 times, accepted 3; position 2: reached 3, accepted 2 (...)
-    acc = _acceptance(TRACE)
+    acc = acceptance(TRACE)
     assert acc[0] == pytest.approx(3 / 4)
     assert acc[1] == pytest.approx(2 / 3)
     assert acc[3] == pytest.approx(1 / 2)
@@ -65,9 +65,9 @@ def test_a_run_is_priced_step_by_step_at_its_batch_drafts_and_depth() -> None:
     # TRACE: two steps of two requests, 5 drafted and 5 verified each: 12 tokens a step
     step = float(p.for_batch(2, 5).seconds(12))
     assert step == pytest.approx(1.0 + 0.25 * 2 * 5)
-    assert _priced_seconds({}, TRACE, p) == pytest.approx(2 * step)
+    assert priced_seconds({}, TRACE, p) == pytest.approx(2 * step)
     # a step in which nothing was drafted is a plain step; an empty step costs nothing
     plain_steps = [[((), 0, 0), ((), 0, 0)], []]
-    assert _priced_seconds({}, plain_steps, p) == pytest.approx(p.step_seconds(2, 0, 0)) == 0.5
+    assert priced_seconds({}, plain_steps, p) == pytest.approx(p.step_seconds(2, 0, 0)) == 0.5
     # a run without a trace (no speculation): its decode steps, plain, at its concurrency
-    assert _priced_seconds({"decode_steps": 7, "concurrency": 4}, None, p) == pytest.approx(7 * 0.5)
+    assert priced_seconds({"decode_steps": 7, "concurrency": 4}, None, p) == pytest.approx(7 * 0.5)
