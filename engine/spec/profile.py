@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
@@ -150,39 +150,66 @@ class SpecProfile:
         return cls.from_json(Path(path).read_text())
 
 
-def extrapolate_layers(profiles: Mapping[int, SpecProfile], layers: int) -> SpecProfile:
-    """The profile of a model ``layers`` decoder layers deep, from two profiles of the same
-    widths measured at two depths (``{depth: profile}``, same batches and draft counts).
+def extrapolate_layers(
+    profiles: Mapping[int, SpecProfile] | Iterable[tuple[int, SpecProfile]], layers: int
+) -> SpecProfile:
+    """The profile of a model ``layers`` decoder layers deep, from profiles of the same widths
+    measured at two or more depths (``{depth: profile}``, or ``(depth, profile)`` pairs, where
+    a depth may repeat: runs of several sessions), with the same batches and draft counts.
 
     The principle: a step is affine in the number of decoder layers. Every decoder layer adds
     its own forward time (attention and MoE over the step's tokens); the embedding, the LM
     head, sampling, the MTP drafting passes and the host's scheduling do not grow with depth.
-    So each cell is ``cell(a) + (layers - a) * slope`` with ``slope = (cell(b) - cell(a)) /
-    (b - a)``, floored at 0 (a layer never makes a step faster; a negative difference is
-    measurement noise). The drafting pass runs the MTP layer, not a decoder layer: its cost is
-    the mean of the two measured. Noise in the slope is multiplied by ``layers - a``: measure
-    at depths whose difference is well above run-to-run spread."""
-    if len(profiles) != 2:
-        raise ValueError(f"give profiles at exactly two depths, not {sorted(profiles)}")
-    (a, pa), (b, pb) = sorted(profiles.items())
-    if a < 1 or layers < 1:
+    So each cell is the least-squares line through its measurements, ``mean + (layers -
+    mean depth) * slope``, with the slope floored at 0 (a layer never makes a step faster; a
+    negative slope is measurement noise, and the best line of slope 0 is the mean). With two
+    measurements that is the line through both. The drafting pass runs the MTP layer, not a
+    decoder layer: its cost is the measurements' mean. Noise in the slope is multiplied by
+    ``layers`` less the mean depth over the depths' spread: measure at depths far apart, and
+    more than once (`fit_residuals` says how far each measurement sits from the line)."""
+    pairs = sorted(profiles.items() if isinstance(profiles, Mapping) else profiles, key=lambda dp: dp[0])
+    depths = np.array([d for d, _ in pairs], dtype=np.float64)
+    if len(set(depths.tolist())) < 2:
+        raise ValueError(f"give profiles at two or more depths, not {sorted(set(depths.tolist()))}")
+    if depths[0] < 1 or layers < 1:
         raise ValueError("depths must be >= 1")
-    if (pa.batch, pa.drafts, pa.drafted) != (pb.batch, pb.drafts, pb.drafted):
-        raise ValueError("the two profiles must share batch sizes, draft counts and drafted depth")
-    if pa.adaptive != pb.adaptive:
-        raise ValueError("both profiles must price plain decoding and the drafting pass, or neither")
+    first = pairs[0][1]
+    for _, p in pairs[1:]:
+        if (p.batch, p.drafts, p.drafted) != (first.batch, first.drafts, first.drafted):
+            raise ValueError("the profiles must share batch sizes, draft counts and drafted depth")
+        if p.adaptive != first.adaptive:
+            raise ValueError("every profile must price plain decoding and the drafting pass, or none")
 
-    def at(x: float, y: float) -> float:
-        return x + (layers - a) * max(y - x, 0.0) / (b - a)
+    def fit(cells: np.ndarray) -> np.ndarray:  # [measurements, ...] -> the cells at ``layers``
+        d = (depths - depths.mean()).reshape((-1,) + (1,) * (cells.ndim - 1))
+        slope = np.maximum((d * (cells - cells.mean(axis=0))).sum(axis=0) / (d * d).sum(axis=0), 0.0)
+        return cells.mean(axis=0) + (layers - depths.mean()) * slope
 
-    seconds = tuple(tuple(at(x, y) for x, y in zip(ra, rb)) for ra, rb in zip(pa.seconds, pb.seconds))
+    seconds = fit(np.array([p.seconds for _, p in pairs]))
+    plain = fit(np.array([p.plain for _, p in pairs])) if first.adaptive else np.array([])
+    draft_pass = np.array([p.draft_pass for _, p in pairs]).mean(axis=0) if first.adaptive else np.array([])
+    spread = sorted({int(d) for d in depths})
     meta = {
-        "method": f"extrapolated to {layers} decoder layers from depths {a} and {b} "
-        "(engine.spec.profile.extrapolate_layers: affine in depth)",
-        "measured": {str(a): pa.meta, str(b): pb.meta},
+        "method": f"extrapolated to {layers} decoder layers from depths {', '.join(map(str, spread))} "
+        f"({len(pairs)} measurements; engine.spec.profile.extrapolate_layers: affine in depth, least squares)",
+        "measured": [{"depth": d, **p.meta} for d, p in pairs],
     }
     return SpecProfile(
-        pa.batch, pa.drafts, seconds, pa.drafted,
-        tuple((x + y) / 2 for x, y in zip(pa.draft_pass, pb.draft_pass)),
-        tuple(at(x, y) for x, y in zip(pa.plain, pb.plain)), meta,
+        first.batch, first.drafts, tuple(tuple(float(x) for x in row) for row in seconds), first.drafted,
+        tuple(float(x) for x in draft_pass), tuple(float(x) for x in plain), meta,
     )  # fmt: skip
+
+
+def fit_residuals(profiles: Iterable[tuple[int, SpecProfile]]) -> dict[str, Any]:
+    """Each measurement's cells over the least-squares line's at its depth
+    (`extrapolate_layers`): how well the affine principle holds, and how noisy the cells are."""
+    pairs = list(profiles)
+    ratios: list[float] = []
+    for depth, p in pairs:
+        line = extrapolate_layers(pairs, depth)
+        ratios += [m / f for rm, rf in zip(p.seconds, line.seconds) for m, f in zip(rm, rf)]
+        ratios += [m / f for m, f in zip(p.plain, line.plain)]
+    return {
+        "measured / fitted, every cell": [round(r, 3) for r in ratios],
+        "min": round(min(ratios), 3), "max": round(max(ratios), 3),
+    }  # fmt: skip

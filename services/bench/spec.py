@@ -36,7 +36,8 @@ head's quality from the cost regime that decides whether selection runs at all.
 
 **Another machine's costs** (``--priced-by FILE``). A step profile measured elsewhere, for
 example at DeepSeek-V4-Flash's widths on a GPU (``--width-profile flash-shape --device cuda``:
-`engine.spec.profiling.measure_width_profiles` at two depths, `extrapolate_layers` to 43).
+`engine.spec.profiling.measure_width_profiles` at two or more depths, `extrapolate_layers` to
+43 by least squares; ``--width-from`` refits earlier runs' measurements together).
 DSpark's engines then schedule by it, so their measured verified drafts and accepted lengths
 are what DSpark chooses under those costs; every run's decode steps are priced by it (each
 step at its batch, verified drafts and drafting depth: ``tokens_per_s``, with the wall-clock
@@ -46,6 +47,8 @@ figure kept as ``measured_tokens_per_s``), and the targets judge the priced thro
 from __future__ import annotations
 
 import argparse
+import json
+import re
 import statistics
 import tempfile
 import time
@@ -114,8 +117,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--width-depths", default="1,3",
-        help="--width-profile: decoder depths (default 1,3); the extremes are extrapolated, any between "
-        "checks the extrapolation (check_<depth>_layers)",
+        help="--width-profile: decoder depths (default 1,3); every depth's cells enter the least-squares "
+        "line (fit_residuals: each measurement against it)",
+    )  # fmt: skip
+    p.add_argument(
+        "--width-from", default=None, metavar="FILES",
+        help="comma-separated --width-profile --json reports: their measured depths enter the fit too "
+        "(without --width-profile, nothing is measured: a refit, no device needed)",
     )  # fmt: skip
     p.add_argument(
         "--width-layers",
@@ -294,7 +302,7 @@ def run(args: argparse.Namespace) -> Report:
     }
     report.config.update(engine_kwargs)
     t_start = time.perf_counter()
-    if args.width_profile:
+    if args.width_profile or args.width_from:
         return _width_profile(args, report, engine_kwargs)
     if args.profile_from:
         profile = SpecProfile.load(args.profile_from)
@@ -389,34 +397,49 @@ def _row(c: int, runs: dict[str, dict[str, Any]], extra: dict[str, Any]) -> dict
 
 
 def _width_profile(args: argparse.Namespace, report: Report, engine_kwargs: dict[str, Any]) -> Report:
-    """``--width-profile``: the step profile at a preset's widths, measured at two depths and
-    extrapolated to the real one (`engine.spec.profiling.measure_width_profiles`)."""
-    from engine.spec.profile import extrapolate_layers
+    """``--width-profile`` / ``--width-from``: the step profile at a preset's widths, measured
+    at two or more depths (`engine.spec.profiling.measure_width_profiles`; and/or read from
+    earlier reports) and extrapolated to the real one by least squares."""
+    from engine.spec.profile import SpecProfile, extrapolate_layers, fit_residuals
     from engine.spec.profiling import measure_width_profiles
 
-    depths = [int(x) for x in args.width_depths.split(",") if x.strip()]
-    batches = [int(x) for x in args.width_batches.split(",") if x.strip()]
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="sluice-width-profile-") as tmp:
-        measured = measure_width_profiles(
-            args.width_profile, depths, tmp, batches, prompt_tokens=args.prompt_tokens, steps=args.profile_steps,
-            rounds=args.width_rounds, progress=progress, device=engine_kwargs["device"], dtype=engine_kwargs["dtype"],
-        )  # fmt: skip
-    ends = {d: measured[d] for d in (min(measured), max(measured))}
-    profile = extrapolate_layers(ends, args.width_layers)
-    for d in sorted(set(measured) - set(ends)):  # a depth between: the affine principle, checked
-        between = extrapolate_layers(ends, d)
-        ratio = [m / b for rm, rb in zip(measured[d].seconds, between.seconds) for m, b in zip(rm, rb)]
-        report.results[f"check_{d}_layers"] = {
-            "measured / interpolated, every cell": [round(r, 3) for r in ratio],
-            "min": round(min(ratio), 3), "max": round(max(ratio), 3),
-        }  # fmt: skip
-    profile.meta.update(preset=args.width_profile, layers=args.width_layers, device=_device_name(args.device))
+    pairs: list[tuple[int, SpecProfile]] = []
+    presets, devices = [], []
+    for path in [f for f in (args.width_from or "").split(",") if f.strip()]:
+        earlier = json.loads(Path(path).read_text())
+        presets.append(earlier["config"]["width_profile"])
+        devices.append(earlier["results"]["profile"]["meta"].get("device", "?"))
+        for key, table in earlier["results"].items():
+            if m := re.fullmatch(r"measured_(\d+)_layers(_\d+)?", key):
+                pairs.append((int(m.group(1)), _profile_from_table(table, path)))
+    if args.width_profile:
+        depths = [int(x) for x in args.width_depths.split(",") if x.strip()]
+        batches = [int(x) for x in args.width_batches.split(",") if x.strip()]
+        with tempfile.TemporaryDirectory(prefix="sluice-width-profile-") as tmp:
+            measured = measure_width_profiles(
+                args.width_profile, depths, tmp, batches, prompt_tokens=args.prompt_tokens,
+                steps=args.profile_steps, rounds=args.width_rounds, progress=progress,
+                device=engine_kwargs["device"], dtype=engine_kwargs["dtype"],
+            )  # fmt: skip
+        pairs += sorted(measured.items())
+        presets.append(args.width_profile)
+        devices.append(_device_name(args.device))
+    if len(set(presets)) != 1:
+        raise SystemExit(
+            f"--width-from and --width-profile must be one preset's widths, not {sorted(set(presets))}"
+        )
+    pairs.sort(key=lambda dp: dp[0])  # stable: each depth's measurements in the order read
+    profile = extrapolate_layers(pairs, args.width_layers)
+    profile.meta.update(preset=presets[0], layers=args.width_layers, device=" + ".join(sorted(set(devices))))
     report.config.update(
-        width_profile=args.width_profile, depths=depths, layers=args.width_layers, batches=batches
-    )
-    for depth, p in measured.items():
-        report.results[f"measured_{depth}_layers"] = _profile_table(p, f"measured, {depth} decoder layers")
+        width_profile=presets[0], depths=[d for d, _ in pairs], layers=args.width_layers,
+        batches=list(profile.batch), width_from=args.width_from,
+    )  # fmt: skip
+    for i, (depth, p) in enumerate(pairs):  # the first of a depth keeps the plain key
+        key = f"measured_{depth}_layers" + ("" if all(d != depth for d, _ in pairs[:i]) else f"_{i}")
+        report.results[key] = _profile_table(p, f"measured, {depth} decoder layers")
+    report.results["fit_residuals"] = fit_residuals(pairs)
     report.results["profile"] = _profile_table(profile, profile.meta["method"])
     if args.width_out:
         Path(args.width_out).write_text(profile.to_json() + "\n")
@@ -428,6 +451,18 @@ def _width_profile(args: argparse.Namespace, report: Report, engine_kwargs: dict
         report.rows.append(row)
     report.results["wall_s"] = round(time.perf_counter() - t0, 1)
     return report
+
+
+def _profile_from_table(table: dict[str, Any], source: str) -> Any:
+    """A `_profile_table` back as the `SpecProfile` it was written from."""
+    from engine.spec.profile import SpecProfile
+
+    return SpecProfile(
+        tuple(table["batch"]), tuple(table["drafts_verified"]),
+        tuple(tuple(r) for r in table["step_seconds"]), int(table["drafted_per_step"]),
+        tuple(table["draft_pass_seconds"]), tuple(table["plain_step_seconds"]),
+        {**table.get("meta", {}), "read_from": source},
+    )  # fmt: skip
 
 
 def _device_name(device: str) -> str:

@@ -71,3 +71,39 @@ def test_a_run_is_priced_step_by_step_at_its_batch_drafts_and_depth() -> None:
     assert priced_seconds({}, plain_steps, p) == pytest.approx(p.step_seconds(2, 0, 0)) == 0.5
     # a run without a trace (no speculation): its decode steps, plain, at its concurrency
     assert priced_seconds({"decode_steps": 7, "concurrency": 4}, None, p) == pytest.approx(7 * 0.5)
+
+
+def test_a_width_profile_is_refitted_from_earlier_reports_without_a_device(tmp_path) -> None:
+    """``--width-from``: the measured depths of earlier ``--width-profile`` reports (two
+    sessions, a depth measured in both) enter one least-squares fit; nothing is measured."""
+    import argparse
+    import json
+
+    from engine.spec.profile import extrapolate_layers
+    from services.bench.spec import _profile_table, add_arguments, run
+
+    def at(layers: int, by: float = 0.0) -> SpecProfile:  # 2 ms + 1 ms a layer, + 0.2 ms a draft a layer
+        secs = tuple(tuple(2e-3 + by + layers * (1e-3 + 2e-4 * k) * b for k in range(6)) for b in (1, 4))
+        return SpecProfile((1, 4), tuple(range(6)), secs, 5, (3e-4, 4e-4), (layers * 1e-3, layers * 3e-3))
+
+    reports = []
+    for name, depths in (("a", {1: at(1, 1e-4), 3: at(3)}), ("b", {1: at(1, -1e-4), 2: at(2), 4: at(4)})):
+        results = {f"measured_{d}_layers": _profile_table(p, "measured") for d, p in depths.items()}
+        results["profile"] = {"meta": {"device": "NVIDIA H100 80GB HBM3"}}
+        path = tmp_path / f"{name}.json"
+        path.write_text(json.dumps({"config": {"width_profile": "flash-shape"}, "results": results}))
+        reports.append(str(path))
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    out = tmp_path / "profile.json"
+    args = parser.parse_args(["--width-from", ",".join(reports), "--width-out", str(out)])
+    report = run(args)
+    got = SpecProfile.load(out)
+    want = extrapolate_layers([(1, at(1)), (2, at(2)), (3, at(3)), (4, at(4))], 43)
+    for got_row, want_row in zip(got.seconds, want.seconds):
+        assert got_row == pytest.approx(want_row)  # the +-0.1 ms at depth 1 cancel
+    assert got.plain == pytest.approx((43e-3, 129e-3)) and got.meta["device"] == "NVIDIA H100 80GB HBM3"
+    assert report.config["depths"] == [1, 1, 2, 3, 4]
+    assert {"measured_1_layers", "measured_1_layers_1", "measured_4_layers"} <= set(report.results)
+    assert 0.9 < report.results["fit_residuals"]["min"] < 1.0 < report.results["fit_residuals"]["max"] < 1.1
+    assert [r["batch"] for r in report.rows] == [1, 4]

@@ -3,6 +3,8 @@ policy (drafts verified, drafting depth)."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from engine.spec.policy import SpecConfig, SpecPolicy
@@ -293,7 +295,7 @@ def test_observations_count_each_position_tried_and_accepted() -> None:
 
 
 def test_a_profile_extrapolated_in_depth_is_affine_in_layers() -> None:
-    from engine.spec.profile import extrapolate_layers
+    from engine.spec.profile import extrapolate_layers, fit_residuals
 
     def at_depth(layers: int, noise: float = 0.0) -> SpecProfile:
         # fixed 2 ms + 1.5 ms a layer, and 0.1 ms a layer per verified draft; drafting is the MTP's
@@ -309,10 +311,30 @@ def test_a_profile_extrapolated_in_depth_is_affine_in_layers() -> None:
     assert deep.plain == pytest.approx(want.plain)
     assert deep.draft_pass == pytest.approx((4e-4 + 5e-6, 4e-4 - 5e-6))  # the two depths' mean
     assert "43 decoder layers" in deep.meta["method"]
-    # a deeper step measured faster is noise: the slope is floored at 0, never extrapolated down
+    # a deeper step measured faster is noise: the slope is floored at 0 (the best such line
+    # is the measurements' mean), never extrapolated down
     flat = extrapolate_layers({1: at_depth(3), 3: at_depth(1)}, 43)
-    assert flat.seconds == at_depth(3).seconds
-    with pytest.raises(ValueError, match="two depths"):
+    for got_row, a, b in zip(flat.seconds, at_depth(3).seconds, at_depth(1).seconds):
+        assert got_row == pytest.approx([(x + y) / 2 for x, y in zip(a, b)])
+
+    # more than two measurements, a depth repeated (runs of two sessions): the least-squares
+    # line, which noise of opposite signs at one depth leaves where it was
+    def shifted(layers: int, by: float) -> SpecProfile:
+        p = at_depth(layers)
+        return replace(p, seconds=tuple(tuple(x + by for x in row) for row in p.seconds))
+
+    runs = [(1, shifted(1, 2e-4)), (1, shifted(1, -2e-4)), (2, at_depth(2)), (4, at_depth(4))]
+    lsq = extrapolate_layers(runs, 43)
+    for got_row, want_row in zip(lsq.seconds, want.seconds):
+        assert got_row == pytest.approx(want_row)
+    assert "from depths 1, 2, 4 (4 measurements" in lsq.meta["method"]
+    res = fit_residuals(runs)
+    cheapest = at_depth(1).seconds[0][0]  # shifted by 0.2 ms: the largest ratio
+    assert res["min"] < 1.0 < res["max"] and res["max"] == pytest.approx(1 + 2e-4 / cheapest, abs=1e-3)
+    assert fit_residuals([(1, at_depth(1)), (3, at_depth(3)), (4, at_depth(4))])["max"] == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="two or more depths"):
+        extrapolate_layers([(1, at_depth(1)), (1, at_depth(1))], 43)
+    with pytest.raises(ValueError, match="two or more depths"):
         extrapolate_layers({1: at_depth(1)}, 43)
     with pytest.raises(ValueError, match="share"):
         extrapolate_layers({1: at_depth(1), 3: SpecProfile((1,), DRAFTS, (at_depth(3).seconds[0],))}, 43)
