@@ -63,8 +63,23 @@ def reference(model) -> Iterator[str]:
         yield url
 
 
+_CLIENTS: dict[str, openai.OpenAI] = {}
+
+
 def _oai(url: str) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+    """The module's one client for ``url``: a collected client closes its open streams, and
+    one never closed warns when collected (the fixture below closes them)."""
+    if url not in _CLIENTS:
+        _CLIENTS[url] = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+    return _CLIENTS[url]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _close_clients():
+    yield
+    for oai in _CLIENTS.values():
+        oai.close()
+    _CLIENTS.clear()
 
 
 def _chat(url: str, messages, max_tokens: int = 16, stream: bool = False):
@@ -113,7 +128,7 @@ def test_a_full_decode_pool_answers_503_and_holds_nothing(stack):
     than either has left is refused with 503 before any work, and nothing stays held."""
     url, client = stack
     decode = client.decode
-    hogs, oai = [], _oai(url)  # one client: a collected client closes its streams
+    hogs, oai = [], _oai(url)
     try:
         for k in range(len(decode.replicas)):
             hog = _hog(oai, f"hog {k}", 4096)  # 17 of the 32 blocks
@@ -181,7 +196,7 @@ def test_decode_placement_follows_the_2d_rule(stack):
     url, client = stack
     decode = client.decode
     assert decode is not None
-    oai = _oai(url)  # kept: a collected client closes its stream
+    oai = _oai(url)
     hog = _hog(oai, "hold on " * 100, 2000)
     wait_until(lambda: sum(r.stats().running for r in decode.replicas) == 1)
     busy = [r.stats().running for r in decode.replicas].index(1)
