@@ -74,16 +74,42 @@ def priced_seconds(run: dict[str, Any], trace: Trace | None, profile: Any) -> fl
     every request in every step: ``decode_steps`` plain steps of ``concurrency``."""
     if not trace:
         return run["decode_steps"] * profile.step_seconds(run["concurrency"], 0, 0)
-    total = 0.0
-    for step in trace:
-        if not step:
-            continue
-        drafted = max(len(cf) for cf, _, _ in step)
-        if drafted == 0:
-            total += profile.step_seconds(len(step), 0, 0)
-        else:
-            total += float(profile.for_batch(len(step), drafted).seconds(sum(k + 1 for _, k, _ in step)))
-    return total
+    return sum(_priced_step(step, profile) for step in trace if step)
+
+
+def _priced_step(step: list[Any], profile: Any) -> float:
+    """One traced step at its batch, verified drafts and drafting depth (none drafted: plain)."""
+    if not step:
+        return 0.0
+    drafted = max(len(cf) for cf, _, _ in step)
+    if drafted == 0:
+        return profile.step_seconds(len(step), 0, 0)
+    return float(profile.for_batch(len(step), drafted).seconds(sum(k + 1 for _, k, _ in step)))
+
+
+def priced_full_batch(run: dict[str, Any], trace: Trace | None, profile: Any) -> float:
+    """`priced_seconds`' throughput over the run's full-batch steps only (``_full``: all
+    ``concurrency`` requests decoding, before the first finished; ``_step_tokens``: the tokens
+    each step emitted): the run at its concurrency, without the drain in which the requests
+    left finish at smaller, dearer batches. Speculation spreads when requests finish (each
+    accepts at its own rate), so its drain is longer than plain decoding's, which has none."""
+    full, tokens = run["_full"], run["_step_tokens"]
+    if not trace:
+        steps = sum(full)
+        return (
+            sum(n for n, f in zip(tokens, full) if f)
+            / (steps * profile.step_seconds(run["concurrency"], 0, 0))
+            if steps
+            else 0.0
+        )
+    if len(trace) != len(full):
+        raise ValueError(f"the trace has {len(trace)} steps, the run {len(full)}: they must align")
+    emitted = seconds = 0.0
+    for step, f, n in zip(trace, full, tokens):
+        if f:
+            emitted += n
+            seconds += _priced_step(step, profile)
+    return emitted / seconds if seconds else 0.0
 
 
 def shares(rows: list[tuple[list[float], int]], ks: list[int]) -> dict[str, float]:

@@ -61,6 +61,7 @@ from services.bench._spec_replay import (
     TARGET_VERIFIED_SHARE,
     acceptance,
     modelled,
+    priced_full_batch,
     priced_seconds,
     selection_replay,
 )
@@ -205,6 +206,8 @@ def _run(
             core.add(CoreRequest(f"r{i}", tuple(p), params))
         emitted = 0
         step_times: list[float] = []
+        step_tokens: list[int] = []
+        full: list[bool] = []  # a step of all ``c`` requests (before the first has finished)
         first = True
         captured = graphs.captures if graphs is not None else 0
         while core.has_work():
@@ -216,8 +219,11 @@ def _run(
                 first = False
                 continue
             step_times.append(dt)
+            step_tokens.append(n)
+            full.append(sum(1 for o in outs if o.new_token_ids) == c)
             emitted += n
         seconds = sum(step_times)
+        full_seconds = sum(t for t, f in zip(step_times, full) if f)
         stats = core.spec.stats if core.spec is not None else None
         trace = core.spec.trace if core.spec is not None else None
         req_steps = sum(len(s) for s in trace) if trace else 0
@@ -228,6 +234,12 @@ def _run(
             "decode_seconds": seconds,
             "tokens_per_s": emitted / seconds if seconds else 0.0,
             "emitted": emitted,
+            # the steps in which all c requests decode (before the first finishes): the run
+            # at concurrency c, without its drain
+            "full_batch_steps": sum(full),
+            "full_batch_tokens_per_s": sum(n for n, f in zip(step_tokens, full) if f) / full_seconds
+            if full_seconds
+            else 0.0,
             "verified_per_step": stats.verified / stats.steps if stats and stats.steps else 0.0,
             "accepted_length": 1.0 + (stats.accepted / req_steps) if stats and req_steps else 1.0,
             "policies_chosen": dict(stats.policies) if stats else {"none": len(step_times)},
@@ -244,6 +256,8 @@ def _run(
             "graph_captures_timed": graphs.captures - captured if graphs is not None else None,
             "warmup_rounds": warmup_rounds,
             "_trace": trace,
+            "_full": full,
+            "_step_tokens": step_tokens,
         }
     finally:
         core.close()
@@ -352,6 +366,8 @@ def run(args: argparse.Namespace) -> Report:
                     if priced is not None:
                         r["measured_tokens_per_s"] = r["tokens_per_s"]
                         r["tokens_per_s"] = r["emitted"] / priced_seconds(r, r["_trace"], priced)
+                        r["measured_full_batch_tokens_per_s"] = r["full_batch_tokens_per_s"]
+                        r["full_batch_tokens_per_s"] = priced_full_batch(r, r["_trace"], priced)
                     tries[policy].append(r)
                     progress(
                         f"c={c} {policy} #{rep + 1}: {r['tokens_per_s']:.1f} tok/s, {r['verified_per_step']:.1f} "
@@ -369,7 +385,8 @@ def run(args: argparse.Namespace) -> Report:
                 extra = modelled(trace, priced or profile, c) | {"acceptance_by_position": acceptance(trace)}
                 extra["selection_replay"] = selection_replay(trace, replay_profiles)
             for r in runs[c].values():
-                r.pop("_trace", None)
+                for private in ("_trace", "_full", "_step_tokens"):
+                    r.pop(private, None)
             report.results[f"c{c}"] = {**runs[c], **extra}
             report.rows.append(_row(c, runs[c], extra))
             _targets(report, c, runs[c])
@@ -382,6 +399,9 @@ def _row(c: int, runs: dict[str, dict[str, Any]], extra: dict[str, Any]) -> dict
     row: dict[str, Any] = {"concurrency": c}
     for policy, r in runs.items():
         row[f"{policy} tok/s"] = round(r["tokens_per_s"], 1)
+    full = _full_batch_ratio(runs)
+    if full is not None:  # the same comparison over the steps of all c requests (no drain)
+        row["dspark / best, full batch"] = round(full, 3)
     row["dspark verified/step"] = round(runs.get("dspark", {}).get("verified_per_step", 0.0), 2)
     row["fixed-5 verified/step"] = round(runs.get("fixed-5", {}).get("verified_per_step", 0.0), 2)
     row["dspark acc len"] = round(runs.get("dspark", {}).get("accepted_length", 0.0), 3)
@@ -471,6 +491,20 @@ def _device_name(device: str) -> str:
     import torch
 
     return torch.cuda.get_device_name(torch.device(device))
+
+
+def _full_batch_ratio(runs: dict[str, dict[str, Any]]) -> float | None:
+    """DSpark's full-batch throughput over the best of plain decoding's and fixed-K's (each
+    run's steps in which all its requests decode; reported beside the targets, which judge the
+    whole runs)."""
+    ds = runs.get("dspark")
+    best = max(
+        (r["full_batch_tokens_per_s"] for p, r in runs.items() if p == "none" or p.startswith("fixed-")),
+        default=0.0,
+    )
+    if ds is None or not best or not ds["full_batch_tokens_per_s"]:
+        return None
+    return float(ds["full_batch_tokens_per_s"] / best)
 
 
 def _targets(report: Report, c: int, runs: dict[str, dict[str, Any]]) -> None:

@@ -6,7 +6,13 @@ from __future__ import annotations
 import pytest
 
 from engine.spec.profile import SpecProfile
-from services.bench._spec_replay import TARGET_VERIFIED_SHARE, acceptance, priced_seconds, selection_replay
+from services.bench._spec_replay import (
+    TARGET_VERIFIED_SHARE,
+    acceptance,
+    priced_full_batch,
+    priced_seconds,
+    selection_replay,
+)
 
 # two steps of two requests: (confidences, drafts verified, drafts accepted)
 TRACE = [
@@ -71,6 +77,23 @@ def test_a_run_is_priced_step_by_step_at_its_batch_drafts_and_depth() -> None:
     assert priced_seconds({}, plain_steps, p) == pytest.approx(p.step_seconds(2, 0, 0)) == 0.5
     # a run without a trace (no speculation): its decode steps, plain, at its concurrency
     assert priced_seconds({"decode_steps": 7, "concurrency": 4}, None, p) == pytest.approx(7 * 0.5)
+
+
+def test_the_full_batch_throughput_leaves_out_the_drain() -> None:
+    """Only the steps in which all the run's requests decode count: a drain step (one request
+    left, at a dearer batch) lowers the whole run's throughput, not the full-batch figure."""
+    p = _profile(0.25)
+    drain = [[((0.9,) * 5, 5, 5)]]  # the last request alone: 6 tokens
+    run = {"concurrency": 2, "_full": [True, True, False], "_step_tokens": [12, 12, 6]}
+    full_step = float(p.for_batch(2, 5).seconds(12))
+    assert priced_full_batch(run, TRACE + drain, p) == pytest.approx(24 / (2 * full_step))
+    whole = 30 / priced_seconds(run, TRACE + drain, p)
+    assert whole < priced_full_batch(run, TRACE + drain, p)
+    # plain decoding (no trace): every full step at its concurrency's plain step
+    plain = {"concurrency": 2, "_full": [True, True, True], "_step_tokens": [2, 2, 2]}
+    assert priced_full_batch(plain, None, p) == pytest.approx(6 / (3 * p.step_seconds(2, 0, 0)))
+    with pytest.raises(ValueError, match="align"):
+        priced_full_batch(run, TRACE, p)
 
 
 def test_a_width_profile_is_refitted_from_earlier_reports_without_a_device(tmp_path) -> None:
