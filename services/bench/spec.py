@@ -20,7 +20,12 @@ Reported per run:
 * **throughput**: tokens emitted in the decode phase / its wall time, the median of
   ``--repeats`` runs made in turn with the other policies;
 * the policies chosen (``dspark`` may verify a uniform K, or nothing, where selection does
-  not pay).
+  not pay);
+* **full-batch throughput** (``full_batch_tokens_per_s``, and the table's ``dspark / best,
+  full batch``): the same over the steps in which all ``c`` requests decode. Under
+  speculation requests finish at different steps, and the rest then decode at smaller
+  batches that plain decoding never runs; a serving engine would refill them. The targets
+  judge the whole runs.
 
 **Oracle.** The fixed-5 run records each request's confidences and how many of its 5
 drafts were accepted at every step (``L``). On that trace, with the profile of this run,
