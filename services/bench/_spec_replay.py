@@ -74,7 +74,7 @@ def priced_seconds(run: dict[str, Any], trace: Trace | None, profile: Any) -> fl
     every request in every step: ``decode_steps`` plain steps of ``concurrency``."""
     if not trace:
         return run["decode_steps"] * profile.step_seconds(run["concurrency"], 0, 0)
-    return sum(_priced_step(step, profile) for step in trace if step)
+    return sum(_priced_step(step, profile) for step in trace)
 
 
 def _priced_step(step: list[Any], profile: Any) -> float:
@@ -94,21 +94,15 @@ def priced_full_batch(run: dict[str, Any], trace: Trace | None, profile: Any) ->
     left finish at smaller, dearer batches. Speculation spreads when requests finish (each
     accepts at its own rate), so its drain is longer than plain decoding's, which has none."""
     full, tokens = run["_full"], run["_step_tokens"]
-    if not trace:
-        steps = sum(full)
-        return (
-            sum(n for n, f in zip(tokens, full) if f)
-            / (steps * profile.step_seconds(run["concurrency"], 0, 0))
-            if steps
-            else 0.0
-        )
-    if len(trace) != len(full):
+    if trace and len(trace) != len(full):
         raise ValueError(f"the trace has {len(trace)} steps, the run {len(full)}: they must align")
     emitted = seconds = 0.0
-    for step, f, n in zip(trace, full, tokens):
+    for i, (f, n) in enumerate(zip(full, tokens)):
         if f:
             emitted += n
-            seconds += _priced_step(step, profile)
+            seconds += (
+                _priced_step(trace[i], profile) if trace else profile.step_seconds(run["concurrency"], 0, 0)
+            )
     return emitted / seconds if seconds else 0.0
 
 

@@ -229,6 +229,7 @@ def _run(
             emitted += n
         seconds = sum(step_times)
         full_seconds = sum(t for t, f in zip(step_times, full) if f)
+        full_tokens = sum(n for n, f in zip(step_tokens, full) if f)
         stats = core.spec.stats if core.spec is not None else None
         trace = core.spec.trace if core.spec is not None else None
         req_steps = sum(len(s) for s in trace) if trace else 0
@@ -242,9 +243,7 @@ def _run(
             # the steps in which all c requests decode (before the first finishes): the run
             # at concurrency c, without its drain
             "full_batch_steps": sum(full),
-            "full_batch_tokens_per_s": sum(n for n, f in zip(step_tokens, full) if f) / full_seconds
-            if full_seconds
-            else 0.0,
+            "full_batch_tokens_per_s": full_tokens / full_seconds if full_seconds else 0.0,
             "verified_per_step": stats.verified / stats.steps if stats and stats.steps else 0.0,
             "accepted_length": 1.0 + (stats.accepted / req_steps) if stats and req_steps else 1.0,
             "policies_chosen": dict(stats.policies) if stats else {"none": len(step_times)},
@@ -461,8 +460,9 @@ def _width_profile(args: argparse.Namespace, report: Report, engine_kwargs: dict
         width_profile=presets[0], depths=[d for d, _ in pairs], layers=args.width_layers,
         batches=list(profile.batch), width_from=args.width_from,
     )  # fmt: skip
-    for i, (depth, p) in enumerate(pairs):  # the first of a depth keeps the plain key
-        key = f"measured_{depth}_layers" + ("" if all(d != depth for d, _ in pairs[:i]) else f"_{i}")
+    for i, (depth, p) in enumerate(pairs):  # a depth's n-th measurement: measured_<depth>_layers_<n>, n >= 2
+        n = sum(1 for d, _ in pairs[: i + 1] if d == depth)
+        key = f"measured_{depth}_layers" + (f"_{n}" if n > 1 else "")
         report.results[key] = _profile_table(p, f"measured, {depth} decoder layers")
     report.results["fit_residuals"] = fit_residuals(pairs)
     report.results["profile"] = _profile_table(profile, profile.meta["method"])

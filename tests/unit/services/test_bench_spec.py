@@ -127,6 +127,6 @@ def test_a_width_profile_is_refitted_from_earlier_reports_without_a_device(tmp_p
         assert got_row == pytest.approx(want_row)  # the +-0.1 ms at depth 1 cancel
     assert got.plain == pytest.approx((43e-3, 129e-3)) and got.meta["device"] == "NVIDIA H100 80GB HBM3"
     assert report.config["depths"] == [1, 1, 2, 3, 4]
-    assert {"measured_1_layers", "measured_1_layers_1", "measured_4_layers"} <= set(report.results)
+    assert {"measured_1_layers", "measured_1_layers_2", "measured_4_layers"} <= set(report.results)
     assert 0.9 < report.results["fit_residuals"]["min"] < 1.0 < report.results["fit_residuals"]["max"] < 1.1
     assert [r["batch"] for r in report.rows] == [1, 4]
