@@ -52,8 +52,6 @@ figure kept as ``measured_tokens_per_s``), and the targets judge the priced thro
 from __future__ import annotations
 
 import argparse
-import json
-import re
 import statistics
 import tempfile
 import time
@@ -62,6 +60,7 @@ from typing import Any
 
 from engine.spec.profile import spec_steps_file  # pure: numpy, no torch
 from services.bench import Report, progress
+from services.bench._spec_profiles import device_name, profile_table, width_profile
 from services.bench._spec_replay import (
     TARGET_VERIFIED_SHARE,
     acceptance,
@@ -267,31 +266,17 @@ def _run(
         core.close()
 
 
-def _profile_table(profile: Any, source: str) -> dict[str, Any]:
-    return {
-        "source": source,
-        "batch": list(profile.batch),
-        "drafts_verified": list(profile.drafts),
-        "step_seconds": [list(r) for r in profile.seconds],
-        "steps_per_s": [[1.0 / s for s in r] for r in profile.seconds],
-        "drafted_per_step": profile.drafted,
-        "draft_pass_seconds": list(profile.draft_pass),
-        "plain_step_seconds": list(profile.plain),
-        "meta": profile.meta,
-    }
-
-
 def _h200_profile(model: Path, device: str) -> dict[str, Any] | str:
     """The H200's table beside this machine's: this run's own on a GPU, else the one measured
     on an H200 and shipped with the checkpoint (``H200_SPEC_STEPS_FILE``), when there is one."""
     from engine.spec.profile import SpecProfile
 
     if device.startswith("cuda"):
-        return f"this run's profile (measured on {_device_name(device)})"
+        return f"this run's profile (measured on {device_name(device)})"
     path = model / H200_SPEC_STEPS_FILE
     if not path.is_file():
         return f"none shipped with this checkpoint ({H200_SPEC_STEPS_FILE})"
-    return _profile_table(SpecProfile.load(path), f"measured on an H200, shipped as {path}")
+    return profile_table(SpecProfile.load(path), f"measured on an H200, shipped as {path}")
 
 
 def run(args: argparse.Namespace) -> Report:
@@ -321,7 +306,7 @@ def run(args: argparse.Namespace) -> Report:
     report.config.update(engine_kwargs)
     t_start = time.perf_counter()
     if args.width_profile or args.width_from:
-        return _width_profile(args, report, engine_kwargs)
+        return width_profile(args, report, engine_kwargs)
     if args.profile_from:
         profile = SpecProfile.load(args.profile_from)
         source = f"loaded from {args.profile_from}"
@@ -335,13 +320,13 @@ def run(args: argparse.Namespace) -> Report:
         )  # fmt: skip
         source = "measured by this run"
         progress(f"profile measured in {time.perf_counter() - t_start:.0f} s")
-    report.results["profile"] = _profile_table(profile, source)
+    report.results["profile"] = profile_table(profile, source)
     report.results["h200_profile"] = _h200_profile(model, args.device)
     replay_profiles = {"this machine": profile}  # what prices the selection replay
     priced = SpecProfile.load(args.priced_by) if args.priced_by else None
     if priced is not None:
         report.config["priced_by"] = args.priced_by
-        report.results["priced_by_profile"] = _profile_table(priced, f"loaded from {args.priced_by}")
+        report.results["priced_by_profile"] = profile_table(priced, f"loaded from {args.priced_by}")
         replay_profiles["priced by"] = priced
     if not args.device.startswith("cuda") and (model / H200_SPEC_STEPS_FILE).is_file():
         replay_profiles["H200"] = SpecProfile.load(model / H200_SPEC_STEPS_FILE)
@@ -418,84 +403,6 @@ def _row(c: int, runs: dict[str, dict[str, Any]], extra: dict[str, Any]) -> dict
                 replay[f"accepted_length_share_at_{TARGET_VERIFIED_SHARE}"], 3
             )
     return row
-
-
-def _width_profile(args: argparse.Namespace, report: Report, engine_kwargs: dict[str, Any]) -> Report:
-    """``--width-profile`` / ``--width-from``: the step profile at a preset's widths, measured
-    at two or more depths (`engine.spec.profiling.measure_width_profiles`; and/or read from
-    earlier reports) and extrapolated to the real one by least squares."""
-    from engine.spec.profile import SpecProfile, extrapolate_layers, fit_residuals
-    from engine.spec.profiling import measure_width_profiles
-
-    t0 = time.perf_counter()
-    pairs: list[tuple[int, SpecProfile]] = []
-    presets, devices = [], []
-    for path in [f for f in (args.width_from or "").split(",") if f.strip()]:
-        earlier = json.loads(Path(path).read_text())
-        presets.append(earlier["config"]["width_profile"])
-        devices.append(earlier["results"]["profile"]["meta"].get("device", "?"))
-        for key, table in earlier["results"].items():
-            if m := re.fullmatch(r"measured_(\d+)_layers(_\d+)?", key):
-                pairs.append((int(m.group(1)), _profile_from_table(table, path)))
-    if args.width_profile:
-        depths = [int(x) for x in args.width_depths.split(",") if x.strip()]
-        batches = [int(x) for x in args.width_batches.split(",") if x.strip()]
-        with tempfile.TemporaryDirectory(prefix="sluice-width-profile-") as tmp:
-            measured = measure_width_profiles(
-                args.width_profile, depths, tmp, batches, prompt_tokens=args.prompt_tokens,
-                steps=args.profile_steps, rounds=args.width_rounds, progress=progress,
-                device=engine_kwargs["device"], dtype=engine_kwargs["dtype"],
-            )  # fmt: skip
-        pairs += sorted(measured.items())
-        presets.append(args.width_profile)
-        devices.append(_device_name(args.device))
-    if len(set(presets)) != 1:
-        raise SystemExit(
-            f"--width-from and --width-profile must be one preset's widths, not {sorted(set(presets))}"
-        )
-    pairs.sort(key=lambda dp: dp[0])  # stable: each depth's measurements in the order read
-    profile = extrapolate_layers(pairs, args.width_layers)
-    profile.meta.update(preset=presets[0], layers=args.width_layers, device=" + ".join(sorted(set(devices))))
-    report.config.update(
-        width_profile=presets[0], depths=[d for d, _ in pairs], layers=args.width_layers,
-        batches=list(profile.batch), width_from=args.width_from,
-    )  # fmt: skip
-    for i, (depth, p) in enumerate(pairs):  # a depth's n-th measurement: measured_<depth>_layers_<n>, n >= 2
-        n = sum(1 for d, _ in pairs[: i + 1] if d == depth)
-        key = f"measured_{depth}_layers" + (f"_{n}" if n > 1 else "")
-        report.results[key] = _profile_table(p, f"measured, {depth} decoder layers")
-    report.results["fit_residuals"] = fit_residuals(pairs)
-    report.results["profile"] = _profile_table(profile, profile.meta["method"])
-    if args.width_out:
-        Path(args.width_out).write_text(profile.to_json() + "\n")
-        report.results["saved_to"] = args.width_out
-    for i, b in enumerate(profile.batch):
-        row: dict[str, Any] = {"batch": b, "plain ms": round(profile.plain[i] * 1e3, 2)}
-        row.update({f"k={k} ms": round(s * 1e3, 2) for k, s in enumerate(profile.seconds[i])})
-        row["draft pass ms"] = round(profile.draft_pass[i] * 1e3, 2)
-        report.rows.append(row)
-    report.results["wall_s"] = round(time.perf_counter() - t0, 1)
-    return report
-
-
-def _profile_from_table(table: dict[str, Any], source: str) -> Any:
-    """A `_profile_table` back as the `SpecProfile` it was written from."""
-    from engine.spec.profile import SpecProfile
-
-    return SpecProfile(
-        tuple(table["batch"]), tuple(table["drafts_verified"]),
-        tuple(tuple(r) for r in table["step_seconds"]), int(table["drafted_per_step"]),
-        tuple(table["draft_pass_seconds"]), tuple(table["plain_step_seconds"]),
-        {**table.get("meta", {}), "read_from": source},
-    )  # fmt: skip
-
-
-def _device_name(device: str) -> str:
-    if not device.startswith("cuda"):
-        return "cpu"
-    import torch
-
-    return torch.cuda.get_device_name(torch.device(device))
 
 
 def _full_batch_ratio(runs: dict[str, dict[str, Any]]) -> float | None:

@@ -103,7 +103,8 @@ def test_a_width_profile_is_refitted_from_earlier_reports_without_a_device(tmp_p
     import json
 
     from engine.spec.profile import extrapolate_layers
-    from services.bench.spec import _profile_table, add_arguments, run
+    from services.bench._spec_profiles import profile_table
+    from services.bench.spec import add_arguments, run
 
     def at(layers: int, by: float = 0.0) -> SpecProfile:  # 2 ms + 1 ms a layer, + 0.2 ms a draft a layer
         secs = tuple(tuple(2e-3 + by + layers * (1e-3 + 2e-4 * k) * b for k in range(6)) for b in (1, 4))
@@ -111,7 +112,7 @@ def test_a_width_profile_is_refitted_from_earlier_reports_without_a_device(tmp_p
 
     reports = []
     for name, depths in (("a", {1: at(1, 1e-4), 3: at(3)}), ("b", {1: at(1, -1e-4), 2: at(2), 4: at(4)})):
-        results = {f"measured_{d}_layers": _profile_table(p, "measured") for d, p in depths.items()}
+        results = {f"measured_{d}_layers": profile_table(p, "measured") for d, p in depths.items()}
         results["profile"] = {"meta": {"device": "NVIDIA H100 80GB HBM3"}}
         path = tmp_path / f"{name}.json"
         path.write_text(json.dumps({"config": {"width_profile": "flash-shape"}, "results": results}))
