@@ -197,11 +197,7 @@ def mtp_passes(
     n = chain.shape[1]
     nxt = torch.cat([chain[:, 1:], chain[:, -1:]], dim=1)  # the token after each position
     t = torch.arange(prompt_len - 1, n - depth - 1, device=chain.device)  # anchors: t + depth + 1 < n
-    hidden = streams
-    for j in range(1, depth + 1):
-        if j > 1:  # pass j reads pass j-1's output one position earlier
-            hidden = torch.cat([hidden[:, :1], hidden[:, :-1]], dim=1)
-        hidden = model.mtp_streams(hidden, nxt, kwargs)
+    for j, hidden in enumerate(model.draft_passes(streams, nxt, kwargs, depth), start=1):
         q = t + j - 1
         h = m.norm(m.hc_head(hidden[:, q])).float()  # [P, A, D]
         draft = model.lm.lm_head(h.to(model.lm.lm_head.weight.dtype)).float().argmax(dim=-1)

@@ -140,13 +140,9 @@ def mtp_acceptance(
             streams, kwargs = model.trunk(chain)
             n = chain.shape[1]
             agree = []
-            hidden = streams
             nxt = torch.cat([chain[:, 1:], chain[:, -1:]], dim=1)  # the token after each position
             t = torch.arange(prompt_len - 1, n - depth - 1, device=device)  # anchors: t + depth + 1 < n
-            for j in range(1, depth + 1):
-                if j > 1:  # pass j reads pass j-1's output one position earlier
-                    hidden = torch.cat([hidden[:, :1], hidden[:, :-1]], dim=1)
-                hidden = model.mtp_streams(hidden, nxt, kwargs)
+            for j, hidden in enumerate(model.draft_passes(streams, nxt, kwargs, depth), start=1):
                 draft = model.mtp_logits(hidden).float().argmax(dim=-1)  # at q: predicts chain[q + 2]
                 q = t + j - 1
                 agree.append((draft[:, q] == chain[:, t + j + 1]).cpu().numpy())

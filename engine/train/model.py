@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -297,6 +298,24 @@ class TrainModel(nn.Module):
         emb = self.lm.model.embed_tokens(next_ids)
         x = m.h_proj(m.hnorm(streams)) + m.e_proj(m.enorm(emb)).unsqueeze(2)
         return m(x, input_ids=next_ids, **kwargs)
+
+    def draft_passes(
+        self, streams: torch.Tensor, next_ids: torch.Tensor, kwargs: dict[str, Any], depth: int
+    ) -> Iterator[torch.Tensor]:
+        """The MTP layer chained the way speculation chains it, over every position at once.
+
+        Pass 1 reads the trunk's ``streams``; pass ``j > 1`` reads pass ``j - 1``'s output one
+        position earlier. At position ``q`` every pass takes the embedding of ``next_ids[q]``
+        and predicts the token after it, so pass ``j`` at ``q`` is draft ``j`` of the chain
+        anchored at ``q - j + 1`` (positions ``q < j - 1`` have no anchor). Each pass attends
+        over its own earlier positions; an engine's reused MTP window holds pass-1 entries
+        there (docs/training.md). Yields each pass's output streams [B, S, hc, D]."""
+        hidden = streams
+        for j in range(1, depth + 1):
+            if j > 1:
+                hidden = torch.cat([hidden[:, :1], hidden[:, :-1]], dim=1)
+            hidden = self.mtp_streams(hidden, next_ids, kwargs)
+            yield hidden
 
     def mtp_logits(self, mtp_streams: torch.Tensor) -> torch.Tensor:
         m: Any = self.mtp

@@ -1,9 +1,10 @@
-"""The training stages' settings (``sluice train model``, ``unlikelihood``, ``confidence``):
+"""The training stages' settings (``sluice train model``, ``unlikelihood``, ``drafter``, ``confidence``):
 plain dataclasses, importable without torch, so the CLI can show their defaults in its help
 without loading torch (about 2 s of every ``sluice`` command)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 SOURCES = ("train", "valid", "fit")
@@ -63,6 +64,36 @@ class UnlikelihoodSettings:
 
     def lr_at(self, step: int) -> float:
         return self.lr * min(1.0, (step + 1) / self.warmup) if self.warmup else self.lr
+
+
+@dataclass(frozen=True)
+class DrafterSettings:
+    """``sluice train drafter``: the MTP layer distilled from the frozen target (docs/training.md)."""
+
+    steps: int = 120
+    seq_len: int = 1024  # tokens per window: the MTP layer reads 128, the trunk's CSA/HCA the rest
+    batch: int = 4  # windows per step (4,096 tokens)
+    depth: int = 5  # chained passes trained: the drafts a step proposes
+    lr: float = 5e-4  # AdamW's peak; cosine to min_lr_ratio of it
+    min_lr_ratio: float = 0.1
+    warmup: int = 6  # 5 % of the steps
+    weight_decay: float = 0.1
+    clip: float = 1.0
+    seed: int = 0  # the windows' order (the model stage's batches for this seed and shape)
+    accept_prompts: int = 64
+
+    def validate(self) -> None:
+        if self.steps < 1 or self.seq_len < self.depth + 2 or self.batch < 1 or self.depth < 1:
+            raise ValueError("steps >= 1, batch >= 1, depth >= 1 and seq_len >= depth + 2 are required")
+        if self.lr <= 0 or not 0 < self.min_lr_ratio <= 1 or not 0 <= self.warmup < self.steps:
+            raise ValueError("lr > 0, 0 < min_lr_ratio <= 1 and 0 <= warmup < steps are required")
+
+    def lr_at(self, step: int) -> float:
+        """Linear warm-up, then cosine decay to ``min_lr_ratio`` of the peak at the last step."""
+        if step < self.warmup:
+            return self.lr * (step + 1) / self.warmup
+        frac = (step - self.warmup) / max(1, self.steps - 1 - self.warmup)
+        return self.lr * (self.min_lr_ratio + (1 - self.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,8 @@
   score it on the held-out split (perplexity beside the baselines, MTP acceptance);
 * ``unlikelihood``: continue a ``model`` checkpoint for a few steps with token-level
   unlikelihood added, against greedy repetition loops; score it as ``model`` does;
+* ``drafter``: distil a checkpoint's MTP layer from its frozen target over chained passes
+  (the drafts speculation verifies); the target's tensors are written back unchanged;
 * ``headers``: greedy continuations of 20 held-out function headers through the engine;
 * ``confidence``: fit the MTP drafts' confidence head on the model's own drafts over the
   training split, and report its calibration on the held-out split.
@@ -22,7 +24,7 @@ from typing import Any
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "train",
-        help="train the small trained preset (stages: data, model, unlikelihood, eval, headers, confidence)",
+        help="train the small trained preset (stages: data, model, unlikelihood, drafter, eval, headers, confidence)",
     )
     stages = p.add_subparsers(dest="stage", metavar="STAGE")
     stages.required = True
@@ -82,6 +84,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     u.add_argument("--json", action="store_true", help="print training.json")
     _settings_args(u, UnlikelihoodSettings)
     u.set_defaults(func=run_unlikelihood)
+
+    from engine.train.settings import DrafterSettings
+
+    r = stages.add_parser(
+        "drafter",
+        help="distil a checkpoint's MTP layer from its frozen target, chained passes; write a checkpoint",
+    )
+    _checkpoint_args(r)
+    r.add_argument("--out", type=Path, required=True, help="checkpoint directory to write (not --model)")
+    r.add_argument("--json", action="store_true", help="print training.json")
+    _settings_args(r, DrafterSettings)
+    r.set_defaults(func=run_drafter)
 
     e = stages.add_parser(
         "eval", help="score a checkpoint on heldout-v1: perplexity beside the baselines, MTP acceptance"
@@ -206,6 +220,14 @@ def run_unlikelihood(args: argparse.Namespace) -> int:
 
     settings = _settings_from(args, UnlikelihoodSettings)
     info = train_unlikelihood(args.model, args.data, args.out, settings, device=args.device)
+    return _print_trained(info, args)
+
+
+def run_drafter(args: argparse.Namespace) -> int:
+    from engine.train.drafter import DrafterSettings, train_drafter
+
+    settings = _settings_from(args, DrafterSettings)
+    info = train_drafter(args.model, args.data, args.out, settings, device=args.device)
     return _print_trained(info, args)
 
 

@@ -1,0 +1,188 @@
+"""``sluice train drafter``: the MTP layer distilled from its own target, chained as speculation
+chains it.
+
+The model stage trains the MTP layer on the data (cross-entropy of the token after next, at
+weight 0.3 beside the main loss), and only as pass 1, from the trunk's streams. Speculation
+asks something else of it: that its drafts *equal the target's* tokens, and that pass ``j >
+1``, which reads pass ``j - 1``'s output instead of the trunk's, still drafts well. This stage
+freezes everything the target computes with (trunk, embeddings, ``lm_head``) and trains only
+``mtp.0.*`` on both, from the data's windows:
+
+* the target's distribution over the token after next is the label: per pass, the KL
+  divergence from the target's softmax at position ``q + 1`` to the pass's draft softmax at
+  ``q`` (distillation of the drafter from the target, as DistillSpec, Zhou et al., 2023, and
+  Medusa-2's self-distillation train drafters; top-1 agreement is what greedy verification
+  accepts, and the soft labels carry the target's whole ranking);
+* every one of the ``depth`` chained passes is trained (``TrainModel.draft_passes``) and
+  the gradient runs through the chain, as EAGLE-3's "training-time test" trains its drafter
+  on its own outputs; the passes weigh equally.
+
+The trunk's tensors are written back byte for byte (checked before writing), so the target,
+its perplexity and every token it emits are unchanged; only the drafts change. It is a pure
+function of (checkpoint, data directory, settings, device kind): the windows are the model
+stage's for the same seed and shape. ``training.json`` keeps the input checkpoint's record
+under ``base`` and adds this stage's settings, timings and held-out measures;
+``curve_drafter.jsonl`` has each step's per-pass KL and top-1 agreement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.train.model import TrainModel, export_state
+from engine.train.settings import DrafterSettings, TrainSettings
+from engine.train.trainer import (
+    PRESET_NAME,
+    Log,
+    Streams,
+    _eval_batch,
+    _measure,
+    batches,
+    trained_environment,
+    training_record,
+    write_checkpoint,
+)
+from engine.train.unlikelihood import _sha256
+
+CURVE_NAME = "curve_drafter.jsonl"
+
+
+def distillation_losses(
+    model: TrainModel, ids: torch.Tensor, depth: int
+) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """ids [B, S] -> per pass ``j = 1..depth``: the mean KL divergence from the target's
+    distribution over the token after next to the pass's draft distribution, over every
+    position ``q`` with an anchor (``j - 1 <= q < S - 1``), and whether the draft's top-1 there
+    equals the target's ([B, S - j] booleans)."""
+    n = ids.shape[1]
+    with torch.no_grad():
+        streams, kwargs = model.trunk(ids)
+        target = model.main_logits(streams).float().log_softmax(dim=-1)  # at t: the token after t
+    nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
+    kls: list[torch.Tensor] = []
+    agree: list[torch.Tensor] = []
+    for j, hidden in enumerate(model.draft_passes(streams, nxt, kwargs, depth), start=1):
+        # pass j at q drafts the token after q + 1, which the target predicts at row q + 1
+        logp = model.mtp_logits(hidden[:, j - 1 : n - 1]).float().log_softmax(dim=-1)
+        tgt = target[:, j:n]
+        kls.append((tgt.exp() * (tgt - logp)).sum(dim=-1).mean())
+        agree.append(logp.detach().argmax(dim=-1) == tgt.argmax(dim=-1))
+    return kls, agree
+
+
+def _trunk_unchanged(model: TrainModel, base: dict[str, torch.Tensor]) -> None:
+    """Every tensor outside ``mtp.*`` of the export equals the input checkpoint's, bit for bit."""
+    out = export_state(model)
+    changed = [k for k, v in out.items() if not k.startswith("mtp.") and not torch.equal(v, base[k])]
+    if changed:
+        raise RuntimeError(f"the drafter stage changed target tensors: {changed[:5]}")
+
+
+def train_drafter(
+    model_dir: Path | str,
+    data_dir: Path | str,
+    out_dir: Path | str,
+    settings: DrafterSettings | None = None,
+    device: str = "cpu",
+    log: Log | None = None,
+) -> dict[str, Any]:
+    """Distil ``model_dir``'s MTP layer from its target; write the checkpoint to ``out_dir``;
+    return its ``training.json``."""
+    from safetensors.torch import load_file
+
+    from engine.train.model import load_trained
+
+    s = settings if settings is not None else DrafterSettings()
+    s.validate()
+    log = log if log is not None else Log()
+    model_dir, data_dir, out_dir = Path(model_dir), Path(data_dir), Path(out_dir)
+    if out_dir.resolve() == model_dir.resolve():
+        raise ValueError("--out must differ from --model: the input checkpoint is read, not rewritten")
+    dev = torch.device(device)
+    if dev.type == "cuda":  # bitwise-repeatable cuBLAS also needs CUBLAS_WORKSPACE_CONFIG=:4096:8
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    data = Streams(data_dir)
+    base_info = training_record(model_dir, data, data_dir)
+    base_sha = _sha256(model_dir / "model.safetensors")
+    base_state = load_file(str(model_dir / "model.safetensors"))
+    torch.manual_seed(s.seed)
+    model = load_trained(model_dir, dev)
+    model.indexer.enabled = False  # the trunk does not train: no indexer loss
+    for p in model.lm.parameters():
+        p.requires_grad_(False)
+    model.lm.eval()
+    model.mtp.train()
+    params = list(model.mtp.parameters())
+    groups = [
+        {"params": [p for p in params if p.ndim >= 2], "weight_decay": s.weight_decay},
+        {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    opt = torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log(
+        f"drafter stage on {model_dir} (model.safetensors {base_sha[:12]}): {sum(p.numel() for p in params):,} "
+        f"MTP parameters, {s.depth} chained passes, {s.steps} steps of {s.batch} x {s.seq_len} tokens "
+        f"at lr {s.lr:g}, on {dev}"
+    )
+    order = TrainSettings(seed=s.seed, seq_len=s.seq_len, batch=s.batch, micro_batch=s.batch, steps=s.steps)
+    t0 = time.monotonic()
+    last: dict[str, Any] = {}
+    with (out_dir / CURVE_NAME).open("w") as curve:
+        for step, (y_np, epoch) in enumerate(batches(data.train, order)):
+            lr = s.lr_at(step)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            y = torch.from_numpy(y_np).to(dev)
+            ids = torch.cat([torch.full_like(y[:, :1], data.bos), y[:, :-1]], dim=1)
+            kls, agree = distillation_losses(model, ids, s.depth)
+            loss = torch.stack(kls).mean()
+            loss.backward()
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, s.clip))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            max_load = model.balancer.update()  # the MTP layer's router; the frozen trunk's count nothing
+            done = step + 1
+            elapsed = time.monotonic() - t0
+            last = {"step": done, "epoch": epoch, "lr": lr, "kl": [float(k.detach()) for k in kls],
+                    "agree": [float(a.float().mean()) for a in agree], "grad_norm": grad_norm, "max_load": max_load, "elapsed_s": elapsed}  # fmt: skip
+            curve.write(json.dumps(last) + "\n")
+            if done == 1 or done % 10 == 0 or done == s.steps:
+                eta = (s.steps - done) * elapsed / done
+                log(
+                    f"step {done}/{s.steps} KL per pass " + " ".join(f"{k:.3f}" for k in last["kl"])
+                    + " top-1 agreement " + " ".join(f"{a:.3f}" for a in last["agree"])
+                    + f" lr {lr:.2e} eta {math.ceil(eta)} s"
+                )  # fmt: skip
+    train_s = time.monotonic() - t0
+    model.eval()
+    _trunk_unchanged(model, base_state)
+    log(f"trained {s.steps} steps in {train_s:.0f} s; the target's tensors are unchanged; scoring heldout-v1")
+    seq_len = int(base_info.get("settings", {}).get("seq_len", s.seq_len))  # score as the base was scored
+    measures = _measure(model, data, dev, seq_len, _eval_batch(dev, seq_len, 1), s.accept_prompts, log)
+    info = {
+        "preset": PRESET_NAME,
+        "stage": "drafter",
+        "settings": dataclasses.asdict(s),
+        "base": {"model_safetensors_sha256": base_sha, "training": base_info},
+        "data": base_info.get("data", {"tokenizer_sha256": data.header["tokenizer"]["sha256"]}),
+        "environment": trained_environment(dev),
+        "train_seconds": round(train_s, 1),
+        "final_step": last,
+        **measures,
+    }
+    write_checkpoint(model, out_dir, data_dir, info)
+    for name in ("curve.jsonl", "curve_unlikelihood.jsonl"):  # the earlier stages' curves, beside this one's
+        if (model_dir / name).is_file():
+            shutil.copyfile(model_dir / name, out_dir / name)
+    log(f"wrote {out_dir}")
+    return info

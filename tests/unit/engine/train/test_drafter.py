@@ -1,0 +1,106 @@
+"""`sluice train drafter`: the MTP layer distilled from its frozen target over chained passes.
+
+The labels follow the acceptance measure's convention (pass ``j`` at ``q`` drafts the target's
+token at ``q + 2``), the stage changes only ``mtp.0.*``, and it is deterministic."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from engine.train.drafter import CURVE_NAME, distillation_losses, train_drafter
+from engine.train.evaluate import greedy_chains
+from engine.train.model import TrainModel, model_config
+from engine.train.settings import DrafterSettings
+from engine.train.trainer import Streams, train
+
+from .test_model import SETTINGS, SMALL
+
+
+def _sha(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def trained(built: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("trained")
+    train(built, out, SETTINGS, model_overrides=SMALL)
+    return out
+
+
+def test_labels_are_the_targets_token_after_next_along_a_greedy_chain(built: Path) -> None:
+    """On the target's own greedy chain the target's top-1 at ``q + 1`` is the chain's token at
+    ``q + 2``, so each pass's agreement must equal its drafts' agreement with the chain: what
+    ``mtp_acceptance`` counts. A label one position off (the next token's) fails this."""
+    data = Streams(built)
+    # index_topk covering every entry: ReLU indexer scores tie at 0, and topk breaks ties by layout
+    shape = {**SMALL, "index_topk": 64, "dtype": "float32"}
+    model = TrainModel(model_config(data.vocab_size, data.bos, data.eos, **shape), seed=5)
+    with torch.no_grad():  # off the init, so the target's top-1 varies from position to position
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    model.eval()
+    model.indexer.enabled = False
+    depth = 3
+    with torch.no_grad():
+        chain = greedy_chains(model, torch.tensor([[data.bos], [int(data.train[0])]]), gen_tokens=40)
+    # a random drafter agrees nowhere: distil it on the chain until it agrees somewhere
+    opt = torch.optim.Adam(model.mtp.parameters(), lr=1e-2)
+    for _ in range(30):
+        kls, _ = distillation_losses(model, chain, depth)
+        torch.stack(kls).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    with torch.no_grad():
+        kls, agree = distillation_losses(model, chain, depth)
+        streams, kwargs = model.trunk(chain)
+        nxt = torch.cat([chain[:, 1:], chain[:, -1:]], dim=1)
+        n = chain.shape[1]
+        for j, hidden in enumerate(model.draft_passes(streams, nxt, kwargs, depth), start=1):
+            drafts = model.mtp_logits(hidden).argmax(dim=-1)[:, j - 1 : n - 2]  # q = j-1 .. n-3
+            want = drafts == chain[:, j + 1 : n]  # the chain's token at q + 2
+            assert torch.equal(agree[j - 1][:, :-1], want), j
+            assert float(want.float().mean()) > 0.2
+            assert not torch.equal(want, drafts == chain[:, j : n - 1])  # a label one token early would fail
+            assert float(kls[j - 1]) > 0.0
+
+
+def test_the_stage_trains_only_the_drafter_deterministically(
+    built: Path, trained: Path, tmp_path: Path
+) -> None:
+    s = DrafterSettings(steps=3, warmup=1, seq_len=64, batch=2, depth=3, accept_prompts=4, lr=1e-3)
+    base_sha = _sha(trained / "model.safetensors")
+    a = train_drafter(trained, built, tmp_path / "a", s)
+    b = train_drafter(trained, built, tmp_path / "b", s)
+    assert _sha(trained / "model.safetensors") == base_sha  # the input is read, never rewritten
+    assert _sha(tmp_path / "a" / "model.safetensors") == _sha(tmp_path / "b" / "model.safetensors")
+    base = load_file(str(trained / "model.safetensors"))
+    out = load_file(str(tmp_path / "a" / "model.safetensors"))
+    assert set(out) == set(base)
+    assert all(torch.equal(out[k], base[k]) for k in base if not k.startswith("mtp."))  # the target
+    assert not all(torch.equal(out[k], base[k]) for k in base if k.startswith("mtp."))  # it trained
+    # the target is untouched, so it scores the held-out text exactly as the base did
+    assert a["heldout"]["ppl"] == pytest.approx(
+        json.loads((trained / "training.json").read_text())["heldout"]["ppl"], rel=1e-3
+    )
+    info = json.loads((tmp_path / "a" / "training.json").read_text())
+    assert info == json.loads(json.dumps(a)) and a["mtp_acceptance"] == b["mtp_acceptance"]
+    assert info["stage"] == "drafter" and info["base"]["model_safetensors_sha256"] == base_sha
+    steps = [json.loads(line) for line in (tmp_path / "a" / CURVE_NAME).read_text().splitlines()]
+    assert [r["step"] for r in steps] == [1, 2, 3] and all(len(r["kl"]) == 3 for r in steps)
+    with pytest.raises(ValueError, match="must differ"):
+        train_drafter(trained, built, trained, s)
+
+
+def test_settings_are_validated() -> None:
+    with pytest.raises(ValueError):
+        DrafterSettings(seq_len=4, depth=5).validate()
+    with pytest.raises(ValueError):
+        DrafterSettings(steps=4, warmup=4).validate()
+    s = DrafterSettings(steps=10, warmup=2, lr=1.0, min_lr_ratio=0.1)
+    assert [round(s.lr_at(i), 6) for i in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 0.1]
