@@ -4,6 +4,7 @@
 * ``acceptance``: per-position acceptance of a fixed-5 trace;
 * ``modelled``: what a step profile predicts for the oracle, fixed-5 and DSpark on it;
 * ``priced_seconds``: a run's decode phase priced step by step by another profile;
+  ``priced_window`` (``priced_full_batch``): the same over chosen steps only;
 * ``selection_replay``: the confidence head's trade-off curve and DSpark's speculating
   selection priced by each profile (`services.bench.spec`'s module doc says why).
 """
@@ -89,20 +90,41 @@ def _priced_step(step: list[Any], profile: Any) -> float:
 
 def priced_full_batch(run: dict[str, Any], trace: Trace | None, profile: Any) -> float:
     """`priced_seconds`' throughput over the run's full-batch steps only (``_full``: all
-    ``concurrency`` requests decoding, before the first finished; ``_step_tokens``: the tokens
-    each step emitted): the run at its concurrency, without the drain in which the requests
-    left finish at smaller, dearer batches. Speculation spreads when requests finish (each
-    accepts at its own rate), so its drain is longer than plain decoding's, which has none."""
-    full, tokens = run["_full"], run["_step_tokens"]
-    if trace and len(trace) != len(full):
-        raise ValueError(f"the trace has {len(trace)} steps, the run {len(full)}: they must align")
+    ``concurrency`` requests decoding, before the first finished): the run at its concurrency,
+    without the drain in which the requests left finish at smaller, dearer batches.
+    Speculation spreads when requests finish (each accepts at its own rate), so its drain is
+    longer than plain decoding's, which has none."""
+    return priced_window(run, trace, profile, run["_full"])
+
+
+def priced_window(run: dict[str, Any], trace: Trace | None, profile: Any, mask: list[bool]) -> float:
+    """Decode tokens per priced second over the run's steps where ``mask`` holds.
+
+    ``_step_tokens``: each step's decode tokens; ``_decoders`` (when present): how many
+    requests decoded in it, else every step decoded all ``concurrency``. A step in which
+    nobody decodes (only prompts: a steady run's refill after every request finished at once)
+    records no trace step and is priced at 0: a prefill pool runs prompts, and the profile
+    prices decode steps. Traced steps are priced at their batch, verified drafts and depth,
+    untraced ones (no speculation) as plain steps of their decoders."""
+    tokens = run["_step_tokens"]
+    decoders = run.get("_decoders") or [run["concurrency"]] * len(tokens)
+    if not len(mask) == len(tokens) == len(decoders):
+        raise ValueError("the mask, _step_tokens and _decoders must have one entry per step")
+    decoding = sum(1 for d in decoders if d)
+    if trace and len(trace) != decoding:
+        raise ValueError(
+            f"the trace has {len(trace)} steps, the run {decoding} decoding steps: they must align"
+        )
     emitted = seconds = 0.0
-    for i, (f, n) in enumerate(zip(full, tokens)):
-        if f:
+    traced = 0
+    for m, n, d in zip(mask, tokens, decoders):
+        if not d:
+            continue
+        step = trace[traced] if trace else None
+        traced += 1
+        if m:
             emitted += n
-            seconds += (
-                _priced_step(trace[i], profile) if trace else profile.step_seconds(run["concurrency"], 0, 0)
-            )
+            seconds += _priced_step(step, profile) if step is not None else profile.step_seconds(d, 0, 0)
     return emitted / seconds if seconds else 0.0
 
 

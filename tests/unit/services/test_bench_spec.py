@@ -1,7 +1,9 @@
 """The trace replays of `sluice bench spec` (`services/bench/_spec_replay.py`): pure functions over
-recorded steps."""
+recorded steps; and the step accounting of its runs (`_run`) on the trained preset."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
@@ -11,8 +13,11 @@ from services.bench._spec_replay import (
     acceptance,
     priced_full_batch,
     priced_seconds,
+    priced_window,
     selection_replay,
 )
+
+TRAINED = Path(__file__).resolve().parents[3] / "models" / "trained"
 
 # two steps of two requests: (confidences, drafts verified, drafts accepted)
 TRACE = [
@@ -131,3 +136,44 @@ def test_a_width_profile_is_refitted_from_earlier_reports_without_a_device(tmp_p
     assert {"measured_1_layers", "measured_1_layers_2", "measured_4_layers"} <= set(report.results)
     assert 0.9 < report.results["fit_residuals"]["min"] < 1.0 < report.results["fit_residuals"]["max"] < 1.1
     assert [r["batch"] for r in report.rows] == [1, 4]
+
+
+def test_a_steady_window_prices_only_its_decode_steps_at_their_batch() -> None:
+    """A refilled run: the mask picks the steady steps; a step nobody decoded in (only prompts)
+    has no trace step and costs nothing; untraced (plain) steps are priced at their decoders."""
+    p = _profile(0.25)
+    run = {"concurrency": 2, "_step_tokens": [12, 0, 12, 6], "_decoders": [2, 0, 2, 1]}
+    steady = [True, True, True, False]
+    step = float(p.for_batch(2, 5).seconds(12))
+    drain = [[((0.9,) * 5, 5, 5)]]
+    assert priced_window(run, TRACE + drain, p, steady) == pytest.approx(24 / (2 * step))
+    plain = {"concurrency": 2, "_step_tokens": [2, 0, 2, 1], "_decoders": [2, 0, 2, 1]}
+    want = 5 / (2 * p.step_seconds(2, 0, 0) + p.step_seconds(1, 0, 0))
+    assert priced_window(plain, None, p, [True] * 4) == pytest.approx(want)
+    with pytest.raises(ValueError, match="align"):  # three decoding steps, two traced
+        priced_window(run, TRACE, p, steady)
+    with pytest.raises(ValueError, match="one entry per step"):
+        priced_window(run, TRACE + drain, p, steady[:3])
+
+
+@pytest.mark.parametrize("policy", ["none", "fixed-2"])
+def test_a_refilled_run_keeps_c_slots_busy_and_counts_each_decode_token_once(policy: str) -> None:
+    """Six prompts through two slots on the trained preset: no step decodes more than two
+    requests, every request decodes all but its first token (its prefill's), the steady steps
+    run until the last prompt has started, and the trace aligns with the decoding steps."""
+    from engine.prompts import heldout_prompts
+    from services.bench.spec import _run
+
+    tokens = 6
+    prompts = heldout_prompts(TRAINED, 6, 40)
+    r = _run(TRAINED, prompts, tokens, policy, None, {"device": "cpu", "dtype": "float32"}, concurrency=2)
+    assert r["requests"] == 6 and max(r["_decoders"]) <= 2
+    assert r["emitted"] == sum(r["_step_tokens"]) == 6 * (tokens - 1)
+    steady = r["_steady"]
+    assert steady[0] and not steady[-1] and steady == sorted(steady, reverse=True)  # steady, then ramp-down
+    assert r["steady_steps"] == sum(steady) and r["steady_tokens_per_s"] > 0
+    if r["_trace"] is not None:
+        assert len(r["_trace"]) == sum(1 for d in r["_decoders"] if d)
+        assert [len(step) for step in r["_trace"]] == [d for d in r["_decoders"] if d]
+    one = _run(TRAINED, prompts[:2], tokens, policy, None, {"device": "cpu", "dtype": "float32"})
+    assert one["requests"] == 2 and one["steady_steps"] == 0 and one["emitted"] == 2 * (tokens - 1)
