@@ -128,6 +128,18 @@ def _fmt_eta(seconds: float) -> str:
     return f"{m}m{sec:02d}s"
 
 
+def training_device(device: str) -> torch.device:
+    """The device a training stage runs on, set up for repeatable runs: deterministic
+    algorithms, TF32 matmuls on a GPU (bitwise-repeatable cuBLAS also needs
+    CUBLAS_WORKSPACE_CONFIG=:4096:8 in the environment)."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    return dev
+
+
 def train(
     data_dir: Path,
     out_dir: Path,
@@ -146,11 +158,7 @@ def train(
     """
     settings.validate()
     log = log if log is not None else Log()
-    dev = torch.device(device)
-    if dev.type == "cuda":  # bitwise-repeatable cuBLAS also needs CUBLAS_WORKSPACE_CONFIG=:4096:8
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    dev = training_device(device)
     data = Streams(data_dir)
     cfg = model_config(data.vocab_size, data.bos, data.eos, **(model_overrides or {}))
     log(

@@ -40,6 +40,7 @@ from engine.train.trainer import (
     _param_groups,
     batches,
     trained_environment,
+    training_device,
     training_record,
     write_checkpoint,
 )
@@ -73,11 +74,7 @@ def train_unlikelihood(
     model_dir, data_dir, out_dir = Path(model_dir), Path(data_dir), Path(out_dir)
     if out_dir.resolve() == model_dir.resolve():
         raise ValueError("--out must differ from --model: the base checkpoint is read, not rewritten")
-    dev = torch.device(device)
-    if dev.type == "cuda":  # bitwise-repeatable cuBLAS also needs CUBLAS_WORKSPACE_CONFIG=:4096:8
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    dev = training_device(device)
     data = Streams(data_dir)
     base_info = training_record(model_dir, data, data_dir)
     base_sha = _sha256(model_dir / "model.safetensors")
