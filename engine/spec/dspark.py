@@ -247,6 +247,37 @@ def plan_dspark(
     return _plan(_cumprod(c), mask, profile, max_tokens, stop)
 
 
+def plan_dspark_depths(conf: npt.ArrayLike, tables: Sequence[StepProfile]) -> list[DSparkPlan]:
+    """`plan_dspark` at every drafting depth: plan ``d`` (1-based) selects among the first
+    ``d`` drafts of each request of ``conf`` [B, K] (``K >= len(tables)``), priced by
+    ``tables[d - 1]`` (the step of a batch that drafts ``d``). One sort serves every depth:
+    the survivals of the first ``d`` drafts keep their order within the sorted whole, so
+    each plan equals ``plan_dspark(conf[:, :d], tables[d - 1])`` to the bit."""
+    c = np.asarray(conf, dtype=np.float64)
+    if c.ndim != 2 or c.shape[1] < len(tables):
+        raise ValueError(f"need [B, K >= {len(tables)}] confidences, got shape {c.shape}")
+    batch, k = c.shape
+    if batch == 1:
+        return [_plan_one(c[0, :d], t, None, "argmax") for d, t in enumerate(tables, start=1)]
+    c, _ = _padded(c)  # validated
+    cand = _cumprod(c).ravel()  # row-major: j ascending within each request
+    rows = np.repeat(np.arange(batch), k)
+    order = np.argsort(-cand, kind="stable")
+    col = np.tile(np.arange(k), batch)[order]
+    plans = []
+    for d, table in enumerate(tables, start=1):
+        picked = order[col < d]
+        expected = np.empty(picked.size + 1, dtype=np.float64)
+        expected[0] = 0.0
+        np.cumsum(cand[picked], out=expected[1:])
+        expected += batch
+        thr = expected * table.steps_per_s(batch + np.arange(picked.size + 1, dtype=np.float64))
+        n = int(np.argmax(thr))
+        ks = np.bincount(rows[picked[:n]], minlength=batch).astype(np.int64)
+        plans.append(DSparkPlan(ks, float(expected[n]), batch + n, float(thr[n])))
+    return plans
+
+
 def _plan_one(row: Any, profile: StepProfile, max_tokens: int | None, stop: str) -> DSparkPlan:
     """`_plan` for one request, in plain Python (a scheduler at one request runs it every
     step, where numpy's per-call cost would be most of the time). Its survivals fall with

@@ -27,7 +27,7 @@ from typing import Final
 
 import numpy as np
 
-from engine.spec.dspark import DSparkPlan, LaggedConfidence, choose_policy, plan_dspark
+from engine.spec.dspark import DSparkPlan, LaggedConfidence, choose_policy, plan_dspark_depths
 from engine.spec.profile import MAX_DRAFTS, SpecProfile
 
 POLICIES: Final = ("fixed", "dspark", "dspark-lagged")
@@ -110,12 +110,13 @@ class SpecPolicy:
     With a ``dspark`` policy and a profile that prices drafting (`SpecProfile.adaptive`),
     the depth follows the profile: each step compares the expected throughput of plain
     decoding (depth 0: no MTP work at all), of verifying a uniform K drafted tokens
-    (depth K) and of DSpark's selection over ``num_drafts`` drafts, using the acceptance
-    rates observed lately (per draft position, decayed by ``DECAY`` per step that has drafts) and this
-    step's confidences; it switches only for a gain above ``margin``. Before there is
-    evidence enough the depth is ``num_drafts``, except at a batch size where plain
-    decoding beats speculation even with every draft accepted (``_never_pays``): there it
-    is 0 at once."""
+    (``fixed-K``: depth K) and of DSpark's selection over the first d drafts (``dspark-d``:
+    depth d), all priced on this step's confidences recalibrated against the outcomes
+    observed lately (`calibration`; in a step without drafts, on the acceptance rates
+    observed, per draft position, decayed by ``DECAY`` per step that has drafts); it
+    switches only for a gain above ``margin``. Before there is evidence enough the depth is
+    ``num_drafts``, except at a batch size where plain decoding beats speculation even with
+    every draft accepted (``_never_pays``): there it is 0 at once."""
 
     # Per step with drafts to verify: observations fade over ~50 such steps. A step without
     # drafts (speculation off, a prefill's) adds no evidence and forgets none: decayed there, a
@@ -139,12 +140,14 @@ class SpecPolicy:
         self.lagged = LaggedConfidence(config.lag) if config.policy == "dspark-lagged" else None
         self.stats = SpecStats()
         self.depth = config.num_drafts  # drafts per request the next step's drafting makes
-        self.mode = "dspark" if config.policy != "fixed" else f"fixed-{config.num_drafts}"
-        # Per draft position, decayed: requests that tried it, that had it accepted, and the
-        # confidence head's predictions (sum, count). Plain lists: five floats each, updated
-        # every step on the host, where each numpy call would cost more than the arithmetic.
         k = config.num_drafts
+        self.mode = f"dspark-{k}" if config.policy != "fixed" else f"fixed-{k}"
+        # Per draft position, decayed: requests that tried it, that had it accepted, and the
+        # confidence head's predictions (sum, count; and their sum over the tries alone).
+        # Plain lists: five floats each, updated every step on the host, where each numpy
+        # call would cost more than the arithmetic.
         self._hits, self._tries, self._conf_sum, self._conf_n = [0.0] * k, [0.0] * k, [0.0] * k, [0.0] * k
+        self._conf_tried = [0.0] * k
         # observations not yet folded into _hits/_tries: requests per count of positions
         # tried (index 0..num_drafts) and per count accepted (`observe`, `_fold`)
         self._tried_n = [0] * (k + 1)
@@ -179,6 +182,26 @@ class SpecPolicy:
             for h, t, cs, cn in zip(self._hits, self._tries, self._conf_sum, self._conf_n)
         ]
 
+    def calibration(self) -> list[float]:
+        """Per draft position, what the confidence head's predictions are multiplied by: the
+        accepted drafts over the head's predicted sum for the same tried drafts (positions
+        reached and verified, where an outcome exists), each side with ``PRIOR_WEIGHT``
+        pseudo-observations of a calibrated head (1.0 without evidence). Survivals are
+        products of confidences, so a head a few points over-confident at every position
+        overstates a deep draft's survival by the product of its errors, and DSpark then
+        verifies deeper than pays; this rescales the head's mean to the outcomes (calibration
+        in the large, per position), keeping its ranking within a position."""
+        self._fold()
+        w = self.PRIOR_WEIGHT
+        return [(h + w) / (s + w) for h, s in zip(self._hits, self._conf_tried)]
+
+    def _calibrated(self, conf: np.ndarray | list[np.ndarray]) -> np.ndarray | list[np.ndarray]:
+        """``conf`` scaled by `calibration` per position, capped at 1."""
+        f = np.array(self.calibration())
+        if isinstance(conf, np.ndarray):
+            return np.minimum(conf * f[: conf.shape[1]], 1.0)
+        return [np.minimum(c * f[: c.size], 1.0) for c in conf]
+
     def choose(
         self,
         rids: Sequence[str],
@@ -210,9 +233,11 @@ class SpecPolicy:
         if not any(n):  # no evidence comes from this step, and none is forgotten
             return self._choose_none(len(rids), b)
         d = self.DECAY
-        for acc in (self._hits, self._tries, self._conf_sum, self._conf_n):
+        for acc in (self._hits, self._tries, self._conf_sum, self._conf_n, self._conf_tried):
             acc[:] = [x * d for x in acc]
         conf = self._record_confidences(rids, confidences, n)
+        if self.config.policy != "fixed" and self.profile is not None:  # DSpark selects
+            conf = self._calibrated(conf)
         plan = self._set_depth(b, conf) if self.adaptive else None
         if self.config.policy == "fixed" or self.profile is None:
             cap = self.config.num_drafts if self.config.verify is None else self.config.verify
@@ -283,7 +308,7 @@ class SpecPolicy:
         if self._never_pays(b):
             self.mode, self.depth, self._off_by_bound = "off", 0, True
         elif self._off_by_bound:  # this batch size might pay: draft again and gather evidence
-            self.mode, self.depth, self._off_by_bound = "dspark", self.config.num_drafts, False
+            self.mode, self.depth, self._off_by_bound = self._deepest, self.config.num_drafts, False
 
     def _choose_none(self, rows: int, b: int) -> tuple[list[int], str]:
         """``choose`` for a step in which no request has a draft (speculation off, or the
@@ -308,7 +333,12 @@ class SpecPolicy:
         if not verified:
             self.mode, self.depth = "off", 0
         elif self.mode == "off":
-            self.mode, self.depth = "dspark", self.config.num_drafts
+            self.mode, self.depth = self._deepest, self.config.num_drafts
+
+    @property
+    def _deepest(self) -> str:
+        """The mode before evidence: DSpark's selection over every draft."""
+        return f"dspark-{self.config.num_drafts}"
 
     def _never_pays(self, b: int) -> bool:
         """Whether plain decoding beats speculation at ``b`` requests even if every draft were
@@ -326,9 +356,11 @@ class SpecPolicy:
         return hit
 
     def _set_depth(self, b: int, conf: np.ndarray | list[np.ndarray]) -> DSparkPlan | None:
-        """The next step's drafting depth: plain decoding, a uniform K, or DSpark over all.
-        Returns DSpark's plan where it made one on this step's own confidences (every request
-        with ``num_drafts`` or more), which the step's selection can then take as it is."""
+        """The next step's drafting depth: plain decoding, a uniform K, or DSpark over the
+        first d drafts, whichever the profile prices fastest (``conf``: this step's
+        confidences, recalibrated). Returns DSpark's plan over every draft where it made one
+        on this step's own confidences (every request with ``num_drafts`` or more), which the
+        step's selection can then take as it is."""
         assert self.profile is not None
         self.prepare(b)
         if self._off_by_bound:
@@ -342,15 +374,24 @@ class SpecPolicy:
         p, full = self.profile, self.config.num_drafts
         secs = p.uniform_seconds(b, full)
         options = {"off": (b / secs[0], 0)}
-        surv, expected = 1.0, 1.0  # per request: P(first k accepted), tokens emitted
-        for k in range(1, full + 1):
-            surv *= rates[k - 1]
-            expected += surv
-            options[f"fixed-{k}"] = (b * expected / secs[k], k)
         plan = None
         if conf.size if isinstance(conf, np.ndarray) else any(c.size for c in conf):
-            plan = plan_dspark(_filled(conf, rates, full), p.for_batch(b, full))
-            options["dspark"] = (plan.throughput, full)
+            # every option priced on the same model, this step's requests' own (recalibrated)
+            # confidences: the observed rates are those of the drafts verified, which a
+            # selection picks, so they overstate what a uniform K would accept
+            filled = _filled(conf, rates, full)
+            for k, expected in enumerate(_uniform_expected(filled), start=1):
+                options[f"fixed-{k}"] = (b * expected / secs[k], k)
+            plans = plan_dspark_depths(filled, [p.for_batch(b, d) for d in range(1, full + 1)])
+            for d, pl in enumerate(plans, start=1):
+                options[f"dspark-{d}"] = (pl.throughput, d)
+            plan = plans[-1]
+        else:  # nothing drafted this step: the rates observed lately
+            surv, expected = 1.0, 1.0  # per request: P(first k accepted), tokens emitted
+            for k in range(1, full + 1):
+                surv *= rates[k - 1]
+                expected += surv
+                options[f"fixed-{k}"] = (b * expected / secs[k], k)
         best = max(options, key=lambda m: options[m][0])
         current = options.get(self.mode, (0.0, 0))[0]
         if best != self.mode and options[best][0] > current * (1.0 + self.config.margin):
@@ -393,12 +434,15 @@ class SpecPolicy:
         entry = self._open.pop(rid, None)
         if entry is None:
             return
-        k = entry[1]
-        self._tried_n[min(k, accepted + 1)] += 1
+        conf, k = entry
+        tried = min(k, accepted + 1)
+        self._tried_n[tried] += 1
         self._hit_n[min(k, accepted)] += 1
+        for j in range(tried):
+            self._conf_tried[j] += float(conf[j])
         self._unfolded = True
         if self.trace:
-            self.trace[-1].append((tuple(entry[0]), k, accepted))
+            self.trace[-1].append((tuple(conf), k, accepted))
 
     def _fold(self) -> None:
         """Adds the observations counted since the last fold to the per-position tries and
@@ -427,6 +471,20 @@ def _filled(conf: np.ndarray | list[np.ndarray], rates: list[float], full: int) 
             conf[:, :full] if k >= full else np.hstack([conf, np.broadcast_to(rates[k:full], (b, full - k))])
         )
     return np.array([np.concatenate([c[:full], rates[c.size : full]]) for c in conf])
+
+
+def _uniform_expected(conf: np.ndarray) -> list[float]:
+    """Per K = 1..K_max: tokens a request emits on average verifying its first K drafts,
+    ``1 + sum_{j<=K} a(r, j)``, over the rows of ``conf`` [B, K_max] (survival: the cumulative
+    product of each row). One request in plain Python (numpy's per-call cost)."""
+    if conf.shape[0] == 1:
+        out, surv, expected = [], 1.0, 1.0
+        for c in conf[0].tolist():
+            surv *= c
+            expected += surv
+            out.append(expected)
+        return out
+    return (1.0 + np.cumsum(np.cumprod(conf, axis=1).mean(axis=0))).tolist()
 
 
 def _cap(ks: list[int], max_tokens: int) -> list[int]:

@@ -18,6 +18,7 @@ from engine.spec.dspark import (
     expected_total,
     fixed_k_from_means,
     plan_dspark,
+    plan_dspark_depths,
     select_dspark,
     select_fixed,
     select_oracle,
@@ -119,6 +120,27 @@ def test_greedy_prefix_of_size_d_maximises_expected_tokens_for_that_d():
             ks = plan_dspark(conf, flat, max_tokens=len(conf) + d).ks
             assert ks.sum() <= d  # fewer only when the rest add nothing (zero survivals)
             assert expected_total(conf, ks) == pytest.approx(best_e[d], rel=1e-12)
+
+
+def test_the_plans_at_every_depth_equal_one_plan_per_depth():
+    """`plan_dspark_depths` sorts once for every drafting depth; each of its plans equals
+    `plan_dspark` over that many drafts with that depth's table, to the bit (one request,
+    ties and zero survivals included)."""
+    rng = np.random.default_rng(4)
+    for _ in range(80):
+        batch = int(rng.integers(1, 7))
+        conf = rng.uniform(0.0, 1.0, size=(batch, 5))
+        if rng.random() < 0.3:
+            conf = np.round(conf, 1)  # ties and zeros
+        tables = [_random_profile(rng, max_tokens=6 * batch) for _ in range(int(rng.integers(1, 6)))]
+        for d, got in enumerate(plan_dspark_depths(conf, tables), start=1):
+            want = plan_dspark(conf[:, :d], tables[d - 1])
+            assert got.ks.tolist() == want.ks.tolist()
+            assert (got.expected_accepted, got.tokens, got.throughput) == (
+                want.expected_accepted, want.tokens, want.throughput,
+            )  # fmt: skip
+    with pytest.raises(ValueError, match="K >= 3"):
+        plan_dspark_depths(np.full((2, 2), 0.5), [StepProfile([1], [1.0])] * 3)
 
 
 def test_first_peak_stop_matches_argmax_for_affine_step_time():

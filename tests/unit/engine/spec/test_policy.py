@@ -83,10 +83,11 @@ def test_fixed_verifies_k_within_the_token_budget_and_records_the_trace() -> Non
 
 def _observe(pol: SpecPolicy, rate: float, steps: int = 40, batch: int = 32) -> None:
     """Steps in which every request verified all 5 drafts and accepted a leading run whose
-    per-position acceptance is ``rate`` (deterministic: the expected counts)."""
+    per-position acceptance is ``rate`` (deterministic: the expected counts), a calibrated
+    head having predicted ``rate`` for each."""
     for _ in range(steps):
         rids = [f"r{i}" for i in range(batch)]
-        pol._open = {r: ((0.5,) * 5, 5) for r in rids}
+        pol._open = {r: ((rate,) * 5, 5) for r in rids}
         for i, r in enumerate(rids):
             # request i accepts j drafts with probability rate^j (1 - rate)
             u = (i + 0.5) / batch
@@ -112,7 +113,7 @@ def test_depth_keeps_every_draft_where_drafting_is_cheap() -> None:
     pol = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.0001, pass_s=0.0001, plain_s=0.010))
     _observe(pol, 0.8)
     pol.choose([f"r{i}" for i in range(32)], [[0.8] * 5] * 32)
-    assert pol.depth == 5 and pol.mode in ("dspark", "fixed-5")
+    assert pol.depth == 5 and pol.mode in ("dspark-5", "fixed-5")
 
 
 def test_depth_settles_on_a_uniform_k_in_between() -> None:
@@ -121,7 +122,59 @@ def test_depth_settles_on_a_uniform_k_in_between() -> None:
     _observe(pol, 0.6)
     for _ in range(3):
         pol.choose([f"r{i}" for i in range(32)], [[0.6] * 5] * 32)
-    assert 0 < pol.depth < 5 and pol.mode == f"fixed-{pol.depth}"
+    # uniform confidences: DSpark's selection over d drafts is the uniform d (either name)
+    assert 0 < pol.depth < 5 and pol.mode in (f"fixed-{pol.depth}", f"dspark-{pol.depth}")
+
+
+def _drive(pol: SpecPolicy, head: list[list[float]], truth: list[list[float]], steps: int = 120) -> None:
+    """``steps`` engine steps of ``len(head)`` requests: each drafts ``pol.depth`` tokens with
+    the confidences ``head[i]`` gives, and a verified draft is accepted (its earlier ones
+    accepted) with probability ``truth[i][j]`` (seeded)."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    rids = [f"r{i}" for i in range(len(head))]
+    for _ in range(steps):
+        ks, _ = pol.choose(rids, [h[: pol.depth] for h in head])
+        for rid, k, p in zip(rids, ks, truth):
+            acc = 0
+            while acc < k and rng.random() < p[acc]:
+                acc += 1
+            pol.observe(rid, acc)
+
+
+def test_dspark_drafts_fewer_than_five_where_only_that_pays() -> None:
+    """Half the requests have two likely drafts and three unlikely ones, half none likely;
+    a drafting pass costs a fifth of a plain step. Drafting two and verifying only the first
+    half's (DSpark over 2 drafts: ~120 tokens per unit time, per request) beats drafting five
+    for the same selection (~88), verifying two of everyone's (~108) and plain decoding
+    (100), so the depth is DSpark's at 2."""
+    good, poor = [0.95, 0.95, 0.05, 0.05, 0.05], [0.05] * 5
+    head = [good] * 16 + [poor] * 16
+    pol = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.002, pass_s=0.002, plain_s=0.010))
+    _drive(pol, head, head)
+    assert (pol.mode, pol.depth) == ("dspark-2", 2)
+    ks, name = pol.choose([f"r{i}" for i in range(32)], [h[:2] for h in head])
+    assert name == "dspark" and ks == [2] * 16 + [0] * 16
+
+
+def test_an_over_confident_head_is_recalibrated_to_the_outcomes() -> None:
+    """The head says 0.9 for every draft; 0.45 are accepted. Read as it is, its survivals
+    (0.9^j) would make deep verification look worth it; scaled by the outcomes
+    (`calibration` ~0.5 at position 1, the one the policy keeps trying), it settles where a
+    calibrated head puts it."""
+    truth = [[0.45] * 5] * 32
+    honest = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.001, pass_s=0.001, plain_s=0.010))
+    _drive(honest, truth, truth)
+    proud = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.001, pass_s=0.001, plain_s=0.010))
+    _drive(proud, [[0.9] * 5] * 32, truth)
+    assert honest.calibration()[0] == pytest.approx(1.0, abs=0.1)
+    assert proud.calibration()[0] == pytest.approx(0.5, abs=0.05)
+    assert proud.depth == honest.depth < 5
+    raw = SpecPolicy(SpecConfig("dspark"), proud.profile)
+    raw.calibration = lambda: [1.0] * 5  # type: ignore[method-assign]  # the head read as it is
+    _drive(raw, [[0.9] * 5] * 32, truth)
+    assert raw.depth == 5  # what the recalibration prevents
 
 
 def test_depth_waits_for_evidence_and_probes_while_off() -> None:
@@ -200,7 +253,7 @@ def test_drafts_the_selection_never_verifies_stop_before_any_evidence() -> None:
         depths.append(pol.depth)
     assert depths.count(5) == 1 and depths[-1] == 5  # one probe, at the end of the interval
     ks, _ = pol.choose(rids, [[0.95] * 5] * 32)  # the probe's drafts are worth verifying
-    assert any(ks) and (pol.mode, pol.depth) == ("dspark", 5)
+    assert any(ks) and (pol.mode, pol.depth) == ("dspark-5", 5)
 
 
 def test_speculation_that_cannot_pay_at_any_acceptance_is_off_without_evidence() -> None:
