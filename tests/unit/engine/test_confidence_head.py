@@ -38,7 +38,7 @@ from engine.train.confidence import (
 from engine.train.model import TrainModel, load_trained, model_config
 from engine.train.trainer import Streams, write_checkpoint
 from tests.unit.engine.train.conftest import copy_subset
-from tests.unit.engine.train.test_model import SMALL
+from tests.unit.engine.train.small import SMALL
 
 ROOT = Path(__file__).resolve().parents[3]
 TRAINED = ROOT / "models" / "trained"

@@ -1,4 +1,5 @@
-"""A small stdlib subset, copied into a temporary tree, and ``sluice train data`` run on it once."""
+"""A small stdlib subset, copied into a temporary tree, ``sluice train data`` run on it once, and a
+small model trained on that once."""
 
 from __future__ import annotations
 
@@ -61,4 +62,16 @@ def built(subset_tree: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("train-data")
     rc = main(["train", "data", "--out", str(out), "--root", str(subset_tree), "--vocab-size", "1024"])
     assert rc == 0
+    return out
+
+
+@pytest.fixture(scope="session")
+def trained(built: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """`sluice train model` at the small shape on ``built`` (read only: stages write elsewhere)."""
+    from engine.train.trainer import train
+
+    from .small import SETTINGS, SMALL
+
+    out = tmp_path_factory.mktemp("trained")
+    train(built, out, SETTINGS, model_overrides=SMALL)
     return out

@@ -5,7 +5,6 @@ token at ``q + 2``), the stage changes only ``mtp.0.*``, and it is deterministic
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -17,20 +16,9 @@ from engine.train.drafter import CURVE_NAME, distillation_losses, train_drafter
 from engine.train.evaluate import greedy_chains
 from engine.train.model import TrainModel, model_config
 from engine.train.settings import DrafterSettings
-from engine.train.trainer import Streams, train
+from engine.train.trainer import Streams
 
-from .test_model import SETTINGS, SMALL
-
-
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-@pytest.fixture(scope="module")
-def trained(built: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("trained")
-    train(built, out, SETTINGS, model_overrides=SMALL)
-    return out
+from .small import SMALL, file_sha
 
 
 def test_labels_are_the_targets_token_after_next_along_a_greedy_chain(built: Path) -> None:
@@ -74,11 +62,11 @@ def test_the_stage_trains_only_the_drafter_deterministically(
     built: Path, trained: Path, tmp_path: Path
 ) -> None:
     s = DrafterSettings(steps=3, warmup=1, seq_len=64, batch=2, depth=3, accept_prompts=4, lr=1e-3)
-    base_sha = _sha(trained / "model.safetensors")
+    base_sha = file_sha(trained / "model.safetensors")
     a = train_drafter(trained, built, tmp_path / "a", s)
     b = train_drafter(trained, built, tmp_path / "b", s)
-    assert _sha(trained / "model.safetensors") == base_sha  # the input is read, never rewritten
-    assert _sha(tmp_path / "a" / "model.safetensors") == _sha(tmp_path / "b" / "model.safetensors")
+    assert file_sha(trained / "model.safetensors") == base_sha  # the input is read, never rewritten
+    assert file_sha(tmp_path / "a" / "model.safetensors") == file_sha(tmp_path / "b" / "model.safetensors")
     base = load_file(str(trained / "model.safetensors"))
     out = load_file(str(tmp_path / "a" / "model.safetensors"))
     assert set(out) == set(base)

@@ -3,7 +3,6 @@ engine read (MTP included), training is deterministic, and each loss reaches wha
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 
@@ -18,35 +17,7 @@ from engine.train.evaluate import prompt_offsets, windows
 from engine.train.model import SHAPE, TrainModel, export_state, load_trained, model_config
 from engine.train.trainer import Streams, TrainSettings, batches, lr_at, train, write_checkpoint
 
-# Every layer and MoE kind at test size; window 16 and CSA top-4 so 64-token contexts exercise both.
-SMALL = dict(
-    hidden_size=64,
-    num_hidden_layers=4,
-    layer_types=[SLIDING, CSA, HCA, CSA],
-    mlp_layer_types=["hash_moe", "moe", "moe", "moe"],
-    head_dim=32,
-    q_lora_rank=32,
-    o_lora_rank=16,
-    moe_intermediate_size=32,
-    sliding_window=16,
-    index_topk=4,
-    index_head_dim=16,
-    compress_rates={CSA: 4, HCA: 16},
-)
-SETTINGS = TrainSettings(
-    seq_len=64, batch=4, micro_batch=2, steps=4, warmup=1, eval_every=2, eval_windows=2, accept_prompts=4
-)
-
-
-def _sha(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-@pytest.fixture(scope="module")
-def trained(built: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("trained")
-    train(built, out, SETTINGS, model_overrides=SMALL)
-    return out
+from .small import SETTINGS, SMALL, file_sha
 
 
 def test_shipped_shape_has_every_layer_kind_and_a_selective_indexer() -> None:
@@ -92,10 +63,10 @@ def test_checkpoint_has_the_generators_tensors_and_loads_in_transformers(trained
 def test_training_is_deterministic_for_a_seed(built: Path, trained: Path, tmp_path: Path) -> None:
     again = tmp_path / "again"
     train(built, again, SETTINGS, model_overrides=SMALL)
-    assert _sha(again / "model.safetensors") == _sha(trained / "model.safetensors")
+    assert file_sha(again / "model.safetensors") == file_sha(trained / "model.safetensors")
     other = tmp_path / "other"
     train(built, other, TrainSettings(**{**SETTINGS.__dict__, "seed": 1}), model_overrides=SMALL)
-    assert _sha(other / "model.safetensors") != _sha(trained / "model.safetensors")
+    assert file_sha(other / "model.safetensors") != file_sha(trained / "model.safetensors")
 
 
 def test_engine_main_and_mtp_logits_equal_the_training_model(built: Path, tmp_path: Path) -> None:
@@ -236,7 +207,7 @@ def test_a_run_split_by_stop_and_resume_equals_one_run(built: Path, trained: Pat
     info = train(built, out, SETTINGS, model_overrides=SMALL, resume=True)
     assert info is not None and info["final_step"]["step"] == SETTINGS.steps
     assert not (out / "state").exists()  # nothing left to resume
-    assert _sha(out / "model.safetensors") == _sha(trained / "model.safetensors")
+    assert file_sha(out / "model.safetensors") == file_sha(trained / "model.safetensors")
     strip = [
         {k: v for k, v in json.loads(line).items() if k != "elapsed_s"}
         for line in (out / "curve.jsonl").open()
@@ -280,12 +251,12 @@ def test_unlikelihood_stage_is_deterministic_keeps_the_base_and_records_it(
     from engine.train.unlikelihood import CURVE_NAME, UnlikelihoodSettings, train_unlikelihood
 
     s = UnlikelihoodSettings(steps=3, warmup=1, seq_len=64, batch=4, micro_batch=2, accept_prompts=4, lr=1e-3)
-    base_sha = _sha(trained / "model.safetensors")
+    base_sha = file_sha(trained / "model.safetensors")
     a = train_unlikelihood(trained, built, tmp_path / "a", s)
     b = train_unlikelihood(trained, built, tmp_path / "b", s)
-    assert _sha(trained / "model.safetensors") == base_sha  # the base is read, never rewritten
-    assert _sha(tmp_path / "a" / "model.safetensors") == _sha(tmp_path / "b" / "model.safetensors")
-    assert _sha(tmp_path / "a" / "model.safetensors") != base_sha  # it trained
+    assert file_sha(trained / "model.safetensors") == base_sha  # the base is read, never rewritten
+    assert file_sha(tmp_path / "a" / "model.safetensors") == file_sha(tmp_path / "b" / "model.safetensors")
+    assert file_sha(tmp_path / "a" / "model.safetensors") != base_sha  # it trained
     info = json.loads((tmp_path / "a" / "training.json").read_text())
     assert info == json.loads(json.dumps(a)) and a["heldout"] == b["heldout"]
     assert info["base"]["model_safetensors_sha256"] == base_sha
