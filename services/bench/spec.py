@@ -12,7 +12,10 @@ same engine before it (``--warmup-tokens``: the policy's acceptance estimates an
 then warm, as on a serving engine; where the engine runs CUDA graphs, the warm-up takes the
 whole prompts and as many tokens as the timed round, so that the graphs the timed round
 replays are captured before it, repeated (up to 3 rounds) until a round captures nothing new:
-``graph_captures_timed`` counts those captured in the timed round all the same).
+``graph_captures_timed`` counts those captured in the timed round all the same, and the steps
+that captured them are left out of the throughputs, counted in ``capture_steps_timed`` and
+``capture_seconds_timed``: a serving engine captures a shape once in its life, and the bench
+measures its steady state).
 Reported per run:
 
 * **verified per step**: drafts put into verification per step, summed over the batch;
@@ -242,8 +245,10 @@ def _run(
         started: set[str] = set()
         first = True
         captured = graphs.captures if graphs is not None else 0
+        capturing: list[bool] = []  # a step that captured a CUDA graph: left out of the figures
         while core.has_work():
             waiting = len(started) < len(prompts)
+            before = graphs.captures if graphs is not None else 0
             t0 = time.perf_counter()
             outs = core.step()
             dt = time.perf_counter() - t0
@@ -253,17 +258,23 @@ def _run(
                 first = False
                 continue
             n = sum(len(o.new_token_ids) for o in decoded)
+            capturing.append(graphs is not None and graphs.captures != before)
             step_times.append(dt)
             step_tokens.append(n)
             decoders.append(len(decoded))
             full.append(len(decoded) == c and len(started) == c)
             steady.append(waiting)
             emitted += n
-        seconds = sum(step_times)
-        full_seconds = sum(t for t, f in zip(step_times, full) if f)
-        full_tokens = sum(n for n, f in zip(step_tokens, full) if f)
-        steady_seconds = sum(t for t, w in zip(step_times, steady) if w)
-        steady_tokens = sum(n for n, w in zip(step_tokens, steady) if w)
+        # a capture happens once per shape in a serving engine's life (a probe reaching a
+        # context bucket the warm-up never verified at, say): the figures are the steady
+        # state's, the steps that captured are counted apart
+        timed = [not cap for cap in capturing]
+        seconds = sum(t for t, k in zip(step_times, timed) if k)
+        timed_tokens = sum(n for n, k in zip(step_tokens, timed) if k)
+        full_seconds = sum(t for t, f, k in zip(step_times, full, timed) if f and k)
+        full_tokens = sum(n for n, f, k in zip(step_tokens, full, timed) if f and k)
+        steady_seconds = sum(t for t, w, k in zip(step_times, steady, timed) if w and k)
+        steady_tokens = sum(n for n, w, k in zip(step_tokens, steady, timed) if w and k)
         stats = core.spec.stats if core.spec is not None else None
         trace = core.spec.trace if core.spec is not None else None
         req_steps = sum(len(s) for s in trace) if trace else 0
@@ -272,7 +283,7 @@ def _run(
             "concurrency": c,
             "decode_steps": len(step_times),
             "decode_seconds": seconds,
-            "tokens_per_s": emitted / seconds if seconds else 0.0,
+            "tokens_per_s": timed_tokens / seconds if seconds else 0.0,
             "emitted": emitted,
             # the steps in which all c requests decode (before the first finishes): the run
             # at concurrency c, without its drain
@@ -297,6 +308,9 @@ def _run(
             # CUDA graphs (decode, verification and drafting chains) captured during the
             # timed round (its first steps of a shape the warm-up did not reach); null: no graphs
             "graph_captures_timed": graphs.captures - captured if graphs is not None else None,
+            # the decode steps in which they were captured, left out of every figure above
+            "capture_steps_timed": sum(capturing),
+            "capture_seconds_timed": sum(t for t, cap in zip(step_times, capturing) if cap),
             "warmup_rounds": warmup_rounds,
             "_trace": trace,
             "_full": full,
