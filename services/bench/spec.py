@@ -270,11 +270,6 @@ def _run(
         # state's, the steps that captured are counted apart
         timed = [not cap for cap in capturing]
         seconds = sum(t for t, k in zip(step_times, timed) if k)
-        timed_tokens = sum(n for n, k in zip(step_tokens, timed) if k)
-        full_seconds = sum(t for t, f, k in zip(step_times, full, timed) if f and k)
-        full_tokens = sum(n for n, f, k in zip(step_tokens, full, timed) if f and k)
-        steady_seconds = sum(t for t, w, k in zip(step_times, steady, timed) if w and k)
-        steady_tokens = sum(n for n, w, k in zip(step_tokens, steady, timed) if w and k)
         stats = core.spec.stats if core.spec is not None else None
         trace = core.spec.trace if core.spec is not None else None
         req_steps = sum(len(s) for s in trace) if trace else 0
@@ -283,17 +278,17 @@ def _run(
             "concurrency": c,
             "decode_steps": len(step_times),
             "decode_seconds": seconds,
-            "tokens_per_s": timed_tokens / seconds if seconds else 0.0,
+            "tokens_per_s": window_rate(step_tokens, step_times, timed),
             "emitted": emitted,
             # the steps in which all c requests decode (before the first finishes): the run
             # at concurrency c, without its drain
             "full_batch_steps": sum(full),
-            "full_batch_tokens_per_s": full_tokens / full_seconds if full_seconds else 0.0,
+            "full_batch_tokens_per_s": window_rate(step_tokens, step_times, full, timed),
             # with more prompts than slots: the steps while prompts still wait, each slot
             # refilled as its request finishes (decoding at concurrency c, prompts mixed in)
             "requests": len(prompts),
             "steady_steps": sum(steady),
-            "steady_tokens_per_s": steady_tokens / steady_seconds if steady_seconds else 0.0,
+            "steady_tokens_per_s": window_rate(step_tokens, step_times, steady, timed),
             "verified_per_step": stats.verified / stats.steps if stats and stats.steps else 0.0,
             "accepted_length": 1.0 + (stats.accepted / req_steps) if stats and req_steps else 1.0,
             "policies_chosen": dict(stats.policies) if stats else {"none": len(step_times)},
@@ -320,6 +315,13 @@ def _run(
         }
     finally:
         core.close()
+
+
+def window_rate(tokens: list[int], seconds: list[float], *masks: list[bool]) -> float:
+    """Tokens per second over the steps where every mask holds (0.0 where none does)."""
+    keep = [all(m) for m in zip(*masks)] if masks else [True] * len(tokens)
+    secs = sum(t for t, k in zip(seconds, keep) if k)
+    return sum(n for n, k in zip(tokens, keep) if k) / secs if secs else 0.0
 
 
 def _h200_profile(model: Path, device: str) -> dict[str, Any] | str:

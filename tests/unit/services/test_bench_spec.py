@@ -177,3 +177,18 @@ def test_a_refilled_run_keeps_c_slots_busy_and_counts_each_decode_token_once(pol
         assert [len(step) for step in r["_trace"]] == [d for d in r["_decoders"] if d]
     one = _run(TRAINED, prompts[:2], tokens, policy, None, {"device": "cpu", "dtype": "float32"})
     assert one["requests"] == 2 and one["steady_steps"] == 0 and one["emitted"] == 2 * (tokens - 1)
+
+
+def test_figures_leave_out_the_steps_that_captured_a_graph() -> None:
+    """A step that captured a CUDA graph (once per shape in an engine's life) is left out of
+    a run's throughputs, and so is a step outside a window; a window with no step reads 0."""
+    from services.bench.spec import window_rate
+
+    tokens, seconds = [8, 8, 8, 8], [0.01, 0.2, 0.01, 0.01]
+    captured = [False, True, False, False]
+    timed = [not c for c in captured]
+    assert window_rate(tokens, seconds, timed) == pytest.approx(24 / 0.03)
+    assert window_rate(tokens, seconds) == pytest.approx(32 / 0.23)  # no mask: every step
+    full = [True, True, True, False]
+    assert window_rate(tokens, seconds, full, timed) == pytest.approx(16 / 0.02)
+    assert window_rate(tokens, seconds, [False] * 4) == 0.0
