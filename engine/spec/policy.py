@@ -89,6 +89,7 @@ class SpecStats:
     verified: int = 0  # drafts put into verification
     accepted: int = 0  # verified drafts that were accepted
     policies: Counter[str] = field(default_factory=Counter)  # policy chosen, per step
+    depths: Counter[int] = field(default_factory=Counter)  # drafting depth set for the next step
     choose_seconds: float = 0.0  # host time spent choosing (`SpecPolicy.choose`), every step
 
     def as_dict(self) -> dict[str, float]:
@@ -100,6 +101,7 @@ class SpecStats:
             "spec_choose_seconds": self.choose_seconds,
         }
         out.update({f"spec_policy_{name.replace('-', '_')}": float(n) for name, n in self.policies.items()})
+        out.update({f"spec_depth_{d}": float(n) for d, n in self.depths.items()})
         return out
 
 
@@ -265,6 +267,7 @@ class SpecPolicy:
         self.stats.drafted += sum(n)
         self.stats.verified += sum(ks)
         self.stats.policies[name] += 1
+        self.stats.depths[self.depth] += 1
         if self.trace is not None:
             self.trace.append([])
         self._open = dict(zip(rids, zip(confidences, ks)))
@@ -319,6 +322,7 @@ class SpecPolicy:
         name = "off" if self.depth == 0 or self.mode == "off" else "none"
         self.stats.steps += 1
         self.stats.policies[name] += 1
+        self.stats.depths[self.depth] += 1
         if self.trace is not None:
             self.trace.append([((), 0, 0)] * rows)  # what ``observe`` records for each
         self._open = {}

@@ -89,8 +89,8 @@ def _vision_families(extra: dict[str, float]) -> Iterator[Metric]:
 
 def _spec_families(extra: dict[str, float]) -> Iterator[Metric]:
     """Speculative decoding (engine/spec/): steps that had drafts, drafts proposed, verified
-    and accepted (per step: divide by the steps), the host time of the policy's choice, and
-    the policy each such step chose."""
+    and accepted (per step: divide by the steps), the host time of the policy's choice, the
+    policy each such step chose and the drafting depth it set."""
     for name, key, doc in (
         ("sluice_spec_steps", "spec_steps", "Decode steps in which requests had drafts."),
         ("sluice_spec_drafted_tokens", "spec_drafted_tokens", "Draft tokens the MTP layer proposed."),
@@ -112,6 +112,15 @@ def _spec_families(extra: dict[str, float]) -> Iterator[Metric]:
         if key.startswith("spec_policy_"):
             chosen.add_metric([key.removeprefix("spec_policy_").replace("_", "-")], value)
     yield chosen
+    depth = CounterMetricFamily(
+        "sluice_spec_depth_steps",
+        "Steps by the drafting depth the policy set for the next step (0: no drafting).",
+        labels=["depth"],
+    )
+    for key, value in sorted(extra.items()):
+        if key.startswith("spec_depth_"):
+            depth.add_metric([key.removeprefix("spec_depth_")], value)
+    yield depth
 
 
 def _swa_families(extra: dict[str, float]) -> Iterator[Metric]:

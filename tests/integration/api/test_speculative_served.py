@@ -48,3 +48,5 @@ def test_served_text_equals_plain_decoding_offline(spec_server, plain):
     assert counts["sluice_spec_verified_tokens_total"] > 0, counts
     assert counts["sluice_spec_accepted_tokens_total"] > 0, counts
     assert counts["sluice_spec_choose_seconds_total"] > 0, counts
+    depths = {k: v for k, v in counts.items() if k.startswith("sluice_spec_depth_steps_total{")}
+    assert depths and sum(depths.values()) == counts["sluice_spec_steps_total"], counts

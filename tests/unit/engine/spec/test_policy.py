@@ -156,6 +156,9 @@ def test_dspark_drafts_fewer_than_five_where_only_that_pays() -> None:
     assert (pol.mode, pol.depth) == ("dspark-2", 2)
     ks, name = pol.choose([f"r{i}" for i in range(32)], [h[:2] for h in head])
     assert name == "dspark" and ks == [2] * 16 + [0] * 16
+    stats = pol.stats.as_dict()  # every planned step counts the depth it set
+    assert sum(v for k, v in stats.items() if k.startswith("spec_depth_")) == stats["spec_steps"]
+    assert stats["spec_depth_2"] > 0 and stats["spec_depth_5"] > 0  # before the evidence: 5
 
 
 def test_an_over_confident_head_is_recalibrated_to_the_outcomes() -> None:
