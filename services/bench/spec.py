@@ -244,11 +244,14 @@ def _run(
         steady: list[bool] = []  # a step while prompts still wait for a slot: the batch refilled
         started: set[str] = set()
         first = True
-        captured = graphs.captures if graphs is not None else 0
-        capturing: list[bool] = []  # a step that captured a CUDA graph: left out of the figures
+        captures_before = graphs.captures if graphs is not None else 0
+        # per step: it captured a CUDA graph (a shape's once in a serving engine's life: a
+        # probe reaching a context bucket the warm-up never verified at, say), so the figures,
+        # which are the steady state's, leave it out and count it apart
+        captured: list[bool] = []
         while core.has_work():
             waiting = len(started) < len(prompts)
-            before = graphs.captures if graphs is not None else 0
+            step_captures = graphs.captures if graphs is not None else 0
             t0 = time.perf_counter()
             outs = core.step()
             dt = time.perf_counter() - t0
@@ -258,17 +261,14 @@ def _run(
                 first = False
                 continue
             n = sum(len(o.new_token_ids) for o in decoded)
-            capturing.append(graphs is not None and graphs.captures != before)
+            captured.append(graphs is not None and graphs.captures != step_captures)
             step_times.append(dt)
             step_tokens.append(n)
             decoders.append(len(decoded))
             full.append(len(decoded) == c and len(started) == c)
             steady.append(waiting)
             emitted += n
-        # a capture happens once per shape in a serving engine's life (a probe reaching a
-        # context bucket the warm-up never verified at, say): the figures are the steady
-        # state's, the steps that captured are counted apart
-        timed = [not cap for cap in capturing]
+        timed = [not cap for cap in captured]
         seconds = sum(t for t, k in zip(step_times, timed) if k)
         stats = core.spec.stats if core.spec is not None else None
         trace = core.spec.trace if core.spec is not None else None
@@ -302,10 +302,10 @@ def _run(
             "async_scheduling": cfg.overlaps_steps,
             # CUDA graphs (decode, verification and drafting chains) captured during the
             # timed round (its first steps of a shape the warm-up did not reach); null: no graphs
-            "graph_captures_timed": graphs.captures - captured if graphs is not None else None,
+            "graph_captures_timed": graphs.captures - captures_before if graphs is not None else None,
             # the decode steps in which they were captured, left out of every figure above
-            "capture_steps_timed": sum(capturing),
-            "capture_seconds_timed": sum(t for t, cap in zip(step_times, capturing) if cap),
+            "capture_steps_timed": sum(captured),
+            "capture_seconds_timed": sum(t for t, cap in zip(step_times, captured) if cap),
             "warmup_rounds": warmup_rounds,
             "_trace": trace,
             "_full": full,
