@@ -211,9 +211,18 @@ def _plan(
     n = cand.size
     if max_tokens is not None:
         n = max(0, min(n, int(max_tokens) - batch))
+    return _best_prefix(cand, rows, order[:n], batch, profile, stop)
+
+
+def _best_prefix(
+    cand: FloatArray, rows: IntArray, admitted: IntArray, batch: int, profile: StepProfile, stop: str
+) -> DSparkPlan:
+    """The best prefix of the candidates ``admitted`` (indices into ``cand`` / ``rows``, in
+    greedy order) by expected throughput, under the stop rule."""
+    n = admitted.size
     expected = np.empty(n + 1, dtype=np.float64)
     expected[0] = 0.0
-    np.cumsum(cand[order[:n]], out=expected[1:])
+    np.cumsum(cand[admitted], out=expected[1:])
     expected += batch
     thr = expected * profile.steps_per_s(batch + np.arange(n + 1, dtype=np.float64))
     if stop == "argmax":
@@ -223,7 +232,7 @@ def _plan(
         d = int(falls[0]) if falls.size else n
     else:
         raise ValueError(f"unknown stop rule {stop!r}")
-    ks = np.bincount(rows[order[:d]], minlength=batch).astype(np.int64)
+    ks = np.bincount(rows[admitted[:d]], minlength=batch).astype(np.int64)
     return DSparkPlan(ks, float(expected[d]), batch + d, float(thr[d]))
 
 
@@ -264,18 +273,10 @@ def plan_dspark_depths(conf: npt.ArrayLike, tables: Sequence[StepProfile]) -> li
     rows = np.repeat(np.arange(batch), k)
     order = np.argsort(-cand, kind="stable")
     col = np.tile(np.arange(k), batch)[order]
-    plans = []
-    for d, table in enumerate(tables, start=1):
-        picked = order[col < d]
-        expected = np.empty(picked.size + 1, dtype=np.float64)
-        expected[0] = 0.0
-        np.cumsum(cand[picked], out=expected[1:])
-        expected += batch
-        thr = expected * table.steps_per_s(batch + np.arange(picked.size + 1, dtype=np.float64))
-        n = int(np.argmax(thr))
-        ks = np.bincount(rows[picked[:n]], minlength=batch).astype(np.int64)
-        plans.append(DSparkPlan(ks, float(expected[n]), batch + n, float(thr[n])))
-    return plans
+    return [
+        _best_prefix(cand, rows, order[col < d], batch, table, "argmax")
+        for d, table in enumerate(tables, start=1)
+    ]
 
 
 def _plan_one(row: Any, profile: StepProfile, max_tokens: int | None, stop: str) -> DSparkPlan:

@@ -108,19 +108,24 @@ def _spec_families(extra: dict[str, float]) -> Iterator[Metric]:
     chosen = CounterMetricFamily(
         "sluice_spec_policy_steps", "Steps by the speculation policy chosen.", labels=["policy"]
     )
-    for key, value in sorted(extra.items()):
-        if key.startswith("spec_policy_"):
-            chosen.add_metric([key.removeprefix("spec_policy_").replace("_", "-")], value)
+    for label, value in _suffixed(extra, "spec_policy_"):
+        chosen.add_metric([label.replace("_", "-")], value)
     yield chosen
     depth = CounterMetricFamily(
         "sluice_spec_depth_steps",
         "Steps by the drafting depth the policy set for the next step (0: no drafting).",
         labels=["depth"],
     )
-    for key, value in sorted(extra.items()):
-        if key.startswith("spec_depth_"):
-            depth.add_metric([key.removeprefix("spec_depth_")], value)
+    for label, value in _suffixed(extra, "spec_depth_"):
+        depth.add_metric([label], value)
     yield depth
+
+
+def _suffixed(extra: dict[str, float], prefix: str) -> Iterator[tuple[str, float]]:
+    """(what follows ``prefix``, value) of each ``extra`` key that starts with it, sorted."""
+    for key, value in sorted(extra.items()):
+        if key.startswith(prefix):
+            yield key.removeprefix(prefix), value
 
 
 def _swa_families(extra: dict[str, float]) -> Iterator[Metric]:
