@@ -1,5 +1,8 @@
 """Storage-side TTL per traffic class, the LRU collector and the scrubber, on 12 real nodes
-with short TTLs, small capacities and a scrub pass every 0.3 s, metadata in a real Redis."""
+with small capacities and a scrub pass every 0.3 s, metadata in a real Redis. The TTL and
+scrub tests share a cluster with short TTLs; the LRU test has its own, whose TTLs no run
+outlasts, so that only the collector removes what it wrote (with 3 s TTLs a slow machine
+expired the first objects before the later ones filled a node, and no node had to evict)."""
 
 from __future__ import annotations
 
@@ -19,26 +22,46 @@ from tests.integration.kvstore.helpers import node_index, shard_path
 
 pytestmark = pytest.mark.integration
 TTL = {"agent": 1.0, "chat": 3.0}
+LONG_TTL = {"agent": 3600.0, "chat": 3600.0}
 CAPACITY = 2 << 20
+
+
+def _cluster(root: Path, ttl_s: dict[str, float]) -> LocalStoreCluster:
+    cfg = LocalClusterConfig(
+        nodes=12, capacity_bytes=CAPACITY, ttl_s=ttl_s, high_watermark=0.9, low_watermark=0.7,
+        sweep_interval_s=0.2, metrics=True, scrub_bytes_per_s=64 << 20, scrub_period_s=0.3,
+        scrub_first_after_s=0.0,
+    )  # fmt: skip
+    return LocalStoreCluster(cfg, root=root)
 
 
 @pytest.fixture(scope="module")
 def small_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStoreCluster]:
-    cfg = LocalClusterConfig(
-        nodes=12, capacity_bytes=CAPACITY, ttl_s=TTL, high_watermark=0.9, low_watermark=0.7,
-        sweep_interval_s=0.2, metrics=True, scrub_bytes_per_s=64 << 20, scrub_period_s=0.3,
-        scrub_first_after_s=0.0,
-    )  # fmt: skip
-    with LocalStoreCluster(cfg, root=Path(tmp_path_factory.mktemp("small"))) as cluster:
+    with _cluster(Path(tmp_path_factory.mktemp("small")), TTL) as cluster:
         yield cluster
+
+
+@pytest.fixture(scope="module")
+def lru_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalStoreCluster]:
+    with _cluster(Path(tmp_path_factory.mktemp("lru")), LONG_TTL) as cluster:
+        yield cluster
+
+
+def _client(cluster: LocalStoreCluster, redis_url: str, ttl_s: dict[str, float]) -> StoreClient:
+    cfg = StoreClientConfig(nodes=cluster.nodes, ttl_s=ttl_s, background_repair=False)
+    return StoreClient(cfg, RedisDirectory(redis_url))
 
 
 @pytest.fixture()
 def client(small_cluster: LocalStoreCluster, redis_url: str) -> Iterator[StoreClient]:
-    cfg = StoreClientConfig(nodes=small_cluster.nodes, ttl_s=TTL, background_repair=False)
-    c = StoreClient(cfg, RedisDirectory(redis_url))
-    yield c
-    c.close()
+    with _client(small_cluster, redis_url, TTL) as c:
+        yield c
+
+
+@pytest.fixture()
+def lru_client(lru_cluster: LocalStoreCluster, redis_url: str) -> Iterator[StoreClient]:
+    with _client(lru_cluster, redis_url, LONG_TTL) as c:
+        yield c
 
 
 def _node_stats(client: StoreClient) -> list:
@@ -70,8 +93,9 @@ def test_ttl_expires_agent_before_chat_on_nodes_and_directory(client: StoreClien
 
 
 def test_lru_keeps_usage_under_capacity_and_hot_objects_survive(
-    small_cluster: LocalStoreCluster, client: StoreClient
+    lru_cluster: LocalStoreCluster, lru_client: StoreClient
 ) -> None:
+    client = lru_client
     hot = [os.urandom(32) for _ in range(3)]
     hot_data = [os.urandom(1 << 20) for _ in hot]
     client.put_blocks(hot, hot_data, "chat")
@@ -95,7 +119,7 @@ def test_lru_keeps_usage_under_capacity_and_hot_objects_survive(
     readable = sum(len(client.get_prefix([k], touch=False)) for k in cold)
     assert 0 < readable < len(cold)
     assert client.get_prefix(hot) == hot_data
-    port = small_cluster.metrics_ports[0]
+    port = lru_cluster.metrics_ports[0]
     text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
     evicted = [ln for ln in text.splitlines() if ln.startswith("sluice_store_evicted_shards ")]
     assert evicted and float(evicted[0].split()[1]) > 0
