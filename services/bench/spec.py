@@ -174,6 +174,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=3, help="runs per policy, interleaved; the median is kept")
     p.add_argument(
+        "--step-log", action="store_true",
+        help="keep each kept run's decode steps in the JSON (`steps`: per step its ms, tokens emitted, drafts "
+        "it could verify, drafts it verified, drafts accepted, the depth it drafted for the next step, and "
+        "whether it captured a CUDA graph): where a policy's time went, step by step",
+    )  # fmt: skip
+    p.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (default 1: stable on shared CPUs)"
     )
 
@@ -249,9 +255,13 @@ def _run(
         # probe reaching a context bucket the warm-up never verified at, say), so the figures,
         # which are the steady state's, leave it out and count it apart
         captured: list[bool] = []
+        # per decode step: ms, tokens, drafted, verified, accepted, depth, captured (--step-log)
+        log: list[list[float | int]] = []
+        spec = core.spec
         while core.has_work():
             waiting = len(started) < len(prompts)
             step_captures = graphs.captures if graphs is not None else 0
+            counts = _spec_counts(spec)
             t0 = time.perf_counter()
             outs = core.step()
             dt = time.perf_counter() - t0
@@ -268,6 +278,9 @@ def _run(
             full.append(len(decoded) == c and len(started) == c)
             steady.append(waiting)
             emitted += n
+            delta = [a - b for a, b in zip(_spec_counts(spec), counts)]
+            depth = spec.depth if spec is not None else 0
+            log.append([round(dt * 1e3, 3), n, *delta, depth, int(captured[-1])])
         timed = [not cap for cap in captured]
         seconds = sum(t for t, k in zip(step_times, timed) if k)
         stats = core.spec.stats if core.spec is not None else None
@@ -312,9 +325,15 @@ def _run(
             "_steady": steady,
             "_step_tokens": step_tokens,
             "_decoders": decoders,
+            "_steps": log,
         }
     finally:
         core.close()
+
+
+def _spec_counts(spec: Any) -> tuple[int, int, int]:
+    """The speculation counters so far (drafted, verified, accepted); zeros without speculation."""
+    return (spec.stats.drafted, spec.stats.verified, spec.stats.accepted) if spec is not None else (0, 0, 0)
 
 
 def window_rate(tokens: list[int], seconds: list[float], *masks: list[bool]) -> float:
@@ -435,13 +454,21 @@ def run(args: argparse.Namespace) -> Report:
                 extra = modelled(trace, priced or profile, c) | {"acceptance_by_position": acceptance(trace)}
                 extra["selection_replay"] = selection_replay(trace, replay_profiles)
             for r in runs[c].values():
-                for private in ("_trace", "_full", "_steady", "_step_tokens", "_decoders"):
-                    r.pop(private, None)
+                _drop_private(r, keep_steps=args.step_log)
             report.results[f"c{c}"] = {**runs[c], **extra}
             report.rows.append(_row(c, runs[c], extra, judged))
             _targets(report, c, runs[c], judged)
     report.results["wall_s"] = round(time.perf_counter() - t_start, 1)
     return report
+
+
+def _drop_private(r: dict[str, Any], keep_steps: bool) -> None:
+    """A kept run as the JSON reports it: the per-step lists left out, but its step log with
+    ``--step-log``."""
+    if keep_steps:
+        r["steps"] = r["_steps"]
+    for private in ("_trace", "_full", "_steady", "_step_tokens", "_decoders", "_steps"):
+        r.pop(private, None)
 
 
 def _price(r: dict[str, Any], priced: Any) -> None:

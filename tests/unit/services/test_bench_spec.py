@@ -172,6 +172,12 @@ def test_a_refilled_run_keeps_c_slots_busy_and_counts_each_decode_token_once(pol
     steady = r["_steady"]
     assert steady[0] and not steady[-1] and steady == sorted(steady, reverse=True)  # steady, then ramp-down
     assert r["steady_steps"] == sum(steady) and r["steady_tokens_per_s"] > 0
+    # the step log (--step-log): a row per decode step, its tokens those counted, and per step
+    # accepted <= verified <= drafted
+    assert [row[1] for row in r["_steps"]] == r["_step_tokens"]
+    assert all(0 <= row[4] <= row[3] <= row[2] for row in r["_steps"])
+    if policy != "none":
+        assert sum(row[3] for row in r["_steps"]) > 0
     if r["_trace"] is not None:
         assert len(r["_trace"]) == sum(1 for d in r["_decoders"] if d)
         assert [len(step) for step in r["_trace"]] == [d for d in r["_decoders"] if d]
