@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from engine.scheduler.host_slots import HostSlotPool
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.request import Request, RequestStatus
 from engine.scheduler.scheduler import Scheduler, StepUpdate
+from engine.spec.costs import PLAIN, SPECULATING
 from engine.spec.policy import SpecPolicy
 from engine.spec.profile import SpecProfile
 from engine.step_state import SamplingState
@@ -140,6 +142,15 @@ class EngineCore:
         self._decode_steps_extra = self.decode_steps.to_extra()  # replaced whole: read by stats()
         self._new_decode_steps: deque[tuple[int, int, float]] = deque(maxlen=4096)
         self._graph_captures = 0
+        # a DSpark policy times the steps it chose against its profile (SpecPolicy.observe_seconds):
+        # whole steps, as the profile times them, so not where steps overlap (asynchronous)
+        self._times_spec_steps = (
+            self.spec is not None
+            and self.spec.adaptive
+            and self.spec.config.measured_costs
+            and not cfg.overlaps_steps
+        )
+        self._step_clean = True  # no executed step of this call ran anything but decoding
         self._tracks: dict[str, _Track] = {}
         self._out: list[SeqOutput] = []
         self._fetches: dict[str, PendingFetch] = {}
@@ -389,7 +400,12 @@ class EngineCore:
         """Run one step (if there is work) and return the messages produced since the last call."""
         self._poll_fetches()
         if self.loop.has_work() and (not self.loop.idle or self.scheduler.has_ready()):
+            t0 = time.perf_counter()
+            self._step_clean = True
             self._collect(self.loop.step())
+            if self._times_spec_steps:
+                assert self.spec is not None
+                self.spec.observe_seconds(time.perf_counter() - t0, self._step_clean)
             self._sum_decode_steps()
         elif (self._fetches or self._slot_fetches) and not self._out:
             waiting = [f.future for f in self._fetches.values()] + list(self._slot_fetches.values())
@@ -407,9 +423,13 @@ class EngineCore:
         graphs = self.runner.graphs
         captures = graphs.captures if graphs is not None else 0
         captured, self._graph_captures = captures != self._graph_captures, captures
-        if captured or not out.seqs or self.executor.draft_depth(out) > 0:
-            return
-        if out.kv_loads or out.slot_loads or out.slot_saves or out.block_copies or out.slot_copies:
+        moved = bool(out.kv_loads or out.slot_loads or out.slot_saves or out.block_copies or out.slot_copies)
+        decoding = bool(out.seqs) and all(s.num_new == 1 + s.num_drafts and s.sample for s in out.seqs)
+        # what the speculation policy's step timing may count (a pipelined step finishes in
+        # the next call, so its verdict lands there; the steps either side of it are mostly
+        # of its kind, and the policy takes a median over many)
+        self._step_clean = self._step_clean and decoding and not captured and not moved
+        if captured or not out.seqs or self.executor.draft_depth(out) > 0 or moved:
             return
         if any(s.num_new != 1 or s.num_drafts or not s.sample for s in out.seqs):
             return
@@ -518,6 +538,13 @@ class EngineCore:
         extra.update(self._decode_steps_extra)
         if self.spec is not None:
             extra.update(self.spec.stats.as_dict())
+            if self._times_spec_steps:  # measured / profiled step times, per kind (SpecPolicy.costs)
+                costs = self.spec.costs
+                extra.update(
+                    spec_cost_scale_plain=costs.scale(PLAIN), spec_cost_scale_speculating=costs.scale(SPECULATING),
+                    spec_cost_steps_plain=float(costs.steps[PLAIN]),
+                    spec_cost_steps_speculating=float(costs.steps[SPECULATING]),
+                )  # fmt: skip
         graphs = self.runner.graphs
         if graphs is not None:  # CUDA graphs (or their padded batches, run eagerly)
             extra.update(

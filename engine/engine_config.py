@@ -76,6 +76,10 @@ class EngineConfig:
     speculative: str | None = None
     # the verification steps' profile (default: <model>/sluice_spec_steps.json if present)
     spec_profile_path: str | None = None
+    # DSpark rescales the profile's prices of plain and of speculating steps by what this
+    # engine's own steps of each kind take (engine.spec.costs); False: the profile as it is
+    # (a profile of another machine to be followed, or a test's synthetic one)
+    spec_measured_costs: bool = True
     ep_size: int = 1  # > 1: this engine is one rank of an expert-parallel group (lockstep)
     ep_rank: int = 0
     # A seed: seeded random weights built on the device from config.json instead of the
@@ -183,4 +187,8 @@ class EngineConfig:
 
         if self.speculative is None:
             return None
-        return replace(SpecConfig.parse(self.speculative), profile_path=self.spec_profile_path)
+        return replace(
+            SpecConfig.parse(self.speculative),
+            profile_path=self.spec_profile_path,
+            measured_costs=self.spec_measured_costs,
+        )

@@ -27,6 +27,7 @@ from typing import Final
 
 import numpy as np
 
+from engine.spec.costs import PLAIN, SPECULATING, StepCosts
 from engine.spec.dspark import DSparkPlan, LaggedConfidence, choose_policy, plan_dspark_depths
 from engine.spec.profile import MAX_DRAFTS, SpecProfile
 
@@ -39,7 +40,8 @@ class SpecConfig:
     ``fixed``, how many of them are verified (default: all; fewer measures the cost of
     drafting more than is verified, `engine.spec.profiling`); ``margin``: DSpark's selection must beat verifying a
     uniform K by this much (relative) to be used; ``profile_path``: the step profile
-    (default: ``<model>/sluice_spec_steps.json`` when present)."""
+    (default: ``<model>/sluice_spec_steps.json`` when present); ``measured_costs``: rescale
+    the profile by the engine's own step times (`SpecPolicy.observe_seconds`)."""
 
     policy: str = "dspark"
     num_drafts: int = MAX_DRAFTS
@@ -47,6 +49,7 @@ class SpecConfig:
     margin: float = 0.01
     lag: int = 2
     profile_path: str | None = None
+    measured_costs: bool = True
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -118,7 +121,9 @@ class SpecPolicy:
     observed, per draft position, decayed by ``DECAY`` per step that has drafts); it
     switches only for a gain above ``margin``. Before there is evidence enough the depth is
     ``num_drafts``, except at a batch size where plain decoding beats speculation even with
-    every draft accepted (``_never_pays``): there it is 0 at once."""
+    every draft accepted (``_never_pays``): there it is 0 at once. The profile's prices of
+    plain and of speculating steps are each rescaled by what the engine's own steps of that
+    kind took lately (``costs``, `observe_seconds`)."""
 
     # Per step with drafts to verify: observations fade over ~50 such steps. A step without
     # drafts (speculation off, a prefill's) adds no evidence and forgets none: decayed there, a
@@ -156,9 +161,13 @@ class SpecPolicy:
         self._hit_n = [0] * (k + 1)
         self._unfolded = False
         self._since_probe = 0  # steps off since the last probe
-        self._probe_every_at: dict[int, int] = {}
+        self._probe_every_at: dict[int, tuple[float, float]] = {}
         self._off_by_bound = False  # off because no acceptance could pay (``_never_pays``)
-        self._never_pays_at: dict[int, bool] = {}
+        self._never_pays_at: dict[int, tuple[float, float]] = {}
+        # measured against priced step times, per kind of step (over as many steps as the
+        # rates' memory, with as many pseudo-steps of the profile as the rates' prior)
+        self.costs = StepCosts(round(1 / (1 - self.DECAY)), round(self.PRIOR_WEIGHT))
+        self._relative: dict[str, float] = {}  # per option: its throughput / plain's, averaged
         # set to [] to record every step: per request (confidences, drafts verified, accepted)
         self.trace: list[list[tuple[tuple[float, ...], int, int]]] | None = None
         self._open: dict[str, tuple[Sequence[float], int]] = {}
@@ -271,6 +280,7 @@ class SpecPolicy:
         if self.trace is not None:
             self.trace.append([])
         self._open = dict(zip(rids, zip(confidences, ks)))
+        self._price_step(b, sum(ks))
         return ks, name
 
     def _record_confidences(
@@ -326,6 +336,7 @@ class SpecPolicy:
         if self.trace is not None:
             self.trace.append([((), 0, 0)] * rows)  # what ``observe`` records for each
         self._open = {}
+        self._price_step(b, 0)
         return [0] * rows, name
 
     def _follow_selection(self, verified: bool) -> None:
@@ -348,16 +359,16 @@ class SpecPolicy:
         """Whether plain decoding beats speculation at ``b`` requests even if every draft were
         accepted: the best uniform K (the cheapest step that verifies K drafts drafts only K)
         then emits K + 1 tokens per request per step and still runs slower. No acceptance
-        rate is needed to know it, so no evidence is waited for. Cached per batch size (the
-        profile does not change)."""
+        rate is needed to know it, so no evidence is waited for. The profile's throughputs
+        are cached per batch size; the measured scales apply to them each time."""
         assert self.profile is not None
         hit = self._never_pays_at.get(b)
         if hit is None:
             secs = self.profile.uniform_seconds(b, self.config.num_drafts)
-            plain = b / secs[0]
             best = max(b * (1 + k) / secs[k] for k in range(1, len(secs)))
-            hit = self._never_pays_at[b] = best <= plain
-        return hit
+            hit = self._never_pays_at[b] = (b / secs[0], best)
+        plain, best = hit
+        return best / self.costs.scale(SPECULATING) <= plain / self.costs.scale(PLAIN)
 
     def _set_depth(self, b: int, conf: np.ndarray | list[np.ndarray]) -> DSparkPlan | None:
         """The next step's drafting depth: plain decoding, a uniform K, or DSpark over the
@@ -377,7 +388,8 @@ class SpecPolicy:
             return None
         p, full = self.profile, self.config.num_drafts
         secs = p.uniform_seconds(b, full)
-        options = {"off": (b / secs[0], 0)}
+        plain, spec = self.costs.scale(PLAIN), self.costs.scale(SPECULATING)
+        options = {"off": (b / (secs[0] * plain), 0)}
         plan = None
         if conf.size if isinstance(conf, np.ndarray) else any(c.size for c in conf):
             # every option priced on the same model, this step's requests' own (recalibrated)
@@ -385,20 +397,30 @@ class SpecPolicy:
             # selection picks, so they overstate what a uniform K would accept
             filled = _filled(conf, rates, full)
             for k, expected in enumerate(_uniform_expected(filled), start=1):
-                options[f"fixed-{k}"] = (b * expected / secs[k], k)
+                options[f"fixed-{k}"] = (b * expected / (secs[k] * spec), k)
             plans = plan_dspark_depths(filled, [p.for_batch(b, d) for d in range(1, full + 1)])
             for d, pl in enumerate(plans, start=1):
-                options[f"dspark-{d}"] = (pl.throughput, d)
+                options[f"dspark-{d}"] = (pl.throughput / spec, d)
             plan = plans[-1]
         else:  # nothing drafted this step: the rates observed lately
             surv, expected = 1.0, 1.0  # per request: P(first k accepted), tokens emitted
             for k in range(1, full + 1):
                 surv *= rates[k - 1]
                 expected += surv
-                options[f"fixed-{k}"] = (b * expected / secs[k], k)
-        best = max(options, key=lambda m: options[m][0])
-        current = options.get(self.mode, (0.0, 0))[0]
-        if best != self.mode and options[best][0] > current * (1.0 + self.config.margin):
+                options[f"fixed-{k}"] = (b * expected / (secs[k] * spec), k)
+        # each option's throughput over plain decoding's, averaged over the last steps by
+        # their requests: one step of b requests weighs b / MIN_EVIDENCE, so that a choice
+        # rests on ~32 requests' confidences (one step's from 32 requests on; at one request
+        # a single step's confidences are one draw, and a step sure of its drafts would
+        # switch drafting on for the next step's, and an unsure one off)
+        w = min(1.0, b / self.MIN_EVIDENCE)
+        off = options["off"][0]
+        avg = self._relative
+        for m, (v, _) in options.items():
+            avg[m] = v / off if m not in avg else avg[m] + w * (v / off - avg[m])
+        best = max(options, key=avg.__getitem__)
+        current = avg[self.mode] if self.mode in options else 0.0
+        if best != self.mode and avg[best] > current * (1.0 + self.config.margin):
             self.mode = best
         self.depth = options[self.mode][1] if self.mode in options else full
         self._probe(b)
@@ -418,18 +440,41 @@ class SpecPolicy:
     def probe_every(self, b: int) -> int:
         """Steps between probes at ``b`` requests: a probe's cost beyond two plain steps (its
         drafting step, and a step verifying every draft, at most what follows it) over
-        ``PROBE_BUDGET`` of a plain step, from the profile: on the CPU profile in
-        docs/data/spec_profile_cpu.json, 385 steps at 16 requests (a probe there costs ~4
-        plain steps, so the earlier fixed 64 steps priced at 1.7-6 % of plain decoding's
-        time). Cached per batch size."""
+        ``PROBE_BUDGET`` of a plain step, from the profile as the measured scales correct it:
+        on the CPU profile in docs/data/spec_profile_cpu.json, 385 steps at 16 requests (a
+        probe there costs ~4 plain steps, so the earlier fixed 64 steps priced at 1.7-6 % of
+        plain decoding's time). The profile's prices are cached per batch size."""
         assert self.profile is not None
         hit = self._probe_every_at.get(b)
         if hit is None:
             p, full = self.profile, self.config.num_drafts
-            plain = p.step_seconds(b, 0, 0)
-            extra = p.step_seconds(b, 0, full) + p.step_seconds(b, full, full) - 2 * plain
-            hit = self._probe_every_at[b] = max(1, math.ceil(extra / (self.PROBE_BUDGET * plain)))
-        return hit
+            hit = self._probe_every_at[b] = (
+                p.step_seconds(b, 0, full) + p.step_seconds(b, full, full),
+                p.step_seconds(b, 0, 0),
+            )
+        probe, plain = hit[0] * self.costs.scale(SPECULATING), hit[1] * self.costs.scale(PLAIN)
+        return max(1, math.ceil((probe - 2 * plain) / (self.PROBE_BUDGET * plain)))
+
+    def observe_seconds(self, seconds: float, clean: bool = True) -> None:
+        """The engine's step that this policy chose last took ``seconds`` (wall time of the
+        whole step, as the profile measures one); ``clean=False``: its time was not all its
+        own (a prompt's chunk, a cache load, a CUDA graph captured), so it is not counted."""
+        self.costs.observe(seconds, clean)
+
+    def _price_step(self, b: int, verified: int) -> None:
+        """What the profile prices the step just chosen at (``b`` decoding requests verifying
+        ``verified`` drafts in all, drafting ``depth`` each), for `observe_seconds` to
+        compare with. A step that verifies but drafts nothing (the last before a switch off)
+        has no cell in the profile and is not priced."""
+        if not (self.adaptive and self.config.measured_costs):
+            return
+        assert self.profile is not None
+        if verified == 0 and self.depth == 0:
+            self.costs.price(PLAIN, self.profile.step_seconds(b, 0, 0))
+        elif self.depth > 0:
+            self.costs.price(SPECULATING, 1.0 / self.profile.for_batch(b, self.depth).rate_at(b + verified))
+        else:
+            self.costs.unpriced()
 
     def observe(self, rid: str, accepted: int) -> None:
         """The outcome of ``rid``'s verification in the step last chosen: positions 1 ..

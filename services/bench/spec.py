@@ -174,6 +174,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument("--repeats", type=int, default=3, help="runs per policy, interleaved; the median is kept")
     p.add_argument(
+        "--profile-as-is", action="store_true",
+        help="DSpark takes the profile as it is: no rescaling by the engine's own step times (the default "
+        "rescales plain and speculating steps' prices by what they took; --priced-by implies this)",
+    )  # fmt: skip
+    p.add_argument(
         "--step-log", action="store_true",
         help="keep each kept run's decode steps in the JSON (`steps`: per step its ms, tokens emitted, drafts "
         "it could verify, drafts it verified, drafts accepted, the depth it drafted for the next step, and "
@@ -197,6 +202,7 @@ def _run(
     engine_kwargs: dict[str, Any],
     warmup_tokens: int = 0,
     concurrency: int | None = None,
+    measured_costs: bool = True,
 ) -> dict[str, Any]:
     """One engine, one policy: ``prompts`` decoded ``tokens`` each, at most ``concurrency``
     (default: all of them) at a time; a finished request's slot goes to the next prompt."""
@@ -213,7 +219,8 @@ def _run(
         model=str(model), max_num_seqs=c, num_swa_slots=c, num_blocks=c * (-(-per_req // 256) + 1) + 4,
         max_num_batched_tokens=max(32_768, c * len(prompts[0])), enable_prefix_caching=False,
         speculative=None if policy == "none" else policy,
-        spec_profile_path=str(profile_path) if profile_path is not None else None, **engine_kwargs,
+        spec_profile_path=str(profile_path) if profile_path is not None else None,
+        spec_measured_costs=measured_costs, **engine_kwargs,
     )  # fmt: skip
     core = EngineCore(cfg)
     try:
@@ -286,6 +293,7 @@ def _run(
         stats = core.spec.stats if core.spec is not None else None
         trace = core.spec.trace if core.spec is not None else None
         req_steps = sum(len(s) for s in trace) if trace else 0
+        extra = core.stats().extra
         return {
             "policy": policy,
             "concurrency": c,
@@ -320,6 +328,14 @@ def _run(
             "capture_steps_timed": sum(captured),
             "capture_seconds_timed": sum(t for t, cap in zip(step_times, captured) if cap),
             "warmup_rounds": warmup_rounds,
+            # DSpark's measured over profiled step times at the end (plain, speculating), and
+            # the steps behind each; null where the profile is taken as it is
+            "cost_scales": [extra["spec_cost_scale_plain"], extra["spec_cost_scale_speculating"]]
+            if "spec_cost_scale_plain" in extra
+            else None,
+            "cost_steps": [int(extra["spec_cost_steps_plain"]), int(extra["spec_cost_steps_speculating"])]
+            if "spec_cost_steps_plain" in extra
+            else None,
             "_trace": trace,
             "_full": full,
             "_steady": steady,
@@ -419,6 +435,9 @@ def run(args: argparse.Namespace) -> Report:
         # DSpark's engines schedule by --priced-by's profile when given (it is that machine's choice
         # being measured); the fixed policies ignore the profile
         dspark_path = Path(args.priced_by) if args.priced_by else ppath
+        # --priced-by's profile is another machine's, to be followed here, not rescaled to this one
+        measured_costs = not (args.priced_by or args.profile_as_is)
+        report.config["measured_costs"] = measured_costs
         if args.save_profile:  # where this machine's engines look for it
             (model / device_steps_file(args.device)).write_text(profile.to_json() + "\n")
         runs: dict[int, dict[str, Any]] = {}
@@ -431,7 +450,7 @@ def run(args: argparse.Namespace) -> Report:
                     path = dspark_path if policy.startswith("dspark") else ppath
                     r = _run(
                         model, prompts_all[: c * per_slot], args.tokens, policy, path, engine_kwargs,
-                        args.warmup_tokens, concurrency=c,
+                        args.warmup_tokens, concurrency=c, measured_costs=measured_costs,
                     )  # fmt: skip
                     release_memory(engine_kwargs)  # the engine is unreachable only once `_run` returned
                     if priced is not None:

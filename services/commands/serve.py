@@ -149,6 +149,11 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="the verification step profile (default: <model>/sluice_spec_steps.json if present)",
     )  # fmt: skip
     p.add_argument(
+        "--spec-profile-as-is", dest="spec_measured_costs", action="store_const", const=False, default=None,
+        help="DSpark follows the step profile as it is; by default it rescales the profile's prices of plain "
+        "and speculating steps by what this engine's own steps take (docs/speculative.md)",
+    )  # fmt: skip
+    p.add_argument(
         "--swa-directory", default=None, metavar="URL",
         help="share the host pool's slots with other engines through this SWA directory "
         "('memory' or a Redis URL); needs --host-swa-mib",
@@ -215,7 +220,7 @@ def api_config_from(args: argparse.Namespace) -> tuple[object, str, int, Path]:
 _ENGINE_FLAGS = {
     "device": "device", "dtype": "dtype", "swa_replay": "swa_replay",
     "host_swa_format": "host_swa_format", "host_swa_layers": "host_swa_layers",
-    "speculative": "speculative", "spec_profile": "spec_profile_path",
+    "speculative": "speculative", "spec_profile": "spec_profile_path", "spec_measured_costs": "spec_measured_costs",
     "swa_directory": "swa_directory", "swa_lease_s": "swa_lease_s",
 }  # fmt: skip
 

@@ -143,3 +143,16 @@ def test_window_state_flags_reach_the_engine_config() -> None:
     assert serve.engine_kwargs_from(build_parser().parse_args(["serve", "--fp8-weights", "dequantize"])) == {}
     with pytest.raises(ValueError, match="--host-swa-mib"):
         serve.engine_kwargs_from(build_parser().parse_args(["serve", "--host-swa-mib", "-1"]))
+
+
+def test_speculation_flags_reach_the_engine_config() -> None:
+    """--spec-profile-as-is turns the measured step costs off; without it the engine keeps
+    its default (on)."""
+    args = build_parser().parse_args(
+        ["serve", "--speculative", "dspark", "--spec-profile", "p.json", "--spec-profile-as-is"]
+    )
+    assert serve.engine_kwargs_from(args) == {
+        "speculative": "dspark", "spec_profile_path": "p.json", "spec_measured_costs": False,
+    }  # fmt: skip
+    plain = serve.engine_kwargs_from(build_parser().parse_args(["serve", "--speculative", "dspark"]))
+    assert plain == {"speculative": "dspark"}

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from engine.spec.costs import PLAIN, SPECULATING, StepCosts
 from engine.spec.policy import SpecConfig, SpecPolicy
 from engine.spec.profile import SPEC_STEPS_FILE, SpecProfile, spec_steps_file
 
@@ -394,3 +395,125 @@ def test_a_profile_extrapolated_in_depth_is_affine_in_layers() -> None:
         extrapolate_layers({1: at_depth(1)}, 43)
     with pytest.raises(ValueError, match="share"):
         extrapolate_layers({1: at_depth(1), 3: SpecProfile((1,), DRAFTS, (at_depth(3).seconds[0],))}, 43)
+
+
+def _stale(real: SpecProfile, spec_factor: float) -> SpecProfile:
+    """``real`` as profiled when its speculating steps ran ``spec_factor`` times as long (its
+    plain steps as now)."""
+    return SpecProfile(
+        real.batch, real.drafts, tuple(tuple(s * spec_factor for s in row) for row in real.seconds),
+        real.drafted, tuple(p * spec_factor for p in real.draft_pass), real.plain,
+    )  # fmt: skip
+
+
+def _drive_timed(pol: SpecPolicy, conf: float, b: int, steps: int, real: SpecProfile | None) -> None:
+    """``steps`` steps of ``b`` requests whose every draft has confidence and acceptance
+    probability ``conf`` (seeded); with ``real``, each step's wall time is what ``real``
+    says a step of its kind costs (plain; or verifying what the policy chose while drafting
+    ``depth``), told to the policy as an engine does."""
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    rids = [f"r{i}" for i in range(b)]
+    for _ in range(steps):
+        ks, _ = pol.choose(rids, [[conf] * pol.depth] * b)
+        if real is not None:
+            verified, d = sum(ks), pol.depth
+            secs = (
+                real.plain[-1]
+                if not verified and not d
+                else real.for_batch(b, d).steps_per_s(b + verified) ** -1
+            )
+            pol.observe_seconds(float(secs))
+        for rid, k in zip(rids, ks):
+            acc = 0
+            while acc < k and rng.random() < conf:
+                acc += 1
+            pol.observe(rid, acc)
+
+
+def test_a_stale_profile_is_rescaled_by_the_measured_steps_and_chooses_as_the_true_one(monkeypatch) -> None:
+    """The profile was measured when speculating steps ran 1.5x as long as they do now (a
+    lease whose host was slower; plain steps as now). By it, plain decoding beats every
+    option at 32 requests and 0.7 acceptance; by today's costs, speculating pays (~1.37x).
+    Told each step's wall time, the policy rescales the speculating prices by the measured
+    2/3 (plain by 1) and drafts as deep as a policy on the true profile does; not told (or
+    with measured costs off), it stays off."""
+    monkeypatch.setattr(SpecPolicy, "PROBE_BUDGET", 0.1)  # probes every few dozen steps
+    real = _profile(verify_s=0.002, pass_s=0.001, plain_s=0.010, batch=(32,))
+    stale = _stale(real, 1.5)
+    truth = SpecPolicy(SpecConfig("dspark"), real)
+    _drive_timed(truth, 0.7, 32, 300, real)
+    assert truth.mode != "off" and truth.depth > 0
+    assert truth.costs.scale(PLAIN) == pytest.approx(1.0) and truth.costs.scale(SPECULATING) == pytest.approx(
+        1.0
+    )
+    blind = SpecPolicy(SpecConfig("dspark"), stale)
+    _drive_timed(blind, 0.7, 32, 300, None)
+    assert blind.mode == "off"
+    off = SpecPolicy(SpecConfig("dspark", measured_costs=False), stale)
+    _drive_timed(off, 0.7, 32, 300, real)
+    assert off.mode == "off" and off.costs.steps == [0, 0]
+    timed = SpecPolicy(SpecConfig("dspark"), stale)
+    _drive_timed(timed, 0.7, 32, 300, real)
+    assert timed.costs.scale(SPECULATING) == pytest.approx(1 / 1.5, rel=1e-6)
+    assert timed.costs.scale(PLAIN) == pytest.approx(1.0)
+    # the same depth; with every request's drafts alike, DSpark's selection over 2 and verifying
+    # 2 of each are one option within the switching margin, and either may be the one held
+    assert timed.depth == truth.depth == 2 and {timed.mode, truth.mode} <= {"fixed-2", "dspark-2"}
+
+
+def test_step_costs_take_a_median_with_the_profile_as_a_prior() -> None:
+    """Four pseudo-steps at the pooled scale (itself with four at 1.0): a few steps move
+    nothing, more move the scale to what they show, one slow step among many moves nothing;
+    a kind with no steps of its own follows the pooled scale (the machine's speed), one with
+    its own steps is apart; a step not clean, or not priced, is not counted."""
+    costs = StepCosts(window=50, prior=4)
+
+    def steps(kind: int, n: int, priced: float, took: float) -> None:
+        for _ in range(n):
+            costs.price(kind, priced)
+            costs.observe(took)
+
+    steps(SPECULATING, 3, 0.010, 0.007)
+    assert costs.scale(SPECULATING) == 1.0 and costs.steps == [0, 3]
+    steps(SPECULATING, 7, 0.010, 0.007)
+    assert costs.scale(SPECULATING) == pytest.approx(0.7)
+    assert costs.scale(PLAIN) == pytest.approx(0.7)  # no plain step yet: the machine's speed
+    steps(SPECULATING, 1, 0.010, 0.5)  # a collector pause
+    assert costs.scale(SPECULATING) == pytest.approx(0.7)
+    steps(PLAIN, 20, 0.010, 0.012)
+    assert costs.scale(PLAIN) == pytest.approx(1.2) and costs.scale(SPECULATING) == pytest.approx(0.7)
+    costs.price(PLAIN, 0.010)
+    costs.observe(0.1, clean=False)  # a prompt's chunk ran in it
+    costs.unpriced()
+    costs.observe(0.1)
+    costs.observe(0.1)  # nothing priced since the last
+    assert costs.steps == [20, 11] and costs.scale(PLAIN) == pytest.approx(1.2)
+    with pytest.raises(ValueError, match="window"):
+        StepCosts(window=0, prior=4)
+
+
+def test_at_one_request_the_depth_follows_the_confidences_of_many_steps_not_the_last() -> None:
+    """One request whose drafts are sure on one step and unsure on the next (0.95, then 0.3,
+    at every position; accepted as often). Verifying one draft a step pays on average (1.20x
+    plain decoding: a sure step's 1.44x, an unsure step's 0.96x). Deciding on each step's
+    own confidences, the policy switched drafting off after every unsure step, so the sure
+    step after it had nothing to verify: it verified only on unsure steps and was off on 249
+    of 400. Averaging the options' values over ~32 requests' confidences (one step of 32, or
+    32 steps of one), it keeps drafting."""
+    import numpy as np
+
+    pol = SpecPolicy(
+        SpecConfig("dspark"), _profile(verify_s=0.002, pass_s=0.0015, plain_s=0.010, batch=(1, 32))
+    )
+    rng = np.random.default_rng(0)
+    for step in range(400):
+        p = 0.95 if step % 2 else 0.3
+        ks, _ = pol.choose(["r"], [[p] * pol.depth])
+        acc = 0
+        while acc < ks[0] and rng.random() < p:
+            acc += 1
+        pol.observe("r", acc)
+    off = pol.stats.policies["off"] + pol.stats.policies["none"]
+    assert pol.mode != "off" and off < 40, pol.stats.policies

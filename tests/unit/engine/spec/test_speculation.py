@@ -4,8 +4,9 @@ constraints included; and the blocks it publishes hold exactly what plain decodi
 
 The DSpark runs use a synthetic step profile whose verification cost rises steeply with the
 drafts verified, so that the selection verifies some drafts of some requests and not others
-(the profile of this machine would pick whatever it measured); identity must hold for any
-selection.
+(the profile of this machine would pick whatever it measured), taken as it is (no rescaling
+by the measured step times, which would move it towards this machine's); identity must hold
+for any selection.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def _outputs(n: int, stats: dict[str, float] | None = None, **engine: object) ->
 def _check_identity(n: int, steep_profile: str, policies: tuple[str, ...]) -> None:
     base = _outputs(n)
     for policy in policies:
-        spec = _outputs(n, speculative=policy, spec_profile_path=steep_profile)
+        spec = _outputs(n, speculative=policy, spec_profile_path=steep_profile, spec_measured_costs=False)
         for r, (a, b) in enumerate(zip(base, spec)):
             bad = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
             assert not bad, f"{policy}, round {r}: prompts {bad[:5]} differ"
@@ -97,7 +98,12 @@ def test_greedy_tokens_equal_plain_decoding(steep_profile) -> None:
     for name, engine in (("dspark", {}), ("dspark padded", {"decode_graphs": "padded"})):
         stats[name] = {}
         spec = _outputs(
-            12, stats[name], speculative=name.split()[0], spec_profile_path=steep_profile, **engine
+            12,
+            stats[name],
+            speculative=name.split()[0],
+            spec_profile_path=steep_profile,
+            spec_measured_costs=False,
+            **engine,
         )
         for r, (a, b) in enumerate(zip(base, spec)):
             bad = [i for i, (x, y) in enumerate(zip(a, b)) if x != y]
@@ -134,7 +140,13 @@ def test_seeded_sampling_equals_plain_decoding_and_dspark_selects(steep_profile)
         want = _generate(plain, prompts, params)
     finally:
         plain.close()
-    llm = LLM(MODEL, max_num_seqs=16, speculative="dspark", spec_profile_path=steep_profile)
+    llm = LLM(
+        MODEL,
+        max_num_seqs=16,
+        speculative="dspark",
+        spec_profile_path=steep_profile,
+        spec_measured_costs=False,
+    )
     try:
         assert _generate(llm, prompts, params) == want
         stats = llm.core.stats().extra
@@ -144,6 +156,58 @@ def test_seeded_sampling_equals_plain_decoding_and_dspark_selects(steep_profile)
     assert 0 < stats["spec_verified_tokens"] < stats["spec_drafted_tokens"]
     assert stats["spec_accepted_tokens"] > 0
     assert stats.get("spec_policy_dspark", 0) > 0
+
+
+def _told_times(profile: str, measured: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list, list, dict]:
+    """A DSpark engine's run of six prompts: what the engine told its policy per step
+    (seconds, clean), the wall time of each `EngineCore.step` call, and its stats."""
+    import time
+
+    prompts = _prompts(6)
+    params = [SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)] * len(prompts)
+    llm = LLM(
+        MODEL, max_num_seqs=16, speculative="dspark", spec_profile_path=profile, spec_measured_costs=measured
+    )
+    told: list[tuple[float, bool]] = []
+    walls: list[float] = []
+    try:
+        core = llm.core
+        observe, step = core.spec.observe_seconds, core.step
+
+        def telling(seconds: float, clean: bool = True) -> None:
+            told.append((seconds, clean))
+            observe(seconds, clean)
+
+        def timed():
+            t0 = time.perf_counter()
+            out = step()
+            walls.append(time.perf_counter() - t0)
+            return out
+
+        monkeypatch.setattr(core.spec, "observe_seconds", telling)
+        monkeypatch.setattr(core, "step", timed)
+        _generate(llm, prompts, params)
+        return told, walls, core.stats().extra
+    finally:
+        llm.close()
+
+
+def test_the_engine_tells_the_policy_each_step_s_wall_time(tmp_path, monkeypatch) -> None:
+    """A DSpark engine with measured costs (the default) tells its policy the wall time of
+    every step it ran, the whole step (as the profile times steps), and marks the prompts'
+    step as not a decode step's; the policy counts the decode steps it priced and rescales the
+    (synthetic) profile towards this machine's times; with measured costs off it is told
+    nothing."""
+    profile = _overlap_profile(tmp_path, verify_s=0.005, fixed_s=0.02, pass_s=0.001)
+    told, walls, stats = _told_times(profile, True, monkeypatch)
+    assert len(told) == len(walls) > 8
+    assert not told[0][1] and all(clean for _, clean in told[1:])  # the prompts' step, then decoding
+    assert all(0 < s <= w for (s, _), w in zip(told, walls))
+    counted = stats["spec_cost_steps_plain"] + stats["spec_cost_steps_speculating"]
+    assert 0 < counted <= len(told) - 1
+    assert (stats["spec_cost_scale_plain"], stats["spec_cost_scale_speculating"]) != (1.0, 1.0)
+    told, walls, stats = _told_times(profile, False, monkeypatch)
+    assert told == [] and walls and "spec_cost_scale_plain" not in stats
 
 
 class _Routing:
@@ -298,6 +362,7 @@ def _dspark_and_plain(
         num_swa_slots=32,
         speculative="dspark",
         spec_profile_path=profile,
+        spec_measured_costs=False,
         **{loop: True},
     )
     return llm, want
