@@ -5,11 +5,11 @@ A profile is measured once, on one lease of a machine, in one hour of it; the po
 prices every option with it. Where the machine runs its steps faster or slower than when it
 was profiled, and not alike for every kind of step, the profile misprices one option against
 another: on one H100 the profile of one lease priced a batch-1 step verifying 5 drafts at
-7.52 ms, and the same checkpoint and code ran such steps at 6.49 ms in a later lease (its plain steps at the profile's 2.72 ms), which is the difference between
-speculating and not at one request.
-So the policy times the steps it chose and rescales the profile by what it measured, per
-kind of step: plain (nothing verified, nothing drafted) and speculating (anything else),
-the two sides of the choice it makes.
+7.52 ms, and the same checkpoint and code ran such steps at 6.49 ms in a later lease (its
+plain steps at the profile's 2.72 ms), which is the difference between speculating and not
+at one request. So the policy times the steps it chose and rescales the profile by what it
+measured, per kind of step: plain (nothing verified, nothing drafted) and speculating
+(anything else), the two sides of the choice it makes.
 """
 
 from __future__ import annotations
