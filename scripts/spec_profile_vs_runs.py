@@ -39,7 +39,6 @@ def main() -> None:
     print(f"profile measured in {time.perf_counter() - t0:.0f} s", flush=True)
     prompts = staggered(heldout_prompts(model, 2 * b, 256), phase_period(model))
     priced = [s * 1e3 for s in prof.uniform_seconds(b, 5)]
-    out: dict[str, object] = {"batch": b, "profile_uniform_ms": priced, "runs": {}}
     runs: dict[str, list[float]] = {}
     for _ in range(2):
         for k in [0, *(int(x) for x in args.fixed.split(","))]:
@@ -49,8 +48,7 @@ def main() -> None:
             median = statistics.median(full) if full else float("nan")
             runs.setdefault(policy, []).append(median)
             print(f"{policy}: {median:.2f} ms a full-batch step ({len(full)} steps); profile {priced[k]:.2f}")
-    out["runs"] = runs
-    print(json.dumps(out))
+    print(json.dumps({"batch": b, "profile_uniform_ms": priced, "runs": runs}))
 
 
 if __name__ == "__main__":

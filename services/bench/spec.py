@@ -294,6 +294,7 @@ def _run(
         trace = core.spec.trace if core.spec is not None else None
         req_steps = sum(len(s) for s in trace) if trace else 0
         extra = core.stats().extra
+        costs = "spec_cost_scale_plain" in extra  # DSpark rescaled its profile (measured costs)
         return {
             "policy": policy,
             "concurrency": c,
@@ -330,11 +331,11 @@ def _run(
             "warmup_rounds": warmup_rounds,
             # DSpark's measured over profiled step times at the end (plain, speculating), and
             # the steps behind each; null where the profile is taken as it is
-            "cost_scales": [extra["spec_cost_scale_plain"], extra["spec_cost_scale_speculating"]]
-            if "spec_cost_scale_plain" in extra
+            "cost_scales": [extra[f"spec_cost_scale_{k}"] for k in ("plain", "speculating")]
+            if costs
             else None,
-            "cost_steps": [int(extra["spec_cost_steps_plain"]), int(extra["spec_cost_steps_speculating"])]
-            if "spec_cost_steps_plain" in extra
+            "cost_steps": [int(extra[f"spec_cost_steps_{k}"]) for k in ("plain", "speculating")]
+            if costs
             else None,
             "_trace": trace,
             "_full": full,
