@@ -159,8 +159,9 @@ def test_seeded_sampling_equals_plain_decoding_and_dspark_selects(steep_profile)
 
 
 def _told_times(profile: str, measured: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[list, list, dict]:
-    """A DSpark engine's run of six prompts: what the engine told its policy per step
-    (seconds, clean), the wall time of each `EngineCore.step` call, and its stats."""
+    """A DSpark engine's run of six prompts, its tokens checked against plain decoding's:
+    what the engine told its policy per step (seconds, clean), the wall time of each
+    `EngineCore.step` call, and its stats."""
     import time
 
     prompts = _prompts(6)
@@ -186,7 +187,12 @@ def _told_times(profile: str, measured: bool, monkeypatch: pytest.MonkeyPatch) -
 
         monkeypatch.setattr(core.spec, "observe_seconds", telling)
         monkeypatch.setattr(core, "step", timed)
-        _generate(llm, prompts, params)
+        got = _generate(llm, prompts, params)
+        plain = LLM(MODEL, max_num_seqs=16)
+        try:  # rescaled or not, the policy only chooses which drafts to verify: the tokens stay
+            assert got == _generate(plain, prompts, params)
+        finally:
+            plain.close()
         return told, walls, core.stats().extra
     finally:
         llm.close()
