@@ -119,19 +119,21 @@ class SpecPolicy:
     depth d), all priced on this step's confidences recalibrated against the outcomes
     observed lately (`calibration`; in a step without drafts, on the acceptance rates
     observed, per draft position, decayed by ``DECAY`` per step that has drafts); it
-    switches only for a gain above ``margin``. Before there is evidence enough the depth is
-    ``num_drafts``, except at a batch size where plain decoding beats speculation even with
+    switches only for a gain above ``margin``, each option's value averaged over the last
+    ~``MIN_EVIDENCE`` requests' steps. Until that many requests' steps have had drafts the
+    depth is ``num_drafts``, except at a batch size where plain decoding beats speculation even with
     every draft accepted (``_never_pays``): there it is 0 at once. The profile's prices of
     plain and of speculating steps are each rescaled by what the engine's own steps of that
     kind took lately (``costs``, `observe_seconds`)."""
 
     # Per step with drafts to verify: observations fade over ~50 such steps. A step without
-    # drafts (speculation off, a prefill's) adds no evidence and forgets none: decayed there, a
-    # long off period emptied the record, and each probe then sent the policy back to drafting
-    # every step until MIN_EVIDENCE outcomes were in again.
+    # drafts (speculation off, a prefill's) adds no evidence and forgets none.
     DECAY: Final = 0.98
-    # The depth leaves num_drafts only on this much (decayed) evidence of position 1: the
-    # rate's standard error is then below 0.09 whatever it is.
+    # Requests' steps with drafts behind a decision: the depth's first waits for this many
+    # (one step of 32 requests, 32 steps of one), and each option's value is averaged over
+    # about as many (a step of b weighs b / MIN_EVIDENCE). Not outcomes: at one request the
+    # selection verifies on some steps only, and 32 decayed outcomes of position 1 could take
+    # longer to come than drafting lasted (each unsure step before them switched it off).
     MIN_EVIDENCE: Final = 32.0
     # Pseudo-observations of the prior (the confidence head's mean per position).
     PRIOR_WEIGHT: Final = 4.0
@@ -160,6 +162,7 @@ class SpecPolicy:
         self._tried_n = [0] * (k + 1)
         self._hit_n = [0] * (k + 1)
         self._unfolded = False
+        self._seen = 0  # requests' steps with drafts so far (the depth's first decision waits)
         self._since_probe = 0  # steps off since the last probe
         self._probe_every_at: dict[int, tuple[float, float]] = {}
         self._off_by_bound = False  # off because no acceptance could pay (``_never_pays``)
@@ -192,6 +195,11 @@ class SpecPolicy:
             (h + w * (cs / max(cn, 1e-12) if cn > 0 else 0.5)) / (t + w)
             for h, t, cs, cn in zip(self._hits, self._tries, self._conf_sum, self._conf_n)
         ]
+
+    def _head_means(self) -> list[float]:
+        """The confidence head's mean prediction per position (what `_rates` is smoothed
+        towards), for the rates before any draft has an outcome."""
+        return [cs / cn if cn > 0 else 0.5 for cs, cn in zip(self._conf_sum, self._conf_n)]
 
     def calibration(self) -> list[float]:
         """Per draft position, what the confidence head's predictions are multiplied by: the
@@ -247,6 +255,7 @@ class SpecPolicy:
         for acc in (self._hits, self._tries, self._conf_sum, self._conf_n, self._conf_tried):
             acc[:] = [x * d for x in acc]
         conf = self._record_confidences(rids, confidences, n)
+        self._seen += sum(1 for k in n if k)
         if self.config.policy != "fixed" and self.profile is not None:  # DSpark selects
             conf = self._calibrated(conf)
         plan = self._set_depth(b, conf) if self.adaptive else None
@@ -270,8 +279,6 @@ class SpecPolicy:
             )
             if name == "fixed-K":
                 name = f"fixed-{max(ks)}"
-            if self.adaptive and not self._off_by_bound and self._tries[0] < self.MIN_EVIDENCE:
-                self._follow_selection(any(ks))
         self.stats.steps += 1
         self.stats.drafted += sum(n)
         self.stats.verified += sum(ks)
@@ -339,17 +346,6 @@ class SpecPolicy:
         self._price_step(b, 0)
         return [0] * rows, name
 
-    def _follow_selection(self, verified: bool) -> None:
-        """Before there is evidence: a step whose selection, on its own confidences, verifies
-        none of its drafts yields no observation, so waiting for evidence would draft for
-        nothing forever (the H200 at 128 requests drafted every step and verified none, 1.4x a
-        plain step). Drafting stops there, as when off (probing every `probe_every` steps);
-        a probe whose drafts are verified drafts again to gather the evidence."""
-        if not verified:
-            self.mode, self.depth = "off", 0
-        elif self.mode == "off":
-            self.mode, self.depth = self._deepest, self.config.num_drafts
-
     @property
     def _deepest(self) -> str:
         """The mode before evidence: DSpark's selection over every draft."""
@@ -373,41 +369,19 @@ class SpecPolicy:
     def _set_depth(self, b: int, conf: np.ndarray | list[np.ndarray]) -> DSparkPlan | None:
         """The next step's drafting depth: plain decoding, a uniform K, or DSpark over the
         first d drafts, whichever the profile prices fastest (``conf``: this step's
-        confidences, recalibrated). Returns DSpark's plan over every draft where it made one
-        on this step's own confidences (every request with ``num_drafts`` or more), which the
-        step's selection can then take as it is."""
+        confidences, recalibrated), on average over the last ~``MIN_EVIDENCE`` requests'
+        steps. Until that many requests' steps have had drafts the depth stays
+        ``num_drafts`` (their values are averaged all the same). Returns DSpark's plan over
+        every draft where it made one on this step's own confidences (every request with
+        ``num_drafts`` or more), which the step's selection can then take as it is."""
         assert self.profile is not None
         self.prepare(b)
         if self._off_by_bound:
             return None
-        rates = self._rates()
-        if rates is None or self._tries[0] < self.MIN_EVIDENCE:
-            # too little evidence yet: keep drafting num_drafts (unless the selection
-            # verified nothing: `_follow_selection`, off and probing)
-            self._probe(b)
-            return None
-        p, full = self.profile, self.config.num_drafts
-        secs = p.uniform_seconds(b, full)
-        plain, spec = self.costs.scale(PLAIN), self.costs.scale(SPECULATING)
-        options = {"off": (b / (secs[0] * plain), 0)}
-        plan = None
-        if conf.size if isinstance(conf, np.ndarray) else any(c.size for c in conf):
-            # every option priced on the same model, this step's requests' own (recalibrated)
-            # confidences: the observed rates are those of the drafts verified, which a
-            # selection picks, so they overstate what a uniform K would accept
-            filled = _filled(conf, rates, full)
-            for k, expected in enumerate(_uniform_expected(filled), start=1):
-                options[f"fixed-{k}"] = (b * expected / (secs[k] * spec), k)
-            plans = plan_dspark_depths(filled, [p.for_batch(b, d) for d in range(1, full + 1)])
-            for d, pl in enumerate(plans, start=1):
-                options[f"dspark-{d}"] = (pl.throughput / spec, d)
-            plan = plans[-1]
-        else:  # nothing drafted this step: the rates observed lately
-            surv, expected = 1.0, 1.0  # per request: P(first k accepted), tokens emitted
-            for k in range(1, full + 1):
-                surv *= rates[k - 1]
-                expected += surv
-                options[f"fixed-{k}"] = (b * expected / (secs[k] * spec), k)
+        drafted = conf.size if isinstance(conf, np.ndarray) else any(c.size for c in conf)
+        if not drafted and self._seen < self.MIN_EVIDENCE:
+            return None  # no confidences, and no decision yet to reprice
+        options, plan = self._options(b, conf if drafted else None)
         # each option's throughput over plain decoding's, averaged over the last steps by
         # their requests: one step of b requests weighs b / MIN_EVIDENCE, so that a choice
         # rests on ~32 requests' confidences (one step's from 32 requests on; at one request
@@ -418,13 +392,47 @@ class SpecPolicy:
         avg = self._relative
         for m, (v, _) in options.items():
             avg[m] = v / off if m not in avg else avg[m] + w * (v / off - avg[m])
+        if self._seen < self.MIN_EVIDENCE:  # too few requests' drafts yet: keep drafting all
+            return plan
         best = max(options, key=avg.__getitem__)
         current = avg[self.mode] if self.mode in options else 0.0
         if best != self.mode and avg[best] > current * (1.0 + self.config.margin):
             self.mode = best
-        self.depth = options[self.mode][1] if self.mode in options else full
+        self.depth = options[self.mode][1] if self.mode in options else self.config.num_drafts
         self._probe(b)
-        return plan if isinstance(conf, np.ndarray) and conf.shape[1] >= full else None
+        return plan
+
+    def _options(
+        self, b: int, conf: np.ndarray | list[np.ndarray] | None
+    ) -> tuple[dict[str, tuple[float, int]], DSparkPlan | None]:
+        """Each depth's priced throughput at ``b`` requests, with the depth it drafts: on
+        this step's (recalibrated) confidences, or on the rates observed lately where the
+        step has none (``conf`` None). Also DSpark's plan over every draft where this step's
+        confidences make one for every request."""
+        assert self.profile is not None
+        rates = self._rates() or self._head_means()
+        p, full = self.profile, self.config.num_drafts
+        secs = p.uniform_seconds(b, full)
+        plain, spec = self.costs.scale(PLAIN), self.costs.scale(SPECULATING)
+        options = {"off": (b / (secs[0] * plain), 0)}
+        if conf is None:  # nothing drafted this step: the rates observed lately
+            surv, expected = 1.0, 1.0  # per request: P(first k accepted), tokens emitted
+            for k in range(1, full + 1):
+                surv *= rates[k - 1]
+                expected += surv
+                options[f"fixed-{k}"] = (b * expected / (secs[k] * spec), k)
+            return options, None
+        # every option priced on the same model, this step's requests' own (recalibrated)
+        # confidences: the observed rates are those of the drafts verified, which a
+        # selection picks, so they overstate what a uniform K would accept
+        filled = _filled(conf, rates, full)
+        for k, expected in enumerate(_uniform_expected(filled), start=1):
+            options[f"fixed-{k}"] = (b * expected / (secs[k] * spec), k)
+        plans = plan_dspark_depths(filled, [p.for_batch(b, d) for d in range(1, full + 1)])
+        for d, pl in enumerate(plans, start=1):
+            options[f"dspark-{d}"] = (pl.throughput / spec, d)
+        full_rows = isinstance(conf, np.ndarray) and conf.shape[1] >= full
+        return options, plans[-1] if full_rows else None
 
     def _probe(self, b: int) -> None:
         """Off: draft now and then (every `probe_every` steps), so that the rates follow the
