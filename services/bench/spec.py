@@ -36,7 +36,11 @@ Reported per run:
   after the last one starts is left out) and counts decode tokens only (a prompt's first
   token is its prefill's). The throughput targets then judge it. On the wall clock the refill
   prompts' prefills run inside those steps; priced by ``--priced-by``, only the decode steps
-  are priced (a disaggregated deployment's prefill pool runs the prompts).
+  are priced (a disaggregated deployment's prefill pool runs the prompts). Requests of one
+  length finish together under plain decoding, so each wave of refills is one step of ``c``
+  prompts, where speculation spreads them over several steps of a few; ``--finish-spread
+  S`` shortens request ``k`` by ``k mod S`` tokens, so that every policy's requests finish
+  and refill over ``S`` steps, as independent requests' do.
 
 **Oracle.** The fixed-5 run records each request's confidences and how many of its 5
 drafts were accepted at every step (``L``). On that trace, with the profile of this run,
@@ -172,6 +176,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "M x c requests run c at a time, each finished one's slot refilled: the steady_* figures cover "
         "the steps while prompts wait (decoding at concurrency c), and the throughput targets judge them",
     )  # fmt: skip
+    p.add_argument(
+        "--finish-spread", type=_at_least_one, default=1, metavar="STEPS",
+        help="request k generates --tokens minus (k mod STEPS) tokens, so that requests finish, and their "
+        "slots refill, over STEPS steps, as independent requests do (default 1: every request generates "
+        "--tokens, and under plain decoding they finish, and refill, in one step)",
+    )  # fmt: skip
     p.add_argument("--repeats", type=int, default=3, help="runs per policy, interleaved; the median is kept")
     p.add_argument(
         "--profile-as-is", action="store_true",
@@ -203,9 +213,11 @@ def _run(
     warmup_tokens: int = 0,
     concurrency: int | None = None,
     measured_costs: bool = True,
+    finish_spread: int = 1,
 ) -> dict[str, Any]:
-    """One engine, one policy: ``prompts`` decoded ``tokens`` each, at most ``concurrency``
-    (default: all of them) at a time; a finished request's slot goes to the next prompt."""
+    """One engine, one policy: ``prompts`` decoded ``tokens`` each (prompt ``k``: ``tokens``
+    minus ``k mod finish_spread``), at most ``concurrency`` (default: all of them) at a
+    time; a finished request's slot goes to the next prompt."""
     from engine.core import EngineCore
     from engine.engine_config import EngineConfig
     from engine.messages import CoreRequest
@@ -214,6 +226,8 @@ def _run(
     c = concurrency or len(prompts)
     if c > len(prompts):
         raise ValueError(f"concurrency {c} exceeds the {len(prompts)} prompts")
+    if not 1 <= finish_spread <= tokens:
+        raise ValueError(f"finish_spread must be within 1..{tokens} (the tokens a request generates)")
     per_req = len(prompts[0]) + tokens
     cfg = EngineConfig(
         model=str(model), max_num_seqs=c, num_swa_slots=c, num_blocks=c * (-(-per_req // 256) + 1) + 4,
@@ -246,8 +260,8 @@ def _run(
                 core.spec.stats = type(core.spec.stats)()  # count the timed round only
         if core.spec is not None:
             core.spec.trace = []
-        params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
         for i, p in enumerate(prompts):
+            params = SamplingParams(temperature=0.0, max_tokens=tokens - i % finish_spread, ignore_eos=True)
             core.add(CoreRequest(f"r{i}", tuple(p), params))
         emitted = 0
         step_times: list[float] = []
@@ -384,6 +398,8 @@ def run(args: argparse.Namespace) -> Report:
     model = Path(args.model)
     conc = [int(x) for x in args.concurrency.split(",") if x.strip()]
     per_slot = args.requests_per_slot
+    if args.finish_spread > args.tokens:
+        raise ValueError(f"--finish-spread {args.finish_spread} exceeds --tokens {args.tokens}")
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     report = Report(
         "spec",
@@ -430,6 +446,7 @@ def run(args: argparse.Namespace) -> Report:
     period = phase_period(model)  # prompt k is k mod period ids shorter: no lockstep (`staggered`)
     prompts_all = staggered(heldout_prompts(model, max(conc) * per_slot, args.prompt_tokens), period)
     report.config["prompt_lengths"] = f"{args.prompt_tokens} - (k mod {period}) for prompt k"
+    report.config["output_lengths"] = f"{args.tokens} - (k mod {args.finish_spread}) for request k"
     with tempfile.TemporaryDirectory(prefix="sluice-bench-spec-") as tmp:
         ppath = Path(tmp) / SPEC_STEPS_FILE
         ppath.write_text(profile.to_json())
@@ -452,6 +469,7 @@ def run(args: argparse.Namespace) -> Report:
                     r = _run(
                         model, prompts_all[: c * per_slot], args.tokens, policy, path, engine_kwargs,
                         args.warmup_tokens, concurrency=c, measured_costs=measured_costs,
+                        finish_spread=args.finish_spread,
                     )  # fmt: skip
                     release_memory(engine_kwargs)  # the engine is unreachable only once `_run` returned
                     if priced is not None:

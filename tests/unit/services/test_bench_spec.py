@@ -185,6 +185,25 @@ def test_a_refilled_run_keeps_c_slots_busy_and_counts_each_decode_token_once(pol
     assert one["requests"] == 2 and one["steady_steps"] == 0 and one["emitted"] == 2 * (tokens - 1)
 
 
+def test_a_finish_spread_shortens_request_k_by_k_mod_the_spread() -> None:
+    """``--finish-spread 3``: request k generates ``tokens - k mod 3`` tokens, so under plain
+    decoding the first two requests finish at different steps and each refill runs beside a
+    decode; with one length they finish together and the refill is a step of prompts alone."""
+    from engine.prompts import heldout_prompts
+    from services.bench.spec import _run
+
+    tokens = 6
+    prompts = heldout_prompts(TRAINED, 4, 40)
+    cpu = {"device": "cpu", "dtype": "float32"}
+    r = _run(TRAINED, prompts, tokens, "none", None, cpu, concurrency=2, finish_spread=3)
+    assert r["emitted"] == sum(tokens - k % 3 - 1 for k in range(4))
+    assert 1 in r["_decoders"] and 0 not in r["_decoders"]
+    lockstep = _run(TRAINED, prompts, tokens, "none", None, cpu, concurrency=2)
+    assert lockstep["emitted"] == 4 * (tokens - 1) and lockstep["_decoders"].count(0) == 1
+    with pytest.raises(ValueError, match="finish_spread"):
+        _run(TRAINED, prompts, tokens, "none", None, cpu, concurrency=2, finish_spread=tokens + 1)
+
+
 def test_figures_leave_out_the_steps_that_captured_a_graph() -> None:
     """A step that captured a CUDA graph (once per shape in an engine's life) is left out of
     a run's throughputs, and so is a step outside a window; a window with no step reads 0."""
