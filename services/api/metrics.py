@@ -90,7 +90,8 @@ def _vision_families(extra: dict[str, float]) -> Iterator[Metric]:
 def _spec_families(extra: dict[str, float]) -> Iterator[Metric]:
     """Speculative decoding (engine/spec/): steps that had drafts, drafts proposed, verified
     and accepted (per step: divide by the steps), the host time of the policy's choice, the
-    policy each such step chose and the drafting depth it set."""
+    policy each such step chose, the drafting depth it set, and how far the engine's own
+    step times are from its profile's (`engine.spec.costs.StepCosts`)."""
     for name, key, doc in (
         ("sluice_spec_steps", "spec_steps", "Decode steps in which requests had drafts."),
         ("sluice_spec_drafted_tokens", "spec_drafted_tokens", "Draft tokens the MTP layer proposed."),
@@ -119,6 +120,17 @@ def _spec_families(extra: dict[str, float]) -> Iterator[Metric]:
     for label, value in _suffixed(extra, "spec_depth_"):
         depth.add_metric([label], value)
     yield depth
+    scales = list(_suffixed(extra, "spec_cost_scale_"))
+    if scales:  # DSpark on a profile that prices drafting, measured costs on
+        scale = GaugeMetricFamily(
+            "sluice_spec_cost_scale",
+            "DSpark's measured over profiled step time, per kind of step (1: the profile holds; "
+            "the mean over decode engines).",
+            labels=["kind"],
+        )
+        for label, value in scales:
+            scale.add_metric([label], value)
+        yield scale
 
 
 def _suffixed(extra: dict[str, float], prefix: str) -> Iterator[tuple[str, float]]:

@@ -496,25 +496,7 @@ class RayServingClient:
         front = self.router.stats()
         if self.decode is None:
             return front
-        per = [r.stats() for r in self.decode.replicas]
-        extra = dict(front.extra)
-        for s in per:
-            for k, v in s.extra.items():
-                # speculation runs in decode engines only: its counters keep their names, so
-                # /metrics reports them as a single engine's (sluice_spec_*)
-                key = k if k.startswith("spec_") else f"decode_{k}"
-                extra[key] = extra.get(key, 0.0) + v
-        return EngineStats(
-            running=front.running + sum(s.running for s in per),
-            waiting=front.waiting + sum(s.waiting for s in per),
-            free_blocks=front.free_blocks + sum(s.free_blocks for s in per),
-            total_blocks=front.total_blocks + sum(s.total_blocks for s in per),
-            requests_total=front.requests_total,
-            aborted_total=front.aborted_total + sum(s.aborted_total for s in per),
-            finished_total=front.finished_total + sum(s.finished_total for s in per),
-            steps=front.steps + sum(s.steps for s in per),
-            extra=extra,
-        )
+        return merge_decode_stats(front, [r.stats() for r in self.decode.replicas])
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         if self.router is None:
@@ -551,6 +533,34 @@ class RayServingClient:
             value=float(self.decode.refused),
         )  # fmt: skip
         yield from _decode_cost_families(self.decode)
+
+
+def merge_decode_stats(front: EngineStats, per: list[EngineStats]) -> EngineStats:
+    """The prefill front's stats with the decode engines': levels and counts summed (a decode
+    engine's extras as ``decode_*``), speculation's counters under their own names (it runs
+    in decode engines only, so /metrics reports them as one engine's ``sluice_spec_*``), and
+    its measured cost scales, ratios per engine, averaged over the engines."""
+    extra = dict(front.extra)
+    scales: dict[str, list[float]] = {}
+    for s in per:
+        for k, v in s.extra.items():
+            if k.startswith("spec_cost_scale_"):
+                scales.setdefault(k, []).append(v)
+                continue
+            key = k if k.startswith("spec_") else f"decode_{k}"
+            extra[key] = extra.get(key, 0.0) + v
+    extra.update({k: sum(v) / len(v) for k, v in scales.items()})
+    return EngineStats(
+        running=front.running + sum(s.running for s in per),
+        waiting=front.waiting + sum(s.waiting for s in per),
+        free_blocks=front.free_blocks + sum(s.free_blocks for s in per),
+        total_blocks=front.total_blocks + sum(s.total_blocks for s in per),
+        requests_total=front.requests_total,
+        aborted_total=front.aborted_total + sum(s.aborted_total for s in per),
+        finished_total=front.finished_total + sum(s.finished_total for s in per),
+        steps=front.steps + sum(s.steps for s in per),
+        extra=extra,
+    )
 
 
 def _decode_cost_families(decode: DecodeSet) -> Iterator[Any]:
