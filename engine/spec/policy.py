@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Any, Final
 
 import numpy as np
 
@@ -173,6 +173,8 @@ class SpecPolicy:
         self._relative: dict[str, float] = {}  # per option: its throughput / plain's, averaged
         # set to [] to record every step: per request (confidences, drafts verified, accepted)
         self.trace: list[list[tuple[tuple[float, ...], int, int]]] | None = None
+        # set to [] to record the policy's `view` after each step with drafts (diagnostics)
+        self.decisions: list[dict[str, Any]] | None = None
         self._open: dict[str, tuple[Sequence[float], int]] = {}
 
     @property
@@ -378,7 +380,7 @@ class SpecPolicy:
         self.prepare(b)
         if self._off_by_bound:
             return None
-        drafted = conf.size if isinstance(conf, np.ndarray) else any(c.size for c in conf)
+        drafted = bool(conf.size) if isinstance(conf, np.ndarray) else any(c.size for c in conf)
         if not drafted and self._seen < self.MIN_EVIDENCE:
             return None  # no confidences, and no decision yet to reprice
         options, plan = self._options(b, conf if drafted else None)
@@ -393,6 +395,7 @@ class SpecPolicy:
         for m, (v, _) in options.items():
             avg[m] = v / off if m not in avg else avg[m] + w * (v / off - avg[m])
         if self._seen < self.MIN_EVIDENCE:  # too few requests' drafts yet: keep drafting all
+            self._record(b, drafted)
             return plan
         best = max(options, key=avg.__getitem__)
         current = avg[self.mode] if self.mode in options else 0.0
@@ -400,7 +403,25 @@ class SpecPolicy:
             self.mode = best
         self.depth = options[self.mode][1] if self.mode in options else self.config.num_drafts
         self._probe(b)
+        self._record(b, drafted)
         return plan
+
+    def _record(self, b: int, drafted: bool) -> None:
+        if self.decisions is not None and drafted:
+            self.decisions.append(self.view(b))
+
+    def view(self, b: int) -> dict[str, Any]:
+        """What the depth rests on (for diagnostics): the mode and depth, the requests' steps
+        with drafts seen, each option's averaged value over plain decoding's, and per draft
+        position the observed rate, the head's recalibration and its mean prediction."""
+        rates = self._rates()
+        return {
+            "batch": b, "mode": self.mode, "depth": self.depth, "seen": self._seen,
+            "values": {m: round(v, 4) for m, v in self._relative.items()},
+            "rates": None if rates is None else [round(r, 4) for r in rates],
+            "calibration": [round(c, 4) for c in self.calibration()],
+            "head_means": [round(c, 4) for c in self._head_means()],
+        }  # fmt: skip
 
     def _options(
         self, b: int, conf: np.ndarray | list[np.ndarray] | None

@@ -568,3 +568,19 @@ def test_at_one_request_the_depth_decides_on_32_steps_of_drafts_not_on_outcomes(
     drafting = sum(n for d, n in pol.stats.depths.items() if d)
     assert drafting <= 32 + 3000 // pol.probe_every(1) + 1, pol.stats.depths  # 32, then probes
     assert tokens / seconds >= 0.97 / dear.step_seconds(1, 0, 0)  # the 32 steps' cost, ~2 %
+
+
+def test_the_decision_record_views_each_step_with_drafts() -> None:
+    """``decisions = []`` records `view` after each step with drafts (what
+    scripts/spec_decisions.py prints): the mode and depth the step set, the requests' drafts
+    seen, the averaged values; a step without drafts records nothing."""
+    pol = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.004, pass_s=0.004, plain_s=0.010))
+    pol.decisions = []
+    rids = [f"r{i}" for i in range(16)]
+    pol.choose(rids, [[0.3] * 5] * 16)
+    pol.choose(rids, [[0.3] * 5] * 16)
+    pol.choose(rids, [[] for _ in rids])
+    assert [v["seen"] for v in pol.decisions] == [16, 32]
+    assert pol.decisions[0]["mode"] == "dspark-5"  # 16 requests' drafts: not yet decided
+    assert (pol.decisions[1]["mode"], pol.decisions[1]["depth"]) == ("off", 0)
+    assert pol.decisions[1]["values"]["off"] == 1.0 and pol.decisions[1]["values"]["fixed-1"] < 1.0
