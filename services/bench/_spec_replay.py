@@ -3,8 +3,8 @@
 
 * ``acceptance``: per-position acceptance of a fixed-5 trace;
 * ``modelled``: what a step profile predicts for the oracle, fixed-5 and DSpark on it;
-* ``priced_seconds``: a run's decode phase priced step by step by another profile;
-  ``priced_window`` (``priced_full_batch``): the same over chosen steps only;
+* ``priced_window``: a run's decode tokens per second over chosen steps, each step priced
+  by another profile;
 * ``selection_replay``: the confidence head's trade-off curve and DSpark's speculating
   selection priced by each profile (`services.bench.spec`'s module doc says why).
 """
@@ -68,16 +68,6 @@ def modelled(trace: Trace, profile: Any, c: int) -> dict[str, float]:
     return {f"modelled_{k}_tokens_per_s": (out[k] / secs[k] if secs[k] else 0.0) for k in out}
 
 
-def priced_seconds(run: dict[str, Any], trace: Trace | None, profile: Any) -> float:
-    """The decode phase of a run as ``profile`` prices it: each step of its trace at its batch
-    (the requests in it), the drafts each verified and the depth they were drafted to (the
-    confidences it carries; none: a plain step). A run without a trace (no speculation) has
-    every request in every step: ``decode_steps`` plain steps of ``concurrency``."""
-    if not trace:
-        return run["decode_steps"] * profile.step_seconds(run["concurrency"], 0, 0)
-    return sum(_priced_step(step, profile) for step in trace)
-
-
 def _priced_step(step: list[Any], profile: Any) -> float:
     """One traced step at its batch, verified drafts and drafting depth (none drafted: plain)."""
     if not step:
@@ -86,15 +76,6 @@ def _priced_step(step: list[Any], profile: Any) -> float:
     if drafted == 0:
         return profile.step_seconds(len(step), 0, 0)
     return float(profile.for_batch(len(step), drafted).seconds(sum(k + 1 for _, k, _ in step)))
-
-
-def priced_full_batch(run: dict[str, Any], trace: Trace | None, profile: Any) -> float:
-    """`priced_seconds`' throughput over the run's full-batch steps only (``_full``: all
-    ``concurrency`` requests decoding, before the first finished): the run at its concurrency,
-    without the drain in which the requests left finish at smaller, dearer batches.
-    Speculation spreads when requests finish (each accepts at its own rate), so its drain is
-    longer than plain decoding's, which has none."""
-    return priced_window(run, trace, profile, run["_full"])
 
 
 def priced_window(run: dict[str, Any], trace: Trace | None, profile: Any, mask: list[bool]) -> float:

@@ -11,8 +11,6 @@ from engine.spec.profile import SpecProfile
 from services.bench._spec_replay import (
     TARGET_VERIFIED_SHARE,
     acceptance,
-    priced_full_batch,
-    priced_seconds,
     priced_window,
     selection_replay,
 )
@@ -76,12 +74,15 @@ def test_a_run_is_priced_step_by_step_at_its_batch_drafts_and_depth() -> None:
     # TRACE: two steps of two requests, 5 drafted and 5 verified each: 12 tokens a step
     step = float(p.for_batch(2, 5).seconds(12))
     assert step == pytest.approx(1.0 + 0.25 * 2 * 5)
-    assert priced_seconds({}, TRACE, p) == pytest.approx(2 * step)
-    # a step in which nothing was drafted is a plain step; an empty step costs nothing
-    plain_steps = [[((), 0, 0), ((), 0, 0)], []]
-    assert priced_seconds({}, plain_steps, p) == pytest.approx(p.step_seconds(2, 0, 0)) == 0.5
+    run = {"concurrency": 2, "_step_tokens": [12, 12]}
+    assert priced_window(run, TRACE, p, [True, True]) == pytest.approx(24 / (2 * step))
+    # a step in which nothing was drafted is a plain step at its batch
+    plain_step = [[((), 0, 0), ((), 0, 0)]]
+    one = {"concurrency": 2, "_step_tokens": [2]}
+    assert priced_window(one, plain_step, p, [True]) == pytest.approx(2 / p.step_seconds(2, 0, 0)) == 4.0
     # a run without a trace (no speculation): its decode steps, plain, at its concurrency
-    assert priced_seconds({"decode_steps": 7, "concurrency": 4}, None, p) == pytest.approx(7 * 0.5)
+    untraced = {"concurrency": 4, "_step_tokens": [4] * 7}
+    assert priced_window(untraced, None, p, [True] * 7) == pytest.approx(28 / (7 * 0.5))
 
 
 def test_the_full_batch_throughput_leaves_out_the_drain() -> None:
@@ -89,16 +90,21 @@ def test_the_full_batch_throughput_leaves_out_the_drain() -> None:
     left, at a dearer batch) lowers the whole run's throughput, not the full-batch figure."""
     p = _profile(0.25)
     drain = [[((0.9,) * 5, 5, 5)]]  # the last request alone: 6 tokens
-    run = {"concurrency": 2, "_full": [True, True, False], "_step_tokens": [12, 12, 6]}
+    run = {
+        "concurrency": 2,
+        "_full": [True, True, False],
+        "_step_tokens": [12, 12, 6],
+        "_decoders": [2, 2, 1],
+    }
     full_step = float(p.for_batch(2, 5).seconds(12))
-    assert priced_full_batch(run, TRACE + drain, p) == pytest.approx(24 / (2 * full_step))
-    whole = 30 / priced_seconds(run, TRACE + drain, p)
-    assert whole < priced_full_batch(run, TRACE + drain, p)
+    full = priced_window(run, TRACE + drain, p, run["_full"])
+    assert full == pytest.approx(24 / (2 * full_step))
+    assert priced_window(run, TRACE + drain, p, [True] * 3) < full  # the whole run, drain included
     # plain decoding (no trace): every full step at its concurrency's plain step
     plain = {"concurrency": 2, "_full": [True, True, True], "_step_tokens": [2, 2, 2]}
-    assert priced_full_batch(plain, None, p) == pytest.approx(6 / (3 * p.step_seconds(2, 0, 0)))
+    assert priced_window(plain, None, p, plain["_full"]) == pytest.approx(6 / (3 * p.step_seconds(2, 0, 0)))
     with pytest.raises(ValueError, match="align"):
-        priced_full_batch(run, TRACE, p)
+        priced_window(run, TRACE, p, run["_full"])
 
 
 def test_a_width_profile_is_refitted_from_earlier_reports_without_a_device(tmp_path) -> None:
