@@ -121,10 +121,10 @@ class SpecPolicy:
     observed, per draft position, decayed by ``DECAY`` per step that has drafts); it
     switches only for a gain above ``margin``, each option's value averaged over the last
     ~``MIN_EVIDENCE`` requests' steps. Until that many requests' steps have had drafts the
-    depth is ``num_drafts``, except at a batch size where plain decoding beats speculation even with
-    every draft accepted (``_never_pays``): there it is 0 at once. The profile's prices of
-    plain and of speculating steps are each rescaled by what the engine's own steps of that
-    kind took lately (``costs``, `observe_seconds`)."""
+    depth is ``num_drafts``, except at a batch size where plain decoding beats speculation
+    even with every draft accepted (``_never_pays``): there it is 0 at once. The profile's
+    prices of plain and of speculating steps are each rescaled by what the engine's own steps
+    of that kind took lately (``costs``, `observe_seconds`)."""
 
     # Per step with drafts to verify: observations fade over ~50 such steps. A step without
     # drafts (speculation off, a prefill's) adds no evidence and forgets none.
@@ -407,6 +407,7 @@ class SpecPolicy:
         return plan
 
     def _record(self, b: int, drafted: bool) -> None:
+        """`decisions`: this step's `view`, where it had drafts and a record is kept."""
         if self.decisions is not None and drafted:
             self.decisions.append(self.view(b))
 
