@@ -94,10 +94,12 @@ class SpecStats:
     policies: Counter[str] = field(default_factory=Counter)  # policy chosen, per step
     depths: Counter[int] = field(default_factory=Counter)  # drafting depth set for the next step
     choose_seconds: float = 0.0  # host time spent choosing (`SpecPolicy.choose`), every step
+    probes: int = 0  # steps that drafted while off (`SpecPolicy.probe_every`)
 
     def as_dict(self) -> dict[str, float]:
         out = {
             "spec_steps": float(self.steps),
+            "spec_probes": float(self.probes),
             "spec_drafted_tokens": float(self.drafted),
             "spec_verified_tokens": float(self.verified),
             "spec_accepted_tokens": float(self.accepted),
@@ -464,6 +466,7 @@ class SpecPolicy:
         self._since_probe += 1
         if self._since_probe >= self.probe_every(b):
             self.depth, self._since_probe = self.config.num_drafts, 0
+            self.stats.probes += 1
         else:
             self.depth = 0
 

@@ -93,7 +93,8 @@ def _spec_families(extra: dict[str, float]) -> Iterator[Metric]:
     policy each such step chose, the drafting depth it set, and how far the engine's own
     step times are from its profile's (`engine.spec.costs.StepCosts`)."""
     for name, key, doc in (
-        ("sluice_spec_steps", "spec_steps", "Decode steps in which requests had drafts."),
+        ("sluice_spec_steps", "spec_steps", "Decode steps the speculation policy planned."),
+        ("sluice_spec_probes", "spec_probes", "Steps that drafted while speculation was off (probes)."),
         ("sluice_spec_drafted_tokens", "spec_drafted_tokens", "Draft tokens the MTP layer proposed."),
         ("sluice_spec_verified_tokens", "spec_verified_tokens", "Draft tokens put into verification."),
         ("sluice_spec_accepted_tokens", "spec_accepted_tokens", "Verified drafts the target accepted."),

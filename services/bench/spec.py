@@ -328,6 +328,9 @@ def _run(
             "verified_per_step": stats.verified / stats.steps if stats and stats.steps else 0.0,
             "accepted_length": 1.0 + (stats.accepted / req_steps) if stats and req_steps else 1.0,
             "policies_chosen": dict(stats.policies) if stats else {"none": len(step_times)},
+            # steps that drafted while speculation was off: each costs its share of the probe
+            # budget, and a short run that holds one pays more than that share
+            "probes": stats.probes if stats else 0,
             "step_ms_median": statistics.median(step_times) * 1e3 if step_times else 0.0,
             # host time of the policy's per-step choice (SpecPolicy.choose), per decode step
             "choose_ms_per_step": stats.choose_seconds / len(step_times) * 1e3

@@ -174,6 +174,7 @@ def test_a_refilled_run_keeps_c_slots_busy_and_counts_each_decode_token_once(pol
     prompts = heldout_prompts(TRAINED, 6, 40)
     r = _run(TRAINED, prompts, tokens, policy, None, {"device": "cpu", "dtype": "float32"}, concurrency=2)
     assert r["requests"] == 6 and max(r["_decoders"]) <= 2
+    assert r["probes"] == 0  # none and fixed-K never probe
     assert r["emitted"] == sum(r["_step_tokens"]) == 6 * (tokens - 1)
     steady = r["_steady"]
     assert steady[0] and not steady[-1] and steady == sorted(steady, reverse=True)  # steady, then ramp-down

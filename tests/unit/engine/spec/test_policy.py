@@ -200,6 +200,7 @@ def test_depth_waits_for_evidence_and_probes_while_off() -> None:
         depths.append(pol.depth)
     assert pol.mode == "off"
     assert depths.count(5) == 2 and depths.count(0) == len(depths) - 2  # one probe step in `every`
+    assert pol.stats.probes == 2 and pol.stats.as_dict()["spec_probes"] == 2.0
 
 
 def test_evidence_outlives_an_off_period_so_a_probe_does_not_restart_drafting() -> None:
