@@ -479,9 +479,11 @@ def run(args: argparse.Namespace) -> Report:
                         _price(r, priced)
                     tries[policy].append(r)
                     steady = f" (steady {r['steady_tokens_per_s']:.1f})" if per_slot > 1 else ""
+                    probes = f", {r['probes']} probe(s)" if r["probes"] else ""
                     progress(
                         f"c={c} {policy} #{rep + 1}: {r['tokens_per_s']:.1f} tok/s{steady}, {r['verified_per_step']:.1f} "
-                        f"verified/step, accepted length {r['accepted_length']:.2f} ({time.perf_counter() - t0:.0f} s)"
+                        f"verified/step, accepted length {r['accepted_length']:.2f}{probes} "
+                        f"({time.perf_counter() - t0:.0f} s)"
                     )
             runs[c] = {}
             for policy, rs in tries.items():
