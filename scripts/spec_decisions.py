@@ -34,23 +34,16 @@ def main() -> None:
     import torch
 
     from engine.prompts import heldout_prompts, phase_period, staggered
-    from engine.spec.policy import SpecPolicy
     from services.bench.spec import _run
 
     torch.set_num_threads(1)
     record: list[dict] = []
-    init = SpecPolicy.__init__
-
-    def recording(self: SpecPolicy, *a, **kw) -> None:  # every engine's policy records
-        init(self, *a, **kw)
-        self.decisions = record
-
-    SpecPolicy.__init__ = recording  # type: ignore[method-assign]
     model, c = Path(args.model), args.concurrency
     prompts = staggered(heldout_prompts(model, c * args.requests_per_slot, 256), phase_period(model))
     r = _run(
         model, prompts, args.tokens, args.policy, Path(args.profile), {"device": "cpu", "dtype": "float32"},
         args.warmup_tokens, concurrency=c, measured_costs=False, finish_spread=args.finish_spread,
+        decisions=record,
     )  # fmt: skip
     print(f"policies chosen {r['policies_chosen']}, accepted length {r['accepted_length']:.2f}")
     for i, v in enumerate(record):

@@ -214,10 +214,13 @@ def _run(
     concurrency: int | None = None,
     measured_costs: bool = True,
     finish_spread: int = 1,
+    decisions: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One engine, one policy: ``prompts`` decoded ``tokens`` each (prompt ``k``: ``tokens``
     minus ``k mod finish_spread``), at most ``concurrency`` (default: all of them) at a
-    time; a finished request's slot goes to the next prompt."""
+    time; a finished request's slot goes to the next prompt. ``decisions``: where a DSpark
+    policy records its `view` after each step with drafts, warm-up included
+    (`SpecPolicy.decisions`; scripts/spec_decisions.py)."""
     from engine.core import EngineCore
     from engine.engine_config import EngineConfig
     from engine.messages import CoreRequest
@@ -237,6 +240,8 @@ def _run(
         spec_measured_costs=measured_costs, **engine_kwargs,
     )  # fmt: skip
     core = EngineCore(cfg)
+    if core.spec is not None:
+        core.spec.decisions = decisions
     try:
         graphs = core.runner.graphs if core.runner.graphs is not None and core.runner.graphs.capture else None
         if graphs is not None:  # the timed round's shapes, captured before it

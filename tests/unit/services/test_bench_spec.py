@@ -211,6 +211,21 @@ def test_a_finish_spread_shortens_request_k_by_k_mod_the_spread() -> None:
         _run(TRAINED, prompts, tokens, "none", None, cpu, concurrency=2, finish_spread=tokens + 1)
 
 
+def test_a_run_hands_dspark_its_decision_record(tmp_path) -> None:
+    """``_run(decisions=[])``: the DSpark engine's policy records its `view` after each step
+    with drafts, warm-up included (what scripts/spec_decisions.py prints)."""
+    from engine.prompts import heldout_prompts
+    from services.bench.spec import _run
+
+    path = tmp_path / "profile.json"
+    path.write_text(_profile(0.01).to_json())  # speculation could pay: it drafts
+    record: list[dict] = []
+    prompts = heldout_prompts(TRAINED, 2, 40)
+    _run(TRAINED, prompts, 6, "dspark", path, {"device": "cpu", "dtype": "float32"}, 4, decisions=record)
+    assert record and all({"mode", "depth", "seen", "values"} <= set(v) for v in record)
+    assert [v["seen"] for v in record] == sorted(v["seen"] for v in record)  # one engine's, in order
+
+
 def test_figures_leave_out_the_steps_that_captured_a_graph() -> None:
     """A step that captured a CUDA graph (once per shape in an engine's life) is left out of
     a run's throughputs, and so is a step outside a window; a window with no step reads 0."""
