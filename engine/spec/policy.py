@@ -259,7 +259,7 @@ class SpecPolicy:
         for acc in (self._hits, self._tries, self._conf_sum, self._conf_n, self._conf_tried):
             acc[:] = [x * d for x in acc]
         conf = self._record_confidences(rids, confidences, n)
-        self._seen += sum(1 for k in n if k)
+        self._seen += len(n) - n.count(0)  # requests with drafts this step
         if self.config.policy != "fixed" and self.profile is not None:  # DSpark selects
             conf = self._calibrated(conf)
         plan = self._set_depth(b, conf) if self.adaptive else None
