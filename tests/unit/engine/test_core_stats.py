@@ -26,8 +26,8 @@ def test_waiting_sequences_report_the_kv_they_will_hold(checkpoint_factory) -> N
 
 def test_plain_decode_steps_are_summed_for_the_routers_decode_cost_model(checkpoint_factory) -> None:
     """Every plain decode step, and no step that computed a prompt, is in the sums the
-    engine pushes (`costmodel.online`), with the KV tokens it read; a model refitted to them
-    predicts this engine's steps better than the default, which is an H200's."""
+    engine pushes (`costmodel.online`), with the KV tokens it read and the times the engine
+    loop recorded; a model refitted to them comes to this engine's steps."""
     from costmodel import DecodeCostModel
     from costmodel.online import DecodeStepSums, posterior
 
@@ -50,7 +50,20 @@ def test_plain_decode_steps_are_summed_for_the_routers_decode_cost_model(checkpo
         assert len(plain) < len(stats)
         assert sums.w == pytest.approx(len(plain), rel=0.01)  # (fading: 2^(-n / 4096) per step)
         assert sums.batch == pytest.approx(sum(s.decode_tokens for s in plain), rel=0.01)
-        fit = posterior(DecodeCostModel(), sums)
-        assert sums.rel_rmse(fit) < 0.5 * sums.rel_rmse(DecodeCostModel())
+        # the relative-error sums are of the steps' own times (`EngineLoop.stats` has them)
+        seconds = [s.seconds for s in plain]
+        assert sums.t == pytest.approx(sum(seconds), rel=0.01)
+        assert sums.b[0] == pytest.approx(sum(1 / t for t in seconds), rel=0.01)
+        assert sums.b[1] == pytest.approx(sum(s.decode_tokens / s.seconds for s in plain), rel=0.01)
+        assert sums.a[1, 1] == pytest.approx(sum((s.decode_tokens / s.seconds) ** 2 for s in plain), rel=0.01)
+        # refitted, a model is never worse than its prior; with a loose prior it is at least
+        # as good as the best constant step time, one of the models it chooses among (how far
+        # the H200 default is from this machine, and how the steps spread with what else runs,
+        # are not asserted)
+        default = DecodeCostModel()
+        assert sums.rel_rmse(posterior(default, sums)) <= sums.rel_rmse(default) * (1 + 1e-9)
+        best_constant = DecodeCostModel(d0=sums.b[0] / sums.a[0, 0], d1=0.0, d2=0.0)
+        loose = posterior(default, sums, prior_rel_sd=1e3)
+        assert sums.rel_rmse(loose) <= sums.rel_rmse(best_constant) * (1 + 1e-6)
     finally:
         core.close()
