@@ -63,6 +63,7 @@ class StepStat:
     prefill_tokens: int  # tokens of sequences computing more than one token
     decode_tokens: int  # one-token (decode) sequences
     seconds: float
+    prompt_tokens: int = 0  # of prefill_tokens, those neither decoding nor verifying drafts
 
 
 class EngineLoop:
@@ -95,6 +96,7 @@ class EngineLoop:
         self._inflight: deque[tuple[SchedulerOutput, Future[RunnerOutput]]] = deque()
         self.steps = 0
         self.stats: deque[StepStat] = deque(maxlen=4096)  # the latest steps, for benchmarks and metrics
+        self.prompt_tokens = 0  # computed so far (StepStat.prompt_tokens summed over every step)
         self._on_step = on_step
 
     def _timed(self, out: SchedulerOutput) -> RunnerOutput:
@@ -105,7 +107,9 @@ class EngineLoop:
 
     def _record(self, out: SchedulerOutput, seconds: float) -> None:
         decode = sum(1 for s in out.seqs if s.num_new == 1)
-        self.stats.append(StepStat(out.num_tokens - decode, decode, seconds))
+        prompt = out.prompt_tokens
+        self.stats.append(StepStat(out.num_tokens - decode, decode, seconds, prompt))
+        self.prompt_tokens += prompt
         if self._on_step is not None:
             self._on_step(out, seconds)
 

@@ -82,6 +82,13 @@ class SchedulerOutput:
         return sum(s.num_new for s in self.seqs)
 
     @property
+    def prompt_tokens(self) -> int:
+        """Tokens of sequences that neither decode nor verify drafts: prompts (their chunks)
+        and replayed windows, which a disaggregated deployment's prefill pool would compute
+        (a one-token row that samples has a decode row's shape, and counts as one)."""
+        return sum(s.num_new for s in self.seqs if not (s.sample and s.num_new == 1 + s.num_drafts))
+
+    @property
     def num_sampled(self) -> int:
         return sum(1 for s in self.seqs if s.sample)
 

@@ -40,7 +40,11 @@ Reported per run:
   length finish together under plain decoding, so each wave of refills is one step of ``c``
   prompts, where speculation spreads them over several steps of a few; ``--finish-spread
   S`` shortens request ``k`` by ``k mod S`` tokens, so that every policy's requests finish
-  and refill over ``S`` steps, as independent requests' do.
+  and refill over ``S`` steps, as independent requests' do. ``steady_prompt_steps`` counts
+  the steady steps that computed refills' prompts (a step's log row has their tokens), and
+  ``steady_prompt_time_share`` their share of the steady time; ``steady_decode_tokens_per_s``
+  (the table's ``steady decode steps``) is the steady figure over the other steps, what a
+  decode pool fed by a prefill pool runs. It is reported, not judged.
 
 **Oracle.** The fixed-5 run records each request's confidences and how many of its 5
 drafts were accepted at every step (``L``). On that trace, with the profile of this run,
@@ -281,13 +285,18 @@ def _run(
         # probe reaching a context bucket the warm-up never verified at, say), so the figures,
         # which are the steady state's, leave it out and count it apart
         captured: list[bool] = []
-        # per decode step: ms, tokens, drafted, verified, accepted, depth, captured (--step-log)
+        # per decode step: prompt tokens computed in it (refills' prefills, run inside the
+        # decode steps here, where a disaggregated deployment's prefill pool would run them)
+        prompts_in: list[int] = []
+        # per decode step: ms, tokens, drafted, verified, accepted, depth, captured, prompt
+        # tokens (--step-log)
         log: list[list[float | int]] = []
         spec = core.spec
         while core.has_work():
             waiting = len(started) < len(prompts)
             step_captures = graphs.captures if graphs is not None else 0
             counts = _spec_counts(spec)
+            prompt_before = core.loop.prompt_tokens
             t0 = time.perf_counter()
             outs = core.step()
             dt = time.perf_counter() - t0
@@ -298,6 +307,7 @@ def _run(
                 continue
             n = sum(len(o.new_token_ids) for o in decoded)
             captured.append(graphs is not None and graphs.captures != step_captures)
+            prompts_in.append(core.loop.prompt_tokens - prompt_before)
             step_times.append(dt)
             step_tokens.append(n)
             decoders.append(len(decoded))
@@ -306,8 +316,9 @@ def _run(
             emitted += n
             delta = [a - b for a, b in zip(_spec_counts(spec), counts)]
             depth = spec.depth if spec is not None else 0
-            log.append([round(dt * 1e3, 3), n, *delta, depth, int(captured[-1])])
+            log.append([round(dt * 1e3, 3), n, *delta, depth, int(captured[-1]), prompts_in[-1]])
         timed = [not cap for cap in captured]
+        decode_only = [p == 0 for p in prompts_in]
         seconds = sum(t for t, k in zip(step_times, timed) if k)
         stats = core.spec.stats if core.spec is not None else None
         trace = core.spec.trace if core.spec is not None else None
@@ -330,6 +341,14 @@ def _run(
             "requests": len(prompts),
             "steady_steps": sum(steady),
             "steady_tokens_per_s": window_rate(step_tokens, step_times, steady, timed),
+            # of those steps, the ones that also computed refills' prompts, and their share of
+            # the steps' time: where the refills come in one wave (plain decoding's requests of
+            # one length) or spread over several steps (after any speculation)
+            "steady_prompt_steps": sum(1 for k, p, t in zip(steady, prompts_in, timed) if k and p and t),
+            "steady_prompt_time_share": _share(step_times, [p > 0 for p in prompts_in], steady, timed),
+            # and over the steady steps without prompts: what a decode pool fed by a prefill
+            # pool runs (its sequences arrive with their caches)
+            "steady_decode_tokens_per_s": window_rate(step_tokens, step_times, steady, timed, decode_only),
             "verified_per_step": stats.verified / stats.steps if stats and stats.steps else 0.0,
             "accepted_length": 1.0 + (stats.accepted / req_steps) if stats and req_steps else 1.0,
             "policies_chosen": dict(stats.policies) if stats else {"none": len(step_times)},
@@ -362,6 +381,7 @@ def _run(
             "_trace": trace,
             "_full": full,
             "_steady": steady,
+            "_decode_only": decode_only,
             "_step_tokens": step_tokens,
             "_decoders": decoders,
             "_steps": log,
@@ -373,6 +393,13 @@ def _run(
 def _spec_counts(spec: Any) -> tuple[int, int, int]:
     """The speculation counters so far (drafted, verified, accepted); zeros without speculation."""
     return (spec.stats.drafted, spec.stats.verified, spec.stats.accepted) if spec is not None else (0, 0, 0)
+
+
+def _share(seconds: list[float], part: list[bool], *masks: list[bool]) -> float:
+    """The share of the steps' time (those where every mask holds) spent in ``part``'s steps."""
+    kept = [(t, p) for t, p, *m in zip(seconds, part, *masks) if all(m)]
+    total = sum(t for t, _ in kept)
+    return sum(t for t, p in kept if p) / total if total > 0 else 0.0
 
 
 def window_rate(tokens: list[int], seconds: list[float], *masks: list[bool]) -> float:
@@ -515,7 +542,7 @@ def _drop_private(r: dict[str, Any], keep_steps: bool) -> None:
     ``--step-log``."""
     if keep_steps:
         r["steps"] = r["_steps"]
-    for private in ("_trace", "_full", "_steady", "_step_tokens", "_decoders", "_steps"):
+    for private in ("_trace", "_full", "_steady", "_decode_only", "_step_tokens", "_decoders", "_steps"):
         r.pop(private, None)
 
 
@@ -527,6 +554,7 @@ def _price(r: dict[str, Any], priced: Any) -> None:
         ("tokens_per_s", [True] * len(r["_step_tokens"])),
         ("full_batch_tokens_per_s", r["_full"]),
         ("steady_tokens_per_s", r["_steady"]),
+        ("steady_decode_tokens_per_s", [k and d for k, d in zip(r["_steady"], r["_decode_only"])]),
     ):
         r["measured_" + key] = r[key]
         r[key] = priced_window(r, trace, priced, mask)
@@ -542,9 +570,14 @@ def _row(
     if judged != "tokens_per_s":
         for policy, r in runs.items():
             row[f"{policy} steady tok/s"] = round(r[judged], 1)
+        for policy, r in runs.items():  # steps that also ran refills' prompts
+            row[f"{policy} steady prompt steps"] = r["steady_prompt_steps"]
         steady = _best_ratio(runs, judged)
         if steady is not None:
             row["dspark / best, steady"] = round(steady, 3)
+        decode = _best_ratio(runs, "steady_decode_tokens_per_s")
+        if decode is not None:  # the same over the steps without refills' prompts
+            row["dspark / best, steady decode steps"] = round(decode, 3)
     full = _best_ratio(runs, "full_batch_tokens_per_s")
     if full is not None:  # the same comparison over the steps of all c requests (no drain)
         row["dspark / best, full batch"] = round(full, 3)

@@ -195,7 +195,8 @@ def test_a_refilled_run_keeps_c_slots_busy_and_counts_each_decode_token_once(pol
 def test_a_finish_spread_shortens_request_k_by_k_mod_the_spread() -> None:
     """``--finish-spread 3``: request k generates ``tokens - k mod 3`` tokens, so under plain
     decoding the first two requests finish at different steps and each refill runs beside a
-    decode; with one length they finish together and the refill is a step of prompts alone."""
+    decode; with one length they finish together and the refill is a step of prompts alone.
+    The steps that computed prompts are counted (``steady_prompt_steps``)."""
     from engine.prompts import heldout_prompts
     from services.bench.spec import _run
 
@@ -207,6 +208,18 @@ def test_a_finish_spread_shortens_request_k_by_k_mod_the_spread() -> None:
     assert 1 in r["_decoders"] and 0 not in r["_decoders"]
     lockstep = _run(TRAINED, prompts, tokens, "none", None, cpu, concurrency=2)
     assert lockstep["emitted"] == 4 * (tokens - 1) and lockstep["_decoders"].count(0) == 1
+    # the refills' prompts, computed in the decode steps (the first step's two are not one):
+    # in one step of lockstep, in two when spread, and the log's column has every token
+    assert (lockstep["steady_prompt_steps"], r["steady_prompt_steps"]) == (1, 2)
+    refilled = len(prompts[2]) + len(prompts[3])
+    assert sum(row[7] for row in lockstep["_steps"]) == sum(row[7] for row in r["_steps"]) == refilled
+    assert 0 < lockstep["steady_prompt_time_share"] < 1 and 0 < r["steady_prompt_time_share"] < 1
+    # the steady figure without those steps: the decode steps' tokens over their time
+    steps = lockstep["_steps"]
+    kept = [row for row, k in zip(steps, lockstep["_steady"]) if k and row[7] == 0]
+    assert lockstep["steady_decode_tokens_per_s"] == pytest.approx(
+        sum(row[1] for row in kept) / sum(row[0] / 1e3 for row in kept), rel=1e-3
+    )
     with pytest.raises(ValueError, match="finish_spread"):
         _run(TRAINED, prompts, tokens, "none", None, cpu, concurrency=2, finish_spread=tokens + 1)
 
