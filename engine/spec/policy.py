@@ -27,6 +27,7 @@ from typing import Any, Final
 
 import numpy as np
 
+from engine.spec.acceptance import DraftAcceptance
 from engine.spec.costs import PLAIN, SPECULATING, StepCosts
 from engine.spec.dspark import DSparkPlan, LaggedConfidence, choose_policy, plan_dspark_depths
 from engine.spec.profile import MAX_DRAFTS, SpecProfile
@@ -153,17 +154,8 @@ class SpecPolicy:
         self.depth = config.num_drafts  # drafts per request the next step's drafting makes
         k = config.num_drafts
         self.mode = f"dspark-{k}" if config.policy != "fixed" else f"fixed-{k}"
-        # Per draft position, decayed: requests that tried it, that had it accepted, and the
-        # confidence head's predictions (sum, count; and their sum over the tries alone).
-        # Plain lists: five floats each, updated every step on the host, where each numpy
-        # call would cost more than the arithmetic.
-        self._hits, self._tries, self._conf_sum, self._conf_n = [0.0] * k, [0.0] * k, [0.0] * k, [0.0] * k
-        self._conf_tried = [0.0] * k
-        # observations not yet folded into _hits/_tries: requests per count of positions
-        # tried (index 0..num_drafts) and per count accepted (`observe`, `_fold`)
-        self._tried_n = [0] * (k + 1)
-        self._hit_n = [0] * (k + 1)
-        self._unfolded = False
+        # per draft position: tries, hits and the head's predictions, decayed
+        self.acceptance = DraftAcceptance(k, self.PRIOR_WEIGHT)
         self._seen = 0  # requests' steps with drafts so far (the depth's first decision waits)
         self._since_probe = 0  # steps off since the last probe
         self._probe_every_at: dict[int, tuple[float, float]] = {}
@@ -184,46 +176,15 @@ class SpecPolicy:
         return self.config.policy != "fixed" and self.profile is not None and self.profile.adaptive
 
     def rates(self) -> np.ndarray | None:
-        """P(draft j accepted | drafts before it accepted) per position: the observed rate,
-        smoothed towards the confidence head's mean prediction for that position by
-        ``PRIOR_WEIGHT`` pseudo-observations (None before any observation)."""
-        rates = self._rates()
+        """P(draft j accepted | drafts before it accepted) per position (`DraftAcceptance.rates`;
+        None before any outcome)."""
+        rates = self.acceptance.rates()
         return None if rates is None else np.array(rates)
 
-    def _rates(self) -> list[float] | None:
-        self._fold()
-        if self._tries[0] == 0:
-            return None
-        w = self.PRIOR_WEIGHT
-        return [
-            (h + w * (cs / max(cn, 1e-12) if cn > 0 else 0.5)) / (t + w)
-            for h, t, cs, cn in zip(self._hits, self._tries, self._conf_sum, self._conf_n)
-        ]
-
-    def _head_means(self) -> list[float]:
-        """The confidence head's mean prediction per position (what `_rates` is smoothed
-        towards), for the rates before any draft has an outcome."""
-        return [cs / cn if cn > 0 else 0.5 for cs, cn in zip(self._conf_sum, self._conf_n)]
-
     def calibration(self) -> list[float]:
-        """Per draft position, what the confidence head's predictions are multiplied by: the
-        accepted drafts over the head's predicted sum for the same tried drafts (positions
-        reached and verified, where an outcome exists), each side with ``PRIOR_WEIGHT``
-        pseudo-observations of a calibrated head (1.0 without evidence). Survivals are
-        products of confidences, so a head a few points over-confident at every position
-        overstates a deep draft's survival by the product of its errors, and DSpark then
-        verifies deeper than pays; this rescales the head's mean to the outcomes (calibration
-        in the large, per position), keeping its ranking within a position."""
-        self._fold()
-        w = self.PRIOR_WEIGHT
-        return [(h + w) / (s + w) for h, s in zip(self._hits, self._conf_tried)]
-
-    def _calibrated(self, conf: np.ndarray | list[np.ndarray]) -> np.ndarray | list[np.ndarray]:
-        """``conf`` scaled by `calibration` per position, capped at 1."""
-        f = np.array(self.calibration())
-        if isinstance(conf, np.ndarray):
-            return np.minimum(conf * f[: conf.shape[1]], 1.0)
-        return [np.minimum(c * f[: c.size], 1.0) for c in conf]
+        """What the head's predictions are multiplied by, per position
+        (`DraftAcceptance.calibration`)."""
+        return self.acceptance.calibration()
 
     def choose(
         self,
@@ -252,16 +213,13 @@ class SpecPolicy:
         if not rids:
             return [], "none"
         b = batch if batch is not None else len(rids)
-        self._fold()
         if not any(n):  # no evidence comes from this step, and none is forgotten
             return self._choose_none(len(rids), b)
-        d = self.DECAY
-        for acc in (self._hits, self._tries, self._conf_sum, self._conf_n, self._conf_tried):
-            acc[:] = [x * d for x in acc]
+        self.acceptance.decay(self.DECAY)
         conf = self._record_confidences(rids, confidences, n)
         self._seen += len(n) - n.count(0)  # requests with drafts this step
         if self.config.policy != "fixed" and self.profile is not None:  # DSpark selects
-            conf = self._calibrated(conf)
+            conf = self.acceptance.calibrated(conf)
         plan = self._set_depth(b, conf) if self.adaptive else None
         if self.config.policy == "fixed" or self.profile is None:
             cap = self.config.num_drafts if self.config.verify is None else self.config.verify
@@ -301,21 +259,14 @@ class SpecPolicy:
         selection uses (two steps old under ``dspark-lagged``): one [B, K] array when every
         request has K drafts (the usual case, converted in one call), else one array per
         request."""
-        m = len(self._conf_sum)
         uniform = min(n) == max(n)
         rows: np.ndarray | list[np.ndarray]
         if uniform:
             rows = np.array(confidences, dtype=np.float64)
-            sums = rows[0, :m].tolist() if len(n) == 1 else rows[:, :m].sum(axis=0).tolist()
-            for j, v in enumerate(sums):
-                self._conf_sum[j] += v
-                self._conf_n[j] += len(n)
+            self.acceptance.add_predictions(rows, n)
         else:
             rows = [np.asarray(c, dtype=np.float64) for c in confidences]
-            for c in confidences:
-                for j, v in enumerate(c[:m]):
-                    self._conf_sum[j] += float(v)
-                    self._conf_n[j] += 1
+            self.acceptance.add_predictions(confidences, n)
         if self.lagged is None:
             return rows
         kept = [(rid, c) for rid, c in zip(rids, rows) if c.size]
@@ -417,13 +368,13 @@ class SpecPolicy:
         """What the depth rests on (for diagnostics): the mode and depth, the requests' steps
         with drafts seen, each option's averaged value over plain decoding's, and per draft
         position the observed rate, the head's recalibration and its mean prediction."""
-        rates = self._rates()
+        rates = self.acceptance.rates()
         return {
             "batch": b, "mode": self.mode, "depth": self.depth, "seen": self._seen,
             "values": {m: round(v, 4) for m, v in self._relative.items()},
             "rates": None if rates is None else [round(r, 4) for r in rates],
             "calibration": [round(c, 4) for c in self.calibration()],
-            "head_means": [round(c, 4) for c in self._head_means()],
+            "head_means": [round(c, 4) for c in self.acceptance.head_means()],
         }  # fmt: skip
 
     def _options(
@@ -434,7 +385,7 @@ class SpecPolicy:
         step has none (``conf`` None). Also DSpark's plan over every draft where this step's
         confidences make one for every request."""
         assert self.profile is not None
-        rates = self._rates() or self._head_means()
+        rates = self.acceptance.rates() or self.acceptance.head_means()
         p, full = self.profile, self.config.num_drafts
         secs = p.uniform_seconds(b, full)
         plain, spec = self.costs.scale(PLAIN), self.costs.scale(SPECULATING)
@@ -510,34 +461,15 @@ class SpecPolicy:
             self.costs.unpriced()
 
     def observe(self, rid: str, accepted: int) -> None:
-        """The outcome of ``rid``'s verification in the step last chosen: positions 1 ..
-        min(k, accepted + 1) were tried, 1 .. min(k, accepted) accepted (counted here,
-        added to the rates by `_fold`)."""
+        """The outcome of ``rid``'s verification in the step last chosen: ``accepted`` of the
+        drafts it verified were (`DraftAcceptance.add_outcome`)."""
         entry = self._open.pop(rid, None)
         if entry is None:
             return
         conf, k = entry
-        tried = min(k, accepted + 1)
-        self._tried_n[tried] += 1
-        self._hit_n[min(k, accepted)] += 1
-        for j in range(tried):
-            self._conf_tried[j] += float(conf[j])
-        self._unfolded = True
+        self.acceptance.add_outcome(conf, k, accepted)
         if self.trace:
             self.trace[-1].append((tuple(conf), k, accepted))
-
-    def _fold(self) -> None:
-        """Adds the observations counted since the last fold to the per-position tries and
-        hits: a request that tried ``t`` positions tried each of positions 1 .. t."""
-        if not self._unfolded:
-            return
-        for counts, acc in ((self._tried_n, self._tries), (self._hit_n, self._hits)):
-            run = 0
-            for t in range(len(acc), 0, -1):  # requests that tried at least t positions
-                run += counts[t]
-                acc[t - 1] += run
-            counts[:] = [0] * len(counts)
-        self._unfolded = False
 
     def finished(self, rid: str) -> None:
         if self.lagged is not None:

@@ -177,7 +177,7 @@ def test_an_over_confident_head_is_recalibrated_to_the_outcomes() -> None:
     assert proud.calibration()[0] == pytest.approx(0.5, abs=0.05)
     assert proud.depth == honest.depth < 5
     raw = SpecPolicy(SpecConfig("dspark"), proud.profile)
-    raw.calibration = lambda: [1.0] * 5  # type: ignore[method-assign]  # the head read as it is
+    raw.acceptance.calibration = lambda: [1.0] * 5  # type: ignore[method-assign]  # the head read as it is
     _drive(raw, [[0.9] * 5] * 32, truth)
     assert raw.depth == 5  # what the recalibration prevents
 
@@ -352,8 +352,8 @@ def test_observations_count_each_position_tried_and_accepted() -> None:
                     break
                 hits[j] += 1
     pol.rates()
-    np.testing.assert_allclose(pol._tries, tries)
-    np.testing.assert_allclose(pol._hits, hits)
+    np.testing.assert_allclose(pol.acceptance.tries, tries)
+    np.testing.assert_allclose(pol.acceptance.hits, hits)
 
 
 def test_a_profile_extrapolated_in_depth_is_affine_in_layers() -> None:
