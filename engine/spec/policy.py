@@ -157,6 +157,17 @@ class SpecPolicy:
         # per draft position: tries, hits and the head's predictions, decayed
         self.acceptance = DraftAcceptance(k, self.PRIOR_WEIGHT)
         self._seen = 0  # requests' steps with drafts so far (the depth's first decision waits)
+        # A step that drafts nothing runs no MTP pass, so the MTP layer's window misses its
+        # tokens, and the next step that drafts starts every window afresh (the executor's
+        # ``valid_from``): those drafts are cold, accepted far less often than the next
+        # step's, though the head predicts them alike. Their outcomes are counted apart
+        # (``cold``: what calibrates cold drafts' confidences), not as evidence of what
+        # drafting accepts, and a probe drafts one more step, whose warm drafts decide
+        # (`_end_step`, `_choose`).
+        self.cold = DraftAcceptance(k, self.PRIOR_WEIGHT)
+        self._step_depth = self.depth  # the drafting depth of the last step
+        self._cold = False  # the drafts the next step verifies were made from cold windows
+        self._probing = False  # a probe's drafts are on their way: the depth holds until warm
         self._since_probe = 0  # steps off since the last probe
         self._probe_every_at: dict[int, tuple[float, float]] = {}
         self._off_by_bound = False  # off because no acceptance could pay (``_never_pays``)
@@ -170,6 +181,7 @@ class SpecPolicy:
         # set to [] to record the policy's `view` after each step with drafts (diagnostics)
         self.decisions: list[dict[str, Any]] | None = None
         self._open: dict[str, tuple[Sequence[float], int]] = {}
+        self._open_counts = self.acceptance  # where their outcomes are counted
 
     @property
     def adaptive(self) -> bool:
@@ -200,7 +212,13 @@ class SpecPolicy:
         try:
             return self._choose(rids, confidences, max_tokens, batch)
         finally:
+            self._end_step()
             self.stats.choose_seconds += time.perf_counter() - t0
+
+    def _end_step(self) -> None:
+        """The step's depth is set: its drafts are cold where the step before drafted nothing."""
+        self._cold = self.depth > 0 and self._step_depth == 0
+        self._step_depth = self.depth
 
     def _choose(
         self,
@@ -215,12 +233,21 @@ class SpecPolicy:
         b = batch if batch is not None else len(rids)
         if not any(n):  # no evidence comes from this step, and none is forgotten
             return self._choose_none(len(rids), b)
-        self.acceptance.decay(self.DECAY)
-        conf = self._record_confidences(rids, confidences, n)
-        self._seen += len(n) - n.count(0)  # requests with drafts this step
-        if self.config.policy != "fixed" and self.profile is not None:  # DSpark selects
-            conf = self.acceptance.calibrated(conf)
-        plan = self._set_depth(b, conf) if self.adaptive else None
+        # cold drafts (`_end_step`) are calibrated and counted apart, and are no evidence of
+        # what drafting accepts; a probe's hold its depth for one more step, whose drafts
+        # are warm
+        counts, hold = (self.cold, self._probing) if self._cold else (self.acceptance, False)
+        self._probing = False
+        counts.decay(self.DECAY)
+        if not self._cold:
+            self._seen += len(n) - n.count(0)  # requests with drafts this step
+        raw = self._record_confidences(rids, confidences, n, counts)
+        selects = self.config.policy != "fixed" and self.profile is not None  # DSpark
+        # the depth is for the steps to come, whose drafts are warm
+        conf = self.acceptance.calibrated(raw) if selects else raw
+        plan = self._set_depth(b, conf) if self.adaptive and not hold else None
+        if selects and self._cold:  # this step's own drafts are priced as cold ones
+            conf, plan = self.cold.calibrated(raw), None
         if self.config.policy == "fixed" or self.profile is None:
             cap = self.config.num_drafts if self.config.verify is None else self.config.verify
             ks = [min(cap, k) for k in n]
@@ -249,24 +276,29 @@ class SpecPolicy:
         if self.trace is not None:
             self.trace.append([])
         self._open = dict(zip(rids, zip(confidences, ks)))
+        self._open_counts = counts
         self._price_step(b, sum(ks))
         return ks, name
 
     def _record_confidences(
-        self, rids: Sequence[str], confidences: Sequence[Sequence[float]], n: list[int]
+        self,
+        rids: Sequence[str],
+        confidences: Sequence[Sequence[float]],
+        n: list[int],
+        counts: DraftAcceptance,
     ) -> np.ndarray | list[np.ndarray]:
-        """Adds this step's confidences to the head's running means; returns those the
-        selection uses (two steps old under ``dspark-lagged``): one [B, K] array when every
-        request has K drafts (the usual case, converted in one call), else one array per
-        request."""
+        """Adds this step's confidences to the head's running means in ``counts``; returns
+        those the selection uses (two steps old under ``dspark-lagged``): one [B, K] array
+        when every request has K drafts (the usual case, converted in one call), else one
+        array per request."""
         uniform = min(n) == max(n)
         rows: np.ndarray | list[np.ndarray]
         if uniform:
             rows = np.array(confidences, dtype=np.float64)
-            self.acceptance.add_predictions(rows, n)
+            counts.add_predictions(rows, n)
         else:
             rows = [np.asarray(c, dtype=np.float64) for c in confidences]
-            self.acceptance.add_predictions(confidences, n)
+            counts.add_predictions(confidences, n)
         if self.lagged is None:
             return rows
         kept = [(rid, c) for rid, c in zip(rids, rows) if c.size]
@@ -278,6 +310,11 @@ class SpecPolicy:
         """The drafting depth of a step in which no request decodes yet (prompts only), for
         the ``b`` requests that will decode next: none where speculation never pays at that
         batch, so that no prompt pays for drafts nobody will verify; else as it stands."""
+        self._bound(b)
+        self._end_step()
+
+    def _bound(self, b: int) -> None:
+        """`prepare`'s depth: off at a batch where no acceptance could pay (`_never_pays`)."""
         if not self.adaptive or b < 1:
             return
         if self._never_pays(b):
@@ -330,7 +367,7 @@ class SpecPolicy:
         every draft where it made one on this step's own confidences (every request with
         ``num_drafts`` or more), which the step's selection can then take as it is."""
         assert self.profile is not None
-        self.prepare(b)
+        self._bound(b)
         if self._off_by_bound:
             return None
         drafted = bool(conf.size) if isinstance(conf, np.ndarray) else any(c.size for c in conf)
@@ -352,7 +389,13 @@ class SpecPolicy:
             return plan
         best = max(options, key=avg.__getitem__)
         current = avg[self.mode] if self.mode in options else 0.0
-        if best != self.mode and avg[best] > current * (1.0 + self.config.margin):
+        # off, only drafts tell what drafting accepts now: a step without them (pricing the
+        # rates observed before) does not switch it back on; a probe's drafts do
+        if (
+            best != self.mode
+            and avg[best] > current * (1.0 + self.config.margin)
+            and (drafted or self.mode != "off")
+        ):
             self.mode = best
         self.depth = options[self.mode][1] if self.mode in options else self.config.num_drafts
         self._probe(b)
@@ -416,28 +459,29 @@ class SpecPolicy:
             return
         self._since_probe += 1
         if self._since_probe >= self.probe_every(b):
-            self.depth, self._since_probe = self.config.num_drafts, 0
+            self.depth, self._since_probe, self._probing = self.config.num_drafts, 0, True
             self.stats.probes += 1
         else:
             self.depth = 0
 
     def probe_every(self, b: int) -> int:
-        """Steps between probes at ``b`` requests: a probe's cost beyond two plain steps (its
-        drafting step, and a step verifying every draft, at most what follows it) over
-        ``PROBE_BUDGET`` of a plain step, from the profile as the measured scales correct it:
-        on the CPU profile in docs/data/spec_profile_cpu.json, 385 steps at 16 requests (a
-        probe there costs ~4 plain steps, so the earlier fixed 64 steps priced at 1.7-6 % of
-        plain decoding's time). The profile's prices are cached per batch size."""
+        """Steps between probes at ``b`` requests: a probe's cost beyond three plain steps
+        (its drafting step, whose drafts are cold; a step verifying them and drafting again,
+        with the depth held; and a step verifying those, at most what follows it: each of
+        the last two priced as verifying and drafting every draft) over ``PROBE_BUDGET`` of
+        a plain step, from the profile as the measured scales correct it: on the CPU profile
+        in docs/data/spec_profile_cpu.json, 659 steps at 16 requests (a probe's three steps
+        there cost ~9.6 plain ones). The profile's prices are cached per batch size."""
         assert self.profile is not None
         hit = self._probe_every_at.get(b)
         if hit is None:
             p, full = self.profile, self.config.num_drafts
             hit = self._probe_every_at[b] = (
-                p.step_seconds(b, 0, full) + p.step_seconds(b, full, full),
+                p.step_seconds(b, 0, full) + 2 * p.step_seconds(b, full, full),
                 p.step_seconds(b, 0, 0),
             )
         probe, plain = hit[0] * self.costs.scale(SPECULATING), hit[1] * self.costs.scale(PLAIN)
-        return max(1, math.ceil((probe - 2 * plain) / (self.PROBE_BUDGET * plain)))
+        return max(1, math.ceil((probe - 3 * plain) / (self.PROBE_BUDGET * plain)))
 
     def observe_seconds(self, seconds: float, clean: bool = True) -> None:
         """The engine's step that this policy chose last took ``seconds`` (wall time of the
@@ -462,12 +506,12 @@ class SpecPolicy:
 
     def observe(self, rid: str, accepted: int) -> None:
         """The outcome of ``rid``'s verification in the step last chosen: ``accepted`` of the
-        drafts it verified were (`DraftAcceptance.add_outcome`)."""
+        drafts it verified were (`DraftAcceptance.add_outcome`; cold drafts' in ``cold``)."""
         entry = self._open.pop(rid, None)
         if entry is None:
             return
         conf, k = entry
-        self.acceptance.add_outcome(conf, k, accepted)
+        self._open_counts.add_outcome(conf, k, accepted)
         if self.trace:
             self.trace[-1].append((tuple(conf), k, accepted))
 

@@ -227,17 +227,18 @@ def test_evidence_outlives_an_off_period_so_a_probe_does_not_restart_drafting() 
 
 
 def test_probes_cost_at_most_their_budget_of_the_plain_steps_time() -> None:
-    """`probe_every`: a probe (a drafting step, then at most a step verifying every draft)
-    costs no more than ``PROBE_BUDGET`` of the plain steps between probes, at every batch
-    size, and probes come sooner where drafting is cheaper."""
+    """`probe_every`: a probe (a drafting step, whose drafts are cold, then at most two steps
+    verifying and drafting every draft) costs no more than ``PROBE_BUDGET`` of the plain
+    steps between probes, at every batch size, and probes come sooner where drafting is
+    cheaper."""
     for verify_s, pass_s in ((0.001, 0.004), (0.004, 0.001), (0.0001, 0.0001)):
         prof = _profile(verify_s=verify_s, pass_s=pass_s, plain_s=0.010)
         pol = SpecPolicy(SpecConfig("dspark"), prof)
         for b in (1, 8, 32, 64):
             plain = prof.step_seconds(b, 0, 0)
-            extra = prof.step_seconds(b, 0, 5) + prof.step_seconds(b, 5, 5) - 2 * plain
+            extra = prof.step_seconds(b, 0, 5) + 2 * prof.step_seconds(b, 5, 5) - 3 * plain
             every = pol.probe_every(b)
-            assert extra <= SpecPolicy.PROBE_BUDGET * plain * every
+            assert extra <= SpecPolicy.PROBE_BUDGET * plain * every * (1 + 1e-9)  # (rounding)
             assert extra > SpecPolicy.PROBE_BUDGET * plain * (every - 1)  # and no rarer than that
     cheap = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.0001, pass_s=0.0001, plain_s=0.010))
     dear = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.004, pass_s=0.004, plain_s=0.010))
@@ -585,3 +586,81 @@ def test_the_decision_record_views_each_step_with_drafts() -> None:
     assert pol.decisions[0]["mode"] == "dspark-5"  # 16 requests' drafts: not yet decided
     assert (pol.decisions[1]["mode"], pol.decisions[1]["depth"]) == ("off", 0)
     assert pol.decisions[1]["values"]["off"] == 1.0 and pol.decisions[1]["values"]["fixed-1"] < 1.0
+
+
+class _CountingColdDrafts(SpecPolicy):
+    """The policy before cold drafts were set apart: every draft's outcome is evidence, and
+    the step verifying a probe's drafts decides."""
+
+    def _end_step(self) -> None:
+        self._step_depth = self.depth
+
+
+def _drive_windows(
+    pol: SpecPolicy, head: float, warm: float, cold: float, steps: int, b: int = 32
+) -> list[int]:
+    """``steps`` engine steps of ``b`` requests, each drafting ``pol.depth`` tokens that the
+    head gives ``head``; drafts made in a step right after one that drafted nothing come from
+    cold MTP windows and are accepted at ``cold`` per position, the others at ``warm``
+    (deterministic: the expected counts). Returns the depth after each step."""
+    rids = [f"r{i}" for i in range(b)]
+    drafts, drafts_cold, depth_before = pol.depth, False, pol.depth
+    depths = []
+    for _ in range(steps):
+        ks, _ = pol.choose(rids, [[head] * drafts] * b)
+        rate = cold if drafts_cold else warm
+        for i, (rid, k) in enumerate(zip(rids, ks)):
+            u, acc = (i + 0.5) / b, 0
+            while acc < k and u < rate ** (acc + 1):
+                acc += 1
+            pol.observe(rid, acc)
+        # this step drafts pol.depth tokens: from cold windows if the step before drafted none
+        drafts_cold, drafts, depth_before = pol.depth > 0 and depth_before == 0, pol.depth, pol.depth
+        depths.append(pol.depth)
+    return depths
+
+
+def test_a_probes_cold_drafts_are_no_evidence_and_the_next_steps_warm_drafts_decide() -> None:
+    """A step that drafts nothing leaves the MTP windows without its tokens, so a probe's
+    drafts are made from cold windows, which the trained preset accepts far less often (on
+    this VM: 0.49 against 0.66-0.85 at position 1, the head predicting 0.70 for both;
+    docs/speculative.md, "Cold drafts"). Traffic whose acceptance rises from 0.25 to 0.75
+    while speculation is off: counting the probes' cold drafts (0.3) as evidence, the policy
+    never sees the rise and stays off; setting them apart, it holds the depth for one more
+    step and decides on that step's warm drafts, and drafting comes back."""
+    prof = _profile(verify_s=0.001, pass_s=0.003, plain_s=0.010)  # pays from ~0.4 accepted
+    runs = {}
+    for kind in (SpecPolicy, _CountingColdDrafts):
+        pol = kind(SpecConfig("dspark"), prof)
+        _drive_windows(pol, head=0.7, warm=0.25, cold=0.25, steps=60)
+        assert (pol.mode, pol.depth) == ("off", 0)
+        every = pol.probe_every(32)
+        depths = _drive_windows(pol, head=0.7, warm=0.75, cold=0.3, steps=10 * every)
+        runs[kind] = (pol, depths)
+    ours, depths = runs[SpecPolicy]
+    assert ours.mode != "off" and depths[-1] > 0 and ours.stats.probes <= 3  # back within a few probes
+    assert ours.calibration()[0] > 0.9  # the warm drafts' 0.75 over the head's 0.7, with the old evidence
+    blind, blind_depths = runs[_CountingColdDrafts]
+    assert blind.mode == "off" and blind.stats.probes >= 9  # off through every probe
+    assert blind.calibration()[0] < 0.5  # the cold drafts' 0.3 over 0.7
+    # a probe of ours drafts on two steps in a row: the cold one, whose depth holds, and the warm one
+    first = depths.index(5)
+    assert depths[first + 1] == 5
+
+
+def test_off_only_drafts_switch_speculation_back_on() -> None:
+    """Off on evidence at 32 requests, where drafting is dear; the batch falls to one request,
+    where the same acceptance pays. Steps without drafts do not switch drafting back on from
+    the rates observed before (each such switch starts from cold windows, and on the VM's own
+    costs a policy that did so flipped on and off, 0.96 -> 0.91 of plain decoding at 8
+    requests); the next probe's drafts do."""
+    dear = tuple(0.020 + 0.050 + 0.005 * k for k in DRAFTS)  # at 32 requests
+    cheap = tuple(0.010 + 0.0025 + 0.0005 * k for k in DRAFTS)  # at one
+    prof = SpecProfile((1, 32), DRAFTS, (cheap, dear), 5, (0.0005, 0.010), (0.010, 0.020))
+    pol = SpecPolicy(SpecConfig("dspark"), prof)
+    _drive_windows(pol, head=0.6, warm=0.6, cold=0.6, steps=60, b=32)
+    assert (pol.mode, pol.depth) == ("off", 0)
+    depths = _drive_windows(pol, head=0.6, warm=0.6, cold=0.6, steps=pol.probe_every(1) + 20, b=1)
+    probe = depths.index(5)
+    assert probe > 20 and set(depths[:probe]) == {0}  # nothing drafted until the probe
+    assert pol.mode != "off" and depths[-1] > 0  # which switched it back on
