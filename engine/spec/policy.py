@@ -127,7 +127,9 @@ class SpecPolicy:
     depth is ``num_drafts``, except at a batch size where plain decoding beats speculation
     even with every draft accepted (``_never_pays``): there it is 0 at once. The profile's
     prices of plain and of speculating steps are each rescaled by what the engine's own steps
-    of that kind took lately (``costs``, `observe_seconds`)."""
+    of that kind took lately (``costs``, `observe_seconds`). Drafts made right after a step
+    without MTP work come from restarted MTP windows (cold): they are calibrated and counted
+    apart (``cold``) and are no evidence for the depth."""
 
     # Per step with drafts to verify: observations fade over ~50 such steps. A step without
     # drafts (speculation off, a prefill's) adds no evidence and forgets none.
@@ -141,9 +143,10 @@ class SpecPolicy:
     # Pseudo-observations of the prior (the confidence head's mean per position).
     PRIOR_WEIGHT: Final = 4.0
     # With speculation off, a step drafts again now and then (a probe), so the rates follow
-    # the traffic. A probe costs a drafting step and, when its drafts are worth verifying, a
-    # verification step, each beyond a plain step's time; probes come far enough apart that
-    # this stays within PROBE_BUDGET of the plain steps' time (`probe_every`).
+    # the traffic. A probe costs a drafting step and at most two steps verifying and drafting
+    # (its first drafts are cold: the depth holds until warm ones decide), each beyond a
+    # plain step's time; probes come far enough apart that this stays within PROBE_BUDGET of
+    # the plain steps' time (`probe_every`).
     PROBE_BUDGET: Final = 0.01
 
     def __init__(self, config: SpecConfig, profile: SpecProfile | None) -> None:
@@ -234,8 +237,8 @@ class SpecPolicy:
         if not any(n):  # no evidence comes from this step, and none is forgotten
             return self._choose_none(len(rids), b)
         # cold drafts (`_end_step`) are calibrated and counted apart, and are no evidence of
-        # what drafting accepts; a probe's hold its depth for one more step, whose drafts
-        # are warm
+        # what drafting accepts; a probe holds its depth for one more step, whose drafts are
+        # warm
         counts, hold = (self.cold, self._probing) if self._cold else (self.acceptance, False)
         self._probing = False
         counts.decay(self.DECAY)
@@ -410,13 +413,15 @@ class SpecPolicy:
     def view(self, b: int) -> dict[str, Any]:
         """What the depth rests on (for diagnostics): the mode and depth, the requests' steps
         with drafts seen, each option's averaged value over plain decoding's, and per draft
-        position the observed rate, the head's recalibration and its mean prediction."""
+        position the observed rate, the head's recalibration (for warm and for cold drafts) and
+        its mean prediction."""
         rates = self.acceptance.rates()
         return {
             "batch": b, "mode": self.mode, "depth": self.depth, "seen": self._seen,
             "values": {m: round(v, 4) for m, v in self._relative.items()},
             "rates": None if rates is None else [round(r, 4) for r in rates],
             "calibration": [round(c, 4) for c in self.calibration()],
+            "cold_calibration": [round(c, 4) for c in self.cold.calibration()],
             "head_means": [round(c, 4) for c in self.acceptance.head_means()],
         }  # fmt: skip
 
