@@ -622,8 +622,8 @@ def _drive_windows(
 
 def test_a_probes_cold_drafts_are_no_evidence_and_the_next_steps_warm_drafts_decide() -> None:
     """A step that drafts nothing leaves the MTP windows without its tokens, so a probe's
-    drafts are made from cold windows, which the trained preset accepts far less often (on
-    this VM: 0.49 against 0.66-0.85 at position 1, the head predicting 0.70 for both;
+    drafts are made from cold windows, which the trained preset accepts less often (on this
+    VM an accepted length 0.61-0.83 of the next steps', the head predicting them alike;
     docs/speculative.md, "Cold drafts"). Traffic whose acceptance rises from 0.25 to 0.75
     while speculation is off: counting the probes' cold drafts (0.3) as evidence, the policy
     never sees the rise and stays off; setting them apart, it holds the depth for one more
