@@ -96,11 +96,13 @@ class SpecStats:
     depths: Counter[int] = field(default_factory=Counter)  # drafting depth set for the next step
     choose_seconds: float = 0.0  # host time spent choosing (`SpecPolicy.choose`), every step
     probes: int = 0  # steps that drafted while off (`SpecPolicy.probe_every`)
+    cold_steps: int = 0  # steps that verified drafts made from restarted MTP windows
 
     def as_dict(self) -> dict[str, float]:
         out = {
             "spec_steps": float(self.steps),
             "spec_probes": float(self.probes),
+            "spec_cold_steps": float(self.cold_steps),
             "spec_drafted_tokens": float(self.drafted),
             "spec_verified_tokens": float(self.verified),
             "spec_accepted_tokens": float(self.accepted),
@@ -242,7 +244,9 @@ class SpecPolicy:
         counts, hold = (self.cold, self._probing) if self._cold else (self.acceptance, False)
         self._probing = False
         counts.decay(self.DECAY)
-        if not self._cold:
+        if self._cold:
+            self.stats.cold_steps += 1
+        else:
             self._seen += len(n) - n.count(0)  # requests with drafts this step
         raw = self._record_confidences(rids, confidences, n, counts)
         selects = self.config.policy != "fixed" and self.profile is not None  # DSpark

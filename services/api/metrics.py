@@ -95,6 +95,11 @@ def _spec_families(extra: dict[str, float]) -> Iterator[Metric]:
     for name, key, doc in (
         ("sluice_spec_steps", "spec_steps", "Decode steps the speculation policy planned."),
         ("sluice_spec_probes", "spec_probes", "Steps that drafted while speculation was off (probes)."),
+        (
+            "sluice_spec_cold_steps",
+            "spec_cold_steps",
+            "Steps that verified drafts made from restarted MTP windows (after a step without drafting).",
+        ),
         ("sluice_spec_drafted_tokens", "spec_drafted_tokens", "Draft tokens the MTP layer proposed."),
         ("sluice_spec_verified_tokens", "spec_verified_tokens", "Draft tokens put into verification."),
         ("sluice_spec_accepted_tokens", "spec_accepted_tokens", "Verified drafts the target accepted."),

@@ -1,4 +1,5 @@
-"""``/metrics`` carries DSpark's measured step-cost scales (``EngineStats.extra["spec_cost_scale_*"]``)."""
+"""``/metrics`` carries DSpark's measured step-cost scales (``EngineStats.extra["spec_cost_scale_*"]``)
+and its counters."""
 
 from __future__ import annotations
 
@@ -25,3 +26,21 @@ def test_measured_cost_scales_are_gauges_per_kind_of_step() -> None:
 
 def test_an_engine_that_takes_its_profile_as_it_is_exports_no_scale() -> None:
     assert _scales({"spec_steps": 4.0, "spec_verified_tokens": 12.0}) == {}
+
+
+def test_speculation_counters_include_probes_and_cold_steps() -> None:
+    metrics = ApiMetrics(
+        lambda: EngineStats(
+            0, 0, 10, 10, 0, 0, 0, 3, extra={"spec_steps": 9.0, "spec_probes": 3.0, "spec_cold_steps": 3.0}
+        )
+    )
+    got = {
+        s.name: (f.type, s.value)
+        for f in text_string_to_metric_families(metrics.render().decode())
+        for s in f.samples
+        if s.name.startswith(("sluice_spec_probes", "sluice_spec_cold_steps"))
+    }
+    assert got == {
+        "sluice_spec_probes_total": ("counter", 3.0),
+        "sluice_spec_cold_steps_total": ("counter", 3.0),
+    }

@@ -640,6 +640,8 @@ def test_a_probes_cold_drafts_are_no_evidence_and_the_next_steps_warm_drafts_dec
     ours, depths = runs[SpecPolicy]
     assert ours.mode != "off" and depths[-1] > 0 and ours.stats.probes <= 3  # back within a few probes
     assert ours.calibration()[0] > 0.9  # the warm drafts' 0.75 over the head's 0.7, with the old evidence
+    # one cold step a probe, counted for /metrics
+    assert ours.stats.cold_steps == ours.stats.probes == ours.stats.as_dict()["spec_cold_steps"]
     blind, blind_depths = runs[_CountingColdDrafts]
     assert blind.mode == "off" and blind.stats.probes >= 9  # off through every probe
     assert blind.calibration()[0] < 0.5  # the cold drafts' 0.3 over 0.7
