@@ -316,9 +316,11 @@ class SpecPolicy:
     def prepare(self, b: int) -> None:
         """The drafting depth of a step in which no request decodes yet (prompts only), for
         the ``b`` requests that will decode next: none where speculation never pays at that
-        batch, so that no prompt pays for drafts nobody will verify; else as it stands."""
+        batch, so that no prompt pays for drafts nobody will verify; else as it stands. A
+        prompt's MTP pass fills its window, so the drafts of such a step are never cold."""
         self._bound(b)
         self._end_step()
+        self._cold = False
 
     def _bound(self, b: int) -> None:
         """`prepare`'s depth: off at a batch where no acceptance could pay (`_never_pays`)."""

@@ -666,3 +666,21 @@ def test_off_only_drafts_switch_speculation_back_on() -> None:
     probe = depths.index(5)
     assert probe > 20 and set(depths[:probe]) == {0}  # nothing drafted until the probe
     assert pol.mode != "off" and depths[-1] > 0  # which switched it back on
+
+
+def test_drafts_of_a_step_of_prompts_are_never_cold() -> None:
+    """Drafts made right after a step that drafted nothing are cold, except a step of
+    prompts alone: each prompt's MTP pass fills its window. Here the batch of 32, where no
+    acceptance pays, sets the depth to 0 for a step of prompts; the next step of prompts is
+    for one request, where drafting might pay: its drafts are warm evidence."""
+    dear = tuple(0.020 + 0.100 + 0.050 * k for k in DRAFTS)  # at 32 requests: never pays
+    cheap = tuple(0.010 + 0.0025 + 0.0005 * k for k in DRAFTS)  # at one
+    pol = SpecPolicy(
+        SpecConfig("dspark"), SpecProfile((1, 32), DRAFTS, (cheap, dear), 5, (0.0005, 0.020), (0.010, 0.020))
+    )
+    pol.prepare(32)
+    assert pol.depth == 0
+    pol.prepare(1)
+    assert pol.depth == 5
+    pol.choose(["r0"], [[0.6] * 5])
+    assert pol.stats.cold_steps == 0 and pol.view(1)["seen"] == 1
