@@ -131,7 +131,7 @@ class SpecPolicy:
     prices of plain and of speculating steps are each rescaled by what the engine's own steps
     of that kind took lately (``costs``, `observe_seconds`). Drafts made right after a step
     without MTP work come from restarted MTP windows (cold): they are calibrated and counted
-    apart (``cold``) and are no evidence for the depth."""
+    apart (``cold_acceptance``) and are no evidence for the depth."""
 
     # Per step with drafts to verify: observations fade over ~50 such steps. A step without
     # drafts (speculation off, a prefill's) adds no evidence and forgets none.
@@ -166,10 +166,10 @@ class SpecPolicy:
         # tokens, and the next step that drafts starts every window afresh (the executor's
         # ``valid_from``): those drafts are cold, accepted far less often than the next
         # step's, though the head predicts them alike. Their outcomes are counted apart
-        # (``cold``: what calibrates cold drafts' confidences), not as evidence of what
+        # (``cold_acceptance``: what calibrates cold drafts' confidences), not as evidence of what
         # drafting accepts, and a probe drafts one more step, whose warm drafts decide
         # (`_end_step`, `_choose`).
-        self.cold = DraftAcceptance(k, self.PRIOR_WEIGHT)
+        self.cold_acceptance = DraftAcceptance(k, self.PRIOR_WEIGHT)
         self._step_depth = self.depth  # the drafting depth of the last step
         self._cold = False  # the drafts the next step verifies were made from cold windows
         self._probing = False  # a probe's drafts are on their way: the depth holds until warm
@@ -241,7 +241,7 @@ class SpecPolicy:
         # cold drafts (`_end_step`) are calibrated and counted apart, and are no evidence of
         # what drafting accepts; a probe holds its depth for one more step, whose drafts are
         # warm
-        counts, hold = (self.cold, self._probing) if self._cold else (self.acceptance, False)
+        counts, hold = (self.cold_acceptance, self._probing) if self._cold else (self.acceptance, False)
         self._probing = False
         counts.decay(self.DECAY)
         if self._cold:
@@ -254,7 +254,7 @@ class SpecPolicy:
         conf = self.acceptance.calibrated(raw) if selects else raw
         plan = self._set_depth(b, conf) if self.adaptive and not hold else None
         if selects and self._cold:  # this step's own drafts are priced as cold ones
-            conf, plan = self.cold.calibrated(raw), None
+            conf, plan = self.cold_acceptance.calibrated(raw), None
         if self.config.policy == "fixed" or self.profile is None:
             cap = self.config.num_drafts if self.config.verify is None else self.config.verify
             ks = [min(cap, k) for k in n]
@@ -427,7 +427,7 @@ class SpecPolicy:
             "values": {m: round(v, 4) for m, v in self._relative.items()},
             "rates": None if rates is None else [round(r, 4) for r in rates],
             "calibration": [round(c, 4) for c in self.calibration()],
-            "cold_calibration": [round(c, 4) for c in self.cold.calibration()],
+            "cold_calibration": [round(c, 4) for c in self.cold_acceptance.calibration()],
             "head_means": [round(c, 4) for c in self.acceptance.head_means()],
         }  # fmt: skip
 
@@ -517,7 +517,7 @@ class SpecPolicy:
 
     def observe(self, rid: str, accepted: int) -> None:
         """The outcome of ``rid``'s verification in the step last chosen: ``accepted`` of the
-        drafts it verified were (`DraftAcceptance.add_outcome`; cold drafts' in ``cold``)."""
+        drafts it verified were (`DraftAcceptance.add_outcome`; cold drafts' in ``cold_acceptance``)."""
         entry = self._open.pop(rid, None)
         if entry is None:
             return
