@@ -424,7 +424,7 @@ class EngineCore:
         captures = graphs.captures if graphs is not None else 0
         captured, self._graph_captures = captures != self._graph_captures, captures
         moved = bool(out.kv_loads or out.slot_loads or out.slot_saves or out.block_copies or out.slot_copies)
-        decoding = bool(out.seqs) and all(s.num_new == 1 + s.num_drafts and s.sample for s in out.seqs)
+        decoding = bool(out.seqs) and out.prompt_tokens == 0  # every row decodes or verifies
         # what the speculation policy's step timing may count (a pipelined step finishes in
         # the next call, so its verdict lands there; the steps either side of it are mostly
         # of its kind, and the policy takes a median over many)

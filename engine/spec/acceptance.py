@@ -40,7 +40,9 @@ class DraftAcceptance:
         for acc in (self.hits, self.tries, self.conf_sum, self.conf_n, self.conf_tried):
             acc[:] = [x * factor for x in acc]
 
-    def add_predictions(self, rows: np.ndarray | Sequence[Sequence[float]], n: Sequence[int]) -> None:
+    def add_predictions(
+        self, rows: np.ndarray | Sequence[Sequence[float] | np.ndarray], n: Sequence[int]
+    ) -> None:
         """The head's predictions of one step: ``rows`` is one [B, K] array when every request
         has K drafts (``n``: drafts per request), else one sequence per request."""
         m = len(self.conf_sum)

@@ -220,9 +220,10 @@ class SpecPolicy:
             self._end_step()
             self.stats.choose_seconds += time.perf_counter() - t0
 
-    def _end_step(self) -> None:
-        """The step's depth is set: its drafts are cold where the step before drafted nothing."""
-        self._cold = self.depth > 0 and self._step_depth == 0
+    def _end_step(self, prompts_only: bool = False) -> None:
+        """The step's depth is set: its drafts are cold where the step before drafted nothing,
+        but for a step of prompts alone, whose MTP passes fill their windows."""
+        self._cold = not prompts_only and self.depth > 0 and self._step_depth == 0
         self._step_depth = self.depth
 
     def _choose(
@@ -255,13 +256,14 @@ class SpecPolicy:
         plan = self._set_depth(b, conf) if self.adaptive and not hold else None
         if selects and self._cold:  # this step's own drafts are priced as cold ones
             conf, plan = self.cold_acceptance.calibrated(raw), None
-        if self.config.policy == "fixed" or self.profile is None:
+        if not selects:
             cap = self.config.num_drafts if self.config.verify is None else self.config.verify
             ks = [min(cap, k) for k in n]
             if max_tokens is not None:
                 ks = _cap(ks, max_tokens)
             name = f"fixed-{max(ks)}" if any(ks) else "none"
         else:
+            assert self.profile is not None  # (selects)
             table = self.profile.for_batch(b, self.depth)
             if self.depth != self.config.num_drafts:
                 plan = None  # made for a step drafting num_drafts: another table
@@ -302,10 +304,9 @@ class SpecPolicy:
         rows: np.ndarray | list[np.ndarray]
         if uniform:
             rows = np.array(confidences, dtype=np.float64)
-            counts.add_predictions(rows, n)
         else:
             rows = [np.asarray(c, dtype=np.float64) for c in confidences]
-            counts.add_predictions(confidences, n)
+        counts.add_predictions(rows, n)
         if self.lagged is None:
             return rows
         kept = [(rid, c) for rid, c in zip(rids, rows) if c.size]
@@ -319,8 +320,7 @@ class SpecPolicy:
         batch, so that no prompt pays for drafts nobody will verify; else as it stands. A
         prompt's MTP pass fills its window, so the drafts of such a step are never cold."""
         self._bound(b)
-        self._end_step()
-        self._cold = False
+        self._end_step(prompts_only=True)
 
     def _bound(self, b: int) -> None:
         """`prepare`'s depth: off at a batch where no acceptance could pay (`_never_pays`)."""

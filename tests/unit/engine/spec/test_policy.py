@@ -592,7 +592,7 @@ class _CountingColdDrafts(SpecPolicy):
     """The policy before cold drafts were set apart: every draft's outcome is evidence, and
     the step verifying a probe's drafts decides."""
 
-    def _end_step(self) -> None:
+    def _end_step(self, prompts_only: bool = False) -> None:
         self._step_depth = self.depth
 
 
