@@ -549,7 +549,7 @@ class EngineCore:
         if graphs is not None:  # CUDA graphs (or their padded batches, run eagerly)
             extra.update(
                 graph_captures=float(graphs.captures), graph_replays=float(graphs.replays),
-                graph_verify_steps=float(graphs.verify_steps),
+                graph_verify_steps=float(graphs.verify_steps), graph_split_steps=float(self.runner.split_steps),
             )  # fmt: skip
             drafter = self.executor.drafter
             if drafter is not None and drafter.graphs is not None:

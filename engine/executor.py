@@ -148,7 +148,9 @@ class ModelExecutor:
         if fed_at:
             assert prev is not None and prev.next is not None
             index = upload(torch.tensor(fed_at + fed_rows, dtype=torch.long), prev.next.device)
-            batch = dataclasses.replace(batch, fed=(index[: len(fed_at)], prev.next[index[len(fed_at) :]]))
+            batch = dataclasses.replace(
+                batch, fed=(index[: len(fed_at)], prev.next[index[len(fed_at) :]]), fed_cpu=tuple(fed_at)
+            )
             self.fed_tokens += len(fed_at)
         launched = Launched(out, self.runner.execute(batch), staged)
         self._sample_on_device(launched)

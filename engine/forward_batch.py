@@ -17,7 +17,7 @@ Invariants (checked by :meth:`ForwardBatch.validate`):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import TYPE_CHECKING, Any
 
@@ -124,6 +124,8 @@ class ForwardBatch:
     # the host has not read yet (its argmax); ``input_ids`` and ``input_ids_cpu`` hold 0
     # there until `ModelRunner.execute` writes these ids over them
     fed: tuple[torch.Tensor, torch.Tensor] | None = None
+    # the flat token indices of ``fed``, on the host (`select` splits a step by them)
+    fed_cpu: tuple[int, ...] = ()
 
     def write_fed(self, ids: torch.Tensor) -> None:
         """Write the `fed` ids over their placeholders in ``ids`` (``input_ids``, or a CUDA
@@ -204,6 +206,48 @@ class ForwardBatch:
             for j in range(n)
         ]
         return upload(torch.tensor(rows, dtype=torch.long), self.input_ids.device)
+
+    def sequence_inputs(self, which: Sequence[int]) -> list[SequenceInput]:
+        """Sequences ``which`` as the scheduler gave them (from the host copies; a `fed`
+        token is its placeholder 0)."""
+        if not (self.input_ids_cpu and self.sample_cpu) or self.block_table_cpu is None:
+            raise ValueError("only a batch built by from_sequences can be split")
+        seqs = []
+        for i in which:
+            start, n = self.query_start_cpu[i], self.query_len_cpu[i]
+            seqs.append(
+                SequenceInput(
+                    self.input_ids_cpu[start : start + n],
+                    self.num_computed_cpu[i],
+                    self.swa_slot_cpu[i],
+                    self.block_table_cpu[i].tolist(),
+                    self.sample_cpu[i],
+                    rows_cached_until=self.cached_until[i],
+                    window_from=self.window_from[i],
+                    swa_keep=self.swa_keep_cpu[i] if self.swa_keep_cpu else (0, 0),
+                    embeds=tuple((at - start, rows) for at, rows in self.embeds if start <= at < start + n),
+                    num_logits=self.num_logits_cpu[i] if self.num_logits_cpu else 1,
+                )
+            )
+        return seqs
+
+    def select(self, which: Sequence[int]) -> tuple[ForwardBatch, list[int]]:
+        """The batch of sequences ``which`` (in order) alone, and the flat index here of each of
+        its tokens. Its `fed` tokens are this batch's that fall in those sequences."""
+        part = ForwardBatch.from_sequences(self.sequence_inputs(which), self.input_ids.device)
+        flat = [
+            self.query_start_cpu[i] + j for i in which for j in range(self.query_len_cpu[i])
+        ]  # fmt: skip
+        if self.fed is None:
+            return part, flat
+        where = {t: k for k, t in enumerate(flat)}
+        kept = [(where[t], k) for k, t in enumerate(self.fed_cpu) if t in where]
+        if not kept:
+            return part, flat
+        at = [new for new, _ in kept]
+        index = upload(torch.tensor(at + [k for _, k in kept], dtype=torch.long), self.input_ids.device)
+        fed = (index[: len(at)], self.fed[1][index[len(at) :]])
+        return replace(part, fed=fed, fed_cpu=tuple(at)), flat
 
     @classmethod
     def from_sequences(

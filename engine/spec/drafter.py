@@ -92,6 +92,11 @@ class Drafter:
         """``hidden`` [T, hc, D]: the step's final main-model streams."""
         if not runs:
             return {}
+        if self.graphs is not None:
+            short = [r for r in runs if self.graphs.applies([r])]
+            if short and len(short) < len(runs):  # a prompt's run beside decodes (`ModelRunner.split`)
+                long = [r for r in runs if not self.graphs.applies([r])]
+                return {**self.draft(hidden, short), **self.draft(hidden, long)}
         if self.graphs is not None and self.graphs.applies(runs):
             chains, chain_conf = self.graphs.run(hidden, runs)
             return {

@@ -8,6 +8,7 @@ row's logits, its caches, or the MoE load counters. The capture itself runs in t
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -139,6 +140,83 @@ def test_padded_verification_equals_the_eager_path(reference) -> None:
     ]
     for what, got_t, want_t in caches:
         assert (got_t[:n] - want_t).abs().max().item() < 1e-5, what
+
+
+def _run_mixed(path, mode: str, seqs: list[list[int]]) -> tuple[ModelRunner, list, list[list[int] | None]]:
+    """Prefill the first seven prompts, then steps that mix their decode and verification rows
+    (1 to 3 teacher-forced tokens, logits at each) with the last two prompts: prompt 7 in two
+    chunks (the first not sampled), then prompt 8, each decoding from the step after its
+    last chunk: (runner, per step its logits, hidden streams and MoE load, per step the
+    sequences `ModelRunner.split` graphs)."""
+    n = len(seqs)
+    rng = random.Random(11)
+    runner = ModelRunner(path, RunnerConfig(num_blocks=n, num_slots=n, decode_graphs=mode))
+    prefill = [SequenceInput(s[:p], 0, i, [i]) for i, (s, p) in enumerate(zip(seqs[:7], PROMPTS))]
+    runner.execute(ForwardBatch.from_sequences(prefill))
+    done = list(PROMPTS[:7]) + [0, 0]
+    prompts = {0: [(7, 8)], 1: [(7, PROMPTS[7])], 2: [(8, PROMPTS[8])]}  # step -> (sequence, chunk end)
+    results, graphed = [], []
+    for t in range(5):
+        rows = []
+        for i, s in enumerate(seqs):
+            chunk = [end for seq, end in prompts.get(t, ()) if seq == i]
+            if chunk:
+                rows.append(
+                    SequenceInput(s[done[i] : chunk[0]], done[i], i, [i], sample=chunk[0] == PROMPTS[i])
+                )
+                done[i] = chunk[0]
+            elif done[i] >= PROMPTS[i]:
+                q = rng.choice([1, 1, 2, 3])
+                rows.append(SequenceInput(s[done[i] : done[i] + q], done[i], i, [i], num_logits=q))
+                done[i] += q
+        batch = ForwardBatch.from_sequences(rows)
+        parts = runner.split(batch)
+        graphed.append(None if parts is None else [batch.swa_slot_cpu[i] for i in parts[0][0]])
+        out = runner.execute(batch)
+        results.append((out.logits.clone(), out.hidden.clone(), runner.expert_load().clone()))
+    return runner, results, graphed
+
+
+def test_a_mixed_step_graphs_its_decode_rows_and_runs_its_prompts_apart(reference) -> None:
+    """With decode graphs a step of decode and verification rows beside prompt chunks runs as
+    two passes, the rows a graph takes and the prompts eagerly: every logit, hidden stream,
+    cache row and load counter is the one eager pass's."""
+    path, _ = reference("mixed_hc2")
+    seqs = _seqs()
+    eager, want, not_split = _run_mixed(path, "off", seqs)
+    padded, got, graphed = _run_mixed(path, "padded", seqs)
+    assert not_split == [None] * 5
+    assert graphed == [list(range(7)), list(range(7)), list(range(8)), None, None]
+    for t, (g, w) in enumerate(zip(got, want)):
+        for what, a, b in zip(("logits", "hidden", "load"), g, w):
+            assert a.shape == b.shape, f"step {t}: {what}"
+            assert (a.float() - b.float()).abs().max().item() < 1e-5, f"step {t}: {what} differ"
+    n = len(seqs)
+    caches = [
+        *(("rows", padded.pool.rows[layer], t) for layer, t in eager.pool.rows.items()),
+        *(("index rows", padded.pool.index_rows[layer], t) for layer, t in eager.pool.index_rows.items()),
+        *(("window", padded.swa.window[layer], t) for layer, t in enumerate(eager.swa.window)),
+        *(("state", padded.swa.state_kv[layer], t) for layer, t in eager.swa.state_kv.items()),
+    ]
+    for what, got_t, want_t in caches:
+        assert (got_t[:n] - want_t).abs().max().item() < 1e-5, what
+
+
+def test_a_split_step_keeps_the_device_tokens_of_its_rows() -> None:
+    """`ForwardBatch.select` carries the `fed` tokens (the previous step's, read on the device)
+    that fall in the chosen sequences, at their new flat indices."""
+    seqs = [SequenceInput([0], 4, 0, [0]), SequenceInput([1, 2, 3], 0, 1, [1]), SequenceInput([0], 9, 2, [2])]
+    batch = ForwardBatch.from_sequences(seqs)
+    batch = dataclasses.replace(
+        batch, fed=(torch.tensor([0, 4]), torch.tensor([70, 71])), fed_cpu=(0, 4)
+    )  # the decode rows' tokens
+    part, flat = batch.select([1, 2])
+    assert flat == [1, 2, 3, 4] and part.fed_cpu == (3,)
+    ids = part.input_ids.clone()
+    part.write_fed(ids)
+    assert ids.tolist() == [1, 2, 3, 71]
+    alone, _ = batch.select([1])
+    assert alone.fed is None and alone.input_ids.tolist() == [1, 2, 3]
 
 
 @pytest.mark.parametrize(

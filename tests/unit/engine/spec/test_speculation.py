@@ -68,8 +68,10 @@ def _workload(n: int) -> list[tuple[list[list[int]], list[SamplingParams]]]:
     return [(first, params), (hits, [greedy] * len(hits))]
 
 
-def _outputs(n: int, stats: dict[str, float] | None = None, **engine: object) -> list[list[list[int]]]:
-    llm = LLM(MODEL, max_num_seqs=16, num_swa_slots=32, **engine)
+def _outputs(
+    n: int, stats: dict[str, float] | None = None, max_num_seqs: int = 16, **engine: object
+) -> list[list[list[int]]]:
+    llm = LLM(MODEL, max_num_seqs=max_num_seqs, num_swa_slots=32, **engine)
     try:
         out = [_generate(llm, prompts, params) for prompts, params in _workload(n)]
         if stats is not None:
@@ -92,8 +94,9 @@ def test_greedy_tokens_equal_plain_decoding(steep_profile) -> None:
     """dspark gives plain decoding's tokens (every policy on 100 prompts: slow); so does
     dspark with verification and drafting as the CUDA graphs run them (rows padded to the
     step's most tokens, the drafting chain on the device; eagerly here), whose drafts and
-    acceptance are also the unpadded paths'."""
-    base = _outputs(12)
+    acceptance are also the unpadded paths'. Four requests at a time, so that prompts are
+    computed beside decoding and verifying rows (`ModelRunner.split`)."""
+    base = _outputs(12, max_num_seqs=4)
     stats: dict[str, dict[str, float]] = {}
     for name, engine in (("dspark", {}), ("dspark padded", {"decode_graphs": "padded"})):
         stats[name] = {}
@@ -103,6 +106,7 @@ def test_greedy_tokens_equal_plain_decoding(steep_profile) -> None:
             speculative=name.split()[0],
             spec_profile_path=steep_profile,
             spec_measured_costs=False,
+            max_num_seqs=4,
             **engine,
         )
         for r, (a, b) in enumerate(zip(base, spec)):
@@ -110,6 +114,7 @@ def test_greedy_tokens_equal_plain_decoding(steep_profile) -> None:
             assert not bad, f"{name}, round {r}: prompts {bad[:5]} differ"
     eager, padded = stats["dspark"], stats["dspark padded"]
     assert padded["graph_verify_steps"] > 0 and padded["graph_draft_chains"] > 0
+    assert padded["graph_split_steps"] > 0  # prompts beside decodes: their rows graphed apart
     keys = ("spec_steps", "spec_drafted_tokens", "spec_verified_tokens", "spec_accepted_tokens")
     assert [padded[k] for k in keys] == [eager[k] for k in keys]
     assert padded["spec_accepted_tokens"] > 0
