@@ -536,6 +536,7 @@ class EngineCore:
             **{f"swa_replayed_tokens_{k}": float(v) for k, v in sched.cache.replayed_tokens.items()},
         }
         extra.update(self._decode_steps_extra)
+        extra["split_steps"] = float(self.runner.split_steps)  # mixed steps run as two passes
         if self.spec is not None:
             extra.update(self.spec.stats.as_dict())
             if self._times_spec_steps:  # measured / profiled step times, per kind (SpecPolicy.costs)
@@ -549,7 +550,7 @@ class EngineCore:
         if graphs is not None:  # CUDA graphs (or their padded batches, run eagerly)
             extra.update(
                 graph_captures=float(graphs.captures), graph_replays=float(graphs.replays),
-                graph_verify_steps=float(graphs.verify_steps), graph_split_steps=float(self.runner.split_steps),
+                graph_verify_steps=float(graphs.verify_steps),
             )  # fmt: skip
             drafter = self.executor.drafter
             if drafter is not None and drafter.graphs is not None:

@@ -19,6 +19,7 @@ from engine.cuda_graphs import MAX_GRAPH_QUERY, DecodeGraphs, graphable
 from engine.distributed.ep import select_dispatch
 from engine.forward_batch import ForwardBatch, upload
 from engine.kernels import batch_invariant, fp8
+from engine.model import verify
 from engine.model.experts import GROUPED_MM
 from engine.model.model import DeepseekV4
 from engine.model.moe import ExpertPlacement
@@ -158,7 +159,7 @@ class ModelRunner:
 
     def _finish(self, model_cfg: ModelConfig, cfg: RunnerConfig, model: DeepseekV4, ep_group: object) -> None:
         self.forwards = 0  # forward passes run (EP lockstep counts them: engine.distributed.lockstep)
-        self.split_steps = 0  # mixed steps run as a graphed pass and an eager one (`split`)
+        self.split_steps = 0  # mixed steps run as two passes (`split`)
         self.cfg, self.model_cfg = cfg, model_cfg
         if cfg.batch_invariant and torch.device(cfg.device).type == "cuda":
             batch_invariant.enable()
@@ -217,35 +218,46 @@ class ModelRunner:
         return self.model(batch, self.pool, self.swa)
 
     def split(self, batch: ForwardBatch) -> list[tuple[list[int], ForwardBatch, list[int]]] | None:
-        """A mixed step as two passes: its decode and verification rows as a decode graph, then
-        the others (prompt chunks, replays, images) eagerly; each part as (its sequences, its
-        batch, the flat index in ``batch`` of each of its tokens). None: one pass.
+        """A mixed step as two passes: first its decode and verification rows (a decode graph,
+        or the eager vectorised path), then the others (prompt chunks, replays, images); each
+        part as (its sequences, its batch, the flat index in ``batch`` of each of its tokens).
+        None: one pass.
 
-        An eager pass over a prompt chunk loops over every sequence of its step, so a decode
-        row beside a prompt costs its share of that loop: on an H100 a step of 60 decodes and
-        one 256-token prompt took 356 ms eagerly, a graphed decode step 3.7 ms. Rows are
-        independent (no attention across sequences; batch-invariant kernels make a row's
-        result independent of its batch mates), so two passes compute what one would. With
-        expert parallelism there are no graphs (and EP lockstep needs one pass a step)."""
-        if self.graphs is None or batch.num_seqs < 2 or graphable(batch):
+        One pass over a step with a prompt chunk loops over every sequence of the step, so a
+        decode row beside a prompt pays its share of that loop: on an H100 a step of 60 decodes
+        beside one 256-token prompt took 356 ms in one pass, 30 ms in two (a graphed decode
+        step: 3.7 ms); on a CPU core 31 decodes beside a 245-token prompt 182 ms in one pass,
+        131 ms in two (scripts/mixed_step.py). Rows are independent (no attention across
+        sequences; batch-invariant kernels make a row's result independent of its batch
+        mates), so two passes compute what one would, and a decode row takes the decode path
+        whatever shares its step. Expert-parallel steps run in one pass (EP lockstep pairs one
+        pass a step across ranks)."""
+        if self.cfg.ep_size > 1 or batch.num_seqs < 2 or self._vectorised(batch):
             return None
         logits = batch.num_logits_cpu or (1,) * batch.num_seqs
         keep = batch.swa_keep_cpu or ((0, 0),) * batch.num_seqs
         images = {at for at, _ in batch.embeds}
-        graphed = [
+        decoding = [
             i
             for i, (q, m, start) in enumerate(zip(batch.query_len_cpu, logits, batch.query_start_cpu))
             if q == m <= MAX_GRAPH_QUERY  # a decode row, or a verification row
             and batch.sample_cpu[i] and not batch.cached_until[i] and not keep[i][0]
             and not images.intersection(range(start, start + q))
         ]  # fmt: skip
-        if not graphed or len(graphed) == batch.num_seqs:
+        if not decoding or len(decoding) == batch.num_seqs:
             return None
-        part, flat = batch.select(graphed)
-        if not graphable(part):
+        part, flat = batch.select(decoding)
+        if not self._vectorised(part):
             return None
-        rest = [i for i in range(batch.num_seqs) if i not in set(graphed)]
-        return [(graphed, part, flat), (rest, *batch.select(rest))]
+        rest = [i for i in range(batch.num_seqs) if i not in set(decoding)]
+        return [(decoding, part, flat), (rest, *batch.select(rest))]
+
+    def _vectorised(self, batch: ForwardBatch) -> bool:
+        """Whether one pass over ``batch`` runs without a per-sequence loop: as a decode graph
+        where the runner has them, else on the eager decode or verification path."""
+        if self.graphs is not None:
+            return graphable(batch)
+        return batch.is_decode or verify.applies(batch)
 
     def _forward_parts(
         self, batch: ForwardBatch, parts: list[tuple[list[int], ForwardBatch, list[int]]]

@@ -54,7 +54,8 @@ def test_graphed_decode_against_the_reference_in_bf16(tmp_path) -> None:
     graphed = _runner(tmp_path, "auto")
     got = _decode(graphed, seqs)
     assert graphed.graphs is not None and graphed.graphs.captures >= 1
-    assert graphed.graphs.replays == STEPS
+    # and the prefill step's one-token prompt, a decode row beside the others (ModelRunner.split)
+    assert graphed.graphs.replays == STEPS + 1
     eager = _decode(_runner(tmp_path, "off"), seqs)
     with torch.no_grad():
         want = [ref(torch.tensor(s)[None], use_cache=False).logits[0].float() for s in seqs]

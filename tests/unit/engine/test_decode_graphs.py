@@ -142,19 +142,23 @@ def test_padded_verification_equals_the_eager_path(reference) -> None:
         assert (got_t[:n] - want_t).abs().max().item() < 1e-5, what
 
 
-def _run_mixed(path, mode: str, seqs: list[list[int]]) -> tuple[ModelRunner, list, list[list[int] | None]]:
+def _run_mixed(
+    path, mode: str, seqs: list[list[int]], one_pass: bool = False
+) -> tuple[ModelRunner, list, list[list[int] | None]]:
     """Prefill the first seven prompts, then steps that mix their decode and verification rows
-    (1 to 3 teacher-forced tokens, logits at each) with the last two prompts: prompt 7 in two
-    chunks (the first not sampled), then prompt 8, each decoding from the step after its
+    (1 to 3 teacher-forced tokens, logits at each) with the last two prompts: prompt 8 in two
+    chunks (the first not sampled), then prompt 7, each decoding from the step after its
     last chunk: (runner, per step its logits, hidden streams and MoE load, per step the
-    sequences `ModelRunner.split` graphs)."""
+    sequences `ModelRunner.split` runs first). ``one_pass``: never split."""
     n = len(seqs)
     rng = random.Random(11)
     runner = ModelRunner(path, RunnerConfig(num_blocks=n, num_slots=n, decode_graphs=mode))
+    if one_pass:
+        runner.split = lambda batch: None  # type: ignore[method-assign]
     prefill = [SequenceInput(s[:p], 0, i, [i]) for i, (s, p) in enumerate(zip(seqs[:7], PROMPTS))]
     runner.execute(ForwardBatch.from_sequences(prefill))
     done = list(PROMPTS[:7]) + [0, 0]
-    prompts = {0: [(7, 8)], 1: [(7, PROMPTS[7])], 2: [(8, PROMPTS[8])]}  # step -> (sequence, chunk end)
+    prompts = {0: [(8, 10)], 1: [(8, PROMPTS[8])], 2: [(7, PROMPTS[7])]}  # step -> (sequence, chunk end)
     results, graphed = [], []
     for t in range(5):
         rows = []
@@ -177,29 +181,32 @@ def _run_mixed(path, mode: str, seqs: list[list[int]]) -> tuple[ModelRunner, lis
     return runner, results, graphed
 
 
-def test_a_mixed_step_graphs_its_decode_rows_and_runs_its_prompts_apart(reference) -> None:
-    """With decode graphs a step of decode and verification rows beside prompt chunks runs as
-    two passes, the rows a graph takes and the prompts eagerly: every logit, hidden stream,
-    cache row and load counter is the one eager pass's."""
+def test_a_mixed_step_runs_its_decode_rows_apart_from_its_prompts(reference) -> None:
+    """A step of decode and verification rows beside prompt chunks runs as two passes: the
+    decode rows (a decode graph's padded batch, or the eager vectorised path), then the
+    prompts. Every logit, hidden stream, cache row and load counter is one pass's."""
     path, _ = reference("mixed_hc2")
     seqs = _seqs()
-    eager, want, not_split = _run_mixed(path, "off", seqs)
-    padded, got, graphed = _run_mixed(path, "padded", seqs)
+    one, want, not_split = _run_mixed(path, "off", seqs, one_pass=True)
     assert not_split == [None] * 5
-    assert graphed == [list(range(7)), list(range(7)), list(range(8)), None, None]
-    for t, (g, w) in enumerate(zip(got, want)):
-        for what, a, b in zip(("logits", "hidden", "load"), g, w):
-            assert a.shape == b.shape, f"step {t}: {what}"
-            assert (a.float() - b.float()).abs().max().item() < 1e-5, f"step {t}: {what} differ"
-    n = len(seqs)
-    caches = [
-        *(("rows", padded.pool.rows[layer], t) for layer, t in eager.pool.rows.items()),
-        *(("index rows", padded.pool.index_rows[layer], t) for layer, t in eager.pool.index_rows.items()),
-        *(("window", padded.swa.window[layer], t) for layer, t in enumerate(eager.swa.window)),
-        *(("state", padded.swa.state_kv[layer], t) for layer, t in eager.swa.state_kv.items()),
-    ]
-    for what, got_t, want_t in caches:
-        assert (got_t[:n] - want_t).abs().max().item() < 1e-5, what
+    for mode in ("off", "padded"):
+        runner, got, first = _run_mixed(path, mode, seqs)
+        # steps 0-2 hold a prompt chunk of over 8 tokens each (no vectorised path); 3-4 decode only
+        assert first == [list(range(7)), list(range(7)), [*range(7), 8], None, None], mode
+        assert runner.split_steps == 4  # and the first prefill: prompt 0 is one token, a decode row
+        for t, (g, w) in enumerate(zip(got, want)):
+            for what, a, b in zip(("logits", "hidden", "load"), g, w):
+                assert a.shape == b.shape, f"{mode}, step {t}: {what}"
+                assert (a.float() - b.float()).abs().max().item() < 1e-5, f"{mode}, step {t}: {what} differ"
+        n = len(seqs)
+        caches = [
+            *(("rows", runner.pool.rows[layer], t) for layer, t in one.pool.rows.items()),
+            *(("index rows", runner.pool.index_rows[layer], t) for layer, t in one.pool.index_rows.items()),
+            *(("window", runner.swa.window[layer], t) for layer, t in enumerate(one.swa.window)),
+            *(("state", runner.swa.state_kv[layer], t) for layer, t in one.swa.state_kv.items()),
+        ]
+        for what, got_t, want_t in caches:
+            assert (got_t[:n] - want_t).abs().max().item() < 1e-5, f"{mode}: {what}"
 
 
 def test_a_split_step_keeps_the_device_tokens_of_its_rows() -> None:
