@@ -6,6 +6,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import cast
 
 import torch
 
@@ -21,6 +22,7 @@ from engine.forward_batch import ForwardBatch, upload
 from engine.kernels import batch_invariant, fp8
 from engine.model import verify
 from engine.model.experts import GROUPED_MM
+from engine.model.layer import DecoderLayer
 from engine.model.model import DeepseekV4
 from engine.model.moe import ExpertPlacement
 from engine.model.qlinear import graph_safe, keep_fp8_
@@ -205,6 +207,8 @@ class ModelRunner:
     def execute(self, batch: ForwardBatch) -> RunnerOutput:
         self.check(batch)
         self.forwards += 1
+        for mtp in self.model.mtp:  # counted again by the step's drafting passes, if it drafts
+            cast(DecoderLayer, mtp).mlp.last_load.zero_()
         parts = self.split(batch)
         if parts is None:
             return RunnerOutput(*self._forward(batch))

@@ -87,6 +87,12 @@ class Drafter:
         self.window = model.cfg.sliding_window
         self.graphs = DraftGraphs(self, graphs) if graphs is not None else None
 
+    @property
+    def load(self) -> torch.Tensor:
+        """The MTP layer's MoE load counters [n_routed_experts] (what EPLB records): after
+        `draft`, its tokens over every pass (`ModelRunner.execute` zeroes them each step)."""
+        return self.layer.mlp.last_load
+
     @torch.inference_mode()
     def draft(self, hidden: torch.Tensor, runs: Sequence[DraftRun]) -> dict[str, Drafts]:
         """``hidden`` [T, hc, D]: the step's final main-model streams."""
@@ -96,7 +102,11 @@ class Drafter:
             short = [r for r in runs if self.graphs.applies([r])]
             if short and len(short) < len(runs):  # a prompt's run beside decodes (`ModelRunner.split`)
                 long = [r for r in runs if not self.graphs.applies([r])]
-                return {**self.draft(hidden, short), **self.draft(hidden, long)}
+                drafts = self.draft(hidden, short)
+                load = self.load.clone()
+                drafts.update(self.draft(hidden, long))
+                self.load.add_(load)
+                return drafts
         if self.graphs is not None and self.graphs.applies(runs):
             chains, chain_conf = self.graphs.run(hidden, runs)
             return {
@@ -114,6 +124,7 @@ class Drafter:
         )
         rows = torch.cat([torch.arange(r.hidden_from, r.hidden_from + len(r.next_ids)) for r in runs]).to(dev)
         tokens, conf, out = self._pass(hidden[rows], batch)
+        load = self.load.clone()  # the MTP layer's MoE load over every pass of the chain
         wanted = [r.num_drafts for r in runs]
         drafted: list[list[int]] = [[] for _ in runs]
         confs: list[list[float]] = [[] for _ in runs]
@@ -149,12 +160,14 @@ class Drafter:
                     )  # fmt: skip
                     idx = upload(torch.tensor(live, dtype=torch.long), dev)
                     tokens, conf, out = self._pass(streams[idx], step)
+                    load += self.load
                     for n, i in enumerate(live):
                         drafted[i].append(int(tokens[n]))
                         confs[i].append(float(conf[n]))
                     streams[idx] = out
             finally:
                 staged.undo([True] * int(staged.positions.shape[0]))
+        self.load.copy_(load)
         return {
             r.request_id: Drafts(tuple(d), tuple(c)) for r, d, c in zip(runs, drafted, confs) if r.num_drafts
         }
@@ -238,6 +251,7 @@ class DraftGraphs:
         rows, emb = out[c.last], emb[c.last]
         token, conf = d.predict(rows, emb)
         tokens, confs = [token], [conf]
+        load = d.load.clone()
         ends = batch.positions[c.last] + 1
         ones = torch.ones(b, dtype=torch.long, device=dev)
         scratch = torch.full((b, 1), g.scratch_block, dtype=torch.long, device=dev)  # never read
@@ -264,6 +278,8 @@ class DraftGraphs:
             token, conf = d.predict(rows, emb)
             tokens.append(token)
             confs.append(conf)
+            load += d.load
+        d.load.copy_(load)
         return torch.stack(tokens), torch.stack(confs)
 
     def _build(self, b: int, q: int, depth: int) -> _Chain:
