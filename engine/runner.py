@@ -230,12 +230,13 @@ class ModelRunner:
         One pass over a step with a prompt chunk loops over every sequence of the step, so a
         decode row beside a prompt pays its share of that loop: on an H100 a step of 60 decodes
         beside one 256-token prompt took 356 ms in one pass, 30 ms in two (a graphed decode
-        step: 3.7 ms); on a CPU core 31 decodes beside a 245-token prompt 182 ms in one pass,
-        131 ms in two (scripts/mixed_step.py). Rows are independent (no attention across
-        sequences; batch-invariant kernels make a row's result independent of its batch
-        mates), so two passes compute what one would, and a decode row takes the decode path
-        whatever shares its step. Expert-parallel steps run in one pass (EP lockstep pairs one
-        pass a step across ranks)."""
+        step: 3.7 ms); on a CPU core 60 decodes beside a 245-token prompt 262 ms in one pass,
+        143 ms in two, but one decode beside it 100 ms against 112 (`sluice bench engine
+        --mixed`: without graphs the second pass is a whole eager pass). Rows are independent
+        (no attention across sequences; batch-invariant kernels make a row's result
+        independent of its batch mates), so two passes compute what one would, and a decode
+        row takes the decode path whatever shares its step. Expert-parallel steps run in one
+        pass (EP lockstep pairs one pass a step across ranks)."""
         if self.cfg.ep_size > 1 or batch.num_seqs < 2 or self._vectorised(batch):
             return None
         logits = batch.num_logits_cpu or (1,) * batch.num_seqs

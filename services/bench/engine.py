@@ -9,7 +9,8 @@ balancer fits its cost model to, and, for a checkpoint with an MTP layer, specul
 verification step times into ``<checkpoint>/sluice_spec_steps.json``, which DSpark's
 scheduler prices steps with (``engine.spec.profiling``).
 
-``--preset P`` runs the real-width report instead: decode tokens/s through the engine at
+``--mixed DECODES`` times steps that mix decode rows with a prompt, in one pass and in two
+(``services/bench/_engine_mixed.py``). ``--preset P`` runs the real-width report instead: decode tokens/s through the engine at
 ``P``'s widths on ``--device`` beside the memory roofline (``services/bench/_engine_decode.py``),
 and prefill tokens/s beside the compute roofline, with a long prompt's time and peak memory
 (``services/bench/_engine_prefill.py``), each beside transformers' ``DeepseekV4ForCausalLM``."""
@@ -124,6 +125,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument(
         "--parts", default="decode,prefill",
         help="which parts of the --preset report to run: decode, prefill (default both)",
+    )  # fmt: skip
+    m = p.add_argument_group("mixed steps (services/bench/_engine_mixed.py)")
+    m.add_argument(
+        "--mixed", metavar="DECODES",
+        help="time a step of DECODES (a comma list) decode rows beside one --prompt-tokens prompt, in one "
+        "pass and in two (ModelRunner.split), on --model (default models/trained), --context tokens in "
+        "(default 256), --repeats rounds, on --device",
     )  # fmt: skip
     f = p.add_argument_group("prefill at real widths (--preset; services/bench/_engine_prefill.py)")
     f.add_argument(
@@ -301,6 +309,11 @@ def run(args: argparse.Namespace) -> Report:
         }  # fmt: skip
         | {"torch_threads": torch.get_num_threads()},
     )
+    if args.mixed:
+        from services.bench._engine_mixed import mixed_report
+
+        mixed_report(args, report)
+        return report
     if args.preset:
         from services.bench._engine_report import preset_report
 
