@@ -6,6 +6,7 @@ different steps."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -22,8 +23,8 @@ def _prompts(n: int) -> list[list[int]]:
     return [r[: 6 + (41 * i) % 190] for i, r in enumerate(rows)]
 
 
-def _run(prompts, params, pipeline: bool, **kw) -> tuple[list, LLM]:
-    llm = LLM(MODEL, max_num_seqs=16, num_swa_slots=32, pipeline_steps=pipeline, **kw)
+def _run(prompts, params, pipeline: bool, max_num_seqs: int = 16, **kw) -> tuple[list, LLM]:
+    llm = LLM(MODEL, max_num_seqs=max_num_seqs, num_swa_slots=32, pipeline_steps=pipeline, **kw)
     try:
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params)
         got = [
@@ -105,6 +106,28 @@ def test_a_decoding_batch_reads_every_input_token_on_the_device(graphs: str, kin
         assert got == want
         # 15 decode inputs per request; the first decode step may follow the prefill chunks
         assert piped.core.executor.fed_tokens >= 6 * 14
+    finally:
+        piped.close()
+
+
+@pytest.mark.skipif(not (MODEL / "config.json").is_file(), reason="the trained preset is not built")
+@pytest.mark.parametrize("graphs", ["off", "padded"])
+def test_prompts_beside_pipelined_decodes_keep_the_synchronous_tokens(graphs: str) -> None:
+    """Three slots for eight requests: each later prompt is computed beside decode rows whose
+    input tokens come from the step still in flight, and the step runs in two passes
+    (`ModelRunner.split`: the fed tokens follow their rows into the decode pass)."""
+    prompts = _prompts(8)
+    lengths = [6 + 5 * i for i in range(8)]  # requests finish, and slots refill, at different steps
+    params = [
+        dataclasses.replace(KINDS["greedy" if i % 2 else "sampled"](i), max_tokens=n)
+        for i, n in enumerate(lengths)
+    ]
+    want, sync = _run(prompts, params, False, max_num_seqs=3)
+    sync.close()
+    got, piped = _run(prompts, params, True, max_num_seqs=3, decode_graphs=graphs)
+    try:
+        assert got == want
+        assert piped.core.runner.split_steps > 0 and piped.core.executor.fed_tokens > 0
     finally:
         piped.close()
 
