@@ -275,14 +275,16 @@ class ModelRunner:
         rows = tokens = 0
         logits: list[torch.Tensor] = []
         hidden: list[torch.Tensor] = []
-        load: list[torch.Tensor] = []  # each MoE layer's load over the passes so far
-        for which, part, flat in parts:
+        moes = self.model.moe_layers()
+        load: list[torch.Tensor] = []  # each MoE layer's load over the passes before this one
+        for n, (which, part, flat) in enumerate(parts):
+            if n:  # a pass overwrites the counters: keep the earlier passes' count
+                load = [moe.last_load.clone() for moe in moes]
             part_logits, part_hidden = self._forward(part)
             logits.append(part_logits)
             hidden.append(part_hidden)
-            for moe, before in zip(self.model.moe_layers(), load):
+            for moe, before in zip(moes, load):
                 moe.last_load += before
-            load = [moe.last_load.clone() for moe in self.model.moe_layers()]
             for i in which:
                 if batch.sample_cpu[i]:
                     row_of[i] = range(rows, rows + counts[i])

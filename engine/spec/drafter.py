@@ -124,7 +124,6 @@ class Drafter:
         )
         rows = torch.cat([torch.arange(r.hidden_from, r.hidden_from + len(r.next_ids)) for r in runs]).to(dev)
         tokens, conf, out = self._pass(hidden[rows], batch)
-        load = self.load.clone()  # the MTP layer's MoE load over every pass of the chain
         wanted = [r.num_drafts for r in runs]
         drafted: list[list[int]] = [[] for _ in runs]
         confs: list[list[float]] = [[] for _ in runs]
@@ -137,6 +136,7 @@ class Drafter:
         ]  # [B, hc, D] each run's last position (a copy: written in place below)
         depth = max(wanted)
         if depth > 1:
+            load = self.load.clone()  # the MTP layer's MoE load over every pass of the chain
             live = [i for i, n in enumerate(wanted) if n > 1]
             ends = {i: runs[i].start + len(runs[i].next_ids) for i in live}  # pass 2's position
             staged = self.swa.stage(
@@ -167,7 +167,7 @@ class Drafter:
                     streams[idx] = out
             finally:
                 staged.undo([True] * int(staged.positions.shape[0]))
-        self.load.copy_(load)
+            self.load.copy_(load)
         return {
             r.request_id: Drafts(tuple(d), tuple(c)) for r, d, c in zip(runs, drafted, confs) if r.num_drafts
         }
