@@ -48,6 +48,9 @@ class RunnerConfig:
     # CUDA: a request's results do not depend on its batch (engine/kernels/batch_invariant.py;
     # process-wide once on). CPU: nothing to switch; its kernels already are for these models
     batch_invariant: bool = False
+    # a step mixing decode rows with prompts runs as two passes (`ModelRunner.split`); False:
+    # one pass (the A/B of `sluice bench engine --mixed`)
+    split_mixed_steps: bool = True
 
     def __post_init__(self) -> None:
         if self.fp8_compute not in fp8.COMPUTES:
@@ -237,7 +240,9 @@ class ModelRunner:
         independent of its batch mates), so two passes compute what one would, and a decode
         row takes the decode path whatever shares its step. Expert-parallel steps run in one
         pass (EP lockstep pairs one pass a step across ranks)."""
-        if self.cfg.ep_size > 1 or batch.num_seqs < 2 or self._vectorised(batch):
+        if not self.cfg.split_mixed_steps or self.cfg.ep_size > 1 or batch.num_seqs < 2:
+            return None
+        if self._vectorised(batch):
             return None
         logits = batch.num_logits_cpu or (1,) * batch.num_seqs
         keep = batch.swa_keep_cpu or ((0, 0),) * batch.num_seqs

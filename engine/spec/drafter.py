@@ -99,9 +99,11 @@ class Drafter:
         if not runs:
             return {}
         if self.graphs is not None:
-            short = [r for r in runs if self.graphs.applies([r])]
-            if short and len(short) < len(runs):  # a prompt's run beside decodes (`ModelRunner.split`)
-                long = [r for r in runs if not self.graphs.applies([r])]
+            short: list[DraftRun] = []
+            long: list[DraftRun] = []
+            for r in runs:
+                (short if self.graphs.applies([r]) else long).append(r)
+            if short and long:  # a prompt's run beside decodes (`ModelRunner.split`)
                 drafts = self.draft(hidden, short)
                 load = self.load.clone()
                 drafts.update(self.draft(hidden, long))

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from engine.forward_batch import ForwardBatch, SequenceInput
+from engine.runner import ModelRunner, RunnerConfig
 from services.bench import Report, progress
 
 MODES = ("one pass", "two passes")
@@ -29,22 +31,21 @@ class _Bench:
     def __init__(
         self, model_dir: Path, n: int, context: int, prompt: int, device: str, one_pass: bool
     ) -> None:
-        from engine.forward_batch import ForwardBatch, SequenceInput
-        from engine.runner import ModelRunner, RunnerConfig
-
-        self.batch, self.seq = ForwardBatch.from_sequences, SequenceInput
         self.n, self.prompt, self.device = n, prompt, device
         self.blocks = -(-(max(context + 64, prompt) + 1) // 256)
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
-        cfg = RunnerConfig(num_blocks=(n + 2) * self.blocks, num_slots=n + 2, device=device, dtype=dtype)
+        cfg = RunnerConfig(
+            num_blocks=(n + 2) * self.blocks, num_slots=n + 2, device=device, dtype=dtype,
+            split_mixed_steps=not one_pass,
+        )  # fmt: skip
         self.runner = ModelRunner(model_dir, cfg)
-        if one_pass:
-            self.runner.split = lambda batch: None  # type: ignore[method-assign]
         self.gen = torch.Generator().manual_seed(0)
         self.vocab = self.runner.model_cfg.vocab_size
         self.pos = context
         self.runner.execute(
-            self.batch([self.seq(self._tokens(context), 0, i, self._table(i)) for i in range(n)], device)
+            ForwardBatch.from_sequences(
+                [SequenceInput(self._tokens(context), 0, i, self._table(i)) for i in range(n)], device
+            )
         )
         self.turn = 0
 
@@ -54,18 +55,18 @@ class _Bench:
     def _table(self, slot: int) -> list[int]:
         return list(range(slot * self.blocks, (slot + 1) * self.blocks))
 
-    def _decodes(self) -> list:
-        rows = [self.seq(self._tokens(1), self.pos, i, self._table(i)) for i in range(self.n)]
+    def _decodes(self) -> list[SequenceInput]:
+        rows = [SequenceInput(self._tokens(1), self.pos, i, self._table(i)) for i in range(self.n)]
         self.pos += 1
         return rows
 
-    def _prompt(self) -> list:
+    def _prompt(self) -> list[SequenceInput]:
         slot = self.n + self.turn % 2  # each prompt starts afresh in the slot not used last
         self.turn += 1
-        return [self.seq(self._tokens(self.prompt), 0, slot, self._table(slot))]
+        return [SequenceInput(self._tokens(self.prompt), 0, slot, self._table(slot))]
 
-    def _time(self, rows: list) -> float:
-        batch = self.batch(rows, self.device)
+    def _time(self, rows: list[SequenceInput]) -> float:
+        batch = ForwardBatch.from_sequences(rows, self.device)
         cuda = self.device.startswith("cuda")
         if cuda:
             torch.cuda.synchronize()

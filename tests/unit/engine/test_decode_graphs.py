@@ -152,9 +152,8 @@ def _run_mixed(
     sequences `ModelRunner.split` runs first). ``one_pass``: never split."""
     n = len(seqs)
     rng = random.Random(11)
-    runner = ModelRunner(path, RunnerConfig(num_blocks=n, num_slots=n, decode_graphs=mode))
-    if one_pass:
-        runner.split = lambda batch: None  # type: ignore[method-assign]
+    cfg = RunnerConfig(num_blocks=n, num_slots=n, decode_graphs=mode, split_mixed_steps=not one_pass)
+    runner = ModelRunner(path, cfg)
     prefill = [SequenceInput(s[:p], 0, i, [i]) for i, (s, p) in enumerate(zip(seqs[:7], PROMPTS))]
     runner.execute(ForwardBatch.from_sequences(prefill))
     done = list(PROMPTS[:7]) + [0, 0]
