@@ -283,3 +283,40 @@ def test_flash_widths_bf16_graphs_against_eager(tmp_path) -> None:
     print(f"flash-shape bf16, graphs vs eager: greedy agreement {agree:.3f}, max |logit diff| {worst:.4f}")
     assert all(torch.isfinite(a).all() for a in out["auto"])
     assert agree >= 0.9
+
+
+def test_a_graphed_drafting_chain_counts_the_mtp_load_of_every_pass() -> None:
+    """The trained preset's MTP layer after a drafting chain run as a CUDA graph: its MoE load
+    counters hold every pass's tokens (the sum is captured with the chain) and equal those of
+    the same padded chain run eagerly, expert by expert; a step that drafts nothing leaves none."""
+    from engine.spec.drafter import Drafter, DraftRun
+
+    prompts, wanted = [40, 25, 60], [3, 1, 0]  # drafts after each run (0: only the MTP window)
+    loads = {}
+    for mode in ("auto", "padded"):
+        cfg = RunnerConfig(num_blocks=4, num_slots=4, device="cuda", dtype="bfloat16", decode_graphs=mode)
+        runner = ModelRunner("models/trained", cfg)
+        drafter = Drafter(runner.model, runner.pool, runner.swa, None, runner.graphs)
+        gen = torch.Generator().manual_seed(3)
+        seqs = [
+            torch.randint(0, runner.model_cfg.vocab_size, (n + 8,), generator=gen).tolist() for n in prompts
+        ]
+        pre = [SequenceInput(s[:n], 0, i, [i]) for i, (s, n) in enumerate(zip(seqs, prompts))]
+        runner.execute(ForwardBatch.from_sequences(pre, device="cuda"))
+        rows = [SequenceInput([s[n]], n, i, [i]) for i, (s, n) in enumerate(zip(seqs, prompts))]
+        out = runner.execute(ForwardBatch.from_sequences(rows, device="cuda"))
+        runs = [
+            DraftRun(str(i), i, [i], n, [s[n + 1]], i, 0, d)
+            for i, (s, n, d) in enumerate(zip(seqs, prompts, wanted))
+        ]
+        drafts = drafter.draft(out.hidden, runs)
+        assert drafter.graphs is not None and drafter.graphs.chains_run == 1
+        assert [len(drafts[str(i)].tokens) for i in (0, 1)] == [3, 1]
+        assert drafter.graphs.replays == (mode == "auto")  # captured and replayed only there
+        k = runner.model_cfg.num_experts_per_tok
+        assert int(drafter.load.sum()) == k * (3 + sum(max(0, d - 1) for d in wanted))
+        loads[mode] = drafter.load.cpu().clone()
+        rows = [SequenceInput([s[n + 1]], n + 1, i, [i]) for i, (s, n) in enumerate(zip(seqs, prompts))]
+        runner.execute(ForwardBatch.from_sequences(rows, device="cuda"))
+        assert int(drafter.load.sum()) == 0
+    assert torch.equal(loads["auto"], loads["padded"])
