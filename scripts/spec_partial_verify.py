@@ -1,0 +1,92 @@
+"""What a speculating step costs when its requests verify different numbers of drafts.
+
+The step profile (`engine.spec.profile.SpecProfile`) is measured with every request of a
+step verifying the same ``k`` drafts, and DSpark's selection is priced by interpolating it
+in the step's total tokens (`SpecProfile.for_batch`). This measures steps that are not on
+those points: the first ``m`` of ``B`` requests verify ``K`` drafts, the others none (every
+request drafting 5), by replacing the policy's choice in an `EngineCore` with that pattern.
+Each cell is the median of 24 steps after 6, in fresh engines, the smallest of ``--rounds``.
+
+    .venv/bin/python scripts/spec_partial_verify.py --batch 16        # ~3 min on the 2-core VM
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+
+
+def _cell(model: Path, prompts: list[list[int]], batch: int, k: int, m: int, device: str) -> float:
+    from engine.core import EngineCore
+    from engine.engine_config import EngineConfig
+    from engine.messages import CoreRequest
+    from engine.sampling.params import SamplingParams
+
+    cfg = EngineConfig(
+        model=str(model), speculative="fixed-5:5", max_num_seqs=batch, num_swa_slots=batch,
+        num_blocks=batch * 4 + 4, max_num_batched_tokens=32_768, enable_prefix_caching=False,
+        async_scheduling=False, device=device,
+    )  # fmt: skip
+    core = EngineCore(cfg)
+    try:
+        policy = core.spec
+        assert policy is not None
+        choose = policy._choose
+
+        def pattern(rids, confidences, max_tokens, b):  # type: ignore[no-untyped-def]
+            choose(rids, confidences, max_tokens, b)  # the policy's own bookkeeping
+            return [min(k if i < m else 0, len(c)) for i, c in enumerate(confidences)], "pattern"
+
+        policy._choose = pattern  # type: ignore[method-assign]
+        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+        for i in range(batch):
+            core.add(CoreRequest(f"p{i}", tuple(prompts[i % len(prompts)]), params))
+        times = []
+        for i in range(30):
+            t0 = time.perf_counter()
+            core.step()
+            if i >= 6:  # the prefill step and the first decode steps
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+    finally:
+        core.close()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="models/trained")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+
+    import torch
+
+    from engine.spec.profiling import _prompts
+
+    torch.set_num_threads(1)
+    b = args.batch
+    prompts, _ = _prompts(Path(args.model), b, 256, 0)
+    patterns = [(1, 0), (1, 1), (1, 2), (1, b // 4), (1, b // 2), (1, b), (2, b), (5, 1), (5, b // 4), (5, b)]
+    cells: dict[tuple[int, int], list[float]] = {}
+    for _ in range(args.rounds):
+        for k, m in patterns:
+            cells.setdefault((k, m), []).append(_cell(Path(args.model), prompts, b, k, m, args.device))
+    rows = [
+        {"drafts": k, "requests": m, "verified": k * m, "ms": min(v) * 1e3, "rounds_ms": [x * 1e3 for x in v]}
+        for (k, m), v in cells.items()
+    ]
+    if args.json:
+        print(json.dumps({"batch": b, "device": args.device, "rows": rows}, indent=1))
+        return
+    print(f"batch {b}: the first m requests verify K drafts, the rest none (all draft 5)")
+    for r in rows:
+        print(f"K={r['drafts']} m={r['requests']:3d} verified={r['verified']:3d}: {r['ms']:6.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
