@@ -6,8 +6,11 @@ in the step's total tokens (`SpecProfile.for_batch`). This measures steps that a
 those points: the first ``m`` of ``B`` requests verify ``K`` drafts, the others none (every
 request drafting 5), by replacing the policy's choice in an `EngineCore` with that pattern.
 Each cell is the median of 24 steps after 6, in fresh engines, the smallest of ``--rounds``.
+Beside each, the price a profile measured in the same run (`measure_spec_profile`, this
+batch size alone) gives that step, interpolated between its uniform points alone, and with
+its step verifying one draft (``first_verified``).
 
-    .venv/bin/python scripts/spec_partial_verify.py --batch 16        # ~3 min on the 2-core VM
+    .venv/bin/python scripts/spec_partial_verify.py --batch 16        # ~5 min on the 2-core VM
 """
 
 from __future__ import annotations
@@ -76,16 +79,35 @@ def main() -> None:
     for _ in range(args.rounds):
         for k, m in patterns:
             cells.setdefault((k, m), []).append(_cell(Path(args.model), prompts, b, k, m, args.device))
+    from dataclasses import replace
+
+    from engine.spec.profiling import measure_spec_profile
+
+    profile = measure_spec_profile(args.model, batches=(b,), rounds=args.rounds, device=args.device)
+    with_point, without = profile.for_batch(b), replace(profile, first_verified=()).for_batch(b)
     rows = [
-        {"drafts": k, "requests": m, "verified": k * m, "ms": min(v) * 1e3, "rounds_ms": [x * 1e3 for x in v]}
+        {
+            "drafts": k,
+            "requests": m,
+            "verified": k * m,
+            "ms": min(v) * 1e3,
+            "rounds_ms": [x * 1e3 for x in v],
+            "priced_ms_uniform_points": without.seconds(b + k * m) * 1e3,
+            "priced_ms_with_first_verified": with_point.seconds(b + k * m) * 1e3,
+        }  # fmt: skip
         for (k, m), v in cells.items()
     ]
     if args.json:
-        print(json.dumps({"batch": b, "device": args.device, "rows": rows}, indent=1))
+        out = {"batch": b, "device": args.device, "rows": rows, "profile": json.loads(profile.to_json())}
+        print(json.dumps(out, indent=1))
         return
-    print(f"batch {b}: the first m requests verify K drafts, the rest none (all draft 5)")
+    print(f"batch {b}: the first m requests verify K drafts, the rest none (all draft 5); priced by")
+    print("the profile's uniform points alone, and with its step verifying one draft")
     for r in rows:
-        print(f"K={r['drafts']} m={r['requests']:3d} verified={r['verified']:3d}: {r['ms']:6.1f} ms")
+        print(
+            f"K={r['drafts']} m={r['requests']:3d} verified={r['verified']:3d}: {r['ms']:6.1f} ms, priced "
+            f"{r['priced_ms_uniform_points']:6.1f} / {r['priced_ms_with_first_verified']:6.1f} ms"
+        )
 
 
 if __name__ == "__main__":

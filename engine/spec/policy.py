@@ -185,6 +185,9 @@ class SpecPolicy:
         self.trace: list[list[tuple[tuple[float, ...], int, int]]] | None = None
         # set to [] to record the policy's `view` after each step with drafts (diagnostics)
         self.decisions: list[dict[str, Any]] | None = None
+        # a fixed policy verifies drafts of this many requests a step at most, the first ones
+        # (`engine.spec.profiling` measures the step verifying one draft with it)
+        self.verifying_requests: int | None = None
         self._open: dict[str, tuple[Sequence[float], int]] = {}
         self._open_counts = self.acceptance  # where their outcomes are counted
 
@@ -259,6 +262,8 @@ class SpecPolicy:
         if not selects:
             cap = self.config.num_drafts if self.config.verify is None else self.config.verify
             ks = [min(cap, k) for k in n]
+            if self.verifying_requests is not None:
+                ks = [k if i < self.verifying_requests else 0 for i, k in enumerate(ks)]
             if max_tokens is not None:
                 ks = _cap(ks, max_tokens)
             name = f"fixed-{max(ks)}" if any(ks) else "none"

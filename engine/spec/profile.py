@@ -41,11 +41,17 @@ class SpecProfile:
     * ``seconds[i][k]``: every request verifies ``k`` drafts (verification forward, sampling,
       then drafting ``drafted`` tokens per request for the next step);
     * ``draft_pass[i]``: one chained drafting pass (what drafting one token fewer saves);
-    * ``plain[i]``: a step without speculation (no MTP work at all).
+    * ``plain[i]``: a step without speculation (no MTP work at all);
+    * ``first_verified[i]``: a step in which one request verifies one draft and the others
+      none. Once any request verifies, the step takes the verification path, whose own cost
+      the uniform points spread over ``batch[i]`` drafts (on the 2-core VM at 16 requests
+      ~5 ms, then ~0.5 ms a draft: ``scripts/spec_partial_verify.py``); this point prices a
+      selection of a few drafts (`for_batch`).
 
     A step drafting ``d`` tokens costs ``seconds[i][k] - (drafted - d) * draft_pass[i]``.
     Without ``draft_pass``/``plain`` (an older profile) the depth is fixed at ``drafted``
-    and speculation is never turned off."""
+    and speculation is never turned off; without ``first_verified`` a selection is priced
+    between the uniform points alone."""
 
     batch: tuple[int, ...]
     drafts: tuple[int, ...]
@@ -54,6 +60,7 @@ class SpecProfile:
     draft_pass: tuple[float, ...] = ()
     plain: tuple[float, ...] = ()
     meta: dict[str, Any] = field(default_factory=dict, compare=False)
+    first_verified: tuple[float, ...] = ()
     # step_seconds / for_batch results: a policy asks for the same few every step (bounded by
     # the batch sizes an engine runs times the draft counts)
     _memo: dict[tuple[Any, ...], Any] = field(default_factory=dict, init=False, compare=False, repr=False)
@@ -67,7 +74,7 @@ class SpecProfile:
             raise ValueError("profile seconds must be [len(batch)][len(drafts)]")
         if not all(math.isfinite(s) and s > 0 for row in self.seconds for s in row):
             raise ValueError("profile seconds must be finite and positive")
-        for name in ("draft_pass", "plain"):
+        for name in ("draft_pass", "plain", "first_verified"):
             v = getattr(self, name)
             if v and (len(v) != len(self.batch) or not all(math.isfinite(x) and x >= 0 for x in v)):
                 raise ValueError(f"profile {name} must be empty or one finite value >= 0 per batch size")
@@ -115,23 +122,29 @@ class SpecProfile:
 
     def for_batch(self, batch: int, drafted: int | None = None) -> StepProfile:
         """The step-profile table of a step of ``batch`` decoding requests that drafts
-        ``drafted`` tokens each: tokens ``batch * (k + 1)`` against steps per second (made
+        ``drafted`` tokens each: tokens ``batch * (k + 1)`` against steps per second, and with
+        ``first_verified`` the step verifying one draft at ``batch + 1`` tokens (made
         non-increasing, as a larger step never runs faster: noise is removed by a running
         maximum)."""
         d = max(drafted if drafted is not None else self.drafted, 1)
         hit = self._memo.get(("t", batch, d))
         if isinstance(hit, StepProfile):
             return hit
-        secs = np.maximum.accumulate([self.step_seconds(batch, k, d) for k in self.drafts])
+        secs = [self.step_seconds(batch, k, d) for k in self.drafts]
         tokens = [batch * (k + 1) for k in self.drafts]
-        table = self._memo[("t", batch, d)] = StepProfile(tokens, [1.0 / s for s in secs])
+        if self.first_verified and batch > 1 and len(self.drafts) > 1:  # at 1 it is k = 1's point
+            saved = (self.drafted - d) * self._at(batch, self.draft_pass) if self.adaptive else 0.0
+            secs.insert(1, max(self._at(batch, self.first_verified) - saved, 1e-9))
+            tokens.insert(1, batch + 1)
+        rising = np.maximum.accumulate(secs)
+        table = self._memo[("t", batch, d)] = StepProfile(tokens, [1.0 / s for s in rising])
         return table
 
     def to_json(self) -> str:
         return json.dumps(
             {"batch": list(self.batch), "drafts": list(self.drafts), "seconds": [list(r) for r in self.seconds],
              "drafted": self.drafted, "draft_pass": list(self.draft_pass), "plain": list(self.plain),
-             "meta": self.meta},
+             "first_verified": list(self.first_verified), "meta": self.meta},
             indent=1,
         )  # fmt: skip
 
@@ -142,7 +155,7 @@ class SpecProfile:
             tuple(int(b) for b in d["batch"]), tuple(int(k) for k in d["drafts"]),
             tuple(tuple(float(s) for s in row) for row in d["seconds"]), int(d.get("drafted", MAX_DRAFTS)),
             tuple(float(x) for x in d.get("draft_pass", ())), tuple(float(x) for x in d.get("plain", ())),
-            dict(d.get("meta", {})),
+            dict(d.get("meta", {})), tuple(float(x) for x in d.get("first_verified", ())),
         )  # fmt: skip
 
     @classmethod
@@ -187,6 +200,10 @@ def extrapolate_layers(
 
     seconds = fit(np.array([p.seconds for _, p in pairs]))
     plain = fit(np.array([p.plain for _, p in pairs])) if first.adaptive else np.array([])
+    # a decoder layer's share of the verification path's own cost grows with depth as well
+    one = (
+        fit(np.array([p.first_verified for _, p in pairs])) if all(p.first_verified for _, p in pairs) else ()
+    )
     draft_pass = np.array([p.draft_pass for _, p in pairs]).mean(axis=0) if first.adaptive else np.array([])
     spread = sorted({int(d) for d in depths})
     meta = {
@@ -196,7 +213,7 @@ def extrapolate_layers(
     }
     return SpecProfile(
         first.batch, first.drafts, tuple(tuple(float(x) for x in row) for row in seconds), first.drafted,
-        tuple(float(x) for x in draft_pass), tuple(float(x) for x in plain), meta,
+        tuple(float(x) for x in draft_pass), tuple(float(x) for x in plain), meta, tuple(float(x) for x in one),
     )  # fmt: skip
 
 
@@ -209,6 +226,7 @@ def fit_residuals(profiles: Iterable[tuple[int, SpecProfile]]) -> dict[str, Any]
         line = extrapolate_layers(pairs, depth)
         ratios += [m / f for rm, rf in zip(p.seconds, line.seconds) for m, f in zip(rm, rf)]
         ratios += [m / f for m, f in zip(p.plain, line.plain)]
+        ratios += [m / f for m, f in zip(p.first_verified, line.first_verified)]
     return {
         "measured / fitted, every cell": [round(r, 3) for r in ratios],
         "min": round(min(ratios), 3), "max": round(max(ratios), 3),

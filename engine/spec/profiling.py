@@ -1,7 +1,9 @@
 """Measure a `SpecProfile`: the wall time of whole engine steps (schedule, verification
 forward, sampling, drafting, update) with ``B`` requests each verifying ``k`` drafts; for
-each ``B`` also a plain decode step (no speculation) and a step drafting one token (the cost
-of one chained drafting pass is the difference to drafting ``drafted``, per pass).
+each ``B`` also a plain decode step (no speculation), a step drafting one token (the cost
+of one chained drafting pass is the difference to drafting ``drafted``, per pass) and a step
+in which one request verifies one draft (``first_verified``: the verification path's own
+cost, which a selection of a few drafts pays).
 Each cell keeps the smallest of ``rounds`` medians: on a shared machine, interference only
 ever adds time.
 
@@ -46,10 +48,11 @@ def device_steps_file(device: str) -> str:
 
 def _cell(
     model: Path, batch: int, k: int, drafted: int, prompts: Sequence[Sequence[int]], warmup: int, steps: int,
-    engine_kwargs: dict[str, Any],
+    engine_kwargs: dict[str, Any], verifying: int | None = None,
 ) -> float:  # fmt: skip
     """Median seconds of a step verifying ``k`` drafts per request and drafting ``drafted``;
-    ``drafted = 0``: plain decoding (no speculation)."""
+    ``drafted = 0``: plain decoding (no speculation); ``verifying``: only that many requests
+    verify (the first), the others none."""
     from engine.core import EngineCore
     from engine.engine_config import EngineConfig
     from engine.messages import CoreRequest
@@ -70,6 +73,9 @@ def _cell(
         for i in range(batch):
             core.add(CoreRequest(f"p{i}", tuple(prompts[i % len(prompts)]), params))
         spec = core.spec
+        if spec is not None:
+            spec.verifying_requests = verifying
+        wanted = (1, (batch if verifying is None else verifying) * k)
         times: list[float] = []
         seen = 0
         for i in range(warmup + 4 * steps + 8):
@@ -78,8 +84,8 @@ def _cell(
             core.step()
             dt = time.perf_counter() - t0
             after = (spec.stats.steps, spec.stats.verified) if spec is not None else (1, 0)
-            if i == 0 or (after[0] - before[0], after[1] - before[1]) != (1, batch * k):
-                continue  # the prefill step, or not every request verified k drafts
+            if i == 0 or (after[0] - before[0], after[1] - before[1]) != wanted:
+                continue  # the prefill step, or not every verifying request verified k drafts
             if core.stats().running != batch:
                 break
             seen += 1
@@ -88,7 +94,9 @@ def _cell(
             if len(times) >= steps:
                 break
         if not times:
-            raise RuntimeError(f"batch {batch}, {k} drafts: no step verified {k} drafts of every request")
+            raise RuntimeError(
+                f"batch {batch}, {k} drafts: no step verified {k} drafts of every verifying request"
+            )
         return statistics.median(times)
     finally:
         core.close()
@@ -123,24 +131,31 @@ def measure_spec_profile(
     **engine_kwargs: Any,
 ) -> SpecProfile:
     model = Path(model)
-    seconds, draft_pass, plain = [], [], []
+    seconds, draft_pass, plain, first = [], [], [], []
     t_start = time.perf_counter()
     prompts, source = _prompts(model, max(batches), prompt_tokens, seed)
 
-    def cell(b: int, k: int, d: int) -> float:
+    def cell(b: int, k: int, d: int, verifying: int | None = None) -> float:
         times = []
         for _ in range(rounds):
-            times.append(_cell(model, b, k, d, prompts, warmup, steps, engine_kwargs))
+            times.append(_cell(model, b, k, d, prompts, warmup, steps, engine_kwargs, verifying))
             release_memory(engine_kwargs)  # here: inside `_cell` its frame still holds the engine
         t = min(times)
         if progress is not None:
             what = f"{k} of {d} drafts verified" if d else "plain decoding"
+            if verifying is not None:
+                what = f"{k} draft of one request verified, {d} drafted"
             progress(f"spec profile: batch {b}, {what}: {t * 1e3:.1f} ms/step")
         return t
 
     for b in batches:
-        row = [cell(b, k, drafted) for k in range(drafted + 1)]
+        row = [cell(b, 0, drafted)]
+        # the verification path's own cost: one request verifies one draft (at 1 request that
+        # is k = 1's cell), measured next to the step verifying none, which it is compared with
+        one = cell(b, 1, drafted, verifying=1) if b > 1 and drafted else None
+        row += [cell(b, k, drafted) for k in range(1, drafted + 1)]
         seconds.append(tuple(row))
+        first.append(one if one is not None else row[min(1, drafted)])
         plain.append(cell(b, 0, 0))
         # one chained pass: what drafting one token instead of ``drafted`` saves, per pass
         draft_pass.append(max(row[0] - cell(b, 0, 1), 0.0) / max(drafted - 1, 1))
@@ -162,6 +177,7 @@ def measure_spec_profile(
         tuple(draft_pass),
         tuple(plain),
         meta,
+        tuple(first),
     )
 
 

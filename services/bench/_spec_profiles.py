@@ -28,6 +28,7 @@ def profile_table(profile: SpecProfile, source: str) -> dict[str, Any]:
         "drafted_per_step": profile.drafted,
         "draft_pass_seconds": list(profile.draft_pass),
         "plain_step_seconds": list(profile.plain),
+        "first_verified_step_seconds": list(profile.first_verified),
         "meta": profile.meta,
     }
 
@@ -38,7 +39,7 @@ def profile_from_table(table: dict[str, Any], source: str) -> SpecProfile:
         tuple(table["batch"]), tuple(table["drafts_verified"]),
         tuple(tuple(r) for r in table["step_seconds"]), int(table["drafted_per_step"]),
         tuple(table["draft_pass_seconds"]), tuple(table["plain_step_seconds"]),
-        {**table.get("meta", {}), "read_from": source},
+        {**table.get("meta", {}), "read_from": source}, tuple(table.get("first_verified_step_seconds", ())),
     )  # fmt: skip
 
 

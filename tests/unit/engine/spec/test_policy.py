@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from engine.spec.costs import PLAIN, SPECULATING, StepCosts
@@ -61,6 +62,32 @@ def test_profile_prices_depth_plain_and_batch_and_round_trips() -> None:
     assert not old.adaptive and old.step_seconds(1, 2, 0) == pytest.approx(p.step_seconds(1, 2))
 
 
+def test_the_step_verifying_one_draft_prices_a_selection_of_a_few() -> None:
+    """``first_verified``: once any request verifies, the step pays the verification path's
+    own cost. Without the point a selection of one draft is priced between the uniform points
+    (1/16 of the way to every request verifying one), with it at the step measured."""
+    from engine.spec.dspark import plan_dspark
+
+    p = _profile(verify_s=0.002, pass_s=0.004, plain_s=0.010)
+    jump = tuple(row[0] + 0.6 * (row[1] - row[0]) for row in p.seconds)  # 60 % of k = 1's step
+    q = SpecProfile(p.batch, p.drafts, p.seconds, p.drafted, p.draft_pass, p.plain, first_verified=jump)
+    assert SpecProfile.from_json(q.to_json()) == q and q.first_verified == jump
+    table = q.for_batch(16)
+    assert table.tokens[:3] == (16.0, 17.0, 32.0)
+    assert table.seconds(17) == pytest.approx(q._at(16, jump))
+    shallow = q.for_batch(16, 2)  # drafting 2, not 5: three passes fewer, at every point
+    assert shallow.seconds(17) == pytest.approx(q._at(16, jump) - 3 * q._at(16, q.draft_pass))
+    assert p.for_batch(16).tokens == tuple(float(16 * (k + 1)) for k in DRAFTS)  # without: as before
+    assert q.for_batch(1).tokens == p.for_batch(1).tokens  # at one request it is k = 1's point
+    # one request's likely draft among fifteen unlikely ones (0.6 more tokens on 16, +3.8 %):
+    # worth verifying at 1/16 of the uniform step's extra cost (+0.4 %), not at the
+    # verification path's own (+4 %)
+    conf = np.full((16, 5), 0.02)
+    conf[0, 0] = 0.6
+    assert plan_dspark(conf, p.for_batch(16)).ks.tolist() == [1] + [0] * 15
+    assert plan_dspark(conf, table).ks.tolist() == [0] * 16
+
+
 def test_profile_refuses_bad_tables() -> None:
     with pytest.raises(ValueError):
         SpecProfile((4, 2), DRAFTS, ((1.0,) * 6, (1.0,) * 6))
@@ -68,6 +95,8 @@ def test_profile_refuses_bad_tables() -> None:
         SpecProfile((1,), (0, 2), ((1.0, 1.0),))
     with pytest.raises(ValueError):
         SpecProfile((1,), DRAFTS, ((1.0,) * 6,), plain=(1.0, 2.0))
+    with pytest.raises(ValueError):
+        SpecProfile((1,), DRAFTS, ((1.0,) * 6,), first_verified=(float("nan"),))
 
 
 def test_fixed_verifies_k_within_the_token_budget_and_records_the_trace() -> None:
@@ -401,6 +430,15 @@ def test_a_profile_extrapolated_in_depth_is_affine_in_layers() -> None:
         extrapolate_layers({1: at_depth(1)}, 43)
     with pytest.raises(ValueError, match="share"):
         extrapolate_layers({1: at_depth(1), 3: SpecProfile((1,), DRAFTS, (at_depth(3).seconds[0],))}, 43)
+    # the step verifying one draft is fitted as the other cells are, where every depth has it
+    one = {
+        d: replace(at_depth(d), first_verified=tuple(row[0] + d * 5e-5 for row in at_depth(d).seconds))
+        for d in (1, 3)
+    }
+    assert extrapolate_layers(one, 43).first_verified == pytest.approx(
+        [row[0] + 43 * 5e-5 for row in want.seconds]
+    )
+    assert extrapolate_layers({1: one[1], 3: at_depth(3)}, 43).first_verified == ()
 
 
 def _stale(real: SpecProfile, spec_factor: float) -> SpecProfile:

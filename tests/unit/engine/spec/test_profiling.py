@@ -32,9 +32,12 @@ def test_the_profile_is_measured_on_held_out_text(monkeypatch) -> None:
     assert prof.batch == (1, 2) and prof.drafts == (0, 1, 2)
     assert prof.meta["prompts"] == "heldout-v1 windows, 64 - (k mod 128) ids"
     assert all(s > 0 for row in prof.seconds for s in row) and all(s > 0 for s in prof.plain)
+    # the step in which one request verifies one draft: at one request, k = 1's own cell
+    assert len(prof.first_verified) == 2 and prof.first_verified[0] == prof.seconds[0][1]
+    assert prof.first_verified[1] > 0
     # every cell's engine is freed before the next is built (at DeepSeek-V4-Flash's widths two
     # engines' weights do not fit one GPU): none outlives the profile
-    assert len(engines) == 2 * 5 and all(ref() is None for ref in engines)
+    assert len(engines) == 2 * 5 + 1 and all(ref() is None for ref in engines)
 
 
 def test_prompts_are_text_where_the_tokenizer_reads_it_else_random(tmp_path) -> None:
