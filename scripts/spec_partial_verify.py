@@ -4,7 +4,8 @@ The step profile (`engine.spec.profile.SpecProfile`) is measured with every requ
 step verifying the same ``k`` drafts, and DSpark's selection is priced by interpolating it
 in the step's total tokens (`SpecProfile.for_batch`). This measures steps that are not on
 those points: the first ``m`` of ``B`` requests verify ``K`` drafts, the others none (every
-request drafting 5), by replacing the policy's choice in an `EngineCore` with that pattern.
+request drafting 5): the ``fixed-K:5`` policy of an `EngineCore` limited to the first ``m``
+requests (`SpecPolicy.verifying_requests`).
 Each cell is the median of 24 steps after 6, in fresh engines, the smallest of ``--rounds``.
 Beside each, the price a profile measured in the same run (`measure_spec_profile`, this
 batch size alone) gives that step, interpolated between its uniform points alone, and with
@@ -29,21 +30,14 @@ def _cell(model: Path, prompts: list[list[int]], batch: int, k: int, m: int, dev
     from engine.sampling.params import SamplingParams
 
     cfg = EngineConfig(
-        model=str(model), speculative="fixed-5:5", max_num_seqs=batch, num_swa_slots=batch,
+        model=str(model), speculative=f"fixed-{k}:5", max_num_seqs=batch, num_swa_slots=batch,
         num_blocks=batch * 4 + 4, max_num_batched_tokens=32_768, enable_prefix_caching=False,
         async_scheduling=False, device=device,
     )  # fmt: skip
     core = EngineCore(cfg)
     try:
-        policy = core.spec
-        assert policy is not None
-        choose = policy._choose
-
-        def pattern(rids, confidences, max_tokens, b):  # type: ignore[no-untyped-def]
-            choose(rids, confidences, max_tokens, b)  # the policy's own bookkeeping
-            return [min(k if i < m else 0, len(c)) for i, c in enumerate(confidences)], "pattern"
-
-        policy._choose = pattern  # type: ignore[method-assign]
+        assert core.spec is not None
+        core.spec.verifying_requests = m  # the first m requests verify k drafts, the others none
         params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
         for i in range(batch):
             core.add(CoreRequest(f"p{i}", tuple(prompts[i % len(prompts)]), params))
