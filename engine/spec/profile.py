@@ -45,7 +45,7 @@ class SpecProfile:
     * ``first_verified[i]``: a step in which one request verifies one draft and the others
       none. Once any request verifies, the step takes the verification path, whose own cost
       the uniform points spread over ``batch[i]`` drafts (on the 2-core VM at 16 requests
-      ~5 ms, then ~0.5 ms a draft: ``scripts/spec_partial_verify.py``); this point prices a
+      5-7 ms, then 0.5-0.7 ms a draft: ``scripts/spec_partial_verify.py``); this point prices a
       selection of a few drafts (`for_batch`).
 
     A step drafting ``d`` tokens costs ``seconds[i][k] - (drafted - d) * draft_pass[i]``.
