@@ -104,6 +104,8 @@ def width_profile(args: argparse.Namespace, report: Report, engine_kwargs: dict[
         row: dict[str, Any] = {"batch": b, "plain ms": round(profile.plain[i] * 1e3, 2)}
         row.update({f"k={k} ms": round(s * 1e3, 2) for k, s in enumerate(profile.seconds[i])})
         row["draft pass ms"] = round(profile.draft_pass[i] * 1e3, 2)
+        if profile.first_verified:
+            row["one draft verified ms"] = round(profile.first_verified[i] * 1e3, 2)
         report.rows.append(row)
     report.results["wall_s"] = round(time.perf_counter() - t0, 1)
     return report

@@ -119,7 +119,10 @@ def test_a_width_profile_is_refitted_from_earlier_reports_without_a_device(tmp_p
 
     def at(layers: int, by: float = 0.0) -> SpecProfile:  # 2 ms + 1 ms a layer, + 0.2 ms a draft a layer
         secs = tuple(tuple(2e-3 + by + layers * (1e-3 + 2e-4 * k) * b for k in range(6)) for b in (1, 4))
-        return SpecProfile((1, 4), tuple(range(6)), secs, 5, (3e-4, 4e-4), (layers * 1e-3, layers * 3e-3))
+        one = (secs[0][1], secs[1][0] + 5e-4 * layers)  # the step verifying one draft
+        return SpecProfile(
+            (1, 4), tuple(range(6)), secs, 5, (3e-4, 4e-4), (layers * 1e-3, layers * 3e-3), first_verified=one
+        )
 
     reports = []
     for name, depths in (("a", {1: at(1, 1e-4), 3: at(3)}), ("b", {1: at(1, -1e-4), 2: at(2), 4: at(4)})):
@@ -138,10 +141,12 @@ def test_a_width_profile_is_refitted_from_earlier_reports_without_a_device(tmp_p
     for got_row, want_row in zip(got.seconds, want.seconds):
         assert got_row == pytest.approx(want_row)  # the +-0.1 ms at depth 1 cancel
     assert got.plain == pytest.approx((43e-3, 129e-3)) and got.meta["device"] == "NVIDIA H100 80GB HBM3"
+    assert got.first_verified == pytest.approx(want.first_verified) and len(got.first_verified) == 2
     assert report.config["depths"] == [1, 1, 2, 3, 4]
     assert {"measured_1_layers", "measured_1_layers_2", "measured_4_layers"} <= set(report.results)
     assert 0.9 < report.results["fit_residuals"]["min"] < 1.0 < report.results["fit_residuals"]["max"] < 1.1
     assert [r["batch"] for r in report.rows] == [1, 4]
+    assert report.rows[1]["one draft verified ms"] == pytest.approx(want.first_verified[1] * 1e3, abs=0.01)
 
 
 def test_a_steady_window_prices_only_its_decode_steps_at_their_batch() -> None:
