@@ -21,7 +21,8 @@ Reported per run:
 * **verified per step**: drafts put into verification per step, summed over the batch;
 * **accepted length**: tokens a request emits per step (1 + its accepted drafts);
 * **throughput**: tokens emitted in the decode phase / its wall time, the median of
-  ``--repeats`` runs made in turn with the other policies;
+  ``--repeats`` runs made in turn with the other policies (of an even count, the higher of
+  the middle two: every field of the kept run is that run's own);
 * the policies chosen (``dspark`` may verify a uniform K, or nothing, where selection does
   not pay);
 * **full-batch throughput** (``full_batch_tokens_per_s``, and the table's ``dspark / best,
@@ -186,7 +187,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "slots refill, over STEPS steps, as independent requests do (default 1: every request generates "
         "--tokens, and under plain decoding they finish, and refill, in one step)",
     )  # fmt: skip
-    p.add_argument("--repeats", type=int, default=3, help="runs per policy, interleaved; the median is kept")
+    p.add_argument(
+        "--repeats", type=int, default=3,
+        help="runs per policy, interleaved; the median run is kept (the higher middle one of an even count)",
+    )  # fmt: skip
     p.add_argument(
         "--profile-as-is", action="store_true",
         help="DSpark takes the profile as it is: no rescaling by the engine's own step times (the default "
