@@ -107,9 +107,12 @@ class SpecProfile:
         if d == 0 and drafts == 0 and self.adaptive:
             return self._at(batch, self.plain)
         j = min(max(drafts, 0), len(self.drafts) - 1)
-        full = self._at(batch, [row[j] for row in self.seconds])
-        saved = (self.drafted - d) * self._at(batch, self.draft_pass) if self.adaptive else 0.0
-        return max(full - saved, 1e-9)
+        return self._drafting(batch, self._at(batch, [row[j] for row in self.seconds]), d)
+
+    def _drafting(self, batch: int, seconds: float, drafted: int) -> float:
+        """A step measured drafting ``self.drafted`` tokens, when it drafts ``drafted``."""
+        saved = (self.drafted - drafted) * self._at(batch, self.draft_pass) if self.adaptive else 0.0
+        return max(seconds - saved, 1e-9)
 
     def uniform_seconds(self, batch: int, drafts: int) -> tuple[float, ...]:
         """Plain decoding's step, then a step verifying ``k`` of ``k`` drafted, k = 1..drafts
@@ -133,8 +136,7 @@ class SpecProfile:
         secs = [self.step_seconds(batch, k, d) for k in self.drafts]
         tokens = [batch * (k + 1) for k in self.drafts]
         if self.first_verified and batch > 1 and len(self.drafts) > 1:  # at 1 it is k = 1's point
-            saved = (self.drafted - d) * self._at(batch, self.draft_pass) if self.adaptive else 0.0
-            secs.insert(1, max(self._at(batch, self.first_verified) - saved, 1e-9))
+            secs.insert(1, self._drafting(batch, self._at(batch, self.first_verified), d))
             tokens.insert(1, batch + 1)
         rising = np.maximum.accumulate(secs)
         table = self._memo[("t", batch, d)] = StepProfile(tokens, [1.0 / s for s in rising])
