@@ -4,9 +4,9 @@ The step profile (`engine.spec.profile.SpecProfile`) is measured with every requ
 step verifying the same ``k`` drafts, and DSpark's selection is priced by interpolating it
 in the step's total tokens (`SpecProfile.for_batch`). This measures steps that are not on
 those points: the first ``m`` of ``B`` requests verify ``K`` drafts, the others none (every
-request drafting 5): the ``fixed-K:5`` policy of an `EngineCore` limited to the first ``m``
-requests (`SpecPolicy.verifying_requests`).
-Each cell is the median of 24 steps after 6, in fresh engines, the smallest of ``--rounds``.
+request drafting 5): the profile's own cell (`engine.spec.profiling._cell`, the ``fixed-K:5``
+policy limited to the first ``m`` requests by `SpecPolicy.verifying_requests`), the median of
+24 such steps after 6, in fresh engines, the smallest of ``--rounds``.
 Beside each, the price a profile measured in the same run (`measure_spec_profile`, this
 batch size alone) gives that step, interpolated between its uniform points alone, and with
 its step verifying one draft (``first_verified``).
@@ -18,38 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
-import time
 from pathlib import Path
-
-
-def _cell(model: Path, prompts: list[list[int]], batch: int, k: int, m: int, device: str) -> float:
-    from engine.core import EngineCore
-    from engine.engine_config import EngineConfig
-    from engine.messages import CoreRequest
-    from engine.sampling.params import SamplingParams
-
-    cfg = EngineConfig(
-        model=str(model), speculative=f"fixed-{k}:5", max_num_seqs=batch, num_swa_slots=batch,
-        num_blocks=batch * 4 + 4, max_num_batched_tokens=32_768, enable_prefix_caching=False,
-        async_scheduling=False, device=device,
-    )  # fmt: skip
-    core = EngineCore(cfg)
-    try:
-        assert core.spec is not None
-        core.spec.verifying_requests = m  # the first m requests verify k drafts, the others none
-        params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
-        for i in range(batch):
-            core.add(CoreRequest(f"p{i}", tuple(prompts[i % len(prompts)]), params))
-        times = []
-        for i in range(30):
-            t0 = time.perf_counter()
-            core.step()
-            if i >= 6:  # the prefill step and the first decode steps
-                times.append(time.perf_counter() - t0)
-        return statistics.median(times)
-    finally:
-        core.close()
 
 
 def main() -> None:
@@ -63,7 +32,7 @@ def main() -> None:
 
     import torch
 
-    from engine.spec.profiling import _prompts
+    from engine.spec.profiling import _cell, _prompts, release_memory
 
     torch.set_num_threads(1)
     b = args.batch
@@ -72,7 +41,9 @@ def main() -> None:
     cells: dict[tuple[int, int], list[float]] = {}
     for _ in range(args.rounds):
         for k, m in patterns:
-            cells.setdefault((k, m), []).append(_cell(Path(args.model), prompts, b, k, m, args.device))
+            seconds = _cell(Path(args.model), b, k, 5, prompts, 6, 24, {"device": args.device}, verifying=m)
+            release_memory({"device": args.device})
+            cells.setdefault((k, m), []).append(seconds)
     from dataclasses import replace
 
     from engine.spec.profiling import measure_spec_profile
