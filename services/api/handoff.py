@@ -1,8 +1,8 @@
 """What disaggregated serving adds to an engine client: the ``Handoff`` that ends a
 prefill stream, and the ``Reservations`` a decode engine holds for sequences on their way.
 
-Both are used by ``services.api.inprocess.InProcessEngineClient`` (on its engine thread, for
-the reservations); docs/disaggregation.md describes the path.
+Both are used by ``services.api.inprocess.InProcessEngineClient`` (on its engine thread,
+``services.api.engine_thread``, for the reservations); docs/disaggregation.md describes the path.
 """
 
 from __future__ import annotations

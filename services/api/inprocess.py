@@ -1,10 +1,9 @@
 """``InProcessEngineClient``: the engine core (``engine/core.py``) on a background thread, bridged to asyncio.
 
-One thread owns the ``EngineCore`` and is the only code that calls it. The event loop talks to it through a FIFO command queue (add, abort, probe);
-the thread answers through ``loop.call_soon_threadsafe`` into one ``asyncio.Queue`` per
-request. Commands are applied between steps, in order, so an abort queued after an add
-always finds the request. Counters are published as an immutable snapshot after every
-step, so ``stats()`` never reads engine state across threads.
+The thread (``services.api.engine_thread.EngineThread``) owns the ``EngineCore`` and steps it;
+this client is its asyncio side: it queues commands (add, import, abort, reserve, probe) and
+awaits the answers, which the thread puts into one ``asyncio.Queue`` per request. ``stats()``
+returns the snapshot the thread published last, so it never reads engine state across threads.
 
 Grammar compilation (which may take up to the compiler's time limit) runs on the caller's
 worker thread, not the engine thread: a slow schema delays only its own request.
@@ -17,29 +16,25 @@ sampled the first token), after which nothing of the request is running here;
 does; ``reserve`` / ``release`` promise room to a sequence before its payload arrives
 (``Reservations``), so a decode engine takes it or refuses up front.
 
-With ``cache_event_capacity > 0`` the engine records prefix-cache events; after every step
-the engine thread moves them (``EngineCore.drain_events``) into a bounded outbox (``CacheEventOutbox``, under a lock held
-for microseconds) that a router drains with ``take_cache_events``. ``changed(seen, timeout_s)``
-returns once either moved on (new stats or cache events), so a watcher that pushes them on
-sleeps while the engine is idle instead of polling.
+With ``cache_event_capacity > 0`` the engine records prefix-cache events, which the engine
+thread moves into a bounded outbox after every step; a router drains them with
+``take_cache_events``. ``changed(seen, timeout_s)`` returns once either moved on (new stats
+or cache events), so a watcher that pushes them on sleeps while the engine is idle instead
+of polling.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import queue
-import threading
 import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from services.api.announce import Announcements
 from services.api.engine_client import (
     EngineOutput,
     EngineRequest,
@@ -48,37 +43,14 @@ from services.api.engine_client import (
     EngineUnavailable,
     ModelInfo,
 )
+from services.api.engine_thread import EngineThread
 from services.api.handoff import Handoff, Reservations
 
 log = logging.getLogger(__name__)
-_IDLE_WAIT_S = 0.05
 # An abort is remembered this long (and at most this many), so that a call whose abort raced
 # its start does not start the request afterwards (``aborted_since``).
 ABORT_MEMORY_S = 600.0
 ABORT_MEMORY = 65_536
-# An idle EP rank waits between agreements, 10 ms at first, doubling while the whole group
-# stays idle up to 50 ms: a request arriving at a group idle for a while waits at most 50 ms
-# (plus one collective) for its group to start stepping. Each agreement costs every rank a
-# collective and a housekeeping pass (docs/disaggregation.md, "Expert-parallel instances").
-_EP_IDLE_WAIT_S = 0.01
-_EP_IDLE_WAIT_MAX_S = 0.05
-
-
-@dataclass
-class _Live:
-    """Engine-thread bookkeeping of one request."""
-
-    request: EngineRequest
-    sink: asyncio.Queue[EngineOutput | Handoff | BaseException]
-    handoff: bool = False  # prefill for another engine: export after the first token
-
-
-@dataclass
-class _Counters:
-    requests_total: int = 0
-    aborted_total: int = 0
-    finished_total: int = 0
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class InProcessEngineClient:
@@ -117,58 +89,57 @@ class InProcessEngineClient:
 
             eplb = EplbConfig(**eplb)
         self.eplb = eplb if eplb is not None and eplb.enabled else None
-        self._lockstep: Any = None
         self.ep_store = ep_store  # () -> torch.distributed.Store: the group's rendezvous (default: ep's file)
         self.ep_interface = ep_interface or "lo"
         self._info = _read_model_info(self.model_dir, self.engine_kwargs)
-        self._commands: queue.Queue[tuple[str, Any]] = queue.Queue()
         # request ids aborted lately (their time): a request whose abort arrived before it was
         # sent to the engine (it raced its own start, e.g. during a handoff's fetch) never starts
         self._aborted: dict[str, float] = {}
-        self._wake = threading.Event()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
+        self._engine = EngineThread()
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._core: Any = None  # engine.core.EngineCore, owned by the engine thread
         self._vision: Any = None  # engine.vision.stage.VisionStage when the checkpoint has an encoder
         self._rows_format: Any = None  # engine.vision.stage.RowsFormat: rows encoded elsewhere
-        self._dead: BaseException | None = None
-        self._counters = _Counters()
-        self._stats = EngineStats(0, 0, 0, 0, 0, 0, 0, 0)
-        self._events_lock = threading.Lock()
-        self._outbox: Any = None  # CacheEventOutbox when the engine records cache events
-        self.reservations = Reservations()  # engine thread only
-        self._stats_version = 0
-        self._announced = Announcements()  # each change of the stats or cache events
+
+    @property
+    def reservations(self) -> Reservations:
+        """Room promised to sequences on their way (the engine thread's own: read, never change)."""
+        return self._engine.reservations
+
+    @property
+    def _core(self) -> Any:
+        """engine.core.EngineCore (None before ``start`` and after ``close``), owned by the
+        engine thread: this side calls only its thread-safe parts."""
+        return self._engine.core
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        if self._thread is not None:
+        thread = self._engine
+        if thread.started:
             return
         from engine.core import EngineConfig, EngineCore
 
         self._loop = asyncio.get_running_loop()
-        self._announced.bind(self._loop)
+        thread.bind(self._loop)
         if self.ep is None:
             config = EngineConfig(model=str(self.model_dir), **self.engine_kwargs)
-            self._core = await asyncio.to_thread(EngineCore, config)
+            thread.core = await asyncio.to_thread(EngineCore, config)
         else:
             config = EngineConfig(
                 model=str(self.model_dir), **{**self.engine_kwargs, "async_scheduling": False},
                 ep_size=self.ep.size, ep_rank=self.ep.rank,
             )  # fmt: skip
-            self._core = await asyncio.to_thread(self._join_group, config)
+            thread.core = await asyncio.to_thread(self._join_group, config)
         if self._info.vision:
             from engine.vision.stage import RowsFormat, VisionStage
 
-            dtype = self._core.runner.cfg.torch_dtype
+            dtype = thread.core.runner.cfg.torch_dtype
             if self.encode_images:
-                self._vision = await asyncio.to_thread(
+                self._vision = thread.vision = await asyncio.to_thread(
                     VisionStage.from_model_dir, self.model_dir, config.device, dtype
                 )
             # rows a vision pool made must come from this checkpoint's encoder
             self._rows_format = await asyncio.to_thread(RowsFormat.from_model_dir, self.model_dir, dtype)
-        sharing = self._core.slot_sharing
+        sharing = thread.core.slot_sharing
         if sharing is not None:  # the replica's slot server, for a router reading the directory
             pool = sharing.pool
             self._info = replace(
@@ -176,14 +147,11 @@ class InProcessEngineClient:
                 swa_slot_exact=not pool.lossy,
                 swa_slot_replay=self._info.swa_replay_tokens[1] if pool.layers is not None else 0,
             )  # fmt: skip
-        if config.cache_event_capacity and self._core.records_events():
+        if config.cache_event_capacity and thread.core.records_events():
             from engine.scheduler.cache_events import CacheEventOutbox
 
-            self._outbox = CacheEventOutbox(config.cache_event_capacity)
-        self._publish_stats()
-        run = self._run if self._lockstep is None else self._run_lockstep
-        self._thread = threading.Thread(target=run, name="sluice-engine", daemon=True)
-        self._thread.start()
+            thread.outbox = CacheEventOutbox(config.cache_event_capacity)
+        thread.start()
 
     def _join_group(self, config: Any) -> Any:
         """Join this rank's EP group, then build its engine on the group (a worker thread)."""
@@ -198,7 +166,7 @@ class InProcessEngineClient:
         group = self.ep.join(config.device, self.ep_store() if self.ep_store is not None else None)
         if self.eplb is None:
             core = EngineCore(config, ep_group=group)
-            self._lockstep = Lockstep(core, group)
+            self._engine.lockstep = Lockstep(core, group)
             return core
         from engine.config import ModelConfig
         from services.eplb.engine import EngineEplb, initial_placement
@@ -207,41 +175,29 @@ class InProcessEngineClient:
         placement = initial_placement(self.eplb, experts, self.ep.size, self.ep.rank)
         core = EngineCore(config, ep_group=group, placement=placement)
         eplb = EngineEplb(self.eplb, core.runner.model.moe_layers(), self.ep.rank, group)
-        self._lockstep = Lockstep(core, group, eplb)
+        self._engine.lockstep = Lockstep(core, group, eplb)
         return core
 
     async def close(self) -> None:
-        self._stop.set()
-        self._wake.set()
-        if self._thread is not None:
-            await asyncio.to_thread(self._thread.join, 30.0)
-            self._thread = None
-        if self._core is not None:
-            self._core.close()
-            self._core = None
-        if self._lockstep is not None:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
-            self._lockstep = None
+        await self._engine.close()
 
     # -- EngineClient ----------------------------------------------------------------------
     def model_info(self) -> ModelInfo:
         return self._info
 
     def stats(self) -> EngineStats:
-        return self._stats
+        return self._engine.stats
 
     @property
     def alive(self) -> bool:
         """Started and its engine thread has not stopped or died (cheap; no round trip)."""
-        return self._thread is not None and self._dead is None
+        return self._engine.started and self._engine.dead is None
 
     @property
     def failed(self) -> BaseException | None:
         """Why the engine thread died, if it did (not for a clean ``close``)."""
-        return None if isinstance(self._dead, EngineUnavailable) else self._dead
+        dead = self._engine.dead
+        return None if isinstance(dead, EngineUnavailable) else dead
 
     def cache_identity(self) -> tuple[int, Any]:
         """(block size, ``ExtraKeys``): how this engine names cached blocks. After ``start``."""
@@ -252,28 +208,23 @@ class InProcessEngineClient:
     def take_cache_events(self) -> Any:
         """Prefix-cache events since the last call, as a ``CacheEventBatch`` (empty when the
         engine records none). Safe from the event loop; never blocks on the engine."""
-        from engine.scheduler.cache_events import CacheEventBatch
-
-        if self._outbox is None:
-            return CacheEventBatch()
-        with self._events_lock:
-            return self._outbox.take()
+        return self._engine.take_cache_events()
 
     async def changed(self, seen: int, timeout_s: float) -> int:
         """How many changes (new stats or cache events) the engine has announced, once more
         than ``seen`` (what this returned to the caller before; 0 at first), or after
         ``timeout_s`` (``services.api.announce``)."""
-        return await self._announced.wait(seen, timeout_s)
+        return await self._engine.announced.wait(seen, timeout_s)
 
     def take_store_events(self) -> list[bytes]:
         """Block hashes the engine saw in the KV store since the last call (thread-safe)."""
         return self._core.take_store_events() if self._core is not None else []
 
     async def ready(self, timeout_s: float = 5.0) -> bool:
-        if self._thread is None or self._dead is not None or self._loop is None:
+        if not self._engine.started or self._engine.dead is not None or self._loop is None:
             return False
         fut: asyncio.Future[bool] = self._loop.create_future()
-        self._send("probe", fut)
+        self._engine.send("probe", fut)
         try:
             return bool(await asyncio.wait_for(fut, timeout_s))
         except (TimeoutError, EngineUnavailable):
@@ -281,7 +232,7 @@ class InProcessEngineClient:
 
     async def abort(self, request_id: str) -> None:
         self._remember_abort(request_id)
-        self._send("abort", request_id)
+        self._engine.send("abort", request_id)
 
     def _remember_abort(self, request_id: str) -> None:
         now = time.monotonic()
@@ -346,29 +297,27 @@ class InProcessEngineClient:
         return bool(await asyncio.to_thread(self._core.store_usable, timeout_s))
 
     async def _call(self, kind: str, args: Any) -> Any:
-        if self._dead is not None or self._thread is None or self._loop is None:
-            raise EngineUnavailable(f"engine is not running: {self._dead or 'not started'}")
-        fut: asyncio.Future[Any] = self._loop.create_future()
-        self._send(kind, (args, fut))
+        fut: asyncio.Future[Any] = self._running_loop().create_future()
+        self._engine.send(kind, (args, fut))
         return await fut
 
     async def _stream(
         self, kind: str, request: EngineRequest, extra: Any
     ) -> AsyncGenerator[EngineOutput | Handoff, None]:
-        if self._dead is not None or self._thread is None or self._loop is None:
-            raise EngineUnavailable(f"engine is not running: {self._dead or 'not started'}")
+        loop = self._running_loop()
         began = time.monotonic()
         core_req, grammar = await asyncio.to_thread(self._prepare, request)
         if self.aborted_since(request.request_id, began):  # aborted before it reached the engine: never start
             log.info("request %s: aborted before it started", request.request_id)
             return
         sink: asyncio.Queue[EngineOutput | Handoff | BaseException] = asyncio.Queue()
-        added: asyncio.Future[None] = self._loop.create_future()
+        added: asyncio.Future[None] = loop.create_future()
         finished = False
         try:
-            self._send(kind, (request, core_req, grammar, sink, added, extra))
-            if self._dead is not None and not added.done():  # the thread stopped before reading it
-                added.set_exception(EngineUnavailable(f"engine is not running: {self._dead}"))
+            self._engine.send(kind, (request, core_req, grammar, sink, added, extra))
+            dead = self._engine.dead
+            if dead is not None and not added.done():  # the thread stopped before reading it
+                added.set_exception(EngineUnavailable(f"engine is not running: {dead}"))
             await added  # raises EngineRequestError if the scheduler refuses it
             while True:
                 item = await sink.get()
@@ -380,12 +329,15 @@ class InProcessEngineClient:
                     return
         finally:
             if not finished:  # consumer gone (disconnect, stop sequence) or error: free the blocks
-                self._send("abort", request.request_id)
+                self._engine.send("abort", request.request_id)
 
     # -- caller side -----------------------------------------------------------------------
-    def _send(self, kind: str, payload: Any) -> None:
-        self._commands.put((kind, payload))
-        self._wake.set()
+    def _running_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop of a running engine; EngineUnavailable when it is not running."""
+        dead = self._engine.dead
+        if dead is not None or not self._engine.started or self._loop is None:
+            raise EngineUnavailable(f"engine is not running: {dead or 'not started'}")
+        return self._loop
 
     def _prepare(self, request: EngineRequest) -> tuple[Any, Any]:
         """The engine's request and its compiled grammar (on the caller's worker thread, so a
@@ -445,305 +397,6 @@ class InProcessEngineClient:
             return tuple(out)
         except ValueError as exc:  # PayloadError is a ValueError
             raise EngineRequestError(str(exc)) from None
-
-    # -- engine thread ---------------------------------------------------------------------
-    def _run(self) -> None:
-        live: dict[str, _Live] = {}
-        try:
-            while not self._stop.is_set():
-                self._drain(live)
-                if not self._core.has_work():
-                    self._wake.wait(_IDLE_WAIT_S)
-                    self._wake.clear()
-                    # The KV store connector's counters move on its writer thread after the
-                    # last step (the write-through of that step's blocks): republish them.
-                    self._publish_stats()
-                    continue
-                self._apply(self._core.step(), live)
-                self._publish_stats()
-                self._publish_cache_events()
-            self._stopped(live, None)
-        except BaseException as exc:  # the engine died: fail everything, refuse what follows
-            self._stopped(live, exc)
-
-    def _run_lockstep(self) -> None:
-        """The engine thread of an EP rank (``engine.distributed.lockstep``): every iteration
-        the ranks agree whether any has a forward to run, then all run one (real or idle)."""
-        live: dict[str, _Live] = {}
-        ls = self._lockstep
-        assert ls is not None
-        try:
-            idle_wait = _EP_IDLE_WAIT_S
-            while True:
-                self._drain(live)
-                any_ready, any_stop = ls.agree(self._core.will_forward(), self._stop.is_set())
-                if any_stop:
-                    break
-                if any_ready:
-                    idle_wait = _EP_IDLE_WAIT_S
-                    self._apply(ls.step(), live)
-                    self._publish_stats()
-                    self._publish_cache_events()
-                    continue
-                self._apply(self._core.housekeeping(), live)
-                woken = self._wake.wait(idle_wait)  # by a command for this rank
-                self._wake.clear()
-                idle_wait = _EP_IDLE_WAIT_S if woken else min(2 * idle_wait, _EP_IDLE_WAIT_MAX_S)
-                self._publish_stats()
-            self._stopped(live, None)
-        except BaseException as exc:  # a peer died (collective timeout) or the engine failed
-            self._stopped(live, exc)
-
-    def _stopped(self, live: dict[str, _Live], exc: BaseException | None) -> None:
-        if exc is None:
-            err = EngineUnavailable("engine stopped")
-            self._dead = err
-        else:
-            log.error("engine thread died", exc_info=exc)
-            self._dead = exc
-            err = EngineUnavailable(f"engine failed: {exc!r}")
-        for item in live.values():  # in-flight requests end now, not at their timeout
-            self._deliver(item.sink, err)
-        self._fail_pending(err)
-
-    def _drain(self, live: dict[str, _Live]) -> None:
-        while True:
-            try:
-                kind, payload = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if kind == "add":
-                self._add(live, *payload)
-            elif kind == "import":
-                self._import(live, *payload)
-            elif kind in ("reserve", "release", "room"):
-                args, fut = payload
-                try:
-                    if kind == "reserve":
-                        answer: Any = self.reservations.reserve(self._core, *args)
-                    elif kind == "release":
-                        answer = self.reservations.release(args)
-                    else:
-                        answer = self.reservations.room(self._core)
-                except ValueError as exc:
-                    answer = EngineRequestError(str(exc))
-                self._publish_stats()  # before the answer: a caller reading stats sees the change
-                self._resolve(fut, answer)
-            elif kind == "abort":
-                self.reservations.release(payload)
-                # Scheduler side only: a step already in flight on the executor thread may still
-                # read this request's sampling state; the executor drops it itself when the
-                # next step lists the request among ``finished_ids``.
-                if self._core.abort(payload):
-                    self._counters.aborted_total += 1
-                live.pop(payload, None)
-                self._publish_stats()
-                self._publish_cache_events()  # freeing registers its computed full blocks
-            elif kind == "probe":
-                self._resolve(payload, True)
-
-    def _add(
-        self,
-        live: dict[str, _Live],
-        request: EngineRequest,
-        core_req: Any,
-        grammar: Any,
-        sink: Any,
-        added: Any,
-        mode: str | None,
-    ) -> None:
-        try:
-            self._core.add(core_req, grammar)
-        except ValueError as exc:
-            self._resolve(added, EngineRequestError(str(exc)))
-            return
-        live[request.request_id] = _Live(request, sink, handoff=mode == "handoff")
-        self._counters.requests_total += 1
-        self._resolve(added, None)
-
-    def _import(
-        self, live: dict[str, _Live], request: EngineRequest, _core_req: Any, _grammar: Any, sink: Any, added: Any,
-        payload: bytes,
-    ) -> None:  # fmt: skip
-        from engine.kvconnector.transfer import EngineFull
-
-        core, rid = self._core, request.request_id
-        try:
-            got = core.import_sequence(payload)
-        except EngineFull as exc:
-            self._resolve(added, exc)
-            return
-        except (ValueError, KeyError) as exc:  # PayloadError is a ValueError
-            self._resolve(added, EngineRequestError(f"handoff of {rid!r} refused: {exc}"))
-            return
-        problem: BaseException | None = None
-        if got != rid:  # the payload names its own request: a mix-up is a bug upstream
-            problem = EngineRequestError(f"handoff payload is for {got!r}, not {rid!r}")
-        elif self.reservations.held.pop(rid, None) is None and self.reservations.over(core):
-            problem = EngineFull(
-                f"no room for sequence {rid!r} beside {len(self.reservations.held)} reservations: "
-                "reserve first, or pick another engine"
-            )
-        if problem is not None:
-            core.abort(got)
-            core.take_outputs()
-            self._resolve(added, problem)
-            return
-        live[rid] = _Live(request, sink)
-        self._counters.requests_total += 1
-        self._count("handoffs_in", 1)
-        self._count("handoff_bytes_in", len(payload))
-        self._resolve(added, None)
-
-    def _eplb_stats(self) -> dict[str, float]:
-        """EP and EPLB counters of a rank: forwards (idle ones apart), layers re-placed, and
-        the last window's load imbalance (max/mean over ranks, mean over layers) under the
-        placement that served it and under the one planned from it."""
-        ls = self._lockstep
-        if ls is None:
-            return {}
-        out = {"ep_forwards": float(ls.forwards), "ep_idle_passes": float(ls.idle_passes)}
-        if ls.eplb is not None:
-            out["eplb_layers_moved"] = float(ls.eplb.runner.layers_moved)
-            last = ls.eplb.runner.controller.last_imbalance
-            if last is not None:
-                out["eplb_imbalance"], out["eplb_imbalance_planned"] = last
-        return out
-
-    def _count(self, name: str, n: float) -> None:
-        self._counters.extra[name] = self._counters.extra.get(name, 0.0) + n
-
-    def _apply(self, outputs: list[Any], live: dict[str, _Live]) -> None:
-        exports = []
-        for out in outputs:  # engine.core.SeqOutput
-            item = live.get(out.request_id)
-            if item is None:
-                continue
-            if item.handoff and out.finish_reason is None and out.new_token_ids:
-                exports.append(out.request_id)
-            reason = out.finish_reason
-            if reason is not None:
-                live.pop(out.request_id, None)
-                self._counters.finished_total += 1
-            if reason == "error":  # this request's own input failed mid-run: a 4xx, not an outage
-                self._deliver(item.sink, EngineRequestError(out.error or "request failed"))
-                continue
-            new = out.new_token_ids
-            if out.stop_token is not None and new and new[-1] == out.stop_token:
-                new = new[:-1]  # the terminating EOS/stop token is counted, not sent as text
-            lps = None
-            if item.request.top_logprobs is not None and len(out.new_token_ids) == 1 and out.new_logprobs[0]:
-                tl = out.new_logprobs[0]
-                lps = ((float(tl.logprob), [(int(t), float(lp)) for t, lp in tl.top]),)
-            self._deliver(
-                item.sink,
-                EngineOutput(
-                    out.request_id, tuple(new), lps, reason, out.prompt_tokens, out.cached_tokens,
-                    out.output_tokens, out.bounded_replay,
-                ),
-            )  # fmt: skip
-        for rid in dict.fromkeys(exports):
-            self._export(rid, live)
-
-    def _export(self, rid: str, live: dict[str, _Live]) -> None:
-        """Hand ``rid`` over after the step that sampled its first token. Steps in flight are
-        applied first (``export_sequence`` drains them): their outputs, this request's too,
-        are delivered before the ``Handoff``; a request that ended in them ends here."""
-        item = live.get(rid)
-        if item is None:
-            return
-        item.handoff = False  # the late outputs below are delivered, not exported again
-        try:
-            payload: bytes | None = self._core.export_sequence(rid)
-            problem = None
-        except (KeyError, ValueError) as exc:
-            payload, problem = None, exc
-        self._apply(self._core.take_outputs(), live)
-        if rid not in live:  # it finished in a step that was in flight
-            return
-        live.pop(rid)
-        if payload is None:
-            self._core.abort(rid)
-            self._core.take_outputs()
-            self._deliver(item.sink, EngineUnavailable(f"handoff of {rid!r} failed: {problem!r}"))
-            return
-        self._count("handoffs_out", 1)
-        self._count("handoff_bytes_out", len(payload))
-        self._deliver(item.sink, Handoff(rid, payload))
-
-    def _deliver(self, sink: asyncio.Queue[Any], item: Any) -> None:
-        assert self._loop is not None
-        with contextlib.suppress(RuntimeError):  # the event loop is closed: nobody is listening
-            self._loop.call_soon_threadsafe(sink.put_nowait, item)
-
-    def _resolve(self, fut: asyncio.Future[Any], value: Any) -> None:
-        def settle() -> None:
-            if fut.done():
-                return
-            if isinstance(value, BaseException):
-                fut.set_exception(value)
-            else:
-                fut.set_result(value)
-
-        assert self._loop is not None
-        with contextlib.suppress(RuntimeError):
-            self._loop.call_soon_threadsafe(settle)
-
-    def _fail_pending(self, err: BaseException) -> None:
-        while True:
-            try:
-                kind, payload = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if kind in ("add", "import"):
-                self._resolve(payload[4], err)
-            elif kind in ("reserve", "release", "room"):
-                self._resolve(payload[1], err)
-            elif kind == "probe":
-                self._resolve(payload, False)
-
-    def _publish_cache_events(self) -> None:
-        if self._outbox is None:
-            return
-        batch = self._core.drain_events()
-        if batch:
-            with self._events_lock:
-                self._outbox.publish(batch, self._core.cached_hashes)
-            self._announced.announce()
-
-    def _publish_stats(self) -> None:
-        """Replace the published stats if they changed. ``stats_version`` counts the changes,
-        so an idle engine's snapshot stays the same object: whoever pushes it on when it
-        changes (``services.ray.actors``' ``watch``) sends nothing while nothing happens."""
-        st = self._core.stats()
-        c = self._counters
-        fresh = EngineStats(
-            running=st.running,
-            waiting=st.waiting,
-            free_blocks=st.free_blocks,
-            total_blocks=st.total_blocks,
-            requests_total=c.requests_total,
-            aborted_total=c.aborted_total,
-            finished_total=c.finished_total,
-            steps=st.steps,
-            extra={
-                **st.extra,
-                **c.extra,
-                "kv_tokens": float(st.kv_tokens),
-                "reserved": float(len(self.reservations.held)),
-                "reserved_tokens": float(sum(t for _, t in self.reservations.held.values())),
-                "reservations_refused": float(self.reservations.refused),
-                "stats_version": float(self._stats_version),  # orders snapshots read elsewhere
-                **self._eplb_stats(),
-                **(self._vision.stats() if self._vision is not None else {}),
-            },
-        )
-        if fresh == self._stats:
-            return
-        self._stats_version += 1
-        fresh.extra["stats_version"] = float(self._stats_version)
-        self._stats = fresh
-        self._announced.announce()
 
 
 def _sampling_params(request: EngineRequest) -> Any:

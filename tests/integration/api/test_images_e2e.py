@@ -109,14 +109,14 @@ def served_tokens(api_server, monkeypatch) -> dict[str, list[int]]:
     """request id -> every token id the served engine produced for it (read on its thread)."""
     client = api_server.engine
     seen: dict[str, list[int]] = {}
-    apply = client._apply
+    apply = client._engine._apply
 
     def recording(outputs, live):
         for out in outputs:
             seen.setdefault(out.request_id, []).extend(out.new_token_ids)
         return apply(outputs, live)
 
-    monkeypatch.setattr(client, "_apply", recording)
+    monkeypatch.setattr(client._engine, "_apply", recording)
     return seen
 
 

@@ -43,7 +43,7 @@ def served_tokens(api_server, monkeypatch) -> dict[str, list[int]]:
     client = api_server.engine
     seen: dict[str, list[int]] = {}
     lock = threading.Lock()
-    apply = client._apply
+    apply = client._engine._apply
 
     def recording(outputs, live):  # on the engine thread
         with lock:
@@ -51,7 +51,7 @@ def served_tokens(api_server, monkeypatch) -> dict[str, list[int]]:
                 seen.setdefault(out.request_id, []).extend(out.new_token_ids)
         return apply(outputs, live)
 
-    monkeypatch.setattr(client, "_apply", recording)
+    monkeypatch.setattr(client._engine, "_apply", recording)
     return seen
 
 
