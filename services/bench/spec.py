@@ -72,13 +72,12 @@ figure kept as ``measured_tokens_per_s``), and the targets judge the priced thro
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-from engine.spec.profile import spec_steps_file  # pure: numpy, no torch
+from engine.spec.profile import SpecProfile, spec_steps_file  # pure: numpy, no torch
 from services.bench import Report, progress
 from services.bench._spec_profiles import device_name, profile_table, width_profile
 from services.bench._spec_replay import (
@@ -88,6 +87,8 @@ from services.bench._spec_replay import (
     priced_window,
     selection_replay,
 )
+from services.bench._spec_run import run_policy as _run
+from services.bench._spec_run import window_rate as window_rate  # re-exported (tests)
 
 CONCURRENCY = (1, 8, 16, 32, 60, 128)
 POLICIES = ("none", "fixed-1", "fixed-2", "fixed-3", "fixed-4", "fixed-5", "dspark", "dspark-lagged")
@@ -207,217 +208,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
 
 
-#: most warm-up rounds with CUDA graphs (each on the same engine; the last captured nothing new)
-WARMUP_ROUNDS = 3
-
-
-def _run(
-    model: Path,
-    prompts: list[list[int]],
-    tokens: int,
-    policy: str,
-    profile_path: Path | None,
-    engine_kwargs: dict[str, Any],
-    warmup_tokens: int = 0,
-    concurrency: int | None = None,
-    measured_costs: bool = True,
-    finish_spread: int = 1,
-    decisions: list[dict[str, Any]] | None = None,
-) -> dict[str, Any]:
-    """One engine, one policy: ``prompts`` decoded ``tokens`` each (prompt ``k``: ``tokens``
-    minus ``k mod finish_spread``), at most ``concurrency`` (default: all of them) at a
-    time; a finished request's slot goes to the next prompt. ``decisions``: where a DSpark
-    policy records its `view` after each step with drafts, warm-up included
-    (`SpecPolicy.decisions`; scripts/spec_decisions.py)."""
-    from engine.core import EngineCore
-    from engine.engine_config import EngineConfig
-    from engine.messages import CoreRequest
-    from engine.sampling.params import SamplingParams
-
-    c = concurrency or len(prompts)
-    if c > len(prompts):
-        raise ValueError(f"concurrency {c} exceeds the {len(prompts)} prompts")
-    if not 1 <= finish_spread <= tokens:
-        raise ValueError(f"finish_spread must be within 1..{tokens} (the tokens a request generates)")
-    per_req = len(prompts[0]) + tokens
-    cfg = EngineConfig(
-        model=str(model), max_num_seqs=c, num_swa_slots=c, num_blocks=c * (-(-per_req // 256) + 1) + 4,
-        max_num_batched_tokens=max(32_768, c * len(prompts[0])), enable_prefix_caching=False,
-        speculative=None if policy == "none" else policy,
-        spec_profile_path=str(profile_path) if profile_path is not None else None,
-        spec_measured_costs=measured_costs, **engine_kwargs,
-    )  # fmt: skip
-    core = EngineCore(cfg)
-    if core.spec is not None:
-        core.spec.decisions = decisions
-    try:
-        graphs = core.runner.graphs if core.runner.graphs is not None and core.runner.graphs.capture else None
-        if graphs is not None:  # the timed round's shapes, captured before it
-            warmup_tokens = max(warmup_tokens, tokens)
-        warmup_rounds = 0
-        if warmup_tokens:
-            warm = SamplingParams(temperature=0.0, max_tokens=warmup_tokens, ignore_eos=True)
-            # with graphs, rounds until one captures nothing new: a policy that changes its
-            # mind in a round (DSpark turning speculation off once its evidence is in) reaches
-            # shapes the round before never ran, and their captures belong to the warm-up
-            for rnd in range(WARMUP_ROUNDS if graphs is not None else 1):
-                warmup_rounds = rnd + 1
-                before = graphs.captures if graphs is not None else 0
-                for i, p in enumerate(prompts[:c]):
-                    core.add(CoreRequest(f"w{rnd}-{i}", tuple(p if graphs is not None else p[:64]), warm))
-                while core.has_work():
-                    core.step()
-                if graphs is None or graphs.captures == before:
-                    break
-            if core.spec is not None:
-                core.spec.stats = type(core.spec.stats)()  # count the timed round only
-        if core.spec is not None:
-            core.spec.trace = []
-        for i, p in enumerate(prompts):
-            params = SamplingParams(temperature=0.0, max_tokens=tokens - i % finish_spread, ignore_eos=True)
-            core.add(CoreRequest(f"r{i}", tuple(p), params))
-        emitted = 0
-        step_times: list[float] = []
-        step_tokens: list[int] = []  # decode tokens (a prompt's first token is its prefill's)
-        decoders: list[int] = []  # requests that decoded in the step
-        full: list[bool] = []  # a step of all ``c`` requests (before the first has finished)
-        steady: list[bool] = []  # a step while prompts still wait for a slot: the batch refilled
-        started: set[str] = set()
-        first = True
-        captures_before = graphs.captures if graphs is not None else 0
-        # per step: it captured a CUDA graph (a shape's once in a serving engine's life: a
-        # probe reaching a context bucket the warm-up never verified at, say), so the figures,
-        # which are the steady state's, leave it out and count it apart
-        captured: list[bool] = []
-        # per decode step: prompt tokens computed in it (refills' prefills, run inside the
-        # decode steps here, where a disaggregated deployment's prefill pool would run them)
-        prompts_in: list[int] = []
-        # per decode step: ms, tokens, drafted, verified, accepted, depth, captured, prompt
-        # tokens (--step-log)
-        log: list[list[float | int]] = []
-        spec = core.spec
-        while core.has_work():
-            waiting = len(started) < len(prompts)
-            step_captures = graphs.captures if graphs is not None else 0
-            counts = _spec_counts(spec)
-            prompt_before = core.loop.prompt_tokens
-            t0 = time.perf_counter()
-            outs = core.step()
-            dt = time.perf_counter() - t0
-            decoded = [o for o in outs if o.new_token_ids and o.request_id in started]
-            started.update(o.request_id for o in outs if o.new_token_ids)
-            if first:  # the prefill step: the first c prompts and their first tokens
-                first = False
-                continue
-            n = sum(len(o.new_token_ids) for o in decoded)
-            captured.append(graphs is not None and graphs.captures != step_captures)
-            prompts_in.append(core.loop.prompt_tokens - prompt_before)
-            step_times.append(dt)
-            step_tokens.append(n)
-            decoders.append(len(decoded))
-            full.append(len(decoded) == c and len(started) == c)
-            steady.append(waiting)
-            emitted += n
-            delta = [a - b for a, b in zip(_spec_counts(spec), counts)]
-            depth = spec.depth if spec is not None else 0
-            log.append([round(dt * 1e3, 3), n, *delta, depth, int(captured[-1]), prompts_in[-1]])
-        timed = [not cap for cap in captured]
-        decode_only = [p == 0 for p in prompts_in]
-        seconds = sum(t for t, k in zip(step_times, timed) if k)
-        stats = core.spec.stats if core.spec is not None else None
-        trace = core.spec.trace if core.spec is not None else None
-        req_steps = sum(len(s) for s in trace) if trace else 0
-        extra = core.stats().extra
-        costs = "spec_cost_scale_plain" in extra  # DSpark rescaled its profile (measured costs)
-        return {
-            "policy": policy,
-            "concurrency": c,
-            "decode_steps": len(step_times),
-            "decode_seconds": seconds,
-            "tokens_per_s": window_rate(step_tokens, step_times, timed),
-            "emitted": emitted,
-            # the steps in which all c requests decode (before the first finishes): the run
-            # at concurrency c, without its drain
-            "full_batch_steps": sum(full),
-            "full_batch_tokens_per_s": window_rate(step_tokens, step_times, full, timed),
-            # with more prompts than slots: the steps while prompts still wait, each slot
-            # refilled as its request finishes (decoding at concurrency c, prompts mixed in)
-            "requests": len(prompts),
-            "steady_steps": sum(steady),
-            "steady_tokens_per_s": window_rate(step_tokens, step_times, steady, timed),
-            # of those steps, the ones that also computed refills' prompts, and their share of
-            # the steps' time: where the refills come in one wave (plain decoding's requests of
-            # one length) or spread over several steps (after any speculation)
-            "steady_prompt_steps": sum(1 for k, p, t in zip(steady, prompts_in, timed) if k and p and t),
-            "steady_prompt_time_share": _share(step_times, [p > 0 for p in prompts_in], steady, timed),
-            # and over the steady steps without prompts: what a decode pool fed by a prefill
-            # pool runs (its sequences arrive with their caches)
-            "steady_decode_tokens_per_s": window_rate(step_tokens, step_times, steady, timed, decode_only),
-            "verified_per_step": stats.verified / stats.steps if stats and stats.steps else 0.0,
-            "accepted_length": 1.0 + (stats.accepted / req_steps) if stats and req_steps else 1.0,
-            "policies_chosen": dict(stats.policies) if stats else {"none": len(step_times)},
-            # steps that drafted while speculation was off: each costs its share of the probe
-            # budget, and a short run that holds one pays more than that share
-            "probes": stats.probes if stats else 0,
-            "step_ms_median": statistics.median(step_times) * 1e3 if step_times else 0.0,
-            # host time of the policy's per-step choice (SpecPolicy.choose), per decode step
-            "choose_ms_per_step": stats.choose_seconds / len(step_times) * 1e3
-            if stats and step_times
-            else 0.0,
-            # asynchronous (--scheduling async): a step that neither drafts nor verifies
-            # overlaps the next one's scheduling, speculating or not
-            "async_scheduling": cfg.overlaps_steps,
-            # CUDA graphs (decode, verification and drafting chains) captured during the
-            # timed round (its first steps of a shape the warm-up did not reach); null: no graphs
-            "graph_captures_timed": graphs.captures - captures_before if graphs is not None else None,
-            # the decode steps in which they were captured, left out of every figure above
-            "capture_steps_timed": sum(captured),
-            "capture_seconds_timed": sum(t for t, cap in zip(step_times, captured) if cap),
-            "warmup_rounds": warmup_rounds,
-            # DSpark's measured over profiled step times at the end (plain, speculating), and
-            # the steps behind each; null where the profile is taken as it is
-            "cost_scales": [extra[f"spec_cost_scale_{k}"] for k in ("plain", "speculating")]
-            if costs
-            else None,
-            "cost_steps": [int(extra[f"spec_cost_steps_{k}"]) for k in ("plain", "speculating")]
-            if costs
-            else None,
-            "_trace": trace,
-            "_full": full,
-            "_steady": steady,
-            "_decode_only": decode_only,
-            "_step_tokens": step_tokens,
-            "_decoders": decoders,
-            "_steps": log,
-        }
-    finally:
-        core.close()
-
-
-def _spec_counts(spec: Any) -> tuple[int, int, int]:
-    """The speculation counters so far (drafted, verified, accepted); zeros without speculation."""
-    return (spec.stats.drafted, spec.stats.verified, spec.stats.accepted) if spec is not None else (0, 0, 0)
-
-
-def _share(seconds: list[float], part: list[bool], *masks: list[bool]) -> float:
-    """The share of the steps' time (those where every mask holds) spent in ``part``'s steps."""
-    kept = [(t, p) for t, p, *m in zip(seconds, part, *masks) if all(m)]
-    total = sum(t for t, _ in kept)
-    return sum(t for t, p in kept if p) / total if total > 0 else 0.0
-
-
-def window_rate(tokens: list[int], seconds: list[float], *masks: list[bool]) -> float:
-    """Tokens per second over the steps where every mask holds (0.0 where none does)."""
-    keep = [all(m) for m in zip(*masks)] if masks else [True] * len(tokens)
-    secs = sum(t for t, k in zip(seconds, keep) if k)
-    return sum(n for n, k in zip(tokens, keep) if k) / secs if secs else 0.0
-
-
 def _h200_profile(model: Path, device: str) -> dict[str, Any] | str:
     """The H200's table beside this machine's: this run's own on a GPU, else the one measured
     on an H200 and shipped with the checkpoint (``H200_SPEC_STEPS_FILE``), when there is one."""
-    from engine.spec.profile import SpecProfile
-
     if device.startswith("cuda"):
         return f"this run's profile (measured on {device_name(device)})"
     path = model / H200_SPEC_STEPS_FILE
@@ -427,11 +220,14 @@ def _h200_profile(model: Path, device: str) -> dict[str, Any] | str:
 
 
 def run(args: argparse.Namespace) -> Report:
+    """The bench: the step profile (`_profiles`; or ``--width-profile`` / ``--width-from``'s
+    instead of the runs), then at each concurrency every policy's kept runs (`_policy_runs`),
+    the fixed-5 trace's replays, the table's row and the targets."""
     import torch
 
     from engine.prompts import heldout_prompts, phase_period, staggered
-    from engine.spec.profile import SPEC_STEPS_FILE, SpecProfile
-    from engine.spec.profiling import device_steps_file, measure_spec_profile, release_memory
+    from engine.spec.profile import SPEC_STEPS_FILE
+    from engine.spec.profiling import device_steps_file
 
     torch.set_num_threads(args.threads)
     model = Path(args.model)
@@ -459,6 +255,55 @@ def run(args: argparse.Namespace) -> Report:
     t_start = time.perf_counter()
     if args.width_profile or args.width_from:
         return width_profile(args, report, engine_kwargs)
+    profile, priced, replay_profiles = _profiles(args, report, model, conc, engine_kwargs, t_start)
+    period = phase_period(model)  # prompt k is k mod period ids shorter: no lockstep (`staggered`)
+    prompts_all = staggered(heldout_prompts(model, max(conc) * per_slot, args.prompt_tokens), period)
+    report.config["prompt_lengths"] = f"{args.prompt_tokens} - (k mod {period}) for prompt k"
+    report.config["output_lengths"] = f"{args.tokens} - (k mod {args.finish_spread}) for request k"
+    with tempfile.TemporaryDirectory(prefix="sluice-bench-spec-") as tmp:
+        ppath = Path(tmp) / SPEC_STEPS_FILE
+        ppath.write_text(profile.to_json())
+        # DSpark's engines schedule by --priced-by's profile when given (it is that machine's choice
+        # being measured); the fixed policies ignore the profile
+        dspark_path = Path(args.priced_by) if args.priced_by else ppath
+        # --priced-by's profile is another machine's, to be followed here, not rescaled to this one
+        measured_costs = not (args.priced_by or args.profile_as_is)
+        report.config["measured_costs"] = measured_costs
+        if args.save_profile:  # where this machine's engines look for it
+            (model / device_steps_file(args.device)).write_text(profile.to_json() + "\n")
+        judged = "steady_tokens_per_s" if per_slot > 1 else "tokens_per_s"
+        for c in conc:
+            runs = _policy_runs(
+                args, model, prompts_all[: c * per_slot], c, policies, ppath, dspark_path,
+                engine_kwargs, measured_costs, priced, judged,
+            )  # fmt: skip
+            trace = runs.get("fixed-5", {}).get("_trace")
+            extra: dict[str, Any] = {}
+            if trace:
+                extra = modelled(trace, priced or profile, c) | {"acceptance_by_position": acceptance(trace)}
+                extra["selection_replay"] = selection_replay(trace, replay_profiles)
+            for r in runs.values():
+                _drop_private(r, keep_steps=args.step_log)
+            report.results[f"c{c}"] = {**runs, **extra}
+            report.rows.append(_row(c, runs, extra, judged))
+            _targets(report, c, runs, judged)
+    report.results["wall_s"] = round(time.perf_counter() - t_start, 1)
+    return report
+
+
+def _profiles(
+    args: argparse.Namespace,
+    report: Report,
+    model: Path,
+    conc: list[int],
+    engine_kwargs: dict[str, Any],
+    t_start: float,
+) -> tuple[SpecProfile, SpecProfile | None, dict[str, SpecProfile]]:
+    """The step profile of the runs (``--profile-from``'s, else ``--priced-by``'s, else measured
+    here at the concurrencies ``conc``), ``--priced-by``'s (None without it), and the profiles
+    that price the selection replay; their tables go into ``report``."""
+    from engine.spec.profiling import measure_spec_profile
+
     if args.profile_from:
         profile = SpecProfile.load(args.profile_from)
         source = f"loaded from {args.profile_from}"
@@ -482,63 +327,56 @@ def run(args: argparse.Namespace) -> Report:
         replay_profiles["priced by"] = priced
     if not args.device.startswith("cuda") and (model / H200_SPEC_STEPS_FILE).is_file():
         replay_profiles["H200"] = SpecProfile.load(model / H200_SPEC_STEPS_FILE)
-    period = phase_period(model)  # prompt k is k mod period ids shorter: no lockstep (`staggered`)
-    prompts_all = staggered(heldout_prompts(model, max(conc) * per_slot, args.prompt_tokens), period)
-    report.config["prompt_lengths"] = f"{args.prompt_tokens} - (k mod {period}) for prompt k"
-    report.config["output_lengths"] = f"{args.tokens} - (k mod {args.finish_spread}) for request k"
-    with tempfile.TemporaryDirectory(prefix="sluice-bench-spec-") as tmp:
-        ppath = Path(tmp) / SPEC_STEPS_FILE
-        ppath.write_text(profile.to_json())
-        # DSpark's engines schedule by --priced-by's profile when given (it is that machine's choice
-        # being measured); the fixed policies ignore the profile
-        dspark_path = Path(args.priced_by) if args.priced_by else ppath
-        # --priced-by's profile is another machine's, to be followed here, not rescaled to this one
-        measured_costs = not (args.priced_by or args.profile_as_is)
-        report.config["measured_costs"] = measured_costs
-        if args.save_profile:  # where this machine's engines look for it
-            (model / device_steps_file(args.device)).write_text(profile.to_json() + "\n")
-        runs: dict[int, dict[str, Any]] = {}
-        judged = "steady_tokens_per_s" if per_slot > 1 else "tokens_per_s"
-        for c in conc:
-            tries: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
-            for rep in range(args.repeats):  # interleaved, so that a burst of load hits every policy alike
-                for policy in policies:
-                    t0 = time.perf_counter()
-                    path = dspark_path if policy.startswith("dspark") else ppath
-                    r = _run(
-                        model, prompts_all[: c * per_slot], args.tokens, policy, path, engine_kwargs,
-                        args.warmup_tokens, concurrency=c, measured_costs=measured_costs,
-                        finish_spread=args.finish_spread,
-                    )  # fmt: skip
-                    release_memory(engine_kwargs)  # the engine is unreachable only once `_run` returned
-                    if priced is not None:
-                        _price(r, priced)
-                    tries[policy].append(r)
-                    steady = f" (steady {r['steady_tokens_per_s']:.1f})" if per_slot > 1 else ""
-                    probes = f", {r['probes']} probe(s)" if r["probes"] else ""
-                    progress(
-                        f"c={c} {policy} #{rep + 1}: {r['tokens_per_s']:.1f} tok/s{steady}, {r['verified_per_step']:.1f} "
-                        f"verified/step, accepted length {r['accepted_length']:.2f}{probes} "
-                        f"({time.perf_counter() - t0:.0f} s)"
-                    )
-            runs[c] = {}
-            for policy, rs in tries.items():
-                ordered = sorted(rs, key=lambda r: r[judged])
-                median = dict(ordered[len(ordered) // 2])
-                median["tokens_per_s_runs"] = [round(r[judged], 2) for r in rs]
-                runs[c][policy] = median
-            trace = runs[c].get("fixed-5", {}).get("_trace")
-            extra: dict[str, Any] = {}
-            if trace:
-                extra = modelled(trace, priced or profile, c) | {"acceptance_by_position": acceptance(trace)}
-                extra["selection_replay"] = selection_replay(trace, replay_profiles)
-            for r in runs[c].values():
-                _drop_private(r, keep_steps=args.step_log)
-            report.results[f"c{c}"] = {**runs[c], **extra}
-            report.rows.append(_row(c, runs[c], extra, judged))
-            _targets(report, c, runs[c], judged)
-    report.results["wall_s"] = round(time.perf_counter() - t_start, 1)
-    return report
+    return profile, priced, replay_profiles
+
+
+def _policy_runs(
+    args: argparse.Namespace,
+    model: Path,
+    prompts: list[list[int]],
+    c: int,
+    policies: list[str],
+    profile_path: Path,
+    dspark_path: Path,
+    engine_kwargs: dict[str, Any],
+    measured_costs: bool,
+    priced: SpecProfile | None,
+    judged: str,
+) -> dict[str, dict[str, Any]]:
+    """Every policy at concurrency ``c``, ``--repeats`` runs each (priced by ``priced`` when
+    given), and of each policy's runs the median by ``judged``, with every run's figure beside
+    it (``tokens_per_s_runs``). DSpark's engines read the profile at ``dspark_path``, the
+    others at ``profile_path``."""
+    from engine.spec.profiling import release_memory
+
+    tries: dict[str, list[dict[str, Any]]] = {p: [] for p in policies}
+    for rep in range(args.repeats):  # interleaved, so that a burst of load hits every policy alike
+        for policy in policies:
+            t0 = time.perf_counter()
+            path = dspark_path if policy.startswith("dspark") else profile_path
+            r = _run(
+                model, prompts, args.tokens, policy, path, engine_kwargs,
+                args.warmup_tokens, concurrency=c, measured_costs=measured_costs,
+                finish_spread=args.finish_spread,
+            )  # fmt: skip
+            release_memory(engine_kwargs)  # the engine is unreachable only once `_run` returned
+            if priced is not None:
+                _price(r, priced)
+            tries[policy].append(r)
+            steady = f" (steady {r['steady_tokens_per_s']:.1f})" if args.requests_per_slot > 1 else ""
+            probes = f", {r['probes']} probe(s)" if r["probes"] else ""
+            progress(
+                f"c={c} {policy} #{rep + 1}: {r['tokens_per_s']:.1f} tok/s{steady}, {r['verified_per_step']:.1f} "
+                f"verified/step, accepted length {r['accepted_length']:.2f}{probes} "
+                f"({time.perf_counter() - t0:.0f} s)"
+            )
+    runs: dict[str, dict[str, Any]] = {}
+    for policy, rs in tries.items():
+        ordered = sorted(rs, key=lambda r: r[judged])
+        median = dict(ordered[len(ordered) // 2])
+        median["tokens_per_s_runs"] = [round(r[judged], 2) for r in rs]
+        runs[policy] = median
+    return runs
 
 
 def _drop_private(r: dict[str, Any], keep_steps: bool) -> None:
