@@ -9,6 +9,8 @@
 * ``replica``: the API process's view of an engine actor (``RayEngineReplica``, fed by the
   pushed state) and the decode engines' placement (``DecodeSet``: 2D balancer, reservation);
 * ``serving``: ``RayServingClient``, the API's ``EngineClient`` over prefill and decode pools;
+* ``pools``: ``PoolConfig``, and ``PoolActors``: the engine actors of a deployment's pools,
+  made (EP instances in placement groups), named, supervised and stopped;
 * ``epgroup``: ``EPGroup``, one model instance as one actor per EP rank in a placement group.
 
 Nothing here imports Ray at module import time.

@@ -21,7 +21,7 @@ lists in, numpy arrays out.
 
 This runs forwards only: the caller builds each rank's batch. Serving engines of several
 EP ranks are engine actors stepping in lockstep (``engine.distributed.lockstep``,
-``services.ray.serving``). A failure surfaces as an exception from ``execute`` (``shutdown``
+``services.ray.pools``). A failure surfaces as an exception from ``execute`` (``shutdown``
 and start anew); the NCCL path has not run (no GPU on the development host).
 """
 
