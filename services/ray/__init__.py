@@ -7,7 +7,8 @@
   role), plain data in and out, its state pushed by ``watch``;
 * ``wire``: the plain-data forms of requests, outputs and cache events;
 * ``replica``: the API process's view of an engine actor (``RayEngineReplica``, fed by the
-  pushed state) and the decode engines' placement (``DecodeSet``: 2D balancer, reservation);
+  pushed state), and a prefill replica's disaggregated path;
+* ``decode_set``: the decode engines' placement (``DecodeSet``: 2D balancer, reservation);
 * ``serving``: ``RayServingClient``, the API's ``EngineClient`` over prefill and decode pools;
 * ``pools``: ``PoolConfig``, and ``PoolActors``: the engine actors of a deployment's pools,
   made (EP instances in placement groups), named, supervised and stopped;

@@ -1,4 +1,5 @@
-"""The API process's view of engine actors: ``RayEngineReplica`` and ``DecodeSet``.
+"""The API process's view of engine actors: ``RayEngineReplica`` (the decode engines' placement,
+``DecodeSet``, is in ``services.ray.decode_set``).
 
 ``RayEngineReplica`` is an ``EngineActor`` seen as the router's ``ReplicaEngine`` (what
 ``services.routing.client.RoutedEngineClient`` routes over). Its state is **pushed**: on
