@@ -9,8 +9,11 @@ list[SeqOutput]``, ``stats() -> CoreStats``, ``drain_events``, and ``export_sequ
 It owns the scheduler, the model executor and the step loop (``engine/loop.py``), and
 the KV connector (``engine/kvconnector/``): with a store, a request whose prefix is longer
 in the store than in the local cache waits (``WAITING_FOR_REMOTE_KV``) while the blocks
-are fetched, then finds them as local cache hits; every newly published block is
-snapshotted after its step and written to the store off the step's path.
+are fetched (``engine/kvconnector/fetches.py``), then finds them as local cache hits; every
+newly published block is snapshotted after its step and written to the store off the step's
+path. Beneath it: ``engine/core_parts.py`` builds the parts from the config,
+``engine/outputs.py`` turns each step's update into messages, and
+``engine/step_observer.py`` gives the executed steps to the cost models.
 
 Not thread-safe: one thread drives it (``compile_grammar`` excepted, which may run on a
 caller's worker thread).
@@ -18,48 +21,35 @@ caller's worker thread).
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
-import time
-from collections import deque
-from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from costmodel.online import DecodeStepSums
-from engine.engine_config import COST_MODEL_FILE, EngineConfig
+from engine import core_parts as parts
+from engine.engine_config import EngineConfig
 from engine.executor import ModelExecutor
-from engine.kvconnector.connector import ConnectorConfig, PendingFetch, StoreConnector
+from engine.kvconnector.connector import ConnectorConfig, StoreConnector
+from engine.kvconnector.fetches import PrefixFetches
 from engine.kvconnector.transfer import export_sequence, import_sequence
 from engine.kvconnector.worker import KVWorker
 from engine.loop import EngineLoop
 from engine.messages import CoreRequest, CoreStats, SeqOutput
+from engine.outputs import Outputs
 from engine.sampling.params import SamplingParams, StructuredOutput, derive_seed
 from engine.scheduler.cache_events import CacheEventBatch
-from engine.scheduler.config import INVARIANT_CHUNK_TOKENS, SchedulerConfig
 from engine.scheduler.hashing import BlockHash, ExtraKeys
-from engine.scheduler.host_slots import HostSlotPool
 from engine.scheduler.output import SchedulerOutput
 from engine.scheduler.request import Request, RequestStatus
-from engine.scheduler.scheduler import Scheduler, StepUpdate
-from engine.spec.costs import PLAIN, SPECULATING
-from engine.spec.policy import SpecPolicy
-from engine.spec.profile import SpecProfile
+from engine.scheduler.scheduler import Scheduler
+from engine.step_observer import StepObserver
 from engine.step_state import SamplingState
 
 if TYPE_CHECKING:
+    from costmodel.online import DecodeStepSums
     from engine.kvconnector.slot_sharing import SlotSharing
-    from engine.spec.drafter import Drafter
 
 __all__ = ["CoreRequest", "CoreStats", "EngineConfig", "EngineCore", "SeqOutput", "block_keys"]
 _FETCH_POLL_S = 0.002  # how long an otherwise idle step waits for a store fetch
-
-
-@dataclass
-class _Track:
-    prompt_tokens: int
-    sent: int = 0
 
 
 class EngineCore:
@@ -76,169 +66,60 @@ class EngineCore:
         ep_group: Any = None,
         placement: Any = None,
     ) -> None:
-        from engine.checkpoint.fingerprint import model_fingerprint
         from engine.kvconnector import payload as fmt
-        from engine.runner import ModelRunner, RunnerConfig
 
         self.config = cfg = config
-        runner_cfg = RunnerConfig(
-            num_blocks=cfg.num_blocks, num_slots=cfg.num_swa_slots, dtype=cfg.dtype, device=cfg.device,
-            with_mtp=cfg.speculative is not None, ep_size=cfg.ep_size, ep_rank=cfg.ep_rank,
-            decode_graphs=cfg.decode_graphs,
-            batch_invariant=cfg.batch_invariant, keep_quantized=cfg.keep_quantized, fp8_compute=cfg.fp8_compute,
-        )  # fmt: skip
-        # quantised activations compute other caches: never shared with a w8a16 engine's
-        w8a8 = "+w8a8" if cfg.fp8_compute == "w8a8" else ""
-        if cfg.random_weights is None:
-            self.runner = ModelRunner(cfg.model, runner_cfg, ep_group=ep_group, placement=placement)
-            self.fingerprint = model_fingerprint(cfg.model, cfg.dtype + w8a8, fmt.LAYOUT_VERSION)
-        else:
-            from engine.checkpoint.fingerprint import random_weights_fingerprint
-            from engine.config import ModelConfig
-
-            self.runner = ModelRunner.random(
-                ModelConfig.from_dir(cfg.model), runner_cfg, ep_group, [placement], seed=cfg.random_weights,
-                fp8=cfg.keep_quantized,
-            )  # fmt: skip
-            self.fingerprint = random_weights_fingerprint(  # FP8-rounded weights are other weights
-                cfg.model,
-                cfg.random_weights,
-                cfg.dtype + ("+fp8" if cfg.keep_quantized else "") + w8a8,
-                fmt.LAYOUT_VERSION,
-            )
+        self.runner, self.fingerprint = parts.build_runner(cfg, ep_group, placement)
         mc = self.runner.model_cfg
         self.vocab_size = mc.vocab_size
         self.extra_keys = block_keys(self.fingerprint, cfg.device)
         dtype = self.runner.cfg.torch_dtype
         if store_client is None and cfg.kv_store:
-            store_client = self._open_store_client()
+            store_client = parts.open_store_client(cfg)
         self.store = (
             StoreConnector(store_client, self._verify_block, connector) if store_client is not None else None
         )
         self.kv = KVWorker(
             bytes.fromhex(self.fingerprint), fmt.layout_digest(self.runner.spec, dtype), dtype, self.store
         )
-        self.host_slots = (
-            HostSlotPool(cfg.host_swa_bytes, cfg.host_swa_format, layers=self._host_swa_layers())
-            if cfg.host_swa_bytes
-            else None
-        )
-        self.spec = self._spec_policy()
-        self.scheduler = Scheduler(self._scheduler_config(), self.host_slots, self.spec)
+        self.host_slots = parts.host_slot_pool(cfg, self.runner)
+        self.spec = parts.spec_policy(cfg, self.runner)
+        sched_cfg = parts.scheduler_config(cfg, mc, save_new_blocks=self.store is not None)
+        self.scheduler = Scheduler(sched_cfg, self.host_slots, self.spec)
         self.executor = ModelExecutor(
-            self.runner, cfg.device, self.kv, self.host_slots, self._drafter(),
+            self.runner, cfg.device, self.kv, self.host_slots,
+            parts.drafter(cfg, self.runner) if self.spec is not None else None,
             self.spec.config.num_drafts if self.spec is not None else 0,
         )  # fmt: skip
+        self.observer = StepObserver(self.runner, self.executor, self.spec, cfg.overlaps_steps)
         # a speculating step's drafts and verified tokens are the next step's input: it
         # overlaps only steps that neither drafted nor verified (speculation off)
         self.loop = EngineLoop(
             self.scheduler, self.executor.execute, cfg.overlaps_steps,
             overlap_after=_drafts_nothing if self.spec is not None else None,
-            launcher=self.executor if cfg.pipelines_steps else None, on_step=self._observe_step,
+            launcher=self.executor if cfg.pipelines_steps else None, on_step=self.observer.observe,
         )  # fmt: skip
-        # the plain decode steps this engine runs, for the router's decode cost model
-        # (costmodel.online): noted on the executing thread, summed on the driving one
-        self.decode_steps = DecodeStepSums()
-        self._decode_steps_extra = self.decode_steps.to_extra()  # replaced whole: read by stats()
-        self._new_decode_steps: deque[tuple[int, int, float]] = deque(maxlen=4096)
-        self._graph_captures = 0
-        # a DSpark policy times the steps it chose against its profile (SpecPolicy.observe_seconds):
-        # whole steps, as the profile times them, so not where steps overlap (asynchronous)
-        self._times_spec_steps = (
-            self.spec is not None
-            and self.spec.adaptive
-            and self.spec.config.measured_costs
-            and not cfg.overlaps_steps
-        )
-        self._step_clean = True  # no executed step of this call ran anything but decoding
-        self._tracks: dict[str, _Track] = {}
-        self._out: list[SeqOutput] = []
-        self._fetches: dict[str, PendingFetch] = {}
-        self.slot_sharing: SlotSharing | None = None  # with EngineConfig.swa_directory
-        if cfg.swa_directory is not None and self.host_slots is not None:
-            from engine.kvconnector.slot_sharing import SlotSharing  # gRPC: only when sharing
-
-            self.slot_sharing = SlotSharing(
-                self.host_slots, cfg.swa_directory, self.kv, cfg.swa_server_host, cfg.swa_lease_s,
-                cfg.swa_fetch_timeout_s,
-            )  # fmt: skip
-        self._slot_fetches: dict[str, Future[Any]] = {}  # request id -> a slot fetched from a peer
+        self.outputs = Outputs(self.scheduler)
+        sharing = parts.slot_sharing(cfg, self.host_slots, self.kv)
+        self.fetches = PrefixFetches(self.scheduler, self.store, sharing)
         self._grammar: Any = None
         self._grammar_lock = threading.Lock()
         self.eos_token_id = _eos(self.tokenizer_path)
 
-    def _spec_policy(self) -> SpecPolicy | None:
-        """Speculation's policy with its step profile, after checking the slot's rings can
-        stage every draft (each staged position needs its own row)."""
-        spec = self.config.spec
-        if spec is None:
-            return None
-        swa = self.runner.swa
-        rings = [t.shape[1] for t in swa.layer_rings(range(swa.num_layers))]
-        if spec.num_drafts > min(rings):
-            raise ValueError(
-                f"{spec.num_drafts} drafts per step exceed the smallest SWA ring ({min(rings)} rows)"
-            )
-        if spec.profile_path:
-            path = Path(spec.profile_path)
-        else:  # this machine's profile: a GPU's is named after its model
-            from engine.spec.profiling import device_steps_file
-
-            path = Path(self.config.model) / device_steps_file(self.config.device)
-        profile = SpecProfile.load(path) if path.is_file() else None
-        return SpecPolicy(spec, profile)
-
-    def _drafter(self) -> Drafter | None:
-        if self.spec is None:
-            return None
-        from engine.model.confidence import load_confidence_head
-        from engine.spec.drafter import Drafter
-
-        head = load_confidence_head(self.config.model, self.config.device)
-        return Drafter(self.runner.model, self.runner.pool, self.runner.swa, head, self.runner.graphs)
-
-    def _host_swa_layers(self) -> int | None:
-        """EngineConfig.host_swa_layers checked against the slot's layers (None: all kept)."""
-        want, have = self.config.host_swa_layers, self.runner.swa.num_layers
-        if want is not None and want > have:
-            raise ValueError(f"host_swa_layers {want} exceeds the {have} layers of this model's SWA slot")
-        return None if want == have else want
-
-    def _open_store_client(self) -> Any:
-        from kvstore.spec import StoreSpec, open_store_client
-
-        return open_store_client(StoreSpec.load(Path(self.config.kv_store or "")))
-
     def _verify_block(self, payload: bytes) -> None:
         self.kv.verify_block(payload)
 
-    def _scheduler_config(self) -> SchedulerConfig:
-        from costmodel import CostModel
-
-        cfg, mc = self.config, self.runner.model_cfg
-        path = Path(cfg.cost_model_path) if cfg.cost_model_path else Path(cfg.model) / COST_MODEL_FILE
-        cost = CostModel.from_json(path.read_text()) if path.is_file() else None
-        return SchedulerConfig(
-            num_blocks=cfg.num_blocks,
-            num_swa_slots=cfg.num_swa_slots,
-            max_num_seqs=cfg.max_num_seqs,
-            max_num_batched_tokens=cfg.max_num_batched_tokens,
-            step_time_budget_s=cfg.step_time_budget_s,
-            cost_model=cost,
-            enable_prefix_caching=cfg.enable_prefix_caching,
-            cache_event_capacity=cfg.cache_event_capacity,
-            # A hit whose slot state is gone is replayed exactly: L * (W - 1) tokens rebuild the
-            # window of every layer (docs/engine.md, docs/engine-runtime.md).
-            swa_miss_policy="replay",
-            swa_replay_tokens=mc.num_hidden_layers * (mc.sliding_window - 1),
-            bounded_replay_tokens=mc.sliding_window - 1,
-            bounded_replay=cfg.swa_replay == "bounded",
-            save_new_blocks=self.store is not None,
-            batch_invariant=cfg.batch_invariant,
-            invariant_chunk_tokens=min(INVARIANT_CHUNK_TOKENS, cfg.max_num_batched_tokens // 256 * 256),
-        )
-
     # -- identity --------------------------------------------------------------------------
+    @property
+    def slot_sharing(self) -> SlotSharing | None:
+        """Sharing SWA slots with other engines (EngineConfig.swa_directory); None once closed."""
+        return self.fetches.slot_sharing
+
+    @property
+    def decode_steps(self) -> DecodeStepSums:
+        """The plain decode steps this engine ran, summed for the router's decode cost model."""
+        return self.observer.decode_steps
+
     @property
     def block_size(self) -> int:
         return self.scheduler.config.block_size
@@ -325,154 +206,60 @@ class EngineCore:
             self.extra_keys, fork_of=creq.fork_of, traffic_class=creq.traffic_class,
             swa_replay=creq.swa_replay, images=creq.images,
         )  # fmt: skip
-        fetch = self._start_fetch(req)
-        slot_fetch = self._start_slot_fetch(req)
+        fetch, slot_fetch = self.fetches.start(req)
         try:
             self.scheduler.add_request(req, remote_kv=fetch is not None or slot_fetch is not None)
         except ValueError:
             self.scheduler.cache.unpin(req)
             raise
-        if fetch is not None:
-            self._fetches[req.request_id] = fetch
-        if slot_fetch is not None:
-            self._slot_fetches[req.request_id] = slot_fetch
+        self.fetches.add(req.request_id, fetch, slot_fetch)
         self.executor.add(
             req.request_id, SamplingState(params, seed, list(req.prompt_token_ids), stop_ids, grammar=grammar)
         )
-        self._tracks[req.request_id] = _Track(len(req.prompt_token_ids))
-
-    def _start_fetch(self, req: Request) -> PendingFetch | None:
-        """Scheduler side of the connector: after the local prefix match, ask the store for the
-        rest of the prompt's full blocks (at least one token is always left to compute). The
-        local run is pinned so that it is still there when the fetched blocks join it."""
-        if self.store is None or req.fork_of or not self.config.enable_prefix_caching:
-            return None
-        usable = (len(req.prompt_token_ids) - 1) // self.block_size
-        hashes = self.scheduler.cache.hasher_for(req).update(req.prompt_token_ids)[:usable]
-        blocks = self.scheduler.cache.blocks
-        local = blocks.lookup(hashes, count=False)
-        if len(local) == len(hashes):
-            return None
-        blocks.acquire(local)
-        req.pinned_blocks = list(local)
-        return self.store.fetch(hashes[len(local) :])
-
-    def _start_slot_fetch(self, req: Request) -> Future[Any] | None:
-        """With slot sharing: fetch another engine's slot that the prompt extends further than
-        any this engine holds (its blocks come from this engine's cache or the store fetch)."""
-        if self.slot_sharing is None or req.fork_of or not self.config.enable_prefix_caching:
-            return None
-        tokens = req.prompt_token_ids
-        hashes = self.scheduler.cache.hasher_for(req).update(tokens)[: (len(tokens) - 1) // self.block_size]
-        return self.slot_sharing.start_fetch(tokens, hashes, self.block_size)
+        self.outputs.track(req.request_id, len(req.prompt_token_ids))
 
     def abort(self, request_id: str, reason: str = "abort") -> bool:
         """End a request (``reason`` "abort", or "stop" for a front end's stop string); its
         blocks and slot are freed. False if it is unknown or already finished."""
-        self._fetches.pop(request_id, None)
-        self._slot_fetches.pop(request_id, None)
+        self.fetches.drop(request_id)
         req = self.scheduler.requests.get(request_id)
         if req is None:
             return False
         self.scheduler.finish(req, RequestStatus(reason))
-        track = self._tracks.pop(request_id, None)
-        if track is not None:
-            self._out.append(self._message(req, track, (), (), reason))
+        self.outputs.end(req, reason)
         return True
 
     # -- stepping --------------------------------------------------------------------------
     def has_work(self) -> bool:
-        return bool(self._out) or self.loop.has_work()
+        return self.outputs.pending or self.loop.has_work()
 
     def will_forward(self) -> bool:
         """Whether ``step`` would run a forward pass now (EP lockstep asks before stepping)."""
-        self._poll_fetches()
+        self.fetches.poll()
         return self.loop.has_work() and (not self.loop.idle or self.scheduler.has_ready())
 
     def housekeeping(self) -> list[SeqOutput]:
         """``step`` without a forward pass: store fetches and idle saves; the messages."""
-        self._poll_fetches()
+        self.fetches.poll()
         if self.loop.idle:
             self._save_idle()
         return self.take_outputs()
 
     def step(self) -> list[SeqOutput]:
         """Run one step (if there is work) and return the messages produced since the last call."""
-        self._poll_fetches()
+        self.fetches.poll()
         if self.loop.has_work() and (not self.loop.idle or self.scheduler.has_ready()):
-            t0 = time.perf_counter()
-            self._step_clean = True
-            self._collect(self.loop.step())
-            if self._times_spec_steps:
-                assert self.spec is not None
-                self.spec.observe_seconds(time.perf_counter() - t0, self._step_clean)
-            self._sum_decode_steps()
-        elif (self._fetches or self._slot_fetches) and not self._out:
-            waiting = [f.future for f in self._fetches.values()] + list(self._slot_fetches.values())
-            concurrent.futures.wait(waiting, _FETCH_POLL_S)
+            self.observer.start()
+            self.outputs.collect(self.loop.step())
+            self.observer.finish()
+        elif self.fetches.pending and not self.outputs.pending:
+            self.fetches.wait(_FETCH_POLL_S)
         if self.loop.idle:
             self._save_idle()
         return self.take_outputs()
 
-    def _observe_step(self, out: SchedulerOutput, seconds: float) -> None:
-        """Note ``out`` if it is a plain decode step: every sequence computes one token and
-        samples the next, nothing is drafted, and nothing but the forward pass and sampling
-        ran in it (no cache loads, slot saves or fork copies, no CUDA graph captured).
-        Its batch, the KV tokens it read (those in the caches before it, as the profiled
-        step tables count them) and its seconds are what the decode cost model fits."""
-        graphs = self.runner.graphs
-        captures = graphs.captures if graphs is not None else 0
-        captured, self._graph_captures = captures != self._graph_captures, captures
-        moved = bool(out.kv_loads or out.slot_loads or out.slot_saves or out.block_copies or out.slot_copies)
-        decoding = bool(out.seqs) and out.prompt_tokens == 0  # every row decodes or verifies
-        # what the speculation policy's step timing may count (a pipelined step finishes in
-        # the next call, so its verdict lands there; the steps either side of it are mostly
-        # of its kind, and the policy takes a median over many)
-        self._step_clean = self._step_clean and decoding and not captured and not moved
-        if captured or not out.seqs or self.executor.draft_depth(out) > 0 or moved:
-            return
-        if any(s.num_new != 1 or s.num_drafts or not s.sample for s in out.seqs):
-            return
-        self._new_decode_steps.append((len(out.seqs), sum(s.start_pos for s in out.seqs), seconds))
-
-    def _sum_decode_steps(self) -> None:
-        if self._new_decode_steps:
-            while self._new_decode_steps:
-                self.decode_steps.add(*self._new_decode_steps.popleft())
-            self._decode_steps_extra = self.decode_steps.to_extra()
-
     def take_outputs(self) -> list[SeqOutput]:
-        out, self._out = self._out, []
-        return out
-
-    def _poll_fetches(self) -> None:
-        for rid, fetch in list(self._fetches.items()):
-            if not fetch.done():
-                continue
-            del self._fetches[rid]
-            req = self.scheduler.requests.get(rid)
-            if req is None or req.status != RequestStatus.WAITING_FOR_REMOTE_KV:
-                continue
-            payloads = fetch.result()
-            blocks = self.scheduler.cache.blocks
-            fresh = blocks.allocate(min(len(payloads), blocks.num_available))
-            for block, h, payload in zip(fresh, fetch.hashes, payloads):
-                if blocks.register(block, h):  # else another request published it meanwhile
-                    self.scheduler.queue_kv_load(block, payload)
-            req.pinned_blocks.extend(fresh)
-            if rid not in self._slot_fetches:
-                self.scheduler.remote_kv_ready(rid)
-        for rid, future in list(self._slot_fetches.items()):  # the entry is in the pool already
-            if not future.done():
-                continue
-            del self._slot_fetches[rid]
-            req = self.scheduler.requests.get(rid)
-            if (
-                req is not None
-                and req.status == RequestStatus.WAITING_FOR_REMOTE_KV
-                and rid not in self._fetches
-            ):
-                self.scheduler.remote_kv_ready(rid)
+        return self.outputs.take()
 
     def _save_idle(self) -> None:
         slots = self.scheduler.take_idle_host_saves()
@@ -482,37 +269,6 @@ class EngineCore:
         if saves:
             self.kv.save(self.runner.pool, saves)
             self.scheduler.cache.blocks.release([b for b, _, _ in saves])
-
-    def _collect(self, upd: StepUpdate) -> None:
-        finished = {r.request_id: r for r in upd.finished}
-        for rid in dict.fromkeys([*upd.new_tokens, *finished]):
-            track = self._tracks.get(rid)
-            req = finished.get(rid) or self.scheduler.requests.get(rid)
-            if track is None or req is None:
-                continue
-            new = tuple(req.output_token_ids[track.sent :])
-            lp = upd.logprobs.get(rid)
-            if isinstance(lp, tuple):  # one per token of a step that accepted drafts
-                lps = lp[: len(new)] + (None,) * (len(new) - len(lp))
-            else:
-                lps = (lp,) if len(new) == 1 else (None,) * len(new)
-            reason = req.status.value if rid in finished else None
-            if reason is not None:
-                del self._tracks[rid]
-            self._out.append(self._message(req, track, new, lps, reason))
-
-    @staticmethod
-    def _message(
-        req: Request, track: _Track, new: tuple[int, ...], lps: tuple[Any, ...], reason: str | None
-    ) -> SeqOutput:
-        track.sent += len(new)
-        outs = req.output_token_ids
-        stop = outs[-1] if reason == "stop" and outs and outs[-1] in req.stop_token_ids else None
-        error = req.error if reason == "error" else None
-        return SeqOutput(
-            req.request_id, new, lps, reason, stop, error, track.prompt_tokens, max(req.num_cached_tokens, 0),
-            len(outs), bounded_replay=req.bounded_replays > 0,
-        )  # fmt: skip
 
     # -- observability ---------------------------------------------------------------------
     def stats(self) -> CoreStats:
@@ -528,24 +284,18 @@ class EngineCore:
             "preemptions": float(sched.num_preemptions),
             # the KV that waiting sequences will hold once admitted: owed, not yet held
             "waiting_tokens": float(sum(r.num_tokens for r in sched.waiting)),
-            "waiting_for_remote_kv": float(len(self._fetches)),
+            "waiting_for_remote_kv": float(self.fetches.num_store_fetches),
             # a prefix hit's window state: adopted from a retained slot, or rebuilt by replay
             "swa_slot_hits_local": float(slots.reused),
             "swa_slot_hits_host": float(sched.cache.host_hits),
             **{f"swa_replays_{k}": float(v) for k, v in sched.cache.replays.items()},
             **{f"swa_replayed_tokens_{k}": float(v) for k, v in sched.cache.replayed_tokens.items()},
         }
-        extra.update(self._decode_steps_extra)
+        extra.update(self.observer.decode_steps_extra)
         extra["split_steps"] = float(self.runner.split_steps)  # mixed steps run as two passes
         if self.spec is not None:
             extra.update(self.spec.stats.as_dict())
-            if self._times_spec_steps:  # measured / profiled step times, per kind (SpecPolicy.costs)
-                costs = self.spec.costs
-                extra.update(
-                    spec_cost_scale_plain=costs.scale(PLAIN), spec_cost_scale_speculating=costs.scale(SPECULATING),
-                    spec_cost_steps_plain=float(costs.steps[PLAIN]),
-                    spec_cost_steps_speculating=float(costs.steps[SPECULATING]),
-                )  # fmt: skip
+            extra.update(self.observer.spec_cost_stats())
         graphs = self.runner.graphs
         if graphs is not None:  # CUDA graphs (or their padded batches, run eagerly)
             extra.update(
@@ -599,7 +349,7 @@ class EngineCore:
         first; their messages wait in ``take_outputs``. Raises KeyError / ValueError."""
         self._drain()
         payload = export_sequence(self, request_id)
-        self._tracks.pop(request_id, None)
+        self.outputs.forget(request_id)
         return payload
 
     def _settle(self, request_id: str) -> None:
@@ -611,7 +361,7 @@ class EngineCore:
     def _drain(self) -> None:
         """Apply every step in flight; their messages wait in ``take_outputs``."""
         for upd in self.loop.drain():
-            self._collect(upd)
+            self.outputs.collect(upd)
 
     def import_sequence(self, payload: bytes) -> str:
         """Continue a sequence exported by an engine of the same model, layout and dtype;
@@ -619,7 +369,7 @@ class EngineCore:
         not use and ``EngineFull`` when it has no room now; either way nothing changed."""
         self._drain()  # the payload's id may be one a step in flight computes
         req, sent = import_sequence(self, payload)
-        self._tracks[req.request_id] = _Track(len(req.prompt_token_ids), sent=sent)
+        self.outputs.track(req.request_id, len(req.prompt_token_ids), sent=sent)
         return req.request_id
 
     def store_usable(self, timeout_s: float = 1.0) -> bool:
@@ -640,9 +390,7 @@ class EngineCore:
         drafter = self.executor.drafter
         if drafter is not None and drafter.graphs is not None:
             drafter.graphs.release()
-        if self.slot_sharing is not None:
-            self.slot_sharing.close()  # withdraws this engine's slots from the directory
-            self.slot_sharing = None
+        self.fetches.close()  # withdraws this engine's slots from the directory
         if self._grammar is not None:
             self._grammar.close()
         if self.store is not None:
