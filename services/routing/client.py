@@ -24,16 +24,20 @@ the 2D balancer, decides only when prefill and decode pools are split). Per requ
 With SWA slot sharing (the replicas report their slot server, ``ModelInfo.swa_holder``, and
 one SWA directory that is not ``memory``), step 3 first looks the prompt's slot up in the
 directory when some candidate's prefix index matched a block: the longest slot the prompt
-extends, the replicas that hold it and what fetching it costs the others
-(``router.policy.slot_fetch_tokens``, with ``SlotLookupConfig``) go into the
-``RequestView``, so a policy costs each replica's hit with ``cached_tokens(m, engine)``. The
-lookup runs on a worker thread, bounded by ``SlotLookupConfig.timeout_s``; on an error or
-timeout the request is routed as without it (counted: ``sluice_router_swa_lookup_failures``).
+extends, the replicas that hold it and what fetching it costs the others go into the
+``RequestView`` (``services.routing.swa_slots``), so a policy costs each replica's hit with
+``cached_tokens(m, engine)``. The lookup runs on a worker thread, bounded by
+``SlotLookupConfig.timeout_s``; on an error or timeout the request is routed as without it
+(counted: ``sluice_router_swa_lookup_failures``).
 
 A replica that is down (its engine thread stopped or died, or it raised
 ``EngineUnavailable``) is dropped from the index and from the candidates; a request that it
 refused before producing anything is routed again to another replica.
 ``EngineUnavailable`` reaches the caller only when no replica is up.
+
+``RoutingConfig`` and ``SlotLookupConfig`` are in ``services.routing.config``, ``usable_slot``
+in ``services.routing.swa_slots``, and what ``stats`` and ``metric_families`` report is
+assembled in ``services.routing.metrics``; the moved names stay importable from here.
 """
 
 from __future__ import annotations
@@ -41,20 +45,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Iterable, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Protocol, cast, runtime_checkable
 
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.core import Metric
 
 from costmodel import CostModel
 from engine.kvconnector.connector import ConnectorConfig
-from engine.kvconnector.swa_directory import SlotDirectory, SlotLocation, open_slot_directory
+from engine.kvconnector.swa_directory import SlotDirectory, open_slot_directory
 from engine.scheduler.cache_events import CacheEventBatch
 from engine.scheduler.hashing import ROOT_HASH, ExtraKeys, ImageSpan, chain_hashes
-from router.policy import RequestView, slot_fetch_tokens
+from router.policy import RequestView
 from services.api.engine_client import (
     EngineBusy,
     EngineClient,
@@ -65,117 +68,23 @@ from services.api.engine_client import (
     ModelInfo,
 )
 from services.routing.adapter import RouterAdapter, RouterAdapterConfig
+from services.routing.config import ROUTER_POLICIES, RoutingConfig, SlotLookupConfig
+from services.routing.metrics import MEAN_EXTRA_STATS, mean_measured, merge_stats, router_families
+from services.routing.swa_slots import slot_view, usable_slot
 
-ROUTER_POLICIES = ("round_robin", "least_load", "cache_aware", "sluice")
-# Engine stats that are per-replica means, not counters: ``stats()`` averages them over the
-# replicas that measured one (> 0) instead of summing them.
-MEAN_EXTRA_STATS = frozenset({"kv_store_fetch_s_per_block"})
+# names that moved to config.py, metrics.py and swa_slots.py, still imported from here
+__all__ = [
+    "MEAN_EXTRA_STATS",
+    "ROUTER_POLICIES",
+    "ReplicaEngine",
+    "RoutedEngineClient",
+    "RoutingConfig",
+    "SlotLookupConfig",
+    "accepting",
+    "usable_slot",
+]
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class SlotLookupConfig:
-    """How the router finds and costs a prompt's SWA slot (docs/router.md, "SWA slots").
-
-    A fetch costs ``slot bytes / bytes_per_s + round_trip_s`` seconds: the link between two
-    engines' slot servers and one gRPC request/response over it.
-    """
-
-    bytes_per_s: float = 25e9  # a 200 Gb/s host NIC
-    round_trip_s: float = 2e-4  # one request/response between hosts of a cluster
-    timeout_s: float = 0.05  # a directory lookup slower than this is skipped (and counted)
-
-    def __post_init__(self) -> None:
-        if not self.bytes_per_s > 0 or not self.round_trip_s >= 0 or not self.timeout_s > 0:
-            raise ValueError(
-                f"SlotLookupConfig needs bytes_per_s > 0, round_trip_s >= 0 and timeout_s > 0, got "
-                f"{self.bytes_per_s}, {self.round_trip_s}, {self.timeout_s}"
-            )
-
-
-def usable_slot(
-    found: Iterable[SlotLocation], anchors: Sequence[bytes], prompt: Sequence[int], block_size: int
-) -> tuple[int, int, frozenset[str]] | None:
-    """The longest slot of ``found`` that ``prompt`` extends, as an engine would take it
-    (``SlotSharing.find``): its anchor is one of ``anchors`` (``ROOT_HASH`` then the prompt's
-    block hashes, so the anchor at index k closes k blocks), its tail is shorter than a block
-    and equals the prompt's tokens after the anchor, and its position is before the prompt's
-    last token. (position, anchor blocks, holders of that slot), or None."""
-    index = {bytes(a): k for k, a in enumerate(anchors)}
-    best: tuple[int, int, bytes, tuple[int, ...]] | None = None
-    holders: set[str] = set()
-    for loc in found:
-        k = index.get(bytes(loc.anchor))
-        if k is None or len(loc.tail) >= block_size:
-            continue
-        start = k * block_size
-        n = start + len(loc.tail)
-        if not 0 < n <= len(prompt) - 1 or tuple(prompt[start:n]) != loc.tail:
-            continue
-        if best is not None and (best[2], best[3]) == (bytes(loc.anchor), loc.tail):
-            holders.add(loc.holder)
-        elif best is None or n > best[0]:
-            best, holders = (n, k, bytes(loc.anchor), loc.tail), {loc.holder}
-    return None if best is None else (best[0], best[1], frozenset(holders))
-
-
-@dataclass(frozen=True)
-class RoutingConfig:
-    """How ``sluice serve`` spreads requests over in-process engine replicas.
-
-    ``policy`` "" means no router (exactly one replica, served directly); ``resolve`` picks
-    ``sluice`` when there are several replicas and no policy was named.
-    """
-
-    replicas: int = 1
-    policy: str = ""
-    cache_event_capacity: int = 65_536  # block events buffered per replica before resnapshot
-    # prefill cost model of one replica (CostModel JSON); None: the checkpoint's
-    # sluice_cost_model.json when present (as the engine's scheduler), else the H200 default
-    cost_model_path: Path | None = None
-    # blocks the router's view of the KV store keeps (LRU); None: replicas x the blocks one
-    # engine keeps for the router to drain (ConnectorConfig.stored_events, 65,536)
-    store_capacity_blocks: int | None = None
-    # with SWA slot sharing: how the router looks up and costs a prompt's slot
-    slot_lookup: SlotLookupConfig = SlotLookupConfig()
-
-    def __post_init__(self) -> None:
-        if self.replicas < 1:
-            raise ValueError(
-                f"RoutingConfig.replicas must be >= 1 (engine replicas to serve), got {self.replicas}"
-            )
-        if self.policy and self.policy not in ROUTER_POLICIES:
-            raise ValueError(f"unknown router policy {self.policy!r}; known: {', '.join(ROUTER_POLICIES)}")
-        if self.cost_model_path is not None and not self.cost_model_path.is_file():
-            raise ValueError(
-                f"router cost model {self.cost_model_path} is not a file (fit one with `sluice bench engine --profile`)"
-            )
-        if self.cache_event_capacity < 1:
-            raise ValueError(
-                f"RoutingConfig.cache_event_capacity must be >= 1 block event, got {self.cache_event_capacity}"
-            )
-        if self.store_capacity_blocks is not None and self.store_capacity_blocks < 1:
-            raise ValueError(
-                f"RoutingConfig.store_capacity_blocks must be >= 1 or None (default bound), "
-                f"got {self.store_capacity_blocks}"
-            )
-
-    def resolve(self) -> RoutingConfig:
-        if self.replicas > 1 and not self.policy:
-            return replace(self, policy="sluice")
-        return self
-
-    @property
-    def routed(self) -> bool:
-        return bool(self.policy) or self.replicas > 1
-
-
-def _mean_measured(values: Iterable[float]) -> float | None:
-    """Mean of the values > 0 (a replica reports 0.0 until it measured something); None
-    when none is."""
-    measured = [v for v in values if v > 0]
-    return sum(measured) / len(measured) if measured else None
 
 
 def accepting(replica: object) -> bool:
@@ -317,24 +226,9 @@ class RoutedEngineClient:
             await self.replicas[engine].abort(request_id)
 
     def stats(self) -> EngineStats:
+        """The replicas' stats summed, their measured means averaged (``merge_stats``)."""
         per = [r.stats() for r in self.replicas]
-        extra: dict[str, float] = {}
-        for s in per:
-            for k, v in s.extra.items():
-                extra[k] = extra.get(k, 0.0) + v
-        for k in MEAN_EXTRA_STATS & extra.keys():
-            extra[k] = _mean_measured(s.extra.get(k, 0.0) for s in per) or 0.0
-        extra["replicas_up"] = float(sum(1 for r in self.replicas if r.alive))
-
-        def total(name: str) -> int:
-            return sum(int(getattr(s, name)) for s in per)
-
-        return EngineStats(
-            running=total("running"), waiting=total("waiting"), free_blocks=total("free_blocks"),
-            total_blocks=total("total_blocks"), requests_total=total("requests_total"),
-            aborted_total=total("aborted_total"), finished_total=total("finished_total"),
-            steps=total("steps"), extra=extra,
-        )  # fmt: skip
+        return merge_stats(per, sum(1 for r in self.replicas if r.alive))
 
     async def generate(self, request: EngineRequest) -> AsyncIterator[EngineOutput]:
         view = await self._view(request)
@@ -438,37 +332,7 @@ class RoutedEngineClient:
         if slot is None:
             return view
         self.swa_slots_found += 1
-        position, blocks, holders = slot
-        index = {i.swa_holder: k for k, i in enumerate(infos) if i.swa_holder is not None}
-        mine = frozenset(index[h] for h in holders if h in index)
-        fetch = position  # slot size unknown: another engine's fetch is costed as saving nothing
-        slot_bytes = self._slot_bytes(mine)
-        if slot_bytes is not None:
-            cfg = self.slot_lookup
-            fetch = slot_fetch_tokens(
-                self.router.config.cost, position, slot_bytes, cfg.bytes_per_s, cfg.round_trip_s
-            )
-        return replace(
-            view,
-            swa_slot_tokens=position,
-            swa_slot_blocks=blocks,
-            swa_slot_holders=mine,
-            swa_fetch_tokens=fetch,
-            swa_slot_replay=max((i.swa_slot_replay for i in infos if i.swa_holder), default=0),
-        )
-
-    def _slot_bytes(self, holders: Iterable[int]) -> float | None:
-        """Mean bytes of one host slot (what a fetch moves), from the holders' host pools,
-        else any replica's; None when no replica holds a slot."""
-        for group in (list(holders), range(len(self.replicas))):
-            sizes = []
-            for k in group:
-                extra = self.replicas[k].stats().extra
-                if extra.get("host_swa_slots", 0.0) > 0:
-                    sizes.append(extra["host_swa_bytes"] / extra["host_swa_slots"])
-            if sizes:
-                return sum(sizes) / len(sizes)
-        return None
+        return slot_view(view, slot, infos, self.replicas, self.router.config.cost, self.slot_lookup)
 
     async def _sync(self) -> None:
         """Cache events into the index and replica loads into the policy (see module doc)."""
@@ -508,7 +372,7 @@ class RoutedEngineClient:
             await self.router.on_engine_stats("prefill", loads)
         if in_store:
             await self.router.on_store_directory(added=in_store)
-        fetch_s = _mean_measured(fetch_costs)
+        fetch_s = mean_measured(fetch_costs)
         if fetch_s is not None and fetch_s != self.router.config.store_fetch_s_per_block:
             await self.router.set_store_fetch_cost(fetch_s)
 
@@ -518,54 +382,5 @@ class RoutedEngineClient:
 
     # -- metrics (services.api.metrics.MetricsSource) ---------------------------------------
     def metric_families(self) -> Iterator[Metric]:
-        per_replica = (
-            ("sluice_router_routed_requests", "Requests routed to each replica.", self.routed),
-            ("sluice_router_prompt_tokens", "Prompt tokens of finished requests, per replica.", self.prompt_tokens),
-            ("sluice_router_prefix_hit_tokens", "Prompt tokens served from each replica's prefix cache.",
-             self.hit_tokens),
-            ("sluice_router_cache_events_lost", "Cache events a replica dropped (then resnapshotted).",
-             self.events_lost),
-            ("sluice_router_store_events", "KV-store block hashes a replica reported to the router.",
-             self.store_events),
-        )  # fmt: skip
-        for name, doc, values in per_replica:
-            c = CounterMetricFamily(name, doc, labels=["replica", "policy"])
-            for i, v in enumerate(values):
-                c.add_metric([str(i), self.policy], float(v))
-            yield c
-        up = GaugeMetricFamily(
-            "sluice_router_replica_up", "1 while the replica can be routed to.", labels=["replica"]
-        )
-        blocks = GaugeMetricFamily(
-            "sluice_router_index_blocks",
-            "Blocks the router's prefix index holds per replica.",
-            labels=["replica"],
-        )
-        for i, r in enumerate(self.replicas):
-            up.add_metric([str(i)], float(r.alive))
-            blocks.add_metric([str(i)], float(self.router.index.engine_blocks(i)))
-        yield up
-        yield blocks
-        yield GaugeMetricFamily(
-            "sluice_router_store_blocks",
-            "Blocks the router's view of the KV store holds (a bounded hint, see docs/router.md).",
-            value=float(self.router.index.store_blocks()),
-        )
-        yield GaugeMetricFamily(
-            "sluice_router_store_fetch_seconds_per_block",
-            "Store fetch cost the router prices store hits at (engines' measured mean; 0: unmeasured, store ignored).",
-            value=float(self.router.config.store_fetch_s_per_block or 0.0),
-        )
-        yield CounterMetricFamily(
-            "sluice_router_failovers",
-            "Requests re-routed after a replica refused them.",
-            value=self.failovers,
-        )
-        slots = (
-            ("sluice_router_swa_lookups", "SWA directory lookups of prompts with a prefix hit.", self.swa_lookups),
-            ("sluice_router_swa_lookup_failures", "SWA directory lookups that failed or timed out (routed without).",
-             self.swa_lookup_failures),
-            ("sluice_router_swa_slots_found", "Lookups that found a slot the prompt extends.", self.swa_slots_found),
-        )  # fmt: skip
-        for name, doc, value in slots:
-            yield CounterMetricFamily(name, doc, value=value)
+        """The ``sluice_router_*`` series, read from this client's counters (``router_families``)."""
+        return router_families(self)
