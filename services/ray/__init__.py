@@ -7,7 +7,9 @@
   role), plain data in and out, its state pushed by ``watch``;
 * ``wire``: the plain-data forms of requests, outputs and cache events;
 * ``replica``: the API process's view of an engine actor (``RayEngineReplica``, fed by the
-  pushed state), and a prefill replica's disaggregated path;
+  pushed state);
+* ``disaggregated``: a prefill replica's disaggregated request path (prefill, hand off to a
+  decode engine, resume on another if that one dies);
 * ``decode_set``: the decode engines' placement (``DecodeSet``: 2D balancer, reservation);
 * ``serving``: ``RayServingClient``, the API's ``EngineClient`` over prefill and decode pools;
 * ``pools``: ``PoolConfig``, and ``PoolActors``: the engine actors of a deployment's pools,
