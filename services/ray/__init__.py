@@ -1,7 +1,8 @@
 """The Ray deployment of Sluice (docs/disaggregation.md).
 
-* ``cluster_spec``: the cluster spec (``cluster.yaml``), validated, and ``derive`` -> the plan
-  of every component's config (``sluice serve --config FILE --check`` prints it);
+* ``cluster_spec``: the cluster spec (``cluster.yaml``), validated;
+* ``cluster_plan``: ``derive`` -> the plan of every component's config from a spec
+  (``sluice serve --config FILE --check`` prints it);
 * ``local_cluster``: a local Ray instance bound to 127.0.0.1 (tests, ``make run``);
 * ``actors``: ``EngineActor``, one engine per asyncio actor (prefill, decode or colocated
   role), plain data in and out, its state pushed by ``watch``;
