@@ -17,7 +17,7 @@ XDIST = $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS))
 MYPY_TARGETS ?= costmodel router kvstore services/envs.py services/bench/__init__.py \
 	engine/eplb.py services/eplb/controller.py services/eplb/rank.py services/api services/ray services/routing \
 	engine/scheduler engine/loop.py engine/executor.py engine/llm.py engine/core.py engine/core_parts.py engine/outputs.py \
-	engine/step_observer.py engine/messages.py engine/engine_config.py \
+	engine/step_observer.py engine/step_rows.py engine/messages.py engine/engine_config.py \
 	engine/kvconnector engine/train engine/sampling engine/structured engine/spec engine/vision services/commands/train.py \
 	services/bench/_e2e_sim.py services/bench/_e2e_handoff.py services/bench/_e2e_trace.py
 

@@ -4,15 +4,10 @@ The executor owns each live request's sampling state (params, seed, token histor
 so that it can run on the device thread while the scheduler prepares the next step: it
 never reads the scheduler's mutable ``Request`` objects.
 
-**Speculation** (with a `Drafter`). A sequence scheduled with ``num_drafts = k`` brings its
-input token and ``k`` drafts. The target is sampled at each of the ``k + 1`` positions in
-order, exactly as plain decoding would sample them (same logits row, same per-request
-``(seed, output index)`` noise, same penalties and grammar state), and the drafts are kept
-up to the first one that differs from the target's token, which is emitted in its place. A
-seed therefore gives the same tokens with and without speculation, and each emitted token
-follows the target's distribution. Ring rows the rejected positions overwrote are put back
-(`SWASlots.stage`), so the slot is exactly the state of the accepted tokens. Then the MTP
-layer drafts the next step's tokens (`engine.spec.drafter`).
+**Speculation** (with a `Drafter`): a sequence's drafts are verified by sampling the target
+at each position in order, exactly as plain decoding would, so a seed gives the same tokens
+with and without speculation; ring rows of rejected positions are put back, and the MTP
+layer drafts the next step's tokens (`engine.spec.speculation`).
 
 **Where tokens are sampled.** On the device, from the logits, with nothing read back at
 launch: plain greedy rows take the row's argmax; rows drawn together (no grammar, no
@@ -34,24 +29,30 @@ from typing import Any, Protocol
 import torch
 
 from engine.forward_batch import ForwardBatch, SequenceInput, upload
-from engine.sampling.params import SamplingParams
 from engine.sampling.penalties import PenaltyRows
 from engine.sampling.sampler import (
     RowInput,
     TokenLogprobs,
     draw_masked,
     draw_rows,
-    draw_seed,
     no_penalties,
     sample_row,
     token_logprobs,
 )
 from engine.scheduler.host_slots import HostSlot
-from engine.scheduler.output import PENDING_TOKEN, RunnerOutput, ScheduledSeq, SchedulerOutput, SlotSave
-from engine.spec.drafter import Drafter, DraftRun
+from engine.scheduler.output import PENDING_TOKEN, RunnerOutput, SchedulerOutput, SlotSave
+from engine.spec.drafter import Drafter
+from engine.spec.speculation import Speculation
+from engine.step_rows import draws, pick, rows_needed
 from engine.step_state import Launched, SamplingState, ToHost
 from engine.structured.grammar import GrammarError
 from engine.structured.matcher import GrammarState
+
+# a step's token and logprobs per request, and the tokens (with their logprobs) of each that
+# emitted more than one (verified drafts): `RunnerOutput`'s
+_Sampled = tuple[
+    dict[str, int], dict[str, TokenLogprobs | None], dict[str, tuple[int, ...]], dict[str, tuple[object, ...]]
+]
 
 
 class LogitsRunner(Protocol):
@@ -69,6 +70,9 @@ class LogitsRunner(Protocol):
 
 
 class ModelExecutor:
+    """Launches and finishes steps on one runner; owns the live requests' sampling states,
+    shared with its `Speculation` (verification and drafting)."""
+
     def __init__(
         self,
         runner: LogitsRunner,
@@ -82,15 +86,18 @@ class ModelExecutor:
         self.device = device
         self.kv = kv  # engine.kvconnector.worker.KVWorker: loads and write-through snapshots
         self.host_slots = host_slots  # engine.scheduler.host_slots.HostSlotPool: ended turns' slots
-        self.drafter = drafter  # speculation: proposes num_drafts tokens per sequence per step
-        self.num_drafts = num_drafts
         self.states: dict[str, SamplingState] = {}
         self._failed: dict[str, str] = {}  # request id -> why its grammar failed
-        # per request: (first position whose MTP window entry is valid, next position to write)
-        self._mtp: dict[str, tuple[int, int]] = {}
+        # verification and drafting read these two dicts: never rebound
+        self.speculation = Speculation(drafter, num_drafts, self.states, self._failed)
         self._drawn: dict[tuple[str, int], int] = {}  # this step's tokens drawn together
         self.fed_tokens = 0  # input tokens read from the previous step's device tokens (pipelined)
         self.penalties: PenaltyRows | None = None  # penalised requests' histories on the device
+
+    @property
+    def drafter(self) -> Drafter | None:
+        """The MTP drafter (speculation), or None."""
+        return self.speculation.drafter
 
     def save_slots(self, saves: Sequence[SlotSave]) -> None:
         """Copy retained slots (and their partial blocks) into the host slot pool."""
@@ -134,16 +141,7 @@ class ModelExecutor:
         the device, so the host can finish ``prev`` while this step runs."""
         self._before(out, prev)
         seqs, fed_at, fed_rows = self._inputs(out, prev)
-        verifying = [s for s in out.seqs if s.num_drafts]
-        staged = (
-            self.runner.swa.stage(
-                range(self.runner.model_cfg.num_hidden_layers),  # the MTP layer's window: drafter
-                [s.swa_slot for s in verifying for _ in range(s.num_drafts)],
-                [s.start_pos + j for s in verifying for j in range(1, s.num_drafts + 1)],
-            )
-            if verifying
-            else None
-        )
+        staged = self.speculation.stage(self.runner, out)
         batch = ForwardBatch.from_sequences(seqs, device=self.device)
         if fed_at:
             assert prev is not None and prev.next is not None
@@ -185,9 +183,9 @@ class ModelExecutor:
             launched.top = ToHost(logits.argmax(-1))
             parts.append(launched.top.dev)
             launched.feeds.update((rid, r) for rid, r in greedy.items() if r >= 0)
-        keys, rows, params, seeds = self._draws(out)
+        keys, rows, params, seeds = draws(out, self.states)
         if rows:
-            launched.drawn = ToHost(draw_rows(_pick(logits, rows), params, seeds))
+            launched.drawn = ToHost(draw_rows(pick(logits, rows), params, seeds))
             launched.drawn_keys = keys
             base = logits.shape[0] if parts else 0
             parts.append(launched.drawn.dev)
@@ -202,9 +200,9 @@ class ModelExecutor:
             )
         if parts:
             launched.next = parts[0] if len(parts) == 1 else torch.cat(parts)
-        need = self._rows_needed(out)
+        need = rows_needed(out, self.states)
         if need:  # one transfer (a copy per row would wait for the device once per row)
-            launched.host_rows = (need, ToHost(_pick(logits, need)))
+            launched.host_rows = (need, ToHost(pick(logits, need)))
 
     def _before(self, out: SchedulerOutput, prev: Launched | None) -> None:
         """The step's work before its forward pass: slot saves, finished requests, copies, loads."""
@@ -288,7 +286,7 @@ class ModelExecutor:
             inputs.append(RowInput(st.params, st.seed, index, st.prompt_token_ids, st.output_token_ids, mask))
         if not rows:
             return
-        logits = _pick(launched.result.logits, rows)
+        logits = pick(launched.result.logits, rows)
         penalised = [key[0] if not no_penalties(row.params) else None for key, row in zip(keys, inputs)]
         book = None
         if any(penalised):
@@ -310,11 +308,8 @@ class ModelExecutor:
         return not (out.kv_saves or launched.staged is not None or self.draft_depth(out))
 
     def draft_depth(self, out: SchedulerOutput) -> int:
-        """Drafts the MTP layer proposes after ``out`` (0: none, its hidden states are not read;
-        speculation that does not pay drafts nothing and keeps steps pipelined)."""
-        if self.drafter is None:
-            return 0
-        return out.draft_depth if out.draft_depth >= 0 else self.num_drafts
+        """Drafts the MTP layer proposes after ``out`` (`Speculation.draft_depth`)."""
+        return self.speculation.draft_depth(out)
 
     def finish(self, launched: Launched) -> RunnerOutput:
         """Sample a launched step (waiting for its device work) and return its result; then
@@ -322,15 +317,30 @@ class ModelExecutor:
         if not launched.completed:  # its predecessor never finished (it raised)
             self._complete(launched)
         out, result, staged = launched.out, launched.result, launched.staged
-        logits = result.logits
         if out.kv_saves and self.kv is not None:
             self.kv.save(self.runner.pool, out.kv_saves)
-        sampled: dict[str, int] = {}
-        logprobs: dict[str, TokenLogprobs | None] = {}
-        emitted: dict[str, tuple[int, ...]] = {}
-        emitted_lps: dict[str, tuple[object, ...]] = {}
-        top: list[int] = launched.top.tolist() if launched.top is not None else [-1] * logits.shape[0]
-        # the rows a sampler reads on the host (`_needs_row`); the others are never read, so no
+        top, host = self._read_results(launched)
+        sampled, logprobs, emitted, emitted_lps = self._sample_seqs(out, top, host)
+        if staged is not None:  # undo the rows of every position past the accepted ones
+            self.speculation.undo_rejected(staged, out, emitted)
+        depth = self.draft_depth(out)
+        drafts = (
+            self.speculation.draft(out, result.hidden, sampled, emitted, depth, self._resolve)
+            if depth
+            else {}
+        )
+        failed = {rid: self._failed[rid] for rid in sampled if rid in self._failed}
+        self._hand_over(launched)
+        return RunnerOutput(out.step, sampled, dict(logprobs), failed, emitted, emitted_lps, drafts)
+
+    def _read_results(self, launched: Launched) -> tuple[list[int], dict[int, Any]]:
+        """Read the step's copies to the host (each waits for its own copy only): every row's
+        argmax and the logits rows read on the host (by row), returned, and the tokens drawn
+        on the device, kept in ``self._drawn`` for `_sample`."""
+        top: list[int] = (
+            launched.top.tolist() if launched.top is not None else [-1] * launched.result.logits.shape[0]
+        )
+        # the rows a sampler reads on the host (`needs_row`); the others are never read, so no
         # per-row view of the device logits is made (~3 us each, 256 a step at batch 256)
         host = (
             {}
@@ -342,13 +352,22 @@ class ModelExecutor:
         )
         if launched.masked is not None:
             self._drawn.update(zip(launched.masked[0], launched.masked[1].tolist()))
+        return top, host
+
+    def _sample_seqs(self, out: SchedulerOutput, top: list[int], host: dict[int, Any]) -> _Sampled:
+        """Each sampling sequence's token and logprobs, in order, and where it verified drafts,
+        every token it emits (with their logprobs) when that is more than one."""
+        sampled: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprobs | None] = {}
+        emitted: dict[str, tuple[int, ...]] = {}
+        emitted_lps: dict[str, tuple[object, ...]] = {}
         row = 0
         for s in out.seqs:
             if not s.sample:
                 continue
             if s.num_drafts:
                 rows = [host.get(r) for r in range(row, row + s.num_drafts + 1)]
-                toks, lps = self._verify(s, rows, top[row : row + s.num_drafts + 1])
+                toks, lps = self.speculation.verify(s, rows, top[row : row + s.num_drafts + 1], self._sample)
                 sampled[s.request_id], logprobs[s.request_id] = toks[0], lps[0]
                 if len(toks) > 1:
                     emitted[s.request_id], emitted_lps[s.request_id] = tuple(toks), tuple(lps)
@@ -359,161 +378,23 @@ class ModelExecutor:
                 sampled[rid] = tok
                 logprobs[rid] = lp
             row += 1
-        if staged is not None:  # undo the rows of every position past the accepted ones
-            verifying = [s for s in out.seqs if s.num_drafts]
-            rejected = [
-                s.start_pos + j >= s.start_pos + len(emitted.get(s.request_id, (0,)))
-                for s in verifying
-                for j in range(1, s.num_drafts + 1)
-            ]
-            staged.undo(rejected)
-        depth = self.draft_depth(out)
-        drafts = self._draft(out, result.hidden, sampled, emitted, depth) if depth else {}
-        failed = {rid: self._failed[rid] for rid in sampled if rid in self._failed}
+        return sampled, logprobs, emitted, emitted_lps
+
+    def _hand_over(self, launched: Launched) -> None:
+        """Once the step is sampled: drop the states of requests finished while it was on the
+        device, and queue the sampling of the step launched after it."""
         for rid in launched.forget:  # finished while this step was on the device
             self._forget(rid)
         if launched.then is not None:  # every token of this step is applied: sample the next
             then, launched.then = launched.then, None
             self._complete(then)
-        return RunnerOutput(out.step, sampled, dict(logprobs), failed, emitted, emitted_lps, drafts)
 
     def _forget(self, rid: str) -> None:
         if self.penalties is not None:
             self.penalties.drop(rid)
         self.states.pop(rid, None)
         self._failed.pop(rid, None)
-        self._mtp.pop(rid, None)
-
-    def _needs_row(self, rid: str, verifying: bool) -> bool:
-        """Whether sampling ``rid`` reads its logits row on the host: logprobs, or a
-        host-dependent request verifying drafts (sampled on the host, in order)."""
-        st = self.states.get(rid)
-        if st is None or st.done:
-            return False
-        return st.params.logprobs is not None or (verifying and st.host_dependent)
-
-    def _draws(
-        self, out: SchedulerOutput
-    ) -> tuple[list[tuple[str, int]], list[int], list[SamplingParams], list[int]]:
-        """Every row drawn together (`SamplingState.drawn_together`): (request id, output index),
-        its logits row, params and derived seed; verified drafts' positions included: each draw
-        depends on its own (seed, index) only, so drawing a position that verification then
-        discards consumes nothing. A request whose previous token stopped it may be drawn for
-        nothing: `_sample` returns its stop token."""
-        rows: list[int] = []
-        keys: list[tuple[str, int]] = []
-        params: list[SamplingParams] = []
-        seeds: list[int] = []
-        row = 0
-        for s in out.seqs:
-            if not s.sample:
-                continue
-            for j in range(s.num_drafts + 1):
-                for rid in (s.request_id, *(() if s.num_drafts else s.fork_children)):
-                    st = self.states.get(rid)
-                    if st is None or st.done or not st.drawn_together:
-                        continue
-                    rows.append(row + j)
-                    keys.append((rid, s.output_index + j))
-                    params.append(st.params)
-                    seeds.append(draw_seed(st.seed, s.output_index + j))
-            row += s.num_drafts + 1
-        return keys, rows, params, seeds
-
-    def _rows_needed(self, out: SchedulerOutput) -> list[int]:
-        """Every logits row the per-row sampler will read (`_needs_row`): on the host. Taken at
-        launch: a request the previous step then stops is copied for nothing."""
-        need: list[int] = []
-        row = 0
-        for s in out.seqs:
-            if not s.sample:
-                continue
-            width = s.num_drafts + 1
-            if any(self._needs_row(rid, s.num_drafts > 0) for rid in (s.request_id, *s.fork_children)):
-                need.extend(range(row, row + width))
-            row += width
-        return need
-
-    def _verify(
-        self, s: ScheduledSeq, rows: Any, top: list[int]
-    ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """Sample the target at the input token and each draft, in order; stop after the
-        first token that differs from the next draft (or that ends the request)."""
-        rid, k = s.request_id, s.num_drafts
-        st = self.states[rid]
-        drafts = s.token_ids[-k:]
-        toks: list[int] = []
-        lps: list[TokenLogprobs | None] = []
-        for j in range(k + 1):
-            tok, lp = self._sample(rid, rows[j], s.output_index + j, top[j])
-            toks.append(tok)
-            lps.append(lp)
-            ended = st.done or rid in self._failed or len(st.output_token_ids) >= st.params.max_tokens
-            if ended or j == k or tok != drafts[j]:
-                break
-        return toks, lps
-
-    def _draft(
-        self,
-        out: SchedulerOutput,
-        hidden: Any,
-        sampled: dict[str, int],
-        emitted: dict[str, tuple[int, ...]],
-        depth: int,
-    ) -> dict[str, tuple[tuple[int, ...], tuple[float, ...]]]:
-        """Pass-1 runs of every sequence whose next tokens are known, then chained drafts for
-        those that continue (`engine.spec.drafter`)."""
-        assert self.drafter is not None
-        runs: list[DraftRun] = []
-        flat = 0
-        for s in out.seqs:
-            rid, n0, q = s.request_id, s.start_pos, s.num_new
-            start_row = flat
-            flat += q
-            st = self.states.get(rid)
-            if st is None or rid in self._failed:
-                continue
-            history = len(st.prompt_token_ids) + len(st.output_token_ids)
-            if s.num_drafts:  # positions of the input token and each accepted draft
-                next_ids = list(emitted.get(rid, (sampled[rid],)))
-            elif s.sample:  # a decode or a prompt's last chunk
-                known = [self._resolve(rid, t) for t in s.token_ids]
-                next_ids = known[1:] + [sampled[rid]]
-            elif n0 + q < history:  # an earlier prefill chunk: its next tokens are all known
-                next_ids = (st.prompt_token_ids + st.output_token_ids)[n0 + 1 : n0 + q + 1]
-            else:
-                continue
-            continues = s.sample and not st.done and len(st.output_token_ids) < st.params.max_tokens
-            end = n0 + len(next_ids)
-            lo = max(n0, history - self.drafter.window)  # the MTP layer is window-only
-            if lo >= end:
-                continue
-            valid_from, upto = self._mtp.get(rid, (lo, lo))
-            if upto != lo:
-                valid_from = lo  # not contiguous with what this slot's MTP window holds
-            self._mtp[rid] = (valid_from, end)
-            runs.append(
-                DraftRun(
-                    rid, s.swa_slot, s.block_table, lo, next_ids[lo - n0 :], start_row + (lo - n0),
-                    valid_from, depth if continues else 0,
-                )
-            )  # fmt: skip
-        drafts = self.drafter.draft(hidden, runs)
-        out_drafts = {}
-        for rid, d in drafts.items():
-            keep = self._grammar_prefix(rid, d.tokens)
-            out_drafts[rid] = (d.tokens[:keep], d.confidence[:keep])
-        return out_drafts
-
-    def _grammar_prefix(self, rid: str, tokens: tuple[int, ...]) -> int:
-        """How many leading drafts the request's grammar allows (all without a grammar)."""
-        grammar = self.states[rid].grammar
-        if grammar is None or rid in self._failed:
-            return len(tokens)
-        try:
-            return grammar.valid_prefix(tokens)
-        except GrammarError:
-            return 0
+        self.speculation.forget(rid)
 
     def _resolve(self, request_id: str, token: int) -> int:
         if token != PENDING_TOKEN:
@@ -523,7 +404,7 @@ class ModelExecutor:
     def _sample(self, rid: str, row_logits, output_index: int, top: int) -> tuple[int, TokenLogprobs | None]:
         """``top``: the row's argmax, the token of a plain greedy request (no grammar, no
         penalties), which then never copies its row to the host unless it asks for logprobs.
-        ``row_logits``: the row on the host where `_needs_row` asked for it, else None (unread)."""
+        ``row_logits``: the row on the host where `needs_row` asked for it, else None (unread)."""
         st = self.states[rid]
         if st.done:  # stopped in the previous step; the scheduler drops this result
             return st.output_token_ids[-1], None
@@ -556,10 +437,3 @@ class ModelExecutor:
         except GrammarError as exc:
             self._failed[rid] = str(exc)
             return None
-
-
-def _pick(logits: Any, rows: list[int]) -> Any:
-    """``logits[rows]`` (the tensor itself when that is every row, in order)."""
-    if rows == list(range(logits.shape[0])):
-        return logits
-    return logits[upload(torch.tensor(rows, dtype=torch.long), logits.device)]

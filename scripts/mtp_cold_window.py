@@ -2,13 +2,13 @@
 
 A step that drafts nothing (speculation off) runs no MTP pass, so the MTP layer's sliding
 window misses that step's tokens; the next step that drafts starts every sequence's window
-afresh (the executor's ``valid_from``), and its drafts are made from a cold window.
+afresh (``valid_from`` in `Speculation.draft`), and its drafts are made from a cold window.
 `SpecPolicy` sets those drafts apart (docs/speculative.md, "Cold drafts"). This measures why:
 one engine (the bench's `_run`, greedy, ``fixed-5``) whose executor forgets every
 sequence's MTP window every ``--restart-every`` decode steps, as an off spell would, and the
 acceptance at position 1, the accepted length and the head's mean confidence at position 1
 by steps since the restart (0: the first drafts made after it). The restart reaches into
-`ModelExecutor`'s private record of the windows: this is a measurement, not an engine mode.
+`Speculation`'s private record of the windows: this is a measurement, not an engine mode.
 
     .venv/bin/python scripts/mtp_cold_window.py --concurrency 8 --tokens 192 --restart-every 8
 """
@@ -30,12 +30,12 @@ def main() -> None:
     ap.add_argument("--restart-every", type=int, default=8)
     args = ap.parse_args()
 
-    from engine.executor import ModelExecutor
     from engine.prompts import heldout_prompts
+    from engine.spec.speculation import Speculation
     from services.bench.spec import _run
 
     every = args.restart_every
-    draft = ModelExecutor._draft
+    draft = Speculation.draft
     decode_steps = [0]  # steps that sampled (the prompts' step is the first)
 
     def restarting(self: Any, out: Any, *a: Any, **k: Any) -> Any:
@@ -45,7 +45,7 @@ def main() -> None:
             decode_steps[0] += 1
         return draft(self, out, *a, **k)
 
-    ModelExecutor._draft = restarting  # type: ignore[method-assign]
+    Speculation.draft = restarting  # type: ignore[method-assign]
     model = Path(args.model)
     prompts = heldout_prompts(model, args.concurrency, args.prompt_tokens)
     run = _run(model, prompts, args.tokens, "fixed-5", None, {"device": "cpu", "dtype": "float32"})

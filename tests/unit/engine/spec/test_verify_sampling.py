@@ -1,4 +1,4 @@
-"""Verification sampling (``ModelExecutor._verify``) on a small vocabulary, over many seeds:
+"""Verification sampling (``Speculation.verify``) on a small vocabulary, over many seeds:
 
 * the tokens equal plain sequential sampling with the same seed;
 * the first token follows the target distribution, and so does the second given that the
@@ -34,12 +34,12 @@ def _probs(row: torch.Tensor) -> list[float]:
 
 
 def _verify(rows: torch.Tensor, drafts: tuple[int, int], seed: int) -> list[int]:
-    ex = ModelExecutor(runner=None)  # type: ignore[arg-type]  # _verify samples only
+    ex = ModelExecutor(runner=None)  # type: ignore[arg-type]  # verification samples only
     ex.add("r", SamplingState(PARAMS, seed, [1, 2, 3]))
     seq = ScheduledSeq(
         "r", (4, *drafts), 10, (0,), 0, False, 0, 0, (0, 0), (), sample=True, output_index=0, num_drafts=2
     )
-    return ex._verify(seq, rows, rows.argmax(-1).tolist())[0]
+    return ex.speculation.verify(seq, rows, rows.argmax(-1).tolist(), ex._sample)[0]
 
 
 def _plain(rows: torch.Tensor, drafts: tuple[int, int], seed: int) -> list[int]:
