@@ -277,7 +277,7 @@ class Scheduler:
         if not any(r.drafts for r in cands):
             # nothing to verify: no drafts, or every input still on the device (a pipelined
             # step, speculation off); an adaptive policy still counts the step, sets the depth
-            # and probes now and then (`SpecPolicy._probe`)
+            # and probes now and then (`DraftingDepth._probe`)
             if self.spec.adaptive:
                 rids = [r.request_id for r in cands or decoding]
                 self.spec.choose(rids, [()] * len(rids), tokens)
