@@ -7,20 +7,24 @@ and "agents", the same agents in a burst, and four differently shaped families) 
 decode-balance run graded with decode step times measured on
 the engine (``router/data/decode_step_table.json``). --micro: p99 latency of one
 in-process routing decision with 100,000 indexed blocks. --profile-decode: measure that
-step-time table on the engine (CPU) and write it.
+step-time table on the engine (CPU) and write it (``services/bench/_router_profile.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
 from services.bench import Report, module_main, progress
+from services.bench._router_profile import (  # noqa: F401  (re-exported: engine.py, _decode_online.py, tests)
+    PROFILE_BATCH,
+    PROFILE_KV,
+    _fill_caches,
+    profile_decode,
+    run_profile_decode,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 DEFAULT_TRACES = (
@@ -29,10 +33,6 @@ DEFAULT_TRACES = (
 )
 BASELINES = ("round_robin", "least_load", "cache_aware")
 DEFAULT_STEP_TABLE = REPO / "router/data/decode_step_table.json"
-# --profile-decode grid: running sequences x total KV tokens of the engine (per sequence:
-# total / batch). It spans the simulated decode engine's limits (256 sequences, 8M tokens).
-PROFILE_BATCH = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-PROFILE_KV = (0, 262_144, 1_048_576, 2_097_152, 4_194_304, 8_388_608)
 # The router's decode model is fitted to the cells whose sequences are at most this deep on
 # average: 256K tokens, the longest request of the four workloads (the top of the long
 # documents' range). Deeper cells (one sequence of 1-8M tokens) are states no run reaches.
@@ -124,7 +124,7 @@ def run(args: argparse.Namespace) -> Report:
     if args.micro:
         return _run_micro()
     if args.profile_decode:
-        return _run_profile_decode(args)
+        return run_profile_decode(args)
     if args.online_fit:
         from services.bench._decode_online import run_online_fit
 
@@ -144,187 +144,6 @@ def _run_micro() -> Report:
         report.rows.append(res.__dict__)
     tuned_p99 = report.results["sluice_select"]["p99_us"]
     report.target("sluice select p99 latency (us), 100k indexed blocks", tuned_p99, "<=", 100.0)
-    return report
-
-
-def profile_decode(
-    preset: str = "tiny",
-    batches: tuple[int, ...] = PROFILE_BATCH,
-    kv_tokens: tuple[int, ...] = PROFILE_KV,
-    rounds: int = 2,
-    repeats: int = 5,
-    warmup: int = 2,
-    threads: int = 1,
-    model_dir: Path | None = None,
-    device: str = "cpu",
-    layers: int | None = None,
-    fill_caches: bool = True,
-) -> dict[str, Any]:
-    """Median seconds of one decode step of the engine's model runner over (batch, total KV).
-
-    The runner is built from the preset's config (or ``model_dir``'s; ``layers`` resizes the
-    preset) with seeded random weights (``ModelRunner.random``) on ``device``: fp32 on the
-    CPU; bf16 on CUDA, where decode steps run as the engine runs them (CUDA graphs per batch
-    bucket, captured during the warm-up steps) and each timed step ends with a
-    synchronisation. A cell runs ``batch`` sequences of one new token each, every sequence
-    ``kv_tokens // batch`` tokens deep (at least 1) in its own blocks, so a step reads
-    ``kv_tokens`` tokens of compressed state. The blocks hold seeded random entries
-    (``_fill_caches``; ``fill_caches=False`` leaves them zeroed, for an A/B): the indexer's
-    cost depends on the scores it ranks, not only on the cache's shape. The sequences'
-    tokens are distinct ids drawn over the vocabulary, so the routed experts a step reads
-    are those of a batch of different requests. ``rounds`` passes go over the
-    whole grid; in each, a cell runs ``warmup`` untimed steps and then ``repeats`` timed
-    steps back to back (as an engine steps one batch after another), and each cell keeps
-    the median of its ``rounds * repeats`` timings: a burst of load on the shared machine
-    hits one pass, not every sample of one cell.
-    """
-    import torch
-
-    from engine.checkpoint.presets import preset_config
-    from engine.config import BLOCK_TOKENS, ModelConfig
-    from engine.forward_batch import ForwardBatch, SequenceInput
-    from engine.runner import ModelRunner, RunnerConfig
-
-    torch.set_num_threads(threads)
-    load_before = os.getloadavg()
-    t_start = time.perf_counter()
-    import json
-
-    if model_dir is not None:
-        raw = json.loads((model_dir / "config.json").read_text())
-    else:
-        raw = preset_config(preset, **({"num_hidden_layers": layers} if layers else {}))
-    mcfg = ModelConfig.from_dict(raw)
-    per_seq = {(b, k): max(k // b, 1) for b in batches for k in kv_tokens}
-    blocks = max(b * (per_seq[b, k] // BLOCK_TOKENS + 1) for b, k in per_seq)
-    cuda = device.startswith("cuda")
-    rcfg = RunnerConfig(
-        num_blocks=blocks, num_slots=max(batches), with_mtp=False, device=device,
-        dtype="bfloat16" if cuda else "float32",
-    )  # fmt: skip
-    runner = ModelRunner.random(mcfg, rcfg, seed=0)
-    if fill_caches:
-        _fill_caches(runner, seed=0)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-
-    # one token per sequence, spread over the vocabulary (seeded): the hash-MoE layers route
-    # by token id and the top-k layers by hidden state, so a batch of a few distinct tokens
-    # would read a few experts where real traffic reads many
-    token_ids = torch.randint(1, mcfg.vocab_size, (max(batches),), generator=torch.Generator().manual_seed(0))
-
-    def batch_of(b: int, k: int) -> ForwardBatch:
-        n = per_seq[b, k] // BLOCK_TOKENS + 1
-        seqs = [
-            SequenceInput([int(token_ids[i])], per_seq[b, k], i, range(i * n, (i + 1) * n)) for i in range(b)
-        ]
-        return ForwardBatch.from_sequences(seqs)
-
-    cells = [(b, k) for b in batches for k in kv_tokens]
-    timings: dict[tuple[int, int], list[float]] = {c: [] for c in cells}
-    for r in range(rounds):
-        for b, k in cells:
-            fb = batch_of(b, k)
-            for _ in range(warmup):  # the batch's blocks into cache, the allocator's sizes, graphs
-                runner.execute(fb)
-            sync()
-            for _ in range(repeats):
-                t0 = time.perf_counter()
-                runner.execute(fb)
-                sync()
-                timings[b, k].append(time.perf_counter() - t0)
-        progress(f"profile-decode: round {r + 1}/{rounds} done, load average {os.getloadavg()}")
-    seconds = [[statistics.median(timings[b, k]) for k in kv_tokens] for b in batches]
-
-    def iqr(x: list[float]) -> float:  # interquartile range / median
-        q = statistics.quantiles(x, n=4)
-        return (q[2] - q[0]) / statistics.median(x)
-
-    spread = [[iqr(timings[b, k]) for k in kv_tokens] for b in batches]
-    return {
-        "kind": "decode_step_table",
-        "preset": preset if model_dir is None else None,
-        "model": str(model_dir) if model_dir is not None else None,
-        "layers": mcfg.num_hidden_layers,
-        "weights": "random (ModelRunner.random, seed 0)",
-        "caches": "seeded random entries" if fill_caches else "zeroed",
-        "dtype": runner.cfg.dtype,
-        "device": device,
-        "gpu": torch.cuda.get_device_name() if cuda else None,
-        "decode_graphs": runner.graphs is not None,
-        "cpu": _cpu_name(),
-        "cpu_count": os.cpu_count(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "statistic": f"median of {rounds} rounds x {repeats} back-to-back steps per cell, "
-        f"after {warmup} untimed steps",
-        "rounds": rounds,
-        "repeats": repeats,
-        "load_average_before": [round(x, 2) for x in load_before],
-        "load_average_after": [round(x, 2) for x in os.getloadavg()],
-        "wall_s": round(time.perf_counter() - t_start, 1),
-        "command": f"python -m services.cli bench router --profile-decode --preset {preset} "
-        f"--rounds {rounds} --repeats {repeats}"
-        + (f" --device {device}" if cuda else "")
-        + (f" --layers {layers}" if layers else "")
-        + ("" if tuple(kv_tokens) == PROFILE_KV else f" --kv-tokens {','.join(map(str, kv_tokens))}")
-        + ("" if fill_caches else " --zeroed-caches"),
-        "batch": list(batches),
-        "kv_tokens": list(kv_tokens),
-        "kv_tokens_per_sequence": [[per_seq[b, k] for k in kv_tokens] for b in batches],
-        "seconds": seconds,
-        "relative_iqr": [[round(x, 4) for x in row] for row in spread],
-    }
-
-
-def _fill_caches(runner: Any, seed: int) -> None:
-    """Seeded random entries in every compressed-cache block (the attention rows and the
-    indexer's keys) in place of zeros: the indexer's top-k sorts every entry's score each
-    step, and a sort of equal scores (zero keys) runs several times faster than one of a
-    real cache's varied scores (torch.sort on CPU: 5.6x at 16 x 4,096), so a profile over
-    zeroed blocks underprices the per-KV-token cost."""
-    import torch
-
-    for store in (*runner.pool.rows.values(), *runner.pool.index_rows.values()):
-        store.normal_(generator=torch.Generator(device=store.device).manual_seed(seed))
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
-
-
-def _run_profile_decode(args: argparse.Namespace) -> Report:
-    import json
-
-    kv = tuple(int(k) for k in args.kv_tokens.split(",")) if args.kv_tokens else PROFILE_KV
-    table = profile_decode(
-        args.preset,
-        kv_tokens=kv,
-        rounds=args.rounds,
-        repeats=args.repeats,
-        device=args.device,
-        layers=args.layers,
-        fill_caches=not args.zeroed_caches,
-    )
-    out = Path(args.step_table)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(table, indent=1) + "\n")
-    report = Report("router", config={"mode": "profile-decode", "out": str(out)} | {
-        k: table[k] for k in ("preset", "layers", "device", "gpu", "cpu", "torch", "torch_threads", "rounds",
-                              "repeats", "caches", "batch", "kv_tokens")
-    })  # fmt: skip
-    report.results["decode_step_table"] = table
-    for b, row in zip(table["batch"], table["seconds"]):
-        report.rows.append(
-            {"batch": b, **{f"kv {k:,}": f"{s * 1e3:.2f} ms" for k, s in zip(table["kv_tokens"], row)}}
-        )
     return report
 
 
