@@ -56,7 +56,7 @@ def run_handoff(model: Path, tokens: int, chunk: int, seed: int = 0, device: str
     from engine.config import BLOCK_TOKENS
     from engine.core import CoreRequest, EngineConfig, EngineCore
     from engine.sampling.params import SamplingParams
-    from services.bench.e2e import _handoff_bytes
+    from services.bench._e2e_real import _handoff_bytes
 
     blocks = -(-(tokens + 8) // BLOCK_TOKENS) + 8
     cfg: dict[str, Any] = {
