@@ -19,7 +19,9 @@ MYPY_TARGETS ?= costmodel router kvstore services/envs.py services/bench/__init_
 	engine/scheduler engine/loop.py engine/executor.py engine/llm.py engine/core.py engine/core_parts.py engine/outputs.py \
 	engine/step_observer.py engine/step_rows.py engine/messages.py engine/engine_config.py \
 	engine/kvconnector engine/train engine/sampling engine/structured engine/spec engine/vision services/commands/train.py \
-	services/bench/_e2e_sim.py services/bench/_e2e_handoff.py services/bench/_e2e_trace.py services/bench/_e2e_real.py
+	services/bench/_e2e_sim.py services/bench/_e2e_handoff.py services/bench/_e2e_trace.py \
+	services/bench/spec.py services/bench/_spec_run.py services/bench/router.py services/bench/_router_profile.py \
+	services/bench/e2e.py engine/step_state.py services/bench/_e2e_real.py
 
 .PHONY: install proto test test-slow test-gpu lint run clean redis-server
 

@@ -61,7 +61,7 @@ def _serve(model_dir: Path, shape: dict[str, tuple[int, int]], seed: int) -> tup
         )
     )  # fmt: skip
     t0 = time.perf_counter()
-    served = {"requests": 0, "prompt_tokens": 0, "output_tokens": 0, "steps": 0}
+    served: dict[str, float] = {"requests": 0, "prompt_tokens": 0, "output_tokens": 0, "steps": 0}
     try:
         n = 0
         for c in CONCURRENCY:
