@@ -137,9 +137,9 @@ class Speculation:
             history = len(st.prompt_token_ids) + len(st.output_token_ids)
             if s.num_drafts:  # positions of the input token and each accepted draft
                 next_ids = list(emitted.get(rid, (sampled[rid],)))
-            elif s.sample:  # a decode or a prompt's last chunk: its inputs after the first
-                # (only the first can be a pending token, and by now its slot holds this
-                # step's sample), then the token sampled at its last position
+            elif s.sample:  # a decode or a prompt's last chunk: its inputs after the first,
+                # then the token sampled at its last position (a decode's one input, which
+                # may be pending, is not needed: `resolve` would now read this step's sample)
                 next_ids = [resolve(rid, t) for t in s.token_ids[1:]] + [sampled[rid]]
             elif n0 + q < history:  # an earlier prefill chunk: its next tokens are all known
                 next_ids = (st.prompt_token_ids + st.output_token_ids)[n0 + 1 : n0 + q + 1]

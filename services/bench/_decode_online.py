@@ -99,7 +99,7 @@ def run_online_fit(model_dir: Path, rounds: int, repeats: int, seed: int) -> Rep
     from costmodel import DecodeCostModel
     from costmodel.online import posterior
     from router.steptable import StepTable
-    from services.bench.router import profile_decode
+    from services.bench._router_profile import profile_decode
 
     report = Report("router", config={
         "mode": "online-fit", "model": str(model_dir), "concurrency": list(CONCURRENCY),

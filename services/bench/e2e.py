@@ -52,28 +52,8 @@ from pathlib import Path
 from typing import Any
 
 from services.bench import Report, _e2e_sim
-from services.bench._e2e_real import (  # noqa: F401  (re-exported: the real run's configurations)
-    DISAGGREGATED,
-    PROBE_MAX_TOKENS,
-    PROBE_REPS,
-    T2_TARGET,
-    configs_of,
-    run_real,
-)
-from services.bench._e2e_trace import (  # noqa: F401  (re-exported: the bench's pure helpers)
-    TOKEN_HIGH,
-    TOKEN_LOW,
-    TRACE_BLOCK_TOKENS,
-    Timing,
-    TraceRequest,
-    block_run,
-    build_prompt,
-    latency_summary,
-    load_trace,
-    pct,
-    scale_trace,
-    scaled_block,
-)
+from services.bench._e2e_real import run_real
+from services.bench._e2e_trace import build_prompt, scale_trace  # noqa: F401  (re-exported for its tests)
 
 TRACE = Path(__file__).resolve().parents[2] / "data" / "traces" / "conversation_trace.jsonl"
 PARTS = ("real", "sim", "handoff")

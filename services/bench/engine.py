@@ -207,7 +207,7 @@ def _profile_decode(model_dir: Path, args: argparse.Namespace) -> Path:
     sequences x KV tokens, saved beside it (``DECODE_STEPS_FILE``): the router fits its
     decode cost model to them (``services.ray.serving``)."""
     from engine.engine_config import DECODE_STEPS_FILE
-    from services.bench.router import profile_decode
+    from services.bench._router_profile import profile_decode
 
     progress(f"{model_dir.name}: decode step times (batch x KV tokens)")
     table = profile_decode(

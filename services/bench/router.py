@@ -18,8 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from services.bench import Report, module_main, progress
-from services.bench._router_profile import (  # noqa: F401  (re-exported: engine.py, _decode_online.py, tests)
-    PROFILE_BATCH,
+from services.bench._router_profile import (  # noqa: F401  (_fill_caches, profile_decode: re-exported for tests)
     PROFILE_KV,
     _fill_caches,
     profile_decode,
