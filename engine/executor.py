@@ -325,7 +325,7 @@ class ModelExecutor:
             self.speculation.undo_rejected(staged, out, emitted)
         depth = self.draft_depth(out)
         drafts = (
-            self.speculation.draft(out, result.hidden, sampled, emitted, depth, self._resolve)
+            self.speculation.draft(out, result.hidden, sampled, emitted, depth)
             if depth
             else {}
         )

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from engine.sampling.sampler import TokenLogprobs
-from engine.scheduler.output import ScheduledSeq, SchedulerOutput
+from engine.scheduler.output import PENDING_TOKEN, ScheduledSeq, SchedulerOutput
 from engine.spec.drafter import Drafter, DraftRun
 from engine.step_state import SamplingState
 from engine.structured.grammar import GrammarError
@@ -119,11 +119,9 @@ class Speculation:
         sampled: dict[str, int],
         emitted: dict[str, tuple[int, ...]],
         depth: int,
-        resolve: Callable[[str, int], int],
     ) -> dict[str, tuple[tuple[int, ...], tuple[float, ...]]]:
         """Pass-1 runs of every sequence whose next tokens are known, then chained drafts for
-        those that continue (`engine.spec.drafter`). ``resolve``: the executor's
-        (`ModelExecutor._resolve`), a pending input token's id."""
+        those that continue (`engine.spec.drafter`)."""
         assert self.drafter is not None
         runs: list[DraftRun] = []
         flat = 0
@@ -138,9 +136,12 @@ class Speculation:
             if s.num_drafts:  # positions of the input token and each accepted draft
                 next_ids = list(emitted.get(rid, (sampled[rid],)))
             elif s.sample:  # a decode or a prompt's last chunk: its inputs after the first,
-                # then the token sampled at its last position (a decode's one input, which
-                # may be pending, is not needed: `resolve` would now read this step's sample)
-                next_ids = [resolve(rid, t) for t in s.token_ids[1:]] + [sampled[rid]]
+                # then the token sampled at its last position. Only a decode's one input can
+                # be pending (a request is admitted, or readmitted after a preemption, once
+                # nothing it sampled is in flight: `Scheduler._admit_waiting`), and it is not
+                # needed here
+                assert PENDING_TOKEN not in s.token_ids[1:], f"{rid}: a pending input inside a chunk"
+                next_ids = [*s.token_ids[1:], sampled[rid]]
             elif n0 + q < history:  # an earlier prefill chunk: its next tokens are all known
                 next_ids = (st.prompt_token_ids + st.output_token_ids)[n0 + 1 : n0 + q + 1]
             else:
