@@ -2,8 +2,6 @@
 
 from engine.spec.dspark import (
     DSparkPlan,
-    LaggedConfidence,
-    StepProfile,
     choose_policy,
     expected_accepted,
     expected_total,
@@ -14,8 +12,9 @@ from engine.spec.dspark import (
     select_fixed,
     select_oracle,
     survival,
-    throughput,
 )
+from engine.spec.lagged import LaggedConfidence
+from engine.spec.step_table import StepProfile, throughput
 
 __all__ = [
     "DSparkPlan",

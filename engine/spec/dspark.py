@@ -10,7 +10,8 @@ head predicts, for request ``r`` and draft position ``j`` (1-based), the probabi
   yields ``E_r(k_r) = 1 + sum_{j<=k_r} a(r, j)`` expected tokens (the 1 is the token the
   target always produces);
 * a choice ``{k_r}`` has expected throughput ``(sum_r E_r(k_r)) * steps_per_s(T)`` with
-  ``T = sum_r (k_r + 1)``, ``steps_per_s`` from a profiled :class:`StepProfile`.
+  ``T = sum_r (k_r + 1)``, ``steps_per_s`` from a profiled :class:`StepProfile`
+  (`engine.spec.step_table`, which has :func:`throughput` too).
 
 **Optimality** (what :func:`plan_dspark` computes, and what the tests check against brute
 force). Write ``D = sum_r k_r`` (so ``T = B + D``). For a fixed ``D`` the throughput is
@@ -35,101 +36,25 @@ verified token is accepted; this maximises accepted tokens per verified token, n
 necessarily throughput), no speculation (``k_r = 0``, :func:`select_fixed` with ``K = 0``).
 :func:`choose_policy` picks between DSpark and fixed-K by predicted throughput.
 
-The asynchronous variant schedules with confidences two steps old; :class:`LaggedConfidence`
-keeps them. Pure numpy; nothing here imports torch or the engine.
+The asynchronous variant schedules with confidences two steps old;
+`engine.spec.lagged.LaggedConfidence` keeps them. Pure numpy; nothing here imports torch or
+the engine.
 """
 
 from __future__ import annotations
 
-import bisect
-import math
-from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
 import numpy.typing as npt
 
+from engine.spec.step_table import StepProfile, throughput
+
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 Confidences = Sequence[npt.ArrayLike] | npt.NDArray[Any]
-
-# ---------------------------------------------------------------------------------------
-# Step profile
-# ---------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class StepProfile:
-    """Profiled steps per second against tokens in a step, linearly interpolated.
-
-    ``tokens`` strictly increasing and positive; ``steps_per_s`` positive, finite and
-    non-increasing (a bigger step is never faster). Outside the table the end values are
-    used (clamped).
-    """
-
-    tokens: tuple[float, ...]
-    rates: tuple[float, ...]
-
-    def __init__(self, tokens: Iterable[float], steps_per_s: Iterable[float]) -> None:
-        t = tuple(float(x) for x in tokens)
-        s = tuple(float(x) for x in steps_per_s)
-        if not t or len(t) != len(s):
-            raise ValueError(f"need equal, non-empty tokens and steps_per_s ({len(t)} vs {len(s)})")
-        if not all(math.isfinite(x) and x > 0 for x in t):
-            raise ValueError("token counts must be finite and positive")
-        if any(b <= a for a, b in zip(t, t[1:])):
-            raise ValueError("token counts must be strictly increasing")
-        if not all(math.isfinite(x) and x > 0 for x in s):
-            raise ValueError("steps_per_s must be finite and positive")
-        if any(b > a for a, b in zip(s, s[1:])):
-            raise ValueError("steps_per_s must be non-increasing in tokens")
-        object.__setattr__(self, "tokens", t)
-        object.__setattr__(self, "rates", s)
-
-    def steps_per_s(self, tokens: npt.ArrayLike) -> Any:
-        """Steps per second at ``tokens`` (scalar -> float, array -> array)."""
-        out = np.interp(np.asarray(tokens, dtype=np.float64), self.tokens, self.rates)
-        return float(out) if np.ndim(out) == 0 else out
-
-    def rate_at(self, tokens: float) -> float:
-        """`steps_per_s` of one token count in plain Python, as ``np.interp`` computes it (its
-        formula, so the two agree to the bit): a scheduler's one-request step avoids numpy's
-        per-call cost."""
-        t, r = self.tokens, self.rates
-        if tokens <= t[0]:
-            return r[0]
-        if tokens >= t[-1]:
-            return r[-1]
-        j = bisect.bisect_right(t, tokens) - 1
-        if t[j] == tokens:
-            return r[j]
-        return (r[j + 1] - r[j]) / (t[j + 1] - t[j]) * (tokens - t[j]) + r[j]
-
-    def seconds(self, tokens: npt.ArrayLike) -> Any:
-        """Seconds of one step of ``tokens`` tokens (``1 / steps_per_s``)."""
-        out = 1.0 / np.interp(np.asarray(tokens, dtype=np.float64), self.tokens, self.rates)
-        return float(out) if np.ndim(out) == 0 else out
-
-    def to_dict(self) -> dict[str, list[float]]:
-        return {"tokens": list(self.tokens), "steps_per_s": list(self.rates)}
-
-    @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> StepProfile:
-        return cls(d["tokens"], d["steps_per_s"])
-
-    @classmethod
-    def from_cost_model(cls, seconds: Callable[[float], float], points: Iterable[float]) -> StepProfile:
-        """Sample a step-time model ``seconds(tokens)`` at ``points`` (sorted, deduplicated)."""
-        pts = sorted(set(float(p) for p in points))
-        return cls(pts, [1.0 / float(seconds(p)) for p in pts])
-
-
-def throughput(expected_total: float, tokens: float, profile: StepProfile) -> float:
-    """Expected accepted tokens per second: ``expected_total * steps_per_s(tokens)``."""
-    return float(expected_total) * float(profile.steps_per_s(tokens))
-
 
 # ---------------------------------------------------------------------------------------
 # Survival and expected accepted tokens
@@ -445,91 +370,3 @@ def choose_policy(
     if not np.any(ks):
         name = "none"
     return ks.tolist(), name
-
-
-# ---------------------------------------------------------------------------------------
-# Async variant: confidences two steps old
-# ---------------------------------------------------------------------------------------
-
-
-class LaggedConfidence:
-    """Per request, the confidences of its last ``lag`` steps; hands out the oldest.
-
-    In the asynchronous pipeline the confidences of step ``t-1`` are still being computed
-    when step ``t`` is scheduled, so the newest usable ones are ``lag = 2`` steps old.
-    Call :meth:`record` once per step a request took part in (with that step's
-    confidences) and :meth:`get` when scheduling it.
-
-    Fallback for a request with fewer than ``lag`` recorded steps (or for draft positions
-    its lagged record lacks): the per-position mean of the lagged confidences of all
-    requests currently tracked that have them; if none has, ``prior`` (default 1.0: treat
-    the drafts as certain, i.e. verify them all, like fixed-K, until evidence arrives).
-    Ages count the request's own recorded steps, not global steps.
-    """
-
-    def __init__(self, lag: int = 2, prior: float = 1.0) -> None:
-        if lag < 1:
-            raise ValueError("lag must be >= 1")
-        if not 0.0 <= prior <= 1.0:
-            raise ValueError("prior must be in [0, 1]")
-        self.lag = lag
-        self.prior = prior
-        self._hist: dict[Hashable, deque[FloatArray]] = {}
-
-    def record(self, rid: Hashable, conf: npt.ArrayLike) -> None:
-        """Confidences produced for ``rid`` in the step just finished."""
-        self.record_batch((rid,), (_as_conf(conf).copy(),))
-
-    def record_batch(self, rids: Sequence[Hashable], conf: Sequence[FloatArray]) -> None:
-        """`record` for a step's requests at once (rows validated together; each row is
-        kept as given, so the caller hands over arrays it no longer writes to)."""
-        if conf:
-            _as_conf(np.concatenate(conf))
-        hist = self._hist
-        for rid, c in zip(rids, conf):
-            h = hist.get(rid)
-            if h is None:
-                h = hist[rid] = deque(maxlen=self.lag)
-            h.append(c)
-
-    def drop(self, rid: Hashable) -> None:
-        """Forget a finished request."""
-        self._hist.pop(rid, None)
-
-    def age(self, rid: Hashable) -> int:
-        h = self._hist.get(rid)
-        return len(h) if h is not None else 0
-
-    def __len__(self) -> int:
-        return len(self._hist)
-
-    def _population_mean(self, n: int) -> FloatArray:
-        sums = np.zeros(n)
-        counts = np.zeros(n)
-        for h in self._hist.values():
-            if len(h) == self.lag:
-                c = h[0][:n]
-                sums[: c.size] += c
-                counts[: c.size] += 1
-        return np.where(counts > 0, sums / np.maximum(counts, 1), self.prior)
-
-    def get(self, rid: Hashable, n_drafts: int) -> FloatArray:
-        """Confidences to schedule ``rid``'s ``n_drafts`` drafts with (``lag`` steps old)."""
-        return self.get_batch((rid,), (n_drafts,))[0]
-
-    def get_batch(self, rids: Sequence[Hashable], n_drafts: Sequence[int]) -> list[FloatArray]:
-        """`get` for each request (the population mean, where needed, computed once)."""
-        out: list[FloatArray] = []
-        mean: FloatArray | None = None
-        for rid, n in zip(rids, n_drafts):
-            h = self._hist.get(rid)
-            lagged = h[0][:n] if h is not None and len(h) == self.lag else np.zeros(0)
-            if lagged.size == n:
-                out.append(lagged.copy())
-                continue
-            if mean is None:
-                mean = self._population_mean(max(n_drafts))
-            row = mean[:n].copy()
-            row[: lagged.size] = lagged
-            out.append(row)
-        return out

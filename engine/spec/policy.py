@@ -30,7 +30,8 @@ from engine.spec.acceptance import DraftAcceptance
 from engine.spec.config import POLICIES, SpecConfig, SpecStats
 from engine.spec.costs import PLAIN, SPECULATING, StepCosts
 from engine.spec.depth import DraftingDepth
-from engine.spec.dspark import DSparkPlan, LaggedConfidence, choose_policy
+from engine.spec.dspark import DSparkPlan, choose_policy
+from engine.spec.lagged import LaggedConfidence
 from engine.spec.profile import SpecProfile
 
 __all__ = ["POLICIES", "SpecConfig", "SpecPolicy", "SpecStats"]

@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from engine.spec.dspark import StepProfile
+from engine.spec.step_table import StepProfile
 
 MAX_DRAFTS: Final = 5
 SPEC_STEPS_FILE: Final = "sluice_spec_steps.json"

@@ -36,14 +36,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import numpy.typing as npt
 
-from engine.spec.dspark import (
-    LaggedConfidence,
-    StepProfile,
-    choose_policy,
-    plan_dspark,
-    select_fixed,
-    select_oracle,
-)
+from engine.spec.dspark import choose_policy, plan_dspark, select_fixed, select_oracle
+from engine.spec.lagged import LaggedConfidence
+from engine.spec.step_table import StepProfile
 
 
 @dataclass(frozen=True)

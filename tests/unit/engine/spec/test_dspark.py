@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 
 from engine.spec.dspark import (
-    LaggedConfidence,
-    StepProfile,
     choose_policy,
     expected_accepted,
     expected_total,
@@ -23,9 +21,10 @@ from engine.spec.dspark import (
     select_fixed,
     select_oracle,
     survival,
-    throughput,
 )
+from engine.spec.lagged import LaggedConfidence
 from engine.spec.simulate import SyntheticConfig, generate, roofline_seconds, simulate
+from engine.spec.step_table import StepProfile, throughput
 
 # ----------------------------------------------------------------------------- helpers
 
