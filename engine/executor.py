@@ -324,11 +324,7 @@ class ModelExecutor:
         if staged is not None:  # undo the rows of every position past the accepted ones
             self.speculation.undo_rejected(staged, out, emitted)
         depth = self.draft_depth(out)
-        drafts = (
-            self.speculation.draft(out, result.hidden, sampled, emitted, depth)
-            if depth
-            else {}
-        )
+        drafts = self.speculation.draft(out, result.hidden, sampled, emitted, depth) if depth else {}
         failed = {rid: self._failed[rid] for rid in sampled if rid in self._failed}
         self._hand_over(launched)
         return RunnerOutput(out.step, sampled, dict(logprobs), failed, emitted, emitted_lps, drafts)
