@@ -51,6 +51,9 @@ __all__ = [
 
 
 class _Strict(BaseModel):
+    """Every section of a cluster file: an unknown key is an error (a misspelt setting never
+    silently falls back to its default), and a parsed spec is immutable."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
 
 
@@ -111,6 +114,9 @@ class VisionPoolSpec(_Strict):
 
 
 class PrefillPoolSpec(PoolSpec):
+    """The prefill engines: expert parallel 1-8 on GPUs, and the token budget of one step's
+    prompt chunks."""
+
     eplb: EplbSpec = Field(default_factory=_prefill_eplb)
     chunk_token_budget: int = Field(default=32768, ge=256)
 
@@ -122,6 +128,9 @@ class PrefillPoolSpec(PoolSpec):
 
 
 class DecodePoolSpec(PoolSpec):
+    """The decode engines: how many requests each runs at once, and their speculative
+    decoding (off unless set)."""
+
     eplb: EplbSpec = Field(default_factory=_decode_eplb)
     max_running_requests: int = Field(default=256, ge=1)
     # speculative decoding in the decode engines (EngineConfig.speculative: "dspark",
@@ -143,6 +152,9 @@ class DecodePoolSpec(PoolSpec):
 
 
 class StoreSpec(_Strict):
+    """The erasure-coded KV/prefix store: its code (10 data + 2 parity shards by default, one
+    shard a node), its nodes' capacity, and how long each kind of session's prefixes live."""
+
     data_shards: int = Field(default=10, ge=1, le=64)
     parity_shards: int = Field(default=2, ge=0, le=16)
     nodes: int = Field(default=12, ge=1)
@@ -171,6 +183,9 @@ class HandoffSpec(_Strict):
 
 
 class ApiSpec(_Strict):
+    """The HTTP API: where it listens (loopback by default), its processes, and the requests
+    it runs and queues before answering 429."""
+
     host: str = "127.0.0.1"
     port: int = Field(default=8000, ge=1, le=65535)
     # API processes sharing the port, each with its own router over the same engines
