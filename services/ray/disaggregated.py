@@ -124,47 +124,33 @@ async def _handoff_once(
     Yields the outputs beyond the ``sent`` tokens; ``handoff`` keeps the payload's ref and
     how many tokens it holds beyond the prompt."""
     from services.ray.replica import ActorDied, CallFailed  # (replica.py imports this module)
-    from services.ray.wire import output_from_wire, request_to_wire
 
     assert replica.decode is not None
     rid = request.request_id
-    payload_ref = handoff.payload_ref
     # a resumed payload starts after the tokens it holds; a new prefill from the start
-    skip = _Skipper(rid, sent[handoff.tokens :] if payload_ref is not None else sent)
+    skip = _Skipper(rid, sent[handoff.tokens :] if handoff.payload_ref is not None else sent)
     n_prompt = len(request.prompt_token_ids)
     chosen = await replica.decode.choose(rid, n_prompt + 1, request.max_tokens - 1)
     target = replica.decode.replicas[chosen]
     clock = handoff.clock
     log.info(
         "request %s: prefill on %s, decode on %s (%d prompt tokens%s)", rid, replica.name, target.name,
-        n_prompt, ", resumed from its handoff payload" if payload_ref is not None else "",
+        n_prompt, ", resumed from its handoff payload" if handoff.payload_ref is not None else "",
     )  # fmt: skip
     resumed = False
     try:
-        if payload_ref is None:
-            first_ref, payload_ref = replica.actor.prefill.options(num_returns=2).remote(
-                request_to_wire(request)
-            )
-            handoff.payload_ref, handoff.tokens = payload_ref, 0
-            try:
-                first = await replica._get(first_ref)
-            except BaseException:
-                with contextlib.suppress(Exception):
-                    await asyncio.wait_for(replica.actor.abort.remote(rid), replica.call_timeout_s)
-                raise
-            last: EngineOutput | None = None
-            for item in first:
-                raise_error(item)
-                last = output_from_wire(item)
-                handoff.tokens += len(last.token_ids)
-                kept = skip(last)
-                if kept is not None:
-                    clock.tokens(kept)
-                    yield kept
-            if last is None:
-                raise EngineUnavailable(f"prefill of {rid!r} returned nothing")
-            if last.finish_reason is not None:
+        if handoff.payload_ref is None:
+            finished = False
+            async with aclosing(_prefill(replica, request, handoff)) as firsts:
+                async for first in firsts:
+                    finished = first.finish_reason is not None
+                    kept = skip(first)
+                    if kept is not None:
+                        clock.tokens(kept)
+                        yield kept
+            if finished:
                 return
+        payload_ref = handoff.payload_ref
         resumed = True
         clock.hand_to(target.name)
         try:
@@ -186,6 +172,34 @@ async def _handoff_once(
         if not resumed:  # the reservation is unused: give it back
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(target.actor.release.remote(rid), replica.call_timeout_s)
+
+
+async def _prefill(
+    replica: RayEngineReplica, request: EngineRequest, handoff: _Handoff
+) -> AsyncGenerator[EngineOutput, None]:
+    """The prefill engine's part: its first outputs (the prompt's first token, or the whole
+    answer where it ends there), with the handoff payload's ref and token count kept in
+    ``handoff``; the request is aborted there if its outputs cannot be read."""
+    from services.ray.wire import output_from_wire, request_to_wire
+
+    rid = request.request_id
+    first_ref, handoff.payload_ref = replica.actor.prefill.options(num_returns=2).remote(
+        request_to_wire(request)
+    )
+    handoff.tokens = 0
+    try:
+        first = await replica._get(first_ref)
+    except BaseException:
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(replica.actor.abort.remote(rid), replica.call_timeout_s)
+        raise
+    if not first:
+        raise EngineUnavailable(f"prefill of {rid!r} returned nothing")
+    for item in first:
+        raise_error(item)
+        out = output_from_wire(item)
+        handoff.tokens += len(out.token_ids)
+        yield out
 
 
 class _Handoff:
