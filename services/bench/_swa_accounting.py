@@ -9,7 +9,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -106,7 +110,7 @@ def slot_bytes_report(kept: int = KEPT_LAYERS) -> dict[str, Any]:
 # ------------------------------------------------------------------ 2. trace accounting
 def trace_accounting(
     blocks: Sequence[Sequence[int]],
-    input_len: Sequence[int],
+    input_len: Sequence[int] | npt.NDArray[np.integer],
     block_size: int,
     layers: int,
     window: int,

@@ -103,7 +103,7 @@ def _image_sets(n_images: int, seed: int) -> list[list[tuple[int, bytes, int, in
 
 def _collect(results: Any, n: int, kind: str) -> list[tuple[int, Any]]:
     """``n`` answers of ``kind`` from the instances; an instance's error raises here."""
-    got = []
+    got: list[tuple[int, Any]] = []
     while len(got) < n:
         what, core, payload = results.get(timeout=600)
         if what == "error":

@@ -7,9 +7,11 @@ are used.
 from __future__ import annotations
 
 import io
+from typing import Literal
 
 # image detail and limits as the API's resolver applies them by default
-DETAIL, MAX_SIDE_PX, LOW_DETAIL_PX = "auto", 8192, 512
+DETAIL: Literal["low", "high", "original", "auto"] = "auto"
+MAX_SIDE_PX, LOW_DETAIL_PX = 8192, 512
 
 
 def png(seed: int, width: int, height: int) -> bytes:
