@@ -15,7 +15,11 @@ freezes everything the target computes with (trunk, embeddings, ``lm_head``) and
   accepts, and the soft labels carry the target's whole ranking);
 * every one of the ``depth`` chained passes is trained (``TrainModel.draft_passes``) and
   the gradient runs through the chain, as EAGLE-3's "training-time test" trains its drafter
-  on its own outputs; the passes weigh equally.
+  on its own outputs; the passes weigh equally;
+* optionally (``confidence_weight`` > 0) a confidence head of the engine's form,
+  ``sigmoid(Linear([h ; e]))``, trains beside it on each pass's top-1 agreement, its BCE
+  added at that weight, so that the gradient teaches ``h`` to carry what the head reads; the
+  head is dropped at the end (``sluice train confidence`` fits the one that ships).
 
 The trunk's tensors are written back byte for byte (checked before writing), so the target,
 its perplexity and every token it emits are unchanged; only the drafts change. It is a pure
@@ -36,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from engine.train.model import TrainModel, export_state
 from engine.train.settings import DrafterSettings, TrainSettings
@@ -57,12 +62,14 @@ CURVE_NAME = "curve_drafter.jsonl"
 
 
 def distillation_losses(
-    model: TrainModel, ids: torch.Tensor, depth: int
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    model: TrainModel, ids: torch.Tensor, depth: int, head: torch.nn.Linear | None = None
+) -> tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]]:
     """ids [B, S] -> per pass ``j = 1..depth``: the mean KL divergence from the target's
     distribution over the token after next to the pass's draft distribution, over every
-    position ``q`` with an anchor (``j - 1 <= q < S - 1``), and whether the draft's top-1 there
-    equals the target's ([B, S - j] booleans)."""
+    position ``q`` with an anchor (``j - 1 <= q < S - 1``); whether the draft's top-1 there
+    equals the target's ([B, S - j] booleans); and with a confidence ``head`` (Linear(2D -> 1)
+    on ``[h ; e]``, the engine's head's form), the mean BCE of its logit against that agreement
+    (else no entries)."""
     n = ids.shape[1]
     with torch.no_grad():
         streams, kwargs = model.trunk(ids)
@@ -70,13 +77,20 @@ def distillation_losses(
     nxt = torch.cat([ids[:, 1:], ids[:, -1:]], dim=1)
     kls: list[torch.Tensor] = []
     agree: list[torch.Tensor] = []
+    bces: list[torch.Tensor] = []
     for j, hidden in enumerate(model.draft_passes(streams, nxt, kwargs, depth), start=1):
         # pass j at q drafts the token after q + 1, which the target predicts at row q + 1
         logp = model.mtp_logits(hidden[:, j - 1 : n - 1]).float().log_softmax(dim=-1)
         tgt = target[:, j:n]
         kls.append((tgt.exp() * (tgt - logp)).sum(dim=-1).mean())
         agree.append(logp.detach().argmax(dim=-1) == tgt.argmax(dim=-1))
-    return kls, agree
+        if head is not None:
+            m: Any = model.mtp
+            h = m.norm(m.hc_head(hidden[:, j - 1 : n - 1])).float()  # the head's h: what lm_head reads
+            e = model.lm.model.embed_tokens(nxt[:, j - 1 : n - 1]).float()  # the token the pass was fed
+            logit = head(torch.cat([h, e], dim=-1)).squeeze(-1)
+            bces.append(F.binary_cross_entropy_with_logits(logit, agree[-1].float()))
+    return kls, agree, bces
 
 
 def _trunk_unchanged(model: TrainModel, base: dict[str, torch.Tensor]) -> None:
@@ -124,6 +138,12 @@ def train_drafter(
         {"params": [p for p in params if p.ndim >= 2], "weight_decay": s.weight_decay},
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
+    head: torch.nn.Linear | None = None
+    if s.confidence_weight > 0:  # trained beside the drafter, then dropped (module doc)
+        head = torch.nn.Linear(2 * model.hf_cfg.hidden_size, 1).to(dev)
+        torch.nn.init.zeros_(head.weight)
+        torch.nn.init.zeros_(head.bias)
+        groups.append({"params": list(head.parameters()), "weight_decay": 0.0})
     opt = torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8)
     out_dir.mkdir(parents=True, exist_ok=True)
     log(
@@ -141,8 +161,10 @@ def train_drafter(
                 group["lr"] = lr
             y = torch.from_numpy(y_np).to(dev)
             ids = torch.cat([torch.full_like(y[:, :1], data.bos), y[:, :-1]], dim=1)
-            kls, agree = distillation_losses(model, ids, s.depth)
+            kls, agree, bces = distillation_losses(model, ids, s.depth, head)
             loss = torch.stack(kls).mean()
+            if bces:
+                loss = loss + s.confidence_weight * torch.stack(bces).mean()
             loss.backward()
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, s.clip))
             opt.step()
@@ -152,6 +174,8 @@ def train_drafter(
             elapsed = time.monotonic() - t0
             last = {"step": done, "epoch": epoch, "lr": lr, "kl": [float(k.detach()) for k in kls],
                     "agree": [float(a.float().mean()) for a in agree], "grad_norm": grad_norm, "max_load": max_load, "elapsed_s": elapsed}  # fmt: skip
+            if bces:
+                last["bce"] = [float(b.detach()) for b in bces]
             curve.write(json.dumps(last) + "\n")
             if done == 1 or done % 10 == 0 or done == s.steps:
                 eta = (s.steps - done) * elapsed / done

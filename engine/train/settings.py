@@ -81,8 +81,14 @@ class DrafterSettings:
     clip: float = 1.0
     seed: int = 0  # the windows' order (the model stage's batches for this seed and shape)
     accept_prompts: int = 64
+    # > 0: a confidence head sigmoid(Linear([h ; e])) trains beside the drafter, its BCE on
+    # each draft's top-1 agreement at this weight, so that h carries what the head needs
+    # (the head itself is not kept: `sluice train confidence` fits the shipped one)
+    confidence_weight: float = 0.0
 
     def validate(self) -> None:
+        if self.confidence_weight < 0:
+            raise ValueError("confidence_weight must be >= 0")
         if self.steps < 1 or self.seq_len < self.depth + 2 or self.batch < 1 or self.depth < 1:
             raise ValueError("steps >= 1, batch >= 1, depth >= 1 and seq_len >= depth + 2 are required")
         if self.lr <= 0 or not 0 < self.min_lr_ratio <= 1 or not 0 <= self.warmup < self.steps:

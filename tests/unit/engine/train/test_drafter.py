@@ -5,6 +5,7 @@ token at ``q + 2``), the stage changes only ``mtp.0.*``, and it is deterministic
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -40,12 +41,13 @@ def test_labels_are_the_targets_token_after_next_along_a_greedy_chain(built: Pat
     # a random drafter agrees nowhere: distil it on the chain until it agrees somewhere
     opt = torch.optim.Adam(model.mtp.parameters(), lr=1e-2)
     for _ in range(30):
-        kls, _ = distillation_losses(model, chain, depth)
+        kls, _, _ = distillation_losses(model, chain, depth)
         torch.stack(kls).mean().backward()
         opt.step()
         opt.zero_grad()
     with torch.no_grad():
-        kls, agree = distillation_losses(model, chain, depth)
+        kls, agree, bces = distillation_losses(model, chain, depth)
+        assert bces == []  # no head, no confidence loss
         streams, kwargs = model.trunk(chain)
         nxt = torch.cat([chain[:, 1:], chain[:, -1:]], dim=1)
         n = chain.shape[1]
@@ -83,6 +85,48 @@ def test_the_stage_trains_only_the_drafter_deterministically(
     assert [r["step"] for r in steps] == [1, 2, 3] and all(len(r["kl"]) == 3 for r in steps)
     with pytest.raises(ValueError, match="must differ"):
         train_drafter(trained, built, trained, s)
+
+
+def test_a_confidence_head_trained_beside_it_reaches_the_drafter(built: Path) -> None:
+    """``distillation_losses`` with a head: one BCE per pass of the head's logit on ``[h ; e]``
+    (``h`` what ``lm_head`` reads, ``e`` the fed token's embedding) against the pass's
+    agreement, and its gradient reaches the MTP layer (so that ``h`` learns to carry it)."""
+    data = Streams(built)
+    model = TrainModel(
+        model_config(data.vocab_size, data.bos, data.eos, **{**SMALL, "dtype": "float32"}), seed=5
+    )
+    model.indexer.enabled = False
+    ids = torch.tensor([[data.bos, *(int(t) for t in data.train[:23])]])
+    width = 2 * model.hf_cfg.hidden_size
+    head = torch.nn.Linear(width, 1)
+    torch.nn.init.zeros_(head.weight)
+    torch.nn.init.zeros_(head.bias)
+    _, agree, bces = distillation_losses(model, ids, 2, head)
+    assert len(bces) == 2 and all(
+        float(b) == pytest.approx(float(torch.log(torch.tensor(2.0)))) for b in bces
+    )
+    torch.nn.init.normal_(head.weight, std=0.1)  # a zero head passes no gradient to h
+    model.mtp.zero_grad()
+    _, _, bces = distillation_losses(model, ids, 2, head)
+    torch.stack(bces).mean().backward()
+    assert any(p.grad is not None and float(p.grad.abs().sum()) > 0 for p in model.mtp.parameters())
+
+
+def test_the_confidence_weight_changes_the_drafter_and_is_logged(
+    built: Path, trained: Path, tmp_path: Path
+) -> None:
+    s = DrafterSettings(steps=3, warmup=1, seq_len=64, batch=2, depth=3, accept_prompts=4, lr=1e-3)
+    train_drafter(trained, built, tmp_path / "plain", s)
+    train_drafter(trained, built, tmp_path / "joint", dataclasses.replace(s, confidence_weight=1.0))
+    plain = load_file(str(tmp_path / "plain" / "model.safetensors"))
+    joint = load_file(str(tmp_path / "joint" / "model.safetensors"))
+    assert all(torch.equal(plain[k], joint[k]) for k in plain if not k.startswith("mtp."))
+    assert not all(torch.equal(plain[k], joint[k]) for k in plain if k.startswith("mtp."))
+    steps = [json.loads(line) for line in (tmp_path / "joint" / CURVE_NAME).read_text().splitlines()]
+    assert all(len(r["bce"]) == 3 for r in steps)
+    assert "bce" not in json.loads((tmp_path / "plain" / CURVE_NAME).read_text().splitlines()[0])
+    with pytest.raises(ValueError, match="confidence_weight"):
+        DrafterSettings(confidence_weight=-1.0).validate()
 
 
 def test_settings_are_validated() -> None:
