@@ -191,7 +191,6 @@ def mtp_passes(
     the embedding of the token it was fed, ``c[t + j]`` (draft 1: the target's token; a later
     draft reached with every earlier one accepted: the previous draft), and whether its argmax
     equals the chain's next token. Call with the model in eval mode and its indexer off."""
-    m: Any = model.mtp
     embed = model.lm.model.embed_tokens
     streams, kwargs = model.trunk(chain)
     n = chain.shape[1]
@@ -199,7 +198,7 @@ def mtp_passes(
     t = torch.arange(prompt_len - 1, n - depth - 1, device=chain.device)  # anchors: t + depth + 1 < n
     for j, hidden in enumerate(model.draft_passes(streams, nxt, kwargs, depth), start=1):
         q = t + j - 1
-        h = m.norm(m.hc_head(hidden[:, q])).float()  # [P, A, D]
+        h = model.mtp_hidden(hidden[:, q]).float()  # [P, A, D]
         draft = model.lm.lm_head(h.to(model.lm.lm_head.weight.dtype)).float().argmax(dim=-1)
         yield j, h, embed(nxt[:, q]).float(), draft == chain[:, t + j + 1]  # e: c[t + j]
 

@@ -80,15 +80,14 @@ def distillation_losses(
     bces: list[torch.Tensor] = []
     for j, hidden in enumerate(model.draft_passes(streams, nxt, kwargs, depth), start=1):
         # pass j at q drafts the token after q + 1, which the target predicts at row q + 1
-        logp = model.mtp_logits(hidden[:, j - 1 : n - 1]).float().log_softmax(dim=-1)
+        h = model.mtp_hidden(hidden[:, j - 1 : n - 1])
+        logp = model.lm.lm_head(h).float().log_softmax(dim=-1)
         tgt = target[:, j:n]
         kls.append((tgt.exp() * (tgt - logp)).sum(dim=-1).mean())
         agree.append(logp.detach().argmax(dim=-1) == tgt.argmax(dim=-1))
         if head is not None:
-            m: Any = model.mtp
-            h = m.norm(m.hc_head(hidden[:, j - 1 : n - 1])).float()  # the head's h: what lm_head reads
             e = model.lm.model.embed_tokens(nxt[:, j - 1 : n - 1]).float()  # the token the pass was fed
-            logit = head(torch.cat([h, e], dim=-1)).squeeze(-1)
+            logit = head(torch.cat([h.float(), e], dim=-1)).squeeze(-1)
             bces.append(F.binary_cross_entropy_with_logits(logit, agree[-1].float()))
     return kls, agree, bces
 

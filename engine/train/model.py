@@ -317,9 +317,14 @@ class TrainModel(nn.Module):
             hidden = self.mtp_streams(hidden, next_ids, kwargs)
             yield hidden
 
-    def mtp_logits(self, mtp_streams: torch.Tensor) -> torch.Tensor:
+    def mtp_hidden(self, mtp_streams: torch.Tensor) -> torch.Tensor:
+        """An MTP pass's output streams collapsed and normed: what ``lm_head`` turns into the
+        draft's logits, and the confidence head's ``h``."""
         m: Any = self.mtp
-        return self.lm.lm_head(m.norm(m.hc_head(mtp_streams)))
+        return m.norm(m.hc_head(mtp_streams))
+
+    def mtp_logits(self, mtp_streams: torch.Tensor) -> torch.Tensor:
+        return self.lm.lm_head(self.mtp_hidden(mtp_streams))
 
     def forward(self, x: torch.Tensor, y: torch.Tensor, ul_window: int = 0) -> dict[str, torch.Tensor]:
         """x [B, S] inputs, y [B, S] next tokens -> losses: ``lm``, ``mtp`` (token after next),
