@@ -19,7 +19,9 @@ freezes everything the target computes with (trunk, embeddings, ``lm_head``) and
 * optionally (``confidence_weight`` > 0) a confidence head of the engine's form,
   ``sigmoid(Linear([h ; e]))``, trains beside it on each pass's top-1 agreement, its BCE
   added at that weight, so that the gradient teaches ``h`` to carry what the head reads; the
-  head is dropped at the end (``sluice train confidence`` fits the one that ships).
+  head is dropped at the end (``sluice train confidence`` fits the one that ships). It starts
+  from a fitted head (``confidence_from``) or at zero, where it passes no gradient to ``h``
+  until its weights have grown, and trains at its own stage's learning rate.
 
 The trunk's tensors are written back byte for byte (checked before writing), so the target,
 its perplexity and every token it emits are unchanged; only the drafts change. It is a pure
@@ -92,6 +94,27 @@ def distillation_losses(
     return kls, agree, bces
 
 
+def _confidence_start(source: str, width: int) -> torch.nn.Linear:
+    """The head trained beside the drafter: ``source``'s fitted head (a checkpoint directory
+    with ``confidence/model.safetensors``), or zeros when ``source`` is empty."""
+    from engine.model.confidence import load_confidence_head
+
+    head = torch.nn.Linear(width, 1)
+    if not source:
+        torch.nn.init.zeros_(head.weight)
+        torch.nn.init.zeros_(head.bias)
+        return head
+    fitted = load_confidence_head(source)
+    if fitted is None:
+        raise ValueError(f"confidence_from: {source} has no confidence/model.safetensors")
+    if fitted.confidence.weight.shape != head.weight.shape:
+        raise ValueError(
+            f"confidence_from: {source}'s head reads {fitted.confidence.weight.shape[1]} inputs, not {width}"
+        )
+    head.load_state_dict(fitted.confidence.state_dict())
+    return head
+
+
 def _trunk_unchanged(model: TrainModel, base: dict[str, torch.Tensor]) -> None:
     """Every tensor outside ``mtp.*`` of the export equals the input checkpoint's, bit for bit."""
     out = export_state(model)
@@ -139,10 +162,10 @@ def train_drafter(
     ]
     head: torch.nn.Linear | None = None
     if s.confidence_weight > 0:  # trained beside the drafter, then dropped (module doc)
-        head = torch.nn.Linear(2 * model.hf_cfg.hidden_size, 1).to(dev)
-        torch.nn.init.zeros_(head.weight)
-        torch.nn.init.zeros_(head.bias)
-        groups.append({"params": list(head.parameters()), "weight_decay": 0.0})
+        head = _confidence_start(s.confidence_from, 2 * model.hf_cfg.hidden_size).to(dev)
+        groups.append(
+            {"params": list(head.parameters()), "weight_decay": 0.0, "lr_scale": s.confidence_lr / s.lr}
+        )
     opt = torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8)
     out_dir.mkdir(parents=True, exist_ok=True)
     log(
@@ -157,7 +180,7 @@ def train_drafter(
         for step, (y_np, epoch) in enumerate(batches(data.train, order)):
             lr = s.lr_at(step)
             for group in opt.param_groups:
-                group["lr"] = lr
+                group["lr"] = lr * group.get("lr_scale", 1.0)
             y = torch.from_numpy(y_np).to(dev)
             ids = torch.cat([torch.full_like(y[:, :1], data.bos), y[:, :-1]], dim=1)
             kls, agree, bces = distillation_losses(model, ids, s.depth, head)

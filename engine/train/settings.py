@@ -85,10 +85,18 @@ class DrafterSettings:
     # each draft's top-1 agreement at this weight, so that h carries what the head needs
     # (the head itself is not kept: `sluice train confidence` fits the shipped one)
     confidence_weight: float = 0.0
+    # with confidence_weight > 0: a checkpoint directory whose fitted head
+    # (`confidence/model.safetensors`) starts the head; "" starts it at zero, where it passes
+    # no gradient to h until its weights have grown
+    confidence_from: str = ""
+    # the head's peak learning rate (`sluice train confidence`'s), on the drafter's schedule
+    confidence_lr: float = 3e-3
 
     def validate(self) -> None:
-        if self.confidence_weight < 0:
-            raise ValueError("confidence_weight must be >= 0")
+        if self.confidence_weight < 0 or self.confidence_lr <= 0:
+            raise ValueError("confidence_weight must be >= 0 and confidence_lr > 0")
+        if self.confidence_from and self.confidence_weight == 0:
+            raise ValueError("confidence_from needs confidence_weight > 0 (the head trains only then)")
         if self.steps < 1 or self.seq_len < self.depth + 2 or self.batch < 1 or self.depth < 1:
             raise ValueError("steps >= 1, batch >= 1, depth >= 1 and seq_len >= depth + 2 are required")
         if self.lr <= 0 or not 0 < self.min_lr_ratio <= 1 or not 0 <= self.warmup < self.steps:

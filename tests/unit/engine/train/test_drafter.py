@@ -129,6 +129,32 @@ def test_the_confidence_weight_changes_the_drafter_and_is_logged(
         DrafterSettings(confidence_weight=-1.0).validate()
 
 
+def test_the_head_beside_the_drafter_starts_from_a_fitted_head(tmp_path: Path) -> None:
+    """``confidence_from`` loads a checkpoint's shipped head (exact weights, its width checked);
+    without it the head starts at zero; a source without a head, or without the head's loss,
+    is refused."""
+    from safetensors.torch import save_file
+
+    from engine.train.drafter import _confidence_start
+
+    assert float(_confidence_start("", 8).weight.detach().abs().sum()) == 0.0
+    (tmp_path / "confidence").mkdir()
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 4}))
+    w, b = torch.randn(1, 8), torch.randn(1)
+    save_file(
+        {"confidence.weight": w, "confidence.bias": b}, str(tmp_path / "confidence" / "model.safetensors")
+    )
+    head = _confidence_start(str(tmp_path), 8)
+    assert torch.equal(head.weight.detach(), w) and torch.equal(head.bias.detach(), b)
+    with pytest.raises(ValueError, match="inputs"):
+        _confidence_start(str(tmp_path), 16)
+    with pytest.raises(ValueError, match="no confidence"):
+        _confidence_start(str(tmp_path / "confidence"), 8)
+    with pytest.raises(ValueError, match="confidence_from needs"):
+        DrafterSettings(confidence_from=str(tmp_path)).validate()
+    DrafterSettings(confidence_from=str(tmp_path), confidence_weight=1.0).validate()
+
+
 def test_settings_are_validated() -> None:
     with pytest.raises(ValueError):
         DrafterSettings(seq_len=4, depth=5).validate()
