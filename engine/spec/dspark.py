@@ -61,7 +61,9 @@ Confidences = Sequence[npt.ArrayLike] | npt.NDArray[Any]
 # ---------------------------------------------------------------------------------------
 
 
-def _as_conf(c: npt.ArrayLike) -> FloatArray:
+def as_confidences(c: npt.ArrayLike) -> FloatArray:
+    """One request's confidences as a flat float64 array; ValueError unless each is a finite
+    probability in [0, 1]."""
     arr = np.asarray(c, dtype=np.float64).reshape(-1)
     if arr.size and (not np.all(np.isfinite(arr)) or arr.min() < 0.0 or arr.max() > 1.0):
         raise ValueError("confidences must be finite probabilities in [0, 1]")
@@ -70,7 +72,7 @@ def _as_conf(c: npt.ArrayLike) -> FloatArray:
 
 def survival(conf: npt.ArrayLike) -> FloatArray:
     """``a[j-1] = prod_{i<=j} conf[i-1]`` for one request (cumulative products)."""
-    return _cumprod(_as_conf(conf))
+    return _cumprod(as_confidences(conf))
 
 
 def _cumprod(c: npt.NDArray[np.float64]) -> FloatArray:

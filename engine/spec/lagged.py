@@ -13,7 +13,7 @@ from collections.abc import Hashable, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from engine.spec.dspark import FloatArray, _as_conf
+from engine.spec.dspark import FloatArray, as_confidences
 
 
 class LaggedConfidence:
@@ -42,13 +42,13 @@ class LaggedConfidence:
 
     def record(self, rid: Hashable, conf: npt.ArrayLike) -> None:
         """Confidences produced for ``rid`` in the step just finished."""
-        self.record_batch((rid,), (_as_conf(conf).copy(),))
+        self.record_batch((rid,), (as_confidences(conf).copy(),))
 
     def record_batch(self, rids: Sequence[Hashable], conf: Sequence[FloatArray]) -> None:
         """`record` for a step's requests at once (rows validated together; each row is
         kept as given, so the caller hands over arrays it no longer writes to)."""
         if conf:
-            _as_conf(np.concatenate(conf))
+            as_confidences(np.concatenate(conf))
         hist = self._hist
         for rid, c in zip(rids, conf):
             h = hist.get(rid)
