@@ -20,7 +20,7 @@ MYPY_TARGETS ?= costmodel router kvstore services/envs.py services/bench/__init_
 	engine/step_observer.py engine/step_rows.py engine/messages.py engine/engine_config.py \
 	engine/kvconnector engine/train engine/sampling engine/structured engine/spec engine/vision services/commands/train.py \
 	services/bench/_e2e_sim.py services/bench/_e2e_handoff.py services/bench/_e2e_trace.py \
-	services/bench/spec.py services/bench/_spec_run.py services/bench/router.py services/bench/_router_profile.py \
+	services/bench/spec.py services/bench/_spec_run.py services/bench/_spec_report.py services/bench/router.py services/bench/_router_profile.py \
 	services/bench/e2e.py engine/step_state.py services/bench/_e2e_real.py \
 	services/bench/swa.py services/bench/_swa_accounting.py services/bench/_swa_timing.py \
 	services/bench/vision.py services/bench/_vision_encoder.py services/bench/_vision_images.py \

@@ -81,12 +81,12 @@ from engine.spec.profile import SpecProfile, spec_steps_file  # pure: numpy, no 
 from services.bench import Report, progress
 from services.bench._spec_profiles import device_name, profile_table, width_profile
 from services.bench._spec_replay import (
-    TARGET_VERIFIED_SHARE,
     acceptance,
     modelled,
     priced_window,
     selection_replay,
 )
+from services.bench._spec_report import declare_targets, table_row
 from services.bench._spec_run import run_policy as _run
 from services.bench._spec_run import window_rate as window_rate  # re-exported (tests)
 
@@ -285,8 +285,8 @@ def run(args: argparse.Namespace) -> Report:
             for r in runs.values():
                 _drop_private(r, keep_steps=args.step_log)
             report.results[f"c{c}"] = {**runs, **extra}
-            report.rows.append(_row(c, runs, extra, judged))
-            _targets(report, c, runs, judged)
+            report.rows.append(table_row(c, runs, extra, judged))
+            declare_targets(report, c, runs, judged)
     report.results["wall_s"] = round(time.perf_counter() - t_start, 1)
     return report
 
@@ -400,78 +400,6 @@ def _price(r: dict[str, Any], priced: Any) -> None:
     ):
         r["measured_" + key] = r[key]
         r[key] = priced_window(r, trace, priced, mask)
-
-
-def _row(
-    c: int, runs: dict[str, dict[str, Any]], extra: dict[str, Any], judged: str = "tokens_per_s"
-) -> dict[str, Any]:
-    """The table's row of one concurrency (``judged``: the throughput the targets read)."""
-    row: dict[str, Any] = {"concurrency": c}
-    for policy, r in runs.items():
-        row[f"{policy} tok/s"] = round(r["tokens_per_s"], 1)
-    if judged != "tokens_per_s":
-        for policy, r in runs.items():
-            row[f"{policy} steady tok/s"] = round(r[judged], 1)
-        for policy, r in runs.items():  # steps that also ran refills' prompts
-            row[f"{policy} steady prompt steps"] = r["steady_prompt_steps"]
-        steady = _best_ratio(runs, judged)
-        if steady is not None:
-            row["dspark / best, steady"] = round(steady, 3)
-        decode = _best_ratio(runs, "steady_decode_tokens_per_s")
-        if decode is not None:  # the same over the steps without refills' prompts
-            row["dspark / best, steady decode steps"] = round(decode, 3)
-    full = _best_ratio(runs, "full_batch_tokens_per_s")
-    if full is not None:  # the same comparison over the steps of all c requests (no drain)
-        row["dspark / best, full batch"] = round(full, 3)
-    row["dspark verified/step"] = round(runs.get("dspark", {}).get("verified_per_step", 0.0), 2)
-    row["fixed-5 verified/step"] = round(runs.get("fixed-5", {}).get("verified_per_step", 0.0), 2)
-    row["dspark acc len"] = round(runs.get("dspark", {}).get("accepted_length", 0.0), 3)
-    row["fixed-5 acc len"] = round(runs.get("fixed-5", {}).get("accepted_length", 0.0), 3)
-    if extra:
-        row["oracle tok/s (modelled)"] = round(extra["modelled_oracle_tokens_per_s"], 1)
-        replay = extra["selection_replay"]
-        if replay:  # the head's ranking at the selection targets' point (replayed)
-            row["acc len share at 0.75 verified"] = round(
-                replay[f"accepted_length_share_at_{TARGET_VERIFIED_SHARE}"], 3
-            )
-    return row
-
-
-def _best_ratio(runs: dict[str, dict[str, Any]], key: str) -> float | None:
-    """DSpark's ``key`` throughput over the best of plain decoding's and fixed-K's."""
-    ds = runs.get("dspark")
-    best = max((r[key] for p, r in runs.items() if p == "none" or p.startswith("fixed-")), default=0.0)
-    if ds is None or not best or not ds[key]:
-        return None
-    return float(ds[key] / best)
-
-
-def _targets(report: Report, c: int, runs: dict[str, dict[str, Any]], judged: str = "tokens_per_s") -> None:
-    """The issue's targets at concurrency ``c``; the throughput ones read ``judged`` (whole runs,
-    or the steady steps of a run whose slots are refilled)."""
-    ds, f5 = runs.get("dspark"), runs.get("fixed-5")
-    if ds is None:
-        return
-    baselines = [r[judged] for p, r in runs.items() if p == "none" or p.startswith("fixed-")]
-    if baselines:
-        report.target(f"c={c}: dspark / best of none and fixed-1..5", ds[judged] / max(baselines), ">=", 0.98)
-    if f5 is None:
-        return
-    if c >= 32 and f5["verified_per_step"]:
-        report.target(
-            f"c={c}: dspark verified / fixed-5 verified",
-            ds["verified_per_step"] / f5["verified_per_step"],
-            "<=",
-            0.75,
-        )
-        report.target(
-            f"c={c}: dspark accepted length / fixed-5's",
-            ds["accepted_length"] / f5["accepted_length"],
-            ">=",
-            0.97,
-        )
-    if c == 60 and f5[judged]:
-        report.target("c=60: dspark / fixed-5 throughput", ds[judged] / f5[judged], ">=", 1.04)
 
 
 def main(argv: list[str] | None = None) -> None:
