@@ -29,9 +29,9 @@ def main() -> None:
     args = p.parse_args()
     if args.out.resolve() == args.base.resolve():
         raise ValueError("--out must differ from --base")
-    with safe_open(str(args.base / "model.safetensors"), "pt") as f:
+    with safe_open(str(args.base / "model.safetensors"), "pt") as f:  # one read: tensors and metadata
         metadata = f.metadata()
-    state = load_file(str(args.base / "model.safetensors"))
+        state = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open handles are not mappings
     mtp = load_file(str(args.mtp))
     want = {k: v.shape for k, v in state.items() if k.startswith("mtp.")}
     got = {k: v.shape for k, v in mtp.items()}

@@ -71,7 +71,7 @@ def declare_targets(
             f"c={c}: dspark verified / fixed-5 verified",
             ds["verified_per_step"] / f5["verified_per_step"],
             "<=",
-            0.75,
+            TARGET_VERIFIED_SHARE,
         )
         report.target(
             f"c={c}: dspark accepted length / fixed-5's",
