@@ -7,7 +7,13 @@ speculation off, so that every timed step is a speculating one. Prints the mean 
 This is the cost `sluice bench spec` reports per run as `choose_ms_per_step`, without an
 engine: on a GPU it is host time the device waits for in a synchronous step.
 
+``--off`` times instead the steps of a DSpark policy that has switched speculation off (after
+enough steps with drafts to decide): the policy's whole host work of such a step, its
+choice (`SpecPolicy.idle`) and its step timing (`SpecPolicy.observe_seconds`), which a
+speculating engine pays beyond a plain one's while speculation does not pay.
+
     .venv/bin/python scripts/spec_choose_cost.py --profile models/trained/sluice_spec_steps_h100.json
+    .venv/bin/python scripts/spec_choose_cost.py --profile models/trained/sluice_spec_steps_h100.json --off
 """
 
 from __future__ import annotations
@@ -38,6 +44,27 @@ def mean_choose_ms(policy: str, profile: SpecProfile, batch: int, steps: int, se
     return total / steps * 1e3
 
 
+def mean_off_step_us(profile: SpecProfile, batch: int, steps: int, seed: int) -> float:
+    """Microseconds of host work a step while DSpark is off (its choice and its timing)."""
+    rng = np.random.default_rng(seed)
+    spec = SpecPolicy(SpecConfig.parse("dspark"), profile)
+    rids = [f"r{i}" for i in range(batch)]
+    while spec.drafting.seen < spec.MIN_EVIDENCE:  # evidence first: the depth decides
+        spec.depth = 5
+        ks, _ = spec.choose(rids, (0.5 + 0.5 * rng.random((batch, 5))).tolist())
+        for rid, k in zip(rids, ks):
+            spec.observe(rid, int(rng.integers(0, k + 1)))
+    spec.mode, spec.depth = "off", 0
+    plain = profile.step_seconds(batch, 0, 0)
+    total = 0.0
+    for i in range(steps):
+        t0 = time.perf_counter()
+        spec.idle(batch)
+        spec.observe_seconds(plain * (1.0 + 0.01 * (i % 7)))
+        total += time.perf_counter() - t0
+    return total / steps * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--profile", required=True, help="a step profile (sluice_spec_steps*.json)")
@@ -45,8 +72,14 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,60,128")
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--off", action="store_true", help="time DSpark's steps while speculation is off")
     args = ap.parse_args()
     profile = SpecProfile.load(args.profile)
+    if args.off:
+        print("batch | dspark off: us a step")
+        for b in (int(x) for x in args.batches.split(",")):
+            print(f"{b} | {mean_off_step_us(profile, b, args.steps * 10, args.seed):.1f}", flush=True)
+        return
     policies = args.policies.split(",")
     print("batch | " + " | ".join(f"{p} ms" for p in policies))
     for b in (int(x) for x in args.batches.split(",")):

@@ -279,8 +279,7 @@ class Scheduler:
             # step, speculation off); an adaptive policy still counts the step, sets the depth
             # and probes now and then (`DraftingDepth._probe`)
             if self.spec.adaptive:
-                rids = [r.request_id for r in cands or decoding]
-                self.spec.choose(rids, [()] * len(rids), tokens)
+                self.spec.idle(len(cands or decoding))
             return {}
         # drafts past max_tokens could never be emitted
         room = [max(min(len(r.drafts), r.max_tokens - len(r.output_token_ids) - 1), 0) for r in cands]

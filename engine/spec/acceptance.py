@@ -33,10 +33,12 @@ class DraftAcceptance:
         self._tried_n = [0] * (k + 1)
         self._hit_n = [0] * (k + 1)
         self._unfolded = False
+        self.version = 0  # changes whenever anything the rates or head means rest on does
 
     def decay(self, factor: float) -> None:
         """Fades every count by ``factor`` (a step with drafts to verify)."""
         self.fold()
+        self.version += 1
         for acc in (self.hits, self.tries, self.conf_sum, self.conf_n, self.conf_tried):
             acc[:] = [x * factor for x in acc]
 
@@ -46,6 +48,7 @@ class DraftAcceptance:
         """The head's predictions of one step: ``rows`` is one [B, K] array when every request
         has K drafts (``n``: drafts per request), else one sequence per request."""
         m = len(self.conf_sum)
+        self.version += 1
         if isinstance(rows, np.ndarray):
             sums = rows[0, :m].tolist() if len(n) == 1 else rows[:, :m].sum(axis=0).tolist()
             for j, v in enumerate(sums):
@@ -62,6 +65,7 @@ class DraftAcceptance:
         ``accepted`` were; positions 1 .. min(k, accepted + 1) were tried, 1 .. min(k,
         accepted) accepted (counted here, added to the rates by `fold`)."""
         tried = min(k, accepted + 1)
+        self.version += 1
         self._tried_n[tried] += 1
         self._hit_n[min(k, accepted)] += 1
         for j in range(tried):

@@ -14,7 +14,7 @@ measured, per kind of step: plain (nothing verified, nothing drafted) and specul
 
 from __future__ import annotations
 
-import statistics
+from bisect import bisect_left, insort
 from collections import deque
 from typing import Final
 
@@ -38,7 +38,12 @@ class StepCosts:
         if window < 1 or prior < 0:
             raise ValueError(f"need window >= 1 and prior >= 0, got {window}, {prior}")
         self.prior = prior
+        # per kind: the last ``window`` ratios in arrival order, and the same values sorted
+        # (the medians are read from the sorted ones: a step's observation costs two
+        # bisections, not three sorts of a hundred floats, on the host between two steps)
         self._ratios: tuple[deque[float], deque[float]] = (deque(maxlen=window), deque(maxlen=window))
+        self._sorted: tuple[list[float], list[float]] = ([], [])
+        self._pooled: list[float] = []  # both kinds' windows together, sorted
         self._scales = [1.0, 1.0]
         self._pending: tuple[int, float] | None = None
         self.steps = [0, 0]  # clean steps observed, per kind
@@ -57,12 +62,34 @@ class StepCosts:
         if pending is None or not clean or seconds <= 0:
             return
         kind, priced = pending
-        self._ratios[kind].append(seconds / priced)
+        ratio, window, ordered = seconds / priced, self._ratios[kind], self._sorted[kind]
+        if len(window) == window.maxlen:  # the oldest leaves both sorted lists
+            oldest = window[0]
+            del ordered[bisect_left(ordered, oldest)]
+            del self._pooled[bisect_left(self._pooled, oldest)]
+        window.append(ratio)
+        insort(ordered, ratio)
+        insort(self._pooled, ratio)
         self.steps[kind] += 1
-        plain, spec = self._ratios
-        pooled = statistics.median([*plain, *spec, *([1.0] * self.prior)])
-        self._scales = [statistics.median([*r, *([pooled] * self.prior)]) for r in self._ratios]
+        pooled = _median_with(self._pooled, 1.0, self.prior)
+        self._scales = [
+            _median_with(r, pooled, self.prior) if r or self.prior else scale
+            for r, scale in zip(self._sorted, self._scales)
+        ]
 
     def scale(self, kind: int) -> float:
         """What the profile's prices of ``kind`` are multiplied by (1.0 before evidence)."""
         return self._scales[kind]
+
+
+def _median_with(ordered: list[float], value: float, count: int) -> float:
+    """The median of the sorted ``ordered`` with ``count`` more copies of ``value`` (what
+    ``statistics.median`` returns for that list, without building it)."""
+    at = bisect_left(ordered, value)  # the copies sit at ordered[at:at], ties alike
+    n = len(ordered) + count
+    hi = n // 2
+    upper = ordered[hi] if hi < at else value if hi < at + count else ordered[hi - count]
+    if n % 2:
+        return upper
+    lo = hi - 1
+    return (upper + (ordered[lo] if lo < at else value if lo < at + count else ordered[lo - count])) / 2

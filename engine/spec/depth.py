@@ -63,7 +63,12 @@ class DraftingDepth:
         self._probe_every_at: dict[int, tuple[float, float]] = {}
         self._off_by_bound = False  # off because no acceptance could pay (``_never_pays``)
         self._never_pays_at: dict[int, tuple[float, float]] = {}
-        self.relative: dict[str, float] = {}  # per option: its throughput / plain's, averaged
+        self._relative: dict[str, float] = {}  # per option: its throughput / plain's, averaged
+        # steps off with nothing drafted, not yet averaged into ``_relative``: their key
+        # (batch, the measured scales, the rates' version), the options' values / plain's
+        # on them, and how many steps in a row had that key (`_flush_idle`)
+        self._idle: tuple[tuple[int, float, float, int], dict[str, float]] | None = None
+        self._idle_steps = 0
 
     def bound(self, b: int) -> None:
         """`SpecPolicy.prepare`'s depth: off at a batch where no acceptance could pay
@@ -118,15 +123,23 @@ class DraftingDepth:
         drafted = bool(conf.size) if isinstance(conf, np.ndarray) else any(c.size for c in conf)
         if not drafted and self.seen < self.settings.MIN_EVIDENCE:
             return None  # no confidences, and no decision yet to reprice
+        if not drafted and self.mode == "off":
+            # off, only drafts switch it on (below): such a step changes no choice, only the
+            # averages, towards values that stay the same while nothing they rest on moves
+            self._idle_step(b)
+            self.depth = 0
+            self._probe(b, stats)
+            return None
+        self._flush_idle()
         options, plan = self._options(b, conf if drafted else None)
         # each option's throughput over plain decoding's, averaged over the last steps by
         # their requests: one step of b requests weighs b / MIN_EVIDENCE, so that a choice
         # rests on ~32 requests' confidences (one step's from 32 requests on; at one request
         # a single step's confidences are one draw, and a step sure of its drafts would
         # switch drafting on for the next step's, and an unsure one off)
-        w = min(1.0, b / self.settings.MIN_EVIDENCE)
+        w = self._weight(b)
         off = options["off"][0]
-        avg = self.relative
+        avg = self._relative
         for m, (v, _) in options.items():
             avg[m] = v / off if m not in avg else avg[m] + w * (v / off - avg[m])
         if self.seen < self.settings.MIN_EVIDENCE:  # too few requests' drafts yet: keep drafting all
@@ -146,6 +159,44 @@ class DraftingDepth:
         self._probe(b, stats)
         record(b, drafted)
         return plan
+
+    @property
+    def relative(self) -> dict[str, float]:
+        """Per option, its priced throughput over plain decoding's, averaged over the last
+        ~``MIN_EVIDENCE`` requests' steps (what the depth follows)."""
+        self._flush_idle()
+        return self._relative
+
+    def _weight(self, b: int) -> float:
+        """What one step of ``b`` requests weighs in the averages."""
+        return min(1.0, b / self.settings.MIN_EVIDENCE)
+
+    def _idle_step(self, b: int) -> None:
+        """A step off with nothing drafted: its options are priced on the rates observed
+        lately, so their values change only with the batch, the measured scales or the rates
+        (`DraftAcceptance.version`); steps in a row on the same are counted, and averaged in
+        at once when that changes or the averages are read (`_flush_idle`). Off at a hundred
+        requests this is most steps, and each would otherwise price every option afresh
+        between two device steps."""
+        key = (b, self.costs.scale(PLAIN), self.costs.scale(SPECULATING), self.acceptance.version)
+        if self._idle is None or self._idle[0] != key:
+            self._flush_idle()
+            options, _ = self._options(b, None)
+            off = options["off"][0]
+            self._idle = (key, {m: v / off for m, (v, _) in options.items()})
+        self._idle_steps += 1
+
+    def _flush_idle(self) -> None:
+        """Averages in the counted idle steps: ``n`` steps of weight ``w`` towards the same
+        value ``t`` leave ``t + (1 - w)^n (avg - t)``."""
+        if self._idle is None:
+            return
+        (b, *_), values = self._idle
+        keep = (1.0 - self._weight(b)) ** self._idle_steps
+        avg = self._relative
+        for m, t in values.items():
+            avg[m] = t if m not in avg else t + keep * (avg[m] - t)
+        self._idle, self._idle_steps = None, 0
 
     def _options(
         self, b: int, conf: np.ndarray | list[np.ndarray] | None

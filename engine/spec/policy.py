@@ -160,6 +160,18 @@ class SpecPolicy:
             self._end_step()
             self.stats.choose_seconds += time.perf_counter() - t0
 
+    def idle(self, rows: int, batch: int | None = None) -> None:
+        """``choose`` for a step of ``rows`` decoding requests of which none has a draft
+        (speculation off, or a pipelined step): the step is counted, the depth set and a
+        probe made now and then, with no per-request work (``batch``: default ``rows``)."""
+        t0 = time.perf_counter()
+        try:
+            if rows:
+                self._choose_none(rows, batch if batch is not None else rows)
+        finally:
+            self._end_step()
+            self.stats.choose_seconds += time.perf_counter() - t0
+
     def _end_step(self, prompts_only: bool = False) -> None:
         """The step's depth is set: its drafts are cold where the step before drafted nothing,
         but for a step of prompts alone, whose MTP passes fill their windows."""
@@ -173,12 +185,12 @@ class SpecPolicy:
         max_tokens: int | None,
         batch: int | None,
     ) -> tuple[list[int], str]:
-        n = [len(c) for c in confidences]
         if not rids:
             return [], "none"
         b = batch if batch is not None else len(rids)
-        if not any(n):  # no evidence comes from this step, and none is forgotten
+        if not any(map(len, confidences)):  # no evidence comes from this step, and none is forgotten
             return self._choose_none(len(rids), b)
+        n = [len(c) for c in confidences]
         counts, hold = self._count_step(n)
         raw = self._record_confidences(rids, confidences, n, counts)
         if self.config.policy != "fixed" and self.profile is not None:  # DSpark

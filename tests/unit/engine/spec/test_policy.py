@@ -3,12 +3,14 @@ policy (drafts verified, drafting depth)."""
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from engine.spec.costs import PLAIN, SPECULATING, StepCosts
+from engine.spec.depth import DraftingDepth
 from engine.spec.policy import SpecConfig, SpecPolicy
 from engine.spec.profile import SPEC_STEPS_FILE, SpecProfile, spec_steps_file
 
@@ -538,6 +540,31 @@ def test_step_costs_take_a_median_with_the_profile_as_a_prior() -> None:
         StepCosts(window=0, prior=4)
 
 
+@pytest.mark.parametrize("window,prior", [(1, 0), (5, 0), (7, 4), (50, 4), (3, 9)])
+def test_step_costs_scales_are_the_medians_of_the_windows_with_their_priors(window: int, prior: int) -> None:
+    """The scales kept from sorted windows equal the medians the definition states, taken
+    afresh with ``statistics.median`` after every step: random kinds and ratios (ties
+    included), windows that evict, priors from none to more than the window. A kind with no
+    step and no prior keeps its scale."""
+    rng = np.random.default_rng(window * 10 + prior)
+    costs = StepCosts(window=window, prior=prior)
+    windows: tuple[list[float], list[float]] = ([], [])
+    want = [1.0, 1.0]
+    for _ in range(300):
+        kind = int(rng.integers(0, 2))
+        took = float(rng.choice([0.5, 1.0, 1.5])) if rng.random() < 0.3 else float(rng.uniform(0.2, 3.0))
+        costs.price(kind, 0.01)
+        costs.observe(took * 0.01)
+        windows[kind].append((took * 0.01) / 0.01)
+        del windows[kind][:-window]
+        pooled = statistics.median([*windows[0], *windows[1], *([1.0] * prior)])
+        want = [
+            statistics.median([*w, *([pooled] * prior)]) if w or prior else old
+            for w, old in zip(windows, want)
+        ]
+        assert [costs.scale(PLAIN), costs.scale(SPECULATING)] == want
+
+
 def test_at_one_request_the_depth_follows_the_confidences_of_many_steps_not_the_last() -> None:
     """One request whose drafts are sure on one step and unsure on the next (0.95, then 0.3,
     at every position; accepted as often). Verifying one draft a step pays on average (1.20x
@@ -722,3 +749,52 @@ def test_drafts_of_a_step_of_prompts_are_never_cold() -> None:
     assert pol.depth == 5
     pol.choose(["r0"], [[0.6] * 5])
     assert pol.stats.cold_steps == 0 and pol.view(1)["seen"] == 1
+
+
+class _StepwiseIdle(DraftingDepth):
+    """The depth averaging each step off into the options' values as it comes (what
+    `DraftingDepth` did before it counted such steps and averaged them in at once)."""
+
+    def _idle_step(self, b: int) -> None:
+        super()._idle_step(b)
+        self._flush_idle()
+
+
+def test_steps_off_averaged_in_at_once_decide_as_one_by_one() -> None:
+    """Off, a step without drafts changes no choice, only the options' averages; they are
+    counted and averaged in when the batch, the measured scales or the rates change. Against
+    a policy averaging each such step as it comes, on the same steps (off at 32 requests,
+    then at one request where drafting pays, then back at 32, each step timed by a profile
+    the policy's is stale against, so the scales move while off): the same depth and mode
+    every step, the same probes, and averages equal to rounding."""
+    dear = tuple(0.020 + 0.050 + 0.005 * k for k in DRAFTS)  # at 32 requests
+    cheap = tuple(0.010 + 0.0025 + 0.0005 * k for k in DRAFTS)  # at one
+    real = SpecProfile((1, 32), DRAFTS, (cheap, dear), 5, (0.0005, 0.010), (0.010, 0.020))
+    rids = [f"r{i}" for i in range(32)]
+    runs = []
+    for stepwise in (False, True):
+        pol = SpecPolicy(SpecConfig("dspark"), _stale(real, 0.8))
+        if stepwise:
+            pol.drafting = _StepwiseIdle(pol.config, pol.profile, pol.costs, pol.acceptance, pol)
+        rng = np.random.default_rng(0)
+        seen = []
+        for b, conf, steps in ((32, 0.5, 400), (1, 0.8, 300), (32, 0.5, 400)):
+            for _ in range(steps):
+                ks, _ = pol.choose(rids[:b], [[conf] * pol.depth] * b)
+                verified, d = sum(ks), pol.depth
+                secs = real.plain[-1] if b == 32 else real.plain[0]
+                if verified or d:
+                    secs = real.for_batch(b, max(d, 1)).steps_per_s(b + verified) ** -1
+                pol.observe_seconds(float(secs))
+                for rid, k in zip(rids, ks):
+                    acc = 0
+                    while acc < k and rng.random() < conf:
+                        acc += 1
+                    pol.observe(rid, acc)
+                seen.append((pol.mode, pol.depth))
+        runs.append((pol, seen))
+    (fast, fast_seen), (ref, ref_seen) = runs
+    assert fast_seen == ref_seen
+    assert fast.stats.policies["off"] > 200 and fast.stats.probes >= 2  # the off path ran, and probed
+    assert {m for m, _ in fast_seen} - {"off"}  # and speculation was on in between
+    assert fast.drafting.relative == pytest.approx(ref.drafting.relative, rel=1e-12)

@@ -431,7 +431,15 @@ def test_speculation_off_on_evidence_keeps_probing_in_overlapped_steps(
             seen.append((out[1], spec.mode, spec.depth))
             return out
 
+        idle = spec.idle
+
+        def recording_idle(*args, **kwargs):  # a step in which no request has drafts
+            before = spec.stats.policies["off"]
+            idle(*args, **kwargs)
+            seen.append(("off" if spec.stats.policies["off"] > before else "none", spec.mode, spec.depth))
+
         monkeypatch.setattr(spec, "choose", recording)
+        monkeypatch.setattr(spec, "idle", recording_idle)
         assert _generate(llm, prompts, greedy) == want
         assert spec.probe_every(len(prompts)) == 8
         assert (llm.loop.overlapped if loop == "async_scheduling" else llm.loop.pipelined) > 0
