@@ -106,14 +106,16 @@ class DraftingDepth:
         conf: np.ndarray | list[np.ndarray],
         stats: SpecStats,
         record: Callable[[int, bool], None],
-    ) -> DSparkPlan | None:
+    ) -> list[DSparkPlan] | None:
         """The next step's drafting depth: plain decoding, a uniform K, or DSpark over the
         first d drafts, whichever the profile prices fastest (``conf``: this step's
         confidences, recalibrated), on average over the last ~``MIN_EVIDENCE`` requests'
         steps. Until that many requests' steps have had drafts the depth stays
-        ``num_drafts`` (their values are averaged all the same). Returns DSpark's plan over
-        every draft where it made one on this step's own confidences (every request with
-        ``num_drafts`` or more), which the step's selection can then take as it is. A probe
+        ``num_drafts`` (their values are averaged all the same). Returns DSpark's plans at every
+        depth where it made them on this step's own confidences (``conf`` one [B, K] array):
+        ``plans[d - 1]`` selects among the first ``d`` drafts, priced for a step drafting ``d``,
+        which the step's selection can take as it is where it has ``d`` drafts a request and
+        drafts ``d`` next (`plan_for`). A probe
         is counted in ``stats``; ``record(b, drafted)`` is told of each decision
         (`SpecPolicy._record`)."""
         assert self.profile is not None
@@ -131,7 +133,7 @@ class DraftingDepth:
             self._probe(b, stats)
             return None
         self._flush_idle()
-        options, plan = self._options(b, conf if drafted else None)
+        options, plans = self._options(b, conf if drafted else None)
         # each option's throughput over plain decoding's, averaged over the last steps by
         # their requests: one step of b requests weighs b / MIN_EVIDENCE, so that a choice
         # rests on ~32 requests' confidences (one step's from 32 requests on; at one request
@@ -144,7 +146,7 @@ class DraftingDepth:
             avg[m] = v / off if m not in avg else avg[m] + w * (v / off - avg[m])
         if self.seen < self.settings.MIN_EVIDENCE:  # too few requests' drafts yet: keep drafting all
             record(b, drafted)
-            return plan
+            return plans
         best = max(options, key=avg.__getitem__)
         current = avg[self.mode] if self.mode in options else 0.0
         # off, only drafts tell what drafting accepts now: a step without them (pricing the
@@ -158,7 +160,7 @@ class DraftingDepth:
         self.depth = options[self.mode][1] if self.mode in options else self.config.num_drafts
         self._probe(b, stats)
         record(b, drafted)
-        return plan
+        return plans
 
     @property
     def relative(self) -> dict[str, float]:
@@ -200,11 +202,11 @@ class DraftingDepth:
 
     def _options(
         self, b: int, conf: np.ndarray | list[np.ndarray] | None
-    ) -> tuple[dict[str, tuple[float, int]], DSparkPlan | None]:
+    ) -> tuple[dict[str, tuple[float, int]], list[DSparkPlan] | None]:
         """Each depth's priced throughput at ``b`` requests, with the depth it drafts: on
         this step's (recalibrated) confidences, or on the rates observed lately where the
-        step has none (``conf`` None). Also DSpark's plan over every draft where this step's
-        confidences make one for every request."""
+        step has none (``conf`` None). Also DSpark's plan at every depth where ``conf`` is
+        one [B, K] array (`update`)."""
         assert self.profile is not None
         rates = self.acceptance.rates() or self.acceptance.head_means()
         p, full = self.profile, self.config.num_drafts
@@ -227,8 +229,7 @@ class DraftingDepth:
         plans = plan_dspark_depths(filled, [p.for_batch(b, d) for d in range(1, full + 1)])
         for d, pl in enumerate(plans, start=1):
             options[f"dspark-{d}"] = (pl.throughput / spec, d)
-        full_rows = isinstance(conf, np.ndarray) and conf.shape[1] >= full
-        return options, plans[-1] if full_rows else None
+        return options, plans if isinstance(conf, np.ndarray) else None
 
     def _probe(self, b: int, stats: SpecStats) -> None:
         """Off: draft now and then (every `probe_every` steps), so that the rates follow the
@@ -260,6 +261,17 @@ class DraftingDepth:
             )
         probe, plain = hit[0] * self.costs.scale(SPECULATING), hit[1] * self.costs.scale(PLAIN)
         return max(1, math.ceil((probe - 3 * plain) / (self.settings.PROBE_BUDGET * plain)))
+
+
+def plan_for(
+    plans: list[DSparkPlan] | None, conf: np.ndarray | list[np.ndarray], depth: int, full: int
+) -> DSparkPlan | None:
+    """The plan of `DraftingDepth.update`'s ``plans`` that equals ``plan_dspark(conf[:, :full],
+    table of a step drafting depth)``: the one at ``depth`` where ``conf`` has that many
+    drafts a request (``full`` or more at ``depth = full``), else None."""
+    if plans is None or not isinstance(conf, np.ndarray) or depth < 1:
+        return None
+    return plans[depth - 1] if min(conf.shape[1], full) == depth else None
 
 
 def _filled(conf: np.ndarray | list[np.ndarray], rates: list[float], full: int) -> np.ndarray:

@@ -194,7 +194,7 @@ def plan_dspark_depths(conf: npt.ArrayLike, tables: Sequence[StepProfile]) -> li
         raise ValueError(f"need [B, K >= {len(tables)}] confidences, got shape {c.shape}")
     batch, k = c.shape
     if batch == 1:
-        return [_plan_one(c[0, :d], t, None, "argmax") for d, t in enumerate(tables, start=1)]
+        return _plan_one_depths(c[0].tolist(), tables)
     c, _ = _padded(c)  # validated
     cand = _cumprod(c).ravel()  # row-major: j ascending within each request
     rows = np.repeat(np.arange(batch), k)
@@ -232,6 +232,29 @@ def _plan_one(row: Any, profile: StepProfile, max_tokens: int | None, stop: str)
         prev = thr
     d, expected, thr = best
     return DSparkPlan(np.array([d], dtype=np.int64), expected, 1 + d, thr)
+
+
+def _plan_one_depths(vals: list[float], tables: Sequence[StepProfile]) -> list[DSparkPlan]:
+    """`_plan_one` of the first ``d`` drafts priced by ``tables[d - 1]``, at every depth, from
+    one pass over the survivals (the same sums and products in the same order, so each plan
+    equals its `_plan_one` to the bit)."""
+    if not all(0.0 <= x <= 1.0 for x in vals):  # NaN fails the comparison too
+        raise ValueError("confidences must be finite probabilities in [0, 1]")
+    expected, surv, cum = [1.0], 0.0, 0.0  # expected[j]: tokens emitted verifying j drafts
+    for j in range(len(tables)):
+        surv = vals[0] if j == 0 else surv * vals[j]
+        cum += surv
+        expected.append(cum + 1.0)
+    plans = []
+    for d, table in enumerate(tables, start=1):
+        best = (0, 1.0, 1.0 * table.rate_at(1.0))  # (drafts, expected, throughput)
+        for j in range(1, d + 1):
+            thr = expected[j] * table.rate_at(1.0 + j)
+            if thr > best[2]:
+                best = (j, expected[j], thr)
+        k, e, thr = best
+        plans.append(DSparkPlan(np.array([k], dtype=np.int64), e, 1 + k, thr))
+    return plans
 
 
 def select_dspark(

@@ -29,7 +29,7 @@ import numpy as np
 from engine.spec.acceptance import DraftAcceptance
 from engine.spec.config import POLICIES, SpecConfig, SpecStats
 from engine.spec.costs import PLAIN, SPECULATING, StepCosts
-from engine.spec.depth import DraftingDepth
+from engine.spec.depth import DraftingDepth, plan_for
 from engine.spec.dspark import DSparkPlan, choose_policy
 from engine.spec.lagged import LaggedConfidence
 from engine.spec.profile import SpecProfile
@@ -235,12 +235,11 @@ class SpecPolicy:
         assert self.profile is not None
         # the depth is for the steps to come, whose drafts are warm
         conf = self.acceptance.calibrated(raw)
-        plan = self._set_depth(b, conf) if self.adaptive and not hold else None
+        plans = self._set_depth(b, conf) if self.adaptive and not hold else None
         if self._cold:  # this step's own drafts are priced as cold ones
-            conf, plan = self.cold_acceptance.calibrated(raw), None
+            conf, plans = self.cold_acceptance.calibrated(raw), None
         table = self.profile.for_batch(b, self.depth)
-        if self.depth != self.config.num_drafts:
-            plan = None  # made for a step drafting num_drafts: another table
+        plan = plan_for(plans, conf, self.depth, self.config.num_drafts)  # made already, or None
         ks, name = choose_policy(
             conf,
             table,
@@ -314,7 +313,7 @@ class SpecPolicy:
         self._price_step(b, 0)
         return [0] * rows, name
 
-    def _set_depth(self, b: int, conf: np.ndarray | list[np.ndarray]) -> DSparkPlan | None:
+    def _set_depth(self, b: int, conf: np.ndarray | list[np.ndarray]) -> list[DSparkPlan] | None:
         """The next step's drafting depth (`DraftingDepth.update`, which counts a probe in
         ``stats`` and has each decision recorded by `_record`)."""
         return self.drafting.update(b, conf, self.stats, self._record)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from engine.spec.costs import PLAIN, SPECULATING, StepCosts
-from engine.spec.depth import DraftingDepth
+from engine.spec.depth import DraftingDepth, plan_for
 from engine.spec.policy import SpecConfig, SpecPolicy
 from engine.spec.profile import SPEC_STEPS_FILE, SpecProfile, spec_steps_file
 
@@ -798,3 +798,39 @@ def test_steps_off_averaged_in_at_once_decide_as_one_by_one() -> None:
     assert fast.stats.policies["off"] > 200 and fast.stats.probes >= 2  # the off path ran, and probed
     assert {m for m, _ in fast_seen} - {"off"}  # and speculation was on in between
     assert fast.drafting.relative == pytest.approx(ref.drafting.relative, rel=1e-12)
+
+
+def test_the_selection_takes_the_depths_plan_only_where_it_is_the_same_plan(monkeypatch) -> None:
+    """The depth's decision plans DSpark at every depth; the step's selection takes the plan
+    at the depth it drafts next where the step has that many drafts a request (`plan_for`),
+    and plans afresh otherwise. Against a policy that always plans afresh, on the same random
+    steps (1 to 32 requests, 1 to 5 drafts each, depths moving): the same drafts verified
+    every step, and plans taken on some of them."""
+    import engine.spec.policy as policy_module
+
+    prof = _profile(verify_s=0.0004, pass_s=0.0008, plain_s=0.010)
+    taken = []
+
+    def counting(plans, conf, depth, full):
+        plan = plan_for(plans, conf, depth, full)
+        taken.append(plan is not None)
+        return plan
+
+    runs = []
+    for reuse in (True, False):
+        monkeypatch.setattr(policy_module, "plan_for", counting if reuse else lambda *a: None)
+        pol = SpecPolicy(SpecConfig("dspark"), prof)
+        rng = np.random.default_rng(3)
+        chosen = []
+        for _ in range(300):
+            b = int(rng.choice([1, 4, 32]))
+            width = pol.depth or int(rng.integers(1, 6))
+            conf = rng.uniform(0.2, 1.0, size=(b, width)).round(2).tolist()
+            ks, name = pol.choose([f"r{i}" for i in range(b)], conf)
+            chosen.append((tuple(ks), name, pol.depth))
+            for i, k in enumerate(ks):
+                pol.observe(f"r{i}", int(rng.integers(0, k + 1)))
+        runs.append(chosen)
+    assert runs[0] == runs[1]
+    assert 50 < sum(taken) < len(taken)  # taken on many steps, not on all
+    assert len({d for _, _, d in runs[0]}) > 1  # the depth moved
