@@ -86,8 +86,9 @@ class StepObserver:
             self.decode_steps_extra = self.decode_steps.to_extra()
 
     def spec_cost_stats(self) -> dict[str, float]:
-        """Measured / profiled step times, per kind (``SpecPolicy.costs``); empty unless the
-        policy's steps are timed."""
+        """Measured / profiled step times, per kind, and the host time of the policy's choice
+        in a step with drafts (``SpecPolicy.costs``); empty unless the policy's steps are
+        timed."""
         if not self.times_spec_steps:
             return {}
         assert self.spec is not None
@@ -96,4 +97,5 @@ class StepObserver:
             spec_cost_scale_plain=costs.scale(PLAIN), spec_cost_scale_speculating=costs.scale(SPECULATING),
             spec_cost_steps_plain=float(costs.steps[PLAIN]),
             spec_cost_steps_speculating=float(costs.steps[SPECULATING]),
+            spec_cost_host_seconds=costs.host,
         )  # fmt: skip

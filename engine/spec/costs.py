@@ -47,6 +47,12 @@ class StepCosts:
         self._scales = [1.0, 1.0]
         self._pending: tuple[int, float] | None = None
         self.steps = [0, 0]  # clean steps observed, per kind
+        # the policy's own host seconds in a speculating step (its choice: `observe_host`), the
+        # median of the last ``window``; the profile's steps were timed under a fixed policy,
+        # whose choice costs a few tens of microseconds, so this is what it leaves out
+        self.host = 0.0
+        self._host: deque[float] = deque(maxlen=window)
+        self._host_sorted: list[float] = []
 
     def price(self, kind: int, seconds: float) -> None:
         """The step about to run is of ``kind`` and the profile prices it at ``seconds``."""
@@ -62,6 +68,8 @@ class StepCosts:
         if pending is None or not clean or seconds <= 0:
             return
         kind, priced = pending
+        if kind == SPECULATING:  # the policy's own host time is not the profile's to scale
+            seconds = max(seconds - self.host, 1e-3 * priced)
         ratio, window, ordered = seconds / priced, self._ratios[kind], self._sorted[kind]
         if len(window) == window.maxlen:  # the oldest leaves both sorted lists
             oldest = window[0]
@@ -76,6 +84,19 @@ class StepCosts:
             _median_with(r, pooled, self.prior) if r or self.prior else scale
             for r, scale in zip(self._sorted, self._scales)
         ]
+
+    def observe_host(self, seconds: float) -> None:
+        """The policy's choice in a speculating step took ``seconds`` of host time."""
+        if len(self._host) == self._host.maxlen:
+            del self._host_sorted[bisect_left(self._host_sorted, self._host[0])]
+        self._host.append(seconds)
+        insort(self._host_sorted, seconds)
+        self.host = _median_with(self._host_sorted, 0.0, 0)
+
+    def speculating(self, seconds: float) -> float:
+        """What a speculating step the profile prices at ``seconds`` costs now: scaled as
+        measured, with the policy's own host time."""
+        return seconds * self._scales[SPECULATING] + self.host
 
     def scale(self, kind: int) -> float:
         """What the profile's prices of ``kind`` are multiplied by (1.0 before evidence)."""

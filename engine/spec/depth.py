@@ -62,12 +62,11 @@ class DraftingDepth:
         self._since_probe = 0  # steps off since the last probe
         self._probe_every_at: dict[int, tuple[float, float]] = {}
         self._off_by_bound = False  # off because no acceptance could pay (``_never_pays``)
-        self._never_pays_at: dict[int, tuple[float, float]] = {}
         self._relative: dict[str, float] = {}  # per option: its throughput / plain's, averaged
         # steps off with nothing drafted, not yet averaged into ``_relative``: their key
-        # (batch, the measured scales, the rates' version), the options' values / plain's
+        # (batch, the measured scales and host time, the rates' version), the options' values / plain's
         # on them, and how many steps in a row had that key (`_flush_idle`)
-        self._idle: tuple[tuple[int, float, float, int], dict[str, float]] | None = None
+        self._idle: tuple[tuple[int, float, float, float, int], dict[str, float]] | None = None
         self._idle_steps = 0
 
     def bound(self, b: int) -> None:
@@ -88,17 +87,15 @@ class DraftingDepth:
     def _never_pays(self, b: int) -> bool:
         """Whether plain decoding beats speculation at ``b`` requests even if every draft were
         accepted: the best uniform K (the cheapest step that verifies K drafts drafts only K)
-        then emits K + 1 tokens per request per step and still runs slower. No acceptance
-        rate is needed to know it, so no evidence is waited for. The profile's throughputs
-        are cached per batch size; the measured scales apply to them each time."""
+        then emits K + 1 tokens per request per step and still runs slower, at the profile's
+        prices as measured (`StepCosts`: the scales, and the policy's own host time in a
+        speculating step). No acceptance rate is needed to know it, so no evidence is waited
+        for."""
         assert self.profile is not None
-        hit = self._never_pays_at.get(b)
-        if hit is None:
-            secs = self.profile.uniform_seconds(b, self.config.num_drafts)
-            best = max(b * (1 + k) / secs[k] for k in range(1, len(secs)))
-            hit = self._never_pays_at[b] = (b / secs[0], best)
-        plain, best = hit
-        return best / self.costs.scale(SPECULATING) <= plain / self.costs.scale(PLAIN)
+        secs = self.profile.uniform_seconds(b, self.config.num_drafts)  # memoised
+        costs = self.costs
+        best = max(b * (1 + k) / costs.speculating(secs[k]) for k in range(1, len(secs)))
+        return best <= b / (secs[0] * costs.scale(PLAIN))
 
     def update(
         self,
@@ -180,7 +177,8 @@ class DraftingDepth:
         at once when that changes or the averages are read (`_flush_idle`). Off at a hundred
         requests this is most steps, and each would otherwise price every option afresh
         between two device steps."""
-        key = (b, self.costs.scale(PLAIN), self.costs.scale(SPECULATING), self.acceptance.version)
+        costs = self.costs
+        key = (b, costs.scale(PLAIN), costs.scale(SPECULATING), costs.host, self.acceptance.version)
         if self._idle is None or self._idle[0] != key:
             self._flush_idle()
             options, _ = self._options(b, None)
@@ -211,24 +209,25 @@ class DraftingDepth:
         rates = self.acceptance.rates() or self.acceptance.head_means()
         p, full = self.profile, self.config.num_drafts
         secs = p.uniform_seconds(b, full)
-        plain, spec = self.costs.scale(PLAIN), self.costs.scale(SPECULATING)
-        options = {"off": (b / (secs[0] * plain), 0)}
+        costs = self.costs
+        options = {"off": (b / (secs[0] * costs.scale(PLAIN)), 0)}
         if conf is None:  # nothing drafted this step: the rates observed lately
             surv, expected = 1.0, 1.0  # per request: P(first k accepted), tokens emitted
             for k in range(1, full + 1):
                 surv *= rates[k - 1]
                 expected += surv
-                options[f"fixed-{k}"] = (b * expected / (secs[k] * spec), k)
+                options[f"fixed-{k}"] = (b * expected / costs.speculating(secs[k]), k)
             return options, None
         # every option priced on the same model, this step's requests' own (recalibrated)
         # confidences: the observed rates are those of the drafts verified, which a
         # selection picks, so they overstate what a uniform K would accept
         filled = _filled(conf, rates, full)
         for k, expected in enumerate(_uniform_expected(filled), start=1):
-            options[f"fixed-{k}"] = (b * expected / (secs[k] * spec), k)
+            options[f"fixed-{k}"] = (b * expected / costs.speculating(secs[k]), k)
         plans = plan_dspark_depths(filled, [p.for_batch(b, d) for d in range(1, full + 1)])
-        for d, pl in enumerate(plans, start=1):
-            options[f"dspark-{d}"] = (pl.throughput / spec, d)
+        for d, pl in enumerate(plans, start=1):  # its step: expected tokens / throughput
+            step = costs.speculating(pl.expected_accepted / pl.throughput)
+            options[f"dspark-{d}"] = (pl.expected_accepted / step, d)
         return options, plans if isinstance(conf, np.ndarray) else None
 
     def _probe(self, b: int, stats: SpecStats) -> None:

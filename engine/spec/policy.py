@@ -21,7 +21,7 @@ profile is one machine's (`engine.spec.profile.spec_steps_file`).
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import numpy as np
@@ -109,6 +109,10 @@ class SpecPolicy:
         self.verifying_requests: int | None = None
         self._open: dict[str, tuple[Sequence[float], int]] = {}
         self._open_counts = self.acceptance  # where their outcomes are counted
+        # times this policy's choices: on a step with drafts, its host time is a cost of
+        # speculating that the profile (timed under a fixed policy) leaves out
+        # (`StepCosts.observe_host`); a test may set a clock of its own
+        self.clock: Callable[[], float] = time.perf_counter
 
     @property
     def depth(self) -> int:
@@ -153,24 +157,27 @@ class SpecPolicy:
         """How many drafts of each request to verify this step (``confidences[i]`` has one
         entry per draft request ``i`` has; the step's tokens stay within ``max_tokens``);
         ``batch``: requests decoding this step (default ``len(rids)``). Also sets ``depth``."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             return self._choose(rids, confidences, max_tokens, batch)
         finally:
             self._end_step()
-            self.stats.choose_seconds += time.perf_counter() - t0
+            spent = self.clock() - t0
+            self.stats.choose_seconds += spent
+            if self.adaptive and any(map(len, confidences)):  # a step with drafts
+                self.costs.observe_host(spent)
 
     def idle(self, rows: int, batch: int | None = None) -> None:
         """``choose`` for a step of ``rows`` decoding requests of which none has a draft
         (speculation off, or a pipelined step): the step is counted, the depth set and a
         probe made now and then, with no per-request work (``batch``: default ``rows``)."""
-        t0 = time.perf_counter()
+        t0 = self.clock()
         try:
             if rows:
                 self._choose_none(rows, batch if batch is not None else rows)
         finally:
             self._end_step()
-            self.stats.choose_seconds += time.perf_counter() - t0
+            self.stats.choose_seconds += self.clock() - t0
 
     def _end_step(self, prompts_only: bool = False) -> None:
         """The step's depth is set: its drafts are cold where the step before drafted nothing,

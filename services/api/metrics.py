@@ -137,6 +137,13 @@ def _spec_families(extra: dict[str, float]) -> Iterator[Metric]:
         for label, value in scales:
             scale.add_metric([label], value)
         yield scale
+        host = GaugeMetricFamily(
+            "sluice_spec_choice_host_seconds",
+            "DSpark's host seconds choosing a step's drafts (median of recent steps with drafts; "
+            "priced into speculating options; the mean over decode engines).",
+        )
+        host.add_metric([], extra.get("spec_cost_host_seconds", 0.0))
+        yield host
 
 
 def _suffixed(extra: dict[str, float], prefix: str) -> Iterator[tuple[str, float]]:

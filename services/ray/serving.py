@@ -326,12 +326,13 @@ def merge_decode_stats(front: EngineStats, per: list[EngineStats]) -> EngineStat
     """The prefill front's stats with the decode engines': levels and counts summed (a decode
     engine's extras as ``decode_*``), speculation's counters under their own names (it runs
     in decode engines only, so /metrics reports them as one engine's ``sluice_spec_*``), and
-    its measured cost scales, ratios per engine, averaged over the engines."""
+    its measured cost scales (ratios) and choice host time, per engine, averaged over the
+    engines."""
     extra = dict(front.extra)
     scales: dict[str, list[float]] = {}
     for s in per:
         for k, v in s.extra.items():
-            if k.startswith("spec_cost_scale_"):
+            if k.startswith("spec_cost_scale_") or k == "spec_cost_host_seconds":
                 scales.setdefault(k, []).append(v)
                 continue
             key = k if k.startswith("spec_") else f"decode_{k}"

@@ -44,3 +44,19 @@ def test_speculation_counters_include_probes_and_cold_steps() -> None:
         "sluice_spec_probes_total": ("counter", 3.0),
         "sluice_spec_cold_steps_total": ("counter", 3.0),
     }
+
+
+def test_dsparks_choice_host_time_is_a_gauge_beside_the_scales() -> None:
+    metrics = ApiMetrics(
+        lambda: EngineStats(
+            0, 0, 10, 10, 0, 0, 0, 3,
+            extra={"spec_steps": 4.0, "spec_cost_scale_plain": 1.0, "spec_cost_host_seconds": 2.5e-4},
+        )
+    )  # fmt: skip
+    got = {
+        s.name: (f.type, s.value)
+        for f in text_string_to_metric_families(metrics.render().decode())
+        for s in f.samples
+        if s.name == "sluice_spec_choice_host_seconds"
+    }
+    assert got == {"sluice_spec_choice_host_seconds": ("gauge", 2.5e-4)}

@@ -452,16 +452,33 @@ def _stale(real: SpecProfile, spec_factor: float) -> SpecProfile:
     )  # fmt: skip
 
 
-def _drive_timed(pol: SpecPolicy, conf: float, b: int, steps: int, real: SpecProfile | None) -> None:
+class _Clock:
+    """A policy's clock on which each of its choices takes ``host`` seconds (every reading
+    is ``host`` later than the one before)."""
+
+    def __init__(self, host: float) -> None:
+        self.host, self.now = host, 0.0
+
+    def __call__(self) -> float:
+        self.now += self.host
+        return self.now
+
+
+def _drive_timed(
+    pol: SpecPolicy, conf: float, b: int, steps: int, real: SpecProfile | None, host: float = 0.0
+) -> None:
     """``steps`` steps of ``b`` requests whose every draft has confidence and acceptance
     probability ``conf`` (seeded); with ``real``, each step's wall time is what ``real``
     says a step of its kind costs (plain; or verifying what the policy chose while drafting
-    ``depth``), told to the policy as an engine does."""
+    ``depth``), told to the policy as an engine does. Each choice on a step with drafts
+    takes ``host`` seconds of the step (the policy's clock: `_Clock`)."""
     import numpy as np
 
     rng = np.random.default_rng(0)
     rids = [f"r{i}" for i in range(b)]
+    pol.clock = _Clock(host)
     for _ in range(steps):
+        drafted = pol.depth > 0
         ks, _ = pol.choose(rids, [[conf] * pol.depth] * b)
         if real is not None:
             verified, d = sum(ks), pol.depth
@@ -470,7 +487,7 @@ def _drive_timed(pol: SpecPolicy, conf: float, b: int, steps: int, real: SpecPro
                 if not verified and not d
                 else real.for_batch(b, d).steps_per_s(b + verified) ** -1
             )
-            pol.observe_seconds(float(secs))
+            pol.observe_seconds(float(secs) + (host if drafted else 0.0))
         for rid, k in zip(rids, ks):
             acc = 0
             while acc < k and rng.random() < conf:
@@ -507,6 +524,28 @@ def test_a_stale_profile_is_rescaled_by_the_measured_steps_and_chooses_as_the_tr
     # the same depth; with every request's drafts alike, DSpark's selection over 2 and verifying
     # 2 of each are one option within the switching margin, and either may be the one held
     assert timed.depth == truth.depth == 2 and {timed.mode, truth.mode} <= {"fixed-2", "dspark-2"}
+
+
+def test_the_policys_own_host_time_is_priced_on_speculating_steps_only() -> None:
+    """Speculating pays ~1.37x at 32 requests and 0.7 acceptance by the profile (the stale
+    test's case), whose steps were timed under a fixed policy. When DSpark's own choice
+    takes host time in each step with drafts, that time is a cost of speculating alone:
+    measured (`StepCosts.host`), it is added to every speculating option and left out of the
+    speculating scale, so the scales stay the profile's (1.0) and plain decoding's is not
+    raised with it. A choice as dear as 40 % of a step turns speculation off; a cheap one
+    (a millisecond on steps of half a second) changes nothing."""
+    real = _profile(verify_s=0.002, pass_s=0.001, plain_s=0.010, batch=(32,))
+    cheap = SpecPolicy(SpecConfig("dspark"), real)
+    _drive_timed(cheap, 0.7, 32, 300, real, host=0.001)
+    assert cheap.mode != "off" and cheap.depth == 2
+    assert cheap.costs.host == pytest.approx(0.001)
+    dear = SpecPolicy(SpecConfig("dspark"), real)
+    _drive_timed(dear, 0.7, 32, 300, real, host=0.25)
+    assert dear.mode == "off" and dear.costs.host == pytest.approx(0.25)
+    assert dear.costs.scale(SPECULATING) == pytest.approx(1.0) and dear.costs.scale(PLAIN) == pytest.approx(
+        1.0
+    )
+    assert dear.costs.steps[SPECULATING] > 0  # it did time speculating steps before going off
 
 
 def test_step_costs_take_a_median_with_the_profile_as_a_prior() -> None:
@@ -598,6 +637,7 @@ def _one_request_run(pol: SpecPolicy, steps: int, seed: int = 0) -> tuple[float,
 
     assert pol.profile is not None
     rng = np.random.default_rng(seed)
+    pol.clock = _Clock(0.0)  # priced steps: the policy's own choice takes none of their time
     tokens = seconds = 0.0
     drafts: list[float] = []
     for _ in range(steps):
@@ -774,6 +814,7 @@ def test_steps_off_averaged_in_at_once_decide_as_one_by_one() -> None:
     runs = []
     for stepwise in (False, True):
         pol = SpecPolicy(SpecConfig("dspark"), _stale(real, 0.8))
+        pol.clock = _Clock(0.0)  # the same (no) host time in both
         if stepwise:
             pol.drafting = _StepwiseIdle(pol.config, pol.profile, pol.costs, pol.acceptance, pol)
         rng = np.random.default_rng(0)
@@ -820,6 +861,7 @@ def test_the_selection_takes_the_depths_plan_only_where_it_is_the_same_plan(monk
     for reuse in (True, False):
         monkeypatch.setattr(policy_module, "plan_for", counting if reuse else lambda *a: None)
         pol = SpecPolicy(SpecConfig("dspark"), prof)
+        pol.clock = _Clock(0.0)  # the same (no) host time in both
         rng = np.random.default_rng(3)
         chosen = []
         for _ in range(300):
