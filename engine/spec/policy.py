@@ -164,7 +164,8 @@ class SpecPolicy:
             self._end_step()
             spent = self.clock() - t0
             self.stats.choose_seconds += spent
-            if self.adaptive and any(map(len, confidences)):  # a step with drafts
+            # a step with drafts, on this machine's costs (not a profile followed as it is)
+            if self.adaptive and self.config.measured_costs and any(map(len, confidences)):
                 self.costs.observe_host(spent)
 
     def idle(self, rows: int, batch: int | None = None) -> None:

@@ -876,3 +876,13 @@ def test_the_selection_takes_the_depths_plan_only_where_it_is_the_same_plan(monk
     assert runs[0] == runs[1]
     assert 50 < sum(taken) < len(taken)  # taken on many steps, not on all
     assert len({d for _, _, d in runs[0]}) > 1  # the depth moved
+
+
+def test_a_profile_followed_as_it_is_takes_no_host_time() -> None:
+    """With measured costs off (another machine's prices), the policy's own choice is not
+    timed into them: a choice as dear as the one that turns speculation off above changes
+    nothing."""
+    real = _profile(verify_s=0.002, pass_s=0.001, plain_s=0.010, batch=(32,))
+    pol = SpecPolicy(SpecConfig("dspark", measured_costs=False), real)
+    _drive_timed(pol, 0.7, 32, 300, real, host=0.25)
+    assert pol.costs.host == 0.0 and pol.mode != "off" and pol.depth == 2
