@@ -3,27 +3,14 @@ policy (drafts verified, drafting depth)."""
 
 from __future__ import annotations
 
-import statistics
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-from engine.spec.costs import PLAIN, SPECULATING, StepCosts
-from engine.spec.depth import DraftingDepth, plan_for
 from engine.spec.policy import SpecConfig, SpecPolicy
 from engine.spec.profile import SPEC_STEPS_FILE, SpecProfile, spec_steps_file
-
-DRAFTS = tuple(range(6))
-
-
-def _profile(verify_s: float, pass_s: float, plain_s: float, batch=(1, 32)) -> SpecProfile:
-    """Step seconds: plain decoding ``plain_s``; verifying k drafts while drafting 5 costs
-    ``plain_s + 5 * pass_s + k * verify_s`` (per request in the batch, for b > 1)."""
-    secs = tuple(tuple(b * (plain_s + 5 * pass_s + k * verify_s) for k in DRAFTS) for b in batch)
-    return SpecProfile(
-        batch, DRAFTS, secs, 5, tuple(b * pass_s for b in batch), tuple(b * plain_s for b in batch)
-    )
+from tests.unit.engine.spec.policy_sims import DRAFTS, Clock, synthetic_profile
 
 
 @pytest.mark.parametrize(
@@ -48,7 +35,7 @@ def test_bad_settings_say_what_is_accepted(text: str) -> None:
 
 
 def test_profile_prices_depth_plain_and_batch_and_round_trips() -> None:
-    p = _profile(verify_s=0.002, pass_s=0.004, plain_s=0.010)
+    p = synthetic_profile(verify_s=0.002, pass_s=0.004, plain_s=0.010)
     assert p.adaptive
     assert p.step_seconds(1, 0, 0) == pytest.approx(0.010)  # plain
     assert p.step_seconds(1, 2) == pytest.approx(0.010 + 0.020 + 0.004)  # drafting 5
@@ -70,7 +57,7 @@ def test_the_step_verifying_one_draft_prices_a_selection_of_a_few() -> None:
     (1/16 of the way to every request verifying one), with it at the step measured."""
     from engine.spec.dspark import plan_dspark
 
-    p = _profile(verify_s=0.002, pass_s=0.004, plain_s=0.010)
+    p = synthetic_profile(verify_s=0.002, pass_s=0.004, plain_s=0.010)
     jump = tuple(row[0] + 0.6 * (row[1] - row[0]) for row in p.seconds)  # 60 % of k = 1's step
     q = SpecProfile(p.batch, p.drafts, p.seconds, p.drafted, p.draft_pass, p.plain, first_verified=jump)
     assert SpecProfile.from_json(q.to_json()) == q and q.first_verified == jump
@@ -131,7 +118,7 @@ def _observe(pol: SpecPolicy, rate: float, steps: int = 40, batch: int = 32) -> 
 
 def test_depth_turns_speculation_off_where_drafting_costs_more_than_it_brings() -> None:
     # drafting a token costs as much as a whole plain step: never worth it at 30 % acceptance
-    pol = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.001, pass_s=0.010, plain_s=0.010))
+    pol = SpecPolicy(SpecConfig("dspark"), synthetic_profile(verify_s=0.001, pass_s=0.010, plain_s=0.010))
     assert pol.rates() is None and pol.depth == 5
     _observe(pol, 0.3)
     assert pol.rates()[0] == pytest.approx(0.3, abs=0.05)
@@ -142,7 +129,7 @@ def test_depth_turns_speculation_off_where_drafting_costs_more_than_it_brings() 
 
 
 def test_depth_keeps_every_draft_where_drafting_is_cheap() -> None:
-    pol = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.0001, pass_s=0.0001, plain_s=0.010))
+    pol = SpecPolicy(SpecConfig("dspark"), synthetic_profile(verify_s=0.0001, pass_s=0.0001, plain_s=0.010))
     _observe(pol, 0.8)
     pol.choose([f"r{i}" for i in range(32)], [[0.8] * 5] * 32)
     assert pol.depth == 5 and pol.mode in ("dspark-5", "fixed-5")
@@ -150,7 +137,7 @@ def test_depth_keeps_every_draft_where_drafting_is_cheap() -> None:
 
 def test_depth_settles_on_a_uniform_k_in_between() -> None:
     # each drafted-and-verified token costs 40 % of a plain step; acceptance 0.6 per position
-    pol = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.001, pass_s=0.003, plain_s=0.010))
+    pol = SpecPolicy(SpecConfig("dspark"), synthetic_profile(verify_s=0.001, pass_s=0.003, plain_s=0.010))
     _observe(pol, 0.6)
     for _ in range(3):
         pol.choose([f"r{i}" for i in range(32)], [[0.6] * 5] * 32)
@@ -183,7 +170,7 @@ def test_dspark_drafts_fewer_than_five_where_only_that_pays() -> None:
     (100), so the depth is DSpark's at 2."""
     good, poor = [0.95, 0.95, 0.05, 0.05, 0.05], [0.05] * 5
     head = [good] * 16 + [poor] * 16
-    pol = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.002, pass_s=0.002, plain_s=0.010))
+    pol = SpecPolicy(SpecConfig("dspark"), synthetic_profile(verify_s=0.002, pass_s=0.002, plain_s=0.010))
     _drive(pol, head, head)
     assert (pol.mode, pol.depth) == ("dspark-2", 2)
     ks, name = pol.choose([f"r{i}" for i in range(32)], [h[:2] for h in head])
@@ -200,9 +187,9 @@ def test_an_over_confident_head_is_recalibrated_to_the_outcomes() -> None:
     (`calibration` ~0.5 at position 1, the one the policy keeps trying), it settles where a
     calibrated head puts it."""
     truth = [[0.45] * 5] * 32
-    honest = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.001, pass_s=0.001, plain_s=0.010))
+    honest = SpecPolicy(SpecConfig("dspark"), synthetic_profile(verify_s=0.001, pass_s=0.001, plain_s=0.010))
     _drive(honest, truth, truth)
-    proud = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.001, pass_s=0.001, plain_s=0.010))
+    proud = SpecPolicy(SpecConfig("dspark"), synthetic_profile(verify_s=0.001, pass_s=0.001, plain_s=0.010))
     _drive(proud, [[0.9] * 5] * 32, truth)
     assert honest.calibration()[0] == pytest.approx(1.0, abs=0.1)
     assert proud.calibration()[0] == pytest.approx(0.5, abs=0.05)
@@ -216,7 +203,7 @@ def test_an_over_confident_head_is_recalibrated_to_the_outcomes() -> None:
 def test_depth_waits_for_evidence_and_probes_while_off() -> None:
     # with every draft accepted speculation would pay (K = 1: 2 tokens for 1.5 plain steps);
     # at 30 % acceptance it does not: only evidence can tell
-    pol = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.001, pass_s=0.004, plain_s=0.010))
+    pol = SpecPolicy(SpecConfig("dspark"), synthetic_profile(verify_s=0.001, pass_s=0.004, plain_s=0.010))
     # a few bad first steps (8 requests' drafts, fewer than MIN_EVIDENCE) do not stop drafting
     _observe(pol, 0.0, steps=1, batch=8)
     pol.choose([f"r{i}" for i in range(8)], [[0.3] * 5] * 8)
@@ -239,7 +226,7 @@ def test_evidence_outlives_an_off_period_so_a_probe_does_not_restart_drafting() 
     probe's drafts are verified and fare as before, the policy stays off. (Decayed through
     the off period, the record fell below MIN_EVIDENCE and each probe sent the policy back to
     drafting every step until it was rebuilt.)"""
-    pol = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.001, pass_s=0.004, plain_s=0.010))
+    pol = SpecPolicy(SpecConfig("dspark"), synthetic_profile(verify_s=0.001, pass_s=0.004, plain_s=0.010))
     rids = [f"r{i}" for i in range(32)]
     _observe(pol, 0.3)
     pol.choose(rids, [[0.3] * 5] * 32)
@@ -263,7 +250,7 @@ def test_probes_cost_at_most_their_budget_of_the_plain_steps_time() -> None:
     steps between probes, at every batch size, and probes come sooner where drafting is
     cheaper."""
     for verify_s, pass_s in ((0.001, 0.004), (0.004, 0.001), (0.0001, 0.0001)):
-        prof = _profile(verify_s=verify_s, pass_s=pass_s, plain_s=0.010)
+        prof = synthetic_profile(verify_s=verify_s, pass_s=pass_s, plain_s=0.010)
         pol = SpecPolicy(SpecConfig("dspark"), prof)
         for b in (1, 8, 32, 64):
             plain = prof.step_seconds(b, 0, 0)
@@ -271,8 +258,8 @@ def test_probes_cost_at_most_their_budget_of_the_plain_steps_time() -> None:
             every = pol.probe_every(b)
             assert extra <= SpecPolicy.PROBE_BUDGET * plain * every * (1 + 1e-9)  # (rounding)
             assert extra > SpecPolicy.PROBE_BUDGET * plain * (every - 1)  # and no rarer than that
-    cheap = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.0001, pass_s=0.0001, plain_s=0.010))
-    dear = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.004, pass_s=0.004, plain_s=0.010))
+    cheap = SpecPolicy(SpecConfig("dspark"), synthetic_profile(verify_s=0.0001, pass_s=0.0001, plain_s=0.010))
+    dear = SpecPolicy(SpecConfig("dspark"), synthetic_profile(verify_s=0.004, pass_s=0.004, plain_s=0.010))
     assert cheap.probe_every(8) < dear.probe_every(8)
 
 
@@ -282,7 +269,7 @@ def test_drafts_the_selection_never_verifies_stop_before_any_outcome() -> None:
     the policy probes as when off; a probe whose drafts are worth verifying resumes drafting.
     (On the H200 at 128 requests the engine once drafted every step and verified none: 5.5 ms
     steps against 3.8 plain.)"""
-    pol = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.004, pass_s=0.001, plain_s=0.010))
+    pol = SpecPolicy(SpecConfig("dspark"), synthetic_profile(verify_s=0.004, pass_s=0.001, plain_s=0.010))
     rids = [f"r{i}" for i in range(32)]
     ks, name = pol.choose(rids, [[0.02] * 5] * 32)
     assert (ks, name) == ([0] * 32, "none") and pol.rates() is None
@@ -313,7 +300,7 @@ def test_speculation_that_cannot_pay_at_any_acceptance_is_off_without_evidence()
     assert (pol.mode, pol.depth) == ("off", 0)
     for _ in range(2 * pol.probe_every(1)):
         assert pol.choose(["a"], [[]]) == ([0], "off") and pol.depth == 0  # no probe: none could pay
-    cheap = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.0001, pass_s=0.0001, plain_s=0.010))
+    cheap = SpecPolicy(SpecConfig("dspark"), synthetic_profile(verify_s=0.0001, pass_s=0.0001, plain_s=0.010))
     cheap.choose(["a"], [[0.9] * 5])
     assert cheap.depth == 5  # could pay: keeps drafting while it gathers evidence
 
@@ -443,167 +430,6 @@ def test_a_profile_extrapolated_in_depth_is_affine_in_layers() -> None:
     assert extrapolate_layers({1: one[1], 3: at_depth(3)}, 43).first_verified == ()
 
 
-def _stale(real: SpecProfile, spec_factor: float) -> SpecProfile:
-    """``real`` as profiled when its speculating steps ran ``spec_factor`` times as long (its
-    plain steps as now)."""
-    return SpecProfile(
-        real.batch, real.drafts, tuple(tuple(s * spec_factor for s in row) for row in real.seconds),
-        real.drafted, tuple(p * spec_factor for p in real.draft_pass), real.plain,
-    )  # fmt: skip
-
-
-class _Clock:
-    """A policy's clock on which each of its choices takes ``host`` seconds (every reading
-    is ``host`` later than the one before)."""
-
-    def __init__(self, host: float) -> None:
-        self.host, self.now = host, 0.0
-
-    def __call__(self) -> float:
-        self.now += self.host
-        return self.now
-
-
-def _drive_timed(
-    pol: SpecPolicy, conf: float, b: int, steps: int, real: SpecProfile | None, host: float = 0.0
-) -> None:
-    """``steps`` steps of ``b`` requests whose every draft has confidence and acceptance
-    probability ``conf`` (seeded); with ``real``, each step's wall time is what ``real``
-    says a step of its kind costs (plain; or verifying what the policy chose while drafting
-    ``depth``), told to the policy as an engine does. Each choice on a step with drafts
-    takes ``host`` seconds of the step (the policy's clock: `_Clock`)."""
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    rids = [f"r{i}" for i in range(b)]
-    pol.clock = _Clock(host)
-    for _ in range(steps):
-        drafted = pol.depth > 0
-        ks, _ = pol.choose(rids, [[conf] * pol.depth] * b)
-        if real is not None:
-            verified, d = sum(ks), pol.depth
-            secs = (
-                real.plain[-1]
-                if not verified and not d
-                else real.for_batch(b, d).steps_per_s(b + verified) ** -1
-            )
-            pol.observe_seconds(float(secs) + (host if drafted else 0.0))
-        for rid, k in zip(rids, ks):
-            acc = 0
-            while acc < k and rng.random() < conf:
-                acc += 1
-            pol.observe(rid, acc)
-
-
-def test_a_stale_profile_is_rescaled_by_the_measured_steps_and_chooses_as_the_true_one(monkeypatch) -> None:
-    """The profile was measured when speculating steps ran 1.5x as long as they do now (a
-    lease whose host was slower; plain steps as now). By it, plain decoding beats every
-    option at 32 requests and 0.7 acceptance; by today's costs, speculating pays (~1.37x).
-    Told each step's wall time, the policy rescales the speculating prices by the measured
-    2/3 (plain by 1) and drafts as deep as a policy on the true profile does; not told (or
-    with measured costs off), it stays off."""
-    monkeypatch.setattr(SpecPolicy, "PROBE_BUDGET", 0.1)  # probes every few dozen steps
-    real = _profile(verify_s=0.002, pass_s=0.001, plain_s=0.010, batch=(32,))
-    stale = _stale(real, 1.5)
-    truth = SpecPolicy(SpecConfig("dspark"), real)
-    _drive_timed(truth, 0.7, 32, 300, real)
-    assert truth.mode != "off" and truth.depth > 0
-    assert truth.costs.scale(PLAIN) == pytest.approx(1.0) and truth.costs.scale(SPECULATING) == pytest.approx(
-        1.0
-    )
-    blind = SpecPolicy(SpecConfig("dspark"), stale)
-    _drive_timed(blind, 0.7, 32, 300, None)
-    assert blind.mode == "off"
-    off = SpecPolicy(SpecConfig("dspark", measured_costs=False), stale)
-    _drive_timed(off, 0.7, 32, 300, real)
-    assert off.mode == "off" and off.costs.steps == [0, 0]
-    timed = SpecPolicy(SpecConfig("dspark"), stale)
-    _drive_timed(timed, 0.7, 32, 300, real)
-    assert timed.costs.scale(SPECULATING) == pytest.approx(1 / 1.5, rel=1e-6)
-    assert timed.costs.scale(PLAIN) == pytest.approx(1.0)
-    # the same depth; with every request's drafts alike, DSpark's selection over 2 and verifying
-    # 2 of each are one option within the switching margin, and either may be the one held
-    assert timed.depth == truth.depth == 2 and {timed.mode, truth.mode} <= {"fixed-2", "dspark-2"}
-
-
-def test_the_policys_own_host_time_is_priced_on_speculating_steps_only() -> None:
-    """Speculating pays ~1.37x at 32 requests and 0.7 acceptance by the profile (the stale
-    test's case), whose steps were timed under a fixed policy. When DSpark's own choice
-    takes host time in each step with drafts, that time is a cost of speculating alone:
-    measured (`StepCosts.host`), it is added to every speculating option and left out of the
-    speculating scale, so the scales stay the profile's (1.0) and plain decoding's is not
-    raised with it. A choice as dear as 40 % of a step turns speculation off; a cheap one
-    (a millisecond on steps of half a second) changes nothing."""
-    real = _profile(verify_s=0.002, pass_s=0.001, plain_s=0.010, batch=(32,))
-    cheap = SpecPolicy(SpecConfig("dspark"), real)
-    _drive_timed(cheap, 0.7, 32, 300, real, host=0.001)
-    assert cheap.mode != "off" and cheap.depth == 2
-    assert cheap.costs.host == pytest.approx(0.001)
-    dear = SpecPolicy(SpecConfig("dspark"), real)
-    _drive_timed(dear, 0.7, 32, 300, real, host=0.25)
-    assert dear.mode == "off" and dear.costs.host == pytest.approx(0.25)
-    assert dear.costs.scale(SPECULATING) == pytest.approx(1.0) and dear.costs.scale(PLAIN) == pytest.approx(
-        1.0
-    )
-    assert dear.costs.steps[SPECULATING] > 0  # it did time speculating steps before going off
-
-
-def test_step_costs_take_a_median_with_the_profile_as_a_prior() -> None:
-    """Four pseudo-steps at the pooled scale (itself with four at 1.0): a few steps move
-    nothing, more move the scale to what they show, one slow step among many moves nothing;
-    a kind with no steps of its own follows the pooled scale (the machine's speed), one with
-    its own steps is apart; a step not clean, or not priced, is not counted."""
-    costs = StepCosts(window=50, prior=4)
-
-    def steps(kind: int, n: int, priced: float, took: float) -> None:
-        for _ in range(n):
-            costs.price(kind, priced)
-            costs.observe(took)
-
-    steps(SPECULATING, 3, 0.010, 0.007)
-    assert costs.scale(SPECULATING) == 1.0 and costs.steps == [0, 3]
-    steps(SPECULATING, 7, 0.010, 0.007)
-    assert costs.scale(SPECULATING) == pytest.approx(0.7)
-    assert costs.scale(PLAIN) == pytest.approx(0.7)  # no plain step yet: the machine's speed
-    steps(SPECULATING, 1, 0.010, 0.5)  # a collector pause
-    assert costs.scale(SPECULATING) == pytest.approx(0.7)
-    steps(PLAIN, 20, 0.010, 0.012)
-    assert costs.scale(PLAIN) == pytest.approx(1.2) and costs.scale(SPECULATING) == pytest.approx(0.7)
-    costs.price(PLAIN, 0.010)
-    costs.observe(0.1, clean=False)  # a prompt's chunk ran in it
-    costs.unpriced()
-    costs.observe(0.1)
-    costs.observe(0.1)  # nothing priced since the last
-    assert costs.steps == [20, 11] and costs.scale(PLAIN) == pytest.approx(1.2)
-    with pytest.raises(ValueError, match="window"):
-        StepCosts(window=0, prior=4)
-
-
-@pytest.mark.parametrize("window,prior", [(1, 0), (5, 0), (7, 4), (50, 4), (3, 9)])
-def test_step_costs_scales_are_the_medians_of_the_windows_with_their_priors(window: int, prior: int) -> None:
-    """The scales kept from sorted windows equal the medians the definition states, taken
-    afresh with ``statistics.median`` after every step: random kinds and ratios (ties
-    included), windows that evict, priors from none to more than the window. A kind with no
-    step and no prior keeps its scale."""
-    rng = np.random.default_rng(window * 10 + prior)
-    costs = StepCosts(window=window, prior=prior)
-    windows: tuple[list[float], list[float]] = ([], [])
-    want = [1.0, 1.0]
-    for _ in range(300):
-        kind = int(rng.integers(0, 2))
-        took = float(rng.choice([0.5, 1.0, 1.5])) if rng.random() < 0.3 else float(rng.uniform(0.2, 3.0))
-        costs.price(kind, 0.01)
-        costs.observe(took * 0.01)
-        windows[kind].append((took * 0.01) / 0.01)
-        del windows[kind][:-window]
-        pooled = statistics.median([*windows[0], *windows[1], *([1.0] * prior)])
-        want = [
-            statistics.median([*w, *([pooled] * prior)]) if w or prior else old
-            for w, old in zip(windows, want)
-        ]
-        assert [costs.scale(PLAIN), costs.scale(SPECULATING)] == want
-
-
 def test_at_one_request_the_depth_follows_the_confidences_of_many_steps_not_the_last() -> None:
     """One request whose drafts are sure on one step and unsure on the next (0.95, then 0.3,
     at every position; accepted as often). Verifying one draft a step pays on average (1.20x
@@ -615,7 +441,7 @@ def test_at_one_request_the_depth_follows_the_confidences_of_many_steps_not_the_
     import numpy as np
 
     pol = SpecPolicy(
-        SpecConfig("dspark"), _profile(verify_s=0.002, pass_s=0.0015, plain_s=0.010, batch=(1, 32))
+        SpecConfig("dspark"), synthetic_profile(verify_s=0.002, pass_s=0.0015, plain_s=0.010, batch=(1, 32))
     )
     rng = np.random.default_rng(0)
     for step in range(400):
@@ -637,7 +463,7 @@ def _one_request_run(pol: SpecPolicy, steps: int, seed: int = 0) -> tuple[float,
 
     assert pol.profile is not None
     rng = np.random.default_rng(seed)
-    pol.clock = _Clock(0.0)  # priced steps: the policy's own choice takes none of their time
+    pol.clock = Clock(0.0)  # priced steps: the policy's own choice takes none of their time
     tokens = seconds = 0.0
     drafts: list[float] = []
     for _ in range(steps):
@@ -662,13 +488,13 @@ def test_at_one_request_the_depth_decides_on_32_steps_of_drafts_not_on_outcomes(
     policy did), every step whose selection verified nothing before then switched drafting
     off, and the evidence never came: plain decoding's throughput (0.997x). Where drafting is
     dear (a pass 40 %), the policy is off after its 32 steps and drafts again only to probe."""
-    cheap = _profile(verify_s=0.004, pass_s=0.001, plain_s=0.010, batch=(1, 32))
+    cheap = synthetic_profile(verify_s=0.004, pass_s=0.001, plain_s=0.010, batch=(1, 32))
     pol = SpecPolicy(SpecConfig("dspark"), cheap)
     tokens, seconds = _one_request_run(pol, 3000)
     assert pol.mode == "dspark-1"
     assert tokens / seconds >= 1.03 / cheap.step_seconds(1, 0, 0)
 
-    dear = _profile(verify_s=0.004, pass_s=0.004, plain_s=0.010, batch=(1, 32))
+    dear = synthetic_profile(verify_s=0.004, pass_s=0.004, plain_s=0.010, batch=(1, 32))
     pol = SpecPolicy(SpecConfig("dspark"), dear)
     tokens, seconds = _one_request_run(pol, 3000)
     assert pol.mode == "off"
@@ -681,7 +507,7 @@ def test_the_decision_record_views_each_step_with_drafts() -> None:
     """``decisions = []`` records `view` after each step with drafts (what
     scripts/spec_decisions.py prints): the mode and depth the step set, the requests' drafts
     seen, the averaged values; a step without drafts records nothing."""
-    pol = SpecPolicy(SpecConfig("dspark"), _profile(verify_s=0.004, pass_s=0.004, plain_s=0.010))
+    pol = SpecPolicy(SpecConfig("dspark"), synthetic_profile(verify_s=0.004, pass_s=0.004, plain_s=0.010))
     pol.decisions = []
     rids = [f"r{i}" for i in range(16)]
     pol.choose(rids, [[0.3] * 5] * 16)
@@ -733,7 +559,7 @@ def test_a_probes_cold_drafts_are_no_evidence_and_the_next_steps_warm_drafts_dec
     while speculation is off: counting the probes' cold drafts (0.3) as evidence, the policy
     never sees the rise and stays off; setting them apart, it holds the depth for one more
     step and decides on that step's warm drafts, and drafting comes back."""
-    prof = _profile(verify_s=0.001, pass_s=0.003, plain_s=0.010)  # pays from ~0.4 accepted
+    prof = synthetic_profile(verify_s=0.001, pass_s=0.003, plain_s=0.010)  # pays from ~0.4 accepted
     runs = {}
     for kind in (SpecPolicy, _CountingColdDrafts):
         pol = kind(SpecConfig("dspark"), prof)
@@ -789,100 +615,3 @@ def test_drafts_of_a_step_of_prompts_are_never_cold() -> None:
     assert pol.depth == 5
     pol.choose(["r0"], [[0.6] * 5])
     assert pol.stats.cold_steps == 0 and pol.view(1)["seen"] == 1
-
-
-class _StepwiseIdle(DraftingDepth):
-    """The depth averaging each step off into the options' values as it comes (what
-    `DraftingDepth` did before it counted such steps and averaged them in at once)."""
-
-    def _idle_step(self, b: int) -> None:
-        super()._idle_step(b)
-        self._flush_idle()
-
-
-def test_steps_off_averaged_in_at_once_decide_as_one_by_one() -> None:
-    """Off, a step without drafts changes no choice, only the options' averages; they are
-    counted and averaged in when the batch, the measured scales or the rates change. Against
-    a policy averaging each such step as it comes, on the same steps (off at 32 requests,
-    then at one request where drafting pays, then back at 32, each step timed by a profile
-    the policy's is stale against, so the scales move while off): the same depth and mode
-    every step, the same probes, and averages equal to rounding."""
-    dear = tuple(0.020 + 0.050 + 0.005 * k for k in DRAFTS)  # at 32 requests
-    cheap = tuple(0.010 + 0.0025 + 0.0005 * k for k in DRAFTS)  # at one
-    real = SpecProfile((1, 32), DRAFTS, (cheap, dear), 5, (0.0005, 0.010), (0.010, 0.020))
-    rids = [f"r{i}" for i in range(32)]
-    runs = []
-    for stepwise in (False, True):
-        pol = SpecPolicy(SpecConfig("dspark"), _stale(real, 0.8))
-        pol.clock = _Clock(0.0)  # the same (no) host time in both
-        if stepwise:
-            pol.drafting = _StepwiseIdle(pol.config, pol.profile, pol.costs, pol.acceptance, pol)
-        rng = np.random.default_rng(0)
-        seen = []
-        for b, conf, steps in ((32, 0.5, 400), (1, 0.8, 300), (32, 0.5, 400)):
-            for _ in range(steps):
-                ks, _ = pol.choose(rids[:b], [[conf] * pol.depth] * b)
-                verified, d = sum(ks), pol.depth
-                secs = real.plain[-1] if b == 32 else real.plain[0]
-                if verified or d:
-                    secs = real.for_batch(b, max(d, 1)).steps_per_s(b + verified) ** -1
-                pol.observe_seconds(float(secs))
-                for rid, k in zip(rids, ks):
-                    acc = 0
-                    while acc < k and rng.random() < conf:
-                        acc += 1
-                    pol.observe(rid, acc)
-                seen.append((pol.mode, pol.depth))
-        runs.append((pol, seen))
-    (fast, fast_seen), (ref, ref_seen) = runs
-    assert fast_seen == ref_seen
-    assert fast.stats.policies["off"] > 200 and fast.stats.probes >= 2  # the off path ran, and probed
-    assert {m for m, _ in fast_seen} - {"off"}  # and speculation was on in between
-    assert fast.drafting.relative == pytest.approx(ref.drafting.relative, rel=1e-12)
-
-
-def test_the_selection_takes_the_depths_plan_only_where_it_is_the_same_plan(monkeypatch) -> None:
-    """The depth's decision plans DSpark at every depth; the step's selection takes the plan
-    at the depth it drafts next where the step has that many drafts a request (`plan_for`),
-    and plans afresh otherwise. Against a policy that always plans afresh, on the same random
-    steps (1 to 32 requests, 1 to 5 drafts each, depths moving): the same drafts verified
-    every step, and plans taken on some of them."""
-    import engine.spec.policy as policy_module
-
-    prof = _profile(verify_s=0.0004, pass_s=0.0008, plain_s=0.010)
-    taken = []
-
-    def counting(plans, conf, depth, full):
-        plan = plan_for(plans, conf, depth, full)
-        taken.append(plan is not None)
-        return plan
-
-    runs = []
-    for reuse in (True, False):
-        monkeypatch.setattr(policy_module, "plan_for", counting if reuse else lambda *a: None)
-        pol = SpecPolicy(SpecConfig("dspark"), prof)
-        pol.clock = _Clock(0.0)  # the same (no) host time in both
-        rng = np.random.default_rng(3)
-        chosen = []
-        for _ in range(300):
-            b = int(rng.choice([1, 4, 32]))
-            width = pol.depth or int(rng.integers(1, 6))
-            conf = rng.uniform(0.2, 1.0, size=(b, width)).round(2).tolist()
-            ks, name = pol.choose([f"r{i}" for i in range(b)], conf)
-            chosen.append((tuple(ks), name, pol.depth))
-            for i, k in enumerate(ks):
-                pol.observe(f"r{i}", int(rng.integers(0, k + 1)))
-        runs.append(chosen)
-    assert runs[0] == runs[1]
-    assert 50 < sum(taken) < len(taken)  # taken on many steps, not on all
-    assert len({d for _, _, d in runs[0]}) > 1  # the depth moved
-
-
-def test_a_profile_followed_as_it_is_takes_no_host_time() -> None:
-    """With measured costs off (another machine's prices), the policy's own choice is not
-    timed into them: a choice as dear as the one that turns speculation off above changes
-    nothing."""
-    real = _profile(verify_s=0.002, pass_s=0.001, plain_s=0.010, batch=(32,))
-    pol = SpecPolicy(SpecConfig("dspark", measured_costs=False), real)
-    _drive_timed(pol, 0.7, 32, 300, real, host=0.25)
-    assert pol.costs.host == 0.0 and pol.mode != "off" and pol.depth == 2
