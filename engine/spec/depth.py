@@ -64,8 +64,8 @@ class DraftingDepth:
         self._off_by_bound = False  # off because no acceptance could pay (``_never_pays``)
         self._relative: dict[str, float] = {}  # per option: its throughput / plain's, averaged
         # steps off with nothing drafted, not yet averaged into ``_relative``: their key
-        # (batch, the measured scales and host time, the rates' version), the options' values / plain's
-        # on them, and how many steps in a row had that key (`_flush_idle`)
+        # (batch, the measured scales and host time, the rates' version), the options'
+        # values / plain's on them, and how many steps in a row had that key (`_flush_idle`)
         self._idle: tuple[tuple[int, float, float, float, int], dict[str, float]] | None = None
         self._idle_steps = 0
 
@@ -108,13 +108,12 @@ class DraftingDepth:
         first d drafts, whichever the profile prices fastest (``conf``: this step's
         confidences, recalibrated), on average over the last ~``MIN_EVIDENCE`` requests'
         steps. Until that many requests' steps have had drafts the depth stays
-        ``num_drafts`` (their values are averaged all the same). Returns DSpark's plans at every
-        depth where it made them on this step's own confidences (``conf`` one [B, K] array):
-        ``plans[d - 1]`` selects among the first ``d`` drafts, priced for a step drafting ``d``,
-        which the step's selection can take as it is where it has ``d`` drafts a request and
-        drafts ``d`` next (`plan_for`). A probe
-        is counted in ``stats``; ``record(b, drafted)`` is told of each decision
-        (`SpecPolicy._record`)."""
+        ``num_drafts`` (their values are averaged all the same). Returns DSpark's plans at
+        every depth where it made them on this step's own confidences (``conf`` one [B, K]
+        array): ``plans[d - 1]`` selects among the first ``d`` drafts, priced for a step
+        drafting ``d``, which the step's selection can take as it is where it has ``d`` drafts
+        a request and drafts ``d`` next (`plan_for`). A probe is counted in ``stats``;
+        ``record(b, drafted)`` is told of each decision (`SpecPolicy._record`)."""
         assert self.profile is not None
         self.bound(b)
         if self._off_by_bound:

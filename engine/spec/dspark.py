@@ -194,7 +194,7 @@ def plan_dspark_depths(conf: npt.ArrayLike, tables: Sequence[StepProfile]) -> li
         raise ValueError(f"need [B, K >= {len(tables)}] confidences, got shape {c.shape}")
     batch, k = c.shape
     if batch == 1:
-        return _plan_one_depths(c[0].tolist(), tables)
+        return _plan_one_depths(c[0, : len(tables)].tolist(), tables)
     c, _ = _padded(c)  # validated
     cand = _cumprod(c).ravel()  # row-major: j ascending within each request
     rows = np.repeat(np.arange(batch), k)
