@@ -18,10 +18,12 @@ freezes everything the target computes with (trunk, embeddings, ``lm_head``) and
   on its own outputs; the passes weigh equally;
 * optionally (``confidence_weight`` > 0) a confidence head of the engine's form,
   ``sigmoid(Linear([h ; e]))``, trains beside it on each pass's top-1 agreement, its BCE
-  added at that weight, so that the gradient teaches ``h`` to carry what the head reads; the
-  head is dropped at the end (``sluice train confidence`` fits the one that ships). It starts
-  from a fitted head (``confidence_from``) or at zero, where it passes no gradient to ``h``
-  until its weights have grown, and trains at its own stage's learning rate.
+  added at that weight, so that the gradient teaches ``h`` to carry what the head reads. The
+  head does not ship (``sluice train confidence`` fits the one that does, on reached drafts
+  alone); it is kept beside the checkpoint as ``JOINT_HEAD``, from which a continuation
+  resumes it. It starts from a fitted head or a kept one (``confidence_from``) or at zero,
+  where it passes no gradient to ``h`` until its weights have grown, and trains at its own
+  stage's learning rate.
 
 The trunk's tensors are written back byte for byte (checked before writing), so the target,
 its perplexity and every token it emits are unchanged; only the drafts change. It is a pure
@@ -61,6 +63,9 @@ from engine.train.trainer import (
 from engine.train.unlikelihood import _sha256
 
 CURVE_NAME = "curve_drafter.jsonl"
+# the head trained beside the drafter (``confidence.weight`` [1, 2D], ``confidence.bias`` [1],
+# fp32): not the engine's (``confidence/``), but what a continuation starts its head from
+JOINT_HEAD = "confidence_joint.safetensors"
 
 
 def distillation_losses(
@@ -96,23 +101,40 @@ def distillation_losses(
 
 def _confidence_start(source: str, width: int) -> torch.nn.Linear:
     """The head trained beside the drafter: ``source``'s fitted head (a checkpoint directory
-    with ``confidence/model.safetensors``), or zeros when ``source`` is empty."""
-    from engine.model.confidence import load_confidence_head
-
+    with ``confidence/model.safetensors``), a head an earlier run of this stage kept (its
+    ``JOINT_HEAD`` file), or zeros when ``source`` is empty."""
     head = torch.nn.Linear(width, 1)
     if not source:
         torch.nn.init.zeros_(head.weight)
         torch.nn.init.zeros_(head.bias)
         return head
+    state = _joint_head(Path(source)) if source.endswith(".safetensors") else _fitted_head(source)
+    if state["weight"].shape != head.weight.shape or state["bias"].shape != head.bias.shape:
+        raise ValueError(
+            f"confidence_from: {source}'s head reads {state['weight'].shape[-1]} inputs, not {width}"
+        )
+    head.load_state_dict(state)
+    return head
+
+
+def _fitted_head(source: str) -> dict[str, torch.Tensor]:
+    from engine.model.confidence import load_confidence_head
+
     fitted = load_confidence_head(source)
     if fitted is None:
         raise ValueError(f"confidence_from: {source} has no confidence/model.safetensors")
-    if fitted.confidence.weight.shape != head.weight.shape:
-        raise ValueError(
-            f"confidence_from: {source}'s head reads {fitted.confidence.weight.shape[1]} inputs, not {width}"
-        )
-    head.load_state_dict(fitted.confidence.state_dict())
-    return head
+    return dict(fitted.confidence.state_dict())
+
+
+def _joint_head(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise ValueError(f"confidence_from: no file {path}")
+    tensors = load_file(str(path))
+    if set(tensors) != {"confidence.weight", "confidence.bias"}:
+        raise ValueError(f"confidence_from: {path} holds {sorted(tensors)}, not confidence.weight and .bias")
+    return {k.removeprefix("confidence."): v.float() for k, v in tensors.items()}
 
 
 def _trunk_unchanged(model: TrainModel, base: dict[str, torch.Tensor]) -> None:
@@ -161,7 +183,7 @@ def train_drafter(
         {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
     ]
     head: torch.nn.Linear | None = None
-    if s.confidence_weight > 0:  # trained beside the drafter, then dropped (module doc)
+    if s.confidence_weight > 0:  # trained beside the drafter, then kept apart (module doc)
         head = _confidence_start(s.confidence_from, 2 * model.hf_cfg.hidden_size).to(dev)
         groups.append(
             {"params": list(head.parameters()), "weight_decay": 0.0, "lr_scale": s.confidence_lr / s.lr}
@@ -223,7 +245,16 @@ def train_drafter(
         "final_step": last,
         **measures,
     }
+    if head is not None:
+        info["joint_head"] = JOINT_HEAD
     write_checkpoint(model, out_dir, data_dir, info)
+    if head is not None:  # kept for a continuation (module doc)
+        from safetensors.torch import save_file
+
+        state = {
+            f"confidence.{k}": v.detach().float().cpu().contiguous() for k, v in head.state_dict().items()
+        }
+        save_file(state, str(out_dir / JOINT_HEAD))
     for name in ("curve.jsonl", "curve_unlikelihood.jsonl"):  # the earlier stages' curves, beside this one's
         if (model_dir / name).is_file():
             shutil.copyfile(model_dir / name, out_dir / name)

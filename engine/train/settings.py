@@ -83,11 +83,13 @@ class DrafterSettings:
     accept_prompts: int = 64
     # > 0: a confidence head sigmoid(Linear([h ; e])) trains beside the drafter, its BCE on
     # each draft's top-1 agreement at this weight, so that h carries what the head needs
-    # (the head itself is not kept: `sluice train confidence` fits the shipped one)
+    # (the head does not ship: `sluice train confidence` fits the shipped one; it is kept
+    # beside the checkpoint as `engine.train.drafter.JOINT_HEAD` for a continuation)
     confidence_weight: float = 0.0
     # with confidence_weight > 0: a checkpoint directory whose fitted head
-    # (`confidence/model.safetensors`) starts the head; "" starts it at zero, where it passes
-    # no gradient to h until its weights have grown
+    # (`confidence/model.safetensors`) starts the head, or a head an earlier run kept (its
+    # `confidence_joint.safetensors` file); "" starts it at zero, where it passes no gradient
+    # to h until its weights have grown
     confidence_from: str = ""
     # the head's peak learning rate (`sluice train confidence`'s), on the drafter's schedule
     confidence_lr: float = 3e-3

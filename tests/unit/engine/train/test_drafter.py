@@ -13,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from engine.train.drafter import CURVE_NAME, distillation_losses, train_drafter
+from engine.train.drafter import CURVE_NAME, JOINT_HEAD, _confidence_start, distillation_losses, train_drafter
 from engine.train.evaluate import greedy_chains
 from engine.train.model import TrainModel, model_config
 from engine.train.settings import DrafterSettings
@@ -125,6 +125,16 @@ def test_the_confidence_weight_changes_the_drafter_and_is_logged(
     steps = [json.loads(line) for line in (tmp_path / "joint" / CURVE_NAME).read_text().splitlines()]
     assert all(len(r["bce"]) == 3 for r in steps)
     assert "bce" not in json.loads((tmp_path / "plain" / CURVE_NAME).read_text().splitlines()[0])
+    # the head beside the drafter is kept apart, for a continuation, and never as the engine's
+    kept = load_file(str(tmp_path / "joint" / JOINT_HEAD))
+    assert (
+        set(kept) == {"confidence.weight", "confidence.bias"}
+        and float(kept["confidence.weight"].abs().sum()) > 0
+    )
+    assert json.loads((tmp_path / "joint" / "training.json").read_text())["joint_head"] == JOINT_HEAD
+    assert not (tmp_path / "plain" / JOINT_HEAD).exists() and not (tmp_path / "joint" / "confidence").exists()
+    resumed = _confidence_start(str(tmp_path / "joint" / JOINT_HEAD), kept["confidence.weight"].shape[1])
+    assert torch.equal(resumed.weight.detach(), kept["confidence.weight"])
     with pytest.raises(ValueError, match="confidence_weight"):
         DrafterSettings(confidence_weight=-1.0).validate()
 
@@ -134,8 +144,6 @@ def test_the_head_beside_the_drafter_starts_from_a_fitted_head(tmp_path: Path) -
     without it the head starts at zero; a source without a head, or without the head's loss,
     is refused."""
     from safetensors.torch import save_file
-
-    from engine.train.drafter import _confidence_start
 
     assert float(_confidence_start("", 8).weight.detach().abs().sum()) == 0.0
     (tmp_path / "confidence").mkdir()
@@ -150,6 +158,11 @@ def test_the_head_beside_the_drafter_starts_from_a_fitted_head(tmp_path: Path) -
         _confidence_start(str(tmp_path), 16)
     with pytest.raises(ValueError, match="no confidence"):
         _confidence_start(str(tmp_path / "confidence"), 8)
+    with pytest.raises(ValueError, match="no file"):
+        _confidence_start(str(tmp_path / "missing.safetensors"), 8)
+    save_file({"other": w}, str(tmp_path / "other.safetensors"))
+    with pytest.raises(ValueError, match="not confidence.weight"):
+        _confidence_start(str(tmp_path / "other.safetensors"), 8)
     with pytest.raises(ValueError, match="confidence_from needs"):
         DrafterSettings(confidence_from=str(tmp_path)).validate()
     DrafterSettings(confidence_from=str(tmp_path), confidence_weight=1.0).validate()
