@@ -38,11 +38,10 @@ class StepCosts:
         if window < 1 or prior < 0:
             raise ValueError(f"need window >= 1 and prior >= 0, got {window}, {prior}")
         self.prior = prior
-        # per kind: the last ``window`` ratios in arrival order, and the same values sorted
-        # (the medians are read from the sorted ones: a step's observation costs two
-        # bisections, not three sorts of a hundred floats, on the host between two steps)
-        self._ratios: tuple[deque[float], deque[float]] = (deque(maxlen=window), deque(maxlen=window))
-        self._sorted: tuple[list[float], list[float]] = ([], [])
+        # per kind, the last ``window`` ratios (`_Window`: the medians are read from them
+        # sorted, so a step's observation costs a few bisections, not three sorts of a
+        # hundred floats, on the host between two steps)
+        self._ratios = (_Window(window), _Window(window))
         self._pooled: list[float] = []  # both kinds' windows together, sorted
         self._scales = [1.0, 1.0]
         self._pending: tuple[int, float] | None = None
@@ -51,8 +50,7 @@ class StepCosts:
         # median of the last ``window``; the profile's steps were timed under a fixed policy,
         # whose choice costs a few tens of microseconds, so this is what it leaves out
         self.host = 0.0
-        self._host: deque[float] = deque(maxlen=window)
-        self._host_sorted: list[float] = []
+        self._host = _Window(window)
 
     def price(self, kind: int, seconds: float) -> None:
         """The step about to run is of ``kind`` and the profile prices it at ``seconds``."""
@@ -70,28 +68,22 @@ class StepCosts:
         kind, priced = pending
         if kind == SPECULATING:  # the policy's own host time is not the profile's to scale
             seconds = max(seconds - self.host, 1e-3 * priced)
-        ratio, window, ordered = seconds / priced, self._ratios[kind], self._sorted[kind]
-        if len(window) == window.maxlen:  # the oldest leaves both sorted lists
-            oldest = window[0]
-            del ordered[bisect_left(ordered, oldest)]
-            del self._pooled[bisect_left(self._pooled, oldest)]
-        window.append(ratio)
-        insort(ordered, ratio)
+        ratio = seconds / priced
+        left = self._ratios[kind].add(ratio)
+        if left is not None:  # the oldest leaves the pooled values too
+            del self._pooled[bisect_left(self._pooled, left)]
         insort(self._pooled, ratio)
         self.steps[kind] += 1
         pooled = _median_with(self._pooled, 1.0, self.prior)
         self._scales = [
-            _median_with(r, pooled, self.prior) if r or self.prior else scale
-            for r, scale in zip(self._sorted, self._scales)
+            _median_with(w.sorted, pooled, self.prior) if w.sorted or self.prior else scale
+            for w, scale in zip(self._ratios, self._scales)
         ]
 
     def observe_host(self, seconds: float) -> None:
         """The policy's choice in a speculating step took ``seconds`` of host time."""
-        if len(self._host) == self._host.maxlen:
-            del self._host_sorted[bisect_left(self._host_sorted, self._host[0])]
-        self._host.append(seconds)
-        insort(self._host_sorted, seconds)
-        self.host = _median_with(self._host_sorted, 0.0, 0)
+        self._host.add(seconds)
+        self.host = _median_with(self._host.sorted, 0.0, 0)
 
     def speculating(self, seconds: float) -> float:
         """What a speculating step the profile prices at ``seconds`` costs now: scaled as
@@ -101,6 +93,24 @@ class StepCosts:
     def scale(self, kind: int) -> float:
         """What the profile's prices of ``kind`` are multiplied by (1.0 before evidence)."""
         return self._scales[kind]
+
+
+class _Window:
+    """The last ``size`` values in arrival order, and the same values sorted."""
+
+    def __init__(self, size: int) -> None:
+        self._order: deque[float] = deque(maxlen=size)
+        self.sorted: list[float] = []
+
+    def add(self, value: float) -> float | None:
+        """Adds ``value``; returns the oldest, where it left to make room."""
+        left = None
+        if len(self._order) == self._order.maxlen:
+            left = self._order[0]
+            del self.sorted[bisect_left(self.sorted, left)]
+        self._order.append(value)
+        insort(self.sorted, value)
+        return left
 
 
 def _median_with(ordered: list[float], value: float, count: int) -> float:
