@@ -158,14 +158,15 @@ class SpecPolicy:
         entry per draft request ``i`` has; the step's tokens stay within ``max_tokens``);
         ``batch``: requests decoding this step (default ``len(rids)``). Also sets ``depth``."""
         t0 = self.clock()
+        drafted = bool(rids) and any(map(len, confidences))
         try:
-            return self._choose(rids, confidences, max_tokens, batch)
+            return self._choose(rids, confidences, max_tokens, batch, drafted)
         finally:
             self._end_step()
             spent = self.clock() - t0
             self.stats.choose_seconds += spent
             # a step with drafts, on this machine's costs (not a profile followed as it is)
-            if self.adaptive and self.config.measured_costs and any(map(len, confidences)):
+            if drafted and self.adaptive and self.config.measured_costs:
                 self.costs.observe_host(spent)
 
     def idle(self, rows: int, batch: int | None = None) -> None:
@@ -192,11 +193,12 @@ class SpecPolicy:
         confidences: Sequence[Sequence[float]],
         max_tokens: int | None,
         batch: int | None,
+        drafted: bool,
     ) -> tuple[list[int], str]:
         if not rids:
             return [], "none"
         b = batch if batch is not None else len(rids)
-        if not any(map(len, confidences)):  # no evidence comes from this step, and none is forgotten
+        if not drafted:  # no evidence comes from this step, and none is forgotten
             return self._choose_none(len(rids), b)
         n = [len(c) for c in confidences]
         counts, hold = self._count_step(n)
