@@ -88,7 +88,7 @@ class EngineCore:
         self.scheduler = Scheduler(sched_cfg, self.host_slots, self.spec)
         self.executor = ModelExecutor(
             self.runner, cfg.device, self.kv, self.host_slots,
-            parts.drafter(cfg, self.runner) if self.spec is not None else None,
+            parts.drafter(cfg, self.runner, self.spec.config.num_drafts) if self.spec is not None else None,
             self.spec.config.num_drafts if self.spec is not None else 0,
         )  # fmt: skip
         self.observer = StepObserver(self.runner, self.executor, self.spec, cfg.overlaps_steps)

@@ -101,12 +101,18 @@ def spec_policy(cfg: EngineConfig, runner: ModelRunner) -> SpecPolicy | None:
     return SpecPolicy(spec, profile)
 
 
-def drafter(cfg: EngineConfig, runner: ModelRunner) -> Drafter:
-    """The MTP drafter of a speculating engine, with the model's confidence head if it has one."""
+def drafter(cfg: EngineConfig, runner: ModelRunner, num_drafts: int) -> Drafter:
+    """The MTP drafter of a speculating engine, with the model's confidence head if it has one
+    (ValueError if that head reads draft positions and has fewer than ``num_drafts``)."""
     from engine.model.confidence import load_confidence_head
     from engine.spec.drafter import Drafter
 
     head = load_confidence_head(cfg.model, cfg.device)
+    if head is not None and 0 < head.cfg.positions < num_drafts:
+        raise ValueError(
+            f"{cfg.model}'s confidence head knows draft positions 1..{head.cfg.positions}; "
+            f"the engine drafts {num_drafts} (set the speculation's num_drafts <= {head.cfg.positions})"
+        )
     return Drafter(runner.model, runner.pool, runner.swa, head, runner.graphs)
 
 

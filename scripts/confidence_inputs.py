@@ -34,6 +34,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from engine.model.confidence import ConfidenceConfig
+from engine.model.confidence import softmax_features as features_of
 from engine.train.confidence import _auc, draft_examples, fit_head, make_chains, mtp_passes, prompt_rows
 from engine.train.model import load_trained
 from engine.train.settings import ConfidenceSettings
@@ -46,9 +48,7 @@ THRESHOLDS = (0.07, 0.148, 0.178, 0.444)
 @torch.no_grad()
 def softmax_features(model, h: torch.Tensor) -> torch.Tensor:
     """[N, 3]: log p_max, log p_max - log p_second, entropy of the pass's next-token softmax."""
-    lp = torch.log_softmax(model.lm.lm_head(h.to(model.lm.lm_head.weight.dtype)).float(), -1)
-    top = lp.topk(2, -1).values
-    return torch.stack([top[:, 0], top[:, 0] - top[:, 1], -(lp.exp() * lp).sum(-1)], 1)
+    return features_of(model.lm.lm_head(h.to(model.lm.lm_head.weight.dtype)))
 
 
 def one_hot(position: np.ndarray, depth: int) -> torch.Tensor:
@@ -108,11 +108,13 @@ def main() -> None:
     hf, ef = h.flatten(0, 1), e.flatten(0, 1)
     soft_held = softmax_features(model, hf)
     position = np.tile(np.arange(1, depth + 1), anchors)
+    rich = ConfidenceConfig(hf.shape[1], softmax=True, positions=depth)
     inputs = {
-        "[h; e]": (train.x, torch.cat([hf, ef], 1)),
+        "[h; e]": (train.x, torch.cat([hf, ef], 1), None),
         "[h; e; softmax; position]": (
-            torch.cat([train.x, softmax_features(model, train.h), one_hot(train.position, depth)], 1),
+            train.inputs(rich),
             torch.cat([hf, ef, soft_held, one_hot(position, depth)], 1),
+            rich,
         ),
     }
     report: dict[str, dict] = {"softmax features alone (AUC)": {}}
@@ -120,9 +122,10 @@ def main() -> None:
     for i, name in enumerate(("log_p_max", "log_margin", "entropy")):
         score = soft_held[:, i].double().numpy().reshape(anchors, depth) * (-1 if name == "entropy" else 1)
         report["softmax features alone (AUC)"][name] = _auc(score[reached], labels)
-    for name, (x_train, x_held) in inputs.items():
-        head, _ = fit_head(x_train, train.label, s)
-        w, b = head.confidence.weight[0].detach().double(), head.confidence.bias.detach().double()
+    for name, (x_train, x_held, cfg) in inputs.items():
+        head, _ = fit_head(x_train, train.label, s, cfg=cfg)
+        w = torch.cat([head.confidence.weight[0], head.position_bias]).detach().double()
+        b = head.confidence.bias.detach().double()
         conf = torch.sigmoid(x_held.double() @ w + b).view(anchors, depth).numpy()
         curve = sorted(threshold_shares(conf, rows, t) for t in np.linspace(0.0, 0.9, 181))
         row = {

@@ -18,8 +18,9 @@ window-only, so earlier ones are never read).
 
 Drafts are greedy (``argmax``, lowest id on ties) for every request: verification keeps
 the target's distribution whatever the drafts are. A draft's confidence is the checkpoint's
-confidence head on ``[h_k ; e_k]`` (`engine.model.confidence`); a checkpoint without one
-falls back to the draft distribution's top probability.
+confidence head on ``[h_k ; e_k]``, and on the draft distribution and position where the head
+reads them (`engine.model.confidence`); a checkpoint without one falls back to the draft
+distribution's top probability.
 
 The MTP state only decides which drafts are proposed, never which tokens are emitted, so
 its approximations (``window_from`` where a run starts without earlier MTP entries, e.g.
@@ -125,7 +126,7 @@ class Drafter:
             device=dev,
         )
         rows = torch.cat([torch.arange(r.hidden_from, r.hidden_from + len(r.next_ids)) for r in runs]).to(dev)
-        tokens, conf, out = self._pass(hidden[rows], batch)
+        tokens, conf, out = self._pass(hidden[rows], batch, 1)
         wanted = [r.num_drafts for r in runs]
         drafted: list[list[int]] = [[] for _ in runs]
         confs: list[list[float]] = [[] for _ in runs]
@@ -161,7 +162,7 @@ class Drafter:
                         device=dev,
                     )  # fmt: skip
                     idx = upload(torch.tensor(live, dtype=torch.long), dev)
-                    tokens, conf, out = self._pass(streams[idx], step)
+                    tokens, conf, out = self._pass(streams[idx], step, j + 1)
                     load += self.load
                     for n, i in enumerate(live):
                         drafted[i].append(int(tokens[n]))
@@ -175,25 +176,28 @@ class Drafter:
         }
 
     def _pass(
-        self, streams: torch.Tensor, batch: ForwardBatch
+        self, streams: torch.Tensor, batch: ForwardBatch, position: int
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One MTP pass -> (draft token, confidence) at each sequence's last position, and the
-        output streams [T, hc, D]."""
+        """One MTP pass (drafting the step's draft ``position``, 1-based) -> (draft token,
+        confidence) at each sequence's last position, and the output streams [T, hc, D]."""
         ids = batch.input_ids
         emb = self.model.model.embed_tokens(ids)
         out = self.layer(streams, emb, batch, self.pool, self.swa, self.cache_layer, ids)
         rows = batch.sample_indices
-        tokens, conf = self.predict(out[rows], emb[rows])
+        tokens, conf = self.predict(out[rows], emb[rows], position)
         return tokens, conf, out
 
-    def predict(self, streams: torch.Tensor, emb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def predict(
+        self, streams: torch.Tensor, emb: torch.Tensor, position: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The MTP layer's output streams [B, hc, D] at each sequence's last position and the
-        embedding of its input token there [B, D] -> (draft token [B], confidence [B])."""
+        embedding of its input token there [B, D], drafting the step's draft ``position`` ->
+        (draft token [B], confidence [B])."""
         h = self.layer.norm(self.layer.hc_head(streams))
         logits = self.model.lm_head(h).float()
         tokens = logits.argmax(dim=-1)
         if self.head is not None:
-            conf = self.head(h.float(), emb.float())
+            conf = self.head(h.float(), emb.float(), logits, position)
         else:
             conf = torch.softmax(logits, dim=-1).max(dim=-1).values
         return tokens, conf
@@ -251,7 +255,7 @@ class DraftGraphs:
         emb = d.model.model.embed_tokens(ids)
         out = d.layer(c.streams, emb, batch, d.pool, d.swa, d.cache_layer, ids)
         rows, emb = out[c.last], emb[c.last]
-        token, conf = d.predict(rows, emb)
+        token, conf = d.predict(rows, emb, 1)
         tokens, confs = [token], [conf]
         load = d.load.clone()
         ends = batch.positions[c.last] + 1
@@ -277,7 +281,7 @@ class DraftGraphs:
             )
             emb = d.model.model.embed_tokens(token)
             rows = d.layer(rows, emb, step, d.pool, d.swa, d.cache_layer, token)
-            token, conf = d.predict(rows, emb)
+            token, conf = d.predict(rows, emb, j + 1)
             tokens.append(token)
             confs.append(conf)
             load += d.load

@@ -15,7 +15,9 @@ prompts of the shipped model (32 tokens each) and do on the tests' small model.
 **Features and labels.** For draft ``j`` of anchor ``t``: ``h`` = the MTP pass's
 ``norm(hc_head(streams))`` at ``q`` (the tensor its draft logits are read from) and ``e`` =
 ``embed_tokens(c[t+j])``, the token the pass was fed (the previous draft; for draft 1 the
-target's token). The label is 1 when draft ``j`` equals ``c[t+j+1]``. **Only drafts whose
+target's token); with ``inputs`` naming them, the draft distribution's three
+``softmax_features`` and the one-hot of ``j`` follow (`engine.model.confidence`). The label
+is 1 when draft ``j`` equals ``c[t+j+1]``. **Only drafts whose
 earlier drafts were all accepted are used** (what speculation verifies): after a rejection an
 engine stops using the step's drafts, and along the chain the later passes are fed the
 target's token rather than the rejected draft, so those drafts are not what an engine would
@@ -32,13 +34,13 @@ held-out 0.621), so the whole split is used for its variety. The report's prompt
 **Fit.** Logistic regression: BCE plus ``weight_decay`` L2 on the weights, Adam with its
 learning rate decaying to 0 on a cosine, ``epochs`` passes over the examples in
 ``batch``-sized minibatches in a seeded order; the features are standardised with the
-training examples' mean and deviation for the fit and folded back into ``Linear(2D -> 1)``
-afterwards. It starts from the constant predictor (weights 0, bias the logit of the training
+training examples' mean and deviation for the fit and folded back into the head's linear map
+(and its position biases) afterwards. It starts from the constant predictor (weights 0, bias the logit of the training
 acceptance rate), so the first epoch's loss is measured against that. Deterministic for a
 seed (the target's forward runs once, without randomness; the order is seeded).
 
-Output: ``OUT/confidence/model.safetensors`` (``confidence.weight`` [1, 2D],
-``confidence.bias`` [1], fp32) and ``OUT/confidence/confidence.json`` (settings, data and
+Output: ``OUT/confidence/model.safetensors`` (``confidence.weight`` [1, 2D] or [1, 2D + 3],
+``confidence.bias`` [1], and ``confidence.position`` [depth] for a head reading positions; fp32) and ``OUT/confidence/confidence.json`` (settings, data and
 model digests, timings, the fit's loss per epoch, and the held-out measures: Brier score and
 log-loss beside the constant predictors', AUC, reliability bins and expected calibration error,
 per draft position mean confidence against observed acceptance).
@@ -62,11 +64,11 @@ import torch.nn.functional as F
 
 from engine.model.confidence import (
     CONFIDENCE_DIR,
-    CONFIDENCE_PREFIX,
     CONFIDENCE_REPORT,
     CONFIDENCE_WEIGHTS,
     ConfidenceConfig,
     ConfidenceHead,
+    softmax_features,
 )
 from engine.train.data import read_array
 from engine.train.evaluate import greedy_chains, prompt_offsets
@@ -81,6 +83,7 @@ class Examples:
 
     h: torch.Tensor  # [N, D] fp32
     e: torch.Tensor  # [N, D] fp32
+    soft: torch.Tensor  # [N, 3] fp32: the draft distribution's `softmax_features`
     position: np.ndarray  # [N] draft position 1..depth
     label: np.ndarray  # [N] 1.0 accepted / 0.0 rejected
     anchors: int
@@ -88,7 +91,20 @@ class Examples:
 
     @property
     def x(self) -> torch.Tensor:
+        """[N, 2D]: the inputs of the ``[h ; e]`` head."""
         return torch.cat([self.h, self.e], dim=1)
+
+    def inputs(self, cfg: ConfidenceConfig) -> torch.Tensor:
+        """[N, cfg.width]: what a head of ``cfg`` reads, in its order (position one-hot)."""
+        parts = [self.h, self.e] + [self.soft] * cfg.softmax
+        if cfg.positions:
+            if int(self.position.max()) > cfg.positions:
+                raise ValueError(
+                    f"drafts at position {int(self.position.max())} > the head's {cfg.positions}"
+                )
+            pos = torch.as_tensor(self.position - 1)
+            parts.append(F.one_hot(pos, cfg.positions).float())
+        return torch.cat(parts, dim=1)
 
 
 def prompt_rows(stream: np.ndarray, n: int, prompt_len: int, bos: int) -> list[list[int]]:
@@ -144,6 +160,7 @@ def draft_examples(
     dev = next(model.parameters()).device
     hs: list[torch.Tensor] = []
     es: list[torch.Tensor] = []
+    soft: list[torch.Tensor] = []
     pos: list[np.ndarray] = []
     lab: list[np.ndarray] = []
     uncond = np.zeros(depth)
@@ -158,6 +175,8 @@ def draft_examples(
                     reached = torch.ones_like(agree)
                 hs.append(h[reached].cpu())
                 es.append(e[reached].cpu())
+                head_w = model.lm.lm_head.weight
+                soft.append(softmax_features(model.lm.lm_head(h[reached].to(head_w.dtype))).cpu())
                 lab.append(agree[reached].cpu().numpy().astype(np.float32))
                 pos.append(np.full(int(reached.sum()), j, dtype=np.int64))
                 uncond[j - 1] += float(agree.sum())
@@ -174,6 +193,7 @@ def draft_examples(
     return Examples(
         h=torch.cat(hs),
         e=torch.cat(es),
+        soft=torch.cat(soft),
         position=np.concatenate(pos),
         label=np.concatenate(lab),
         anchors=anchors,
@@ -209,10 +229,18 @@ def _logit(p: float) -> float:
 
 
 def fit_head(
-    x: torch.Tensor, y: np.ndarray, settings: ConfidenceSettings, log: Log | None = None
+    x: torch.Tensor,
+    y: np.ndarray,
+    settings: ConfidenceSettings,
+    log: Log | None = None,
+    cfg: ConfidenceConfig | None = None,
 ) -> tuple[ConfidenceHead, list[float]]:
-    """Logistic regression of ``y`` on ``x`` [N, 2D]; -> the head and the mean BCE of each epoch."""
+    """Logistic regression of ``y`` on ``x`` [N, cfg.width] (no ``cfg``: the ``[h ; e]`` head,
+    ``x`` [N, 2D]); -> the head and the mean BCE of each epoch."""
     n, width = x.shape
+    cfg = cfg if cfg is not None else ConfidenceConfig(hidden_size=width // 2)
+    if width != cfg.width:
+        raise ValueError(f"{width} inputs for a head of {cfg.width} ({cfg.inputs})")
     if n == 0:
         raise ValueError("no drafts to fit the confidence head on")
     x = x.double()
@@ -245,11 +273,12 @@ def fit_head(
         losses.append(total / n)
         if log is not None and (epoch == 0 or (epoch + 1) % 5 == 0 or epoch + 1 == settings.epochs):
             log(f"  fit: epoch {epoch + 1}/{settings.epochs}, BCE {losses[-1]:.4f}")
-    head = ConfidenceHead(ConfidenceConfig(hidden_size=width // 2))
+    head = ConfidenceHead(cfg)
     with torch.no_grad():  # fold the standardisation: w.(x - mu)/sd + b = (w/sd).x + (b - w.mu/sd)
         wf = w.detach() / sd
-        head.confidence.weight.copy_(wf.float().unsqueeze(0))
+        head.confidence.weight.copy_(wf[: cfg.linear_width].float().unsqueeze(0))
         head.confidence.bias.copy_((b.detach() - (wf * mu).sum()).float().reshape(1))
+        head.position_bias.copy_(wf[cfg.linear_width :].float())  # the one-hot's weights
     return head.eval(), losses
 
 
@@ -334,7 +363,8 @@ def calibration(
 
 @torch.no_grad()
 def predict(head: ConfidenceHead, ex: Examples) -> np.ndarray:
-    return head(ex.h, ex.e).double().numpy()
+    w = torch.cat([head.confidence.weight[0], head.position_bias]).double()
+    return torch.sigmoid(ex.inputs(head.cfg).double() @ w + head.confidence.bias.double()).numpy()
 
 
 def _sha256(path: Path) -> str:
@@ -350,12 +380,8 @@ def write_head(head: ConfidenceHead, out_dir: Path, report: dict[str, Any]) -> P
     from safetensors.torch import save_file
 
     (out_dir / CONFIDENCE_DIR).mkdir(parents=True, exist_ok=True)
-    state = {
-        CONFIDENCE_PREFIX + k: v.detach().float().cpu().contiguous()
-        for k, v in head.confidence.state_dict().items()
-    }
     path = out_dir / CONFIDENCE_WEIGHTS
-    save_file(state, str(path), metadata={"format": "pt"})
+    save_file(head.tensors(), str(path), metadata={"format": "pt"})
     (out_dir / CONFIDENCE_REPORT).write_text(json.dumps(report, indent=1) + "\n")
     return path
 
@@ -387,7 +413,9 @@ def train_confidence(
         raise ValueError(f"the {s.source} stream ({len(stream)} tokens) is shorter than one prompt")
     dev = torch.device(device)
     model = load_trained(model_dir, dev)
-    cfg = ConfidenceConfig.from_dir(model_dir)
+    cfg = ConfidenceConfig.parse(
+        ConfidenceConfig.from_dir(model_dir).hidden_size, s.inputs, s.depth if "position" in s.inputs else 0
+    )
     log(
         f"model {model_dir} (hidden {cfg.hidden_size}); data {data_dir}: {s.prompts} {s.source} prompts "
         f"({len(stream):,} tokens), {s.eval_prompts} heldout-v1 prompts; {s.prompt_len}+{s.gen_tokens} tokens, "
@@ -414,7 +442,7 @@ def train_confidence(
     train_ex = collect(stream, s.prompts, "train")
     held_ex = collect(data.heldout, s.eval_prompts, "heldout")
     t = time.monotonic()
-    head, losses = fit_head(train_ex.x, train_ex.label, s, log)
+    head, losses = fit_head(train_ex.inputs(cfg), train_ex.label, s, log, cfg)
     timings["fit_s"] = time.monotonic() - t
     rate = float(train_ex.label.mean())
     pos_rates = [
@@ -428,9 +456,16 @@ def train_confidence(
     timings["total_s"] = time.monotonic() - t0
     report: dict[str, Any] = {
         "head": {
-            "formula": "p = sigmoid(w . [h ; e] + b)",
+            "formula": f"p = sigmoid(w . [{' ; '.join(cfg.inputs.split(','))}] + b)",
+            "inputs": cfg.inputs,
             "h": "MTP pass output: mtp.0.norm(mtp.0.hc_head(streams)) at the draft's position [D]",
             "e": "embed_tokens of the token the pass was fed (the previous draft; draft 1: the target's token) [D]",
+            **(
+                {"softmax": "of log_softmax(lm_head(h)): log p_max, log p_max - log p_second, entropy [3]"}
+                if cfg.softmax
+                else {}
+            ),
+            **({"position": f"one-hot of the draft's position 1..{cfg.positions}"} if cfg.positions else {}),
             "label": "draft equals the target's greedy token, given every earlier draft of the anchor accepted",
             "hidden_size": cfg.hidden_size,
             "weights": CONFIDENCE_WEIGHTS,

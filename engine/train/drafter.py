@@ -123,6 +123,10 @@ def _fitted_head(source: str) -> dict[str, torch.Tensor]:
     fitted = load_confidence_head(source)
     if fitted is None:
         raise ValueError(f"confidence_from: {source} has no confidence/model.safetensors")
+    if fitted.cfg.inputs != "h,e":
+        raise ValueError(
+            f"confidence_from: {source}'s head reads {fitted.cfg.inputs}; this stage trains an [h ; e] head"
+        )
     return dict(fitted.confidence.state_dict())
 
 

@@ -130,8 +130,14 @@ class ConfidenceSettings:
     weight_decay: float = 1e-2  # L2 on the standardised weights (not the bias)
     bins: int = 10
     chains: str = "engine"  # "engine" (KV-cached greedy decoding) or "recompute" (evaluate.greedy_chains)
+    # the head's inputs: "h,e" (the MTP pass's output and the fed token's embedding), then
+    # optionally "softmax" (3 features of the draft distribution) and "position" (one-hot, depth)
+    inputs: str = "h,e"
 
     def validate(self) -> None:
+        from engine.model.confidence import ConfidenceConfig  # torch: only when a run starts
+
+        ConfidenceConfig.parse(1, self.inputs, self.depth if "position" in self.inputs else 0)
         if self.source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
         if self.chains not in CHAINS:

@@ -320,3 +320,37 @@ def test_a_graphed_drafting_chain_counts_the_mtp_load_of_every_pass() -> None:
         runner.execute(ForwardBatch.from_sequences(rows, device="cuda"))
         assert int(drafter.load.sum()) == 0
     assert torch.equal(loads["auto"], loads["padded"])
+
+
+def test_a_graphed_drafting_chain_gives_the_heads_confidences_of_the_eager_chain() -> None:
+    """The trained preset's confidence head (whatever it reads: the draft distribution and the
+    draft's position, for the shipped one) inside a captured drafting chain: the same drafts
+    and confidences as the same chain run eagerly."""
+    from engine.model.confidence import load_confidence_head
+    from engine.spec.drafter import Drafter, DraftRun
+
+    prompts, wanted = [40, 25, 60], [5, 3, 1]
+    out_by_mode = {}
+    for mode in ("auto", "padded"):
+        cfg = RunnerConfig(num_blocks=4, num_slots=4, device="cuda", dtype="bfloat16", decode_graphs=mode)
+        runner = ModelRunner("models/trained", cfg)
+        head = load_confidence_head("models/trained", "cuda")
+        drafter = Drafter(runner.model, runner.pool, runner.swa, head, runner.graphs)
+        gen = torch.Generator().manual_seed(5)
+        seqs = [
+            torch.randint(0, runner.model_cfg.vocab_size, (n + 8,), generator=gen).tolist() for n in prompts
+        ]
+        pre = [SequenceInput(s[:n], 0, i, [i]) for i, (s, n) in enumerate(zip(seqs, prompts))]
+        runner.execute(ForwardBatch.from_sequences(pre, device="cuda"))
+        rows = [SequenceInput([s[n]], n, i, [i]) for i, (s, n) in enumerate(zip(seqs, prompts))]
+        out = runner.execute(ForwardBatch.from_sequences(rows, device="cuda"))
+        runs = [
+            DraftRun(str(i), i, [i], n, [s[n + 1]], i, 0, d)
+            for i, (s, n, d) in enumerate(zip(seqs, prompts, wanted))
+        ]
+        drafts = drafter.draft(out.hidden, runs)
+        assert drafter.graphs is not None and drafter.graphs.replays == (mode == "auto")
+        out_by_mode[mode] = {k: (d.tokens, d.confidence) for k, d in drafts.items()}
+    for rid, (tokens, conf) in out_by_mode["padded"].items():
+        assert out_by_mode["auto"][rid][0] == tokens and len(tokens) == wanted[int(rid)]
+        assert max(abs(a - b) for a, b in zip(out_by_mode["auto"][rid][1], conf)) < 1e-5

@@ -23,17 +23,21 @@ from engine.model.confidence import (
     ConfidenceHead,
     load_confidence_head,
     mtp_head_inputs,
+    softmax_features,
 )
 from engine.runner import ModelRunner, RunnerConfig
 from engine.train.confidence import (
     ConfidenceSettings,
+    Examples,
     _auc,
     calibration,
     draft_examples,
+    fit_head,
     make_chains,
     predict,
     prompt_rows,
     train_confidence,
+    write_head,
 )
 from engine.train.model import TrainModel, load_trained, model_config
 from engine.train.trainer import Streams, write_checkpoint
@@ -99,6 +103,107 @@ def test_load_returns_none_without_the_file_and_checks_what_is_there(tmp_path: P
     _write_head(tmp_path, 3, {"confidence.weight": w, "confidence.bias": b})  # config says D = 3
     with pytest.raises(ValueError, match="shape"):
         load_confidence_head(tmp_path)
+
+
+def test_softmax_features_of_a_known_distribution() -> None:
+    p = torch.tensor([0.5, 0.25, 0.125, 0.125])
+    f = softmax_features(torch.log(p) + 3.0)  # logits up to a constant
+    entropy = -(p * p.log()).sum()
+    assert f.tolist() == pytest.approx([math.log(0.5), math.log(2.0), float(entropy)], rel=1e-6)
+    assert softmax_features(torch.zeros(2, 3, 7)).shape == (2, 3, 3)
+
+
+def test_a_head_reading_the_softmax_and_position_adds_them_in_that_order() -> None:
+    cfg = ConfidenceConfig(hidden_size=2, softmax=True, positions=3)
+    assert (cfg.linear_width, cfg.width, cfg.inputs) == (7, 10, "h,e,softmax,position")
+    head = ConfidenceHead(cfg)
+    with torch.no_grad():
+        head.confidence.weight.copy_(torch.tensor([[1.0, -2.0, 0.5, 3.0, 2.0, -1.0, 0.25]]))
+        head.confidence.bias.fill_(-1.0)
+        head.position_bias.copy_(torch.tensor([0.5, 0.0, -3.0]))
+    h, e = torch.tensor([0.5, 1.0]), torch.tensor([2.0, -1.0])
+    logits = torch.log(torch.tensor([0.5, 0.25, 0.125, 0.125]))
+    soft = softmax_features(logits)
+    base = -4.5 + 2.0 * soft[0].item() - soft[1].item() + 0.25 * soft[2].item()
+    for position, bias in ((1, 0.5), (2, 0.0), (3, -3.0)):
+        assert head.logit(h, e, logits, position).item() == pytest.approx(base + bias, rel=1e-6)
+    with pytest.raises(ValueError, match="softmax"):
+        head(h, e, None, 1)
+    with pytest.raises(ValueError, match="position"):
+        head(h, e, logits, 4)
+    with pytest.raises(ValueError, match="position"):
+        head(h, e, logits)
+
+
+@pytest.mark.parametrize(
+    ("inputs", "positions", "match"),
+    [("e,h", 0, "'h,e' then"), ("h,e,position,softmax", 5, "out of order"), ("h,e,position", 0, "both"),
+     ("h,e", 5, "both"), ("h,e,logits", 0, "'h,e' then"), ("h,e,softmax,softmax", 0, "'h,e' then")],
+)  # fmt: skip
+def test_head_inputs_are_checked_when_named(inputs: str, positions: int, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        ConfidenceConfig.parse(4, inputs, positions)
+
+
+def test_the_stage_checks_its_inputs_before_it_runs() -> None:
+    ConfidenceSettings(inputs="h,e,softmax,position").validate()  # position: one per draft (depth)
+    with pytest.raises(ValueError, match="out of order"):
+        ConfidenceSettings(inputs="h,e,position,softmax").validate()
+
+
+def test_the_files_shapes_say_what_the_head_reads(tmp_path: Path) -> None:
+    """A written head loads back as what it was, whatever it reads; a file whose tensors do not
+    fit one head form is refused."""
+    for cfg in (
+        ConfidenceConfig(3),
+        ConfidenceConfig(3, softmax=True),
+        ConfidenceConfig(3, positions=5),
+        ConfidenceConfig(3, softmax=True, positions=4),
+    ):
+        head = ConfidenceHead(cfg)
+        with torch.no_grad():
+            head.position_bias.copy_(torch.arange(cfg.positions, dtype=torch.float32))
+        out = tmp_path / cfg.inputs.replace(",", "_") / str(cfg.positions)
+        out.mkdir(parents=True)
+        (out / "config.json").write_text(json.dumps({"hidden_size": 3}))
+        write_head(head, out, {})
+        back = load_confidence_head(out)
+        assert back is not None and back.cfg == cfg
+        assert torch.equal(back.position_bias, head.position_bias)
+        assert torch.equal(back.confidence.weight, head.confidence.weight)
+    w, b = torch.zeros(1, 6), torch.zeros(1)
+    _write_head(
+        tmp_path / "bad", 3, {"confidence.weight": w, "confidence.bias": b, "confidence.position": w.clone()}
+    )
+    with pytest.raises(ValueError, match="shape"):  # a position bias must be one row
+        load_confidence_head(tmp_path / "bad")
+    _write_head(tmp_path / "bad", 3, {"confidence.weight": torch.zeros(1, 8), "confidence.bias": b})
+    with pytest.raises(ValueError, match="shape"):  # neither 2D nor 2D + 3 inputs
+        load_confidence_head(tmp_path / "bad")
+
+
+def test_the_fit_learns_a_position_and_softmax_signal_the_h_e_head_cannot_see() -> None:
+    """Labels that depend on the draft's position and on its top probability only: the head
+    reading them ranks the drafts far better than ``[h ; e]`` of noise, and its position
+    biases come out in the labels' order."""
+    gen = torch.Generator().manual_seed(0)
+    n, d = 4000, 4
+    position = torch.randint(1, 6, (n,), generator=gen).numpy()
+    soft = torch.randn(n, 3, generator=gen)
+    logit = 1.5 * soft[:, 0] - 0.6 * torch.as_tensor(position - 3)
+    label = (torch.rand(n, generator=gen) < torch.sigmoid(logit)).numpy().astype(np.float32)
+    ex = Examples(
+        torch.randn(n, d, generator=gen), torch.randn(n, d, generator=gen), soft, position, label, n, []
+    )
+    settings = ConfidenceSettings(epochs=20, batch=256, lr=3e-2)
+    rich = ConfidenceConfig(d, softmax=True, positions=5)
+    head, _ = fit_head(ex.inputs(rich), label, settings, cfg=rich)
+    plain, _ = fit_head(ex.x, label, settings)
+    assert _auc(predict(head, ex), label) > _auc(predict(plain, ex), label) + 0.15
+    assert head.position_bias.tolist() == sorted(head.position_bias.tolist(), reverse=True)
+    assert head.confidence.weight[0, 2 * d].item() > 1.0  # log p_max's weight, standardised back
+    with pytest.raises(ValueError, match="inputs for a head"):
+        fit_head(ex.x, label, settings, cfg=rich)
 
 
 def test_measures_on_known_cases() -> None:

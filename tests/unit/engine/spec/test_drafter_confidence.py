@@ -1,0 +1,71 @@
+"""What the drafter hands a confidence head that reads the draft distribution and the draft's
+position: each pass's own logits and its position in the chain, eagerly and in the padded
+(graph-shaped) chain alike."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.forward_batch import ForwardBatch, SequenceInput
+from engine.model.confidence import ConfidenceConfig, ConfidenceHead
+from engine.runner import ModelRunner, RunnerConfig
+from engine.spec.drafter import Drafter, DraftRun
+
+MODEL = "models/trained"
+PROMPTS = [40, 25, 60]
+WANTED = [5, 3, 1]  # drafts after each sequence's run
+
+
+def _drafts(mode: str, head: ConfidenceHead | None) -> dict[str, tuple[tuple[int, ...], tuple[float, ...]]]:
+    runner = ModelRunner(MODEL, RunnerConfig(num_blocks=4, num_slots=4, decode_graphs=mode))
+    drafter = Drafter(runner.model, runner.pool, runner.swa, head, runner.graphs)
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, runner.model_cfg.vocab_size, (n + 8,), generator=gen).tolist() for n in PROMPTS]
+    runner.execute(
+        ForwardBatch.from_sequences(
+            [SequenceInput(s[:n], 0, i, [i]) for i, (s, n) in enumerate(zip(seqs, PROMPTS))]
+        )
+    )
+    rows = [SequenceInput([s[n]], n, i, [i]) for i, (s, n) in enumerate(zip(seqs, PROMPTS))]
+    out = runner.execute(ForwardBatch.from_sequences(rows))
+    runs = [
+        DraftRun(str(i), i, [i], n, [s[n + 1]], i, 0, d)
+        for i, (s, n, d) in enumerate(zip(seqs, PROMPTS, WANTED))
+    ]
+    return {k: (d.tokens, d.confidence) for k, d in drafter.draft(out.hidden, runs).items()}
+
+
+def _head(log_p_max: float, position_bias: list[float]) -> ConfidenceHead:
+    """A head reading ``[h ; e ; softmax ; position]`` whose only non-zero weights are on the
+    log top probability and the positions."""
+    hidden = ModelRunner(MODEL, RunnerConfig(num_blocks=1, num_slots=1)).model_cfg.hidden_size
+    head = ConfidenceHead(ConfidenceConfig(hidden, softmax=True, positions=5))
+    with torch.no_grad():
+        head.confidence.weight.zero_()
+        head.confidence.weight[0, 2 * hidden] = log_p_max
+        head.confidence.bias.zero_()
+        head.position_bias.copy_(torch.tensor(position_bias))
+    return head.eval()
+
+
+@pytest.mark.parametrize("mode", ["off", "padded"])
+def test_a_head_reading_the_softmax_gets_each_passs_own_distribution(mode: str) -> None:
+    """Without a head a draft's confidence is its top probability ``p``; a head of weight 1 on
+    ``log p`` gives ``sigmoid(log p) = p / (1 + p)`` for the same draft."""
+    plain = _drafts(mode, None)
+    soft = _drafts(mode, _head(1.0, [0.0] * 5))
+    assert plain.keys() == soft.keys() == {"0", "1", "2"}
+    for rid, (tokens, conf) in plain.items():
+        assert soft[rid][0] == tokens and len(tokens) == WANTED[int(rid)]
+        want = [p / (1 + p) for p in conf]
+        assert soft[rid][1] == pytest.approx(want, rel=1e-5, abs=1e-6)
+
+
+@pytest.mark.parametrize("mode", ["off", "padded"])
+def test_a_head_reading_the_position_gets_each_drafts_place_in_the_chain(mode: str) -> None:
+    bias = [-2.0, -1.0, 0.0, 1.0, 2.0]
+    drafts = _drafts(mode, _head(0.0, bias))
+    for rid, (_, conf) in drafts.items():
+        want = [float(torch.sigmoid(torch.tensor(b))) for b in bias[: WANTED[int(rid)]]]
+        assert conf == pytest.approx(want, rel=1e-6)
