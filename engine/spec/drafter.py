@@ -126,8 +126,11 @@ class Drafter:
             device=dev,
         )
         rows = torch.cat([torch.arange(r.hidden_from, r.hidden_from + len(r.next_ids)) for r in runs]).to(dev)
-        tokens, conf, out = self._pass(hidden[rows], batch, 1)
         wanted = [r.num_drafts for r in runs]
+        if not any(wanted):  # the runs only write the MTP window: no draft, no head
+            self.layer_pass(hidden[rows], batch)
+            return {}
+        tokens, conf, out = self._pass(hidden[rows], batch, 1)
         drafted: list[list[int]] = [[] for _ in runs]
         confs: list[list[float]] = [[] for _ in runs]
         for i, n in enumerate(wanted):
@@ -180,12 +183,16 @@ class Drafter:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One MTP pass (drafting the step's draft ``position``, 1-based) -> (draft token,
         confidence) at each sequence's last position, and the output streams [T, hc, D]."""
-        ids = batch.input_ids
-        emb = self.model.model.embed_tokens(ids)
-        out = self.layer(streams, emb, batch, self.pool, self.swa, self.cache_layer, ids)
+        emb, out = self.layer_pass(streams, batch)
         rows = batch.sample_indices
         tokens, conf = self.predict(out[rows], emb[rows], position)
         return tokens, conf, out
+
+    def layer_pass(self, streams: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The MTP layer over ``batch`` (writing its window) -> (input embeddings, output streams)."""
+        ids = batch.input_ids
+        emb = self.model.model.embed_tokens(ids)
+        return emb, self.layer(streams, emb, batch, self.pool, self.swa, self.cache_layer, ids)
 
     def predict(
         self, streams: torch.Tensor, emb: torch.Tensor, position: int
@@ -247,13 +254,14 @@ class DraftGraphs:
         return max(len(r.next_ids) for r in runs) <= MAX_GRAPH_QUERY
 
     def _passes(self, c: _Chain) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every pass of the chain on its static tensors -> (drafts, confidences) [depth, B]."""
+        """Every pass of the chain on its static tensors -> (drafts, confidences) [depth, B]
+        (a chain of depth 0 only writes the MTP window: [0, B] each)."""
         d, g, batch = self.drafter, self.graphs, c.batch
         assert batch.padded is not None
         b, dev = c.last.shape[0], batch.input_ids.device
-        ids = batch.input_ids
-        emb = d.model.model.embed_tokens(ids)
-        out = d.layer(c.streams, emb, batch, d.pool, d.swa, d.cache_layer, ids)
+        emb, out = d.layer_pass(c.streams, batch)
+        if not c.live.shape[0]:
+            return torch.zeros(0, b, dtype=torch.long, device=dev), torch.zeros(0, b, device=dev)
         rows, emb = out[c.last], emb[c.last]
         token, conf = d.predict(rows, emb, 1)
         tokens, confs = [token], [conf]
@@ -343,10 +351,11 @@ class DraftGraphs:
         self, hidden: torch.Tensor, runs: Sequence[DraftRun]
     ) -> tuple[list[list[int]], list[list[float]]]:
         """Draft for ``runs`` (`applies`) -> per run, its drafts and their confidences at depth
-        1 .. max(num_drafts) (at least pass 1, which writes the windows)."""
+        1 .. max(num_drafts); pass 1 writes the windows, and is all that runs (no head, no
+        draft) where no run wants a draft."""
         n = len(runs)
         b, q = batch_bucket(n), max(len(r.next_ids) for r in runs)
-        depth = max(1, max(r.num_drafts for r in runs))
+        depth = max(r.num_drafts for r in runs)
         host = self._host_inputs(runs, b, q, depth)
         chain = self._chain(b, q, depth)
         rows = [r.hidden_from + min(j, len(r.next_ids) - 1) for r in runs for j in range(q)]

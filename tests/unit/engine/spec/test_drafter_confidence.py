@@ -69,3 +69,48 @@ def test_a_head_reading_the_position_gets_each_drafts_place_in_the_chain(mode: s
     for rid, (_, conf) in drafts.items():
         want = [float(torch.sigmoid(torch.tensor(b))) for b in bias[: WANTED[int(rid)]]]
         assert conf == pytest.approx(want, rel=1e-6)
+
+
+class _Refuses(ConfidenceHead):
+    def forward(self, *args, **kwargs):  # type: ignore[no-untyped-def]
+        raise AssertionError("a step that drafts nothing ran the confidence head")
+
+
+@pytest.mark.parametrize("mode", ["off", "padded"])
+def test_a_step_that_drafts_nothing_writes_the_window_and_runs_no_head(mode: str) -> None:
+    """Speculation off: pass 1 still writes each run's MTP window, but no draft is taken and
+    no head runs. The next step's drafts are those after a step that drafted one each."""
+    after: dict[int, dict[str, tuple[int, ...]]] = {}
+    for first in (0, 1):
+        runner = ModelRunner(MODEL, RunnerConfig(num_blocks=4, num_slots=4, decode_graphs=mode))
+        hidden = runner.model_cfg.hidden_size
+        drafter = Drafter(
+            runner.model, runner.pool, runner.swa, _Refuses(ConfidenceConfig(hidden)), runner.graphs
+        )
+        gen = torch.Generator().manual_seed(5)
+        seqs = [
+            torch.randint(0, runner.model_cfg.vocab_size, (n + 8,), generator=gen).tolist() for n in PROMPTS
+        ]
+        runner.execute(
+            ForwardBatch.from_sequences(
+                [SequenceInput(s[:n], 0, i, [i]) for i, (s, n) in enumerate(zip(seqs, PROMPTS))]
+            )
+        )
+        drafts: dict[str, tuple[int, ...]] = {}
+        for step in (0, 1):
+            rows = [
+                SequenceInput([s[n + step]], n + step, i, [i]) for i, (s, n) in enumerate(zip(seqs, PROMPTS))
+            ]
+            out = runner.execute(ForwardBatch.from_sequences(rows))
+            wanted = first if step == 0 else 3
+            runs = [
+                DraftRun(str(i), i, [i], n + step, [s[n + step + 1]], i, 0, wanted)
+                for i, (s, n) in enumerate(zip(seqs, PROMPTS))
+            ]
+            if wanted:
+                drafter.head = None  # the head is not what this test is about
+            got = drafter.draft(out.hidden, runs)
+            assert (got == {}) == (wanted == 0)
+            drafts = {k: d.tokens for k, d in got.items()}
+        after[first] = drafts
+    assert after[0] == after[1] and all(len(t) == 3 for t in after[0].values())
