@@ -325,7 +325,8 @@ def test_shipped_head_is_tiny_and_belongs_to_the_shipped_weights() -> None:
     path = TRAINED / CONFIDENCE_WEIGHTS
     assert path.stat().st_size < 4096
     head = load_confidence_head(TRAINED)
-    assert head is not None and sum(p.numel() for p in head.parameters()) == 2 * 256 + 1
+    assert head is not None and head.cfg.inputs == "h,e,softmax,position" and head.cfg.positions == 5
+    assert sum(p.numel() for p in head.parameters()) == 2 * 256 + 3 + 1 + 5
     report = json.loads((TRAINED / CONFIDENCE_REPORT).read_text())
     assert report["model"]["model_safetensors_sha256"] == _sha(TRAINED / "model.safetensors")
     held = report["heldout"]
