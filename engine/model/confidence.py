@@ -50,8 +50,6 @@ CONFIDENCE_DIR: Final = "confidence"
 CONFIDENCE_WEIGHTS: Final = "confidence/model.safetensors"
 CONFIDENCE_REPORT: Final = "confidence/confidence.json"
 CONFIDENCE_PREFIX: Final = "confidence."
-
-
 SOFTMAX_FEATURES: Final = 3  # log p_max, log p_max - log p_second, entropy
 HEAD_INPUTS: Final = ("h", "e", "softmax", "position")  # in the order they are concatenated
 
@@ -87,7 +85,8 @@ class ConfidenceConfig:
 
     @property
     def inputs(self) -> str:
-        """The metadata's ``inputs``: ``"h,e"`` plus ``",softmax"`` and ``",position"`` as read."""
+        """The inputs as ``sluice train confidence --inputs`` names them: ``"h,e"``, then
+        ``",softmax"`` and ``",position"`` where the head reads them."""
         return ",".join(["h", "e"] + ["softmax"] * self.softmax + ["position"] * (self.positions > 0))
 
     @classmethod

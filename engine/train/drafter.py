@@ -16,7 +16,7 @@ freezes everything the target computes with (trunk, embeddings, ``lm_head``) and
 * every one of the ``depth`` chained passes is trained (``TrainModel.draft_passes``) and
   the gradient runs through the chain, as EAGLE-3's "training-time test" trains its drafter
   on its own outputs; the passes weigh equally;
-* optionally (``confidence_weight`` > 0) a confidence head of the engine's form,
+* optionally (``confidence_weight`` > 0) a confidence head of the ``[h ; e]`` form,
   ``sigmoid(Linear([h ; e]))``, trains beside it on each pass's top-1 agreement, its BCE
   added at that weight, so that the gradient teaches ``h`` to carry what the head reads. The
   head does not ship (``sluice train confidence`` fits the one that does, on reached drafts
@@ -75,7 +75,7 @@ def distillation_losses(
     distribution over the token after next to the pass's draft distribution, over every
     position ``q`` with an anchor (``j - 1 <= q < S - 1``); whether the draft's top-1 there
     equals the target's ([B, S - j] booleans); and with a confidence ``head`` (Linear(2D -> 1)
-    on ``[h ; e]``, the engine's head's form), the mean BCE of its logit against that agreement
+    on ``[h ; e]``), the mean BCE of its logit against that agreement
     (else no entries)."""
     n = ids.shape[1]
     with torch.no_grad():
