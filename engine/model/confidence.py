@@ -135,13 +135,16 @@ class ConfidenceHead(nn.Module):
             out["position"] = self.position_bias
         return {CONFIDENCE_PREFIX + k: v.detach().float().cpu().contiguous() for k, v in out.items()}
 
-    def logit(
+    def forward(
         self,
         h: torch.Tensor,
         prev_emb: torch.Tensor,
         logits: torch.Tensor | None = None,
         position: int | None = None,
+        *,
+        logit: bool = False,
     ) -> torch.Tensor:
+        """The confidence (``logit``: its logit) of each row, fp32."""
         cfg = self.cfg
         if h.shape != prev_emb.shape or h.shape[-1] != cfg.hidden_size:
             raise ValueError(
@@ -159,16 +162,8 @@ class ConfidenceHead(nn.Module):
                     f"this confidence head reads the draft position, 1..{cfg.positions}; got {position}"
                 )
             out = out + self.position_bias[position - 1]
-        return out.squeeze(-1).float()
-
-    def forward(
-        self,
-        h: torch.Tensor,
-        prev_emb: torch.Tensor,
-        logits: torch.Tensor | None = None,
-        position: int | None = None,
-    ) -> torch.Tensor:
-        return torch.sigmoid(self.logit(h, prev_emb, logits, position))
+        out = out.squeeze(-1).float()
+        return out if logit else torch.sigmoid(out)
 
 
 def mtp_head_inputs(

@@ -289,35 +289,20 @@ def test_a_graphed_drafting_chain_counts_the_mtp_load_of_every_pass() -> None:
     """The trained preset's MTP layer after a drafting chain run as a CUDA graph: its MoE load
     counters hold every pass's tokens (the sum is captured with the chain) and equal those of
     the same padded chain run eagerly, expert by expert; a step that drafts nothing leaves none."""
-    from engine.spec.drafter import Drafter, DraftRun
+    from tests.unit.engine.spec.drafting import decode_step, prefilled
 
-    prompts, wanted = [40, 25, 60], [3, 1, 0]  # drafts after each run (0: only the MTP window)
+    wanted = [3, 1, 0]  # drafts after each run (0: only the MTP window)
     loads = {}
     for mode in ("auto", "padded"):
-        cfg = RunnerConfig(num_blocks=4, num_slots=4, device="cuda", dtype="bfloat16", decode_graphs=mode)
-        runner = ModelRunner("models/trained", cfg)
-        drafter = Drafter(runner.model, runner.pool, runner.swa, None, runner.graphs)
-        gen = torch.Generator().manual_seed(3)
-        seqs = [
-            torch.randint(0, runner.model_cfg.vocab_size, (n + 8,), generator=gen).tolist() for n in prompts
-        ]
-        pre = [SequenceInput(s[:n], 0, i, [i]) for i, (s, n) in enumerate(zip(seqs, prompts))]
-        runner.execute(ForwardBatch.from_sequences(pre, device="cuda"))
-        rows = [SequenceInput([s[n]], n, i, [i]) for i, (s, n) in enumerate(zip(seqs, prompts))]
-        out = runner.execute(ForwardBatch.from_sequences(rows, device="cuda"))
-        runs = [
-            DraftRun(str(i), i, [i], n, [s[n + 1]], i, 0, d)
-            for i, (s, n, d) in enumerate(zip(seqs, prompts, wanted))
-        ]
-        drafts = drafter.draft(out.hidden, runs)
+        runner, drafter, seqs = prefilled(mode, seed=3, device="cuda", dtype="bfloat16")
+        drafts = drafter.draft(*decode_step(runner, seqs, 0, wanted))
         assert drafter.graphs is not None and drafter.graphs.chains_run == 1
         assert [len(drafts[str(i)].tokens) for i in (0, 1)] == [3, 1]
         assert drafter.graphs.replays == (mode == "auto")  # captured and replayed only there
         k = runner.model_cfg.num_experts_per_tok
         assert int(drafter.load.sum()) == k * (3 + sum(max(0, d - 1) for d in wanted))
         loads[mode] = drafter.load.cpu().clone()
-        rows = [SequenceInput([s[n + 1]], n + 1, i, [i]) for i, (s, n) in enumerate(zip(seqs, prompts))]
-        runner.execute(ForwardBatch.from_sequences(rows, device="cuda"))
+        decode_step(runner, seqs, 1, wanted)  # executed, not drafted from
         assert int(drafter.load.sum()) == 0
     assert torch.equal(loads["auto"], loads["padded"])
 
@@ -327,28 +312,14 @@ def test_a_graphed_drafting_chain_gives_the_heads_confidences_of_the_eager_chain
     draft's position, for the shipped one) inside a captured drafting chain: the same drafts
     and confidences as the same chain run eagerly."""
     from engine.model.confidence import load_confidence_head
-    from engine.spec.drafter import Drafter, DraftRun
+    from tests.unit.engine.spec.drafting import MODEL, decode_step, prefilled
 
-    prompts, wanted = [40, 25, 60], [5, 3, 1]
+    wanted = [5, 3, 1]
     out_by_mode = {}
     for mode in ("auto", "padded"):
-        cfg = RunnerConfig(num_blocks=4, num_slots=4, device="cuda", dtype="bfloat16", decode_graphs=mode)
-        runner = ModelRunner("models/trained", cfg)
-        head = load_confidence_head("models/trained", "cuda")
-        drafter = Drafter(runner.model, runner.pool, runner.swa, head, runner.graphs)
-        gen = torch.Generator().manual_seed(5)
-        seqs = [
-            torch.randint(0, runner.model_cfg.vocab_size, (n + 8,), generator=gen).tolist() for n in prompts
-        ]
-        pre = [SequenceInput(s[:n], 0, i, [i]) for i, (s, n) in enumerate(zip(seqs, prompts))]
-        runner.execute(ForwardBatch.from_sequences(pre, device="cuda"))
-        rows = [SequenceInput([s[n]], n, i, [i]) for i, (s, n) in enumerate(zip(seqs, prompts))]
-        out = runner.execute(ForwardBatch.from_sequences(rows, device="cuda"))
-        runs = [
-            DraftRun(str(i), i, [i], n, [s[n + 1]], i, 0, d)
-            for i, (s, n, d) in enumerate(zip(seqs, prompts, wanted))
-        ]
-        drafts = drafter.draft(out.hidden, runs)
+        head = load_confidence_head(MODEL, "cuda")
+        runner, drafter, seqs = prefilled(mode, seed=5, head=head, device="cuda", dtype="bfloat16")
+        drafts = drafter.draft(*decode_step(runner, seqs, 0, wanted))
         assert drafter.graphs is not None and drafter.graphs.replays == (mode == "auto")
         out_by_mode[mode] = {k: (d.tokens, d.confidence) for k, d in drafts.items()}
     for rid, (tokens, conf) in out_by_mode["padded"].items():

@@ -72,7 +72,7 @@ def test_head_is_sigmoid_of_a_linear_map_of_h_then_e() -> None:
         head.confidence.bias.fill_(-1.0)
     h, e = torch.tensor([0.5, 1.0]), torch.tensor([2.0, -1.0])
     # 1*0.5 - 2*1 + 0.5*2 + 3*(-1) - 1 = -4.5
-    assert head.logit(h, e).item() == pytest.approx(-4.5)
+    assert head(h, e, logit=True).item() == pytest.approx(-4.5)
     assert head(h, e).item() == pytest.approx(1 / (1 + math.exp(4.5)), rel=1e-6)
     # h first, then e: swapped, [2, -1, 0.5, 1] gives 2 + 2 + 0.25 + 3 - 1 = 6.25
     assert head(e, h).item() == pytest.approx(1 / (1 + math.exp(-6.25)), rel=1e-6)
@@ -126,7 +126,7 @@ def test_a_head_reading_the_softmax_and_position_adds_them_in_that_order() -> No
     soft = softmax_features(logits)
     base = -4.5 + 2.0 * soft[0].item() - soft[1].item() + 0.25 * soft[2].item()
     for position, bias in ((1, 0.5), (2, 0.0), (3, -3.0)):
-        assert head.logit(h, e, logits, position).item() == pytest.approx(base + bias, rel=1e-6)
+        assert head(h, e, logits, position, logit=True).item() == pytest.approx(base + bias, rel=1e-6)
     with pytest.raises(ValueError, match="softmax"):
         head(h, e, None, 1)
     with pytest.raises(ValueError, match="position"):

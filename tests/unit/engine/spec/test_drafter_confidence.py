@@ -7,33 +7,17 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.model.confidence import ConfidenceConfig, ConfidenceHead
 from engine.runner import ModelRunner, RunnerConfig
-from engine.spec.drafter import Drafter, DraftRun
+from tests.unit.engine.spec.drafting import MODEL, decode_step, prefilled
 
-MODEL = "models/trained"
-PROMPTS = [40, 25, 60]
 WANTED = [5, 3, 1]  # drafts after each sequence's run
 
 
 def _drafts(mode: str, head: ConfidenceHead | None) -> dict[str, tuple[tuple[int, ...], tuple[float, ...]]]:
-    runner = ModelRunner(MODEL, RunnerConfig(num_blocks=4, num_slots=4, decode_graphs=mode))
-    drafter = Drafter(runner.model, runner.pool, runner.swa, head, runner.graphs)
-    gen = torch.Generator().manual_seed(5)
-    seqs = [torch.randint(0, runner.model_cfg.vocab_size, (n + 8,), generator=gen).tolist() for n in PROMPTS]
-    runner.execute(
-        ForwardBatch.from_sequences(
-            [SequenceInput(s[:n], 0, i, [i]) for i, (s, n) in enumerate(zip(seqs, PROMPTS))]
-        )
-    )
-    rows = [SequenceInput([s[n]], n, i, [i]) for i, (s, n) in enumerate(zip(seqs, PROMPTS))]
-    out = runner.execute(ForwardBatch.from_sequences(rows))
-    runs = [
-        DraftRun(str(i), i, [i], n, [s[n + 1]], i, 0, d)
-        for i, (s, n, d) in enumerate(zip(seqs, PROMPTS, WANTED))
-    ]
-    return {k: (d.tokens, d.confidence) for k, d in drafter.draft(out.hidden, runs).items()}
+    runner, drafter, seqs = prefilled(mode, seed=5, head=head)
+    drafts = drafter.draft(*decode_step(runner, seqs, 0, WANTED))
+    return {k: (d.tokens, d.confidence) for k, d in drafts.items()}
 
 
 def _head(log_p_max: float, position_bias: list[float]) -> ConfidenceHead:
@@ -81,35 +65,14 @@ def test_a_step_that_drafts_nothing_writes_the_window_and_runs_no_head(mode: str
     """Speculation off: pass 1 still writes each run's MTP window, but no draft is taken and
     no head runs. The next step's drafts are those after a step that drafted one each."""
     after: dict[int, dict[str, tuple[int, ...]]] = {}
+    hidden_size = ModelRunner(MODEL, RunnerConfig(num_blocks=1, num_slots=1)).model_cfg.hidden_size
     for first in (0, 1):
-        runner = ModelRunner(MODEL, RunnerConfig(num_blocks=4, num_slots=4, decode_graphs=mode))
-        hidden = runner.model_cfg.hidden_size
-        drafter = Drafter(
-            runner.model, runner.pool, runner.swa, _Refuses(ConfidenceConfig(hidden)), runner.graphs
-        )
-        gen = torch.Generator().manual_seed(5)
-        seqs = [
-            torch.randint(0, runner.model_cfg.vocab_size, (n + 8,), generator=gen).tolist() for n in PROMPTS
-        ]
-        runner.execute(
-            ForwardBatch.from_sequences(
-                [SequenceInput(s[:n], 0, i, [i]) for i, (s, n) in enumerate(zip(seqs, PROMPTS))]
-            )
-        )
+        runner, drafter, seqs = prefilled(mode, seed=5, head=_Refuses(ConfidenceConfig(hidden_size)))
         drafts: dict[str, tuple[int, ...]] = {}
-        for step in (0, 1):
-            rows = [
-                SequenceInput([s[n + step]], n + step, i, [i]) for i, (s, n) in enumerate(zip(seqs, PROMPTS))
-            ]
-            out = runner.execute(ForwardBatch.from_sequences(rows))
-            wanted = first if step == 0 else 3
-            runs = [
-                DraftRun(str(i), i, [i], n + step, [s[n + step + 1]], i, 0, wanted)
-                for i, (s, n) in enumerate(zip(seqs, PROMPTS))
-            ]
+        for step, wanted in ((0, first), (1, 3)):
             if wanted:
                 drafter.head = None  # the head is not what this test is about
-            got = drafter.draft(out.hidden, runs)
+            got = drafter.draft(*decode_step(runner, seqs, step, [wanted] * 3))
             assert (got == {}) == (wanted == 0)
             drafts = {k: d.tokens for k, d in got.items()}
         after[first] = drafts

@@ -4,41 +4,19 @@ tokens over every pass of the chain, and none in a step that drafts nothing."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from engine.forward_batch import ForwardBatch, SequenceInput
-from engine.runner import ModelRunner, RunnerConfig
-from engine.spec.drafter import Drafter, DraftRun
-
-MODEL = "models/trained"
-PROMPTS = [40, 25, 60]
-
-
-def _runner(mode: str) -> tuple[ModelRunner, Drafter, list[list[int]]]:
-    runner = ModelRunner(MODEL, RunnerConfig(num_blocks=4, num_slots=4, decode_graphs=mode))
-    drafter = Drafter(runner.model, runner.pool, runner.swa, None, runner.graphs)
-    gen = torch.Generator().manual_seed(3)
-    seqs = [torch.randint(0, runner.model_cfg.vocab_size, (n + 8,), generator=gen).tolist() for n in PROMPTS]
-    runner.execute(
-        ForwardBatch.from_sequences(
-            [SequenceInput(s[:n], 0, i, [i]) for i, (s, n) in enumerate(zip(seqs, PROMPTS))]
-        )
-    )
-    return runner, drafter, seqs
+from engine.spec.drafter import DraftRun
+from tests.unit.engine.spec.drafting import PROMPTS, decode_step, prefilled
 
 
 @pytest.mark.parametrize("mode", ["off", "padded"])
 def test_the_mtp_load_counts_every_drafting_pass_and_resets_each_step(mode: str) -> None:
-    runner, drafter, seqs = _runner(mode)
+    runner, drafter, seqs = prefilled(mode, seed=3)
     k = runner.model_cfg.num_experts_per_tok
-    rows = [SequenceInput([s[n]], n, i, [i]) for i, (s, n) in enumerate(zip(seqs, PROMPTS))]
-    out = runner.execute(ForwardBatch.from_sequences(rows))
     wanted = [3, 1, 0]  # drafts after each run (0: the run only writes the MTP window)
-    runs = [
-        DraftRun(str(i), i, [i], n, [s[n + 1]], i, 0, d)
-        for i, (s, n, d) in enumerate(zip(seqs, PROMPTS, wanted))
-    ]
-    drafts = drafter.draft(out.hidden, runs)
+    hidden, runs = decode_step(runner, seqs, 0, wanted)
+    drafts = drafter.draft(hidden, runs)
     assert [len(drafts[str(i)].tokens) for i in (0, 1)] == [3, 1] and "2" not in drafts
     passes = 3 + sum(max(0, d - 1) for d in wanted)  # pass 1 over the three runs, then the chains
     assert int(drafter.load.sum()) == k * passes
@@ -51,7 +29,7 @@ def test_the_mtp_load_counts_every_drafting_pass_and_resets_each_step(mode: str)
 def test_a_prompts_run_drafted_apart_from_the_decodes_is_counted_with_them() -> None:
     """With decode graphs, a prompt's run (longer than a graph takes) drafts eagerly beside the
     graphed chain of the decode rows' runs; the load is both parts'."""
-    runner, drafter, seqs = _runner("padded")
+    runner, drafter, seqs = prefilled("padded", seed=3)
     k = runner.model_cfg.num_experts_per_tok
     rows = [SequenceInput([s[n]], n, i, [i]) for i, (s, n) in enumerate(zip(seqs[:2], PROMPTS))]
     rows.append(SequenceInput(seqs[2][PROMPTS[2] : PROMPTS[2] + 8], PROMPTS[2], 2, [2]))
