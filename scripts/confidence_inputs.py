@@ -1,14 +1,16 @@
 """What the confidence head's inputs can tell: held-out AUC and the selection's trade-off of
-the head the issue specifies against the same head with the drafter's own softmax added.
+the ``[h ; e]`` head against the same head with the drafter's own softmax added.
 
 Two logistic heads are fitted (``engine.train.confidence.fit_head``, the shipped settings) on
 the trained preset's drafts over the training split:
 
-* ``[h; e]``: the shipped form, ``sigmoid(w . [h ; e] + b)`` (``h`` the MTP pass's output,
-  ``e`` the embedding of the token it was fed);
+* ``[h; e]``: ``sigmoid(w . [h ; e] + b)`` (``h`` the MTP pass's output, ``e`` the
+  embedding of the token it was fed);
 * ``[h; e; softmax; position]``: the same plus the pass's own softmax over the vocabulary
   (log of its top probability, log-ratio of the top two, entropy) and the draft's position
-  (one-hot), all computable where the drafter already takes its argmax.
+  (one-hot), all computable where the drafter already takes its argmax (the shipped form);
+* the same without the entropy, and with the log-ratio alone (which needs no ``exp`` over
+  the vocabulary).
 
 Each is scored on held-out-v1 anchors with every draft (reached or not): the AUC over the
 reached drafts (what ``confidence.json`` reports), and DSpark's survival-threshold
@@ -71,6 +73,20 @@ def every_draft(model, chains: torch.Tensor, s: ConfidenceSettings):
     return torch.cat(hs), torch.cat(es), torch.cat(ok).numpy()
 
 
+def fit_weights(
+    x: torch.Tensor, y: np.ndarray, s: ConfidenceSettings, cfg: ConfidenceConfig | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(w [width], b) of ``fit_head`` on ``x``: a head of ``cfg``, or (None) a logistic fit on
+    any width (padded to the even width the ``[h ; e]`` form takes by a zero column, whose
+    weight stays 0)."""
+    width = x.shape[1]
+    if cfg is None and width % 2:
+        x = torch.cat([x, torch.zeros(len(x), 1)], 1)
+    head, _ = fit_head(x, y, s, cfg=cfg)
+    w = torch.cat([head.confidence.weight[0], head.position_bias]).detach().double()
+    return w[:width], head.confidence.bias.detach().double()
+
+
 def threshold_shares(conf: np.ndarray, rows: list, threshold: float) -> tuple[float, float]:
     """(verified share, accepted-length share) of fixed-5's when each anchor verifies the
     drafts whose survival exceeds ``threshold`` (the bench's replay, ``_spec_replay.shares``,
@@ -109,23 +125,28 @@ def main() -> None:
     soft_held = softmax_features(model, hf)
     position = np.tile(np.arange(1, depth + 1), anchors)
     rich = ConfidenceConfig(hf.shape[1], softmax=True, positions=depth)
+    pos_train, pos_held = one_hot(train.position, depth), one_hot(position, depth)
     inputs = {
         "[h; e]": (train.x, torch.cat([hf, ef], 1), None),
         "[h; e; softmax; position]": (
             train.inputs(rich),
-            torch.cat([hf, ef, soft_held, one_hot(position, depth)], 1),
+            torch.cat([hf, ef, soft_held, pos_held], 1),
             rich,
         ),
     }
+    for name, cols in (("log_p_max, log_margin", [0, 1]), ("log_margin", [1])):  # without the entropy
+        inputs[f"[h; e; {name}; position]"] = (
+            torch.cat([train.x, train.soft[:, cols], pos_train], 1),
+            torch.cat([hf, ef, soft_held[:, cols], pos_held], 1),
+            None,
+        )
     report: dict[str, dict] = {"softmax features alone (AUC)": {}}
     labels = ok[reached].astype(np.float32)
     for i, name in enumerate(("log_p_max", "log_margin", "entropy")):
         score = soft_held[:, i].double().numpy().reshape(anchors, depth) * (-1 if name == "entropy" else 1)
         report["softmax features alone (AUC)"][name] = _auc(score[reached], labels)
     for name, (x_train, x_held, cfg) in inputs.items():
-        head, _ = fit_head(x_train, train.label, s, cfg=cfg)
-        w = torch.cat([head.confidence.weight[0], head.position_bias]).detach().double()
-        b = head.confidence.bias.detach().double()
+        w, b = fit_weights(x_train, train.label, s, cfg)
         conf = torch.sigmoid(x_held.double() @ w + b).view(anchors, depth).numpy()
         curve = sorted(threshold_shares(conf, rows, t) for t in np.linspace(0.0, 0.9, 181))
         row = {
