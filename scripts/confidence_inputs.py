@@ -38,7 +38,8 @@ import torch.nn.functional as F
 
 from engine.model.confidence import ConfidenceConfig
 from engine.model.confidence import softmax_features as features_of
-from engine.train.confidence import _auc, draft_examples, fit_head, make_chains, mtp_passes, prompt_rows
+from engine.train.calibration import auc
+from engine.train.confidence import draft_examples, fit_head, make_chains, mtp_passes, prompt_rows
 from engine.train.model import load_trained
 from engine.train.settings import ConfidenceSettings
 from engine.train.trainer import Streams
@@ -144,13 +145,13 @@ def main() -> None:
     labels = ok[reached].astype(np.float32)
     for i, name in enumerate(("log_p_max", "log_margin", "entropy")):
         score = soft_held[:, i].double().numpy().reshape(anchors, depth) * (-1 if name == "entropy" else 1)
-        report["softmax features alone (AUC)"][name] = _auc(score[reached], labels)
+        report["softmax features alone (AUC)"][name] = auc(score[reached], labels)
     for name, (x_train, x_held, cfg) in inputs.items():
         w, b = fit_weights(x_train, train.label, s, cfg)
         conf = torch.sigmoid(x_held.double() @ w + b).view(anchors, depth).numpy()
         curve = sorted(threshold_shares(conf, rows, t) for t in np.linspace(0.0, 0.9, 181))
         row = {
-            "auc": _auc(conf[reached], labels),
+            "auc": auc(conf[reached], labels),
             f"accepted_length_share_at_{TARGET_VERIFIED_SHARE}_verified": float(
                 np.interp(TARGET_VERIFIED_SHARE, [c[0] for c in curve], [c[1] for c in curve])
             ),

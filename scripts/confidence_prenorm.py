@@ -29,6 +29,7 @@ import torch
 
 import engine.train.confidence as confidence
 import scripts.confidence_inputs as inputs
+from engine.train.calibration import auc
 from engine.train.model import load_trained
 from engine.train.settings import ConfidenceSettings
 from engine.train.trainer import Streams
@@ -88,7 +89,7 @@ def main() -> None:
         curve = sorted(threshold_shares(conf, rows, t) for t in np.linspace(0.0, 0.9, 181))
         kept = float(np.interp(0.75, [c[0] for c in curve], [c[1] for c in curve]))
         print(
-            f"{name}: AUC {confidence._auc(conf[reached], labels):.4f}, kept at 0.75 verified {kept:.4f}",
+            f"{name}: AUC {auc(conf[reached], labels):.4f}, kept at 0.75 verified {kept:.4f}",
             flush=True,
         )
 

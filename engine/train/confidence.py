@@ -70,6 +70,7 @@ from engine.model.confidence import (
     ConfidenceHead,
     softmax_features,
 )
+from engine.train.calibration import brier, calibration, log_loss
 from engine.train.data import read_array
 from engine.train.evaluate import greedy_chains, prompt_offsets
 from engine.train.model import TrainModel
@@ -282,85 +283,6 @@ def fit_head(
     return head.eval(), losses
 
 
-def _auc(p: np.ndarray, y: np.ndarray) -> float | None:
-    """Area under the ROC curve (Mann-Whitney, ties counted half); None with a single class."""
-    n1 = float(y.sum())
-    n0 = float(len(y) - n1)
-    if n1 == 0 or n0 == 0:
-        return None
-    _, inv, counts = np.unique(p, return_inverse=True, return_counts=True)
-    avg_rank = np.cumsum(counts) - (counts - 1) / 2.0  # 1-based average rank of each distinct value
-    ranks = avg_rank[inv]
-    return float((ranks[y == 1].sum() - n1 * (n1 + 1) / 2) / (n1 * n0))
-
-
-def _brier(p: np.ndarray, y: np.ndarray) -> float:
-    return float(np.mean((p - y) ** 2)) if len(y) else 0.0
-
-
-def _log_loss(p: np.ndarray, y: np.ndarray) -> float:
-    q = np.clip(p, 1e-7, 1 - 1e-7)
-    return float(-np.mean(y * np.log(q) + (1 - y) * np.log(1 - q))) if len(y) else 0.0
-
-
-def calibration(
-    p: np.ndarray,
-    y: np.ndarray,
-    position: np.ndarray,
-    train_rate: float,
-    train_position_rates: list[float],
-    bins: int = 10,
-) -> dict[str, Any]:
-    """Brier, log-loss and AUC beside constant predictors; reliability bins, ECE; per position."""
-    p = p.astype(np.float64)
-    y = y.astype(np.float64)
-    n = len(y)
-    rate = float(y.mean()) if n else 0.0
-    edges = np.linspace(0.0, 1.0, bins + 1)
-    which = np.clip(np.searchsorted(edges, p, side="right") - 1, 0, bins - 1)
-    table = []
-    ece = 0.0
-    for k in range(bins):
-        sel = which == k
-        c = int(sel.sum())
-        row: dict[str, Any] = {"lo": float(edges[k]), "hi": float(edges[k + 1]), "n": c}
-        if c:
-            row["mean_confidence"] = float(p[sel].mean())
-            row["observed"] = float(y[sel].mean())
-            ece += c / n * abs(row["mean_confidence"] - row["observed"])
-        table.append(row)
-    per_pos_const = np.array([train_position_rates[int(j) - 1] for j in position])
-    positions = []
-    for j in range(1, len(train_position_rates) + 1):
-        sel = position == j
-        positions.append(
-            {
-                "position": j,
-                "n": int(sel.sum()),
-                "mean_confidence": float(p[sel].mean()) if sel.any() else None,
-                "observed": float(y[sel].mean()) if sel.any() else None,
-                "brier": _brier(p[sel], y[sel]),
-                "brier_constant": _brier(np.full(int(sel.sum()), train_position_rates[j - 1]), y[sel]),
-                "auc": _auc(p[sel], y[sel]),
-            }
-        )
-    return {
-        "n": n,
-        "observed": rate,
-        "mean_confidence": float(p.mean()) if n else 0.0,
-        "brier": _brier(p, y),
-        "brier_constant_train_rate": _brier(np.full(n, train_rate), y),
-        "brier_constant_own_rate": rate * (1 - rate),  # the best constant, knowing the answers' rate
-        "brier_constant_per_position": _brier(per_pos_const, y),
-        "log_loss": _log_loss(p, y),
-        "log_loss_constant_train_rate": _log_loss(np.full(n, train_rate), y),
-        "auc": _auc(p, y),
-        "ece": float(ece),
-        "bins": table,
-        "positions": positions,
-    }
-
-
 @torch.no_grad()
 def predict(head: ConfidenceHead, ex: Examples) -> np.ndarray:
     w = torch.cat([head.confidence.weight[0], head.position_bias]).double()
@@ -491,17 +413,17 @@ def train_confidence(
             "accepted_rate": rate,
             "position_rates": pos_rates,
             "unconditional": train_ex.unconditional,
-            "initial_bce": _log_loss(np.full(len(train_ex.label), rate), train_ex.label),
+            "initial_bce": log_loss(np.full(len(train_ex.label), rate), train_ex.label),
             "epoch_bce": losses,
-            "brier": _brier(fit_p, train_ex.label),
+            "brier": brier(fit_p, train_ex.label),
         },
         "heldout": held,
     }
     write_head(head, out_dir, report)
-    auc = "n/a" if held["auc"] is None else f"{held['auc']:.3f}"
+    auc_text = "n/a" if held["auc"] is None else f"{held['auc']:.3f}"
     log(
         f"heldout-v1: {held['n']} drafts, Brier {held['brier']:.4f} (constant {held['brier_constant_train_rate']:.4f}, "
-        f"per-position constant {held['brier_constant_per_position']:.4f}), AUC {auc}, ECE {held['ece']:.4f}"
+        f"per-position constant {held['brier_constant_per_position']:.4f}), AUC {auc_text}, ECE {held['ece']:.4f}"
     )
     log(f"wrote {out_dir / CONFIDENCE_WEIGHTS} in {timings['total_s']:.0f} s")
     return report

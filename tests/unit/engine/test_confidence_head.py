@@ -26,11 +26,10 @@ from engine.model.confidence import (
     softmax_features,
 )
 from engine.runner import ModelRunner, RunnerConfig
+from engine.train.calibration import auc, calibration
 from engine.train.confidence import (
     ConfidenceSettings,
     Examples,
-    _auc,
-    calibration,
     draft_examples,
     fit_head,
     make_chains,
@@ -199,7 +198,7 @@ def test_the_fit_learns_a_position_and_softmax_signal_the_h_e_head_cannot_see() 
     rich = ConfidenceConfig(d, softmax=True, positions=5)
     head, _ = fit_head(ex.inputs(rich), label, settings, cfg=rich)
     plain, _ = fit_head(ex.x, label, settings)
-    assert _auc(predict(head, ex), label) > _auc(predict(plain, ex), label) + 0.15
+    assert auc(predict(head, ex), label) > auc(predict(plain, ex), label) + 0.15
     assert head.position_bias.tolist() == sorted(head.position_bias.tolist(), reverse=True)
     assert head.confidence.weight[0, 2 * d].item() > 1.0  # log p_max's weight, standardised back
     with pytest.raises(ValueError, match="inputs for a head"):
@@ -208,9 +207,9 @@ def test_the_fit_learns_a_position_and_softmax_signal_the_h_e_head_cannot_see() 
 
 def test_measures_on_known_cases() -> None:
     y = np.array([0, 0, 1, 1], dtype=np.float64)
-    assert _auc(np.array([0.1, 0.2, 0.8, 0.9]), y) == 1.0
-    assert _auc(np.array([0.9, 0.8, 0.2, 0.1]), y) == 0.0
-    assert _auc(np.array([0.5, 0.5, 0.5, 0.5]), y) == 0.5
+    assert auc(np.array([0.1, 0.2, 0.8, 0.9]), y) == 1.0
+    assert auc(np.array([0.9, 0.8, 0.2, 0.1]), y) == 0.0
+    assert auc(np.array([0.5, 0.5, 0.5, 0.5]), y) == 0.5
     p = np.array([0.15, 0.15, 0.95, 0.95])
     c = calibration(p, y, np.array([1, 1, 1, 2]), 0.5, [0.5, 0.5], bins=10)
     assert c["brier"] == pytest.approx((2 * 0.15**2 + 2 * 0.05**2) / 4)
