@@ -29,8 +29,8 @@ The head ships beside a checkpoint in its own file, ``confidence/model.safetenso
 ``confidence.weight`` [1, 2D], or [1, 2D + 3] for a head reading ``softmax``;
 ``confidence.bias`` [1]; and ``confidence.position`` [positions], the per-position bias, only
 for a head reading ``position``: the shapes say which inputs it reads), so the main weight
-shards stay exactly what transformers loads; ``confidence/confidence.json`` beside it records how it was trained and
-how well it is calibrated. ``D`` is config.json's ``hidden_size``.
+shards stay exactly what transformers loads; ``confidence/confidence.json`` beside it records
+how it was trained and how well it is calibrated. ``D`` is config.json's ``hidden_size``.
 """
 
 from __future__ import annotations

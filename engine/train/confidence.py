@@ -32,18 +32,19 @@ held-out 0.621), so the whole split is used for its variety. The report's prompt
 ``heldout-v1``'s (every fourth of the 256 is one of ``sluice train eval``'s 64).
 
 **Fit.** Logistic regression: BCE plus ``weight_decay`` L2 on the weights, Adam with its
-learning rate decaying to 0 on a cosine, ``epochs`` passes over the examples in
-``batch``-sized minibatches in a seeded order; the features are standardised with the
-training examples' mean and deviation for the fit and folded back into the head's linear map
-(and its position biases) afterwards. It starts from the constant predictor (weights 0, bias the logit of the training
-acceptance rate), so the first epoch's loss is measured against that. Deterministic for a
-seed (the target's forward runs once, without randomness; the order is seeded).
+learning rate decaying to 0 on a cosine, ``epochs`` passes over the examples in ``batch``-sized
+minibatches in a seeded order; the features are standardised with the training examples' mean
+and deviation for the fit and folded back into the head's linear map (and its position biases)
+afterwards. It starts from the constant predictor (weights 0, bias the logit of the training
+acceptance rate), so the first epoch's loss is measured against that. Deterministic for a seed
+(the target's forward runs once, without randomness; the order is seeded).
 
 Output: ``OUT/confidence/model.safetensors`` (``confidence.weight`` [1, 2D] or [1, 2D + 3],
-``confidence.bias`` [1], and ``confidence.position`` [depth] for a head reading positions; fp32) and ``OUT/confidence/confidence.json`` (settings, data and
-model digests, timings, the fit's loss per epoch, and the held-out measures: Brier score and
-log-loss beside the constant predictors', AUC, reliability bins and expected calibration error,
-per draft position mean confidence against observed acceptance).
+``confidence.bias`` [1], and ``confidence.position`` [depth] for a head reading positions;
+fp32) and ``OUT/confidence/confidence.json`` (settings, data and model digests, timings, the
+fit's loss per epoch, and the held-out measures: Brier score and log-loss beside the constant
+predictors', AUC, reliability bins and expected calibration error, per draft position mean
+confidence against observed acceptance).
 """
 
 from __future__ import annotations
