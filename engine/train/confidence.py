@@ -336,9 +336,7 @@ def train_confidence(
         raise ValueError(f"the {s.source} stream ({len(stream)} tokens) is shorter than one prompt")
     dev = torch.device(device)
     model = load_trained(model_dir, dev)
-    cfg = ConfidenceConfig.parse(
-        ConfidenceConfig.from_dir(model_dir).hidden_size, s.inputs, s.depth if "position" in s.inputs else 0
-    )
+    cfg = s.head_config(ConfidenceConfig.from_dir(model_dir).hidden_size)
     log(
         f"model {model_dir} (hidden {cfg.hidden_size}); data {data_dir}: {s.prompts} {s.source} prompts "
         f"({len(stream):,} tokens), {s.eval_prompts} heldout-v1 prompts; {s.prompt_len}+{s.gen_tokens} tokens, "

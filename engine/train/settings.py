@@ -6,6 +6,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.model.confidence import ConfidenceConfig
 
 SOURCES = ("train", "valid", "fit")
 CHAINS = ("engine", "recompute")
@@ -134,10 +138,16 @@ class ConfidenceSettings:
     # optionally "softmax" (3 features of the draft distribution) and "position" (one-hot, depth)
     inputs: str = "h,e"
 
-    def validate(self) -> None:
+    def head_config(self, hidden_size: int) -> ConfidenceConfig:
+        """The head these ``inputs`` name, for a model of ``hidden_size`` (a position bias per
+        draft, ``depth`` of them, where it reads ``position``); ValueError for bad inputs."""
         from engine.model.confidence import ConfidenceConfig  # torch: only when a run starts
 
-        ConfidenceConfig.parse(1, self.inputs, self.depth if "position" in self.inputs else 0)
+        reads_position = "position" in (n.strip() for n in self.inputs.split(","))
+        return ConfidenceConfig.parse(hidden_size, self.inputs, self.depth if reads_position else 0)
+
+    def validate(self) -> None:
+        self.head_config(1)
         if self.source not in SOURCES:
             raise ValueError(f"source must be one of {SOURCES}, got {self.source!r}")
         if self.chains not in CHAINS:
