@@ -16,7 +16,7 @@ from typing import Any, Final
 
 import numpy as np
 
-from engine.spec.step_table import StepProfile
+from engine.spec.step_table import StepProfile, monotone_fit
 
 MAX_DRAFTS: Final = 5
 SPEC_STEPS_FILE: Final = "sluice_spec_steps.json"
@@ -127,8 +127,8 @@ class SpecProfile:
         """The step-profile table of a step of ``batch`` decoding requests that drafts
         ``drafted`` tokens each: tokens ``batch * (k + 1)`` against steps per second, and with
         ``first_verified`` the step verifying one draft at ``batch + 1`` tokens (made
-        non-increasing, as a larger step never runs faster: noise is removed by a running
-        maximum)."""
+        non-increasing, as a larger step never runs faster: `monotone_fit`, the least-squares
+        non-decreasing fit of the step times)."""
         d = max(drafted if drafted is not None else self.drafted, 1)
         hit = self._memo.get(("t", batch, d))
         if isinstance(hit, StepProfile):
@@ -138,7 +138,7 @@ class SpecProfile:
         if self.first_verified and batch > 1 and len(self.drafts) > 1:  # at 1 it is k = 1's point
             secs.insert(1, self._drafting(batch, self._at(batch, self.first_verified), d))
             tokens.insert(1, batch + 1)
-        rising = np.maximum.accumulate(secs)
+        rising = monotone_fit(secs)
         table = self._memo[("t", batch, d)] = StepProfile(tokens, [1.0 / s for s in rising])
         return table
 

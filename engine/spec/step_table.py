@@ -84,6 +84,21 @@ class StepProfile:
         return cls(pts, [1.0 / float(seconds(p)) for p in pts])
 
 
+def monotone_fit(values: Iterable[float]) -> list[float]:
+    """The non-decreasing sequence closest to ``values`` in least squares (pool adjacent
+    violators): a run that falls below an earlier value is replaced, with that value, by their
+    mean. A profile's step times are medians of a few steps each, so one cell can read above
+    its larger neighbour by noise alone; the fit removes that without the upward bias of a
+    running maximum, which would carry one high cell into every larger step."""
+    blocks: list[list[float]] = []  # [mean, count], means strictly increasing
+    for v in values:
+        blocks.append([float(v), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] >= blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks.pop(-2), blocks.pop()
+            blocks.append([(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2])
+    return [m for m, n in blocks for _ in range(int(n))]
+
+
 def throughput(expected_total: float, tokens: float, profile: StepProfile) -> float:
     """Expected accepted tokens per second: ``expected_total * steps_per_s(tokens)``."""
     return float(expected_total) * float(profile.steps_per_s(tokens))

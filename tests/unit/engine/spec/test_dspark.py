@@ -24,7 +24,7 @@ from engine.spec.dspark import (
 )
 from engine.spec.lagged import LaggedConfidence
 from engine.spec.simulate import SyntheticConfig, generate, roofline_seconds, simulate
-from engine.spec.step_table import StepProfile, throughput
+from engine.spec.step_table import StepProfile, monotone_fit, throughput
 
 # ----------------------------------------------------------------------------- helpers
 
@@ -206,6 +206,26 @@ def test_profile_interpolation_clamping_and_round_trip():
     c = StepProfile.from_cost_model(lambda t: 0.01 + 0.001 * t, [20, 10, 10, 40])
     assert c.tokens == (10.0, 20.0, 40.0)
     assert c.steps_per_s(20) == pytest.approx(1 / 0.03)
+
+
+def test_monotone_fit_is_the_least_squares_non_decreasing_fit():
+    """A cell read high by noise is pooled with its larger neighbour, not carried upward: a
+    running maximum would price every larger step at the outlier."""
+    assert monotone_fit([1.0, 2.0, 3.0]) == [1.0, 2.0, 3.0]  # already monotone: unchanged
+    assert monotone_fit([1.0, 3.0, 2.0, 4.0]) == [1.0, 2.5, 2.5, 4.0]
+    assert monotone_fit([5.0, 4.0, 3.0]) == [4.0, 4.0, 4.0]
+    assert monotone_fit([]) == []
+    rng = np.random.default_rng(0)
+    for _ in range(200):  # against brute force: every non-decreasing candidate is worse
+        v = rng.normal(size=6).round(2)
+        fit = np.array(monotone_fit(v))
+        assert np.all(np.diff(fit) >= -1e-12) and fit.mean() == pytest.approx(v.mean())
+        for _ in range(50):
+            other = np.sort(rng.normal(size=6))
+            assert ((fit - v) ** 2).sum() <= ((other - v) ** 2).sum() + 1e-12
+        nudged = fit + 1e-3 * rng.normal(size=6)  # a nearby monotone sequence is no closer
+        if np.all(np.diff(nudged) >= 0):
+            assert ((fit - v) ** 2).sum() <= ((nudged - v) ** 2).sum() + 1e-12
 
 
 @pytest.mark.parametrize(
