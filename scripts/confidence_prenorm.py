@@ -24,16 +24,16 @@ import dataclasses
 import time
 from pathlib import Path
 
+import confidence_inputs as inputs  # this folder: run as a script
 import numpy as np
 import torch
+from confidence_inputs import every_draft, threshold_shares
 
 import engine.train.confidence as confidence
-import scripts.confidence_inputs as inputs
 from engine.train.calibration import auc
 from engine.train.model import load_trained
 from engine.train.settings import ConfidenceSettings
 from engine.train.trainer import Streams
-from scripts.confidence_inputs import every_draft, threshold_shares
 
 
 def passes_both(model, chain: torch.Tensor, prompt_len: int, depth: int):
