@@ -115,12 +115,14 @@ class SpecProfile:
         return max(seconds - saved, 1e-9)
 
     def uniform_seconds(self, batch: int, drafts: int) -> tuple[float, ...]:
-        """Plain decoding's step, then a step verifying ``k`` of ``k`` drafted, k = 1..drafts
-        (memoised: a policy prices these every step)."""
+        """Plain decoding's step, then a step verifying ``k`` of ``k`` drafted, k = 1..drafts,
+        made non-decreasing as `for_batch`'s tables are (`monotone_fit`: a step that verifies
+        and drafts more never runs faster; memoised: a policy prices these every step)."""
         key = ("u", batch, drafts)
         hit = self._memo.get(key)
         if hit is None:
-            hit = self._memo[key] = tuple(self.step_seconds(batch, k, k) for k in range(drafts + 1))
+            cells = [self.step_seconds(batch, k, k) for k in range(drafts + 1)]
+            hit = self._memo[key] = tuple(monotone_fit(cells))
         return hit
 
     def for_batch(self, batch: int, drafted: int | None = None) -> StepProfile:

@@ -51,6 +51,25 @@ def test_profile_prices_depth_plain_and_batch_and_round_trips() -> None:
     assert not old.adaptive and old.step_seconds(1, 2, 0) == pytest.approx(p.step_seconds(1, 2))
 
 
+def test_every_price_a_policy_reads_is_monotone_when_the_cells_are_not() -> None:
+    """A profile whose cells read out of order by noise (3 drafts dearer than 4, as the H100's
+    and H200's do): the selection's tables and the uniform depths' prices both take the
+    least-squares fit, so no option looks cheaper for verifying more."""
+    p = synthetic_profile(verify_s=0.002, pass_s=0.004, plain_s=0.010)
+    rows = [list(r) for r in p.seconds]
+    for r, pass_s in zip(rows, p.draft_pass):  # 3 drafts read above 4, drafting 3 and 4 too
+        r[3], r[4] = r[4] + 2 * pass_s, r[3]
+    q = SpecProfile(p.batch, p.drafts, tuple(map(tuple, rows)), p.drafted, p.draft_pass, p.plain)
+    for b in (1, 8, 32):
+        raw = [q.step_seconds(b, k, k) for k in range(6)]
+        assert raw[3] > raw[4]  # the cells as measured
+        uniform = q.uniform_seconds(b, 5)
+        assert list(uniform) == sorted(uniform) and uniform[3] == pytest.approx((raw[3] + raw[4]) / 2)
+        assert uniform[:3] == tuple(raw[:3]) and uniform[5] == raw[5]  # the rest as measured
+        table = q.for_batch(b)
+        assert list(table.rates) == sorted(table.rates, reverse=True)
+
+
 def test_the_step_verifying_one_draft_prices_a_selection_of_a_few() -> None:
     """``first_verified``: once any request verifies, the step pays the verification path's
     own cost. Without the point a selection of one draft is priced between the uniform points
