@@ -29,7 +29,13 @@ from pathlib import Path
 import numpy as np
 import torch
 import torch.nn.functional as F
-from confidence_inputs import fit_weights, threshold_shares  # this folder: run as a script
+from confidence_inputs import (  # this folder: run as a script
+    fit_weights,
+    fixed5_rows,
+    kept_at_target,
+    reached_of,
+    threshold_shares,
+)
 
 from engine.model.confidence import softmax_features
 from engine.train.calibration import auc
@@ -92,10 +98,6 @@ def features(h, e, soft, target, ok, kind: str, depth: int) -> torch.Tensor:
     return torch.cat(parts, 2)
 
 
-def reached_of(ok: np.ndarray) -> np.ndarray:
-    return np.concatenate([np.ones((len(ok), 1), bool), np.cumprod(ok, 1)[:, :-1].astype(bool)], 1)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/trained")
@@ -119,7 +121,7 @@ def main() -> None:
     train, held, depth = sets["train"], sets["held"], s.depth
     r_train, r_held = reached_of(train[4]), reached_of(held[4])
     anchors = len(held[4])
-    rows = [((0.0,) * depth, int(n)) for n in np.cumprod(held[4], 1).sum(1)]
+    rows = fixed5_rows(held[4])
     labels = held[4][r_held].astype(np.float32)
     for kind in args.variants.split(","):
         inputs = kind.split("/")[0]
@@ -138,11 +140,9 @@ def main() -> None:
             )
             logit = (x_held.flatten(0, 1).double() @ w + b).view(anchors, depth)
         conf = torch.sigmoid(logit).numpy()
-        curve = sorted(threshold_shares(conf, rows, t) for t in np.linspace(0.0, 0.9, 361))
-        kept = np.interp(TARGET_VERIFIED_SHARE, [c[0] for c in curve], [c[1] for c in curve])
         row = {
             "auc": round(auc(conf[r_held], labels), 4),
-            f"acc_share_at_{TARGET_VERIFIED_SHARE}": round(float(kept), 4),
+            f"acc_share_at_{TARGET_VERIFIED_SHARE}": round(kept_at_target(conf, rows, points=361), 4),
         }
         for t in (0.148, 0.178):
             v, a = threshold_shares(conf, rows, t)

@@ -96,6 +96,23 @@ def threshold_shares(conf: np.ndarray, rows: list, threshold: float) -> tuple[fl
     return out["verified_share"], out["accepted_length_share"]
 
 
+def reached_of(ok: np.ndarray) -> np.ndarray:
+    """[A, depth] bool: draft j of an anchor is reached when every earlier one was accepted."""
+    return np.concatenate([np.ones((len(ok), 1), bool), np.cumprod(ok, 1)[:, :-1].astype(bool)], 1)
+
+
+def fixed5_rows(ok: np.ndarray) -> list:
+    """Each anchor's row for `threshold_shares` (``shares`` reads the accepted count only)."""
+    return [((0.0,) * ok.shape[1], int(n)) for n in np.cumprod(ok, axis=1).sum(1)]
+
+
+def kept_at_target(conf: np.ndarray, rows: list, points: int = 181) -> float:
+    """The share of fixed-5's accepted length kept at ``TARGET_VERIFIED_SHARE`` of its drafts
+    verified: the survival-threshold curve over ``points`` thresholds in [0, 0.9], interpolated."""
+    curve = sorted(threshold_shares(conf, rows, t) for t in np.linspace(0.0, 0.9, points))
+    return float(np.interp(TARGET_VERIFIED_SHARE, [c[0] for c in curve], [c[1] for c in curve]))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/trained")
@@ -117,9 +134,7 @@ def main() -> None:
     print(f"[{time.monotonic() - t0:5.0f}s] train: {len(train.label)} drafts reached", flush=True)
     h, e, ok = every_draft(model, chains_of(data.heldout, s.eval_prompts), s)
     anchors, depth = ok.shape
-    accepted = np.cumprod(ok, axis=1).sum(1)
-    rows = [((0.0,) * depth, int(n)) for n in accepted]  # shares reads the drafts' count only
-    reached = np.concatenate([np.ones((anchors, 1), bool), np.cumprod(ok, 1)[:, :-1].astype(bool)], 1)
+    rows, reached = fixed5_rows(ok), reached_of(ok)
     print(f"[{time.monotonic() - t0:5.0f}s] held out: {anchors} anchors", flush=True)
 
     hf, ef = h.flatten(0, 1), e.flatten(0, 1)
@@ -149,12 +164,9 @@ def main() -> None:
     for name, (x_train, x_held, cfg) in inputs.items():
         w, b = fit_weights(x_train, train.label, s, cfg)
         conf = torch.sigmoid(x_held.double() @ w + b).view(anchors, depth).numpy()
-        curve = sorted(threshold_shares(conf, rows, t) for t in np.linspace(0.0, 0.9, 181))
         row = {
             "auc": auc(conf[reached], labels),
-            f"accepted_length_share_at_{TARGET_VERIFIED_SHARE}_verified": float(
-                np.interp(TARGET_VERIFIED_SHARE, [c[0] for c in curve], [c[1] for c in curve])
-            ),
+            f"accepted_length_share_at_{TARGET_VERIFIED_SHARE}_verified": kept_at_target(conf, rows),
         }
         for t in THRESHOLDS:
             v, a = threshold_shares(conf, rows, t)

@@ -27,7 +27,7 @@ from pathlib import Path
 import confidence_inputs as inputs  # this folder: run as a script
 import numpy as np
 import torch
-from confidence_inputs import every_draft, threshold_shares
+from confidence_inputs import every_draft, fixed5_rows, kept_at_target, reached_of
 
 import engine.train.confidence as confidence
 from engine.train.calibration import auc
@@ -77,17 +77,15 @@ def main() -> None:
     h, e, ok = every_draft(model, chains_of(data.heldout, s.eval_prompts), s)
     anchors, depth = ok.shape
     width = h.shape[-1] // 2
-    reached = np.concatenate([np.ones((anchors, 1), bool), np.cumprod(ok, 1)[:, :-1].astype(bool)], 1)
+    reached, rows = reached_of(ok), fixed5_rows(ok)
     labels = ok[reached].astype(np.float32)
-    rows = [((0.0,) * depth, int(n)) for n in np.cumprod(ok, axis=1).sum(1)]
     hf, ef = h.flatten(0, 1), e.flatten(0, 1)
 
     def score(name: str, x_train: torch.Tensor, x_held: torch.Tensor, settings: ConfidenceSettings) -> None:
         head, _ = confidence.fit_head(x_train, train.label, settings)
         w, b = head.confidence.weight[0].detach().double(), head.confidence.bias.detach().double()
         conf = torch.sigmoid(x_held.double() @ w + b).view(anchors, depth).numpy()
-        curve = sorted(threshold_shares(conf, rows, t) for t in np.linspace(0.0, 0.9, 181))
-        kept = float(np.interp(0.75, [c[0] for c in curve], [c[1] for c in curve]))
+        kept = kept_at_target(conf, rows)
         print(
             f"{name}: AUC {auc(conf[reached], labels):.4f}, kept at 0.75 verified {kept:.4f}",
             flush=True,
