@@ -4,7 +4,8 @@
 * ``acceptance``: per-position acceptance of a fixed-5 trace;
 * ``modelled``: what a step profile predicts for the oracle, fixed-5 and DSpark on it;
 * ``priced_window``: a run's decode tokens per second over chosen steps, each step priced
-  by another profile;
+  by another profile; ``window_per_sequence``: its verified drafts and accepted length
+  per sequence over chosen steps;
 * ``selection_replay``: the confidence head's trade-off curve and DSpark's speculating
   selection priced by each profile (`services.bench.spec`'s module doc says why).
 """
@@ -36,6 +37,20 @@ def acceptance(trace: Trace, depth: int = 5) -> list[float]:
                 else:
                     break
     return [h / r if r else 0.0 for h, r in zip(hit, reach)]
+
+
+def window_per_sequence(trace: Trace, decoders: list[int], mask: list[bool]) -> tuple[float, float]:
+    """(drafts verified, accepted length) per sequence per step over the decoding steps where
+    ``mask`` holds (``decoders``: per step, the requests that decoded; a step without any
+    records no trace step, as in `priced_window`)."""
+    n = verified = accepted = 0
+    steps = (m for m, d in zip(mask, decoders) if d)
+    for m, step in zip(steps, trace):
+        if m:
+            n += len(step)
+            verified += sum(k for _, k, _ in step)
+            accepted += sum(acc for _, _, acc in step)
+    return (verified / n, 1.0 + accepted / n) if n else (0.0, 1.0)
 
 
 def _verified_rows(trace: Trace) -> list[tuple[list[float], int]]:

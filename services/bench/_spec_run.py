@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.bench._spec_replay import window_per_sequence
+
 if TYPE_CHECKING:
     from engine.core import EngineCore
     from engine.cuda_graphs import DecodeGraphs
@@ -243,6 +245,7 @@ def _results(
     stats = core.spec.stats if core.spec is not None else None
     trace = core.spec.trace if core.spec is not None else None
     req_steps = sum(len(s) for s in trace) if trace else 0
+    steady_seq = window_per_sequence(trace, steps.decoders, steady) if trace else (0.0, 1.0)
     extra = core.stats().extra
     costs = "spec_cost_scale_plain" in extra  # DSpark rescaled its profile (measured costs)
     return {
@@ -269,8 +272,17 @@ def _results(
         # and over the steady steps without prompts: what a decode pool fed by a prefill
         # pool runs (its sequences arrive with their caches)
         "steady_decode_tokens_per_s": window_rate(step_tokens, step_times, steady, timed, decode_only),
+        # drafts verified per decode step of the batch (the issue's "verified tokens per
+        # step"), and per sequence per step: a batch step's count moves with how many
+        # sequences the step decodes, so the c >= 32 target compares the per-sequence one
+        # (DeepSeek's "5.00 -> 3.2-4.4" is per sequence), over the same request-steps as
+        # the accepted length
         "verified_per_step": stats.verified / stats.steps if stats and stats.steps else 0.0,
+        "verified_per_sequence": stats.verified / req_steps if stats and req_steps else 0.0,
         "accepted_length": 1.0 + (stats.accepted / req_steps) if stats and req_steps else 1.0,
+        # the same two over the steady steps, the window the steady throughput is judged on
+        # (the drain after the last refill decodes at smaller, dearer batches)
+        **dict(zip(("steady_verified_per_sequence", "steady_accepted_length"), steady_seq)),
         "policies_chosen": dict(stats.policies) if stats else {"none": len(step_times)},
         # steps that drafted while speculation was off: each costs its share of the probe
         # budget, and a short run that holds one pays more than that share

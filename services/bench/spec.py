@@ -367,7 +367,7 @@ def _policy_runs(
             probes = f", {r['probes']} probe(s)" if r["probes"] else ""
             progress(
                 f"c={c} {policy} #{rep + 1}: {r['tokens_per_s']:.1f} tok/s{steady}, {r['verified_per_step']:.1f} "
-                f"verified/step, accepted length {r['accepted_length']:.2f}{probes} "
+                f"verified/step ({r['verified_per_sequence']:.2f} a sequence), accepted length {r['accepted_length']:.2f}{probes} "
                 f"({time.perf_counter() - t0:.0f} s)"
             )
     runs: dict[str, dict[str, Any]] = {}

@@ -13,6 +13,7 @@ from services.bench._spec_replay import (
     acceptance,
     priced_window,
     selection_replay,
+    window_per_sequence,
 )
 
 TRAINED = Path(__file__).resolve().parents[3] / "models" / "trained"
@@ -167,6 +168,17 @@ def test_a_steady_window_prices_only_its_decode_steps_at_their_batch() -> None:
         priced_window(run, TRACE + drain, p, steady[:3])
 
 
+def test_verified_drafts_and_accepted_length_are_per_sequence_over_the_window() -> None:
+    """Per sequence per step, over the masked decoding steps only: a step nobody decoded in has
+    no trace step, and the drain's step of one request is left out when the mask says so."""
+    drain = [[((0.9,) * 5, 2, 1)]]
+    decoders, steady = [2, 0, 2, 1], [True, True, True, False]
+    # TRACE's four request-steps verify 5 drafts each and accept 3 + 0 + 5 + 1
+    assert window_per_sequence(TRACE + drain, decoders, steady) == (5.0, 1.0 + 9 / 4)
+    assert window_per_sequence(TRACE + drain, decoders, [True] * 4) == (22 / 5, 1.0 + 10 / 5)
+    assert window_per_sequence(TRACE + drain, decoders, [False] * 4) == (0.0, 1.0)
+
+
 @pytest.mark.parametrize("policy", ["none", "fixed-2"])
 def test_a_refilled_run_keeps_c_slots_busy_and_counts_each_decode_token_once(policy: str) -> None:
     """Six prompts through two slots on the trained preset: no step decodes more than two
@@ -193,6 +205,10 @@ def test_a_refilled_run_keeps_c_slots_busy_and_counts_each_decode_token_once(pol
     if r["_trace"] is not None:
         assert len(r["_trace"]) == sum(1 for d in r["_decoders"] if d)
         assert [len(step) for step in r["_trace"]] == [d for d in r["_decoders"] if d]
+        # fixed-2 verifies at most 2 a sequence, and the steady window is a part of the run
+        assert 0 < r["steady_verified_per_sequence"] <= 2 and 0 < r["verified_per_sequence"] <= 2
+        assert 1 <= r["steady_accepted_length"] <= 3
+        assert r["verified_per_sequence"] < r["verified_per_step"]  # two sequences a step
     one = _run(TRAINED, prompts[:2], tokens, policy, None, {"device": "cpu", "dtype": "float32"})
     assert one["requests"] == 2 and one["steady_steps"] == 0 and one["emitted"] == 2 * (tokens - 1)
 
@@ -263,8 +279,8 @@ def _runs(**tok_per_s: float) -> dict[str, dict[str, float]]:
     verified = {"none": 0.0, "fixed-5": 5.0, "dspark": 3.5}
     length = {"none": 1.0, "fixed-5": 3.0, "dspark": 2.95}
     return {
-        p: {"tokens_per_s": t, "full_batch_tokens_per_s": t, "verified_per_step": verified.get(p, 1.0),
-            "accepted_length": length.get(p, 1.5)}
+        p: {"tokens_per_s": t, "full_batch_tokens_per_s": t, "verified_per_step": 100 * verified.get(p, 1.0),
+            "verified_per_sequence": verified.get(p, 1.0), "accepted_length": length.get(p, 1.5)}
         for p, t in tok_per_s.items()
     }  # fmt: skip
 
@@ -285,13 +301,23 @@ def test_the_targets_are_declared_as_the_issue_states_them() -> None:
     got = {t.name: round(t.value, 4) for t in report.targets}
     assert got == {
         "c=60: dspark / best of none and fixed-1..5": 1.02,
-        "c=60: dspark verified / fixed-5 verified": 0.7,
+        "c=60: dspark verified / fixed-5 verified, per sequence": 0.7,
         "c=60: dspark accepted length / fixed-5's": 0.9833,
         "c=60: dspark / fixed-5 throughput": 1.0737,
     }
     assert all(t.to_json()["met"] for t in report.targets)
     row = table_row(60, _runs(none=100.0, **{"fixed-5": 95.0}, dspark=102.0), {})
-    assert row["dspark / best, full batch"] == 1.02 and row["dspark verified/step"] == 3.5
+    assert row["dspark / best, full batch"] == 1.02 and row["dspark verified/step"] == 350
+    assert row["dspark verified/sequence"] == 3.5 and row["fixed-5 verified/sequence"] == 5.0
+    report = Report("spec", {})  # a steady run: the selection targets read its steady window too
+    runs = _runs(none=100.0, **{"fixed-5": 95.0}, dspark=102.0)
+    for r in runs.values():
+        r |= {"steady_tokens_per_s": r["tokens_per_s"], "steady_accepted_length": r["accepted_length"] + 0.1,
+              "steady_verified_per_sequence": r["verified_per_sequence"] + 0.5}  # fmt: skip
+    declare_targets(report, 60, runs, "steady_tokens_per_s")
+    got = {t.name: round(t.value, 4) for t in report.targets}
+    assert got["c=60: dspark verified / fixed-5 verified, per sequence, steady"] == round(4.0 / 5.5, 4)
+    assert got["c=60: dspark accepted length / fixed-5's, steady"] == round(3.05 / 3.1, 4)
     report = Report("spec", {})
     declare_targets(report, 60, _runs(none=100.0))  # no DSpark run: nothing to judge
     assert report.targets == []
