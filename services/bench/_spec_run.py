@@ -245,7 +245,9 @@ def _results(
     stats = core.spec.stats if core.spec is not None else None
     trace = core.spec.trace if core.spec is not None else None
     req_steps = sum(len(s) for s in trace) if trace else 0
-    steady_seq = window_per_sequence(trace, steps.decoders, steady) if trace else (0.0, 1.0)
+    steady_verified, steady_length = (
+        window_per_sequence(trace, steps.decoders, steady) if trace else (0.0, 1.0)
+    )
     extra = core.stats().extra
     costs = "spec_cost_scale_plain" in extra  # DSpark rescaled its profile (measured costs)
     return {
@@ -282,7 +284,8 @@ def _results(
         "accepted_length": 1.0 + (stats.accepted / req_steps) if stats and req_steps else 1.0,
         # the same two over the steady steps, the window the steady throughput is judged on
         # (the drain after the last refill decodes at smaller, dearer batches)
-        **dict(zip(("steady_verified_per_sequence", "steady_accepted_length"), steady_seq)),
+        "steady_verified_per_sequence": steady_verified,
+        "steady_accepted_length": steady_length,
         "policies_chosen": dict(stats.policies) if stats else {"none": len(step_times)},
         # steps that drafted while speculation was off: each costs its share of the probe
         # budget, and a short run that holds one pays more than that share
