@@ -248,13 +248,16 @@ class DraftingDepth:
         the last two priced as verifying and drafting every draft) over ``PROBE_BUDGET`` of
         a plain step, from the profile as the measured scales correct it: on the CPU profile
         in docs/data/spec_profile_cpu.json, 659 steps at 16 requests (a probe's three steps
-        there cost ~9.6 plain ones). The profile's prices are cached per batch size."""
+        there cost ~9.6 plain ones). The speculating steps are priced as the policy prices
+        them, by the monotone fit of the profile's cells (`SpecProfile.for_batch`); the
+        prices are cached per batch size."""
         assert self.profile is not None
         hit = self._probe_every_at.get(b)
         if hit is None:
             p, full = self.profile, self.config.num_drafts
+            table = p.for_batch(b, full)
             hit = self._probe_every_at[b] = (
-                p.step_seconds(b, 0, full) + 2 * p.step_seconds(b, full, full),
+                1.0 / table.rate_at(b) + 2.0 / table.rate_at(b * (1 + full)),
                 p.step_seconds(b, 0, 0),
             )
         probe, plain = hit[0] * self.costs.scale(SPECULATING), hit[1] * self.costs.scale(PLAIN)

@@ -282,6 +282,25 @@ def test_probes_cost_at_most_their_budget_of_the_plain_steps_time() -> None:
     assert cheap.probe_every(8) < dear.probe_every(8)
 
 
+def test_a_probe_is_priced_by_the_fitted_cells_the_policy_prices_with() -> None:
+    """A row whose step verifying 5 drafts reads faster than verifying 4 (noise): the probe's
+    two verifying steps are priced at the least-squares monotone fit, as the selection prices
+    them, not at the raw cell."""
+    import math
+
+    from engine.spec.step_table import monotone_fit
+
+    cells = (0.012, 0.030, 0.040, 0.050, 0.070, 0.060)  # verifying 0-5 of 5 drafted
+    prof = SpecProfile((8,), tuple(range(6)), (cells,), 5, (0.002,), (0.010,))
+    pol = SpecPolicy(SpecConfig("dspark"), prof)
+    plain = 0.010
+    fitted = monotone_fit(cells)[5]  # 0.065: the 4- and 5-draft cells pooled
+    probe = cells[0] + 2 * fitted
+    assert pol.probe_every(8) == math.ceil((probe - 3 * plain) / (SpecPolicy.PROBE_BUDGET * plain))
+    raw = cells[0] + 2 * cells[5]
+    assert pol.probe_every(8) > math.ceil((raw - 3 * plain) / (SpecPolicy.PROBE_BUDGET * plain))
+
+
 def test_drafts_the_selection_never_verifies_stop_before_any_outcome() -> None:
     """Before any outcome: 32 requests' drafts whose confidences are too low for their
     verification's cost turn drafting off at once (no outcome will ever come from them) and
