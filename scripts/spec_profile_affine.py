@@ -2,10 +2,11 @@
 least-squares line in the drafts verified (the slope floored at 0), the step verifying none
 kept as measured.
 
-A measured profile's cells are noisy, and a monotone fit (`engine.spec.step_table.
-monotone_fit`) pools a cell that reads below the one before it, so that in the fitted table
-the next draft costs nothing and the selection stops at the kink after it. This profile asks
-where the selection would stop if, past the first verified draft, each draft cost the same:
+A measured profile can price a step of more drafts below one of fewer (the H100's
+V4-Flash-width profile does so at 64 and 128 requests, 4 drafts below 3, extrapolated to 43
+layers from measurements of depths 1-4 that disagree by more than that), and its monotone fit (`engine.spec.step_table.monotone_fit`) then makes the
+next draft free, so the selection stops at the kink after it. This profile asks where the
+selection would stop on a card where, past the first verified draft, each draft cost the same:
 the regime of a step whose experts are all read anyway (64 requests and more at V4-Flash's
 widths on one card). It is not what the engine ships; `sluice bench spec --priced-by` on it
 prices a what-if.
