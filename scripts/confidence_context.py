@@ -98,16 +98,10 @@ def features(h, e, soft, target, ok, kind: str, depth: int) -> torch.Tensor:
     return torch.cat(parts, 2)
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="models/trained")
-    p.add_argument("--data", default="var/train-data")
-    p.add_argument("--prompts", type=int, default=512, help="training prefixes")
-    p.add_argument("--variants", default=",".join(VARIANTS))
-    args = p.parse_args()
-    t0 = time.monotonic()
-    s = ConfidenceSettings(prompts=args.prompts, eval_prompts=256)
-    data, model_dir = Streams(Path(args.data)), Path(args.model)
+def collect_sets(model_dir: Path, data_dir: Path, s: ConfidenceSettings, t0: float) -> dict:
+    """`collect` on ``s.prompts`` training prefixes (``train``) and ``s.eval_prompts`` held-out
+    ones (``held``) of the data at ``data_dir``, drafted by the checkpoint at ``model_dir``."""
+    data = Streams(data_dir)
     model = load_trained(model_dir, "cpu")
 
     def chains_of(stream: np.ndarray, n: int) -> torch.Tensor:
@@ -118,6 +112,19 @@ def main() -> None:
     for name, stream, n in (("train", data.train, s.prompts), ("held", data.heldout, s.eval_prompts)):
         sets[name] = collect(model, chains_of(stream, n), s)
         print(f"[{time.monotonic() - t0:5.0f}s] {name}: {sets[name][4].shape}", flush=True)
+    return sets
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="models/trained")
+    p.add_argument("--data", default="var/train-data")
+    p.add_argument("--prompts", type=int, default=512, help="training prefixes")
+    p.add_argument("--variants", default=",".join(VARIANTS))
+    args = p.parse_args()
+    t0 = time.monotonic()
+    s = ConfidenceSettings(prompts=args.prompts, eval_prompts=256)
+    sets = collect_sets(Path(args.model), Path(args.data), s, t0)
     train, held, depth = sets["train"], sets["held"], s.depth
     r_train, r_held = reached_of(train[4]), reached_of(held[4])
     anchors = len(held[4])

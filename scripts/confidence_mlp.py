@@ -25,14 +25,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from confidence_context import collect, features  # this folder: run as a script
+from confidence_context import collect_sets, features  # this folder: run as a script
 from confidence_inputs import fit_weights, fixed5_rows, kept_at_target, reached_of, threshold_shares
 
 from engine.train.calibration import auc
-from engine.train.confidence import make_chains, prompt_rows
-from engine.train.model import load_trained
 from engine.train.settings import ConfidenceSettings
-from engine.train.trainer import Streams
 
 # (hidden width, weight decay, dropout): from a small, lightly regularised layer to a wide one
 MLPS = ((32, 1e-4, 0.0), (64, 1e-4, 0.1), (128, 1e-3, 0.2), (256, 1e-3, 0.3))
@@ -87,17 +84,7 @@ def main() -> None:
     if args.cache is not None and args.cache.is_file():
         sets = torch.load(args.cache, weights_only=False)
     else:
-        data, model_dir = Streams(Path(args.data)), Path(args.model)
-        model = load_trained(model_dir, "cpu")
-
-        def chains_of(stream: np.ndarray, n: int) -> torch.Tensor:
-            rows = prompt_rows(stream, n, s.prompt_len, data.bos)
-            return make_chains(rows, s.gen_tokens, s.chains, model, model_dir, "cpu", s.micro_batch)
-
-        sets = {
-            name: collect(model, chains_of(stream, n), s)
-            for name, stream, n in (("train", data.train, s.prompts), ("held", data.heldout, s.eval_prompts))
-        }
+        sets = collect_sets(Path(args.model), Path(args.data), s, t0)
         if args.cache is not None:
             torch.save(sets, args.cache)
     print(f"[{time.monotonic() - t0:5.0f}s] drafts collected", flush=True)
