@@ -58,10 +58,11 @@ def main() -> None:
             f"{min(admitted, default=float('nan')):13.3f} {max(left, default=float('nan')):14.3f}"
         )
         if len(step) == c:
-            full.append((verified, len(step)))
+            full.append(verified)
     if full:
-        v, n = map(sum, zip(*full))
-        print(f"steps of {c} sequences: {len(full)}, drafts verified a sequence {v / n:.3f}")
+        print(
+            f"steps of {c} sequences: {len(full)}, drafts verified a sequence {sum(full) / (c * len(full)):.3f}"
+        )
 
 
 if __name__ == "__main__":
