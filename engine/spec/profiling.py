@@ -5,7 +5,8 @@ of one chained drafting pass is the difference to drafting ``drafted``, per pass
 in which one request verifies one draft (``first_verified``: the verification path's own
 cost, which a selection of a few drafts pays).
 Each cell keeps the smallest of ``rounds`` medians: on a shared machine, interference only
-ever adds time.
+ever adds time. The rounds are interleaved (`measure_spec_profiles`): every cell is measured
+once before any is measured again.
 
 For every batch size ``B`` and draft count ``k = 0 .. drafted`` an `EngineCore` runs the
 ``fixed-k:drafted`` policy (the MTP layer drafts ``drafted`` tokens per request, ``k`` are
@@ -130,55 +131,105 @@ def measure_spec_profile(
     progress: Callable[[str], None] | None = None,
     **engine_kwargs: Any,
 ) -> SpecProfile:
-    model = Path(model)
-    seconds, draft_pass, plain, first = [], [], [], []
+    """The step profile of the checkpoint at ``model`` (the module doc says what each cell is)."""
+    key = Path(model)
+    return measure_spec_profiles(
+        {key: key}, batches, drafted, prompt_tokens, warmup, steps, rounds, seed, progress, **engine_kwargs
+    )[key]
+
+
+def measure_spec_profiles(
+    models: dict[Any, Path],
+    batches: Sequence[int] = (1, 8, 16, 32, 64, 128),
+    drafted: int = MAX_DRAFTS,
+    prompt_tokens: int = 256,
+    warmup: int = 4,
+    steps: int = 8,
+    rounds: int = 2,
+    seed: int = 0,
+    progress: Callable[[str], None] | None = None,
+    say: Callable[[Any, str], None] | None = None,
+    **engine_kwargs: Any,
+) -> dict[Any, SpecProfile]:
+    """`measure_spec_profile` of each checkpoint in ``models`` (key -> directory), with the
+    rounds interleaved: round ``r`` measures every cell of every model once before round
+    ``r + 1`` starts. A machine that drifts over a lease (clocks, a neighbour's load) then
+    slows every cell's round alike, and the fastest round of each cell is kept, instead of
+    slowing a run of neighbouring cells, or one model's whole table, that were measured
+    back to back: the slope between two depths and the step between two draft counts are
+    differences of cells, which such drift moves. Each cell's every round is kept in
+    ``meta["round_ms"]`` (``"b<batch> <what>"`` -> ms per round), to show the spread."""
     t_start = time.perf_counter()
-    prompts, source = _prompts(model, max(batches), prompt_tokens, seed)
+    prompts = {key: _prompts(Path(m), max(batches), prompt_tokens, seed) for key, m in models.items()}
+    cells = _cells(batches, drafted)
+    times: dict[Any, dict[tuple[int, int, int, int | None], list[float]]] = {key: {} for key in models}
+    for r in range(rounds):
+        for key, model in models.items():
+            for b, k, d, verifying in cells:
+                t = _cell(Path(model), b, k, d, prompts[key][0], warmup, steps, engine_kwargs, verifying)
+                release_memory(engine_kwargs)  # here: inside `_cell` its frame still holds the engine
+                times[key].setdefault((b, k, d, verifying), []).append(t)
+                message = f"spec profile: round {r + 1}/{rounds}, batch {b}, {_what(k, d, verifying)}: {t * 1e3:.1f} ms/step"
+                if say is not None:
+                    say(key, message)
+                elif progress is not None:
+                    progress(message)
+    wall = round(time.perf_counter() - t_start, 1)
+    out = {}
+    for key in models:
+        fastest = {cell: min(ts) for cell, ts in times[key].items()}
+        seconds, draft_pass, plain, first = [], [], [], []
+        for b in batches:
+            row = [fastest[b, k, drafted, None] for k in range(drafted + 1)]
+            seconds.append(tuple(row))
+            # the verification path's own cost: one request verifies one draft (at 1 request
+            # that is k = 1's cell)
+            one = fastest.get((b, 1, drafted, 1))
+            first.append(one if one is not None else row[min(1, drafted)])
+            plain.append(fastest[b, 0, 0, None])
+            # one chained pass: what drafting one token instead of ``drafted`` saves, per pass
+            draft_pass.append(max(row[0] - fastest[b, 0, 1, None], 0.0) / max(drafted - 1, 1))
+        meta = {
+            "method": "median wall time of engine steps (engine.spec.profiling)",
+            "prompt_tokens": prompt_tokens,
+            "prompts": prompts[key][1],
+            "steps": steps,
+            "warmup": warmup,
+            "rounds": rounds,
+            "interleaved": len(models) > 1 or rounds > 1,
+            "wall_s": wall,
+            "round_ms": {
+                f"b{b} {_what(k, d, v)}": [round(t * 1e3, 3) for t in ts]
+                for (b, k, d, v), ts in times[key].items()
+            },
+            **{k: str(v) for k, v in engine_kwargs.items()},
+        }
+        out[key] = SpecProfile(
+            tuple(batches), tuple(range(drafted + 1)), tuple(seconds), drafted, tuple(draft_pass),
+            tuple(plain), meta, tuple(first),
+        )  # fmt: skip
+    return out
 
-    def cell(b: int, k: int, d: int, verifying: int | None = None) -> float:
-        times = []
-        for _ in range(rounds):
-            times.append(_cell(model, b, k, d, prompts, warmup, steps, engine_kwargs, verifying))
-            release_memory(engine_kwargs)  # here: inside `_cell` its frame still holds the engine
-        t = min(times)
-        if progress is not None:
-            what = f"{k} of {d} drafts verified" if d else "plain decoding"
-            if verifying is not None:
-                what = f"{k} draft of one request verified, {d} drafted"
-            progress(f"spec profile: batch {b}, {what}: {t * 1e3:.1f} ms/step")
-        return t
 
+def _cells(batches: Sequence[int], drafted: int) -> list[tuple[int, int, int, int | None]]:
+    """A profile's cells as ``(batch, k verified, drafted, verifying requests)``, in the order
+    measured: per batch the step verifying none; the step in which one request verifies one
+    draft (measured next to it, which it is compared with; at 1 request that is k = 1's cell);
+    k = 1 .. drafted; plain decoding; drafting one token."""
+    out: list[tuple[int, int, int, int | None]] = []
     for b in batches:
-        row = [cell(b, 0, drafted)]
-        # the verification path's own cost: one request verifies one draft (at 1 request that
-        # is k = 1's cell), measured next to the step verifying none, which it is compared with
-        one = cell(b, 1, drafted, verifying=1) if b > 1 and drafted else None
-        row += [cell(b, k, drafted) for k in range(1, drafted + 1)]
-        seconds.append(tuple(row))
-        first.append(one if one is not None else row[min(1, drafted)])
-        plain.append(cell(b, 0, 0))
-        # one chained pass: what drafting one token instead of ``drafted`` saves, per pass
-        draft_pass.append(max(row[0] - cell(b, 0, 1), 0.0) / max(drafted - 1, 1))
-    meta = {
-        "method": "median wall time of engine steps (engine.spec.profiling)",
-        "prompt_tokens": prompt_tokens,
-        "prompts": source,
-        "steps": steps,
-        "warmup": warmup,
-        "rounds": rounds,
-        "wall_s": round(time.perf_counter() - t_start, 1),
-        **{k: str(v) for k, v in engine_kwargs.items()},
-    }
-    return SpecProfile(
-        tuple(batches),
-        tuple(range(drafted + 1)),
-        tuple(seconds),
-        drafted,
-        tuple(draft_pass),
-        tuple(plain),
-        meta,
-        tuple(first),
-    )
+        out.append((b, 0, drafted, None))
+        if b > 1 and drafted:
+            out.append((b, 1, drafted, 1))
+        out += [(b, k, drafted, None) for k in range(1, drafted + 1)]
+        out += [(b, 0, 0, None), (b, 0, 1, None)]
+    return out
+
+
+def _what(k: int, drafted: int, verifying: int | None) -> str:
+    if verifying is not None:
+        return f"{k} draft of one request verified, {drafted} drafted"
+    return f"{k} of {drafted} drafts verified" if drafted else "plain decoding"
 
 
 def _prompts(model: Path, n: int, length: int, seed: int) -> tuple[list[list[int]], str]:
@@ -208,19 +259,22 @@ def measure_width_profiles(
     accept almost no drafts, so the MTP layer's first pass runs over one row per request (a
     trained model's runs over 1 + its accepted drafts); the verification forward, which DSpark
     trades against, is priced exactly. `engine.spec.profile.extrapolate_layers` takes two of
-    them to the model's real depth."""
+    them to the model's real depth. The depths' rounds are interleaved (`measure_spec_profiles`)."""
     from engine.checkpoint.generate import write_config_dir
 
-    out: dict[int, SpecProfile] = {}
-    for depth in depths:
-        model = write_config_dir(preset, Path(work_dir) / f"{preset}-{depth}l", seed, num_hidden_layers=depth)
+    models = {
+        depth: write_config_dir(preset, Path(work_dir) / f"{preset}-{depth}l", seed, num_hidden_layers=depth)
+        for depth in depths
+    }
 
-        def say(msg: str, depth: int = depth) -> None:
-            if progress is not None:
-                progress(f"{preset} x {depth} layers: {msg}")
+    def say(depth: int, msg: str) -> None:
+        if progress is not None:
+            progress(f"{preset} x {depth} layers: {msg}")
 
-        p = measure_spec_profile(model, batches, progress=say, random_weights=seed, **kwargs)
-        out[depth] = replace(
+    measured = measure_spec_profiles(models, batches, seed=seed, say=say, random_weights=seed, **kwargs)
+    return {
+        depth: replace(
             p, meta={**p.meta, "preset": preset, "layers": depth, "weights": f"random, seed {seed}"}
         )
-    return out
+        for depth, p in measured.items()
+    }

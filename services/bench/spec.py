@@ -166,7 +166,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--width-batches", default="1,8,16,32,64,128", help="--width-profile: batch sizes")
     p.add_argument(
         "--width-rounds", type=int, default=2,
-        help="--width-profile: fresh engines per cell, the fastest kept (default 2: the slope is multiplied)",
+        help="--width-profile: fresh engines per cell, the fastest kept; the rounds interleave every depth's cells (default 2: the slope is multiplied)",
     )  # fmt: skip
     p.add_argument("--width-out", default=None, help="--width-profile: the extrapolated profile's JSON file")
     p.add_argument("--device", default="cpu", help="cpu or cuda (default cpu)")

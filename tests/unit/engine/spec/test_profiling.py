@@ -64,3 +64,33 @@ def test_staggered_prompts_spread_every_compression_phase_and_refuse_what_they_c
         staggered(random_prompts(1024, 40, 30, seed=3), period)
     with pytest.raises(ValueError, match="period"):
         staggered(prompts, 0)
+
+
+def test_rounds_are_interleaved_across_cells_and_models_and_each_cell_keeps_its_fastest(monkeypatch) -> None:
+    """Round r measures every cell of every model before round r + 1 starts, so a machine that
+    drifts slows a round of every cell alike, not a run of neighbouring cells or one depth's
+    whole table; each cell keeps its fastest round, and every round is reported."""
+    from engine.spec import profiling
+
+    calls: list[tuple[str, int, int, int, int | None]] = []
+
+    def fake_cell(model, b, k, d, prompts, warmup, steps, engine_kwargs, verifying=None) -> float:
+        calls.append((model.name, b, k, d, verifying))
+        slow = len(calls) <= 2 * 11  # the whole first round drifts: 3x as slow
+        return (1 + b + 10 * k + 100 * d + (1000 if model.name == "b" else 0)) * 1e-6 * (3 if slow else 1)
+
+    monkeypatch.setattr(profiling, "_cell", fake_cell)
+    monkeypatch.setattr(profiling, "_prompts", lambda model, n, length, seed: ([[1, 2]], "text"))
+    out = profiling.measure_spec_profiles(
+        {"a": Path("a"), "b": Path("b")}, batches=(1, 4), drafted=2, rounds=2
+    )
+    per_round = len(profiling._cells((1, 4), 2))  # batch 1: 5 cells; batch 4: 6 (one request verifying)
+    assert per_round == 11 and len(calls) == 2 * 2 * per_round
+    assert [c[0] for c in calls] == (["a"] * per_round + ["b"] * per_round) * 2
+    assert calls[: 2 * per_round] == calls[2 * per_round :]  # the same cells, in the same order
+    a, b = out["a"], out["b"]
+    assert a.seconds[1] == pytest.approx(tuple((1 + 4 + 10 * k + 200) * 1e-6 for k in range(3)))
+    assert b.plain[0] == pytest.approx((1 + 1 + 1000) * 1e-6)
+    assert a.first_verified == pytest.approx(((1 + 1 + 10 + 200) * 1e-6, (1 + 4 + 10 + 200) * 1e-6))
+    assert a.meta["round_ms"]["b4 2 of 2 drafts verified"] == pytest.approx([0.675, 0.225])
+    assert a.meta["interleaved"] and len(a.meta["round_ms"]) == per_round
