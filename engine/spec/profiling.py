@@ -120,22 +120,12 @@ def release_memory(engine_kwargs: dict[str, Any]) -> None:
 
 
 def measure_spec_profile(
-    model: str | Path,
-    batches: Sequence[int] = (1, 8, 16, 32, 64, 128),
-    drafted: int = MAX_DRAFTS,
-    prompt_tokens: int = 256,
-    warmup: int = 4,
-    steps: int = 8,
-    rounds: int = 2,
-    seed: int = 0,
-    progress: Callable[[str], None] | None = None,
-    **engine_kwargs: Any,
+    model: str | Path, batches: Sequence[int] = (1, 8, 16, 32, 64, 128), **kwargs: Any
 ) -> SpecProfile:
-    """The step profile of the checkpoint at ``model`` (the module doc says what each cell is)."""
+    """The step profile of the checkpoint at ``model`` (the module doc says what each cell is;
+    ``kwargs``: `measure_spec_profiles`'s settings and the engine's)."""
     key = Path(model)
-    return measure_spec_profiles(
-        {key: key}, batches, drafted, prompt_tokens, warmup, steps, rounds, seed, progress, **engine_kwargs
-    )[key]
+    return measure_spec_profiles({key: key}, batches, **kwargs)[key]
 
 
 def measure_spec_profiles(
