@@ -10,7 +10,7 @@ verified drafts and accepted length as shares of fixed-5's.
 
     .venv/bin/python scripts/spec_profile_loo.py --reports docs/data/bench_spec_width_h100_d1_3.json,\\
         docs/data/bench_spec_width_h100_d1_2_4.json,docs/data/bench_spec_width_h100_d2_3.json \\
-        --concurrency 60 --json docs/data/spec_profile_loo_h100_c60.json
+        --concurrency 60 --json docs/data/spec_profile_loo_h100_c60.json --keep docs/data/spec_profile_loo_h100
 
 About 1.5 min a profile on the 2-core VM (8 profiles: 12 min). The bench's prompts depend on
 its largest concurrency, so figures at one concurrency alone differ a little from those of a
@@ -31,14 +31,15 @@ from pathlib import Path
 MEASURED = re.compile(r"measured_(\d+)_layers(_\d+)?")
 
 
-def refit(reports: list[dict], out: Path, work: Path) -> None:
-    """`sluice bench spec --width-from` over ``reports`` (report dicts), the profile to ``out``."""
-    paths = []
-    for i, report in enumerate(reports):
+def refit(reports: list[tuple[str, dict]], out: Path, work: Path) -> None:
+    """`sluice bench spec --width-from` over ``reports`` ((its file, the report as kept)), the
+    profile to ``out``, whose measurements name the files they were read from."""
+    paths = {}
+    for i, (source, report) in enumerate(reports):
         if any(MEASURED.fullmatch(k) for k in report["results"]):
             path = work / f"{out.stem}_{i}.json"
             path.write_text(json.dumps(report))
-            paths.append(str(path))
+            paths[str(path)] = source
     cmd = [
         sys.executable,
         "-m",
@@ -50,6 +51,10 @@ def refit(reports: list[dict], out: Path, work: Path) -> None:
         str(out),
     ]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    text = out.read_text()
+    for copy, source in paths.items():
+        text = text.replace(json.dumps(copy), json.dumps(source))
+    out.write_text(text)
 
 
 def priced_run(profile: Path, concurrency: int, policies: str) -> dict:
@@ -68,6 +73,7 @@ def main() -> None:
     p.add_argument("--concurrency", type=int, default=60)
     p.add_argument("--fixed", default="fixed-4,fixed-5", help="the fixed policies DSpark is judged against")
     p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--keep", type=Path, default=None, help="a folder: keep each refit's profile there")
     args = p.parse_args()
     files = [f for f in args.reports.split(",") if f.strip()]
     reports = [json.loads(Path(f).read_text()) for f in files]
@@ -91,7 +97,12 @@ def main() -> None:
                 del kept[out[1]]["results"][out[2]]
             name = "none" if out is None else f"{Path(out[0]).stem}:{out[2]}"
             profile = work / f"profile_{n}.json"
-            refit(kept, profile, work)
+            if args.keep is not None:
+                args.keep.mkdir(parents=True, exist_ok=True)
+                profile = args.keep / (
+                    "loo_all.json" if out is None else f"loo_without_{Path(out[0]).stem}_{out[2]}.json"
+                )
+            refit(list(zip(files, kept)), profile, work)
             fitted = json.loads(profile.read_text())
             seconds, batches = fitted["seconds"], fitted["batch"]
             row = priced_run(profile, args.concurrency, policies)
