@@ -20,6 +20,7 @@ run over 32, 60 and 128.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import re
 import subprocess
@@ -52,8 +53,8 @@ def refit(reports: list[tuple[str, dict]], out: Path, work: Path) -> None:
     ]
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     text = out.read_text()
-    for copy, source in paths.items():
-        text = text.replace(json.dumps(copy), json.dumps(source))
+    for written, source in paths.items():
+        text = text.replace(json.dumps(written), json.dumps(source))
     out.write_text(text)
 
 
@@ -92,7 +93,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="sluice-loo-") as tmp:
         work = Path(tmp)
         for n, out in enumerate(left_out):
-            kept = [json.loads(json.dumps(r)) for r in reports]
+            kept = copy.deepcopy(reports)
             if out is not None:
                 del kept[out[1]]["results"][out[2]]
             name = "none" if out is None else f"{Path(out[0]).stem}:{out[2]}"
