@@ -42,15 +42,9 @@ def refit(reports: list[tuple[str, dict]], out: Path, work: Path) -> None:
             path.write_text(json.dumps(report))
             paths[str(path)] = source
     cmd = [
-        sys.executable,
-        "-m",
-        "services.bench.spec",
-        "--json",
-        "--width-from",
-        ",".join(paths),
-        "--width-out",
-        str(out),
-    ]
+        sys.executable, "-m", "services.bench.spec", "--json", "--width-from", ",".join(paths),
+        "--width-out", str(out),
+    ]  # fmt: skip
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     text = out.read_text()
     for written, source in paths.items():
