@@ -91,6 +91,11 @@ class EngineCore:
             parts.drafter(cfg, self.runner, self.spec.config.num_drafts) if self.spec is not None else None,
             self.spec.config.num_drafts if self.spec is not None else 0,
         )  # fmt: skip
+        drafter = self.executor.drafter
+        if cfg.ep_size > 1 and drafter is not None:  # the ranks' MTP passes differ: matched
+            from engine.distributed.lockstep import DraftLockstep
+
+            self.executor.speculation.lockstep = DraftLockstep(self.runner, drafter.layer.mlp, ep_group)
         self.observer = StepObserver(self.runner, self.executor, self.spec, cfg.overlaps_steps)
         # a speculating step's drafts and verified tokens are the next step's input: it
         # overlaps only steps that neither drafted nor verified (speculation off)

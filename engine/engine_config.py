@@ -174,11 +174,6 @@ class EngineConfig:
         from engine.spec.policy import SpecConfig
 
         SpecConfig.parse(self.speculative)  # raises ValueError with the accepted forms
-        if self.ep_size > 1:
-            raise ValueError(
-                "speculative decoding with expert parallelism is not built: the ranks' drafting "
-                "passes differ and would desynchronise their MoE all-to-all"
-            )
 
     @property
     def spec(self) -> SpecConfig | None:

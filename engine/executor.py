@@ -140,6 +140,8 @@ class ModelExecutor:
         input tokens it samples are read on the device. On CUDA nothing here waits for
         the device, so the host can finish ``prev`` while this step runs."""
         self._before(out, prev)
+        if self.speculation.lockstep is not None:  # an EP rank: its group's MTP passes this step
+            self.speculation.lockstep.agree(self.speculation.pass_bound(out))
         seqs, fed_at, fed_rows = self._inputs(out, prev)
         staged = self.speculation.stage(self.runner, out)
         batch = ForwardBatch.from_sequences(seqs, device=self.device)
@@ -325,6 +327,8 @@ class ModelExecutor:
             self.speculation.undo_rejected(staged, out, emitted)
         depth = self.draft_depth(out)
         drafts = self.speculation.draft(out, result.hidden, sampled, emitted, depth) if depth else {}
+        if self.speculation.lockstep is not None:
+            self.speculation.lockstep.pad()
         failed = {rid: self._failed[rid] for rid in sampled if rid in self._failed}
         self._hand_over(launched)
         return RunnerOutput(out.step, sampled, dict(logprobs), failed, emitted, emitted_lps, drafts)

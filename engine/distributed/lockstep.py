@@ -13,6 +13,13 @@ must run the same number of forward passes. ``Lockstep`` keeps them in step:
 3. if none is, each does only bookkeeping (store fetches, idle saves) and waits briefly;
 4. when any rank stops, all stop together.
 
+With speculative decoding, a step also runs the MTP layer once per drafting pass, and its
+MoE exchanges rows too; how many passes depends on the rank's own drafting depth and
+requests. ``DraftLockstep`` matches them: before its forward a rank states the most passes
+its step can run, the group takes the largest, and after drafting each rank makes up the
+difference with empty passes through the MTP layer's MoE (an idle rank states 0 and makes
+up all of them).
+
 With EPLB (``services.eplb.engine.EngineEplb``) each rank records its experts' loads after
 every forward (zero for an idle pass) and the group re-places experts on the pool's window
 and period, moving weights layer by layer between forwards.
@@ -76,23 +83,81 @@ class EPMember:
 def idle_pass(runner: Any) -> None:
     """Enter every main-model MoE layer with zero rows, in layer order, as a forward does:
     the same all-to-alls, serving the rows the other ranks route to this rank's experts."""
-    import torch
-
-    from engine.distributed.ep import AllToAllDispatch
-
-    mc, dev, dtype = runner.model_cfg, torch.device(runner.cfg.device), runner.cfg.torch_dtype
+    for moe in runner.model.moe_layers():  # the MTP layers' too: no token of this rank was routed
+        moe.last_load.zero_()  # EPLB records zero load
+    rows = _no_rows(runner)
     with torch.inference_mode():
         for layer in runner.model.model.layers:
-            moe = layer.mlp
-            d, experts = moe.dispatch, moe.experts
-            if not isinstance(d, AllToAllDispatch):
-                raise RuntimeError(f"an idle rank needs the all-to-all dispatch, not {type(d).__name__}")
-            moe.last_load.zero_()  # no token of this rank was routed: EPLB records zero load
-            k = int(mc.num_experts_per_tok)
-            x = torch.zeros((0, mc.hidden_size), dtype=dtype, device=dev)
-            phys = torch.zeros((0, k), dtype=torch.long, device=dev)
-            weights = torch.zeros((0, k), dtype=torch.float32, device=dev)
-            d(x, phys, weights, experts)
+            _all_to_all(layer.mlp.dispatch)(*rows, layer.mlp.experts)
+
+
+def _no_rows(runner: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """An MoE exchange's inputs with zero rows: (x, physical experts, weights)."""
+    mc, dev, dtype = runner.model_cfg, torch.device(runner.cfg.device), runner.cfg.torch_dtype
+    k = int(mc.num_experts_per_tok)
+    return (
+        torch.zeros((0, mc.hidden_size), dtype=dtype, device=dev),
+        torch.zeros((0, k), dtype=torch.long, device=dev),
+        torch.zeros((0, k), dtype=torch.float32, device=dev),
+    )
+
+
+def _all_to_all(dispatch: Any) -> Any:
+    from engine.distributed.ep import AllToAllDispatch
+
+    if not isinstance(dispatch, AllToAllDispatch):
+        raise RuntimeError(f"an idle rank needs the all-to-all dispatch, not {type(dispatch).__name__}")
+    return dispatch
+
+
+class DraftLockstep:
+    """An EP rank's MTP-layer passes matched with its group's (the module doc).
+
+    Installed on the drafter's MTP MoE, it counts the passes the rank's own step runs.
+    `agree` (before the step's forward, every rank, an idle one with 0) takes the group's
+    largest bound; a pass beyond it raises before it exchanges anything (a bound that was
+    too low is a bug, and a rank waiting on a collective nobody else calls would only
+    time out); `pad` (after the step's drafting) runs the passes the rank did not, with
+    zero rows of its own."""
+
+    def __init__(self, runner: Any, moe: Any, group: Any) -> None:
+        """``moe``: the drafting MTP layer's MoE, whose dispatch is the group's all-to-all.
+        Keeps no reference to ``moe`` or ``runner`` (``moe`` holds this object's counting
+        dispatch): no cycle keeps the process group alive past the engine."""
+        self.group = group
+        self._dispatch = _all_to_all(moe.dispatch)
+        self._experts = moe.experts
+        self._rows = _no_rows(runner)
+        moe.dispatch = self._counted
+        self._bound = torch.zeros(1, dtype=torch.int32, device=torch.device(runner.cfg.device))
+        self.agreed = 0  # this step's passes: the most any rank of the group may run
+        self.ran = 0  # of them, this rank's own so far
+        self.padded = 0  # empty passes run to match the group, in all
+
+    def _counted(self, *args: Any, **kwargs: Any) -> Any:
+        if self.ran >= self.agreed:
+            raise RuntimeError(
+                f"an MTP pass beyond the {self.agreed} the EP group agreed for this step: "
+                "its bound (Speculation.pass_bound) is too low"
+            )
+        self.ran += 1
+        return self._dispatch(*args, **kwargs)
+
+    def agree(self, bound: int) -> int:
+        """The group's most MTP passes this step (one collective, every rank calls it)."""
+        self._bound[0] = bound
+        dist.all_reduce(self._bound, op=dist.ReduceOp.MAX, group=self.group)
+        self.agreed, self.ran = int(self._bound.item()), 0
+        return self.agreed
+
+    def pad(self) -> None:
+        """Run the agreed passes this rank's step did not, with zero rows of its own."""
+        missing = self.agreed - self.ran
+        with torch.inference_mode():
+            for _ in range(missing):
+                self._dispatch(*self._rows, self._experts)
+        self.padded += missing
+        self.agreed = self.ran = 0
 
 
 class Lockstep:
@@ -121,7 +186,12 @@ class Lockstep:
         outputs = self.core.step() if self.core.will_forward() else self.core.housekeeping()
         ran = runner.forwards - before
         if ran == 0:
+            drafts = self.core.executor.speculation.lockstep
+            if drafts is not None:  # the busy ranks agree on their MTP passes before their forward
+                drafts.agree(0)
             idle_pass(runner)
+            if drafts is not None:
+                drafts.pad()
             self.idle_passes += 1
         elif ran > 1:
             raise RuntimeError(f"an engine step ran {ran} forwards; EP lockstep needs one per step")

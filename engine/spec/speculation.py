@@ -24,6 +24,7 @@ from engine.step_state import SamplingState
 from engine.structured.grammar import GrammarError
 
 if TYPE_CHECKING:
+    from engine.distributed.lockstep import DraftLockstep
     from engine.executor import LogitsRunner
 
 # the executor's host sampler (`ModelExecutor._sample`): (request id, logits row on the host or
@@ -53,6 +54,8 @@ class Speculation:
         self._failed = failed  # request id -> why its grammar failed
         # per request: (first position whose MTP window entry is valid, next position to write)
         self._mtp: dict[str, tuple[int, int]] = {}
+        # an EP rank's: its MTP passes matched with its group's (`engine.distributed.lockstep`)
+        self.lockstep: DraftLockstep | None = None
 
     def forget(self, rid: str) -> None:
         """Drop a finished request's MTP window record."""
@@ -64,6 +67,15 @@ class Speculation:
         if self.drafter is None:
             return 0
         return out.draft_depth if out.draft_depth >= 0 else self.num_drafts
+
+    def pass_bound(self, out: SchedulerOutput) -> int:
+        """The most MTP-layer passes `draft` runs after ``out``: one per draft of the deepest
+        chain, none when it drafts nothing; with drafting graphs, a prompt's run beside
+        decodes drafts as a second chain (`Drafter.draft`)."""
+        depth = self.draft_depth(out)
+        if depth == 0 or self.drafter is None:
+            return 0
+        return depth * (2 if self.drafter.graphs is not None else 1)
 
     @staticmethod
     def stage(runner: LogitsRunner, out: SchedulerOutput) -> Any:

@@ -296,13 +296,17 @@ class EngineThread:
         self._resolve(added, None)
 
     def _eplb_stats(self) -> dict[str, float]:
-        """EP and EPLB counters of a rank: forwards (idle ones apart), layers re-placed, and
-        the last window's load imbalance (max/mean over ranks, mean over layers) under the
-        placement that served it and under the one planned from it."""
+        """EP and EPLB counters of a rank: forwards (idle ones apart), the empty MTP passes
+        that matched the group's drafting (speculating ranks), layers re-placed, and the last
+        window's load imbalance (max/mean over ranks, mean over layers) under the placement
+        that served it and under the one planned from it."""
         ls = self.lockstep
         if ls is None:
             return {}
         out = {"ep_forwards": float(ls.forwards), "ep_idle_passes": float(ls.idle_passes)}
+        drafts = ls.core.executor.speculation.lockstep
+        if drafts is not None:
+            out["ep_empty_mtp_passes"] = float(drafts.padded)
         if ls.eplb is not None:
             out["eplb_layers_moved"] = float(ls.eplb.runner.layers_moved)
             last = ls.eplb.runner.controller.last_imbalance

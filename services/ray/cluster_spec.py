@@ -134,7 +134,8 @@ class DecodePoolSpec(PoolSpec):
     eplb: EplbSpec = Field(default_factory=_decode_eplb)
     max_running_requests: int = Field(default=256, ge=1)
     # speculative decoding in the decode engines (EngineConfig.speculative: "dspark",
-    # "dspark-lagged", "fixed-K[:N]"); None: off. Needs expert_parallel 1.
+    # "dspark-lagged", "fixed-K[:N]"); None: off. Each EP rank chooses its own drafts; their
+    # MTP passes are matched (engine.distributed.lockstep.DraftLockstep).
     speculative: str | None = None
 
     @model_validator(mode="after")
@@ -143,11 +144,6 @@ class DecodePoolSpec(PoolSpec):
             from engine.spec.policy import SpecConfig
 
             SpecConfig.parse(self.speculative)
-            if self.expert_parallel > 1:
-                raise ValueError(
-                    "decode.speculative needs expert_parallel 1: an EP group's ranks run their MoE "
-                    "all-to-all in lockstep, and their drafting passes differ from rank to rank"
-                )
         return self
 
 

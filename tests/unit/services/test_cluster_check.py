@@ -58,6 +58,10 @@ def test_example_shapes():
     ds = derive(load_cluster_spec(ROOT / EXAMPLES[2]))
     assert (ds.prefill.layout.gpus, ds.decode.layout.gpus) == (64, 64)
     assert 4 <= ds.prefill.layout.expert_parallel <= 8 and ds.decode.layout.expert_parallel == 64
+    assert ds.decode.engine["speculative"] == "dspark"  # in an EP 64 decode instance: each rank's engine
+    from engine.engine_config import EngineConfig
+
+    assert EngineConfig(model=str(TRAINED), speculative="dspark", ep_size=2, ep_rank=1).spec is not None
     local = derive(load_cluster_spec(ROOT / EXAMPLES[3]))
     assert (local.prefill.layout.ranks, local.decode.layout.ranks) == (1, 1)  # one engine each, EP 1
     assert local.store.directory == "" and "a Redis started on loopback" in local.store.describe()
@@ -84,7 +88,6 @@ def test_example_shapes():
         ("{mode: two-datacenters, decode: {datacenter: b}}", "set redis_url"),
         ("decode: {replicas: 0}", "decode.replicas must be >= 1"),
         ("decode: {speculative: medusa}", "speculative policy 'medusa' unknown"),
-        ("decode: {speculative: dspark, expert_parallel: 2}", "decode.speculative needs expert_parallel 1"),
     ],
 )
 def test_a_broken_spec_exits_2_saying_what_to_fix(capsys, tmp_path, text, needle):
