@@ -12,14 +12,16 @@ from pathlib import Path
 import torch
 
 
-def heldout_prompts(model_dir: str | Path, n: int, length: int) -> list[list[int]]:
+def heldout_prompts(model_dir: str | Path, n: int, length: int, phase: float = 0.0) -> list[list[int]]:
     """``n`` prompts of ``length`` ids from the held-out split of this interpreter's stdlib.
 
     The stream is built as ``sluice train data`` builds ``heldout.bin``: each held-out file's ids
     (the checkpoint's ``tokenizer.json``, no special tokens) followed by EOS, files in manifest
     (sorted path) order. Prompt ``k`` is ``[BOS] + stream[s_k : s_k + length - 1]`` with
-    ``s_k = min(floor(k * m / (n - 1)), m - 1)``, ``m = len(stream) - length + 1``: starts evenly
-    spread over the whole stream (windows overlap once ``n * length`` exceeds it)."""
+    ``s_k = min(floor((k + phase) * m / (n - 1)), m - 1)``, ``m = len(stream) - length + 1``:
+    starts evenly spread over the whole stream (windows overlap once ``n * length`` exceeds it).
+    ``phase`` in [0, 1) moves every start by that share of the spacing: another sample of the
+    same text, as evenly spread."""
     import json
 
     from tokenizers import Tokenizer
@@ -38,7 +40,10 @@ def heldout_prompts(model_dir: str | Path, n: int, length: int) -> list[list[int
     span = len(stream) - (length - 1)
     if n < 1 or span < 1:
         raise ValueError(f"the held-out stream has {len(stream)} ids: too short for {n} prompts of {length}")
-    starts = [0] if n == 1 else [k * span // (n - 1) for k in range(n)]
+    if not 0.0 <= phase < 1.0:
+        raise ValueError(f"phase must be in [0, 1), got {phase}")
+    shift = round(phase * span)
+    starts = [shift] if n == 1 else [(k * span + shift) // (n - 1) for k in range(n)]
     return [[bos, *stream[s : s + length - 1]] for s in [min(s, span - 1) for s in starts]]
 
 

@@ -16,6 +16,10 @@ replays are captured before it, repeated (up to 3 rounds) until a round captures
 that captured them are left out of the throughputs, counted in ``capture_steps_timed`` and
 ``capture_seconds_timed``: a serving engine captures a shape once in its life, and the bench
 measures its steady state).
+The windows are drawn once, for the largest concurrency (``M x c``), and each concurrency takes
+the first of them, so a figure at 60 requests depends on the largest concurrency run beside it;
+``--prompt-phase F`` moves every window by a share of their spacing, another sample of the
+text, to see how much a figure owes to the prompts drawn.
 Reported per run:
 
 * **verified per step**: drafts put into verification per step, summed over the batch;
@@ -108,6 +112,13 @@ def _at_least_one(text: str) -> int:
     return value
 
 
+def _phase(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1), got {value}")
+    return value
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model", default="models/trained", help="checkpoint with an MTP layer (default the trained preset)"
@@ -117,6 +128,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--tokens", type=int, default=48, help="tokens generated per request (default 48)")
     p.add_argument("--prompt-tokens", type=int, default=256, help="held-out prompt length (default 256)")
+    p.add_argument(
+        "--prompt-phase", type=_phase, default=0.0, metavar="F",
+        help="move every held-out window's start by F (0 <= F < 1) of the spacing between windows: "
+        "another sample of the same text, to see how much the figures owe to the prompts drawn (default 0)",
+    )  # fmt: skip
     p.add_argument("--profile-steps", type=int, default=8, help="timed steps per profile cell (default 8)")
     p.add_argument("--policies", default=",".join(POLICIES), help="policies to run")
     p.add_argument(
@@ -257,7 +273,10 @@ def run(args: argparse.Namespace) -> Report:
         return width_profile(args, report, engine_kwargs)
     profile, priced, replay_profiles = _profiles(args, report, model, conc, engine_kwargs, t_start)
     period = phase_period(model)  # prompt k is k mod period ids shorter: no lockstep (`staggered`)
-    prompts_all = staggered(heldout_prompts(model, max(conc) * per_slot, args.prompt_tokens), period)
+    prompts_all = staggered(
+        heldout_prompts(model, max(conc) * per_slot, args.prompt_tokens, args.prompt_phase), period
+    )
+    report.config["prompt_phase"] = args.prompt_phase
     report.config["prompt_lengths"] = f"{args.prompt_tokens} - (k mod {period}) for prompt k"
     report.config["output_lengths"] = f"{args.tokens} - (k mod {args.finish_spread}) for request k"
     with tempfile.TemporaryDirectory(prefix="sluice-bench-spec-") as tmp:

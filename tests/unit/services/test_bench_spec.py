@@ -3,6 +3,7 @@ recorded steps; and the step accounting of its runs (`_run`) on the trained pres
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import pytest
@@ -321,3 +322,25 @@ def test_the_targets_are_declared_as_the_issue_states_them() -> None:
     report = Report("spec", {})
     declare_targets(report, 60, _runs(none=100.0))  # no DSpark run: nothing to judge
     assert report.targets == []
+
+
+def test_a_prompt_phase_draws_other_windows_of_the_same_text_and_zero_keeps_them() -> None:
+    """``--prompt-phase``: 0 gives the windows drawn before it existed; 0.5 moves each start
+    by half the spacing (prompt 0 no longer starts the stream), the same lengths; out of
+    [0, 1) is refused."""
+    from engine.prompts import heldout_prompts
+
+    base = heldout_prompts(TRAINED, 6, 40)
+    assert heldout_prompts(TRAINED, 6, 40, 0.0) == base
+    moved = heldout_prompts(TRAINED, 6, 40, 0.5)
+    assert [len(p) for p in moved] == [len(p) for p in base] == [40] * 6
+    assert all(a != b for a, b in zip(moved[:-1], base[:-1]))
+    for bad in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="phase"):
+            heldout_prompts(TRAINED, 6, 40, bad)
+    with pytest.raises(SystemExit):
+        from services.bench.spec import add_arguments
+
+        p = argparse.ArgumentParser()
+        add_arguments(p)
+        p.parse_args(["--prompt-phase", "1.5"])
