@@ -19,12 +19,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from engine.llm import LLM
 from engine.prompts import heldout_prompts
 from engine.sampling.params import SamplingParams
 from engine.spec.profile import SpecProfile
+from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.integration  # ~40 s on 2 cores
 
@@ -105,22 +105,8 @@ def _worker(rank: int, store_path: str, out_dir: str) -> None:
 
 
 def test_ep_ranks_speculating_with_their_own_policies_give_plain_decodings_tokens(tmp_path: Path) -> None:
-    from engine.distributed.rendezvous import rendezvous_file
-
     _steep_profile(tmp_path / "steep.json")
-    store = rendezvous_file()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, store.path, str(tmp_path))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    store.close()
-    assert codes == [0] * WORLD, f"EP ranks exited with {codes}"
+    run_ranks(_worker, WORLD, str(tmp_path), timeout_s=300)
     ranks = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
     plain = LLM(MODEL, max_num_seqs=4)

@@ -15,12 +15,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from engine.distributed.rendezvous import join_group, rendezvous_file
+from engine.distributed.rendezvous import join_group
 from engine.runner import ModelRunner, RunnerConfig
 from services.eplb.controller import EplbConfig
 from services.eplb.engine import EngineEplb, MoEExpertStore, greedy_generate, initial_placement
+from tests.ranks import run_ranks
 
 pytestmark = pytest.mark.integration
 
@@ -83,19 +83,7 @@ def ep_run(checkpoint_factory, tmp_path_factory) -> tuple[Path, Path, list[dict]
     """Both modes on 2 gloo ranks (one spawn); -> (checkpoint, output dir, per-rank results)."""
     path = checkpoint_factory("tiny", seed=3)
     out_dir = tmp_path_factory.mktemp("eplb-engine")
-    ctx = mp.get_context("spawn")
-    store = rendezvous_file()  # the ranks' rendezvous, held until they are done
-    procs = [ctx.Process(target=_worker, args=(r, store.path, str(path), str(out_dir))) for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=180)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-            p.join()
-    assert codes == [0] * WORLD, f"EP workers exited with {codes}"
+    run_ranks(_worker, WORLD, str(path), str(out_dir), timeout_s=180)
     return path, out_dir, [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 

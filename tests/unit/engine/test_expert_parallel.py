@@ -18,6 +18,7 @@ from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.model.experts import Experts
 from engine.model.moe import ExpertPlacement, local_dispatch
 from engine.runner import ModelRunner, RunnerConfig
+from tests.ranks import run_ranks
 
 NAME = "mixed_hc2"
 
@@ -48,7 +49,7 @@ def _placement(world: int, replicated: bool, rank: int) -> ExpertPlacement | Non
 
 
 def _worker(
-    rank: int, world: int, rendezvous: str, path: str, out_dir: str, replicated: bool = False
+    rank: int, rendezvous: str, world: int, path: str, out_dir: str, replicated: bool = False
 ) -> None:
     import torch.distributed as dist
 
@@ -77,21 +78,7 @@ def test_expert_parallel_matches_single_rank(reference, tmp_path: Path, world: i
     """Each rank runs its own sequence (DP attention); replicated = EPLB-style redundant experts."""
     path, _ = reference(NAME)
     single = ModelRunner(path, RunnerConfig(num_blocks=2, num_slots=1))
-    ctx = mp.get_context("spawn")
-    store = rendezvous_file()  # the ranks' rendezvous, held until they are done
-    procs = [
-        ctx.Process(target=_worker, args=(r, world, store.path, str(path), str(tmp_path), replicated))
-        for r in range(world)
-    ]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=240)
-    codes = [p.exitcode for p in procs]
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    assert codes == [0] * world, f"EP workers exited with {codes}"
+    run_ranks(_worker, world, world, str(path), str(tmp_path), replicated, timeout_s=240)
     for rank in range(world):
         got = load_file(str(tmp_path / f"rank{rank}.safetensors"))
         want, load = _steps(single, rank)
