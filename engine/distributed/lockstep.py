@@ -103,10 +103,14 @@ def _no_rows(runner: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _all_to_all(dispatch: Any) -> Any:
+    """``dispatch``, checked to be the group's all-to-all: an exchange with zero rows of this
+    rank's only makes sense there."""
     from engine.distributed.ep import AllToAllDispatch
 
     if not isinstance(dispatch, AllToAllDispatch):
-        raise RuntimeError(f"an idle rank needs the all-to-all dispatch, not {type(dispatch).__name__}")
+        raise RuntimeError(
+            f"an empty MoE exchange needs the all-to-all dispatch, not {type(dispatch).__name__}"
+        )
     return dispatch
 
 
