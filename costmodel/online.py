@@ -2,7 +2,7 @@
 
 ``DecodeCostModel.fit`` fits ``d0 + d1*B + d2*K`` to a profiled table by least squares on
 relative error: each sample ``(B, K, t)`` is a row ``z = (1, B, K) / t`` with target 1. The
-same fit over the plain decode steps an engine serves needs only the sufficient statistics
+same fit over the decode steps an engine serves needs only the sufficient statistics
 of those rows, ``DecodeStepSums``:
 
     W = sum w,   A = sum w z z^T  (3 x 3),   b = sum w z,   and sum w t, sum w B, sum w K
@@ -75,7 +75,7 @@ class DecodeStepSums:
             raise ValueError(f"half_life must be > 0 steps, got {self.half_life!r}")
 
     def add(self, batch: int, kv_tokens: int, seconds: float) -> None:
-        """One plain decode step: ``batch`` sequences reading ``kv_tokens`` KV tokens took
+        """One decode step: ``batch`` sequences reading ``kv_tokens`` KV tokens took
         ``seconds``. A step that cannot be a measurement (no sequence, no time) is ignored."""
         if batch < 1 or kv_tokens < 0 or not (seconds > 0) or not math.isfinite(seconds):
             return

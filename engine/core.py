@@ -96,7 +96,7 @@ class EngineCore:
             from engine.distributed.lockstep import DraftLockstep
 
             self.executor.speculation.lockstep = DraftLockstep(self.runner, drafter.layer.mlp, ep_group)
-        self.observer = StepObserver(self.runner, self.executor, self.spec, cfg.overlaps_steps)
+        self.observer = StepObserver(self.runner, self.spec, cfg.overlaps_steps)
         # a speculating step's drafts and verified tokens are the next step's input: it
         # overlaps only steps that neither drafted nor verified (speculation off)
         self.loop = EngineLoop(
@@ -122,7 +122,8 @@ class EngineCore:
 
     @property
     def decode_steps(self) -> DecodeStepSums:
-        """The plain decode steps this engine ran, summed for the router's decode cost model."""
+        """The decode steps this engine ran (`StepObserver.observe`), summed for the router's
+        decode cost model."""
         return self.observer.decode_steps
 
     @property

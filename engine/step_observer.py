@@ -1,8 +1,9 @@
 """What the steps an engine executes tell its cost models (no torch).
 
-Two listeners: the router's decode cost model (``costmodel.online``), which fits the plain
-decode steps an engine serves, and a DSpark speculation policy with measured costs, which
-times the steps it chose against its profile (``SpecPolicy.observe_seconds``).
+Two listeners: the router's decode cost model (``costmodel.online``), which fits the decode
+steps an engine serves (speculating ones included: `StepObserver.observe`), and a DSpark
+speculation policy with measured costs, which times the steps it chose against its profile
+(``SpecPolicy.observe_seconds``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from engine.spec.costs import PLAIN, SPECULATING
 from engine.spec.policy import SpecPolicy
 
 if TYPE_CHECKING:
-    from engine.executor import ModelExecutor
     from engine.runner import ModelRunner
 
 
@@ -26,13 +26,10 @@ class StepObserver:
     timing. ``observe`` is the loop's ``on_step`` and runs on the executing thread; ``start``,
     ``finish`` and the stats run on the driving one, which sums what ``observe`` noted."""
 
-    def __init__(
-        self, runner: ModelRunner, executor: ModelExecutor, spec: SpecPolicy | None, overlaps_steps: bool
-    ) -> None:
+    def __init__(self, runner: ModelRunner, spec: SpecPolicy | None, overlaps_steps: bool) -> None:
         self.runner = runner
-        self.executor = executor
         self.spec = spec
-        # the plain decode steps this engine runs, for the router's decode cost model
+        # the decode steps this engine runs, for the router's decode cost model
         # (costmodel.online): noted on the executing thread, summed on the driving one
         self.decode_steps = DecodeStepSums()
         self.decode_steps_extra = self.decode_steps.to_extra()  # replaced whole: read by stats()
@@ -59,11 +56,19 @@ class StepObserver:
         self._sum_decode_steps()
 
     def observe(self, out: SchedulerOutput, seconds: float) -> None:
-        """Note ``out`` if it is a plain decode step: every sequence computes one token and
-        samples the next, nothing is drafted, and nothing but the forward pass and sampling
-        ran in it (no cache loads, slot saves or fork copies, no CUDA graph captured).
-        Its batch, the KV tokens it read (those in the caches before it, as the profiled
-        step tables count them) and its seconds are what the decode cost model fits."""
+        """Note ``out`` if it is a decode step: every sequence computes the token it sampled
+        last (and, speculating, the drafts it verifies) and samples the next, and nothing
+        but the forward pass, sampling and drafting ran in it (no cache loads, slot saves or
+        fork copies, no CUDA graph captured). Its batch (sequences, not tokens), the KV
+        tokens it read (those in the caches before it, as the profiled step tables count
+        them) and its seconds are what the decode cost model fits.
+
+        A speculating engine's steps count whole, its verified drafts and drafting passes
+        included: the router places sequences, so a sequence's share of a step (``d1``) is
+        what the 2D balancer weighs, and on a speculating engine that share holds the drafts
+        it verifies. Its steps then fit that engine's own costs, which a plain-decode step
+        table priced low; an engine that turns speculation off on some steps (DSpark) adds
+        both kinds, in the mix its policy chose at each load."""
         graphs = self.runner.graphs
         captures = graphs.captures if graphs is not None else 0
         captured, self._graph_captures = captures != self._graph_captures, captures
@@ -73,9 +78,9 @@ class StepObserver:
         # the next call, so its verdict lands there; the steps either side of it are mostly
         # of its kind, and the policy takes a median over many)
         self._step_clean = self._step_clean and decoding and not captured and not moved
-        if captured or not out.seqs or self.executor.draft_depth(out) > 0 or moved:
+        if captured or not out.seqs or moved:
             return
-        if any(s.num_new != 1 or s.num_drafts or not s.sample for s in out.seqs):
+        if any(s.num_new != 1 + s.num_drafts or not s.sample for s in out.seqs):
             return
         self._new_decode_steps.append((len(out.seqs), sum(s.start_pos for s in out.seqs), seconds))
 

@@ -8,7 +8,7 @@ is done (backpressure), and the policy picks again among the rest. All refusing 
 
 The balancer's decode cost model (``d0 + d1*B + d2*K``; the 2D rule reads only its
 crossover length ``d1 / d2``) starts from the one fitted to the step table measured beside
-the checkpoint, or the default, and the set refits it to the plain decode steps the
+the checkpoint, or the default, and the set refits it to the decode steps the
 engines have run and push with their loads (``costmodel.online``):
 
 * **With a measured table**, placement uses the table's fit refitted with its ``d2`` kept:

@@ -353,7 +353,7 @@ def merge_decode_stats(front: EngineStats, per: list[EngineStats]) -> EngineStat
 
 def _decode_cost_families(decode: DecodeSet) -> Iterator[Any]:
     """The decode balancer's step-time model (``DecodeSet``), its prior refitted whole to the
-    plain decode steps the engines served (``costmodel.online``), and how well each predicts
+    decode steps the engines served (``costmodel.online``), and how well each predicts
     those steps."""
     from prometheus_client.core import GaugeMetricFamily
 

@@ -8,19 +8,21 @@ matches the other's MTP passes with empty ones. A sequence arrives in the decode
 handoff, without the MTP layer's window for its prompt (the drafter starts its window at the
 handoff point), so its drafts may be worse; its tokens may not differ: greedy and seeded
 answers equal plain decoding's offline, and ``/metrics`` shows the drafts verified and
-accepted in the pool.
+accepted in the pool, and the decode balancer's cost model refitted to the verifying steps.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
+import httpx
+import openai
 import pytest
 
 from engine import LLM
 from engine.checkpoint.presets import SHIPPED
 from services.ray.serving import PoolConfig, RayServingClient
-from tests.integration.ray.conftest import served
+from tests.integration.ray.conftest import served, wait_until
 from tests.integration.speculation import assert_chats_equal_plain, spec_counts
 
 pytestmark = pytest.mark.integration  # ~25 s on 2 cores
@@ -60,3 +62,18 @@ def test_a_speculating_decode_pool_answers_as_plain_decoding(stack, plain):
     # the rank without a request ran the other's MTP passes empty: the group stayed in step
     empty = [r.stats().extra.get("ep_empty_mtp_passes", 0.0) for r in client.decode.replicas]
     assert len(empty) == 2 and sum(empty) > 0, empty
+
+
+def test_the_decode_balancer_refits_to_the_verifying_steps(stack):
+    """Every decode step of this pool drafts, and all but a sequence's first verify drafts;
+    they are the steps the router's decode cost model is refitted to
+    (`StepObserver.observe`), so its refit is not left at the prior."""
+    from costmodel.online import DecodeStepSums
+
+    url, client = stack
+    chat = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", timeout=120, max_retries=0)
+    chat.chat.completions.create(model="deepseek-chat", messages=MESSAGES, max_tokens=16, temperature=0.0)
+    wait_until(lambda: sum(DecodeStepSums.from_extra(r.stats().extra).w for r in client.decode.replicas) > 0)
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    refit = [ln for ln in text.splitlines() if ln.startswith("sluice_decode_cost_refit_steps")]
+    assert len(refit) == 1 and float(refit[0].split()[1]) > 0, refit

@@ -1,5 +1,6 @@
 """What `EngineCore.stats` reports to the routers: sequences waiting for admission count
-with the KV they will hold (`waiting_tokens`), apart from what running ones hold."""
+with the KV they will hold (`waiting_tokens`), apart from what running ones hold; and the
+decode steps it ran, speculating or not, summed for the decode cost model."""
 
 from __future__ import annotations
 
@@ -65,5 +66,31 @@ def test_plain_decode_steps_are_summed_for_the_routers_decode_cost_model(checkpo
         best_constant = DecodeCostModel(d0=sums.b[0] / sums.a[0, 0], d1=0.0, d2=0.0)
         loose = posterior(default, sums, prior_rel_sd=1e3)
         assert sums.rel_rmse(loose) <= sums.rel_rmse(best_constant) * (1 + 1e-6)
+    finally:
+        core.close()
+
+
+def test_speculating_steps_are_summed_whole_per_sequence() -> None:
+    """A speculating engine's decode steps (drafting, and verifying the drafts of the step
+    before) are in the sums too, whole and counted in sequences: a sequence's share of a
+    step, which the router's 2D rule weighs, holds the drafts it verifies."""
+    from costmodel.online import DecodeStepSums
+    from engine.checkpoint.presets import SHIPPED
+
+    core = EngineCore(EngineConfig(model=str(SHIPPED["trained"]), max_num_seqs=4, speculative="fixed-3"))
+    try:
+        prompt = tuple(range(100, 160))
+        core.add(CoreRequest("one", prompt, SamplingParams(max_tokens=24, ignore_eos=True)))
+        while core.has_work():
+            core.step()
+        stats = list(core.loop.stats)
+        decode = [s for s in stats if s.prompt_tokens == 0 and s.decode_tokens + s.prefill_tokens > 0]
+        verifying = [s for s in decode if s.prefill_tokens > 0]  # a row of 1 + drafts tokens
+        assert verifying and len(decode) < len(stats)
+        sums = DecodeStepSums.from_extra(core.stats().extra)
+        assert sums.w == pytest.approx(len(decode), rel=0.01)
+        assert sums.batch == pytest.approx(len(decode), rel=0.01)  # one sequence a step, however many tokens
+        assert sum(s.decode_tokens + s.prefill_tokens for s in decode) > len(decode)
+        assert sums.t == pytest.approx(sum(s.seconds for s in decode), rel=0.01)
     finally:
         core.close()
