@@ -241,6 +241,7 @@ def measure_width_profiles(
     batches: Sequence[int] = (1, 8, 16, 32, 64, 128),
     seed: int = 0,
     progress: Callable[[str], None] | None = None,
+    ep: int = 1,
     **kwargs: Any,
 ) -> dict[int, SpecProfile]:
     """`measure_spec_profile` of a generated preset's widths (flash-shape: DeepSeek-V4-Flash's)
@@ -249,22 +250,57 @@ def measure_width_profiles(
     accept almost no drafts, so the MTP layer's first pass runs over one row per request (a
     trained model's runs over 1 + its accepted drafts); the verification forward, which DSpark
     trades against, is priced exactly. `engine.spec.profile.extrapolate_layers` takes two of
-    them to the model's real depth. The depths' rounds are interleaved (`measure_spec_profiles`)."""
+    them to the model's real depth. The depths' rounds are interleaved (`measure_spec_profiles`).
+
+    ``ep`` > 1: the compute of one rank of an expert-parallel instance of ``ep`` ranks
+    (`rank_experts`): the rank's share of the routed experts, every layer's (the MTP layer's
+    too), receiving its own tokens' rows, as a balanced exchange gives it; the exchange itself
+    is not timed."""
     from engine.checkpoint.generate import write_config_dir
 
+    overrides, rank = {}, {}
+    if ep > 1:
+        overrides = {"n_routed_experts": rank_experts(preset, ep)}
+        rank = {"ep": ep, "experts_per_rank": overrides["n_routed_experts"], "exchange": "not timed"}
     models = {
-        depth: write_config_dir(preset, Path(work_dir) / f"{preset}-{depth}l", seed, num_hidden_layers=depth)
+        depth: write_config_dir(
+            preset, Path(work_dir) / f"{preset}-{depth}l", seed, num_hidden_layers=depth, **overrides
+        )
         for depth in depths
     }
+    where = "" if ep == 1 else f" (one EP {ep} rank's compute)"
 
     def say(depth: int, msg: str) -> None:
         if progress is not None:
-            progress(f"{preset} x {depth} layers: {msg}")
+            progress(f"{preset} x {depth} layers{where}: {msg}")
 
     measured = measure_spec_profiles(models, batches, seed=seed, say=say, random_weights=seed, **kwargs)
     return {
         depth: replace(
-            p, meta={**p.meta, "preset": preset, "layers": depth, "weights": f"random, seed {seed}"}
+            p, meta={**p.meta, "preset": preset, "layers": depth, "weights": f"random, seed {seed}", **rank}
         )
         for depth, p in measured.items()
     }
+
+
+def rank_experts(preset: str, ep: int) -> int:
+    """The routed experts one rank of an EP ``ep`` instance of ``preset`` holds, as a model of
+    that many experts that times the rank's compute on one device: a balanced exchange brings
+    a rank as many rows as its own tokens send out (``tokens x top-k``), spread over its
+    ``E / ep`` experts, which is what a model of ``E / ep`` experts routing the same tokens
+    computes. Its top-k must still name distinct experts, so ``E / ep >= top-k`` (flash-shape:
+    256 experts, top-6, so EP 32 at most: 8 a rank; at EP 64 a rank's rows are the same and
+    its experts' weights half as many)."""
+    from engine.checkpoint.presets import PRESETS
+
+    cfg = PRESETS[preset]
+    experts, top_k = int(cfg["n_routed_experts"]), int(cfg["num_experts_per_tok"])
+    if ep < 1 or experts % ep:
+        raise ValueError(f"EP {ep} does not divide {preset}'s {experts} routed experts")
+    if experts // ep < top_k:
+        most = max(n for n in range(1, experts + 1) if experts % n == 0 and experts // n >= top_k)
+        raise ValueError(
+            f"one rank of EP {ep} holds {experts // ep} of {preset}'s {experts} experts, fewer than the "
+            f"{top_k} each token is routed to, so one device cannot stand for it; EP {most} at most"
+        )
+    return experts // ep

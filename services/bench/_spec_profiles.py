@@ -60,10 +60,13 @@ def width_profile(args: argparse.Namespace, report: Report, engine_kwargs: dict[
 
     t0 = time.perf_counter()
     pairs: list[tuple[int, SpecProfile]] = []
-    presets, devices = [], []
+    # what measurements fitted together must share: the widths, and the EP size whose one
+    # rank they time (1: the whole model on one device)
+    presets: list[tuple[str, int]] = []
+    devices: list[str] = []
     for path in [f for f in (args.width_from or "").split(",") if f.strip()]:
         earlier = json.loads(Path(path).read_text())
-        presets.append(earlier["config"]["width_profile"])
+        presets.append((earlier["config"]["width_profile"], int(earlier["config"].get("width_ep", 1))))
         devices.append(earlier["results"]["profile"]["meta"].get("device", "?"))
         for key, table in earlier["results"].items():
             if m := re.fullmatch(r"measured_(\d+)_layers(_\d+)?", key):
@@ -74,21 +77,25 @@ def width_profile(args: argparse.Namespace, report: Report, engine_kwargs: dict[
         with tempfile.TemporaryDirectory(prefix="sluice-width-profile-") as tmp:
             measured = measure_width_profiles(
                 args.width_profile, depths, tmp, batches, prompt_tokens=args.prompt_tokens,
-                steps=args.profile_steps, rounds=args.width_rounds, progress=progress,
+                steps=args.profile_steps, rounds=args.width_rounds, progress=progress, ep=args.width_ep,
                 device=engine_kwargs["device"], dtype=engine_kwargs["dtype"],
             )  # fmt: skip
         pairs += sorted(measured.items())
-        presets.append(args.width_profile)
+        presets.append((args.width_profile, args.width_ep))
         devices.append(device_name(args.device))
     if len(set(presets)) != 1:
         raise SystemExit(
-            f"--width-from and --width-profile must be one preset's widths, not {sorted(set(presets))}"
+            "--width-from and --width-profile must be one preset's widths on one EP rank shape, not "
+            f"{sorted(set(presets))}"
         )
+    preset, ep = presets[0]
     pairs.sort(key=lambda dp: dp[0])  # stable: each depth's measurements in the order read
     profile = extrapolate_layers(pairs, args.width_layers)
-    profile.meta.update(preset=presets[0], layers=args.width_layers, device=" + ".join(sorted(set(devices))))
+    profile.meta.update(preset=preset, layers=args.width_layers, device=" + ".join(sorted(set(devices))))
+    if ep > 1:
+        profile.meta.update(ep=ep, exchange="not timed")
     report.config.update(
-        width_profile=presets[0], depths=[d for d, _ in pairs], layers=args.width_layers,
+        width_profile=preset, width_ep=ep, depths=[d for d, _ in pairs], layers=args.width_layers,
         batches=list(profile.batch), width_from=args.width_from,
     )  # fmt: skip
     for i, (depth, p) in enumerate(pairs):  # a depth's n-th measurement: measured_<depth>_layers_<n>, n >= 2

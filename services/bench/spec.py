@@ -181,6 +181,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--width-batches", default="1,8,16,32,64,128", help="--width-profile: batch sizes")
     p.add_argument(
+        "--width-ep", type=int, default=1, metavar="N",
+        help="--width-profile: time one rank of an EP N decode instance instead of the whole model on one "
+        "device: the rank's share of the routed experts, receiving its own tokens' rows (a balanced "
+        "exchange); the exchange is not timed (engine.spec.profiling.rank_experts; default 1)",
+    )  # fmt: skip
+    p.add_argument(
         "--width-rounds", type=int, default=2,
         help="--width-profile: fresh engines per cell, the fastest kept; the rounds interleave every depth's cells (default 2: the slope is multiplied)",
     )  # fmt: skip

@@ -151,6 +151,44 @@ def test_a_width_profile_is_refitted_from_earlier_reports_without_a_device(tmp_p
     assert report.rows[1]["one draft verified ms"] == pytest.approx(want.first_verified[1] * 1e3, abs=0.01)
 
 
+def test_an_ep_rank_width_profile_times_the_rank_s_share_of_the_experts(tmp_path) -> None:
+    """``--width-profile P --width-ep N``: every depth's model holds P's routed experts / N
+    (the MTP layer's too), its report says which rank shape it timed, and a refit refuses to
+    pool it with measurements of the whole model; an EP size whose rank would hold fewer
+    experts than a token's top-k, or that does not divide them, is refused with the largest
+    one that can stand."""
+    import argparse
+    import json
+
+    from engine.spec.profiling import measure_width_profiles, rank_experts
+    from services.bench._spec_profiles import profile_table
+    from services.bench.spec import add_arguments, run
+
+    measured = measure_width_profiles("tiny", [1], tmp_path, batches=(2,), steps=2, warmup=1, rounds=1, ep=2)
+    config = json.loads((tmp_path / "tiny-1l" / "config.json").read_text())
+    assert config["n_routed_experts"] == 4 and config["num_experts_per_tok"] == 2  # tiny: 8 experts, top-2
+    assert measured[1].meta["ep"] == 2 and measured[1].meta["experts_per_rank"] == 4
+    assert measured[1].seconds[0][5] > measured[1].plain[0] > 0
+    assert rank_experts("flash-shape", 32) == 8
+    with pytest.raises(ValueError, match="EP 32 at most"):
+        rank_experts("flash-shape", 64)
+    with pytest.raises(ValueError, match="does not divide"):
+        rank_experts("tiny", 3)
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    reports = []
+    for ep in (1, 2):
+        path = tmp_path / f"ep{ep}.json"
+        path.write_text(json.dumps({
+            "config": {"width_profile": "tiny", "width_ep": ep},
+            "results": {"measured_1_layers": profile_table(measured[1], "measured"), "profile": {"meta": {}}},
+        }))  # fmt: skip
+        reports.append(str(path))
+    with pytest.raises(SystemExit, match="one EP rank shape"):
+        run(parser.parse_args(["--width-from", ",".join(reports), "--width-layers", "4"]))
+
+
 def test_a_steady_window_prices_only_its_decode_steps_at_their_batch() -> None:
     """A refilled run: the mask picks the steady steps; a step nobody decoded in (only prompts)
     has no trace step and costs nothing; untraced (plain) steps are priced at their decoders."""
