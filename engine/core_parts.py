@@ -91,9 +91,11 @@ def spec_policy(cfg: EngineConfig, runner: ModelRunner) -> SpecPolicy | None:
         raise ValueError(
             f"{spec.num_drafts} drafts per step exceed the smallest SWA ring ({min(rings)} rows)"
         )
-    if spec.profile_path:
+    if spec.profile_path:  # named: it must be there (a missing one is a misconfiguration)
         path = Path(spec.profile_path)
-    else:  # this machine's profile: a GPU's is named after its model
+        if not path.is_file():
+            raise ValueError(f"spec_profile_path {str(path)!r} is not a file (a step profile's JSON)")
+    else:  # this machine's profile, if one was measured: a GPU's is named after its model
         from engine.spec.profiling import device_steps_file
 
         path = Path(cfg.model) / device_steps_file(cfg.device)

@@ -320,6 +320,7 @@ def _decode_plan(spec: ClusterSpec, layout: PoolLayout) -> PoolPlan:
         spec.decode,
         max_num_seqs=spec.decode.max_running_requests,
         speculative=spec.decode.speculative,
+        spec_profile_path=spec.decode.spec_profile,
     )
     return PoolPlan(
         layout, MappingProxyType(fields), EplbConfig.from_cluster_spec("decode", spec.decode.eplb)

@@ -137,6 +137,11 @@ class DecodePoolSpec(PoolSpec):
     # "dspark-lagged", "fixed-K[:N]"); None: off. Each EP rank chooses its own drafts; their
     # MTP passes are matched (engine.distributed.lockstep.DraftLockstep).
     speculative: str | None = None
+    # the step profile DSpark schedules by (EngineConfig.spec_profile_path), a path on the
+    # decode hosts; None: the one measured beside the checkpoint for the engine's device. An
+    # EP rank's own (`sluice bench spec --width-profile P --width-ep N --width-out FILE`)
+    # prices a verified token by the rank's compute, not by the whole model on one card.
+    spec_profile: str | None = None
 
     @model_validator(mode="after")
     def _speculation(self) -> DecodePoolSpec:
@@ -144,6 +149,8 @@ class DecodePoolSpec(PoolSpec):
             from engine.spec.policy import SpecConfig
 
             SpecConfig.parse(self.speculative)
+        elif self.spec_profile is not None:
+            raise ValueError("decode.spec_profile is read only with decode.speculative set")
         return self
 
 

@@ -88,6 +88,7 @@ def test_example_shapes():
         ("{mode: two-datacenters, decode: {datacenter: b}}", "set redis_url"),
         ("decode: {replicas: 0}", "decode.replicas must be >= 1"),
         ("decode: {speculative: medusa}", "speculative policy 'medusa' unknown"),
+        ("decode: {spec_profile: rank.json}", "decode.spec_profile is read only with decode.speculative set"),
     ],
 )
 def test_a_broken_spec_exits_2_saying_what_to_fix(capsys, tmp_path, text, needle):
@@ -122,6 +123,7 @@ def test_derive_maps_engine_fields_into_engine_config():
                 "host_swa_format": "mxfp8",
                 "host_swa_layers": 2,
                 "speculative": "dspark",
+                "spec_profile": "/profiles/ep64_rank.json",
             },
             "swa_replay": "bounded",
         }
@@ -136,6 +138,7 @@ def test_derive_maps_engine_fields_into_engine_config():
     assert (dec.swa_replay, dec.host_swa_bytes, dec.host_swa_format) == ("bounded", 0, "mxfp8")
     assert (pre.host_swa_layers, dec.host_swa_layers) == (None, 2)
     assert (pre.speculative, dec.speculative) == (None, "dspark")
+    assert (pre.spec_profile_path, dec.spec.profile_path) == (None, "/profiles/ep64_rank.json")
     assert (pre.keep_quantized, dec.keep_quantized, dec.fp8_compute) == (False, True, "w8a16")
     assert dec.num_swa_slots >= 100  # EngineConfig needs a slot per running sequence
     assert dec.cache_event_capacity == 0

@@ -449,3 +449,13 @@ def test_speculation_off_on_evidence_keeps_probing_in_overlapped_steps(
         assert sum(name == "off" for name, _, _ in seen) >= 40, seen
     finally:
         llm.close()
+
+
+def test_a_named_step_profile_that_is_not_there_is_refused(tmp_path) -> None:
+    """A profile named in the settings (a cluster spec's ``decode.spec_profile``) must exist:
+    an engine that silently scheduled without it would run another policy than configured."""
+    from engine.core import EngineConfig, EngineCore
+
+    missing = tmp_path / "rank.json"
+    with pytest.raises(ValueError, match="spec_profile_path .*rank.json' is not a file"):
+        EngineCore(EngineConfig(model=str(MODEL), speculative="dspark", spec_profile_path=str(missing)))
