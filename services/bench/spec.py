@@ -66,7 +66,9 @@ head's quality from the cost regime that decides whether selection runs at all.
 **Another machine's costs** (``--priced-by FILE``). A step profile measured elsewhere, for
 example at DeepSeek-V4-Flash's widths on a GPU (``--width-profile flash-shape --device cuda``:
 `engine.spec.profiling.measure_width_profiles` at two or more depths, `extrapolate_layers` to
-43 by least squares; ``--width-from`` refits earlier runs' measurements together).
+43 by least squares; ``--width-from`` refits earlier runs' measurements together;
+``--width-ep N`` times one rank of an EP N decode instance instead, its share of the routed
+experts receiving its own tokens' rows, the exchange not timed).
 DSpark's engines then schedule by it, so their measured verified drafts and accepted lengths
 are what DSpark chooses under those costs; every run's decode steps are priced by it (each
 step at its batch, verified drafts and drafting depth: ``tokens_per_s``, with the wall-clock
