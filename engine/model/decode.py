@@ -21,6 +21,20 @@ def _seq_tensor(values: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     return upload(torch.tensor(values, dtype=torch.long), like.device)
 
 
+def take_rows(store: torch.Tensor, outer: torch.Tensor, inner: torch.Tensor) -> torch.Tensor:
+    """``store[outer, inner]`` for a ``[N, R, ...]`` store (ring slots x rows, pool blocks x
+    rows) and non-negative index tensors that broadcast to one shape ``S``: ``[*S, ...]``, the
+    same values. Taken as whole rows by one ``index_select`` over the store's first two
+    dimensions flattened: advanced indexing on two dimensions runs an element-wise gather
+    kernel, which took 7.5 ms of an H100 verification step's device time where whole rows
+    take 3.8 (docs/benchmarks.md, "Rows taken whole")."""
+    if not store.is_contiguous():  # flattening would copy the whole store
+        return store[outer, inner]
+    flat = outer * store.shape[1] + inner
+    rows = store.flatten(0, 1).index_select(0, flat.reshape(-1))
+    return rows.view(*flat.shape, *store.shape[2:])
+
+
 def written(batch: ForwardBatch, layer: int) -> torch.Tensor | None:
     """[B] bool: whose ring rows of ``layer`` this step writes; None: every sequence's (the
     common case). False for a position a kept host-slot layer already holds (swa_keep)."""
@@ -125,7 +139,7 @@ def _gather_entries(store: torch.Tensor, table: torch.Tensor, e_max: int) -> tor
     """Entries [0, e_max) of every sequence: [B, e_max, dim] (rows past a sequence's count are junk)."""
     rpb = store.shape[1]
     e = torch.arange(e_max, device=table.device)
-    return store[table[:, e // rpb].clamp(min=0), (e % rpb)[None, :]]
+    return take_rows(store, table[:, e // rpb].clamp(min=0), (e % rpb)[None, :])
 
 
 def _csa_select(
@@ -159,7 +173,7 @@ def decode_keys(
     # keys in position order, pos - W + 1 .. pos (ring row p % W holds position p), as the
     # verification path lays them out: a token's attention sums in the same order either way
     held = pos[:, None] - (w - 1) + torch.arange(w, device=pos.device)[None, :]  # [B, W]
-    keys = window_ring[slots[:, None], held % w]  # [B, W, hd]
+    keys = take_rows(window_ring, slots[:, None], held % w)  # [B, W, hd]
     if batch.padded is not None:
         visible = held >= batch.padded.window_from[:, None]
     elif any(batch.window_from):
@@ -181,7 +195,7 @@ def decode_keys(
         top, cvis = _csa_select(ix, iq, iw, _gather_entries(irows, batch.block_table, e_max), count)
         rpb = rows.shape[1]
         blocks = batch.block_table.gather(1, top // rpb).clamp(min=0)
-        comp = rows[blocks, top % rpb]  # [B, k, hd]
+        comp = take_rows(rows, blocks, top % rpb)  # [B, k, hd]
     else:
         comp = _gather_entries(rows, batch.block_table, e_max)  # [B, E, hd]
         cvis = torch.arange(e_max, device=pos.device)[None, :] < count[:, None]

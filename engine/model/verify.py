@@ -36,7 +36,7 @@ from engine.cache.swa import SWASlots
 from engine.forward_batch import ForwardBatch, upload
 from engine.kernels import batch_invariant
 from engine.model.compressor import Compressor, Indexer
-from engine.model.decode import _csa_select, _gather_entries, closing_offsets, store_entries
+from engine.model.decode import _csa_select, _gather_entries, closing_offsets, store_entries, take_rows
 from engine.model.rope import Rotary
 
 MAX_QUERY = 8  # tokens per sequence up to which a step takes this path
@@ -161,8 +161,8 @@ def verify_keys(
     s, p = lay.seq, lay.pos[:, None]
     held = p - (w - 1) + torch.arange(w, device=kv.device)[None, :]  # [T, W] positions
     n0 = lay.n0[s][:, None]
-    old = window_ring[lay.slots[s][:, None], held % w]  # [T, W, hd]
-    new = lay.pad(kv.to(old.dtype))[s[:, None], (held - n0).clamp(0, lay.q - 1)]
+    old = take_rows(window_ring, lay.slots[s][:, None], held % w)  # [T, W, hd]
+    new = take_rows(lay.pad(kv.to(old.dtype)), s[:, None], (held - n0).clamp(0, lay.q - 1))
     keys = torch.where((held < n0)[..., None], old, new)
     visible = (held >= 0) & (held >= lay.window_from[s][:, None]) & (held > p - window)
     lay.write(window_ring, kv)
@@ -181,7 +181,7 @@ def verify_keys(
         ix, iq, iw, irows = csa
         top, cvis = _csa_select(ix, iq, iw, _gather_entries(irows, table, e_max), count)
         rpb = rows.shape[1]
-        comp = rows[table.gather(1, top // rpb).clamp(min=0), top % rpb]  # [T, k, hd]
+        comp = take_rows(rows, table.gather(1, top // rpb).clamp(min=0), top % rpb)  # [T, k, hd]
     else:
         comp = _gather_entries(rows, table, e_max)  # [T, E, hd]
         cvis = torch.arange(e_max, device=kv.device)[None, :] < count[:, None]

@@ -61,3 +61,21 @@ def test_batched_decode_equals_per_sequence_path_with_topk_ties(reference, monke
     slow = _decode_all(path, seqs, steps=10)
     for t, (a, b) in enumerate(zip(fast, slow)):
         assert (a - b).abs().max().item() < 1e-5, f"step {t}"
+
+
+def test_take_rows_is_advanced_indexing_by_whole_rows() -> None:
+    """`take_rows(store, outer, inner)` gives ``store[outer, inner]`` exactly, for the shapes the
+    decode and verification paths index with (a column against a row of indices, a row
+    against a block table), on contiguous stores and, by falling back, on strided ones."""
+    from engine.model.decode import take_rows
+
+    g = torch.Generator().manual_seed(0)
+    store = torch.randn(6, 8, 5, generator=g).to(torch.bfloat16)
+    outer = torch.randint(0, 6, (7, 1), generator=g)
+    inner = torch.randint(0, 8, (7, 4), generator=g)
+    for s in (store, store.transpose(0, 1).contiguous().transpose(0, 1)):  # the second is strided
+        got = take_rows(s, outer, inner)
+        assert got.shape == (7, 4, 5) and torch.equal(got, s[outer, inner])
+    table = torch.randint(0, 6, (3, 9), generator=g)
+    rows = torch.arange(9)[None, :] % 8
+    assert torch.equal(take_rows(store, table, rows), store[table, rows])
