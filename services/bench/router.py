@@ -110,6 +110,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "workloads, against the profiled table's fit (services/bench/_decode_online.py)",
     )  # fmt: skip
     p.add_argument("--model", type=Path, default=REPO / "models/trained", help="--online-fit: the checkpoint")
+    p.add_argument(
+        "--speculative", default=None, metavar="POLICY",
+        help="--online-fit: the served engines speculate (EngineConfig.speculative, e.g. fixed-3): their "
+        "steps verify drafts, which the plain-decode table does not time (default: off)",
+    )  # fmt: skip
     p.add_argument("--rounds", type=int, default=2, help="--profile-decode: passes over the grid")
     p.add_argument("--repeats", type=int, default=5, help="--profile-decode: timed steps per cell and pass")
     p.add_argument(
@@ -127,7 +132,7 @@ def run(args: argparse.Namespace) -> Report:
     if args.online_fit:
         from services.bench._decode_online import run_online_fit
 
-        return run_online_fit(args.model, args.rounds, args.repeats, seed=0)
+        return run_online_fit(args.model, args.rounds, args.repeats, seed=0, speculative=args.speculative)
     return _run_traces(args)
 
 

@@ -17,6 +17,10 @@ engines have run and push with their loads (``costmodel.online``):
   per-sequence work. Refitted on one of two served workloads, it predicted the other's
   steps with relative error 0.08-0.13 against the table fit's 0.16-0.20 (two runs;
   docs/router.md, "Refitted while serving").
+* **With a measured table and speculating engines** (``speculating``), all three are
+  refitted around the table's fit: the table times plain decode steps, whose per-KV-token
+  cost is not a verification step's (every verified token reads the context), so its
+  ``d2`` is not kept (docs/router.md, "A speculating decode engine").
 * **Without one**, placement keeps the default and the refit of all three coefficients is
   only reported: refitted on one workload's steps, its crossover moved several-fold between
   runs (served traffic mostly moves batch and depth together).
@@ -47,10 +51,15 @@ class PoolFull(EngineBusy):
 class DecodeSet:
     """The decode engines one router chooses among: started ``RayEngineReplica``s (decode
     role) whose pushed loads feed ``policy`` (a name of ``router.policy.DECODE_POLICIES``;
-    ``"sluice"``: the 2D balancer, running requests x KV tokens)."""
+    ``"sluice"``: the 2D balancer, running requests x KV tokens). ``speculating``: the
+    engines speculate, and a measured table's ``d2`` is refitted too (module doc)."""
 
     def __init__(
-        self, replicas: Sequence[RayEngineReplica], policy: str = "sluice", decode_cost: Any = None
+        self,
+        replicas: Sequence[RayEngineReplica],
+        policy: str = "sluice",
+        decode_cost: Any = None,
+        speculating: bool = False,
     ) -> None:
         import router.sluice  # noqa: F401  (registers "sluice" in DECODE_POLICIES)
         from router.policy import DECODE_POLICIES, PolicyContext
@@ -62,6 +71,8 @@ class DecodeSet:
         # costmodel.DecodeCostModel: fitted to a step table measured on this hardware, else the default
         self.prior = decode_cost if decode_cost is not None else DecodeCostModel()
         self.profiled = decode_cost is not None
+        # a table of plain decode steps pins the per-KV cost of plain steps only (module doc)
+        self.keep_d2 = not speculating
         self.decode_cost = self.prior  # what placement uses (refit)
         self.steps = DecodeStepSums()  # the engines' served decode steps, summed (refit)
         self._refitted = (0.0, self.prior)  # (steps.w it was refitted at, model): `refitted`
@@ -82,7 +93,7 @@ class DecodeSet:
             return
         self.steps = steps
         if self.profiled:
-            self.decode_cost = posterior(self.prior, steps, keep_d2=True)
+            self.decode_cost = posterior(self.prior, steps, keep_d2=self.keep_d2)
             self.policy.ctx = dataclasses.replace(self.policy.ctx, decode_cost=self.decode_cost)
 
     @property

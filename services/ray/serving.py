@@ -152,7 +152,10 @@ class RayServingClient:
                     for a, n in made["decode"]
                 ]
                 await asyncio.gather(*(r.start() for r in decode))
-                self.decode = DecodeSet(decode, self.decode_policy, self._fitted_decode_cost())
+                self.decode = DecodeSet(
+                    decode, self.decode_policy, self._fitted_decode_cost(),
+                    speculating=bool(self.decode_pool.engine_config.get("speculative")),
+                )  # fmt: skip
             front = "prefill" if self.disaggregated else "colocated"
             self.prefill = [
                 RayEngineReplica(

@@ -68,9 +68,11 @@ def test_profiled_steps_read_caches_of_varied_entries(model):
     assert all(torch.equal(a, b) for a, b in zip(first, stores))  # seeded
 
 
-def test_the_online_fit_bench_grades_each_model_on_each_workloads_steps(model, monkeypatch):
+@pytest.mark.parametrize("speculative", [None, "fixed-2"])
+def test_the_online_fit_bench_grades_each_model_on_each_workloads_steps(model, monkeypatch, speculative):
     """`sluice bench router --online-fit`, shrunk: a table, two served workloads, and every
-    model graded on both (the refits in-sample no worse than where they started)."""
+    model graded on both (the refits in-sample no worse than where they started); with
+    ``--speculative``, on the speculating engines' steps."""
     from services.bench import _decode_online as bench
 
     monkeypatch.setattr(bench, "CONCURRENCY", (1, 2))
@@ -80,7 +82,9 @@ def test_the_online_fit_bench_grades_each_model_on_each_workloads_steps(model, m
     )  # fmt: skip
     monkeypatch.setattr(bench, "TABLE_BATCH", (1, 2))
     monkeypatch.setattr(bench, "TABLE_KV", (0, 1024))
-    report = bench.run_online_fit(model, rounds=1, repeats=2, seed=0)
+    report = bench.run_online_fit(model, rounds=1, repeats=2, seed=0, speculative=speculative)
+    assert report.config["speculative"] == speculative
+    assert all(row["decode steps"] > 0 for row in report.rows[:2])
     errors = report.results["rel_rmse"]
     assert set(errors) == {"short", "long"}
     for wl, e in errors.items():
@@ -105,7 +109,8 @@ class _Pushing:
 
 def test_the_decode_set_refits_its_engines_pooled_steps():
     """Placement keeps the default without a table; with one, it refits the table's fit
-    keeping its d2. The refit of all three coefficients is kept beside, for /metrics."""
+    keeping its d2, or all three where the engines speculate. The refit of all three
+    coefficients is kept beside, for /metrics."""
     from costmodel.online import DecodeStepSums
     from services.ray.decode_set import DecodeSet
 
@@ -137,3 +142,20 @@ def test_the_decode_set_refits_its_engines_pooled_steps():
     assert placement.d0 == pytest.approx(true.d0, rel=0.05) and placement.d1 == pytest.approx(
         true.d1, rel=0.05
     )
+    # speculating engines: a table of plain decode steps did not time their per-KV cost, so
+    # placement refits all three around it (here the steps' d2 is 4x the table's)
+    verifying = DecodeCostModel(d0=0.02, d1=3e-3, d2=4 * table.d2)
+    spec_engines = []
+    for e in range(2):
+        sums = DecodeStepSums()
+        for b in range(1, 33):
+            k = b * (300 + 200 * e + 40 * b)
+            sums.add(b, k, verifying.step_time(b, k))
+        spec_engines.append(_Pushing(sums))
+    speculating = DecodeSet(spec_engines, decode_cost=table, speculating=True)
+    speculating.refit()
+    assert speculating.decode_cost == speculating.refitted
+    for term in ("d0", "d1", "d2"):
+        assert getattr(speculating.decode_cost, term) == pytest.approx(getattr(verifying, term), rel=0.05), (
+            term
+        )
