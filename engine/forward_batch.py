@@ -16,10 +16,10 @@ Invariants (checked by :meth:`ForwardBatch.validate`):
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 
@@ -27,6 +27,8 @@ from engine.config import BLOCK_TOKENS
 
 if TYPE_CHECKING:
     from engine.model.verify import Layout
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -165,6 +167,21 @@ class ForwardBatch:
     def is_decode(self) -> bool:
         """Every sequence brings exactly one token (the vectorised decode path applies)."""
         return all(n == 1 for n in self.query_len_cpu)
+
+    def memo(self, key: Hashable, make: Callable[[], T]) -> T:
+        """``make()``, once per forward pass: the index tensors that every layer derives
+        alike from this batch (window positions, masks, gather indices), made by the first
+        layer that needs them. On a CUDA graph's replay they are computed once a step, not once
+        a layer. `forget_memo` empties it at the start of each pass, so a batch run twice (a
+        graph's warm-up, then its capture) never reads one pass's tensors in another."""
+        memo = self.__dict__.setdefault("_memo", {})  # a frozen dataclass: beside its fields
+        if key not in memo:
+            memo[key] = make()
+        return memo[key]
+
+    def forget_memo(self) -> None:
+        """Drop what `memo` holds (the model's forward passes call it first)."""
+        self.__dict__.pop("_memo", None)
 
     @cached_property
     def verify_layout(self) -> Layout:

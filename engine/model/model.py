@@ -73,6 +73,7 @@ class DeepseekV4(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward up to the ``lm_head``: (normed hidden rows [rows, D] at
         ``batch.logit_indices``, final hc streams [T, hc, D])."""
+        batch.forget_memo()
         ids = batch.input_ids
         emb = self.model.embed_tokens(ids)  # [T, D]
         for at, rows in batch.embeds:  # image positions: the vision encoder's rows
@@ -99,6 +100,7 @@ class DeepseekV4(nn.Module):
         if depth >= len(self.mtp):
             raise ValueError(f"MTP depth {depth} requested but {len(self.mtp)} MTP layer(s) are loaded")
         layer = cast(MTPLayer, self.mtp[depth])
+        batch.forget_memo()
         out = layer(
             streams,
             self.model.embed_tokens(next_ids),

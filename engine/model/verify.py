@@ -23,8 +23,9 @@ Results equal the general path (`tests/unit/engine/test_verify_path.py`).
 A CUDA graph's padded batch (``batch.padded``, `engine.cuda_graphs`) brings exactly ``Q``
 tokens per row; the tokens past a row's own are padding, which write the scratch slot and
 block only (`engine.forward_batch.PaddedDecode`). Its shapes come from the padding, never
-from the values: every token's closing entry is computed (those not closing go to the
-scratch block) and attention gathers the context bucket's entries.
+from the values: each row pools the most windows that can close among its ``Q`` tokens
+(those that do not close go to the scratch block) and attention gathers the context
+bucket's entries.
 """
 
 from __future__ import annotations
@@ -36,7 +37,15 @@ from engine.cache.swa import SWASlots
 from engine.forward_batch import ForwardBatch, upload
 from engine.kernels import batch_invariant
 from engine.model.compressor import Compressor, Indexer
-from engine.model.decode import _csa_select, _gather_entries, closing_offsets, store_entries, take_rows
+from engine.model.decode import (
+    EntryWrites,
+    _csa_select,
+    closing_offsets,
+    entry_rows,
+    store_entries,
+    take_flat,
+    take_rows,
+)
 from engine.model.rope import Rotary
 
 MAX_QUERY = 8  # tokens per sequence up to which a step takes this path
@@ -60,7 +69,7 @@ def applies(batch: ForwardBatch) -> bool:
 
 
 class Layout:
-    """Where each flat token sits in the padded ``[B, Q]`` grid (built once per step)."""
+    """Where each flat token sits among its sequence's (built once per step)."""
 
     def __init__(self, batch: ForwardBatch) -> None:
         dev = batch.positions.device
@@ -73,34 +82,36 @@ class Layout:
         padded = batch.padded
         if padded is not None:  # every row brings q tokens: no host data (a graph's replays)
             flat = torch.arange(batch.num_tokens, device=dev)
-            self.seq, self.col = flat // self.q, flat % self.q
+            self.seq = flat // self.q
+            self.start = torch.arange(0, batch.num_tokens, self.q, device=dev)
             self.window_from = padded.window_from
             self.write_slots = padded.write_slot
             return
         seq = [i for i, n in enumerate(batch.query_len_cpu) for _ in range(n)]
-        col = [j for n in batch.query_len_cpu for j in range(n)]
         self.seq = upload(torch.tensor(seq, dtype=torch.long), dev)  # [T] sequence of each token
-        self.col = upload(torch.tensor(col, dtype=torch.long), dev)  # [T] its index in the sequence
+        self.start = batch.query_start  # [B] each sequence's first flat token
         self.window_from = upload(torch.tensor(batch.window_from, dtype=torch.long), dev)  # [B]
 
-    def pad(self, x: torch.Tensor) -> torch.Tensor:
-        """[T, ...] -> [B, Q, ...] (padding rows are zero)."""
-        out = x.new_zeros(self.n0.shape[0], self.q, *x.shape[1:])
-        out[self.seq, self.col] = x
-        return out
-
-    def old_rows(self, ring: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slots' ring rows before the step [B, R, C] and the position each holds [B, R]
-        (the latest position below ``n0`` congruent to the row; negative: none)."""
-        r = ring.shape[1]
-        last = (self.n0 - 1)[:, None]
-        held = last - ((last - torch.arange(r, device=ring.device)[None, :]) % r)
-        return ring[self.slots], held
-
-    def write(self, ring: torch.Tensor, values: torch.Tensor) -> None:
+    def write(self, batch: ForwardBatch, ring: torch.Tensor, values: torch.Tensor) -> None:
         """Store each token's row [T, C] at its position (after every read of the step)."""
-        slots = self.slots[self.seq] if self.write_slots is None else self.write_slots
-        ring[slots, self.pos % ring.shape[1]] = values.to(ring.dtype)
+
+        def index() -> tuple[torch.Tensor, torch.Tensor]:
+            slots = self.slots[self.seq] if self.write_slots is None else self.write_slots
+            return slots, self.pos % ring.shape[1]
+
+        ring[batch.memo(("verify ring write", ring.shape[1]), index)] = values.to(ring.dtype)
+
+
+def _taken(
+    ring: torch.Tensor, ring_rows: torch.Tensor, own: torch.Tensor, step: torch.Tensor, fresh: torch.Tensor
+) -> torch.Tensor:
+    """Rows ``[*S, C]`` each read from the ring before the step (``ring_rows``: flat indices
+    into its ``[slots x rows]``) or from the step's own rows ``step`` [T, C] (``own``: flat
+    token indices) where ``fresh`` [*S] holds: the same values as indexing either, each
+    taken whole by one ``index_select`` (`engine.model.decode.take_rows`)."""
+    old = ring.flatten(0, 1).index_select(0, ring_rows.reshape(-1)).view(*ring_rows.shape, -1)
+    new = step.to(ring.dtype).index_select(0, own.reshape(-1)).view(*own.shape, -1)
+    return torch.where(fresh[..., None], new, old)
 
 
 def verify_compress(
@@ -115,32 +126,85 @@ def verify_compress(
     index: bool,
 ) -> None:
     """Emit the entries of windows closing in the step into the pool; update the ring."""
-    m = comp.rate
     ring_kv, ring_gate = swa.compressor_rings(layer, index)
-    r = ring_kv.shape[1]
     kv_new, gate_new = comp.kv_proj(x), comp.gate_proj(x)  # [T, C]
-    closes = (lay.pos + 1) % m == 0
-    only = None
-    if batch.padded is None:
-        closing = closes.nonzero().flatten()
-    else:  # fixed shapes: every token pools; those not closing, or padding, go to scratch
-        closing = torch.arange(x.shape[0], device=x.device)
-        only = (closes & batch.padded.real.bool(), batch.padded.scratch_block)
-    if closing.numel():
-        old_kv, _ = lay.old_rows(ring_kv)
-        old_gate, _ = lay.old_rows(ring_gate)
-        seq = lay.seq[closing]
-        both_kv = torch.cat([old_kv, lay.pad(kv_new.to(old_kv.dtype))], dim=1)  # [B, R + Q, C]
-        both_gate = torch.cat([old_gate, lay.pad(gate_new.to(old_gate.dtype))], dim=1)
-        c = lay.pos[closing]  # [n]
-        offs = closing_offsets(comp, c)
-        n0 = lay.n0[seq][:, None]
-        where = torch.where(offs < n0, offs % r, r + (offs - n0))  # old ring row, or R + new index
-        kv = both_kv[seq[:, None], where]  # [n, span, C]
-        gate = both_gate[seq[:, None], where]
-        store_entries(comp, rotary, kv, gate, offs, c, batch.block_table[seq], pool, layer, index, only)
-    lay.write(ring_kv, kv_new)
-    lay.write(ring_gate, gate_new)
+    r = ring_kv.shape[1]
+    at = batch.memo(("verify closings", comp.rate, comp.overlap, r), lambda: _Closings(comp, lay, batch, r))
+    if at.seq.numel():
+        kv = _taken(ring_kv, at.ring_rows, at.own, kv_new, at.fresh)  # [n, span, C]
+        gate = _taken(ring_gate, at.ring_rows, at.own, gate_new, at.fresh)
+        store_entries(comp, rotary, kv, gate, at.writes, pool, layer, index)
+    lay.write(batch, ring_kv, kv_new)
+    lay.write(batch, ring_gate, gate_new)
+
+
+class _Closings:
+    """The entries a compressor of one rate closes in the step, and where the rows each pools
+    come from (one per rate and ring size a step: every layer's compressor reads them)."""
+
+    def __init__(self, comp: Compressor, lay: Layout, batch: ForwardBatch, r: int) -> None:
+        m = comp.rate
+        only = None
+        if batch.padded is None:
+            closing = ((lay.pos + 1) % m == 0).nonzero().flatten()
+            self.seq, c = lay.seq[closing], lay.pos[closing]  # [n] each entry's sequence, position
+        else:  # fixed shapes: each row pools the windows that can close among its Q tokens
+            self.seq, c, closes = _padded_closings(lay, batch.padded.real, m)
+            only = (closes, batch.padded.scratch_block)
+        offs = closing_offsets(comp, c)  # [n, span]
+        n0 = lay.n0[self.seq][:, None]
+        self.fresh = offs >= n0  # the step's own projections; the others are in the ring
+        self.ring_rows = lay.slots[self.seq][:, None] * r + offs % r
+        self.own = lay.start[self.seq][:, None] + (offs - n0).clamp(min=0)
+        self.writes = EntryWrites(comp, offs, c, batch.block_table[self.seq], only)
+
+
+def _padded_closings(
+    lay: Layout, real: torch.Tensor, m: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A padded batch's candidate entries: for each row, the ``(Q - 1) // m + 1`` positions
+    ``n0 + ((m - 1 - n0) mod m) + j m`` (the most windows that can close among ``Q`` tokens),
+    clamped to the row's last token: (row [n], position [n], whether it closes a window at a
+    real token [n]). The shapes depend on ``Q`` and ``m`` only; entries that do not close go
+    to the scratch block. Before, every token pooled a window: ``Q`` times the pooling of the
+    long-window layers, whose rate (128) closes at most one window a step."""
+    rows, q = lay.n0.shape[0], lay.q
+    k = (q - 1) // m + 1
+    seq = torch.arange(rows, device=lay.n0.device).repeat_interleave(k)  # [B k]
+    n0 = lay.n0[seq]
+    col = (m - 1 - n0) % m + m * torch.arange(k, device=n0.device).repeat(rows)
+    closes = (col < q) & real[seq * q + col.clamp(max=q - 1)].bool()
+    return seq, n0 + col.clamp(max=q - 1), closes
+
+
+class _Window:
+    """Where each token's window keys come from, and which it sees (one per window size a step)."""
+
+    def __init__(self, lay: Layout, w: int, window: int) -> None:
+        s, p = lay.seq, lay.pos[:, None]
+        held = p - (w - 1) + torch.arange(w, device=p.device)[None, :]  # [T, W] positions
+        n0 = lay.n0[s][:, None]
+        self.fresh = held >= n0  # the step's own keys; the others are in the ring (read before it writes)
+        self.ring_rows = lay.slots[s][:, None] * w + held % w
+        self.own = lay.start[s][:, None] + (held - n0).clamp(min=0)
+        self.visible = (held >= 0) & (held >= lay.window_from[s][:, None]) & (held > p - window)
+
+
+class _Entries:
+    """Each token's compressed entries of one rate: how many are complete at its position, the
+    fixed count gathered, and (all entries gathered) their pool rows and visibility."""
+
+    def __init__(self, lay: Layout, batch: ForwardBatch, rate: int, rpb: int, gather_all: bool) -> None:
+        self.count = (lay.pos + 1) // rate  # [T] entries complete at each token
+        if batch.padded is not None:  # a fixed shape: entries past a token's count are masked
+            self.e_max = batch.padded.context // rate
+        else:
+            self.e_max = max(n0 + q for n0, q in zip(batch.num_computed_cpu, batch.query_len_cpu)) // rate
+        self.table = batch.block_table[lay.seq]  # [T, nb]
+        if self.e_max and gather_all:
+            self.rows = entry_rows(self.table, self.e_max, rpb)  # [T, E] flat pool rows
+            ent = torch.arange(self.e_max, device=lay.pos.device)[None, :]
+            self.visible = ent < self.count[:, None]
 
 
 def verify_keys(
@@ -158,31 +222,25 @@ def verify_keys(
     lays it out (`engine.model.decode.decode_keys`): positions below ``n0`` from the ring
     (read before this step writes it), the others from the step's own keys."""
     w = window_ring.shape[1]
-    s, p = lay.seq, lay.pos[:, None]
-    held = p - (w - 1) + torch.arange(w, device=kv.device)[None, :]  # [T, W] positions
-    n0 = lay.n0[s][:, None]
-    old = take_rows(window_ring, lay.slots[s][:, None], held % w)  # [T, W, hd]
-    new = take_rows(lay.pad(kv.to(old.dtype)), s[:, None], (held - n0).clamp(0, lay.q - 1))
-    keys = torch.where((held < n0)[..., None], old, new)
-    visible = (held >= 0) & (held >= lay.window_from[s][:, None]) & (held > p - window)
-    lay.write(window_ring, kv)
+    win = batch.memo(("verify window", w, window), lambda: _Window(lay, w, window))
+    keys = _taken(window_ring, win.ring_rows, win.own, kv, win.fresh)  # [T, W, hd]
+    lay.write(batch, window_ring, kv)
     if compressed is None:
-        return keys, visible
+        return keys, win.visible
     rows, rate = compressed
-    count = (lay.pos + 1) // rate  # [T] entries complete at each token
-    if batch.padded is not None:  # a fixed shape: entries past a token's count are masked
-        e_max = batch.padded.context // rate
-    else:
-        e_max = max(n0 + q for n0, q in zip(batch.num_computed_cpu, batch.query_len_cpu)) // rate
-    if e_max == 0:
-        return keys, visible
-    table = batch.block_table[s]  # [T, nb]
+    rpb = rows.shape[1]
+    ent = batch.memo(
+        ("verify entries", rate, rpb, csa is None), lambda: _Entries(lay, batch, rate, rpb, csa is None)
+    )
+    if ent.e_max == 0:
+        return keys, win.visible
     if csa is not None:
         ix, iq, iw, irows = csa
-        top, cvis = _csa_select(ix, iq, iw, _gather_entries(irows, table, e_max), count)
-        rpb = rows.shape[1]
-        comp = take_rows(rows, table.gather(1, top // rpb).clamp(min=0), top % rpb)  # [T, k, hd]
+        irpb = irows.shape[1]
+        at = batch.memo(("verify index rows", rate, irpb), lambda: entry_rows(ent.table, ent.e_max, irpb))
+        ikeys = take_flat(irows, at)
+        top, cvis = _csa_select(ix, iq, iw, ikeys, ent.count)
+        comp = take_rows(rows, ent.table.gather(1, top // rpb).clamp(min=0), top % rpb)  # [T, k, hd]
     else:
-        comp = _gather_entries(rows, table, e_max)  # [T, E, hd]
-        cvis = torch.arange(e_max, device=kv.device)[None, :] < count[:, None]
-    return torch.cat([keys, comp.to(keys.dtype)], dim=1), torch.cat([visible, cvis], dim=1)
+        comp, cvis = take_flat(rows, ent.rows), ent.visible  # [T, E, hd]
+    return torch.cat([keys, comp.to(keys.dtype)], dim=1), torch.cat([win.visible, cvis], dim=1)
