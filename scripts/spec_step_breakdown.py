@@ -93,7 +93,10 @@ def main() -> None:
                     sync()
                 kernels = [e for e in prof.key_averages() if e.self_device_time_total > 0]
                 busy = sum(e.self_device_time_total for e in kernels) / 1e3 / args.steps
-                report.append(f"device busy {busy:.2f} ms a step; kernels by device time a step:")
+                launches = sum(e.count for e in kernels) / args.steps
+                report.append(
+                    f"device busy {busy:.2f} ms a step in {launches:.0f} kernels; kernels by device time a step:"
+                )
                 for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[: args.top]:
                     per_step = e.self_device_time_total / 1e3 / args.steps
                     report.append(f"  {per_step:7.3f} ms  x{e.count / args.steps:5.0f}  {e.key[:100]}")
