@@ -20,9 +20,12 @@ tokens runs in the graph of ``(batch_bucket(n), context_bucket(L))``, padded
   the scratch block (the eager path computes the closing rows only).
 
 A speculative verification step (every row 1 to ``MAX_GRAPH_QUERY`` tokens, `engine.model.verify`)
-runs in the graph of ``(batch_bucket(n), Q, context_bucket(L + Q))`` where ``Q`` is its most
-tokens in a row: each row is padded to ``Q`` tokens, and a row's tokens past its own write
-only the scratch slot and block, after every real token (no real token sees them).
+of ``T`` tokens runs in the graph of ``(batch_bucket(n), token_bucket(T, rows), context_bucket(L + Q))``,
+``Q`` its most tokens in a row. Its rows' tokens are packed one after another as the batch
+holds them (ragged), so a step that verifies a few drafts for most rows and five for one
+costs its tokens, not its rows times its longest row: DSpark's selection saves what it is
+priced to save. The padding tokens after them belong to the last row, write only the
+scratch slot and block, and no real token attends to them.
 
 Buckets. Both round a value up to a multiple of an eighth of the power of two at or above it:
 batch sizes 1-8 exactly, then 10, 12, 14, 16, 20, 24, 28, 32, 40, ..., 224, 256, 320, ...;
@@ -80,6 +83,14 @@ def context_bucket(tokens: int) -> int:
 MAX_GRAPH_QUERY = 6
 
 
+def token_bucket(tokens: int, rows: int) -> int:
+    """A verification graph's token count: ``tokens`` rounded up to a multiple of half its row
+    bucket (under half a token of padding a row; at most ``2 * MAX_GRAPH_QUERY`` buckets a
+    row bucket, against the ``MAX_GRAPH_QUERY - 1`` of padding every row to the longest)."""
+    step = max(1, rows // 2)
+    return -(-tokens // step) * step
+
+
 def graphable(batch: ForwardBatch) -> bool:
     """A plain decode batch (one sampled token per row) or a verification batch (1 to
     ``MAX_GRAPH_QUERY`` tokens per row, on the vectorised path, no input token read on the
@@ -102,8 +113,7 @@ def graphable(batch: ForwardBatch) -> bool:
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    # ids, pos, real [T]; computed, slot, window_from [B]; write slot [T] (query > 1); table
-    # [B * blocks]: int64, the layout of `DecodeGraphs.layout`
+    # int64, the layout of `DecodeGraphs.layout`
     inputs: torch.Tensor
     # the batch it was captured with: its other tensors (row starts, lengths, sample flags) are
     # read by every replay, so they must live as long as the graph (freed, their memory would
@@ -130,7 +140,8 @@ class DecodeGraphs:
         self.scratch_block, self.scratch_slot = scratch_block, scratch_slot
         self.device = torch.device(device)
         self.capture = capture
-        self.graphs: OrderedDict[tuple[int, int, int], _Graph] = OrderedDict()
+        # (rows, tokens a row at most, tokens, context) -> graph
+        self.graphs: OrderedDict[tuple[int, int, int, int], _Graph] = OrderedDict()
         self.mempool = torch.cuda.graph_pool_handle() if capture else None
         self.epoch = weight_epoch()
         self.captures = 0  # graphs captured so far (metrics, tests)
@@ -138,35 +149,51 @@ class DecodeGraphs:
         self.verify_steps = 0  # verification steps run padded (graphed or not)
 
     @staticmethod
-    def layout(b: int, q: int, blocks: int) -> list[int]:
-        t = b * q
-        return [t, t, t, b, b, b] + ([t] if q > 1 else []) + [b * blocks]
+    def layout(b: int, q: int, blocks: int, t: int | None = None) -> list[int]:
+        """The static inputs' parts, for ``b`` rows of up to ``q`` tokens, ``t`` tokens in all
+        (default ``b * q``) and ``blocks`` table columns: ids, positions, real [T]; computed,
+        slot, window_from [B]; with ``q > 1`` write slot, row [T], first token, own tokens
+        [B]; the table [B * blocks]."""
+        t = b * q if t is None else t
+        return [t, t, t, b, b, b] + ([t, t, b, b] if q > 1 else []) + [b * blocks]
 
-    def static_batch(self, inputs: torch.Tensor, b: int, q: int, context: int) -> ForwardBatch:
+    def static_batch(
+        self, inputs: torch.Tensor, b: int, q: int, context: int, t: int | None = None
+    ) -> ForwardBatch:
         blocks = context // BLOCK_TOKENS
-        ids, pos, real, computed, slot, window_from, *rest = inputs.split(self.layout(b, q, blocks))
-        write_slot, table = rest if q > 1 else (None, rest[0])
+        ids, pos, real, computed, slot, window_from, *rest = inputs.split(self.layout(b, q, blocks, t))
+        if q > 1:
+            write_slot, seq, start, qlen, table = rest
+            padded = PaddedDecode(
+                context, window_from, real, self.scratch_block, q, write_slot, seq, start, qlen
+            )
+        else:
+            start, qlen, table = torch.arange(b, device=self.device), torch.ones_like(computed), rest[0]
+            padded = PaddedDecode(context, window_from, real, self.scratch_block)
         return ForwardBatch(
             input_ids=ids,
             positions=pos,
-            query_start=torch.arange(0, b * q, q, device=self.device),
-            query_len=torch.full((b,), q, dtype=torch.long, device=self.device),
+            query_start=start,
+            query_len=qlen,
             num_computed=computed,
             swa_slot=slot,
             block_table=table.view(b, blocks),
             sample=torch.ones(b, dtype=torch.bool, device=self.device),
-            query_start_cpu=tuple(range(0, b * q, q)),
-            query_len_cpu=(q,) * b,
+            query_len_cpu=(q,) * b,  # the most a row brings: its own count is ``padded.qlen``
             num_computed_cpu=(0,) * b,  # not read on the padded path: shapes come from `padded`
             swa_slot_cpu=tuple(range(b)),
             sample_cpu=(True,) * b,
             num_logits_cpu=(q,) * b if q > 1 else (),
-            padded=PaddedDecode(context, window_from, real, self.scratch_block, q, write_slot),
+            padded=padded,
         )
 
-    def host_inputs(self, batch: ForwardBatch | None, b: int, q: int, blocks: int) -> torch.Tensor:
-        """The static inputs of ``batch`` padded to ``b`` rows of ``q`` tokens and ``blocks``
-        table columns (``None``: every row padding)."""
+    def host_inputs(
+        self, batch: ForwardBatch | None, b: int, q: int, blocks: int, t: int | None = None
+    ) -> torch.Tensor:
+        """The static inputs of ``batch`` padded to ``b`` rows and ``blocks`` table columns
+        (``None``: every row padding). With ``q > 1`` and ``t`` tokens the rows' tokens are
+        packed as the batch holds them and ``t - T`` padding tokens follow; with ``t`` None
+        each row gets ``q`` places, its own tokens first (the drafting chain's first pass)."""
         n = 0 if batch is None else batch.num_seqs
         pad = b - n
         none: tuple[int, ...] = ()
@@ -178,25 +205,41 @@ class DecodeGraphs:
                 batch.num_computed_cpu, batch.swa_slot_cpu, batch.window_from,
             )
         )  # fmt: skip
-        row_ids: list[int] = []
-        real: list[int] = []
-        for start, k in zip(starts, lens):
-            row_ids += [*ids[start : start + k]] + [0] * (q - k)
-            real += [1] * k + [0] * (q - k)
-        fill = [0] * (pad * q)
-        parts = [
-            row_ids + fill,
-            [n0 + j for n0 in computed for j in range(q)] + [j for _ in range(pad) for j in range(q)],
-            real + fill,
-            [*computed] + [0] * pad,
-            [*slots] + [self.scratch_slot] * pad,
-            [*window_from] + [0] * pad,
-        ]
-        if q > 1:  # padding tokens write the scratch slot
-            parts.append(
-                [s if r else self.scratch_slot for s, k in zip(slots, lens) for r in [1] * k + [0] * (q - k)]
-                + [self.scratch_slot] * (pad * q)
-            )
+        rows = [*computed] + [0] * pad, [*slots] + [self.scratch_slot] * pad, [*window_from] + [0] * pad
+        if q == 1:
+            parts = [[*ids] + [0] * pad, [*rows[0]], [1] * n + [0] * pad, *rows]
+        elif t is not None:  # packed: the batch's own flat tokens, then padding on the last row
+            extra = t - len(ids)
+            parts = [
+                [*ids] + [0] * extra,
+                [n0 + j for n0, k in zip(computed, lens) for j in range(k)] + [rows[0][b - 1]] * extra,
+                [1] * len(ids) + [0] * extra,
+                *rows,
+                [s for s, k in zip(slots, lens) for _ in range(k)] + [self.scratch_slot] * extra,
+                [i for i, k in enumerate(lens) for _ in range(k)] + [b - 1] * extra,
+                [*starts] + [0] * pad,
+                [*lens] + [0] * pad,
+            ]
+        else:  # q places a row
+            row_ids: list[int] = []
+            real: list[int] = []
+            for start, k in zip(starts, lens):
+                row_ids += [*ids[start : start + k]] + [0] * (q - k)
+                real += [1] * k + [0] * (q - k)
+            fill = [0] * (pad * q)
+            parts = [
+                row_ids + fill,
+                [n0 + j for n0 in rows[0] for j in range(q)],
+                real + fill,
+                *rows,
+                [
+                    s if r else self.scratch_slot
+                    for s, r in zip([s for s in rows[1] for _ in range(q)], real + fill)
+                ],
+                [i for i in range(b) for _ in range(q)],
+                list(range(0, b * q, q)),
+                [*lens] + [0] * pad,
+            ]
         head = torch.tensor([x for part in parts for x in part], dtype=torch.long)
         table = torch.full((b, blocks), -1, dtype=torch.long)
         if batch is not None:
@@ -233,12 +276,12 @@ class DecodeGraphs:
         self.captures += 1
         return graph, out
 
-    def _capture(self, b: int, q: int, context: int) -> _Graph:
+    def _capture(self, b: int, q: int, t: int, context: int) -> _Graph:
         blocks = context // BLOCK_TOKENS
-        inputs = torch.zeros(sum(self.layout(b, q, blocks)), dtype=torch.long, device=self.device)
-        static = self.static_batch(inputs, b, q, context)
+        inputs = torch.zeros(sum(self.layout(b, q, blocks, t)), dtype=torch.long, device=self.device)
+        static = self.static_batch(inputs, b, q, context, t)
         # every row padding while warming up and capturing: the caches' real rows stay untouched
-        inputs.copy_(self.host_inputs(None, b, q, blocks).to(self.device))
+        inputs.copy_(self.host_inputs(None, b, q, blocks, t).to(self.device))
         graph, (final, hidden) = self.capture_graph(
             lambda: self.model.final_hidden(static, self.pool, self.swa)
         )
@@ -258,20 +301,23 @@ class DecodeGraphs:
             self.epoch = weight_epoch()
         n = batch.num_seqs
         b = batch_bucket(n)
-        q = max(batch.query_len_cpu)
-        context = context_bucket(max(batch.num_computed_cpu) + q)
-        host = self.host_inputs(batch, b, q, context // BLOCK_TOKENS)
+        longest = max(batch.query_len_cpu)
+        context = context_bucket(max(batch.num_computed_cpu) + longest)
+        # a verification step's graph holds any rows of up to MAX_GRAPH_QUERY tokens: its
+        # shapes follow its token count, not its longest row
+        q, t = (1, b) if longest == 1 else (MAX_GRAPH_QUERY, token_bucket(batch.num_tokens, b))
+        host = self.host_inputs(batch, b, q, context // BLOCK_TOKENS, t)
         if not self.capture:
             inputs = upload(host, self.device)
-            batch.write_fed(inputs)  # the ids lead the inputs: row i's id at index i
+            batch.write_fed(inputs)  # the ids lead the inputs: the batch's token i at index i
             final, hidden = self.model.final_hidden(
-                self.static_batch(inputs, b, q, context), self.pool, self.swa
+                self.static_batch(inputs, b, q, context, t), self.pool, self.swa
             )
         else:
-            key = (b, q, context)
+            key = (b, q, t, context)
             entry = self.graphs.get(key)
             if entry is None:
-                entry = self._capture(b, q, context)
+                entry = self._capture(b, q, t, context)
                 self.graphs[key] = entry
                 while len(self.graphs) > MAX_GRAPHS:
                     self.graphs.popitem(last=False)
@@ -286,12 +332,5 @@ class DecodeGraphs:
         if q == 1:
             return self.model.logits(final[:n]), hidden[:n]
         self.verify_steps += 1
-        # row i's token j sits at i * q + j: the batch's logit rows and token order from there
-        logits = [
-            i * q + k - m + j
-            for i, (k, m) in enumerate(zip(batch.query_len_cpu, batch.num_logits_cpu or (1,) * n))
-            for j in range(m)
-        ]
-        tokens = [i * q + j for i, k in enumerate(batch.query_len_cpu) for j in range(k)]
-        index = upload(torch.tensor(logits + tokens, dtype=torch.long), final.device)
-        return self.model.logits(final[index[: len(logits)]]), hidden[index[len(logits) :]]
+        # the batch's tokens lead the graph's, in its order: its logit rows are the graph's
+        return self.model.logits(final[batch.logit_indices]), hidden[: batch.num_tokens]

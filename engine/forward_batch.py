@@ -74,24 +74,32 @@ class PaddedDecode:
     """A decode or verification batch padded to a fixed shape (a CUDA graph's static input,
     `engine.cuda_graphs`).
 
-    Every row brings ``query`` tokens at ``num_computed + 0 .. query - 1`` and is sampled;
-    rows past the real ones are padding, which read and write only a scratch sliding-window
-    slot and a scratch block. With ``query > 1`` (speculative verification, `engine.model.verify`)
-    a real row's tokens past its own count are padding too: they write only the scratch slot
-    and block (``write_slot``), and no real token attends to them (they come later). Shapes
-    depend on ``context`` (an upper bound on every row's ``num_computed + query``), never on
-    the values: the compressors compute every token's closing entry and send those whose
-    window does not close, or that are padding, to the scratch block, and attention gathers
-    ``context // rate`` compressed entries."""
+    With ``query == 1`` (a decode step) every row brings one token at ``num_computed`` and is
+    sampled; rows past the real ones are padding, which read and write only a scratch
+    sliding-window slot and a scratch block. With ``query > 1`` (speculative verification,
+    `engine.model.verify`) a row brings up to ``query`` tokens: ``qlen`` of them, the first at
+    flat index ``start``, ``seq`` naming each token's row. Tokens that are not a row's own
+    are padding: they write only the scratch slot and block (``write_slot``), and no real
+    token attends to them. A verification graph packs the rows' tokens one after another
+    (ragged: a step costs its tokens, not its rows times its longest row); the drafting
+    chain's first pass gives every row ``query`` places. Shapes depend on ``context`` (an
+    upper bound on every row's ``num_computed + query``) and the token count, never on the
+    values: the compressors pool the windows that can close and send those that do not, or
+    that are padding, to the scratch block, and attention gathers ``context // rate``
+    compressed entries."""
 
     context: int
     window_from: torch.Tensor  # [B] int64 (the host tuple of a plain batch)
-    real: torch.Tensor  # [B * query] int64: 1 for a real token, 0 for padding (MoE load counters)
+    real: torch.Tensor  # [T] int64: 1 for a real token, 0 for padding (MoE load counters)
     scratch_block: int
     query: int = 1
-    # [B * query] int64: the slot each token's ring rows go to (its row's, or the scratch
-    # slot for padding); None with query 1 (the row's slot)
+    # with query > 1, int64: [T] the slot each token's ring rows go to (its row's, or the
+    # scratch slot for padding), [T] each token's row, [B] each row's first token and [B]
+    # its own tokens (0 for a padding row); None with query 1 (one token a row)
     write_slot: torch.Tensor | None = None
+    seq: torch.Tensor | None = None
+    start: torch.Tensor | None = None
+    qlen: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

@@ -5,8 +5,9 @@ positions ``n0 .. n0 + q - 1``; nothing is replayed (no ``rows_cached_until``, n
 host-slot layers, no image rows). Like `engine.model.decode`, a step costs a fixed number
 of kernels per layer whatever the batch, where the general path loops over sequences.
 
-Sequences are padded to ``Q = max q``: ``[B, Q]``. Each step reads the slot's rings
-**before** writing any of its own positions (a write at ``n0 + j`` lands on the row of
+Tokens stay flat (``[T]``, each knowing its sequence and its sequence's first token: `Layout`),
+and every layer reads the same index tensors, made once a step (`ForwardBatch.memo`). Each
+step reads the slot's rings **before** writing any of its own positions (a write at ``n0 + j`` lands on the row of
 ``n0 + j - R``, which an earlier token of the same step may still need), then writes them:
 
 * **window**: a token at ``p`` sees the ring's old rows holding positions in
@@ -20,12 +21,12 @@ Sequences are padded to ``Q = max q``: ``[B, Q]``. Each step reads the slot's ri
 
 Results equal the general path (`tests/unit/engine/test_verify_path.py`).
 
-A CUDA graph's padded batch (``batch.padded``, `engine.cuda_graphs`) brings exactly ``Q``
-tokens per row; the tokens past a row's own are padding, which write the scratch slot and
-block only (`engine.forward_batch.PaddedDecode`). Its shapes come from the padding, never
-from the values: each row pools the most windows that can close among its ``Q`` tokens
-(those that do not close go to the scratch block) and attention gathers the context
-bucket's entries.
+A CUDA graph's padded batch (``batch.padded``, `engine.cuda_graphs`) names each token's row
+and each row's first token and own token count in static tensors; tokens that are no row's
+own are padding, which write the scratch slot and block only
+(`engine.forward_batch.PaddedDecode`). Its shapes come from the padding, never from the
+values: each row pools the most windows that can close among ``Q`` tokens (those that do
+not close go to the scratch block) and attention gathers the context bucket's entries.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import torch
 
 from engine.cache.pool import CompressedPool
 from engine.cache.swa import SWASlots
-from engine.forward_batch import ForwardBatch, upload
+from engine.forward_batch import ForwardBatch, PaddedDecode, upload
 from engine.kernels import batch_invariant
 from engine.model.compressor import Compressor, Indexer
 from engine.model.decode import (
@@ -80,10 +81,10 @@ class Layout:
         # [T] the slot each token's ring rows are written to (None: its sequence's)
         self.write_slots: torch.Tensor | None = None
         padded = batch.padded
-        if padded is not None:  # every row brings q tokens: no host data (a graph's replays)
-            flat = torch.arange(batch.num_tokens, device=dev)
-            self.seq = flat // self.q
-            self.start = torch.arange(0, batch.num_tokens, self.q, device=dev)
+        if padded is not None:  # the graph's static tensors: no host data (a graph's replays)
+            assert padded.seq is not None and padded.start is not None
+            self.q = padded.query
+            self.seq, self.start = padded.seq, padded.start
             self.window_from = padded.window_from
             self.write_slots = padded.write_slot
             return
@@ -149,7 +150,7 @@ class _Closings:
             closing = ((lay.pos + 1) % m == 0).nonzero().flatten()
             self.seq, c = lay.seq[closing], lay.pos[closing]  # [n] each entry's sequence, position
         else:  # fixed shapes: each row pools the windows that can close among its Q tokens
-            self.seq, c, closes = _padded_closings(lay, batch.padded.real, m)
+            self.seq, c, closes = _padded_closings(lay, batch.padded, m)
             only = (closes, batch.padded.scratch_block)
         offs = closing_offsets(comp, c)  # [n, span]
         n0 = lay.n0[self.seq][:, None]
@@ -160,21 +161,21 @@ class _Closings:
 
 
 def _padded_closings(
-    lay: Layout, real: torch.Tensor, m: int
+    lay: Layout, padded: PaddedDecode, m: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """A padded batch's candidate entries: for each row, the ``(Q - 1) // m + 1`` positions
     ``n0 + ((m - 1 - n0) mod m) + j m`` (the most windows that can close among ``Q`` tokens),
-    clamped to the row's last token: (row [n], position [n], whether it closes a window at a
-    real token [n]). The shapes depend on ``Q`` and ``m`` only; entries that do not close go
-    to the scratch block. Before, every token pooled a window: ``Q`` times the pooling of the
-    long-window layers, whose rate (128) closes at most one window a step."""
-    rows, q = lay.n0.shape[0], lay.q
-    k = (q - 1) // m + 1
+    clamped to the row's last token: (row [n], position [n], whether it closes a window at one
+    of the row's own tokens [n]). The shapes depend on ``Q`` and ``m`` only; entries that do
+    not close go to the scratch block. Before, every token pooled a window: ``Q`` times the
+    pooling of the long-window layers, whose rate (128) closes at most one window a step."""
+    assert padded.qlen is not None
+    rows = lay.n0.shape[0]
+    k = (lay.q - 1) // m + 1
     seq = torch.arange(rows, device=lay.n0.device).repeat_interleave(k)  # [B k]
-    n0 = lay.n0[seq]
+    n0, own = lay.n0[seq], padded.qlen[seq]
     col = (m - 1 - n0) % m + m * torch.arange(k, device=n0.device).repeat(rows)
-    closes = (col < q) & real[seq * q + col.clamp(max=q - 1)].bool()
-    return seq, n0 + col.clamp(max=q - 1), closes
+    return seq, n0 + torch.minimum(col, (own - 1).clamp(min=0)), col < own
 
 
 class _Window:

@@ -14,7 +14,15 @@ import random
 import pytest
 import torch
 
-from engine.cuda_graphs import batch_bucket, context_bucket, graphable, round_up_eighth
+from engine.cuda_graphs import (
+    MAX_GRAPH_QUERY,
+    DecodeGraphs,
+    batch_bucket,
+    context_bucket,
+    graphable,
+    round_up_eighth,
+    token_bucket,
+)
 from engine.forward_batch import ForwardBatch, SequenceInput
 from engine.runner import ModelRunner, RunnerConfig
 from tests.unit.engine.conftest import reference_logits
@@ -62,6 +70,20 @@ def test_buckets_pad_by_less_than_a_quarter_and_never_shrink() -> None:
     assert round_up_eighth(0) == 0
 
 
+def test_a_verification_graph_holds_its_steps_tokens_not_rows_times_the_longest() -> None:
+    """Token buckets pad a step by under half a token a row, whatever its longest row, and a
+    row bucket has at most 2 x MAX_GRAPH_QUERY of them."""
+    for rows in (1, 2, 8, 10, 64, 128, 320):
+        buckets = {token_bucket(t, rows) for t in range(1, rows * MAX_GRAPH_QUERY + 1)}
+        assert len(buckets) <= 2 * MAX_GRAPH_QUERY
+        for t in range(1, rows * MAX_GRAPH_QUERY + 1):
+            assert t <= token_bucket(t, rows) < t + max(1, rows / 2)
+    # 64 rows, one verifying five drafts and the others one: 132 tokens in a graph of 160
+    # (padding every row to the longest held 384)
+    assert token_bucket(6 + 63 * 2, 64) == 160
+    assert sum(DecodeGraphs.layout(64, MAX_GRAPH_QUERY, 1, 160)[:3]) == 3 * 160
+
+
 def test_padded_decode_equals_the_reference_and_the_eager_path(reference) -> None:
     path, ref = reference("mixed_hc2")
     seqs = _seqs()
@@ -105,6 +127,7 @@ def _run_verify(
     runner.execute(ForwardBatch.from_sequences(prefill))
     done = list(PROMPTS)
     logits, loads = [], []
+    padding = 0  # steps whose token bucket holds padding tokens
     while all(len(s) - d >= 6 for s, d in zip(seqs, done)):
         rows = []
         for i, s in enumerate(seqs):
@@ -115,15 +138,20 @@ def _run_verify(
         assert graphable(batch)
         logits.append(runner.execute(batch).logits.clone())
         loads.append(runner.expert_load().clone())
+        padding += token_bucket(batch.num_tokens, batch_bucket(n)) > batch.num_tokens
+    assert mode == "off" or padding, "no step had padding tokens"
     return runner, logits, loads
 
 
-def test_padded_verification_equals_the_eager_path(reference) -> None:
-    """Rows padded to the step's most tokens: the padding tokens write only the scratch slot
+@pytest.mark.parametrize("rows", [9, 8], ids=["a padding row", "no padding row"])
+def test_padded_verification_equals_the_eager_path(reference, rows: int) -> None:
+    """The rows' tokens packed, then padding tokens up to the token bucket (on a padding row,
+    or on the last real row where the row bucket has none): they write only the scratch slot
     and block, so every real token's logits, every cache row and the load counters are the
     eager verification path's."""
     path, _ = reference("mixed_hc2")
-    seqs = _seqs()
+    seqs = _seqs()[:rows]
+    assert batch_bucket(rows) == 10 if rows == 9 else batch_bucket(rows) == rows
     eager, want, want_load = _run_verify(path, "off", seqs)
     padded, got, got_load = _run_verify(path, "padded", seqs)
     assert len(got) == len(want) >= 3
