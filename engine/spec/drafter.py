@@ -189,7 +189,10 @@ class Drafter:
         return tokens, conf, out
 
     def layer_pass(self, streams: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MTP layer over ``batch`` (writing its window) -> (input embeddings, output streams)."""
+        """The MTP layer over ``batch`` (writing its window) -> (input embeddings, output streams).
+        A drafting chain's static batch runs here once to warm up and once more to be
+        captured: its index tensors are made anew each pass (`ForwardBatch.memo`)."""
+        batch.forget_memo()
         ids = batch.input_ids
         emb = self.model.model.embed_tokens(ids)
         return emb, self.layer(streams, emb, batch, self.pool, self.swa, self.cache_layer, ids)

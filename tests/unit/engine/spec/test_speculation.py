@@ -19,9 +19,11 @@ import torch
 import torch.nn.functional as F
 
 from engine.llm import LLM
+from engine.model.rope import clear_cos_sin_cache
 from engine.prompts import heldout_prompts
 from engine.sampling.params import SamplingParams, StructuredOutput
 from engine.scheduler.hashing import chain_hashes
+from engine.spec.drafter import DraftGraphs
 from engine.spec.policy import SpecPolicy
 from engine.spec.profile import SpecProfile
 
@@ -120,6 +122,37 @@ def test_greedy_tokens_equal_plain_decoding(steep_profile) -> None:
     keys = ("spec_steps", "spec_drafted_tokens", "spec_verified_tokens", "spec_accepted_tokens")
     assert [padded[k] for k in keys] == [eager[k] for k in keys]
     assert padded["spec_accepted_tokens"] > 0
+
+
+def test_a_kept_drafting_chain_drafts_as_a_fresh_one(steep_profile, monkeypatch) -> None:
+    """On the GPU a drafting chain is built once per shape, its static batch run on all-padding
+    inputs to warm up, then captured and replayed; here, without graphs, a fresh chain runs
+    each time. Kept and warmed up as the GPU keeps them, the padded chains still draft and
+    accept what the eager path does: nothing a pass derives from its static batch outlives
+    the pass (`ForwardBatch.memo`)."""
+
+    def kept(self: DraftGraphs, b: int, q: int, depth: int) -> object:
+        chains = self.__dict__.setdefault("kept", {})
+        if (b, q, depth) not in chains:
+            chain = chains[(b, q, depth)] = self._build(b, q, depth)
+            chain.inputs.copy_(self._host_inputs(None, b, q, depth))
+            clear_cos_sin_cache()  # as `DecodeGraphs.capture_graph` does around its warm-up
+            self._passes(chain)  # the capture's warm-up
+            clear_cos_sin_cache()
+        return chains[(b, q, depth)]
+
+    stats: dict[str, dict[str, float]] = {"eager": {}, "kept": {}}
+    _outputs(
+        8, stats["eager"], speculative="dspark", spec_profile_path=steep_profile, spec_measured_costs=False
+    )
+    monkeypatch.setattr(DraftGraphs, "_chain", kept)
+    _outputs(
+        8, stats["kept"], speculative="dspark", spec_profile_path=steep_profile, spec_measured_costs=False,
+        decode_graphs="padded",
+    )  # fmt: skip
+    keys = ("spec_steps", "spec_drafted_tokens", "spec_verified_tokens", "spec_accepted_tokens")
+    assert stats["kept"]["graph_draft_chains"] > 0
+    assert [stats["kept"][k] for k in keys] == [stats["eager"][k] for k in keys]
 
 
 @pytest.mark.slow
