@@ -52,7 +52,7 @@ def main() -> None:
             super().__init__()
             self.lines: collections.Counter[str] = collections.Counter()
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             name = func.overloadpacket.__name__
             if name not in VIEWS:
                 frames = [f for f in traceback.extract_stack() if "/engine/" in f.filename]
