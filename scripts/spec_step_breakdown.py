@@ -44,23 +44,20 @@ def main() -> None:
 
     import torch
 
-    from engine.checkpoint.generate import write_config_dir
     from engine.core import EngineCore
     from engine.engine_config import EngineConfig
     from engine.messages import CoreRequest
     from engine.sampling.params import SamplingParams
-    from engine.spec.profiling import _prompts, rank_experts, release_memory
+    from engine.spec.profiling import _prompts, rank_experts, rank_model_dir, release_memory
 
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    experts = {} if args.ep == 1 else {"n_routed_experts": rank_experts(args.preset, args.ep)}
-    model = write_config_dir(
-        args.preset, Path(tempfile.mkdtemp()) / "model", 0, num_hidden_layers=args.layers, **experts
-    )
+    model = rank_model_dir(args.preset, args.ep, args.layers, Path(tempfile.mkdtemp()) / "model")
     b = args.batch
     prompts, _ = _prompts(model, b, 256, 0)
     report = [
-        f"{args.preset}, {args.layers} layers, EP {args.ep} rank ({experts or 'every expert'}), "
+        f"{args.preset}, {args.layers} layers, EP {args.ep} rank "
+        f"({'every expert' if args.ep == 1 else f'{rank_experts(args.preset, args.ep)} routed experts'}), "
         f"{b} requests, {args.device}, {torch.cuda.get_device_name() if cuda else 'cpu'}"
     ]
     for spec in CELLS:

@@ -37,18 +37,14 @@ def main() -> None:
 
     import torch
 
-    from engine.checkpoint.generate import write_config_dir
     from engine.config import BLOCK_TOKENS, ModelConfig
     from engine.forward_batch import ForwardBatch, SequenceInput
     from engine.runner import ModelRunner, RunnerConfig
-    from engine.spec.profiling import rank_experts
+    from engine.spec.profiling import rank_model_dir
 
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    experts = {} if args.ep == 1 else {"n_routed_experts": rank_experts(args.preset, args.ep)}
-    model = write_config_dir(
-        args.preset, Path(tempfile.mkdtemp()) / "model", 0, num_hidden_layers=args.layers, **experts
-    )
+    model = rank_model_dir(args.preset, args.ep, args.layers, Path(tempfile.mkdtemp()) / "model")
     b, ctx = args.rows, args.context
     per_row = -(-(ctx + 8) // BLOCK_TOKENS)
     cfg = RunnerConfig(

@@ -256,16 +256,11 @@ def measure_width_profiles(
     (`rank_experts`): the rank's share of the routed experts, every layer's (the MTP layer's
     too), receiving its own tokens' rows, as a balanced exchange gives it; the exchange itself
     is not timed."""
-    from engine.checkpoint.generate import write_config_dir
-
-    overrides, rank = {}, {}
+    rank = {}
     if ep > 1:
-        overrides = {"n_routed_experts": rank_experts(preset, ep)}
-        rank = {"ep": ep, "experts_per_rank": overrides["n_routed_experts"], "exchange": "not timed"}
+        rank = {"ep": ep, "experts_per_rank": rank_experts(preset, ep), "exchange": "not timed"}
     models = {
-        depth: write_config_dir(
-            preset, Path(work_dir) / f"{preset}-{depth}l", seed, num_hidden_layers=depth, **overrides
-        )
+        depth: rank_model_dir(preset, ep, depth, Path(work_dir) / f"{preset}-{depth}l", seed)
         for depth in depths
     }
     where = "" if ep == 1 else f" (one EP {ep} rank's compute)"
@@ -281,6 +276,16 @@ def measure_width_profiles(
         )
         for depth, p in measured.items()
     }
+
+
+def rank_model_dir(preset: str, ep: int, layers: int, out: Path, seed: int = 0) -> Path:
+    """A model directory (config, no weights: `EngineConfig(random_weights=seed)` builds them
+    on the device) of ``preset``'s widths and ``layers`` decoder layers, holding one EP ``ep``
+    rank's share of the routed experts (`rank_experts`; ``ep = 1``: all of them)."""
+    from engine.checkpoint.generate import write_config_dir
+
+    experts = {} if ep == 1 else {"n_routed_experts": rank_experts(preset, ep)}
+    return write_config_dir(preset, out, seed, num_hidden_layers=layers, **experts)
 
 
 def rank_experts(preset: str, ep: int) -> int:
