@@ -189,9 +189,8 @@ class Drafter:
         return tokens, conf, out
 
     def layer_pass(self, streams: torch.Tensor, batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """The MTP layer over ``batch`` (writing its window) -> (input embeddings, output streams).
-        A drafting chain's static batch runs here once to warm up and once more to be
-        captured: its index tensors are made anew each pass (`ForwardBatch.memo`)."""
+        """The MTP layer over ``batch`` (writing its window) -> (input embeddings, output streams);
+        index tensors made anew (a chain's static batch runs to warm up, then to be captured)."""
         batch.forget_memo()
         ids = batch.input_ids
         emb = self.model.model.embed_tokens(ids)
@@ -395,8 +394,6 @@ class DraftGraphs:
 def _cover(table: Sequence[int], end: int) -> list[int]:
     """The block table padded to cover ``end`` positions: the MTP layer is window-only and
     never reads or writes blocks, but a `ForwardBatch` names one for every position."""
-    from engine.config import BLOCK_TOKENS
-
     need = -(-end // BLOCK_TOKENS)
     out = list(table)
     return out + [out[-1]] * (need - len(out)) if len(out) < need else out
