@@ -110,7 +110,7 @@ def _taken(
     into its ``[slots x rows]``) or from the step's own rows ``step`` [T, C] (``own``: flat
     token indices) where ``fresh`` [*S] holds: the same values as indexing either, each
     taken whole by one ``index_select`` (`engine.model.decode.take_rows`)."""
-    old = ring.flatten(0, 1).index_select(0, ring_rows.reshape(-1)).view(*ring_rows.shape, -1)
+    old = take_flat(ring, ring_rows)
     new = step.to(ring.dtype).index_select(0, own.reshape(-1)).view(*own.shape, -1)
     return torch.where(fresh[..., None], new, old)
 
