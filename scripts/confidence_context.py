@@ -39,7 +39,7 @@ from confidence_inputs import (  # this folder: run as a script
 
 from engine.model.confidence import softmax_features
 from engine.train.calibration import auc
-from engine.train.confidence import make_chains, prompt_rows
+from engine.train.confidence import anchors, make_chains, mtp_passes, prompt_rows
 from engine.train.model import load_trained
 from engine.train.settings import ConfidenceSettings
 from engine.train.trainer import Streams
@@ -54,32 +54,15 @@ def collect(model, chains: torch.Tensor, s: ConfidenceSettings):
     numbers [A, depth, 3], the target's at the anchor [A, 3], and accepted [A, depth]."""
     model.eval()
     model.indexer.enabled = False
-    embed = model.lm.model.embed_tokens
     hs, es, soft, target, ok = [], [], [], [], []
     for i in range(0, len(chains), s.micro_batch):
         chain = chains[i : i + s.micro_batch]
-        streams, kwargs = model.trunk(chain)
-        n = chain.shape[1]
-        nxt = torch.cat([chain[:, 1:], chain[:, -1:]], 1)
-        t = torch.arange(s.prompt_len - 1, n - s.depth - 1)
-        target.append(softmax_features(model.main_logits(streams[:, t]).float()).flatten(0, 1))
-        per = ([], [], [], [])
-        for j, hidden in enumerate(model.draft_passes(streams, nxt, kwargs, s.depth), start=1):
-            q = t + j - 1
-            h = model.mtp_hidden(hidden[:, q]).float()
-            logits = model.lm.lm_head(h).float()
-            for out, v in zip(
-                per,
-                (
-                    h,
-                    embed(nxt[:, q]).float(),
-                    softmax_features(logits),
-                    logits.argmax(-1) == chain[:, t + j + 1],
-                ),
-            ):
-                out.append(v)
-        for out, v in zip((hs, es, soft, ok), per):
-            out.append(torch.stack(v, 2).flatten(0, 1))
+        trunk = model.trunk(chain)
+        t = anchors(chain, s.prompt_len, s.depth)
+        target.append(softmax_features(model.main_logits(trunk[0][:, t]).float()).flatten(0, 1))
+        passes = list(mtp_passes(model, chain, s.prompt_len, s.depth, trunk))
+        for out, field in zip((hs, es, soft, ok), ("h", "e", "soft", "agree")):
+            out.append(torch.stack([getattr(p, field) for p in passes], 2).flatten(0, 1))
     model.indexer.enabled = True
     return torch.cat(hs), torch.cat(es), torch.cat(soft), torch.cat(target), torch.cat(ok).numpy()
 

@@ -37,7 +37,6 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.confidence import ConfidenceConfig
-from engine.model.confidence import softmax_features as features_of
 from engine.train.calibration import auc
 from engine.train.confidence import draft_examples, fit_head, make_chains, mtp_passes, prompt_rows
 from engine.train.model import load_trained
@@ -48,30 +47,25 @@ from services.bench._spec_replay import TARGET_VERIFIED_SHARE, shares
 THRESHOLDS = (0.07, 0.148, 0.178, 0.444)
 
 
-@torch.no_grad()
-def softmax_features(model, h: torch.Tensor) -> torch.Tensor:
-    """[N, 3]: log p_max, log p_max - log p_second, entropy of the pass's next-token softmax."""
-    return features_of(model.lm.lm_head(h.to(model.lm.lm_head.weight.dtype)))
-
-
 def one_hot(position: np.ndarray, depth: int) -> torch.Tensor:
     return F.one_hot(torch.as_tensor(position - 1), depth).float()
 
 
 @torch.no_grad()
 def every_draft(model, chains: torch.Tensor, s: ConfidenceSettings):
-    """Per anchor, every draft (reached or not): h, e [A, depth, D] and accepted [A, depth]
-    (draft j equals the target's greedy token), from ``mtp_passes``."""
+    """Per anchor, every draft (reached or not): h, e [A, depth, D], the draft distribution's
+    `softmax_features` [A, depth, 3] and accepted [A, depth] (draft j equals the target's
+    greedy token), from ``mtp_passes``."""
     model.eval()
     model.indexer.enabled = False
-    hs, es, ok = [], [], []
+    parts: tuple[list, list, list, list] = ([], [], [], [])
     for i in range(0, len(chains), s.micro_batch):
         passes = list(mtp_passes(model, chains[i : i + s.micro_batch], s.prompt_len, s.depth))
-        hs.append(torch.stack([h for _, h, _, _ in passes], 2).flatten(0, 1))
-        es.append(torch.stack([e for _, _, e, _ in passes], 2).flatten(0, 1))
-        ok.append(torch.stack([a for _, _, _, a in passes], 2).flatten(0, 1))
+        for out, field in zip(parts, ("h", "e", "soft", "agree")):
+            out.append(torch.stack([getattr(p, field) for p in passes], 2).flatten(0, 1))
     model.indexer.enabled = True
-    return torch.cat(hs), torch.cat(es), torch.cat(ok).numpy()
+    h, e, soft, ok = (torch.cat(out) for out in parts)
+    return h, e, soft, ok.numpy()
 
 
 def fit_weights(
@@ -132,13 +126,13 @@ def main() -> None:
 
     train = draft_examples(model, chains_of(data.train, s.prompts), s.prompt_len, s.depth, s.micro_batch)
     print(f"[{time.monotonic() - t0:5.0f}s] train: {len(train.label)} drafts reached", flush=True)
-    h, e, ok = every_draft(model, chains_of(data.heldout, s.eval_prompts), s)
+    h, e, soft, ok = every_draft(model, chains_of(data.heldout, s.eval_prompts), s)
     anchors, depth = ok.shape
     rows, reached = fixed5_rows(ok), reached_of(ok)
     print(f"[{time.monotonic() - t0:5.0f}s] held out: {anchors} anchors", flush=True)
 
     hf, ef = h.flatten(0, 1), e.flatten(0, 1)
-    soft_held = softmax_features(model, hf)
+    soft_held = soft.flatten(0, 1)
     position = np.tile(np.arange(1, depth + 1), anchors)
     rich = ConfidenceConfig(hf.shape[1], softmax=True, positions=depth)
     pos_train, pos_held = one_hot(train.position, depth), one_hot(position, depth)

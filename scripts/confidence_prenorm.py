@@ -30,26 +30,32 @@ import torch
 from confidence_inputs import every_draft, fixed5_rows, kept_at_target, reached_of
 
 import engine.train.confidence as confidence
+from engine.model.confidence import softmax_features
 from engine.train.calibration import auc
 from engine.train.model import load_trained
 from engine.train.settings import ConfidenceSettings
 from engine.train.trainer import Streams
 
 
-def passes_both(model, chain: torch.Tensor, prompt_len: int, depth: int):
+def passes_both(model, chain: torch.Tensor, prompt_len: int, depth: int, trunk=None):
     """`mtp_passes` with ``h`` = [before the norm ; after it] ([P, A, 2D])."""
     m = model.mtp
     embed = model.lm.model.embed_tokens
-    streams, kwargs = model.trunk(chain)
-    n = chain.shape[1]
+    streams, kwargs = model.trunk(chain) if trunk is None else trunk
     nxt = torch.cat([chain[:, 1:], chain[:, -1:]], dim=1)
-    t = torch.arange(prompt_len - 1, n - depth - 1, device=chain.device)
+    t = confidence.anchors(chain, prompt_len, depth)
     for j, hidden in enumerate(model.draft_passes(streams, nxt, kwargs, depth), start=1):
         q = t + j - 1
         pre = m.hc_head(hidden[:, q])
         h = m.norm(pre).float()
-        draft = model.lm.lm_head(h.to(model.lm.lm_head.weight.dtype)).float().argmax(dim=-1)
-        yield j, torch.cat([pre.float(), h], -1), embed(nxt[:, q]).float(), draft == chain[:, t + j + 1]
+        logits = model.lm.lm_head(h.to(model.lm.lm_head.weight.dtype)).float()
+        yield confidence.DraftPass(
+            j,
+            torch.cat([pre.float(), h], -1),
+            embed(nxt[:, q]).float(),
+            softmax_features(logits),
+            logits.argmax(dim=-1) == chain[:, t + j + 1],
+        )
 
 
 def main() -> None:
@@ -74,7 +80,7 @@ def main() -> None:
         model, chains_of(data.train, s.prompts), s.prompt_len, s.depth, s.micro_batch
     )
     print(f"[{time.monotonic() - t0:5.0f}s] train: {len(train.label)} drafts reached", flush=True)
-    h, e, ok = every_draft(model, chains_of(data.heldout, s.eval_prompts), s)
+    h, e, _, ok = every_draft(model, chains_of(data.heldout, s.eval_prompts), s)
     anchors, depth = ok.shape
     width = h.shape[-1] // 2
     reached, rows = reached_of(ok), fixed5_rows(ok)

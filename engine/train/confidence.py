@@ -57,7 +57,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -172,17 +172,16 @@ def draft_examples(
         for i in range(0, len(chains), micro_batch):
             chain = chains[i : i + micro_batch].to(dev)
             reached: torch.Tensor | None = None
-            for j, h, e, agree in mtp_passes(model, chain, prompt_len, depth):
+            for p in mtp_passes(model, chain, prompt_len, depth):
                 if reached is None:
-                    reached = torch.ones_like(agree)
-                hs.append(h[reached].cpu())
-                es.append(e[reached].cpu())
-                head_w = model.lm.lm_head.weight
-                soft.append(softmax_features(model.lm.lm_head(h[reached].to(head_w.dtype))).cpu())
-                lab.append(agree[reached].cpu().numpy().astype(np.float32))
-                pos.append(np.full(int(reached.sum()), j, dtype=np.int64))
-                uncond[j - 1] += float(agree.sum())
-                reached = reached & agree
+                    reached = torch.ones_like(p.agree)
+                hs.append(p.h[reached].cpu())
+                es.append(p.e[reached].cpu())
+                soft.append(p.soft[reached].cpu())
+                lab.append(p.agree[reached].cpu().numpy().astype(np.float32))
+                pos.append(np.full(int(reached.sum()), p.position, dtype=np.int64))
+                uncond[p.position - 1] += float(p.agree.sum())
+                reached = reached & p.agree
             assert reached is not None
             anchors += reached.numel()
             now = time.monotonic()
@@ -203,26 +202,50 @@ def draft_examples(
     )
 
 
+class DraftPass(NamedTuple):
+    """One drafting pass of `mtp_passes` at every anchor of a micro-batch of chains [P, A]."""
+
+    position: int  # the draft's position j, 1-based
+    h: torch.Tensor  # [P, A, D] fp32: the pass's output, the head's ``h``
+    e: torch.Tensor  # [P, A, D] fp32: the embedding of the token the pass was fed, ``c[t + j]``
+    soft: torch.Tensor  # [P, A, 3] fp32: the draft distribution's `softmax_features`
+    agree: torch.Tensor  # [P, A] bool: the draft (its argmax) equals the chain's ``c[t + j + 1]``
+
+
 @torch.no_grad()
 def mtp_passes(
-    model: TrainModel, chain: torch.Tensor, prompt_len: int, depth: int
-) -> Iterator[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    model: TrainModel,
+    chain: torch.Tensor,
+    prompt_len: int,
+    depth: int,
+    trunk: tuple[torch.Tensor, dict[str, Any]] | None = None,
+) -> Iterator[DraftPass]:
     """The MTP layer's ``depth`` drafting passes along greedy chains ``chain`` [P, n], at every
-    anchor ``t`` from the prompt's last position on (while ``t + depth + 1 < n``): per pass
-    ``j``, (j, h [P, A, D], e [P, A, D], agree [P, A]): the pass's output (the head's ``h``),
-    the embedding of the token it was fed, ``c[t + j]`` (draft 1: the target's token; a later
-    draft reached with every earlier one accepted: the previous draft), and whether its argmax
-    equals the chain's next token. Call with the model in eval mode and its indexer off."""
+    anchor ``t`` from the prompt's last position on (while ``t + depth + 1 < n``). Pass ``j``
+    is fed ``c[t + j]`` (draft 1: the target's token; a later draft reached with every earlier
+    one accepted: the previous draft). ``trunk``: ``model.trunk(chain)`` where the caller has
+    it already. Call with the model in eval mode and its indexer off."""
     embed = model.lm.model.embed_tokens
-    streams, kwargs = model.trunk(chain)
-    n = chain.shape[1]
+    streams, kwargs = model.trunk(chain) if trunk is None else trunk
     nxt = torch.cat([chain[:, 1:], chain[:, -1:]], dim=1)  # the token after each position
-    t = torch.arange(prompt_len - 1, n - depth - 1, device=chain.device)  # anchors: t + depth + 1 < n
+    t = anchors(chain, prompt_len, depth)
     for j, hidden in enumerate(model.draft_passes(streams, nxt, kwargs, depth), start=1):
         q = t + j - 1
         h = model.mtp_hidden(hidden[:, q]).float()  # [P, A, D]
-        draft = model.lm.lm_head(h.to(model.lm.lm_head.weight.dtype)).float().argmax(dim=-1)
-        yield j, h, embed(nxt[:, q]).float(), draft == chain[:, t + j + 1]  # e: c[t + j]
+        logits = model.lm.lm_head(h.to(model.lm.lm_head.weight.dtype)).float()
+        yield DraftPass(
+            j,
+            h,
+            embed(nxt[:, q]).float(),
+            softmax_features(logits),
+            logits.argmax(dim=-1) == chain[:, t + j + 1],
+        )
+
+
+def anchors(chain: torch.Tensor, prompt_len: int, depth: int) -> torch.Tensor:
+    """The anchors ``t`` of `mtp_passes` along ``chain`` [P, n]: the prompt's last position
+    on, while all ``depth`` drafts have a chain token to be checked against (``t + depth + 1 < n``)."""
+    return torch.arange(prompt_len - 1, chain.shape[1] - depth - 1, device=chain.device)
 
 
 def _logit(p: float) -> float:
