@@ -149,17 +149,14 @@ class DecodeGraphs:
         self.verify_steps = 0  # verification steps run padded (graphed or not)
 
     @staticmethod
-    def layout(b: int, q: int, blocks: int, t: int | None = None) -> list[int]:
+    def layout(b: int, q: int, blocks: int, t: int) -> list[int]:
         """The static inputs' parts, for ``b`` rows of up to ``q`` tokens, ``t`` tokens in all
-        (default ``b * q``) and ``blocks`` table columns: ids, positions, real [T]; computed,
-        slot, window_from [B]; with ``q > 1`` write slot, row [T], first token, own tokens
-        [B]; the table [B * blocks]."""
-        t = b * q if t is None else t
+        (``b`` where ``q`` is 1) and ``blocks`` table columns: ids, positions, real [T];
+        computed, slot, window_from [B]; with ``q > 1`` write slot, row [T], first token, own
+        tokens [B]; the table [B * blocks]."""
         return [t, t, t, b, b, b] + ([t, t, b, b] if q > 1 else []) + [b * blocks]
 
-    def static_batch(
-        self, inputs: torch.Tensor, b: int, q: int, context: int, t: int | None = None
-    ) -> ForwardBatch:
+    def static_batch(self, inputs: torch.Tensor, b: int, q: int, context: int, t: int) -> ForwardBatch:
         blocks = context // BLOCK_TOKENS
         ids, pos, real, computed, slot, window_from, *rest = inputs.split(self.layout(b, q, blocks, t))
         if q > 1:
@@ -187,13 +184,10 @@ class DecodeGraphs:
             padded=padded,
         )
 
-    def host_inputs(
-        self, batch: ForwardBatch | None, b: int, q: int, blocks: int, t: int | None = None
-    ) -> torch.Tensor:
+    def host_inputs(self, batch: ForwardBatch | None, b: int, q: int, blocks: int, t: int) -> torch.Tensor:
         """The static inputs of ``batch`` padded to ``b`` rows and ``blocks`` table columns
-        (``None``: every row padding). With ``q > 1`` and ``t`` tokens the rows' tokens are
-        packed as the batch holds them and ``t - T`` padding tokens follow; with ``t`` None
-        each row gets ``q`` places, its own tokens first (the drafting chain's first pass)."""
+        (``None``: every row padding). With ``q > 1`` the rows' tokens are packed as the batch
+        holds them and ``t - T`` padding tokens follow, on the last row."""
         n = 0 if batch is None else batch.num_seqs
         pad = b - n
         none: tuple[int, ...] = ()
@@ -208,7 +202,7 @@ class DecodeGraphs:
         rows = [*computed] + [0] * pad, [*slots] + [self.scratch_slot] * pad, [*window_from] + [0] * pad
         if q == 1:
             parts = [[*ids] + [0] * pad, [*rows[0]], [1] * n + [0] * pad, *rows]
-        elif t is not None:  # packed: the batch's own flat tokens, then padding on the last row
+        else:
             extra = t - len(ids)
             parts = [
                 [*ids] + [0] * extra,
@@ -218,26 +212,6 @@ class DecodeGraphs:
                 [s for s, k in zip(slots, lens) for _ in range(k)] + [self.scratch_slot] * extra,
                 [i for i, k in enumerate(lens) for _ in range(k)] + [b - 1] * extra,
                 [*starts] + [0] * pad,
-                [*lens] + [0] * pad,
-            ]
-        else:  # q places a row
-            row_ids: list[int] = []
-            real: list[int] = []
-            for start, k in zip(starts, lens):
-                row_ids += [*ids[start : start + k]] + [0] * (q - k)
-                real += [1] * k + [0] * (q - k)
-            fill = [0] * (pad * q)
-            parts = [
-                row_ids + fill,
-                [n0 + j for n0 in rows[0] for j in range(q)],
-                real + fill,
-                *rows,
-                [
-                    s if r else self.scratch_slot
-                    for s, r in zip([s for s in rows[1] for _ in range(q)], real + fill)
-                ],
-                [i for i in range(b) for _ in range(q)],
-                list(range(0, b * q, q)),
                 [*lens] + [0] * pad,
             ]
         head = torch.tensor([x for part in parts for x in part], dtype=torch.long)

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, cast
 import torch
 
 from engine.config import BLOCK_TOKENS
-from engine.cuda_graphs import MAX_GRAPH_QUERY, MAX_GRAPHS, DecodeGraphs, batch_bucket
+from engine.cuda_graphs import MAX_GRAPH_QUERY, MAX_GRAPHS, DecodeGraphs, batch_bucket, token_bucket
 from engine.forward_batch import ForwardBatch, PaddedDecode, SequenceInput, upload
 from engine.model.moe import weight_epoch
 
@@ -220,7 +220,7 @@ class _Chain:
     # and ``live``
     inputs: torch.Tensor
     batch: ForwardBatch  # pass 1's static batch (its tensors are read by every replay)
-    streams: torch.Tensor  # [B * q, hc, D] the runs' main-model streams, copied in
+    streams: torch.Tensor  # [t, hc, D] the runs' main-model streams, copied in
     last: torch.Tensor  # [B] each row's last run token in pass 1's flat tokens
     live: torch.Tensor  # [depth, B] 1 where the row wants pass j + 1's draft (MoE load)
     graph: torch.cuda.CUDAGraph | None = None  # None: the padded chain runs eagerly
@@ -229,20 +229,22 @@ class _Chain:
 
 class DraftGraphs:
     """The drafting chain of a decode or verification step as CUDA graphs: one per (batch
-    bucket, longest run, depth), captured on first use in the decode graphs' memory pool.
+    bucket, pass 1's tokens, depth), captured on first use in the decode graphs' memory pool.
 
-    Pass 1 runs the MTP layer over every run padded to the longest (``q`` tokens, the
-    verification path's padded batch: tokens past a run's own write only the scratch slot),
-    and passes 2..depth chain on the device: each pass's argmax is the next pass's input token
-    and its output streams the next pass's input. Every real row runs every pass; drafts past
-    a row's ``num_drafts`` are dropped on the host, their window writes put back with the
-    others (`SWASlots.stage`). The host reads the drafts once, after the last pass (the
-    eager chain reads each pass's). Prefill runs (up to a window long) draft eagerly. With
-    the decode graphs' ``capture`` off, the same padded chain runs eagerly (CPU tests)."""
+    Pass 1 runs the MTP layer over the runs as a verification graph holds a step's rows
+    (`DecodeGraphs.host_inputs`): a decode step's runs (one token each) one a row, a
+    verification step's (its input token and accepted drafts) packed one after another,
+    ``token_bucket(T, rows)`` tokens in all, the padding tokens after them writing only the
+    scratch slot. Passes 2..depth chain on the device: each pass's argmax is the next pass's
+    input token and its output streams the next pass's input. Every real row runs every pass;
+    drafts past a row's ``num_drafts`` are dropped on the host, their window writes put back
+    with the others (`SWASlots.stage`). The host reads the drafts once, after the last pass
+    (the eager chain reads each pass's). Prefill runs (up to a window long) draft eagerly.
+    With the decode graphs' ``capture`` off, the same padded chain runs eagerly (CPU tests)."""
 
     def __init__(self, drafter: Drafter, graphs: DecodeGraphs) -> None:
         self.drafter, self.graphs = drafter, graphs
-        self.chains: OrderedDict[tuple[int, int, int], _Chain] = OrderedDict()
+        self.chains: OrderedDict[tuple[int, int, int, int], _Chain] = OrderedDict()  # (b, q, t, depth)
         self.epoch = weight_epoch()
         self.replays = 0
         self.chains_run = 0  # drafting chains run padded (graphed or not)
@@ -298,52 +300,57 @@ class DraftGraphs:
         d.load.copy_(load)
         return torch.stack(tokens), torch.stack(confs)
 
-    def _build(self, b: int, q: int, depth: int) -> _Chain:
+    def _build(self, b: int, q: int, t: int, depth: int) -> _Chain:
         g, dev = self.graphs, self.graphs.device
-        layout = sum(g.layout(b, q, 1))
+        layout = sum(g.layout(b, q, 1, t))
         inputs = torch.zeros(layout + b + depth * b, dtype=torch.long, device=dev)
         last, live = inputs[layout:].split([b, depth * b])
         embed = self.drafter.model.model.embed_tokens.weight
         streams = torch.zeros(
-            b * q, self.drafter.model.cfg.hc_mult, embed.shape[1], dtype=embed.dtype, device=dev
+            t, self.drafter.model.cfg.hc_mult, embed.shape[1], dtype=embed.dtype, device=dev
         )
         chain = _Chain(
-            inputs, g.static_batch(inputs[:layout], b, q, BLOCK_TOKENS), streams, last, live.view(depth, b)
+            inputs, g.static_batch(inputs[:layout], b, q, BLOCK_TOKENS, t), streams, last, live.view(depth, b)
         )
         if g.capture:
-            inputs.copy_(self._host_inputs(None, b, q, depth).to(dev))  # all padding while capturing
+            inputs.copy_(self._host_inputs(None, b, q, t, depth).to(dev))  # all padding while capturing
             chain.graph, chain.out = g.capture_graph(lambda: self._passes(chain))
         return chain
 
-    def _host_inputs(self, runs: Sequence[DraftRun] | None, b: int, q: int, depth: int) -> torch.Tensor:
-        """`_Chain.inputs` for ``runs`` padded to ``b`` rows (``None``: every row padding)."""
+    def _host_inputs(
+        self, runs: Sequence[DraftRun] | None, b: int, q: int, t: int, depth: int
+    ) -> torch.Tensor:
+        """`_Chain.inputs` for ``runs`` padded to ``b`` rows and ``t`` tokens (``None``: every
+        row padding). A padding row's ``last`` is the graph's last token: its later passes
+        read and write only the scratch slot (``live`` 0), whichever token it starts from."""
         g = self.graphs
-        if runs is None:
-            return torch.cat(
-                [g.host_inputs(None, b, q, 1), torch.arange(b) * q, torch.zeros(depth * b, dtype=torch.long)]
+        batch = (
+            None
+            if runs is None
+            else ForwardBatch.from_sequences(
+                [
+                    SequenceInput(r.next_ids, r.start, r.slot, r.block_table, window_from=r.window_from)
+                    for r in runs
+                ]
             )
-        batch = ForwardBatch.from_sequences(
-            [
-                SequenceInput(r.next_ids, r.start, r.slot, r.block_table, window_from=r.window_from)
-                for r in runs
-            ]
         )
-        n = len(runs)
-        last = [i * q + len(r.next_ids) - 1 for i, r in enumerate(runs)] + [i * q for i in range(n, b)]
-        live = [int(i < n and runs[i].num_drafts > j) for j in range(depth) for i in range(b)]
-        return torch.cat([g.host_inputs(batch, b, q, 1), torch.tensor(last + live, dtype=torch.long)])
+        runs = runs or ()
+        ends = torch.tensor([len(r.next_ids) for r in runs], dtype=torch.long).cumsum(0) - 1
+        last = torch.cat([ends, torch.full((b - len(runs),), t - 1, dtype=torch.long)])
+        live = [int(i < len(runs) and runs[i].num_drafts > j) for j in range(depth) for i in range(b)]
+        return torch.cat([g.host_inputs(batch, b, q, 1, t), last, torch.tensor(live, dtype=torch.long)])
 
-    def _chain(self, b: int, q: int, depth: int) -> _Chain:
+    def _chain(self, b: int, q: int, t: int, depth: int) -> _Chain:
         """The captured chain of this shape (captured now if new); a fresh one when not capturing."""
         if not self.graphs.capture:
-            return self._build(b, q, depth)
+            return self._build(b, q, t, depth)
         if weight_epoch() != self.epoch:  # graphs hold the expert tensors they were captured with
             self.chains.clear()
             self.epoch = weight_epoch()
-        key = (b, q, depth)
+        key = (b, q, t, depth)
         chain = self.chains.get(key)
         if chain is None:
-            chain = self.chains[key] = self._build(b, q, depth)
+            chain = self.chains[key] = self._build(b, q, t, depth)
             while len(self.chains) > MAX_GRAPHS:
                 self.chains.popitem(last=False)
         self.chains.move_to_end(key)
@@ -355,13 +362,15 @@ class DraftGraphs:
         """Draft for ``runs`` (`applies`) -> per run, its drafts and their confidences at depth
         1 .. max(num_drafts); pass 1 writes the windows, and is all that runs (no head, no
         draft) where no run wants a draft."""
-        n = len(runs)
-        b, q = batch_bucket(n), max(len(r.next_ids) for r in runs)
+        b = batch_bucket(len(runs))
+        count = sum(len(r.next_ids) for r in runs)
+        # as `DecodeGraphs.run` shapes a step: one token a row, or the rows' tokens packed
+        q, t = (1, b) if count == len(runs) else (MAX_GRAPH_QUERY, token_bucket(count, b))
         depth = max(r.num_drafts for r in runs)
-        host = self._host_inputs(runs, b, q, depth)
-        chain = self._chain(b, q, depth)
-        rows = [r.hidden_from + min(j, len(r.next_ids) - 1) for r in runs for j in range(q)]
-        index = upload(torch.tensor(rows + [0] * ((b - n) * q), dtype=torch.long), hidden.device)
+        host = self._host_inputs(runs, b, q, t, depth)
+        chain = self._chain(b, q, t, depth)
+        rows = [r.hidden_from + j for r in runs for j in range(len(r.next_ids))]
+        index = upload(torch.tensor(rows + [0] * (t - count), dtype=torch.long), hidden.device)
         ends = [r.start + len(r.next_ids) for r in runs]
         staged = (
             self.drafter.swa.stage(

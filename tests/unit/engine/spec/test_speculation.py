@@ -131,15 +131,15 @@ def test_a_kept_drafting_chain_drafts_as_a_fresh_one(steep_profile, monkeypatch)
     accept what the eager path does: nothing a pass derives from its static batch outlives
     the pass (`ForwardBatch.memo`)."""
 
-    def kept(self: DraftGraphs, b: int, q: int, depth: int) -> object:
+    def kept(self: DraftGraphs, b: int, q: int, t: int, depth: int) -> object:
         chains = self.__dict__.setdefault("kept", {})
-        if (b, q, depth) not in chains:
-            chain = chains[(b, q, depth)] = self._build(b, q, depth)
-            chain.inputs.copy_(self._host_inputs(None, b, q, depth))
+        if (b, q, t, depth) not in chains:
+            chain = chains[(b, q, t, depth)] = self._build(b, q, t, depth)
+            chain.inputs.copy_(self._host_inputs(None, b, q, t, depth))
             clear_cos_sin_cache()  # as `DecodeGraphs.capture_graph` does around its warm-up
             self._passes(chain)  # the capture's warm-up
             clear_cos_sin_cache()
-        return chains[(b, q, depth)]
+        return chains[(b, q, t, depth)]
 
     stats: dict[str, dict[str, float]] = {"eager": {}, "kept": {}}
     _outputs(
