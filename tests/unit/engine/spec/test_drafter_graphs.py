@@ -1,4 +1,4 @@
-"""The drafting chain as the CUDA graphs shape it (`engine.spec.drafter.DraftGraphs`, run
+"""The drafting chain as the CUDA graphs shape it (`engine.spec.draft_graphs.DraftGraphs`, run
 eagerly here with ``decode_graphs="padded"``; captured in tests/gpu): after a verification
 step, pass 1 holds the runs' tokens packed, not every row padded to the longest run."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from engine.cuda_graphs import MAX_GRAPH_QUERY, batch_bucket, token_bucket
-from engine.spec.drafter import DraftGraphs
+from engine.spec.draft_graphs import DraftGraphs
 from tests.unit.engine.spec.drafting import prefilled, verify_step
 
 # (tokens each sequence brings to the verification step, drafts wanted after it)

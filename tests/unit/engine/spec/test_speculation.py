@@ -23,7 +23,7 @@ from engine.model.rope import clear_cos_sin_cache
 from engine.prompts import heldout_prompts
 from engine.sampling.params import SamplingParams, StructuredOutput
 from engine.scheduler.hashing import chain_hashes
-from engine.spec.drafter import DraftGraphs
+from engine.spec.draft_graphs import DraftGraphs
 from engine.spec.policy import SpecPolicy
 from engine.spec.profile import SpecProfile
 
