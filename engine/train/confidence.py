@@ -50,7 +50,6 @@ confidence against observed acceptance).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
 import time
@@ -76,7 +75,7 @@ from engine.train.data import read_array
 from engine.train.evaluate import greedy_chains, prompt_offsets
 from engine.train.model import TrainModel
 from engine.train.settings import ConfidenceSettings
-from engine.train.trainer import Log, Streams, run_environment, training_record
+from engine.train.trainer import Log, Streams, file_sha256, run_environment, training_record
 
 
 @dataclass
@@ -313,14 +312,6 @@ def predict(head: ConfidenceHead, ex: Examples) -> np.ndarray:
     return torch.sigmoid(ex.inputs(head.cfg).double() @ w + head.confidence.bias.double()).numpy()
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 24), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def write_head(head: ConfidenceHead, out_dir: Path, report: dict[str, Any]) -> Path:
     """``OUT/confidence/model.safetensors`` and ``confidence.json``; nothing else in ``out_dir`` is touched."""
     from safetensors.torch import save_file
@@ -417,7 +408,7 @@ def train_confidence(
         "settings": dataclasses.asdict(s),
         "model": {
             "dir": str(model_dir),
-            "model_safetensors_sha256": _sha256(model_dir / "model.safetensors"),
+            "model_safetensors_sha256": file_sha256(model_dir / "model.safetensors"),
         },
         "data": {
             "corpus_digest": data.header["corpus"]["digest"],

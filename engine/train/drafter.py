@@ -55,12 +55,12 @@ from engine.train.trainer import (
     _eval_batch,
     _measure,
     batches,
+    file_sha256,
     trained_environment,
     training_device,
     training_record,
     write_checkpoint,
 )
-from engine.train.unlikelihood import _sha256
 
 CURVE_NAME = "curve_drafter.jsonl"
 # the head trained beside the drafter (``confidence.weight`` [1, 2D], ``confidence.bias`` [1],
@@ -172,7 +172,7 @@ def train_drafter(
     dev = training_device(device)
     data = Streams(data_dir)
     base_info = training_record(model_dir, data, data_dir)
-    base_sha = _sha256(model_dir / "model.safetensors")
+    base_sha = file_sha256(model_dir / "model.safetensors")
     base_state = load_file(str(model_dir / "model.safetensors"))
     torch.manual_seed(s.seed)
     model = load_trained(model_dir, dev)

@@ -16,6 +16,7 @@ Output directory: a checkpoint in the Hugging Face layout (``config.json``,
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import platform
@@ -299,6 +300,12 @@ def _measure(
         },
         "mtp_acceptance": accept,
     }
+
+
+def file_sha256(path: Path) -> str:
+    """The SHA-256 hex digest of the file at ``path`` (a checkpoint's weights, for its records)."""
+    with path.open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
 
 
 def training_record(model_dir: Path | str, data: Streams, data_dir: Path | str) -> dict[str, Any]:

@@ -20,7 +20,6 @@ stage's settings, timings and held-out measures, and ``curve_unlikelihood.jsonl`
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import shutil
 import time
@@ -39,6 +38,7 @@ from engine.train.trainer import (
     _measure,
     _param_groups,
     batches,
+    file_sha256,
     trained_environment,
     training_device,
     training_record,
@@ -46,14 +46,6 @@ from engine.train.trainer import (
 )
 
 CURVE_NAME = "curve_unlikelihood.jsonl"
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def train_unlikelihood(
@@ -77,7 +69,7 @@ def train_unlikelihood(
     dev = training_device(device)
     data = Streams(data_dir)
     base_info = training_record(model_dir, data, data_dir)
-    base_sha = _sha256(model_dir / "model.safetensors")
+    base_sha = file_sha256(model_dir / "model.safetensors")
     torch.manual_seed(s.seed)
     model = load_trained(model_dir, dev)
     model.train()
