@@ -1,4 +1,4 @@
-"""Decode and verification steps as CUDA graphs: one graph per (batch bucket, tokens per row,
+"""Decode and verification steps as CUDA graphs: one graph per (batch bucket, token bucket,
 context bucket), captured on first use.
 
 An eager decode step at real widths launches about a thousand kernels, and at small batches
