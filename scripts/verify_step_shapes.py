@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -57,7 +58,9 @@ def main() -> None:
     tokens = torch.randint(3, vocab, (b, ctx + 8), generator=gen).tolist()
     tables = [list(range(i * per_row, (i + 1) * per_row)) for i in range(b)]
     for i in range(b):  # prompts one at a time: a row's prefill stays small
-        runner.execute(ForwardBatch.from_sequences([SequenceInput(tokens[i][:ctx], 0, i, tables[i])]))
+        runner.execute(
+            ForwardBatch.from_sequences([SequenceInput(tokens[i][:ctx], 0, i, tables[i])], device=args.device)
+        )
     sync()
 
     def step(lens: list[int]) -> ForwardBatch:
@@ -100,6 +103,7 @@ def main() -> None:
         print(
             f"{name:32s} {row['tokens']:5d} tokens  {row['median_ms']:8.2f} ms"
             + (f"  device {row['device_ms']:8.2f} ms" if cuda else ""),
+            file=sys.stderr if args.json else sys.stdout,  # progress, beside the JSON
             flush=True,
         )
     if args.json:
