@@ -204,4 +204,4 @@ class DraftGraphs:
         both = torch.stack([tokens.double(), conf.double()]).transpose(1, 2).tolist()
         if staged is not None:
             staged.undo([True] * int(staged.positions.shape[0]))
-        return [[int(t) for t in row] for row in both[0]], both[1]
+        return [[int(x) for x in row] for row in both[0]], both[1]

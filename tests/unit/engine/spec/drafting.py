@@ -1,5 +1,6 @@
-"""The drafting tests' setting: the trained preset's runner with three sequences prefilled,
-and a decode step of all three that hands each a drafting run (CPU here; CUDA in tests/gpu)."""
+"""The drafting tests' setting: the trained preset's runner with sequences prefilled (three by
+default), and a decode or verification-shaped step of all of them that hands each a drafting
+run (CPU here; CUDA in tests/gpu)."""
 
 from __future__ import annotations
 
