@@ -80,9 +80,9 @@ class PaddedDecode:
     `engine.model.verify`) a row brings up to ``query`` tokens: ``qlen`` of them, the first at
     flat index ``start``, ``seq`` naming each token's row. Tokens that are not a row's own
     are padding: they write only the scratch slot and block (``write_slot``), and no real
-    token attends to them. A verification graph packs the rows' tokens one after another
-    (ragged: a step costs its tokens, not its rows times its longest row); the drafting
-    chain's first pass gives every row ``query`` places. Shapes depend on ``context`` (an
+    token attends to them. A verification graph and a drafting chain's first pass pack the
+    rows' tokens one after another (ragged: a step costs its tokens, not its rows times its
+    longest row). Shapes depend on ``context`` (an
     upper bound on every row's ``num_computed + query``) and the token count, never on the
     values: the compressors pool the windows that can close and send those that do not, or
     that are padding, to the scratch block, and attention gathers ``context // rate``

@@ -84,25 +84,29 @@ def decode_compress(
     else:
         ring_kv[slots[live], pos[live] % r] = comp.kv_proj(x[live]).to(ring_kv.dtype)
         ring_gate[slots[live], pos[live] % r] = comp.gate_proj(x[live]).to(ring_gate.dtype)
-    closing = [
-        i
-        for i, (p, keep) in enumerate(zip(batch.num_computed_cpu, batch.cached_until))
-        if (p + 1) % m == 0 and (p + 1) // m - 1 >= keep // m
-    ]
-    if not closing:
+    shut = batch.memo(("decode closing rows", m, comp.overlap, r), lambda: _Closings(comp, batch, r))
+    if shut.writes is None:
         return
-    shut = batch.memo(("decode closing rows", m, comp.overlap, r), lambda: _Closings(comp, batch, r, closing))
     kv = take_flat(ring_kv, shut.ring_rows)  # [n, span, C]
     gate = take_flat(ring_gate, shut.ring_rows)
     store_entries(comp, rotary, kv, gate, shut.writes, pool, layer, index)
 
 
 class _Closings:
-    """The rows ``closing`` of a decode batch whose position closes a window of one rate:
-    the ring rows each entry pools and where it is written (every layer of that rate reads
-    them)."""
+    """The rows of a decode batch whose position closes a window of one rate (not one a prefix
+    hit already holds): the ring rows each entry pools and where it is written (every layer
+    of that rate reads them); ``writes`` None where no row closes one."""
 
-    def __init__(self, comp: Compressor, batch: ForwardBatch, r: int, closing: list[int]) -> None:
+    def __init__(self, comp: Compressor, batch: ForwardBatch, r: int) -> None:
+        m = comp.rate
+        closing = [
+            i
+            for i, (p, keep) in enumerate(zip(batch.num_computed_cpu, batch.cached_until))
+            if (p + 1) % m == 0 and (p + 1) // m - 1 >= keep // m
+        ]
+        self.writes: EntryWrites | None = None
+        if not closing:
+            return
         sel = _seq_tensor(tuple(closing), batch.positions)
         p, s = batch.positions[sel], batch.swa_slot[sel]  # [n]
         offs = closing_offsets(comp, p)

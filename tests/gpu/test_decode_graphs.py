@@ -118,7 +118,7 @@ def _verify(runner: ModelRunner, seqs: list[list[int]], check_sync: bool = False
 
 
 def test_graphed_verification_replays_the_padded_batch_exactly(tmp_path) -> None:
-    """Verification steps (rows of 1 to 6 tokens, padded to the step's most) as graphs: equal
+    """Verification steps (rows of 1 to 6 tokens, packed in a token bucket) as graphs: equal
     bitwise to the padded batch run eagerly, close to the unpadded eager path, and a replay
     never waits for the device."""
     path = generate_checkpoint("tiny", tmp_path / "tiny").path

@@ -104,8 +104,8 @@ def _check_identity(n: int, steep_profile: str, policies: tuple[str, ...]) -> No
 
 def test_greedy_tokens_equal_plain_decoding(steep_profile) -> None:
     """dspark gives plain decoding's tokens (every policy on 100 prompts: slow); so does
-    dspark with verification and drafting as the CUDA graphs run them (rows padded to the
-    step's most tokens, the drafting chain on the device; eagerly here), whose drafts and
+    dspark with verification and drafting as the CUDA graphs run them (the rows' tokens
+    packed in a token bucket, the drafting chain on the device; eagerly here), whose drafts and
     acceptance are also the unpadded paths'. Four requests at a time, so that prompts are
     computed beside decoding and verifying rows (`ModelRunner.split`)."""
     base = _outputs(12, max_num_seqs=4)
