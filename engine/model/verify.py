@@ -5,10 +5,11 @@ positions ``n0 .. n0 + q - 1``; nothing is replayed (no ``rows_cached_until``, n
 host-slot layers, no image rows). Like `engine.model.decode`, a step costs a fixed number
 of kernels per layer whatever the batch, where the general path loops over sequences.
 
-Tokens stay flat (``[T]``, each knowing its sequence and its sequence's first token: `Layout`),
-and every layer reads the same index tensors, made once a step (`ForwardBatch.memo`). Each
-step reads the slot's rings **before** writing any of its own positions (a write at ``n0 + j`` lands on the row of
-``n0 + j - R``, which an earlier token of the same step may still need), then writes them:
+Tokens stay flat (``[T]``, each knowing its sequence and its sequence's first token:
+`Layout`), and every layer reads the same index tensors, made once a step
+(`ForwardBatch.memo`). Each step reads the slot's rings **before** writing any of its own
+positions (a write at ``n0 + j`` lands on the row of ``n0 + j - R``, which an earlier token
+of the same step may still need), then writes them:
 
 * **window**: a token at ``p`` sees the ring's old rows holding positions in
   ``(p - W, n0)`` and the step's own keys at ``n0 .. p``;
