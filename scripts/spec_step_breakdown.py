@@ -2,9 +2,10 @@
 
 One engine per cell, at a generated preset's widths with random weights built on the device
 (as `sluice bench spec --width-profile` measures them; ``--ep N``: one EP N rank's share of
-the routed experts, `engine.spec.profiling.rank_experts`), ``--batch`` requests decoding:
-plain decoding, ``fixed-0:5`` (five drafts drafted, none verified) and ``fixed-5:5`` (all five
-verified). For each cell, after warm-up steps:
+the routed experts, `engine.spec.profiling.rank_experts`), or a checkpoint with its own
+weights and held-out prompts (``--model``: real drafts and acceptance), ``--batch`` requests
+decoding: plain decoding, ``fixed-0:5`` (five drafts drafted, none verified) and ``fixed-5:5``
+(all five verified), or the settings ``--cells`` names. For each cell, after warm-up steps:
 
 * the median wall time of a step (synchronised);
 * on CUDA, the time the device spends in kernels per step (CUDA profiler) and the kernels
@@ -14,6 +15,8 @@ verified). For each cell, after warm-up steps:
 
     python3 scripts/spec_step_breakdown.py --preset flash-shape --ep 32 --layers 4 --batch 128 \\
         --device cuda --out breakdown.txt
+    python3 scripts/spec_step_breakdown.py --model models/trained --batch 60 \\
+        --cells none,fixed-5,dspark --device cuda --out breakdown.txt
 """
 
 from __future__ import annotations
@@ -33,6 +36,15 @@ CELLS = (None, "fixed-0:5", "fixed-5:5")
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--preset", default="flash-shape")
+    ap.add_argument(
+        "--model", default=None,
+        help="a checkpoint directory (its own weights, held-out prompts: real drafts and acceptance) "
+        "instead of --preset's widths with random weights",
+    )  # fmt: skip
+    ap.add_argument(
+        "--cells", default=",".join(c or "none" for c in CELLS),
+        help="the speculative settings timed, comma-separated (none: plain decoding)",
+    )  # fmt: skip
     ap.add_argument("--ep", type=int, default=1, help="time one rank of EP N (its share of the experts)")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=128)
@@ -52,19 +64,26 @@ def main() -> None:
 
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
-    model = rank_model_dir(args.preset, args.ep, args.layers, Path(tempfile.mkdtemp()) / "model")
+    if args.model is None:
+        model = rank_model_dir(args.preset, args.ep, args.layers, Path(tempfile.mkdtemp()) / "model")
+        what = (
+            f"{args.preset}, {args.layers} layers, EP {args.ep} rank "
+            f"({'every expert' if args.ep == 1 else f'{rank_experts(args.preset, args.ep)} routed experts'})"
+        )
+    else:
+        model, what = Path(args.model), f"{args.model} (its weights)"
     b = args.batch
-    prompts, _ = _prompts(model, b, 256, 0)
+    prompts, source = _prompts(model, b, 256, 0)
     report = [
-        f"{args.preset}, {args.layers} layers, EP {args.ep} rank "
-        f"({'every expert' if args.ep == 1 else f'{rank_experts(args.preset, args.ep)} routed experts'}), "
-        f"{b} requests, {args.device}, {torch.cuda.get_device_name() if cuda else 'cpu'}"
+        f"{what}, {b} requests ({source}), {args.device}, {torch.cuda.get_device_name() if cuda else 'cpu'}"
     ]
-    for spec in CELLS:
+    cells = [None if c == "none" else c for c in args.cells.split(",") if c]
+    for spec in cells:
         cfg = EngineConfig(
             model=str(model), speculative=spec, max_num_seqs=b, num_swa_slots=b, num_blocks=4 * b + 4,
             max_num_batched_tokens=max(32_768, 256 * b), enable_prefix_caching=False, async_scheduling=False,
-            random_weights=0, device=args.device, dtype="bfloat16" if cuda else "float32",
+            random_weights=0 if args.model is None else None, device=args.device,
+            dtype="bfloat16" if cuda else "float32",
         )  # fmt: skip
         core = EngineCore(cfg)
         try:
