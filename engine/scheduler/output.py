@@ -8,6 +8,7 @@ of its own except each sequence's last sampled token (for ``PENDING_TOKEN``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -110,7 +111,8 @@ class RunnerOutput:
     # Speculation. ``tokens``: every token a request emitted this step when it is more than
     # ``sampled``'s one (its accepted drafts and the target's token after them), with their
     # ``token_logprobs``; ``drafts``: the drafts (tokens, confidences) each request proposes
-    # for its next step.
+    # for its next step (a mapping that may read them from the device when first looked at:
+    # `engine.spec.speculation.NextDrafts`).
     tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)
     token_logprobs: dict[str, tuple[object, ...]] = field(default_factory=dict)
-    drafts: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)
+    drafts: Mapping[str, tuple[tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.scheduler.cache_manager import CacheManager, PrefixMatch
@@ -73,6 +74,11 @@ class Scheduler:
         # (admission queues the loads of host-slot hits into the same lists)
         self._kv_loads: list[tuple[int, bytes]] = self.cache.kv_loads
         self._slot_loads: list[tuple[int, bytes]] = self.cache.slot_loads
+        # the last update's drafts and the requests they are for, looked at (which may wait
+        # for the drafting chain on the device) only when the next step is scheduled
+        self._next_drafts: (
+            tuple[Mapping[str, tuple[tuple[int, ...], tuple[float, ...]]], list[Request]] | None
+        ) = None
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, req: Request, remote_kv: bool = False) -> None:
@@ -174,6 +180,7 @@ class Scheduler:
 
     # -- step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        self._take_drafts()
         cfg = self.config
         time_left = None
         if cfg.step_time_budget_s is not None and cfg.cost_model is not None:
@@ -402,21 +409,43 @@ class Scheduler:
 
     # -- update ----------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> StepUpdate:
-        """Apply step ``out``'s sampled tokens. Tokens of requests finished meanwhile are dropped."""
+        """Apply step ``out``'s sampled tokens. Tokens of requests finished meanwhile are dropped.
+        The drafts the step proposes are taken when the next step is scheduled (`_take_drafts`):
+        a graphed drafting chain may still be on the device, and reading them here would wait
+        for it before the step's tokens reach anyone."""
+        self._take_drafts()
         upd = StepUpdate()
         self.cache.blocks.release([block for block, _, _ in out.kv_saves])  # snapshots taken
+        drafting: list[Request] = []
         for seq in out.seqs:
             if not seq.sample:
                 continue
             for rid in (seq.request_id, *seq.fork_children):
-                self._apply(rid, seq.num_drafts, result, upd)
+                req = self._apply(rid, seq.num_drafts, result, upd)
+                if req is not None:
+                    drafting.append(req)
+        if self.spec is not None:
+            self._next_drafts = (result.drafts, drafting)
         return upd
 
-    def _apply(self, rid: str, num_drafts: int, result: RunnerOutput, upd: StepUpdate) -> None:
-        """One sampled sequence's tokens: every accepted draft and the token after them."""
+    def _take_drafts(self) -> None:
+        """Give each request the drafts the last update's step proposed for it (none where it
+        proposed none), unless it has finished or been preempted since."""
+        if self._next_drafts is None:
+            return
+        drafts, reqs = self._next_drafts
+        self._next_drafts = None
+        for req in reqs:
+            d = drafts.get(req.request_id) if req.status == RequestStatus.RUNNING else None
+            if d is not None:
+                req.drafts, req.draft_conf = d
+
+    def _apply(self, rid: str, num_drafts: int, result: RunnerOutput, upd: StepUpdate) -> Request | None:
+        """One sampled sequence's tokens: every accepted draft and the token after them.
+        Returns the request if it still runs (its drafts, `_take_drafts`, are still to come)."""
         req = self.requests.get(rid)
         if req is None or req.status.finished:
-            return  # finished or aborted while this step was in flight
+            return None  # finished or aborted while this step was in flight
         tokens = result.tokens.get(rid) or (result.sampled[rid],)
         lps = result.token_logprobs.get(rid) or (result.logprobs.get(rid),)
         req.num_pending -= 1
@@ -425,8 +454,7 @@ class Scheduler:
         if self.spec is not None:
             self.spec.stats.accepted += len(tokens) - 1 if num_drafts else 0
             self.spec.observe(rid, len(tokens) - 1 if num_drafts else 0)
-        d = result.drafts.get(rid)
-        req.drafts, req.draft_conf = d if d is not None else ((), ())
+        req.drafts, req.draft_conf = (), ()  # verified: the step's new drafts come later
         upd.new_tokens[rid] = tokens[-1]
         if rid in result.logprobs:
             upd.logprobs[rid] = lps if len(tokens) > 1 else lps[0]
@@ -443,4 +471,5 @@ class Scheduler:
             if status is not None:
                 self.finish(req, status)
                 upd.finished.append(req)
-                return
+                return None
+        return req

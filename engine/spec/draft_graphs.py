@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -14,6 +14,7 @@ from engine.config import BLOCK_TOKENS
 from engine.cuda_graphs import MAX_GRAPH_QUERY, MAX_GRAPHS, DecodeGraphs, batch_bucket, token_bucket
 from engine.forward_batch import ForwardBatch, PaddedDecode, SequenceInput, upload
 from engine.model.moe import weight_epoch
+from engine.step_state import ToHost
 
 if TYPE_CHECKING:
     from engine.spec.drafter import Drafter, DraftRun
@@ -45,8 +46,8 @@ class DraftGraphs:
     scratch slot. Passes 2..depth chain on the device: each pass's argmax is the next pass's
     input token and its output streams the next pass's input. Every real row runs every pass;
     drafts past a row's ``num_drafts`` are dropped on the host, their window writes put back
-    with the others (`SWASlots.stage`). The host reads the drafts once, after the last pass
-    (the eager chain reads each pass's). Prefill runs (up to a window long) draft eagerly.
+    with the others (`SWASlots.stage`). The host reads the drafts once, after the last pass,
+    and only when it needs them (`run`; the eager chain reads each pass's). Prefill runs (up to a window long) draft eagerly.
     With the decode graphs' ``capture`` off, the same padded chain runs eagerly (CPU tests)."""
 
     def __init__(self, drafter: Drafter, graphs: DecodeGraphs) -> None:
@@ -165,10 +166,12 @@ class DraftGraphs:
 
     def run(
         self, hidden: torch.Tensor, runs: Sequence[DraftRun]
-    ) -> tuple[list[list[int]], list[list[float]]]:
-        """Draft for ``runs`` (`applies`) -> per run, its drafts and their confidences at depth
-        1 .. max(num_drafts); pass 1 writes the windows, and is all that runs (no head, no
-        draft) where no run wants a draft."""
+    ) -> Callable[[], tuple[list[list[int]], list[list[float]]]]:
+        """Queue the chain for ``runs`` (`applies`) -> a reader of per run, its drafts and their
+        confidences at depth 1 .. max(num_drafts); pass 1 writes the windows, and is all that
+        runs (no head, no draft) where no run wants a draft. Nothing here waits for the
+        device: the drafts' copy to the host starts behind the chain, and the reader waits
+        for that copy only, so the host can apply the step's tokens while the chain runs."""
         b = batch_bucket(len(runs))
         count = sum(len(r.next_ids) for r in runs)
         # as `DecodeGraphs.run` shapes a step: one token a row, or the rows' tokens packed
@@ -200,8 +203,13 @@ class DraftGraphs:
             self.replays += 1
             tokens, conf = chain.out
         self.chains_run += 1
-        # one read of the device: token ids are exact in float64
-        both = torch.stack([tokens.double(), conf.double()]).transpose(1, 2).tolist()
-        if staged is not None:
+        # one copy to the host: token ids are exact in float64
+        both = ToHost(torch.stack([tokens.double(), conf.double()]).transpose(1, 2).contiguous())
+        if staged is not None:  # queued behind the chain, which has read the rows by then
             staged.undo([True] * int(staged.positions.shape[0]))
-        return [[int(x) for x in row] for row in both[0]], both[1]
+
+        def read() -> tuple[list[list[int]], list[list[float]]]:
+            chains, confs = both.tolist()
+            return [[int(x) for x in row] for row in chains], confs
+
+        return read

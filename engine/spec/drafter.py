@@ -29,7 +29,7 @@ after a prefix hit) change acceptance and nothing else.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
@@ -68,6 +68,24 @@ class Drafts:
     confidence: tuple[float, ...]
 
 
+class PendingDrafts:
+    """A step's drafts, per request id, which may still be on the device (a graphed chain,
+    `DraftGraphs.run`): `result` reads them, waiting for their copy only, once."""
+
+    def __init__(self, read: Callable[[], dict[str, Drafts]]) -> None:
+        self._read: Callable[[], dict[str, Drafts]] | None = read
+        self._drafts: dict[str, Drafts] = {}
+
+    @classmethod
+    def ready(cls, drafts: dict[str, Drafts]) -> PendingDrafts:
+        return cls(lambda: drafts)
+
+    def result(self) -> dict[str, Drafts]:
+        if self._read is not None:
+            self._drafts, self._read = self._read(), None
+        return self._drafts
+
+
 class Drafter:
     def __init__(
         self,
@@ -94,28 +112,36 @@ class Drafter:
         return self.layer.mlp.last_load
 
     @torch.inference_mode()
-    def draft(self, hidden: torch.Tensor, runs: Sequence[DraftRun]) -> dict[str, Drafts]:
-        """``hidden`` [T, hc, D]: the step's final main-model streams."""
+    def draft(self, hidden: torch.Tensor, runs: Sequence[DraftRun]) -> PendingDrafts:
+        """``hidden`` [T, hc, D]: the step's final main-model streams. A graphed chain's drafts
+        are read when asked for (`PendingDrafts.result`); the eager chain reads each pass's."""
         if not runs:
-            return {}
+            return PendingDrafts.ready({})
         if self.graphs is not None:
             short: list[DraftRun] = []
             long: list[DraftRun] = []
             for r in runs:
                 (short if self.graphs.applies([r]) else long).append(r)
             if short and long:  # a prompt's run beside decodes (`ModelRunner.split`)
-                drafts = self.draft(hidden, short)
+                pending = self.draft(hidden, short)
                 load = self.load.clone()
-                drafts.update(self.draft(hidden, long))
+                eager = self.draft(hidden, long).result()
                 self.load.add_(load)
-                return drafts
+                return PendingDrafts(lambda: {**pending.result(), **eager})
         if self.graphs is not None and self.graphs.applies(runs):
-            chains, chain_conf = self.graphs.run(hidden, runs)
-            return {
-                r.request_id: Drafts(tuple(chains[i][: r.num_drafts]), tuple(chain_conf[i][: r.num_drafts]))
-                for i, r in enumerate(runs)
-                if r.num_drafts
-            }
+            read = self.graphs.run(hidden, runs)
+
+            def result() -> dict[str, Drafts]:
+                chains, chain_conf = read()
+                return {
+                    r.request_id: Drafts(
+                        tuple(chains[i][: r.num_drafts]), tuple(chain_conf[i][: r.num_drafts])
+                    )
+                    for i, r in enumerate(runs)
+                    if r.num_drafts
+                }
+
+            return PendingDrafts(result)
         dev = hidden.device
         batch = ForwardBatch.from_sequences(
             [
@@ -128,7 +154,7 @@ class Drafter:
         wanted = [r.num_drafts for r in runs]
         if not any(wanted):  # the runs only write the MTP window: no draft, no head
             self.layer_pass(hidden[rows], batch)
-            return {}
+            return PendingDrafts.ready({})
         tokens, conf, out = self._pass(hidden[rows], batch, 1)
         drafted: list[list[int]] = [[] for _ in runs]
         confs: list[list[float]] = [[] for _ in runs]
@@ -173,9 +199,13 @@ class Drafter:
             finally:
                 staged.undo([True] * int(staged.positions.shape[0]))
             self.load.copy_(load)
-        return {
-            r.request_id: Drafts(tuple(d), tuple(c)) for r, d, c in zip(runs, drafted, confs) if r.num_drafts
-        }
+        return PendingDrafts.ready(
+            {
+                r.request_id: Drafts(tuple(d), tuple(c))
+                for r, d, c in zip(runs, drafted, confs)
+                if r.num_drafts
+            }
+        )
 
     def _pass(
         self, streams: torch.Tensor, batch: ForwardBatch, position: int

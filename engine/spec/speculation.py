@@ -14,12 +14,12 @@ the state of the accepted tokens. Then the MTP layer drafts the next step's toke
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from engine.sampling.sampler import TokenLogprobs
 from engine.scheduler.output import PENDING_TOKEN, ScheduledSeq, SchedulerOutput
-from engine.spec.drafter import Drafter, DraftRun
+from engine.spec.drafter import Drafter, DraftRun, PendingDrafts
 from engine.step_state import SamplingState
 from engine.structured.grammar import GrammarError
 
@@ -131,9 +131,10 @@ class Speculation:
         sampled: dict[str, int],
         emitted: dict[str, tuple[int, ...]],
         depth: int,
-    ) -> dict[str, tuple[tuple[int, ...], tuple[float, ...]]]:
+    ) -> NextDrafts:
         """Pass-1 runs of every sequence whose next tokens are known, then chained drafts for
-        those that continue (`engine.spec.drafter`)."""
+        those that continue (`engine.spec.drafter`); read from the device when first looked
+        at (`NextDrafts`)."""
         assert self.drafter is not None
         runs: list[DraftRun] = []
         flat = 0
@@ -173,19 +174,48 @@ class Speculation:
                     valid_from, depth if continues else 0,
                 )
             )  # fmt: skip
-        drafts = self.drafter.draft(hidden, runs)
-        out_drafts = {}
-        for rid, d in drafts.items():
-            keep = self._grammar_prefix(rid, d.tokens)
-            out_drafts[rid] = (d.tokens[:keep], d.confidence[:keep])
-        return out_drafts
+        return NextDrafts(self.drafter.draft(hidden, runs), self._grammar_prefix)
 
     def _grammar_prefix(self, rid: str, tokens: tuple[int, ...]) -> int:
-        """How many leading drafts the request's grammar allows (all without a grammar)."""
-        grammar = self.states[rid].grammar
+        """How many leading drafts the request's grammar allows (all without a grammar; none
+        for a request already dropped)."""
+        st = self.states.get(rid)
+        if st is None:
+            return 0
+        grammar = st.grammar
         if grammar is None or rid in self._failed:
             return len(tokens)
         try:
             return grammar.valid_prefix(tokens)
         except GrammarError:
             return 0
+
+
+class NextDrafts(Mapping[str, tuple[tuple[int, ...], tuple[float, ...]]]):
+    """The drafts (tokens, confidences) each request proposes for its next step, cut at the
+    first one its grammar refuses: a step's `RunnerOutput.drafts`. The drafting chain may
+    still be on the device when the step returns; the first look reads it (waiting for its
+    copy only), so the scheduler applies the step's tokens, and the engine hands out its
+    outputs, while the chain runs (`Scheduler.update` looks at the drafts last)."""
+
+    def __init__(self, pending: PendingDrafts, prefix: Callable[[str, tuple[int, ...]], int]) -> None:
+        self._pending: PendingDrafts | None = pending
+        self._prefix = prefix
+        self._drafts: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = {}
+
+    def _read(self) -> dict[str, tuple[tuple[int, ...], tuple[float, ...]]]:
+        if self._pending is not None:
+            for rid, d in self._pending.result().items():
+                keep = self._prefix(rid, d.tokens)
+                self._drafts[rid] = (d.tokens[:keep], d.confidence[:keep])
+            self._pending = None
+        return self._drafts
+
+    def __getitem__(self, rid: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
+        return self._read()[rid]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._read())
+
+    def __len__(self) -> int:
+        return len(self._read())

@@ -295,7 +295,7 @@ def test_a_graphed_drafting_chain_counts_the_mtp_load_of_every_pass() -> None:
     loads = {}
     for mode in ("auto", "padded"):
         runner, drafter, seqs = prefilled(mode, seed=3, device="cuda", dtype="bfloat16")
-        drafts = drafter.draft(*decode_step(runner, seqs, 0, wanted))
+        drafts = drafter.draft(*decode_step(runner, seqs, 0, wanted)).result()
         assert drafter.graphs is not None and drafter.graphs.chains_run == 1
         assert [len(drafts[str(i)].tokens) for i in (0, 1)] == [3, 1]
         assert drafter.graphs.replays == (mode == "auto")  # captured and replayed only there
@@ -319,7 +319,7 @@ def test_a_graphed_drafting_chain_gives_the_heads_confidences_of_the_eager_chain
     for mode in ("auto", "padded"):
         head = load_confidence_head(MODEL, "cuda")
         runner, drafter, seqs = prefilled(mode, seed=5, head=head, device="cuda", dtype="bfloat16")
-        drafts = drafter.draft(*decode_step(runner, seqs, 0, wanted))
+        drafts = drafter.draft(*decode_step(runner, seqs, 0, wanted)).result()
         assert drafter.graphs is not None and drafter.graphs.replays == (mode == "auto")
         out_by_mode[mode] = {k: (d.tokens, d.confidence) for k, d in drafts.items()}
     for rid, (tokens, conf) in out_by_mode["padded"].items():

@@ -16,7 +16,7 @@ WANTED = [5, 3, 1]  # drafts after each sequence's run
 
 def _drafts(mode: str, head: ConfidenceHead | None) -> dict[str, tuple[tuple[int, ...], tuple[float, ...]]]:
     runner, drafter, seqs = prefilled(mode, seed=5, head=head)
-    drafts = drafter.draft(*decode_step(runner, seqs, 0, WANTED))
+    drafts = drafter.draft(*decode_step(runner, seqs, 0, WANTED)).result()
     return {k: (d.tokens, d.confidence) for k, d in drafts.items()}
 
 
@@ -72,7 +72,7 @@ def test_a_step_that_drafts_nothing_writes_the_window_and_runs_no_head(mode: str
         for step, wanted in ((0, first), (1, 3)):
             if wanted:
                 drafter.head = None  # the head is not what this test is about
-            got = drafter.draft(*decode_step(runner, seqs, step, [wanted] * 3))
+            got = drafter.draft(*decode_step(runner, seqs, step, [wanted] * 3)).result()
             assert (got == {}) == (wanted == 0)
             drafts = {k: d.tokens for k, d in got.items()}
         after[first] = drafts

@@ -26,8 +26,10 @@ def _steps(case: str, mode: str) -> Steps:
     step of every sequence (which reads the MTP windows the first chain wrote)."""
     tokens, wanted = CASES[case]
     runner, drafter, seqs = prefilled(mode, seed=11, prompts=[20 + 7 * i for i in range(len(tokens))])
-    got = [drafter.draft(*verify_step(runner, seqs, tokens, wanted))]
-    got.append(drafter.draft(*verify_step(runner, seqs, [1] * len(tokens), [3] * len(tokens), tokens)))
+    got = [drafter.draft(*verify_step(runner, seqs, tokens, wanted)).result()]
+    got.append(
+        drafter.draft(*verify_step(runner, seqs, [1] * len(tokens), [3] * len(tokens), tokens)).result()
+    )
     return [{k: (d.tokens, d.confidence) for k, d in step.items()} for step in got]
 
 

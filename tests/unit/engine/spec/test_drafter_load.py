@@ -16,7 +16,7 @@ def test_the_mtp_load_counts_every_drafting_pass_and_resets_each_step(mode: str)
     k = runner.model_cfg.num_experts_per_tok
     wanted = [3, 1, 0]  # drafts after each run (0: the run only writes the MTP window)
     hidden, runs = decode_step(runner, seqs, 0, wanted)
-    drafts = drafter.draft(hidden, runs)
+    drafts = drafter.draft(hidden, runs).result()
     assert [len(drafts[str(i)].tokens) for i in (0, 1)] == [3, 1] and "2" not in drafts
     passes = 3 + sum(max(0, d - 1) for d in wanted)  # pass 1 over the three runs, then the chains
     assert int(drafter.load.sum()) == k * passes
@@ -39,7 +39,7 @@ def test_a_prompts_run_drafted_apart_from_the_decodes_is_counted_with_them() -> 
         DraftRun("1", 1, [1], PROMPTS[1], [seqs[1][PROMPTS[1] + 1]], 1, 0, 2),
         DraftRun("2", 2, [2], PROMPTS[2], [*seqs[2][PROMPTS[2] + 1 : PROMPTS[2] + 8], 7], 2, 0, 2),
     ]
-    drafts = drafter.draft(out.hidden, runs)
+    drafts = drafter.draft(out.hidden, runs).result()
     assert sorted(drafts) == ["0", "1", "2"]
     passes = (1 + 1 + 8) + 3  # pass 1 over every run's tokens, then each chain's second pass
     assert int(drafter.load.sum()) == k * passes

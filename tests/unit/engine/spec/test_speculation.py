@@ -19,13 +19,17 @@ import torch
 import torch.nn.functional as F
 
 from engine.llm import LLM
+from engine.messages import CoreRequest
 from engine.model.rope import clear_cos_sin_cache
 from engine.prompts import heldout_prompts
 from engine.sampling.params import SamplingParams, StructuredOutput
 from engine.scheduler.hashing import chain_hashes
+from engine.scheduler.output import RunnerOutput
+from engine.scheduler.scheduler import Scheduler
 from engine.spec.draft_graphs import DraftGraphs
 from engine.spec.policy import SpecPolicy
 from engine.spec.profile import SpecProfile
+from engine.spec.speculation import NextDrafts
 
 MODEL = Path(__file__).resolve().parents[4] / "models" / "trained"
 SCHEMA = json.dumps(
@@ -163,6 +167,63 @@ def test_a_kept_drafting_chain_drafts_as_a_fresh_one(steep_profile, monkeypatch)
     keys = ("spec_steps", "spec_drafted_tokens", "spec_verified_tokens", "spec_accepted_tokens")
     assert stats["kept"]["graph_draft_chains"] > 0
     assert [stats["kept"][k] for k in keys] == [stats["eager"][k] for k in keys]
+
+
+def test_a_step_s_tokens_reach_the_caller_before_its_drafts_are_read(steep_profile, monkeypatch) -> None:
+    """With the drafting chain as the GPU runs it (its padded batches, eagerly here), a step's
+    drafts are read only when the next step is scheduled: the scheduler applies the step's
+    tokens and the engine hands them to its caller first, which on the GPU is host work done
+    while the chain runs. A request that ends in that step gets no drafts, and the tokens are
+    plain decoding's."""
+    events: list[tuple[str, int]] = []
+    update, read = Scheduler.update, NextDrafts._read
+
+    def applied(self: Scheduler, out: object, result: RunnerOutput) -> object:
+        upd = update(self, out, result)
+        if isinstance(result.drafts, NextDrafts) and result.drafts._pending is not None:
+            events.append(("applied", id(result.drafts)))
+        return upd
+
+    def reading(self: NextDrafts) -> object:
+        if self._pending is not None:
+            events.append(("read", id(self)))
+        return read(self)
+
+    monkeypatch.setattr(Scheduler, "update", applied)
+    monkeypatch.setattr(NextDrafts, "_read", reading)
+    prompts = _prompts(4)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    plain = LLM(MODEL, max_num_seqs=4, num_swa_slots=8)
+    try:
+        want = _generate(plain, prompts, [params] * len(prompts))
+    finally:
+        plain.close()
+    llm = LLM(
+        MODEL, max_num_seqs=4, num_swa_slots=8, speculative="fixed-3", decode_graphs="padded",
+    )  # fmt: skip
+    try:
+        core = llm.core
+        for i, p in enumerate(prompts):
+            core.add(CoreRequest(f"r{i}", tuple(p), params))
+        got: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+        for _ in range(200):
+            if not core.has_work():
+                break
+            for o in core.step():
+                got[o.request_id] += o.new_token_ids
+            events.append(("returned", 0))
+        assert list(got.values()) == want
+    finally:
+        llm.close()
+    applied_at = {k: i for i, (e, k) in enumerate(events) if e == "applied"}
+    read_at = {k: i for i, (e, k) in enumerate(events) if e == "read"}
+    returns = [i for i, (e, _) in enumerate(events) if e == "returned"]
+    assert len(applied_at) >= 5
+    assert set(read_at) <= set(applied_at)
+    for k, i in read_at.items():  # applied, handed out, then read
+        assert any(applied_at[k] < r < i for r in returns), events
+    # the last step's drafts (every request ended in it) are never read
+    assert max(applied_at, key=applied_at.get) not in read_at
 
 
 @pytest.mark.slow
