@@ -323,10 +323,12 @@ class ModelExecutor:
             self.kv.save(self.runner.pool, out.kv_saves)
         top, host = self._read_results(launched)
         sampled, logprobs, emitted, emitted_lps = self._sample_seqs(out, top, host)
-        if staged is not None:  # undo the rows of every position past the accepted ones
-            self.speculation.undo_rejected(staged, out, emitted)
         depth = self.draft_depth(out)
         drafts = self.speculation.draft(out, result.hidden, sampled, emitted, depth) if depth else {}
+        if staged is not None:  # undo the rows of every position past the accepted ones: the
+            # main layers' rings, which the drafting chain (the MTP layer's window) never
+            # reads, so the chain is queued first and the device runs it while these launch
+            self.speculation.undo_rejected(staged, out, emitted)
         if self.speculation.lockstep is not None:
             self.speculation.lockstep.pad()
         failed = {rid: self._failed[rid] for rid in sampled if rid in self._failed}
