@@ -53,7 +53,7 @@ class _Launched:
     handle: Any  # the launcher's; None once finished
     result: RunnerOutput | None = None
     error: BaseException | None = None
-    seconds: float = 0.0  # host time spent launching and finishing it
+    seconds: float = 0.0  # host time spent launching and finishing it (and reading the drafts before it)
 
 
 @dataclass(frozen=True)
@@ -99,10 +99,10 @@ class EngineLoop:
         self.prompt_tokens = 0  # computed so far (StepStat.prompt_tokens summed over every step)
         self._on_step = on_step
 
-    def _timed(self, out: SchedulerOutput) -> RunnerOutput:
+    def _timed(self, out: SchedulerOutput, waited: float = 0.0) -> RunnerOutput:
         t0 = time.perf_counter()
         result = self._execute(out)
-        self._record(out, time.perf_counter() - t0)
+        self._record(out, time.perf_counter() - t0 + waited)
         return result
 
     def _record(self, out: SchedulerOutput, seconds: float) -> None:
@@ -113,16 +113,16 @@ class EngineLoop:
         if self._on_step is not None:
             self._on_step(out, seconds)
 
-    def _submit(self, out: SchedulerOutput) -> None:
+    def _submit(self, out: SchedulerOutput, waited: float = 0.0) -> None:
         fut: Future[RunnerOutput]
         if self._pool is None:
             fut = Future()
             try:
-                fut.set_result(self._timed(out))
+                fut.set_result(self._timed(out, waited))
             except BaseException as exc:  # surfaced by result() below, like the async path
                 fut.set_exception(exc)
         else:
-            fut = self._pool.submit(self._timed, out)
+            fut = self._pool.submit(self._timed, out, waited)
         self._inflight.append((out, fut))
         self.steps += 1
 
@@ -148,7 +148,7 @@ class EngineLoop:
         entry.seconds += time.perf_counter() - t0
         self._record(entry.out, entry.seconds)
 
-    def _launch(self, out: SchedulerOutput) -> None:
+    def _launch(self, out: SchedulerOutput, waited: float = 0.0) -> None:
         assert self._launcher is not None
         # the step launched before, while still unfinished
         prev = self._launched[-1] if self._launched and self._launched[-1].handle is not None else None
@@ -161,7 +161,7 @@ class EngineLoop:
             entry.handle = self._launcher.launch(out, None if prev is None else prev.handle)
         except BaseException as exc:
             entry.error = exc
-        entry.seconds = time.perf_counter() - t0
+        entry.seconds = time.perf_counter() - t0 + waited
         self._launched.append(entry)
         self.steps += 1
         self.pipelined += prev is not None
@@ -189,10 +189,13 @@ class EngineLoop:
             if queue and not self._overlap_after(self._out_of(queue[-1])):
                 break  # the next step needs this one's result
             out = self.scheduler.schedule()
+            # the last drafting chain's wait, which scheduling took: the device time between
+            # steps is counted in the step after it (`Scheduler.take_drafts_read_s`)
+            waited = self.scheduler.take_drafts_read_s()
             if out.is_empty:
                 break
             self.overlapped += bool(queue)
-            (self._launch if pipelined else self._submit)(out)
+            (self._launch if pipelined else self._submit)(out, waited)
         if not queue:
             if self.scheduler.has_ready():
                 raise RuntimeError(

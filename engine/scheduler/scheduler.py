@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -79,6 +80,7 @@ class Scheduler:
         self._next_drafts: (
             tuple[Mapping[str, tuple[tuple[int, ...], tuple[float, ...]]], list[Request]] | None
         ) = None
+        self._drafts_read_s = 0.0  # host time spent taking them (waiting for the chain)
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, req: Request, remote_kv: bool = False) -> None:
@@ -433,12 +435,21 @@ class Scheduler:
         proposed none), unless it has finished or been preempted since."""
         if self._next_drafts is None:
             return
+        t0 = time.perf_counter()
         drafts, reqs = self._next_drafts
         self._next_drafts = None
         for req in reqs:
             d = drafts.get(req.request_id) if req.status == RequestStatus.RUNNING else None
             if d is not None:
                 req.drafts, req.draft_conf = d
+        self._drafts_read_s += time.perf_counter() - t0
+
+    def take_drafts_read_s(self) -> float:
+        """Seconds spent taking drafts since the last call: the part of a drafting step's
+        chain the host waited for after the step was applied (`EngineLoop` counts it in the
+        step it schedules, whose time it then is)."""
+        t, self._drafts_read_s = self._drafts_read_s, 0.0
+        return t
 
     def _apply(self, rid: str, num_drafts: int, result: RunnerOutput, upd: StepUpdate) -> Request | None:
         """One sampled sequence's tokens: every accepted draft and the token after them.

@@ -12,6 +12,7 @@ for any selection.
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -224,6 +225,31 @@ def test_a_step_s_tokens_reach_the_caller_before_its_drafts_are_read(steep_profi
         assert any(applied_at[k] < r < i for r in returns), events
     # the last step's drafts (every request ended in it) are never read
     assert max(applied_at, key=applied_at.get) not in read_at
+
+
+def test_the_wait_for_a_drafting_chain_counts_in_the_next_step_s_time(monkeypatch) -> None:
+    """Read when the next step is scheduled, a drafting chain's drafts take host time that no
+    step's execution holds; the loop counts it in the step it schedules, so the step times
+    the decode cost model fits (`StepObserver.observe`) still add up to the engine's time.
+    Here each read waits 0.3 s, several times a step's own time on this CPU."""
+    read = NextDrafts._read
+
+    def slow(self: NextDrafts) -> object:
+        if self._pending is not None:
+            time.sleep(0.3)
+        return read(self)
+
+    monkeypatch.setattr(NextDrafts, "_read", slow)
+    llm = LLM(MODEL, max_num_seqs=4, num_swa_slots=8, speculative="fixed-3", decode_graphs="padded")
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+        _generate(llm, _prompts(2), [params] * 2)
+        stats = list(llm.loop.stats)
+    finally:
+        llm.close()
+    after_drafting = stats[1:]  # every step after the prompts' follows a drafting one
+    assert len(after_drafting) >= 3 and stats[0].seconds < 0.3
+    assert all(s.seconds >= 0.3 for s in after_drafting), [round(s.seconds, 4) for s in stats]
 
 
 @pytest.mark.slow
