@@ -13,6 +13,16 @@ prefilled by the real forward before the stub goes in); the vocabulary is the re
 (129,280), so the argmax reads a real-sized row per request. ``batch`` greedy requests of
 32 prompt tokens decode; after ``--warmup`` steps, ``--steps`` steps are timed one by one
 and the median is reported, with the time per sequence.
+
+``--speculative fixed-K``: speculating steps instead, as the GPU runs them (the CUDA graphs'
+padded batches, `decode_graphs="padded"`): each step verifies ``K`` drafts per request and
+drafts ``K`` for the next. The stubs replace the main model's layers (`final_hidden`, every
+token's row zero) and the drafting chain's MTP passes (`DraftGraphs._passes`: the first
+``--accept`` drafts the target's own token, the rest another), so what is timed is the host's
+side of such a step: the policy, the staging and putting back of ring rows, the graphs'
+inputs, verification's sampling and acceptance, the drafting chain's inputs, the
+bookkeeping of ``--accept`` + 1 tokens a request, and the outputs. On the CPU the ring copies
+and the argmax are real work, small at the ``tiny`` widths; on a GPU they are launches.
 """
 
 from __future__ import annotations
@@ -22,6 +32,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from services.bench import Report, module_main, progress
 
@@ -30,11 +41,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batches", default="1,16,64,256", help="requests per step, a comma list")
     p.add_argument("--steps", type=int, default=200, help="timed steps per batch (default 200)")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps first (default 5)")
+    p.add_argument(
+        "--speculative", default=None, metavar="fixed-K",
+        help="time speculating steps verifying and drafting K drafts a request (module docstring)",
+    )  # fmt: skip
+    p.add_argument(
+        "--accept", type=int, default=3,
+        help="with --speculative: drafts accepted a request a step (default 3)",
+    )  # fmt: skip
 
 
-def host_step_ms(model_dir: Path, batch: int, steps: int, warmup: int) -> float:
+TOKEN = 7  # the stubbed target's argmax everywhere
+OTHER = 9  # a draft the target refuses
+
+
+def host_step_ms(
+    model_dir: Path, batch: int, steps: int, warmup: int, speculative: str | None = None, accept: int = 0
+) -> float:
     """Median ms of `EngineCore.step` over ``steps`` decode steps of ``batch`` requests, the
-    forward stubbed (module docstring)."""
+    forward stubbed (module docstring); ``speculative``: speculating steps, ``accept`` drafts
+    accepted a request a step."""
     import torch
 
     from engine.core import EngineCore
@@ -43,24 +69,31 @@ def host_step_ms(model_dir: Path, batch: int, steps: int, warmup: int) -> float:
     from engine.runner import RunnerOutput
     from engine.sampling.params import SamplingParams
 
+    depth = int(speculative.split("-")[1]) if speculative else 0
+    per_step = 1 + min(accept, depth)  # tokens a request emits a step
+    total = (steps + warmup) * per_step + 8
+    spec = {"speculative": speculative, "decode_graphs": "padded"} if speculative else {}
     core = EngineCore(
         EngineConfig(
-            model=str(model_dir), random_weights=0, num_blocks=2 * batch + 4, num_swa_slots=batch,
-            max_num_seqs=batch, enable_prefix_caching=False,
+            model=str(model_dir), random_weights=0, num_blocks=batch * (2 + total // 256) + 4,
+            num_swa_slots=batch, max_num_seqs=batch, enable_prefix_caching=False, **spec,
         )
     )  # fmt: skip
     try:
-        params = SamplingParams(temperature=0.0, max_tokens=steps + warmup + 8, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=total, ignore_eos=True)
         for i in range(batch):
             core.add(CoreRequest(f"r{i}", tuple(range(5 + i, 37 + i)), params))
         started: set[str] = set()
         while len(started) < batch:  # the prompts, by the real forward
             started.update(o.request_id for o in core.step() if o.new_token_ids)
-        logits = torch.zeros(batch, core.vocab_size)
-        logits[:, 7] = 1.0
-        hidden = torch.zeros(batch, 1, 1)
         runner = core.runner
-        runner.execute = lambda b: RunnerOutput(logits[: b.num_seqs], hidden[: b.num_seqs])
+        if speculative:
+            _stub_speculating(core, batch * (depth + 1) * 2, depth, accept)
+        else:
+            logits = torch.zeros(batch, core.vocab_size)
+            logits[:, TOKEN] = 1.0
+            hidden = torch.zeros(batch, 1, 1)
+            runner.execute = lambda b: RunnerOutput(logits[: b.num_seqs], hidden[: b.num_seqs])
         for _ in range(warmup):
             core.step()
         times = []
@@ -68,9 +101,37 @@ def host_step_ms(model_dir: Path, batch: int, steps: int, warmup: int) -> float:
             t0 = time.perf_counter()
             core.step()
             times.append(time.perf_counter() - t0)
+        if speculative:
+            stats = core.stats().extra
+            emitted = stats["spec_accepted_tokens"] / max(stats["spec_steps"], 1)
+            if emitted < 0.9 * batch * min(accept, depth):  # the stubs did not steer the steps
+                raise RuntimeError(f"{emitted:.1f} drafts accepted a step, expected {batch * accept}")
         return statistics.median(times) * 1e3
     finally:
         core.close()
+
+
+def _stub_speculating(core: Any, rows: int, depth: int, accept: int) -> None:
+    """The main model's layers and the drafting chain's passes replaced (module docstring)."""
+    import torch
+
+    model = core.runner.model
+    cfg = model.cfg
+    final = torch.zeros(rows, cfg.hidden_size)
+    streams = torch.zeros(rows, cfg.hc_mult, cfg.hidden_size)
+    logits = torch.zeros(rows, core.vocab_size)
+    logits[:, TOKEN] = 1.0
+    model.final_hidden = lambda batch, pool, swa: (final[: batch.num_tokens], streams[: batch.num_tokens])
+    model.logits = lambda h: logits[: h.shape[0]]
+    drafts = torch.full((depth, rows), OTHER, dtype=torch.long)
+    drafts[:accept] = TOKEN
+    conf = torch.full((depth, rows), 0.5)
+    chains = core.executor.drafter.graphs
+    assert chains is not None, "padded decode graphs give the drafter its chains"
+    chains._passes = lambda chain: (
+        drafts[: chain.live.shape[0], : chain.live.shape[1]],
+        conf[: chain.live.shape[0], : chain.live.shape[1]],
+    )
 
 
 def run(args: argparse.Namespace) -> Report:
@@ -80,13 +141,20 @@ def run(args: argparse.Namespace) -> Report:
 
     torch.set_num_threads(1)
     batches = [int(x) for x in args.batches.split(",") if x.strip()]
+    spec = args.speculative
+    if spec is not None and not (spec.startswith("fixed-") and spec[6:].isdigit() and int(spec[6:]) >= 1):
+        raise SystemExit(f"--speculative takes fixed-K (K >= 1), not {spec!r}")
     report = Report(
-        "host", {"batches": batches, "steps": args.steps, "warmup": args.warmup, "preset": "tiny"}
-    )
+        "host",
+        {
+            "batches": batches, "steps": args.steps, "warmup": args.warmup, "preset": "tiny",
+            "speculative": spec, "accept": args.accept if spec else None,
+        },
+    )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="sluice-bench-host-") as tmp:
         model = write_config_dir("tiny", Path(tmp) / "tiny", seed=0)
         for b in batches:
-            ms = host_step_ms(model, b, args.steps, args.warmup)
+            ms = host_step_ms(model, b, args.steps, args.warmup, spec, args.accept)
             report.results[str(b)] = {"ms_per_step": ms, "us_per_sequence": ms * 1e3 / b}
             report.rows.append(
                 {"batch": b, "host ms/step": round(ms, 3), "us/sequence": round(ms * 1e3 / b, 1)}
