@@ -52,7 +52,7 @@ import torch
 from engine.cache.pool import CompressedPool
 from engine.cache.swa import SWASlots
 from engine.config import BLOCK_TOKENS
-from engine.forward_batch import ForwardBatch, PaddedDecode, upload
+from engine.forward_batch import ForwardBatch, PaddedDecode, long_tensor, upload
 from engine.model import verify
 from engine.model.model import DeepseekV4
 from engine.model.moe import weight_epoch
@@ -214,7 +214,7 @@ class DecodeGraphs:
                 [*starts] + [0] * pad,
                 [*lens] + [0] * pad,
             ]
-        head = torch.tensor([x for part in parts for x in part], dtype=torch.long)
+        head = long_tensor([x for part in parts for x in part])
         table = torch.full((b, blocks), -1, dtype=torch.long)
         if batch is not None:
             src = batch.block_table_cpu

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 import torch
 
-from engine.forward_batch import ForwardBatch, SequenceInput, upload
+from engine.forward_batch import ForwardBatch, SequenceInput, long_tensor, upload
 from engine.sampling.penalties import PenaltyRows
 from engine.sampling.sampler import (
     RowInput,
@@ -147,7 +147,7 @@ class ModelExecutor:
         batch = ForwardBatch.from_sequences(seqs, device=self.device)
         if fed_at:
             assert prev is not None and prev.next is not None
-            index = upload(torch.tensor(fed_at + fed_rows, dtype=torch.long), prev.next.device)
+            index = upload(long_tensor(fed_at + fed_rows), prev.next.device)
             batch = dataclasses.replace(
                 batch, fed=(index[: len(fed_at)], prev.next[index[len(fed_at) :]]), fed_cpu=tuple(fed_at)
             )
@@ -299,7 +299,7 @@ class ModelExecutor:
         if book is not None:
             book.record(penalised, tokens)
         assert launched.next is not None
-        launched.next.index_copy_(0, upload(torch.tensor(slots, dtype=torch.long), tokens.device), tokens)
+        launched.next.index_copy_(0, upload(long_tensor(slots), tokens.device), tokens)
         launched.masked = (keys, ToHost(tokens))
 
     def holds(self, launched: Launched) -> bool:

@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
-from engine.forward_batch import upload
+from engine.forward_batch import long_tensor, upload
 from engine.sampling.params import SamplingParams
 from engine.sampling.sampler import draw_seed
 from engine.scheduler.output import SchedulerOutput
@@ -77,4 +75,4 @@ def pick(logits: Any, rows: list[int]) -> Any:
     """``logits[rows]`` (the tensor itself when that is every row, in order)."""
     if rows == list(range(logits.shape[0])):
         return logits
-    return logits[upload(torch.tensor(rows, dtype=torch.long), logits.device)]
+    return logits[upload(long_tensor(rows), logits.device)]

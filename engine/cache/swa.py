@@ -37,7 +37,7 @@ import torch
 
 from engine.cache.spec import CacheSpec
 from engine.config import CSA
-from engine.forward_batch import upload
+from engine.forward_batch import long_tensor, upload
 
 
 class SWASlots:
@@ -107,7 +107,7 @@ class SWASlots:
         device = self.window[0].device
         # [2, N]: one upload; each staged row's flat index in a ring [num_slots * R, C], built
         # once per ring length R (a layer's rings share a few), then one gather per ring
-        slot_t, pos_t = upload(torch.tensor([slots, positions], dtype=torch.long), device)
+        slot_t, pos_t = upload(long_tensor([slots, positions]), device)
         rows: dict[int, torch.Tensor] = {}
         for ring in rings:
             r = ring.shape[1]
@@ -186,9 +186,7 @@ class StagedRows:
         rows, saved = self.rows, self.saved
         if not all(rejected):
             # an index built on the host: a boolean mask's size would need a device round trip
-            sel = upload(
-                torch.tensor([i for i, r in enumerate(rejected) if r], dtype=torch.long), self.slots.device
-            )
+            sel = upload(long_tensor([i for i, r in enumerate(rejected) if r]), self.slots.device)
             rows = {r: index[sel] for r, index in rows.items()}
             saved = [kept[sel] for kept in saved]
         for ring, kept in zip(self.rings, saved):

@@ -12,7 +12,7 @@ import torch
 
 from engine.config import BLOCK_TOKENS
 from engine.cuda_graphs import MAX_GRAPH_QUERY, MAX_GRAPHS, DecodeGraphs, batch_bucket, token_bucket
-from engine.forward_batch import ForwardBatch, PaddedDecode, SequenceInput, upload
+from engine.forward_batch import ForwardBatch, PaddedDecode, SequenceInput, long_tensor, upload
 from engine.model.moe import weight_epoch
 from engine.step_state import ToHost
 
@@ -143,10 +143,10 @@ class DraftGraphs:
             )
         )
         runs = runs or ()
-        ends = torch.tensor([len(r.next_ids) for r in runs], dtype=torch.long).cumsum(0) - 1
+        ends = long_tensor([len(r.next_ids) for r in runs]).cumsum(0) - 1
         last = torch.cat([ends, torch.full((b - len(runs),), t - 1, dtype=torch.long)])
         live = [int(i < len(runs) and runs[i].num_drafts > j) for j in range(depth) for i in range(b)]
-        return torch.cat([g.host_inputs(batch, b, q, 1, t), last, torch.tensor(live, dtype=torch.long)])
+        return torch.cat([g.host_inputs(batch, b, q, 1, t), last, long_tensor(live)])
 
     def _chain(self, b: int, q: int, t: int, depth: int) -> _Chain:
         """The captured chain of this shape (captured now if new); a fresh one when not capturing."""
@@ -180,7 +180,7 @@ class DraftGraphs:
         host = self._host_inputs(runs, b, q, t, depth)
         chain = self._chain(b, q, t, depth)
         rows = [r.hidden_from + j for r in runs for j in range(len(r.next_ids))]
-        index = upload(torch.tensor(rows + [0] * (t - count), dtype=torch.long), hidden.device)
+        index = upload(long_tensor(rows + [0] * (t - count)), hidden.device)
         ends = [r.start + len(r.next_ids) for r in runs]
         staged = (
             self.drafter.swa.stage(
