@@ -248,7 +248,7 @@ def test_the_wait_for_a_drafting_chain_counts_in_the_next_step_s_time(monkeypatc
     finally:
         llm.close()
     after_drafting = stats[1:]  # every step after the prompts' follows a drafting one
-    assert len(after_drafting) >= 3 and stats[0].seconds < 0.3
+    assert len(after_drafting) >= 3
     assert all(s.seconds >= 0.3 for s in after_drafting), [round(s.seconds, 4) for s in stats]
 
 
