@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import pytest
+
 from services.bench import host
 
 
@@ -18,3 +20,23 @@ def test_the_host_share_is_measured_per_batch() -> None:
     assert set(res) == {"1", "8"}
     assert all(r["ms_per_step"] > 0 and r["us_per_sequence"] > 0 for r in res.values())
     assert res["8"]["us_per_sequence"] == res["8"]["ms_per_step"] * 1e3 / 8
+
+
+def test_speculating_steps_are_timed_with_the_drafts_accepted_as_asked() -> None:
+    """The stubs steer every step: each request accepts ``--accept`` of its drafts (the bench
+    raises otherwise), and the engine's own counters say so."""
+    p = argparse.ArgumentParser()
+    host.add_arguments(p)
+    args = p.parse_args(
+        ["--batches", "4", "--steps", "4", "--warmup", "1", "--speculative", "fixed-3", "--accept", "2"]
+    )
+    out = host.run(args).to_json()
+    assert out["config"]["speculative"] == "fixed-3" and out["config"]["accept"] == 2
+    assert out["results"]["4"]["ms_per_step"] > 0
+
+
+def test_a_speculative_setting_other_than_fixed_k_is_refused() -> None:
+    p = argparse.ArgumentParser()
+    host.add_arguments(p)
+    with pytest.raises(SystemExit, match="fixed-K"):
+        host.run(p.parse_args(["--batches", "1", "--steps", "1", "--speculative", "dspark"]))
