@@ -190,8 +190,8 @@ class EngineLoop:
                 break  # the next step needs this one's result
             out = self.scheduler.schedule()
             # the last drafting chain's wait, which scheduling took: the device time between
-            # steps is counted in the step after it (`Scheduler.take_drafts_read_s`)
-            waited = self.scheduler.take_drafts_read_s()
+            # steps is counted in the step after it (`DraftsHandover.take_read_s`)
+            waited = self.scheduler.drafts.take_read_s()
             if out.is_empty:
                 break
             self.overlapped += bool(queue)

@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import bisect
 import itertools
-import time
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from engine.scheduler.cache_manager import CacheManager, PrefixMatch
 from engine.scheduler.chunking import largest_chunk, seq_cost
 from engine.scheduler.config import SchedulerConfig
+from engine.scheduler.drafts import DraftsHandover
 from engine.scheduler.host_slots import HostSlotPool
 from engine.scheduler.output import PENDING_TOKEN, RunnerOutput, ScheduledSeq, SchedulerOutput, SlotSave
 from engine.scheduler.request import Request, RequestStatus
@@ -75,12 +74,8 @@ class Scheduler:
         # (admission queues the loads of host-slot hits into the same lists)
         self._kv_loads: list[tuple[int, bytes]] = self.cache.kv_loads
         self._slot_loads: list[tuple[int, bytes]] = self.cache.slot_loads
-        # the last update's drafts and the requests they are for, looked at (which may wait
-        # for the drafting chain on the device) only when the next step is scheduled
-        self._next_drafts: (
-            tuple[Mapping[str, tuple[tuple[int, ...], tuple[float, ...]]], list[Request]] | None
-        ) = None
-        self._drafts_read_s = 0.0  # host time spent taking them (waiting for the chain)
+        # the last update's drafts, given to their requests when the next step is scheduled
+        self.drafts = DraftsHandover()
 
     # -- requests --------------------------------------------------------------------------
     def add_request(self, req: Request, remote_kv: bool = False) -> None:
@@ -182,7 +177,7 @@ class Scheduler:
 
     # -- step ------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        self._take_drafts()
+        self.drafts.give()
         cfg = self.config
         time_left = None
         if cfg.step_time_budget_s is not None and cfg.cost_model is not None:
@@ -412,10 +407,10 @@ class Scheduler:
     # -- update ----------------------------------------------------------------------------
     def update(self, out: SchedulerOutput, result: RunnerOutput) -> StepUpdate:
         """Apply step ``out``'s sampled tokens. Tokens of requests finished meanwhile are dropped.
-        The drafts the step proposes are taken when the next step is scheduled (`_take_drafts`):
-        a graphed drafting chain may still be on the device, and reading them here would wait
-        for it before the step's tokens reach anyone."""
-        self._take_drafts()
+        The drafts the step proposes are given out when the next step is scheduled
+        (`DraftsHandover`): a graphed drafting chain may still be on the device, and reading
+        them here would wait for it before the step's tokens reach anyone."""
+        self.drafts.give()  # the step before's, if no step was scheduled since
         upd = StepUpdate()
         self.cache.blocks.release([block for block, _, _ in out.kv_saves])  # snapshots taken
         drafting: list[Request] = []
@@ -427,33 +422,12 @@ class Scheduler:
                 if req is not None:
                     drafting.append(req)
         if self.spec is not None:
-            self._next_drafts = (result.drafts, drafting)
+            self.drafts.hold(result.drafts, drafting)
         return upd
-
-    def _take_drafts(self) -> None:
-        """Give each request the drafts the last update's step proposed for it (none where it
-        proposed none), unless it has finished or been preempted since."""
-        if self._next_drafts is None:
-            return
-        t0 = time.perf_counter()
-        drafts, reqs = self._next_drafts
-        self._next_drafts = None
-        for req in reqs:
-            d = drafts.get(req.request_id) if req.status == RequestStatus.RUNNING else None
-            if d is not None:
-                req.drafts, req.draft_conf = d
-        self._drafts_read_s += time.perf_counter() - t0
-
-    def take_drafts_read_s(self) -> float:
-        """Seconds spent taking drafts since the last call: the part of a drafting step's
-        chain the host waited for after the step was applied (`EngineLoop` counts it in the
-        step it schedules, whose time it then is)."""
-        t, self._drafts_read_s = self._drafts_read_s, 0.0
-        return t
 
     def _apply(self, rid: str, num_drafts: int, result: RunnerOutput, upd: StepUpdate) -> Request | None:
         """One sampled sequence's tokens: every accepted draft and the token after them.
-        Returns the request if it still runs (its drafts, `_take_drafts`, are still to come)."""
+        Returns the request if it still runs (its drafts, `DraftsHandover`, are still to come)."""
         req = self.requests.get(rid)
         if req is None or req.status.finished:
             return None  # finished or aborted while this step was in flight
