@@ -9,12 +9,9 @@ tokens are applied and handed out first, and times the host's wait for them.
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping
 
+from engine.scheduler.output import StepDrafts
 from engine.scheduler.request import Request, RequestStatus
-
-# request id -> (draft tokens, their confidences)
-StepDrafts = Mapping[str, tuple[tuple[int, ...], tuple[float, ...]]]
 
 
 class DraftsHandover:

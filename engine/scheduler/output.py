@@ -15,6 +15,12 @@ from typing import Any
 PENDING_TOKEN = -1  # an input token sampled by the previous, still in-flight step
 
 
+# a request's drafts for its next step: (draft tokens, their confidences)
+DraftProposal = tuple[tuple[int, ...], tuple[float, ...]]
+# a step's drafts, by request id
+StepDrafts = Mapping[str, DraftProposal]
+
+
 @dataclass(frozen=True)
 class ScheduledSeq:
     request_id: str
@@ -115,4 +121,4 @@ class RunnerOutput:
     # `engine.spec.speculation.NextDrafts`).
     tokens: dict[str, tuple[int, ...]] = field(default_factory=dict)
     token_logprobs: dict[str, tuple[object, ...]] = field(default_factory=dict)
-    drafts: Mapping[str, tuple[tuple[int, ...], tuple[float, ...]]] = field(default_factory=dict)
+    drafts: StepDrafts = field(default_factory=dict)

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from engine.sampling.sampler import TokenLogprobs
-from engine.scheduler.output import PENDING_TOKEN, ScheduledSeq, SchedulerOutput
+from engine.scheduler.output import PENDING_TOKEN, DraftProposal, ScheduledSeq, SchedulerOutput
 from engine.spec.drafter import Drafter, DraftRun, PendingDrafts
 from engine.step_state import SamplingState
 from engine.structured.grammar import GrammarError
@@ -191,7 +191,7 @@ class Speculation:
             return 0
 
 
-class NextDrafts(Mapping[str, tuple[tuple[int, ...], tuple[float, ...]]]):
+class NextDrafts(Mapping[str, DraftProposal]):
     """The drafts (tokens, confidences) each request proposes for its next step, cut at the
     first one its grammar refuses: a step's `RunnerOutput.drafts`. The drafting chain may
     still be on the device when the step returns; the first look reads it (waiting for its
@@ -201,9 +201,9 @@ class NextDrafts(Mapping[str, tuple[tuple[int, ...], tuple[float, ...]]]):
     def __init__(self, pending: PendingDrafts, prefix: Callable[[str, tuple[int, ...]], int]) -> None:
         self._pending: PendingDrafts | None = pending
         self._prefix = prefix
-        self._drafts: dict[str, tuple[tuple[int, ...], tuple[float, ...]]] = {}
+        self._drafts: dict[str, DraftProposal] = {}
 
-    def _read(self) -> dict[str, tuple[tuple[int, ...], tuple[float, ...]]]:
+    def _read(self) -> dict[str, DraftProposal]:
         if self._pending is not None:
             for rid, d in self._pending.result().items():
                 keep = self._prefix(rid, d.tokens)
@@ -211,7 +211,7 @@ class NextDrafts(Mapping[str, tuple[tuple[int, ...], tuple[float, ...]]]):
             self._pending = None
         return self._drafts
 
-    def __getitem__(self, rid: str) -> tuple[tuple[int, ...], tuple[float, ...]]:
+    def __getitem__(self, rid: str) -> DraftProposal:
         return self._read()[rid]
 
     def __iter__(self) -> Iterator[str]:
