@@ -6,8 +6,9 @@
 (with ``--device cuda``, fitted to step times measured on the GPU); with ``--model`` it also measures decode step times over running sequences x
 KV tokens into ``<checkpoint>/sluice_decode_steps.json``, which the Ray router's decode
 balancer fits its cost model to, and, for a checkpoint with an MTP layer, speculative
-verification step times into ``<checkpoint>/sluice_spec_steps.json``, which DSpark's
-scheduler prices steps with (``engine.spec.profiling``).
+verification step times into ``<checkpoint>/sluice_spec_steps.json`` (on a GPU, one file
+per GPU model, ``sluice_spec_steps_h200.json``), which DSpark's scheduler on that device
+prices steps with (``engine.spec.profiling``).
 
 ``--mixed DECODES`` times steps that mix decode rows with a prompt, in one pass and in two
 (``services/bench/_engine_mixed.py``). ``--preset P`` runs the real-width report instead: decode tokens/s through the engine at
@@ -24,6 +25,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from services.bench import Report, module_main, progress
 from services.bench import _engine_costmodel as grids
@@ -192,7 +194,7 @@ def _measure(name: str, model_dir: Path, args: argparse.Namespace, report: Repor
         fit["saved_to"] = str(out)
         if args.model:  # the decode step times too, for the router's decode balancer
             fit["decode_steps_saved_to"] = str(_profile_decode(model_dir, args))
-            spec = _profile_spec(model_dir)
+            spec = _profile_spec(model_dir, args)
             if spec is not None:
                 fit["spec_steps_saved_to"] = str(spec)
     report.results[name] = {**tput, **fit}
@@ -262,19 +264,28 @@ def _profile_decode_on_gpu(model_dir: Path, args: argparse.Namespace, report: Re
         "d2 ns/KV token": round(model.d2 * 1e9, 3), "fit rel RMSE": round(rmse, 3),
     })  # fmt: skip
     report.target("decode cost model fit_rel_rmse (GPU)", rmse, "<=", 0.25)
+    spec = _profile_spec(model_dir, args)
+    if spec is not None:
+        report.results["decode_profile"]["spec_steps_saved_to"] = str(spec)
 
 
-def _profile_spec(model_dir: Path) -> Path | None:
+def _profile_spec(model_dir: Path, args: argparse.Namespace, **settings: Any) -> Path | None:
     """Speculative verification step times (batch x drafts verified) of a checkpoint with an
-    MTP layer, saved beside it (``SPEC_STEPS_FILE``): DSpark's scheduler loads them."""
-    from engine.spec.profile import SPEC_STEPS_FILE
-    from engine.spec.profiling import measure_spec_profile
+    MTP layer, measured on ``--device`` and saved beside it under that device's name
+    (`device_steps_file`: the CPU's file, or one per GPU model), where DSpark's scheduler on
+    that device loads it. ``settings``: `measure_spec_profile`'s (its defaults: batches 1 to
+    128, 5 drafts)."""
+    from engine.spec.profiling import device_steps_file, measure_spec_profile
 
     if not json.loads((model_dir / "config.json").read_text()).get("num_nextn_predict_layers"):
         return None
-    progress(f"{model_dir.name}: speculative verification step times (batch x drafts verified)")
-    out = model_dir / SPEC_STEPS_FILE
-    out.write_text(measure_spec_profile(model_dir, progress=progress).to_json() + "\n")
+    progress(
+        f"{model_dir.name}: speculative verification step times (batch x drafts verified) on {args.device}"
+    )
+    dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
+    profile = measure_spec_profile(model_dir, progress=progress, device=args.device, dtype=dtype, **settings)
+    out = model_dir / device_steps_file(args.device)
+    out.write_text(profile.to_json() + "\n")
     return out
 
 

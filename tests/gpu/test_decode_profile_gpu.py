@@ -48,3 +48,26 @@ def test_profile_prefill_on_cuda_fits_the_chunk_cost_model(tmp_path):
     assert CostModel.from_json(model_json).predict(8192, 16384) > CostModel.from_json(model_json).predict(
         512, 0
     )
+
+
+def test_the_spec_profile_is_measured_on_the_gpu_and_named_after_it(tmp_path):
+    """The speculative half of ``--profile --device cuda --model DIR`` (a checkpoint with an MTP
+    layer): its step profile measured on this GPU, saved under this GPU model's name, where a
+    DSpark engine on this GPU loads it."""
+    import argparse
+    from pathlib import Path
+
+    from engine.spec.profile import SpecProfile, spec_steps_file
+    from services.bench.engine import _profile_spec
+
+    trained = Path(__file__).resolve().parents[2] / "models" / "trained"
+    model = tmp_path / "trained"
+    model.mkdir()
+    for f in trained.iterdir():
+        if not f.name.startswith("sluice_spec_steps"):
+            (model / f.name).symlink_to(f)
+    args = argparse.Namespace(device="cuda", dtype=None)
+    out = _profile_spec(model, args, batches=(1, 8), drafted=2, prompt_tokens=64, warmup=1, steps=2, rounds=1)
+    assert out is not None and out.name == spec_steps_file(torch.cuda.get_device_name())
+    prof = SpecProfile.load(out)
+    assert prof.batch == (1, 8) and all(s > 0 for row in prof.seconds for s in row)
