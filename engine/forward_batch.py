@@ -293,12 +293,13 @@ class ForwardBatch:
         starts: list[int] = []
         lens: list[int] = []
         for s in seqs:
-            if len(s.token_ids) == 0:
+            n = len(s.token_ids)
+            if n == 0:
                 raise ValueError("every sequence in a step must contribute at least one token")
             starts.append(len(ids))
-            lens.append(len(s.token_ids))
-            ids.extend(int(t) for t in s.token_ids)
-            pos.extend(range(s.num_computed, s.num_computed + len(s.token_ids)))
+            lens.append(n)
+            ids.extend(map(int, s.token_ids))
+            pos.extend(range(s.num_computed, s.num_computed + n))
         b = len(seqs)
         width = max(1, max(len(s.block_table) for s in seqs))
         rows = [list(s.block_table) + [-1] * (width - len(s.block_table)) for s in seqs]
@@ -339,7 +340,7 @@ class ForwardBatch:
             sample_cpu=samples,
             block_table_cpu=table,
         )
-        batch.validate([sum(1 for x in r if x >= 0) for r in rows])
+        batch.validate((table >= 0).sum(dim=1).tolist())
         return batch
 
     def validate(self, blocks: Sequence[int] | None = None) -> None:

@@ -43,11 +43,12 @@ def draws(
     for s in out.seqs:
         if not s.sample:
             continue
-        for j in range(s.num_drafts + 1):
-            for rid in (s.request_id, *(() if s.num_drafts else s.fork_children)):
-                st = states.get(rid)
-                if st is None or st.done or not st.drawn_together:
-                    continue
+        # fork children share a plain row (one each); a verifying sequence is its own rows
+        for rid in (s.request_id, *(() if s.num_drafts else s.fork_children)):
+            st = states.get(rid)
+            if st is None or st.done or not st.drawn_together:
+                continue
+            for j in range(s.num_drafts + 1):
                 rows.append(row + j)
                 keys.append((rid, s.output_index + j))
                 params.append(st.params)
