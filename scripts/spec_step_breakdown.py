@@ -7,7 +7,9 @@ weights and held-out prompts (``--model``: real drafts and acceptance), ``--batc
 decoding: plain decoding, ``fixed-0:5`` (five drafts drafted, none verified) and ``fixed-5:5``
 (all five verified), or the settings ``--cells`` names. For each cell, after warm-up steps:
 
-* the median wall time of a step (synchronised);
+* the median wall time of a step (synchronised), warmed until no step captures a new graph,
+  and over the timed steps that captured none (a graph's capture and first replays are not
+  what a warm step costs); the count of those that did;
 * on CUDA, the time the device spends in kernels per step (CUDA profiler) and the kernels
   that take most of it: what the wall time has beyond it is host time the device waited for;
 * the host's functions by their own time, and the engine's by cumulative time (cProfile,
@@ -31,6 +33,8 @@ import time
 from pathlib import Path
 
 CELLS = (None, "fixed-0:5", "fixed-5:5")
+WARMUP_STEPS = 40  # the most steps before the timed ones: the prompts' step, then warm-up
+WARM_STREAK = 4  # warm once this many steps in a row captured no graph
 
 
 def main() -> None:
@@ -87,19 +91,42 @@ def main() -> None:
         )  # fmt: skip
         core = EngineCore(cfg)
         try:
-            params = SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+            params = SamplingParams(
+                temperature=0.0, max_tokens=WARMUP_STEPS + 4 * args.steps, ignore_eos=True
+            )
             for i in range(b):
                 core.add(CoreRequest(f"r{i}", tuple(prompts[i]), params))
-            for _ in range(8):  # the prompts, then warm-up (and graph capture)
+
+            def captures(core: EngineCore = core) -> int:  # graphs captured so far (every kind)
+                graphs = core.runner.graphs
+                return graphs.captures if graphs is not None and graphs.capture else 0
+
+            # the prompts, then warm-up until WARM_STREAK steps in a row capture no new graph: a
+            # graph's first replays (and its capture) are not what a step costs once it is warm
+            quiet = 0
+            for _ in range(WARMUP_STEPS):
+                before = captures()
                 core.step()
+                quiet = quiet + 1 if captures() == before else 0
+                if quiet >= WARM_STREAK:
+                    break
             sync()
-            walls = []
+            walls, captured = [], 0
             for _ in range(args.steps):
+                before = captures()
                 t0 = time.perf_counter()
                 core.step()
                 sync()
-                walls.append(time.perf_counter() - t0)
-            report.append(f"\n== {spec or 'plain decoding'}: {1e3 * statistics.median(walls):.2f} ms a step")
+                if captures() == before:
+                    walls.append(time.perf_counter() - t0)
+                else:
+                    captured += 1
+            median = f"{1e3 * statistics.median(walls):.2f} ms a step" if walls else "every step captured"
+            report.append(
+                f"\n== {spec or 'plain decoding'}: {median} ({len(walls)} steps timed, {captured} left out "
+                f"for capturing a graph; {captures()} graphs captured in all)"
+            )
+            profiled = captures()
             if cuda:
                 from torch.profiler import ProfilerActivity, profile
 
@@ -122,6 +149,10 @@ def main() -> None:
                 core.step()
             sync()
             host.disable()
+            if captures() != profiled:
+                report.append(
+                    f"(the profiled steps captured {captures() - profiled} graphs: read them with care)"
+                )
             text = io.StringIO()
             stats = pstats.Stats(host, stream=text)
             stats.sort_stats("tottime").print_stats(args.top)
