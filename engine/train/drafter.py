@@ -51,14 +51,10 @@ from engine.train.settings import DrafterSettings, TrainSettings
 from engine.train.trainer import (
     PRESET_NAME,
     Log,
-    Streams,
     _eval_batch,
     _measure,
     batches,
-    file_sha256,
-    trained_environment,
-    training_device,
-    training_record,
+    continue_checkpoint,
     write_checkpoint,
 )
 
@@ -166,13 +162,8 @@ def train_drafter(
     s = settings if settings is not None else DrafterSettings()
     s.validate()
     log = log if log is not None else Log()
-    model_dir, data_dir, out_dir = Path(model_dir), Path(data_dir), Path(out_dir)
-    if out_dir.resolve() == model_dir.resolve():
-        raise ValueError("--out must differ from --model: the input checkpoint is read, not rewritten")
-    dev = training_device(device)
-    data = Streams(data_dir)
-    base_info = training_record(model_dir, data, data_dir)
-    base_sha = file_sha256(model_dir / "model.safetensors")
+    start = continue_checkpoint(model_dir, data_dir, out_dir, device)
+    model_dir, out_dir, data, dev = start.model_dir, start.out_dir, start.data, start.device
     base_state = load_file(str(model_dir / "model.safetensors"))
     torch.manual_seed(s.seed)
     model = load_trained(model_dir, dev)
@@ -195,7 +186,7 @@ def train_drafter(
     opt = torch.optim.AdamW(groups, lr=s.lr, betas=(0.9, 0.95), eps=1e-8)
     out_dir.mkdir(parents=True, exist_ok=True)
     log(
-        f"drafter stage on {model_dir} (model.safetensors {base_sha[:12]}): {sum(p.numel() for p in params):,} "
+        f"drafter stage on {model_dir} (model.safetensors {start.base_sha[:12]}): {sum(p.numel() for p in params):,} "
         f"MTP parameters, {s.depth} chained passes, {s.steps} steps of {s.batch} x {s.seq_len} tokens "
         f"at lr {s.lr:g}, on {dev}"
     )
@@ -236,22 +227,21 @@ def train_drafter(
     model.eval()
     _trunk_unchanged(model, base_state)
     log(f"trained {s.steps} steps in {train_s:.0f} s; the target's tensors are unchanged; scoring heldout-v1")
-    seq_len = int(base_info.get("settings", {}).get("seq_len", s.seq_len))  # score as the base was scored
+    # scored as the base was scored
+    seq_len = int(start.base_info.get("settings", {}).get("seq_len", s.seq_len))
     measures = _measure(model, data, dev, seq_len, _eval_batch(dev, seq_len, 1), s.accept_prompts, log)
     info = {
         "preset": PRESET_NAME,
         "stage": "drafter",
         "settings": dataclasses.asdict(s),
-        "base": {"model_safetensors_sha256": base_sha, "training": base_info},
-        "data": base_info.get("data", {"tokenizer_sha256": data.header["tokenizer"]["sha256"]}),
-        "environment": trained_environment(dev),
+        **start.record(),
         "train_seconds": round(train_s, 1),
         "final_step": last,
         **measures,
     }
     if head is not None:
         info["joint_head"] = JOINT_HEAD
-    write_checkpoint(model, out_dir, data_dir, info)
+    write_checkpoint(model, out_dir, start.data_dir, info)
     if head is not None:  # kept for a continuation (module doc)
         from safetensors.torch import save_file
 

@@ -319,6 +319,48 @@ def training_record(model_dir: Path | str, data: Streams, data_dir: Path | str) 
     return record
 
 
+@dataclasses.dataclass(frozen=True)
+class Continued:
+    """What a stage that continues a trained checkpoint (`sluice train drafter`,
+    `sluice train unlikelihood`) starts from (`continue_checkpoint`): the input checkpoint and
+    the output directory, the data and the device, and the input's own ``training.json`` and
+    weights' hash, which the new checkpoint's record names (`record`)."""
+
+    model_dir: Path
+    data_dir: Path
+    out_dir: Path
+    data: Streams
+    device: torch.device
+    base_info: dict[str, Any]
+    base_sha: str
+
+    def record(self) -> dict[str, Any]:
+        """The new checkpoint's ``training.json`` entries on where it came from."""
+        tokenizer = {"tokenizer_sha256": self.data.header["tokenizer"]["sha256"]}
+        return {
+            "base": {"model_safetensors_sha256": self.base_sha, "training": self.base_info},
+            "data": self.base_info.get("data", tokenizer),
+            "environment": trained_environment(self.device),
+        }
+
+
+def continue_checkpoint(
+    model_dir: Path | str, data_dir: Path | str, out_dir: Path | str, device: str
+) -> Continued:
+    """The checks and records a continuing stage starts with: ``out_dir`` is not ``model_dir``
+    (the input checkpoint is read, never rewritten), the device can train, and the data is
+    tokenized as the input was trained (`training_record`)."""
+    model_dir, data_dir, out_dir = Path(model_dir), Path(data_dir), Path(out_dir)
+    if out_dir.resolve() == model_dir.resolve():
+        raise ValueError("--out must differ from --model: the input checkpoint is read, not rewritten")
+    dev = training_device(device)
+    data = Streams(data_dir)
+    info = training_record(model_dir, data, data_dir)
+    return Continued(
+        model_dir, data_dir, out_dir, data, dev, info, file_sha256(model_dir / "model.safetensors")
+    )
+
+
 def evaluate_checkpoint(
     model_dir: Path | str,
     data_dir: Path | str,

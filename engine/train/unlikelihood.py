@@ -32,16 +32,12 @@ from engine.train.settings import UnlikelihoodSettings
 from engine.train.trainer import (
     PRESET_NAME,
     Log,
-    Streams,
     TrainSettings,
     _eval_batch,
     _measure,
     _param_groups,
     batches,
-    file_sha256,
-    trained_environment,
-    training_device,
-    training_record,
+    continue_checkpoint,
     write_checkpoint,
 )
 
@@ -63,20 +59,15 @@ def train_unlikelihood(
     s = settings if settings is not None else UnlikelihoodSettings()
     s.validate()
     log = log if log is not None else Log()
-    model_dir, data_dir, out_dir = Path(model_dir), Path(data_dir), Path(out_dir)
-    if out_dir.resolve() == model_dir.resolve():
-        raise ValueError("--out must differ from --model: the base checkpoint is read, not rewritten")
-    dev = training_device(device)
-    data = Streams(data_dir)
-    base_info = training_record(model_dir, data, data_dir)
-    base_sha = file_sha256(model_dir / "model.safetensors")
+    start = continue_checkpoint(model_dir, data_dir, out_dir, device)
+    model_dir, out_dir, data, dev = start.model_dir, start.out_dir, start.data, start.device
     torch.manual_seed(s.seed)
     model = load_trained(model_dir, dev)
     model.train()
     opt = torch.optim.AdamW(_param_groups(model, s.weight_decay), lr=s.lr, betas=(0.9, 0.95), eps=1e-8)
     out_dir.mkdir(parents=True, exist_ok=True)
     log(
-        f"unlikelihood stage on {model_dir} (model.safetensors {base_sha[:12]}): alpha {s.alpha}, "
+        f"unlikelihood stage on {model_dir} (model.safetensors {start.base_sha[:12]}): alpha {s.alpha}, "
         f"window {s.window}, {s.steps} steps of {s.batch} x {s.seq_len} tokens at lr {s.lr:g}, on {dev}"
     )
     order = TrainSettings(
@@ -126,14 +117,12 @@ def train_unlikelihood(
         "preset": PRESET_NAME,
         "stage": "unlikelihood",
         "settings": dataclasses.asdict(s),
-        "base": {"model_safetensors_sha256": base_sha, "training": base_info},
-        "data": base_info.get("data", {"tokenizer_sha256": data.header["tokenizer"]["sha256"]}),
-        "environment": trained_environment(dev),
+        **start.record(),
         "train_seconds": round(train_s, 1),
         "final_step": last,
         **measures,
     }
-    write_checkpoint(model, out_dir, data_dir, info)
+    write_checkpoint(model, out_dir, start.data_dir, info)
     if (model_dir / "curve.jsonl").is_file():  # the base's curve, beside this stage's
         shutil.copyfile(model_dir / "curve.jsonl", out_dir / "curve.jsonl")
     log(f"wrote {out_dir}")
