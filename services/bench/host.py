@@ -12,7 +12,9 @@ The model is the ``tiny`` preset's config with seeded random weights (the prompt
 prefilled by the real forward before the stub goes in); the vocabulary is the real one
 (129,280), so the argmax reads a real-sized row per request. ``batch`` greedy requests of
 32 prompt tokens decode; after ``--warmup`` steps, ``--steps`` steps are timed one by one
-and the median is reported, with the time per sequence.
+and the median is reported, with the time per sequence; and the median of an argmax over
+the step's logits rows alone, timed after them: on this CPU it is real work inside the step,
+on a GPU it is one launch, so ``us/sequence without it`` is the host's own share.
 
 ``--speculative fixed-K``: speculating steps instead, as the GPU runs them (the CUDA graphs'
 padded batches, `decode_graphs="padded"`): each step verifies ``K`` drafts per request and
@@ -55,12 +57,27 @@ TOKEN = 7  # the stubbed target's argmax everywhere
 OTHER = 9  # a draft the target refuses
 
 
+def argmax_ms(rows: int, vocab: int, steps: int) -> float:
+    """Median ms of one argmax over ``rows`` logits rows of ``vocab`` on this CPU: the part of a
+    timed step that is device work on a GPU (greedy sampling's one argmax over the step's rows)."""
+    import torch
+
+    logits = torch.zeros(rows, vocab)
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        logits.argmax(-1)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) * 1e3
+
+
 def host_step_ms(
     model_dir: Path, batch: int, steps: int, warmup: int, speculative: str | None = None, accept: int = 0
-) -> float:
+) -> tuple[float, float]:
     """Median ms of `EngineCore.step` over ``steps`` decode steps of ``batch`` requests, the
-    forward stubbed (module docstring); ``speculative``: speculating steps, ``accept`` drafts
-    accepted a request a step."""
+    forward stubbed (module docstring; ``speculative``: speculating steps, ``accept`` drafts
+    accepted a request a step), and `argmax_ms` over such a step's rows (one a request, or
+    ``K + 1`` speculating)."""
     import torch
 
     from engine.core import EngineCore
@@ -110,7 +127,8 @@ def host_step_ms(
                 raise RuntimeError(
                     f"{accepted:.1f} drafts accepted a step, expected {batch * min(accept, depth)}"
                 )
-        return statistics.median(times) * 1e3
+        rows = batch * (depth + 1)
+        return statistics.median(times) * 1e3, argmax_ms(rows, core.vocab_size, steps)
     finally:
         core.close()
 
@@ -158,12 +176,18 @@ def run(args: argparse.Namespace) -> Report:
     with tempfile.TemporaryDirectory(prefix="sluice-bench-host-") as tmp:
         model = write_config_dir("tiny", Path(tmp) / "tiny", seed=0)
         for b in batches:
-            ms = host_step_ms(model, b, args.steps, args.warmup, spec, args.accept)
-            report.results[str(b)] = {"ms_per_step": ms, "us_per_sequence": ms * 1e3 / b}
-            report.rows.append(
-                {"batch": b, "host ms/step": round(ms, 3), "us/sequence": round(ms * 1e3 / b, 1)}
+            ms, top = host_step_ms(model, b, args.steps, args.warmup, spec, args.accept)
+            report.results[str(b)] = {
+                "ms_per_step": ms, "us_per_sequence": ms * 1e3 / b, "argmax_ms": top,
+                "us_per_sequence_without_argmax": (ms - top) * 1e3 / b,
+            }  # fmt: skip
+            report.rows.append({
+                "batch": b, "host ms/step": round(ms, 3), "us/sequence": round(ms * 1e3 / b, 1),
+                "of which argmax ms": round(top, 3), "us/sequence without it": round((ms - top) * 1e3 / b, 1),
+            })  # fmt: skip
+            progress(
+                f"host: batch {b}: {ms:.3f} ms a step ({top:.3f} ms of it the argmax, device work on a GPU)"
             )
-            progress(f"host: batch {b}: {ms:.3f} ms a step")
     return report
 
 

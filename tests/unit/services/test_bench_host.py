@@ -20,6 +20,11 @@ def test_the_host_share_is_measured_per_batch() -> None:
     assert set(res) == {"1", "8"}
     assert all(r["ms_per_step"] > 0 and r["us_per_sequence"] > 0 for r in res.values())
     assert res["8"]["us_per_sequence"] == res["8"]["ms_per_step"] * 1e3 / 8
+    # the argmax over the step's rows, timed alone: device work on a GPU, taken out of the host's share
+    assert all(r["argmax_ms"] > 0 for r in res.values())
+    assert res["8"]["us_per_sequence_without_argmax"] == pytest.approx(
+        (res["8"]["ms_per_step"] - res["8"]["argmax_ms"]) * 1e3 / 8
+    )
 
 
 def test_speculating_steps_are_timed_with_the_drafts_accepted_as_asked() -> None:
