@@ -42,10 +42,11 @@ Expert-parallel steps are not graphed (their all-to-all sizes are data dependent
 from __future__ import annotations
 
 import gc
+import itertools
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import NamedTuple, TypeVar
 
 import torch
 
@@ -123,6 +124,19 @@ class _Graph:
     hidden: torch.Tensor  # [T, hc, D] final hc streams
 
 
+class HostRows(NamedTuple):
+    """A padded step's real rows as the host knows them (`DecodeGraphs.pack`): each row's
+    token count, the tokens one after another, its first position, slot and window start,
+    and its block table [rows, columns] (None: no rows)."""
+
+    lens: Sequence[int]
+    ids: Sequence[int]
+    computed: Sequence[int]
+    slots: Sequence[int]
+    window_from: Sequence[int]
+    table: torch.Tensor | None
+
+
 class DecodeGraphs:
     def __init__(
         self,
@@ -188,39 +202,48 @@ class DecodeGraphs:
         """The static inputs of ``batch`` padded to ``b`` rows and ``blocks`` table columns
         (``None``: every row padding). With ``q > 1`` the rows' tokens are packed as the batch
         holds them and ``t - T`` padding tokens follow, on the last row."""
-        n = 0 if batch is None else batch.num_seqs
-        pad = b - n
-        none: tuple[int, ...] = ()
-        lens, starts, ids, computed, slots, window_from = (
-            (none,) * 6
-            if batch is None
-            else (
-                batch.query_len_cpu, batch.query_start_cpu, batch.input_ids_cpu,
-                batch.num_computed_cpu, batch.swa_slot_cpu, batch.window_from,
-            )
+        if batch is None:
+            return self.pack(HostRows((), (), (), (), (), None), b, q, blocks, t)
+        table = batch.block_table_cpu
+        assert table is not None
+        rows = HostRows(
+            batch.query_len_cpu, batch.input_ids_cpu, batch.num_computed_cpu, batch.swa_slot_cpu,
+            batch.window_from, table,
         )  # fmt: skip
-        rows = [*computed] + [0] * pad, [*slots] + [self.scratch_slot] * pad, [*window_from] + [0] * pad
+        return self.pack(rows, b, q, blocks, t)
+
+    def pack(self, rows: HostRows, b: int, q: int, blocks: int, t: int) -> torch.Tensor:
+        """`host_inputs` of rows given as plain lists (`HostRows`; the drafting chain's runs
+        are packed so, with no `ForwardBatch` built for them)."""
+        n = len(rows.lens)
+        pad = b - n
+        ids, computed = rows.ids, rows.computed
+        per_row = (
+            [*computed] + [0] * pad,
+            [*rows.slots] + [self.scratch_slot] * pad,
+            [*rows.window_from] + [0] * pad,
+        )
         if q == 1:
-            parts = [[*ids] + [0] * pad, [*rows[0]], [1] * n + [0] * pad, *rows]
+            parts = [[*ids] + [0] * pad, [*per_row[0]], [1] * n + [0] * pad, *per_row]
         else:
             extra = t - len(ids)
+            starts = list(itertools.accumulate(rows.lens, initial=0))[:n]
             parts = [
                 [*ids] + [0] * extra,
-                [n0 + j for n0, k in zip(computed, lens) for j in range(k)] + [rows[0][b - 1]] * extra,
+                [n0 + j for n0, k in zip(computed, rows.lens) for j in range(k)]
+                + [per_row[0][b - 1]] * extra,
                 [1] * len(ids) + [0] * extra,
-                *rows,
-                [s for s, k in zip(slots, lens) for _ in range(k)] + [self.scratch_slot] * extra,
-                [i for i, k in enumerate(lens) for _ in range(k)] + [b - 1] * extra,
-                [*starts] + [0] * pad,
-                [*lens] + [0] * pad,
+                *per_row,
+                [s for s, k in zip(rows.slots, rows.lens) for _ in range(k)] + [self.scratch_slot] * extra,
+                [i for i, k in enumerate(rows.lens) for _ in range(k)] + [b - 1] * extra,
+                starts + [0] * pad,
+                [*rows.lens] + [0] * pad,
             ]
         head = long_tensor([x for part in parts for x in part])
         table = torch.full((b, blocks), -1, dtype=torch.long)
-        if batch is not None:
-            src = batch.block_table_cpu
-            assert src is not None
-            width = min(blocks, src.shape[1])
-            table[:n, :width] = src[:, :width]
+        if rows.table is not None:
+            width = min(blocks, rows.table.shape[1])
+            table[:n, :width] = rows.table[:, :width]
         table[n:] = self.scratch_block
         return torch.cat([head, table.flatten()])
 

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -11,8 +12,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.config import BLOCK_TOKENS
-from engine.cuda_graphs import MAX_GRAPH_QUERY, MAX_GRAPHS, DecodeGraphs, batch_bucket, token_bucket
-from engine.forward_batch import ForwardBatch, PaddedDecode, SequenceInput, long_tensor, upload
+from engine.cuda_graphs import MAX_GRAPH_QUERY, MAX_GRAPHS, DecodeGraphs, HostRows, batch_bucket, token_bucket
+from engine.forward_batch import ForwardBatch, PaddedDecode, long_tensor, upload
 from engine.model.moe import weight_epoch
 from engine.step_state import ToHost
 
@@ -129,24 +130,25 @@ class DraftGraphs:
         self, runs: Sequence[DraftRun] | None, b: int, q: int, t: int, depth: int
     ) -> torch.Tensor:
         """`_Chain.inputs` for ``runs`` padded to ``b`` rows and ``t`` tokens (``None``: every
-        row padding). A padding row's ``last`` is the graph's last token: its later passes
-        read and write only the scratch slot (``live`` 0), whichever token it starts from."""
-        g = self.graphs
-        batch = (
-            None
-            if runs is None
-            else ForwardBatch.from_sequences(
-                [
-                    SequenceInput(r.next_ids, r.start, r.slot, r.block_table, window_from=r.window_from)
-                    for r in runs
-                ]
-            )
-        )
+        row padding), packed from the runs as they are (`DecodeGraphs.pack`). A padding row's
+        ``last`` is the graph's last token: its later passes read and write only the scratch
+        slot (``live`` 0), whichever token it starts from. The chain's table has one column:
+        the MTP layer attends to its window only."""
         runs = runs or ()
-        ends = long_tensor([len(r.next_ids) for r in runs]).cumsum(0) - 1
-        last = torch.cat([ends, torch.full((b - len(runs),), t - 1, dtype=torch.long)])
-        live = [int(i < len(runs) and runs[i].num_drafts > j) for j in range(depth) for i in range(b)]
-        return torch.cat([g.host_inputs(batch, b, q, 1, t), last, long_tensor(live)])
+        lens = [len(r.next_ids) for r in runs]
+        rows = HostRows(
+            lens,
+            [int(x) for r in runs for x in r.next_ids],
+            [r.start for r in runs],
+            [r.slot for r in runs],
+            [r.window_from for r in runs],
+            long_tensor([[r.block_table[0] if r.block_table else -1] for r in runs]) if runs else None,
+        )
+        ends = list(itertools.accumulate(lens))
+        last = [e - 1 for e in ends] + [t - 1] * (b - len(runs))
+        drafts = [r.num_drafts for r in runs] + [0] * (b - len(runs))
+        live = [int(d > j) for j in range(depth) for d in drafts]
+        return torch.cat([self.graphs.pack(rows, b, q, 1, t), long_tensor(last + live)])
 
     def _chain(self, b: int, q: int, t: int, depth: int) -> _Chain:
         """The captured chain of this shape (captured now if new); a fresh one when not capturing."""
