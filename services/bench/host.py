@@ -25,14 +25,21 @@ side of such a step: the policy, the staging and putting back of ring rows, the 
 inputs, verification's sampling and acceptance, the drafting chain's inputs, the
 bookkeeping of ``--accept`` + 1 tokens a request, and the outputs. On the CPU the ring copies
 and the argmax are real work, small at the ``tiny`` widths; on a GPU they are launches.
+
+``--phases``: the mean wall time a timed step spends inside each of the step's main functions
+(PHASES; a caller's time includes what it calls), to show where the host side goes.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import statistics
 import tempfile
 import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +58,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--accept", type=int, default=3,
         help="with --speculative: drafts accepted a request a step (default 3)",
     )  # fmt: skip
+    p.add_argument(
+        "--phases", action="store_true",
+        help="also time the step's phases (PHASES: wall time inside each, nested ones inside their callers)",
+    )  # fmt: skip
 
+
+# (module, class, method): the step's phases `--phases` times, callers before what they call
+PHASES = (
+    ("engine.scheduler.scheduler", "Scheduler", "schedule"),
+    ("engine.scheduler.scheduler", "Scheduler", "_plan_drafts"),
+    ("engine.executor", "ModelExecutor", "launch"),
+    ("engine.executor", "ModelExecutor", "_inputs"),
+    ("engine.spec.speculation", "Speculation", "stage"),
+    ("engine.forward_batch", "ForwardBatch", "from_sequences"),
+    ("engine.cuda_graphs", "DecodeGraphs", "run"),
+    ("engine.executor", "ModelExecutor", "_sample_on_device"),
+    ("engine.executor", "ModelExecutor", "finish"),
+    ("engine.executor", "ModelExecutor", "_sample_seqs"),
+    ("engine.spec.speculation", "Speculation", "draft"),
+    ("engine.spec.draft_graphs", "DraftGraphs", "_host_inputs"),
+    ("engine.spec.speculation", "Speculation", "undo_rejected"),
+    ("engine.scheduler.scheduler", "Scheduler", "update"),
+    ("engine.outputs", "Outputs", "collect"),
+)
 
 TOKEN = 7  # the stubbed target's argmax everywhere
 OTHER = 9  # a draft the target refuses
@@ -71,13 +101,68 @@ def argmax_ms(rows: int, vocab: int, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+@dataclass
+class HostTimes:
+    step_ms: float  # median `EngineCore.step`
+    argmax_ms: float  # `argmax_ms` over such a step's rows
+    phases_ms: dict[str, float] | None  # with phases: mean ms a timed step inside each of PHASES
+
+
+@contextlib.contextmanager
+def _phase_timers(
+    timing: list[bool], phases: tuple[tuple[str, str, str], ...]
+) -> Iterator[dict[str, list[float]]]:
+    """Every method of ``phases`` (PHASES' form) wrapped to add its wall time while
+    ``timing[0]`` holds; put back on exit."""
+    import importlib
+
+    spent: dict[str, list[float]] = {}
+    undo = []
+    for module, cls_name, name in phases:
+        cls = getattr(importlib.import_module(module), cls_name)
+        raw = inspect.getattr_static(cls, name)
+        kind = type(raw) if isinstance(raw, (staticmethod, classmethod)) else None
+        fn = raw.__func__ if kind else raw
+        key = f"{cls_name}.{name}"
+
+        def timed(*a: Any, _fn: Any = fn, _key: str = key, **k: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return _fn(*a, **k)
+            finally:
+                if timing[0]:
+                    spent.setdefault(_key, []).append(time.perf_counter() - t0)
+
+        setattr(cls, name, kind(timed) if kind else timed)
+        undo.append((cls, name, raw))
+    try:
+        yield spent
+    finally:
+        for cls, name, raw in undo:
+            setattr(cls, name, raw)
+
+
 def host_step_ms(
-    model_dir: Path, batch: int, steps: int, warmup: int, speculative: str | None = None, accept: int = 0
-) -> tuple[float, float]:
+    model_dir: Path, batch: int, steps: int, warmup: int, speculative: str | None = None, accept: int = 0,
+    phases: bool = False,
+) -> HostTimes:  # fmt: skip
     """Median ms of `EngineCore.step` over ``steps`` decode steps of ``batch`` requests, the
     forward stubbed (module docstring; ``speculative``: speculating steps, ``accept`` drafts
-    accepted a request a step), and `argmax_ms` over such a step's rows (one a request, or
-    ``K + 1`` speculating)."""
+    accepted a request a step), `argmax_ms` over such a step's rows (one a request, or
+    ``K + 1`` speculating), and with ``phases`` the mean ms of each of PHASES in them."""
+    timing = [False]
+    with _phase_timers(timing, PHASES if phases else ()) as spent:
+        step_ms, rows, vocab = _timed_steps(model_dir, batch, steps, warmup, speculative, accept, timing)
+    names = [f"{cls}.{name}" for _, cls, name in PHASES]  # callers first
+    per_step = {k: sum(spent.get(k, ())) * 1e3 / steps for k in names} if phases else None
+    return HostTimes(step_ms, argmax_ms(rows, vocab, steps), per_step)
+
+
+def _timed_steps(
+    model_dir: Path, batch: int, steps: int, warmup: int, speculative: str | None, accept: int,
+    timing: list[bool],
+) -> tuple[float, int, int]:  # fmt: skip
+    """`host_step_ms`'s steps: (median ms, the step's logits rows, the vocabulary)."""
     import torch
 
     from engine.core import EngineCore
@@ -115,10 +200,12 @@ def host_step_ms(
             core.step()
         before = core.stats().extra
         times = []
+        timing[0] = True
         for _ in range(steps):
             t0 = time.perf_counter()
             core.step()
             times.append(time.perf_counter() - t0)
+        timing[0] = False
         if speculative:  # the timed steps' drafts accepted, as the stubs make them
             after = core.stats().extra
             accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
@@ -127,8 +214,7 @@ def host_step_ms(
                 raise RuntimeError(
                     f"{accepted:.1f} drafts accepted a step, expected {batch * min(accept, depth)}"
                 )
-        rows = batch * (depth + 1)
-        return statistics.median(times) * 1e3, argmax_ms(rows, core.vocab_size, steps)
+        return statistics.median(times) * 1e3, batch * (depth + 1), core.vocab_size
     finally:
         core.close()
 
@@ -170,17 +256,22 @@ def run(args: argparse.Namespace) -> Report:
         "host",
         {
             "batches": batches, "steps": args.steps, "warmup": args.warmup, "preset": "tiny",
-            "speculative": spec, "accept": args.accept if spec else None,
+            "speculative": spec, "accept": args.accept if spec else None, "phases": args.phases,
         },
     )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="sluice-bench-host-") as tmp:
         model = write_config_dir("tiny", Path(tmp) / "tiny", seed=0)
         for b in batches:
-            ms, top = host_step_ms(model, b, args.steps, args.warmup, spec, args.accept)
+            times = host_step_ms(model, b, args.steps, args.warmup, spec, args.accept, args.phases)
+            ms, top = times.step_ms, times.argmax_ms
             report.results[str(b)] = {
                 "ms_per_step": ms, "us_per_sequence": ms * 1e3 / b, "argmax_ms": top,
                 "us_per_sequence_without_argmax": (ms - top) * 1e3 / b,
             }  # fmt: skip
+            if times.phases_ms is not None:
+                report.results[str(b)]["phases_ms"] = times.phases_ms
+                for name, phase_ms in times.phases_ms.items():
+                    progress(f"host: batch {b}: {phase_ms:7.3f} ms a step in {name}")
             report.rows.append({
                 "batch": b, "host ms/step": round(ms, 3), "us/sequence": round(ms * 1e3 / b, 1),
                 "of which argmax ms": round(top, 3), "us/sequence without it": round((ms - top) * 1e3 / b, 1),

@@ -45,3 +45,21 @@ def test_a_speculative_setting_other_than_fixed_k_is_refused() -> None:
     host.add_arguments(p)
     with pytest.raises(SystemExit, match="fixed-K"):
         host.run(p.parse_args(["--batches", "1", "--steps", "1", "--speculative", "dspark"]))
+
+
+def test_phases_are_timed_in_the_timed_steps_and_the_methods_put_back() -> None:
+    import inspect
+
+    from engine.spec.speculation import Speculation
+
+    stage = inspect.getattr_static(Speculation, "stage")
+    p = argparse.ArgumentParser()
+    host.add_arguments(p)
+    args = p.parse_args(
+        ["--batches", "4", "--steps", "3", "--warmup", "1", "--speculative", "fixed-2", "--phases"]
+    )
+    phases = host.run(args).to_json()["results"]["4"]["phases_ms"]
+    assert list(phases) == [f"{cls}.{name}" for _, cls, name in host.PHASES]
+    assert all(phases[k] > 0 for k in ("ModelExecutor.launch", "Speculation.stage", "Speculation.draft"))
+    assert phases["Speculation.stage"] <= phases["ModelExecutor.launch"]  # timed inside its caller
+    assert inspect.getattr_static(Speculation, "stage") is stage  # the engine's own methods again
