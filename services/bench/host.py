@@ -142,7 +142,7 @@ def _phase_timers(
             setattr(cls, name, raw)
 
 
-def host_step_ms(
+def time_host_steps(
     model_dir: Path, batch: int, steps: int, warmup: int, speculative: str | None = None, accept: int = 0,
     phases: bool = False,
 ) -> HostTimes:  # fmt: skip
@@ -162,7 +162,7 @@ def _timed_steps(
     model_dir: Path, batch: int, steps: int, warmup: int, speculative: str | None, accept: int,
     timing: list[bool],
 ) -> tuple[float, int, int]:  # fmt: skip
-    """`host_step_ms`'s steps: (median ms, the step's logits rows, the vocabulary)."""
+    """`time_host_steps`'s steps: (median ms, the step's logits rows, the vocabulary)."""
     import torch
 
     from engine.core import EngineCore
@@ -262,7 +262,7 @@ def run(args: argparse.Namespace) -> Report:
     with tempfile.TemporaryDirectory(prefix="sluice-bench-host-") as tmp:
         model = write_config_dir("tiny", Path(tmp) / "tiny", seed=0)
         for b in batches:
-            times = host_step_ms(model, b, args.steps, args.warmup, spec, args.accept, args.phases)
+            times = time_host_steps(model, b, args.steps, args.warmup, spec, args.accept, args.phases)
             ms, top = times.step_ms, times.argmax_ms
             report.results[str(b)] = {
                 "ms_per_step": ms, "us_per_sequence": ms * 1e3 / b, "argmax_ms": top,
