@@ -35,6 +35,7 @@ from pathlib import Path
 CELLS = (None, "fixed-0:5", "fixed-5:5")
 WARMUP_STEPS = 40  # the most steps before the timed ones: the prompts' step, then warm-up
 WARM_STREAK = 4  # warm once this many steps in a row captured no graph
+MIN_WARMUP = 8  # and at least this many steps ran
 
 
 def main() -> None:
@@ -91,9 +92,9 @@ def main() -> None:
         )  # fmt: skip
         core = EngineCore(cfg)
         try:
-            params = SamplingParams(
-                temperature=0.0, max_tokens=WARMUP_STEPS + 4 * args.steps, ignore_eos=True
-            )
+            # every step may emit a token and five drafts a request: none ends before the last step
+            most_steps = WARMUP_STEPS + 3 * args.steps
+            params = SamplingParams(temperature=0.0, max_tokens=6 * most_steps, ignore_eos=True)
             for i in range(b):
                 core.add(CoreRequest(f"r{i}", tuple(prompts[i]), params))
 
@@ -104,11 +105,11 @@ def main() -> None:
             # the prompts, then warm-up until WARM_STREAK steps in a row capture no new graph: a
             # graph's first replays (and its capture) are not what a step costs once it is warm
             quiet = 0
-            for _ in range(WARMUP_STEPS):
+            for i in range(WARMUP_STEPS):
                 before = captures()
                 core.step()
                 quiet = quiet + 1 if captures() == before else 0
-                if quiet >= WARM_STREAK:
+                if quiet >= WARM_STREAK and i + 1 >= MIN_WARMUP:
                     break
             sync()
             walls, captured = [], 0
