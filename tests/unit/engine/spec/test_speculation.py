@@ -177,11 +177,13 @@ def test_a_step_s_tokens_reach_the_caller_before_its_drafts_are_read(steep_profi
     while the chain runs. A request that ends in that step gets no drafts, and the tokens are
     plain decoding's."""
     events: list[tuple[str, int]] = []
+    seen: list[NextDrafts] = []  # kept alive, so that no two steps' drafts share an id()
     update, read = Scheduler.update, NextDrafts._read
 
     def applied(self: Scheduler, out: object, result: RunnerOutput) -> object:
         upd = update(self, out, result)
         if isinstance(result.drafts, NextDrafts) and result.drafts._pending is not None:
+            seen.append(result.drafts)
             events.append(("applied", id(result.drafts)))
         return upd
 
