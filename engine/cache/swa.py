@@ -41,6 +41,13 @@ from engine.forward_batch import long_tensor, upload
 
 
 class SWASlots:
+    """The rings live in a few banks, one per ring shape ``[R, C]`` (``banks``: each
+    ``[rings, num_slots, R, C]``); ``window[l]``, ``state_kv[l]`` and the rest are views of
+    one bank's entries. A speculative step's staging (`stage`) and putting back
+    (`StagedRows.undo`) then take one gather and one scatter a bank rather than one a ring:
+    the trained preset's 30 rings are 3 banks, V4-Flash's 168 also 3 (its HCA layers'
+    compressor rings have the windows' shape), and `copy_slot` one copy a bank."""
+
     def __init__(
         self, spec: CacheSpec, num_slots: int, dtype: torch.dtype, device: torch.device | str
     ) -> None:
@@ -48,23 +55,41 @@ class SWASlots:
             raise ValueError(f"num_slots must be >= 1, got {num_slots}")
         self.spec = spec
         self.num_slots = num_slots
+        # every ring's (kind, layer, R, C), in the order the banks hold them
+        kinds: list[tuple[str, int, int, int]] = []
+        for layer, t in enumerate(spec.layer_types):
+            kinds.append(("window", layer, spec.window, spec.head_dim))
+            r = spec.state_window(layer)
+            if r == 0:
+                continue
+            c = 2 * spec.head_dim if t == CSA else spec.head_dim
+            kinds += [("state_kv", layer, r, c), ("state_gate", layer, r, c)]
+            if t == CSA:
+                ci = 2 * spec.index_head_dim
+                kinds += [("index_kv", layer, r, ci), ("index_gate", layer, r, ci)]
+        shapes = list(dict.fromkeys((r, c) for _, _, r, c in kinds))
+        count = {shape: sum((r, c) == shape for _, _, r, c in kinds) for shape in shapes}
+        self.banks = [
+            torch.zeros(count[shape], num_slots, *shape, dtype=dtype, device=device) for shape in shapes
+        ]
         self.window: list[torch.Tensor] = []
         self.state_kv: dict[int, torch.Tensor] = {}
         self.state_gate: dict[int, torch.Tensor] = {}
         self.index_kv: dict[int, torch.Tensor] = {}
         self.index_gate: dict[int, torch.Tensor] = {}
-        for layer, t in enumerate(spec.layer_types):
-            self.window.append(torch.zeros(num_slots, spec.window, spec.head_dim, dtype=dtype, device=device))
-            r = spec.state_window(layer)
-            if r == 0:
-                continue
-            c = 2 * spec.head_dim if t == CSA else spec.head_dim
-            self.state_kv[layer] = torch.zeros(num_slots, r, c, dtype=dtype, device=device)
-            self.state_gate[layer] = torch.zeros(num_slots, r, c, dtype=dtype, device=device)
-            if t == CSA:
-                ci = 2 * spec.index_head_dim
-                self.index_kv[layer] = torch.zeros(num_slots, r, ci, dtype=dtype, device=device)
-                self.index_gate[layer] = torch.zeros(num_slots, r, ci, dtype=dtype, device=device)
+        # per layer, (bank, entry) of each of its rings, in `layer_rings` order
+        self._homes: list[list[tuple[int, int]]] = [[] for _ in spec.layer_types]
+        taken = dict.fromkeys(shapes, 0)
+        for kind, layer, r, c in kinds:
+            bank = shapes.index((r, c))
+            ring = self.banks[bank][taken[(r, c)]]
+            self._homes[layer].append((bank, taken[(r, c)]))
+            taken[(r, c)] += 1
+            if kind == "window":
+                self.window.append(ring)
+            else:
+                getattr(self, kind)[layer] = ring
+        self._plans: dict[tuple[int, ...], list[_BankPlan]] = {}
 
     def _all(self, layers: int | None = None) -> list[torch.Tensor]:
         """Every ring, windows first, each kind in layer order; only layers below ``layers``
@@ -102,24 +127,45 @@ class SWASlots:
         """Save the ring rows that writes of ``positions`` (``slots[i]`` at ``positions[i]``)
         will overwrite, in every ring of ``layers``, so that the writes can be undone
         (`StagedRows.undo`): speculative verification writes drafts that may be rejected.
-        Positions of one slot must map to distinct rows of every ring (at most R of them)."""
-        rings = self.layer_rings(layers)
-        device = self.window[0].device
-        # [2, N]: one upload; each staged row's flat index in a ring [num_slots * R, C], built
-        # once per ring length R (a layer's rings share a few), then one gather per ring
-        slot_t, pos_t = upload(long_tensor([slots, positions]), device)
-        rows: dict[int, torch.Tensor] = {}
-        for ring in rings:
-            r = ring.shape[1]
-            if r not in rows:
-                rows[r] = slot_t * r + pos_t % r
-        saved = [_flat(ring).index_select(0, rows[ring.shape[1]]) for ring in rings]
-        return StagedRows(rings, slot_t, pos_t, saved, rows)
+        Positions of one slot must map to distinct rows of every ring (at most R of them).
+        One gather a bank: the rows of every staged ring of it at once."""
+        plans = self._plan(tuple(layers))
+        # [2, N]: one upload; each staged row's flat index in a bank [rings * num_slots * R, C]
+        # is its ring's offset plus the row's index within a ring, slot * R + position % R
+        slot_t, pos_t = upload(long_tensor([slots, positions]), self.window[0].device)
+        staged = []
+        within: dict[int, torch.Tensor] = {}  # per ring length R: [N] (banks share a few)
+        for plan in plans:
+            r = plan.ring_rows
+            if r not in within:
+                within[r] = slot_t * r + pos_t % r
+            rows = (plan.offsets[:, None] + within[r]).view(-1)  # ring by ring: [rings staged * N]
+            staged.append((plan.flat, rows, plan.flat.index_select(0, rows)))
+        return StagedRows(slot_t, pos_t, staged)
+
+    def _plan(self, layers: tuple[int, ...]) -> list[_BankPlan]:
+        """Which entries of which banks the rings of ``layers`` are, per bank (cached: a
+        runner stages the same layers every step)."""
+        plans = self._plans.get(layers)
+        if plans is None:
+            entries: dict[int, list[int]] = {}
+            for layer in layers:
+                for bank, entry in self._homes[layer]:
+                    entries.setdefault(bank, []).append(entry)
+            plans = []
+            for bank, taken in entries.items():
+                b = self.banks[bank]
+                ring_rows = b.shape[2]
+                per_ring = self.num_slots * ring_rows
+                offsets = long_tensor([e * per_ring for e in taken]).to(b.device)
+                plans.append(_BankPlan(b.view(-1, b.shape[-1]), ring_rows, offsets))
+            self._plans[layers] = plans
+        return plans
 
     def copy_slot(self, src: int, dst: int) -> None:
         """Make slot ``dst`` an exact copy of slot ``src`` (prefix hit on another sequence's state, n>1 forks)."""
-        for t in self._all():
-            t[dst].copy_(t[src])
+        for bank in self.banks:
+            bank[:, dst].copy_(bank[:, src])
 
     def nbytes_per_slot(self) -> int:
         return sum(t[0].numel() * t.element_size() for t in self._all())
@@ -168,31 +214,38 @@ class SWASlots:
             SWASlots.ring_write(ring, slot, start + skip, values[skip:])
 
 
+@dataclass(frozen=True)
+class _BankPlan:
+    """The staged rings of one bank: the bank as rows, a ring's length R, and the flat row
+    offset of each staged ring in it."""
+
+    flat: torch.Tensor  # [rings * num_slots * R, C]
+    ring_rows: int  # R
+    offsets: torch.Tensor  # [rings staged]
+
+
 @dataclass
 class StagedRows:
     """Ring rows saved by `SWASlots.stage` before a step writes over them."""
 
-    rings: list[torch.Tensor]
     slots: torch.Tensor  # [N]
     positions: torch.Tensor  # [N]
-    saved: list[torch.Tensor]  # per ring [N, C]
-    rows: dict[int, torch.Tensor]  # per ring length R: [N] flat row index in [num_slots * R, C]
+    # per bank: (the bank as rows, the staged rows' flat indices ring by ring [rings * N],
+    # their saved values [rings * N, C])
+    banks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
     def undo(self, rejected: list[bool]) -> None:
         """Put back the saved rows of the staged positions marked rejected (their writes
         never happened, as far as any later step can see); the rest keep what was written."""
         if not any(rejected):
             return
-        rows, saved = self.rows, self.saved
+        sel = None
         if not all(rejected):
             # an index built on the host: a boolean mask's size would need a device round trip
             sel = upload(long_tensor([i for i, r in enumerate(rejected) if r]), self.slots.device)
-            rows = {r: index[sel] for r, index in rows.items()}
-            saved = [kept[sel] for kept in saved]
-        for ring, kept in zip(self.rings, saved):
-            _flat(ring).index_copy_(0, rows[ring.shape[1]], kept)
-
-
-def _flat(ring: torch.Tensor) -> torch.Tensor:
-    """A ring [num_slots, R, C] as rows [num_slots * R, C] (a view: rings are contiguous)."""
-    return ring.view(-1, ring.shape[-1])
+        n = self.slots.shape[0]
+        for flat, rows, saved in self.banks:
+            if sel is not None:  # the same positions of every ring
+                rows = rows.view(-1, n)[:, sel].reshape(-1)
+                saved = saved.view(-1, n, saved.shape[-1])[:, sel].reshape(-1, saved.shape[-1])
+            flat.index_copy_(0, rows, saved)
