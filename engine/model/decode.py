@@ -72,7 +72,9 @@ def decode_compress(
     slots, pos = batch.swa_slot, batch.positions
     live = written(batch, layer)
     if batch.padded is not None:  # fixed shapes: every row pools; rows not closing go to scratch
-        at = batch.memo(("decode closings", m, comp.overlap, r), lambda: _PaddedClosings(comp, batch, r))
+        at = batch.memo(
+            ("decode closings", m, comp.overlap, r), lambda: _PaddedDecodeClosings(comp, batch, r)
+        )
         ring_kv[slots, at.row] = comp.kv_proj(x).to(ring_kv.dtype)
         ring_gate[slots, at.row] = comp.gate_proj(x).to(ring_gate.dtype)
         kv, gate = take_flat(ring_kv, at.ring_rows), take_flat(ring_gate, at.ring_rows)
@@ -84,7 +86,7 @@ def decode_compress(
     else:
         ring_kv[slots[live], pos[live] % r] = comp.kv_proj(x[live]).to(ring_kv.dtype)
         ring_gate[slots[live], pos[live] % r] = comp.gate_proj(x[live]).to(ring_gate.dtype)
-    shut = batch.memo(("decode closing rows", m, comp.overlap, r), lambda: _Closings(comp, batch, r))
+    shut = batch.memo(("decode closing rows", m, comp.overlap, r), lambda: _DecodeClosings(comp, batch, r))
     if shut.writes is None:
         return
     kv = take_flat(ring_kv, shut.ring_rows)  # [n, span, C]
@@ -92,7 +94,7 @@ def decode_compress(
     store_entries(comp, rotary, kv, gate, shut.writes, pool, layer, index)
 
 
-class _Closings:
+class _DecodeClosings:
     """The rows of a decode batch whose position closes a window of one rate (not one a prefix
     hit already holds): the ring rows each entry pools and where it is written (every layer
     of that rate reads them); ``writes`` None where no row closes one."""
@@ -114,7 +116,7 @@ class _Closings:
         self.writes = EntryWrites(comp, offs, p, batch.block_table[sel])
 
 
-class _PaddedClosings:
+class _PaddedDecodeClosings:
     """A padded decode batch's compressor rows of one rate (every layer of that rate reads
     them): each row's ring row, the window an entry closing at its position pools, and
     whether it closes one."""

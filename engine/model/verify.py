@@ -131,7 +131,9 @@ def verify_compress(
     ring_kv, ring_gate = swa.compressor_rings(layer, index)
     kv_new, gate_new = comp.kv_proj(x), comp.gate_proj(x)  # [T, C]
     r = ring_kv.shape[1]
-    at = batch.memo(("verify closings", comp.rate, comp.overlap, r), lambda: _Closings(comp, lay, batch, r))
+    at = batch.memo(
+        ("verify closings", comp.rate, comp.overlap, r), lambda: _VerifyClosings(comp, lay, batch, r)
+    )
     if at.seq.numel():
         kv = _taken(ring_kv, at.ring_rows, at.own, kv_new, at.fresh)  # [n, span, C]
         gate = _taken(ring_gate, at.ring_rows, at.own, gate_new, at.fresh)
@@ -140,7 +142,7 @@ def verify_compress(
     lay.write(batch, ring_gate, gate_new)
 
 
-class _Closings:
+class _VerifyClosings:
     """The entries a compressor of one rate closes in the step, and where the rows each pools
     come from (one per rate and ring size a step: every layer's compressor reads them)."""
 
