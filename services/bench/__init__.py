@@ -29,13 +29,19 @@ class Target:
     value: float
     op: str
     target: float
+    # what a reader of the verdict must know (a comparison that grades something other
+    # than its name says, say); in the JSON only when set
+    note: str | None = None
 
     @property
     def met(self) -> bool:
         return bool(_OPS[self.op](self.value, self.target))
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "met": self.met}
+        out = {**asdict(self), "met": self.met}
+        if self.note is None:
+            del out["note"]
+        return out
 
 
 @dataclass
@@ -46,10 +52,10 @@ class Report:
     targets: list[Target] = field(default_factory=list)
     rows: list[dict[str, Any]] = field(default_factory=list)  # the human table; in the JSON as "rows"
 
-    def target(self, name: str, value: float, op: str, target: float) -> Target:
+    def target(self, name: str, value: float, op: str, target: float, note: str | None = None) -> Target:
         if op not in _OPS:
             raise ValueError(f"unknown comparison {op!r}; use one of {sorted(_OPS)}")
-        t = Target(name, float(value), op, float(target))
+        t = Target(name, float(value), op, float(target), note)
         self.targets.append(t)
         return t
 

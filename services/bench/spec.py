@@ -73,6 +73,13 @@ DSpark's engines then schedule by it, so their measured verified drafts and acce
 are what DSpark chooses under those costs; every run's decode steps are priced by it (each
 step at its batch, verified drafts and drafting depth: ``tokens_per_s``, with the wall-clock
 figure kept as ``measured_tokens_per_s``), and the targets judge the priced throughputs.
+
+**Targets** (the JSON's ``targets``, `declare_targets`): DSpark within 2 % of the best of
+plain decoding and fixed K at every concurrency; from 32 requests at most 75 % of fixed-5's
+verified drafts at 97 % of its accepted length; at 60 requests fixed-5 + 4 %. Where DSpark
+turned speculation off on every timed step, the targets it grades carry a ``note``: against
+plain decoding as the best, its ratio compares two runs of plain decoding (on a GPU, two
+engines whose plain steps can differ by more than the 2 %), and the box has nothing selected.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -360,6 +361,36 @@ def test_the_targets_are_declared_as_the_issue_states_them() -> None:
     report = Report("spec", {})
     declare_targets(report, 60, _runs(none=100.0))  # no DSpark run: nothing to judge
     assert report.targets == []
+
+
+def test_targets_graded_by_a_dspark_run_that_never_speculated_say_so() -> None:
+    """DSpark off on every timed step does plain decoding's work: where plain decoding is the
+    best baseline, its ratio to it compares two runs of plain decoding, and the selection's
+    box has nothing selected; the JSON's targets carry a note saying so. One speculating step
+    (or a fixed K ahead of plain decoding) and there is no note."""
+    from services.bench import Report
+    from services.bench._spec_report import OFF_BOX_NOTE, OFF_NOTE, declare_targets
+
+    def notes(runs: dict[str, dict[str, Any]]) -> dict[str, str | None]:
+        report = Report("spec", {})
+        declare_targets(report, 60, runs)
+        return {t.name: t.to_json().get("note") for t in report.targets}
+
+    off = _runs(none=100.0, **{"fixed-5": 60.0}, dspark=99.0)
+    off["dspark"] |= {"policies_chosen": {"off": 48}, "verified_per_sequence": 0.0, "accepted_length": 1.0}
+    assert notes(off) == {
+        "c=60: dspark / best of none and fixed-1..5": OFF_NOTE,
+        "c=60: dspark verified / fixed-5 verified, per sequence": OFF_BOX_NOTE,
+        "c=60: dspark accepted length / fixed-5's": OFF_BOX_NOTE,
+        "c=60: dspark / fixed-5 throughput": None,
+    }
+    once = {p: dict(r) for p, r in off.items()}
+    once["dspark"]["policies_chosen"] = {"off": 47, "fixed-5": 1}
+    assert set(notes(once).values()) == {None}
+    fixed_best = {p: dict(r) for p, r in off.items()}
+    fixed_best["fixed-5"]["tokens_per_s"] = 120.0  # speculation paid, and DSpark stayed off
+    assert notes(fixed_best)["c=60: dspark / best of none and fixed-1..5"] is None
+    assert "note" not in Report("spec", {}).target("t", 1.0, ">=", 0.5).to_json()
 
 
 def test_a_prompt_phase_draws_other_windows_of_the_same_text_and_zero_keeps_them() -> None:
