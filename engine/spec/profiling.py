@@ -14,7 +14,9 @@ verified) over ``B`` requests of up to ``prompt_tokens`` tokens (staggered by ``
 model's compression period, as the bench's runs are), decoding greedily without
 stopping. After ``warmup`` steps of the decode phase, a step counts when every one of the
 ``B`` requests verified exactly ``k`` drafts; the profile keeps the median of ``steps`` such
-steps. Prefix caching is off so that no request starts from another's state.
+steps. With CUDA graphs, a step that captured one (of any kind: a shape's once in an engine's
+life) neither counts as warm-up nor is timed, as in `sluice bench spec`'s runs. Prefix
+caching is off so that no request starts from another's state.
 
 The prompts are text (``heldout_prompts``: windows of the held-out split, through the
 checkpoint's tokenizer), falling back to seeded random tokens when the text cannot be had.
@@ -81,6 +83,7 @@ def _cell(
         seen = 0
         for i in range(warmup + 4 * steps + 8):
             before = (spec.stats.steps, spec.stats.verified) if spec is not None else (0, 0)
+            captures = graph_captures(core)
             t0 = time.perf_counter()
             core.step()
             dt = time.perf_counter() - t0
@@ -89,6 +92,8 @@ def _cell(
                 continue  # the prefill step, or not every verifying request verified k drafts
             if core.stats().running != batch:
                 break
+            if graph_captures(core) != captures:
+                continue  # it captured a CUDA graph (of any kind): once in an engine's life
             seen += 1
             if seen > warmup:
                 times.append(dt)
@@ -101,6 +106,12 @@ def _cell(
         return statistics.median(times)
     finally:
         core.close()
+
+
+def graph_captures(core: Any) -> int:
+    """CUDA graphs the engine ``core`` has captured so far, of every kind (0 without graphs)."""
+    graphs = core.runner.graphs
+    return graphs.captures if graphs is not None and graphs.capture else 0
 
 
 def release_memory(engine_kwargs: dict[str, Any]) -> None:

@@ -40,6 +40,36 @@ def test_the_profile_is_measured_on_held_out_text(monkeypatch) -> None:
     assert len(engines) == 2 * 5 + 1 and all(ref() is None for ref in engines)
 
 
+def test_a_step_that_captured_a_graph_is_neither_warm_up_nor_timed(monkeypatch) -> None:
+    """A cell's engine captures its CUDA graphs in its first steps of each shape; a capture
+    (and the step around it) is what a shape costs once in an engine's life, so such a step
+    counts neither towards the warm-up nor among the timed steps (as in `sluice bench spec`'s
+    runs). Here three decode steps "capture" and take 0.2 s more, two during the warm-up and
+    one among the timed steps: the cell's median leaves them out, and runs three more steps."""
+    import time
+
+    from engine.core import EngineCore
+    from engine.spec import profiling
+
+    step = EngineCore.step
+    calls = {"steps": 0, "captures": 0}
+
+    def capturing(self: EngineCore) -> object:
+        calls["steps"] += 1
+        out = step(self)
+        if calls["steps"] in (2, 4, 7):  # step 1 is the prefill
+            calls["captures"] += 1
+            time.sleep(0.2)
+        return out
+
+    monkeypatch.setattr(EngineCore, "step", capturing)
+    monkeypatch.setattr(profiling, "graph_captures", lambda core: calls["captures"])
+    prompts, _ = _prompts(MODEL, 1, 32, seed=0)
+    t = profiling._cell(MODEL, 1, 0, 0, prompts, warmup=2, steps=3, engine_kwargs={})
+    assert t < 0.1  # a 2-core VM's plain step of the trained preset takes ~20 ms
+    assert calls["steps"] == 1 + 2 + 3 + 3  # the prefill, the warm-up, the timed, the captures
+
+
 def test_prompts_are_text_where_the_tokenizer_reads_it_else_random(tmp_path) -> None:
     text, source = _prompts(MODEL, 3, 32, seed=0)
     assert source == "heldout-v1 windows, 32 - (k mod 128) ids" and [len(p) for p in text] == [32, 31, 30]
