@@ -65,7 +65,7 @@ def main() -> None:
     from engine.engine_config import EngineConfig
     from engine.messages import CoreRequest
     from engine.sampling.params import SamplingParams
-    from engine.spec.profiling import _prompts, rank_experts, rank_model_dir, release_memory
+    from engine.spec.profiling import _prompts, graph_captures, rank_experts, rank_model_dir, release_memory
 
     cuda = args.device.startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -98,36 +98,32 @@ def main() -> None:
             for i in range(b):
                 core.add(CoreRequest(f"r{i}", tuple(prompts[i]), params))
 
-            def captures(core: EngineCore = core) -> int:  # graphs captured so far (every kind)
-                graphs = core.runner.graphs
-                return graphs.captures if graphs is not None and graphs.capture else 0
-
             # the prompts, then warm-up until WARM_STREAK steps in a row capture no new graph: a
             # graph's first replays (and its capture) are not what a step costs once it is warm
             quiet = 0
             for i in range(WARMUP_STEPS):
-                before = captures()
+                before = graph_captures(core)
                 core.step()
-                quiet = quiet + 1 if captures() == before else 0
+                quiet = quiet + 1 if graph_captures(core) == before else 0
                 if quiet >= WARM_STREAK and i + 1 >= MIN_WARMUP:
                     break
             sync()
             walls, captured = [], 0
             for _ in range(args.steps):
-                before = captures()
+                before = graph_captures(core)
                 t0 = time.perf_counter()
                 core.step()
                 sync()
-                if captures() == before:
+                if graph_captures(core) == before:
                     walls.append(time.perf_counter() - t0)
                 else:
                     captured += 1
             median = f"{1e3 * statistics.median(walls):.2f} ms a step" if walls else "every step captured"
             report.append(
                 f"\n== {spec or 'plain decoding'}: {median} ({len(walls)} steps timed, {captured} left out "
-                f"for capturing a graph; {captures()} graphs captured in all)"
+                f"for capturing a graph; {graph_captures(core)} graphs captured in all)"
             )
-            profiled = captures()
+            profiled = graph_captures(core)
             if cuda:
                 from torch.profiler import ProfilerActivity, profile
 
@@ -150,9 +146,9 @@ def main() -> None:
                 core.step()
             sync()
             host.disable()
-            if captures() != profiled:
+            if graph_captures(core) != profiled:
                 report.append(
-                    f"(the profiled steps captured {captures() - profiled} graphs: read them with care)"
+                    f"(the profiled steps captured {graph_captures(core) - profiled} graphs: read them with care)"
                 )
             text = io.StringIO()
             stats = pstats.Stats(host, stream=text)
