@@ -17,7 +17,7 @@ import numpy as np
 from engine.spec.acceptance import DraftAcceptance
 from engine.spec.config import SpecConfig, SpecStats
 from engine.spec.costs import PLAIN, SPECULATING, StepCosts
-from engine.spec.dspark import DSparkPlan, plan_dspark_depths
+from engine.spec.dspark import DSparkPlan, plan_dspark_depths, plan_one_depths
 from engine.spec.profile import SpecProfile
 
 
@@ -220,10 +220,16 @@ class DraftingDepth:
         # every option priced on the same model, this step's requests' own (recalibrated)
         # confidences: the observed rates are those of the drafts verified, which a
         # selection picks, so they overstate what a uniform K would accept
-        filled = _filled(conf, rates, full)
-        for k, expected in enumerate(_uniform_expected(filled), start=1):
+        tables = p.tables(b, full)
+        if isinstance(conf, np.ndarray) and conf.shape[0] == 1:  # one request: plain Python
+            row = conf[0, :full].tolist()
+            row += rates[len(row) : full]
+            uniform, plans = _uniform_expected_row(row), plan_one_depths(row, tables)
+        else:
+            filled = _filled(conf, rates, full)
+            uniform, plans = _uniform_expected(filled), plan_dspark_depths(filled, tables)
+        for k, expected in enumerate(uniform, start=1):
             options[f"fixed-{k}"] = (b * expected / costs.speculating(secs[k]), k)
-        plans = plan_dspark_depths(filled, [p.for_batch(b, d) for d in range(1, full + 1)])
         for d, pl in enumerate(plans, start=1):  # its step: expected tokens / throughput
             step = costs.speculating(pl.expected_accepted / pl.throughput)
             options[f"dspark-{d}"] = (pl.expected_accepted / step, d)
@@ -289,12 +295,18 @@ def _filled(conf: np.ndarray | list[np.ndarray], rates: list[float], full: int) 
 def _uniform_expected(conf: np.ndarray) -> list[float]:
     """Per K = 1..K_max: tokens a request emits on average verifying its first K drafts,
     ``1 + sum_{j<=K} a(r, j)``, over the rows of ``conf`` [B, K_max] (survival: the cumulative
-    product of each row). One request in plain Python (numpy's per-call cost)."""
+    product of each row)."""
     if conf.shape[0] == 1:
-        out, surv, expected = [], 1.0, 1.0
-        for c in conf[0].tolist():
-            surv *= c
-            expected += surv
-            out.append(expected)
-        return out
+        return _uniform_expected_row(conf[0].tolist())
     return (1.0 + np.cumsum(np.cumprod(conf, axis=1).mean(axis=0))).tolist()
+
+
+def _uniform_expected_row(row: list[float]) -> list[float]:
+    """`_uniform_expected` of one request's confidences, in plain Python (numpy's per-call
+    cost would be most of the time)."""
+    out, surv, expected = [], 1.0, 1.0
+    for c in row:
+        surv *= c
+        expected += surv
+        out.append(expected)
+    return out

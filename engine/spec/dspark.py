@@ -194,7 +194,7 @@ def plan_dspark_depths(conf: npt.ArrayLike, tables: Sequence[StepProfile]) -> li
         raise ValueError(f"need [B, K >= {len(tables)}] confidences, got shape {c.shape}")
     batch, k = c.shape
     if batch == 1:
-        return _plan_one_depths(c[0, : len(tables)].tolist(), tables)
+        return plan_one_depths(c[0, : len(tables)].tolist(), tables)
     c, _ = _padded(c)  # validated
     cand = _cumprod(c).ravel()  # row-major: j ascending within each request
     rows = np.repeat(np.arange(batch), k)
@@ -234,10 +234,11 @@ def _plan_one(row: Any, profile: StepProfile, max_tokens: int | None, stop: str)
     return DSparkPlan(np.array([d], dtype=np.int64), expected, 1 + d, thr)
 
 
-def _plan_one_depths(vals: list[float], tables: Sequence[StepProfile]) -> list[DSparkPlan]:
-    """`_plan_one` of the first ``d`` drafts priced by ``tables[d - 1]``, at every depth, from
-    one pass over the survivals (the same sums and products in the same order, so each plan
-    equals its `_plan_one` to the bit)."""
+def plan_one_depths(vals: list[float], tables: Sequence[StepProfile]) -> list[DSparkPlan]:
+    """`plan_dspark_depths` for one request whose confidences are ``vals`` (at least
+    ``len(tables)``): `_plan_one` of its first ``d`` drafts priced by ``tables[d - 1]``, at
+    every depth, from one pass over the survivals (the same sums and products in the same
+    order, so each plan equals its `_plan_one` to the bit)."""
     if not all(0.0 <= x <= 1.0 for x in vals):  # NaN fails the comparison too
         raise ValueError("confidences must be finite probabilities in [0, 1]")
     expected, surv, cum = [1.0], 0.0, 0.0  # expected[j]: tokens emitted verifying j drafts

@@ -144,6 +144,15 @@ class SpecProfile:
         table = self._memo[("t", batch, d)] = StepProfile(tokens, [1.0 / s for s in rising])
         return table
 
+    def tables(self, batch: int, depth: int) -> tuple[StepProfile, ...]:
+        """`for_batch` at every drafting depth 1..``depth`` (memoised: the drafting depth
+        prices every depth each step)."""
+        key = ("d", batch, depth)
+        hit = self._memo.get(key)
+        if hit is None:
+            hit = self._memo[key] = tuple(self.for_batch(batch, d) for d in range(1, depth + 1))
+        return hit
+
     def to_json(self) -> str:
         return json.dumps(
             {"batch": list(self.batch), "drafts": list(self.drafts), "seconds": [list(r) for r in self.seconds],

@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import math
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -29,6 +29,9 @@ class StepProfile:
 
     tokens: tuple[float, ...]
     rates: tuple[float, ...]
+    # rate_at's results: a scheduler asks each table for the same few token counts every step
+    # (at most one per token count a step of the table's batch can have)
+    _memo: dict[float, float] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def __init__(self, tokens: Iterable[float], steps_per_s: Iterable[float]) -> None:
         t = tuple(float(x) for x in tokens)
@@ -45,6 +48,7 @@ class StepProfile:
             raise ValueError("steps_per_s must be non-increasing in tokens")
         object.__setattr__(self, "tokens", t)
         object.__setattr__(self, "rates", s)
+        object.__setattr__(self, "_memo", {})
 
     def steps_per_s(self, tokens: npt.ArrayLike) -> Any:
         """Steps per second at ``tokens`` (scalar -> float, array -> array)."""
@@ -54,7 +58,13 @@ class StepProfile:
     def rate_at(self, tokens: float) -> float:
         """`steps_per_s` of one token count in plain Python, as ``np.interp`` computes it (its
         formula, so the two agree to the bit): a scheduler's one-request step avoids numpy's
-        per-call cost."""
+        per-call cost; memoised)."""
+        hit = self._memo.get(tokens)
+        if hit is None:
+            hit = self._memo[tokens] = self._rate_at(tokens)
+        return hit
+
+    def _rate_at(self, tokens: float) -> float:
         t, r = self.tokens, self.rates
         if tokens <= t[0]:
             return r[0]

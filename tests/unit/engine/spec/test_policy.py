@@ -653,3 +653,39 @@ def test_drafts_of_a_step_of_prompts_are_never_cold() -> None:
     assert pol.depth == 5
     pol.choose(["r0"], [[0.6] * 5])
     assert pol.stats.cold_steps == 0 and pol.view(1)["seen"] == 1
+
+
+def test_one_requests_options_are_priced_as_the_array_path_prices_them() -> None:
+    """At one request the drafting depth prices its options in plain Python (numpy's per-call
+    cost was most of a one-request choice): the same values, to the bit, as the array path's
+    (`_filled`, `_uniform_expected`, `plan_dspark_depths`), with fewer drafts than the depth
+    filled by the observed rates, and the memoised tables and rates equal to fresh ones."""
+    from engine.spec import depth as depth_mod
+    from engine.spec.dspark import plan_dspark_depths
+
+    prof = synthetic_profile(verify_s=0.002, pass_s=0.0015, plain_s=0.010, batch=(1, 32))
+    pol = SpecPolicy(SpecConfig("dspark"), prof)
+    rng = np.random.default_rng(3)
+    for _ in range(40):  # outcomes, so that the rates differ from the head's means
+        ks, _ = pol.choose(["r"], [rng.uniform(0.2, 1.0, pol.depth or DRAFTS[-1]).tolist()])
+        pol.observe("r", int(rng.integers(0, ks[0] + 1)))
+    rates = pol.acceptance.rates()
+    assert rates is not None
+    costs, full = pol.costs, pol.config.num_drafts
+    secs = prof.uniform_seconds(1, full)
+    for k in (1, 3, 5):
+        conf = rng.uniform(0.0, 1.0, size=(1, k))
+        got, got_plans = pol.drafting._options(1, conf)
+        filled = depth_mod._filled(conf, rates, full)
+        want_plans = plan_dspark_depths(filled, [prof.for_batch(1, d) for d in range(1, full + 1)])
+        assert got_plans is not None
+        for g, w in zip(got_plans, want_plans, strict=True):
+            assert (g.ks.tolist(), g.expected_accepted, g.tokens, g.throughput) == (
+                w.ks.tolist(), w.expected_accepted, w.tokens, w.throughput,
+            )  # fmt: skip
+        for j, e in enumerate(depth_mod._uniform_expected(filled), start=1):
+            assert got[f"fixed-{j}"] == (e / costs.speculating(secs[j]), j)
+    assert prof.tables(1, full) == tuple(prof.for_batch(1, d) for d in range(1, full + 1))
+    table = prof.for_batch(32, 3)
+    for tokens in (1.0, 33.0, 40.5, 96.0, 500.0):
+        assert table.rate_at(tokens) == table.rate_at(tokens) == table.steps_per_s(tokens)
