@@ -6,14 +6,20 @@ device time of its timed round's graph replays a step (CUDA events around each r
 steps it launched while the one before was on the device (`EngineLoop.pipelined`), its CUDA
 graph replays and captures, and its Python threads; the runs' figures go to a JSON file. A
 slow engine whose replays take as long as its steps is slow on the device; one whose
-replays take a fast engine's time is slow on the host.
+replays take a fast engine's time is slow on the host. For timed steps 30-37 (``PROFILED``)
+torch's profiler records each engine's device work by kernel (ms and calls a step, the
+median step left out of that window beside it), and the GPU's clocks, temperature and power
+are read before and after each engine: a slow engine that runs other kernels, or the same
+ones longer at the same clocks, is told apart from a throttled GPU.
 
-    python3 scripts/plain_step_modes.py OUT.json    # on a GPU, from the repository root
+    python3 scripts/plain_step_modes.py OUT.json            # on a GPU, from the repository root
+    python3 scripts/plain_step_modes.py OUT.json --smoke    # one small plain run on the CPU
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 import threading
 import time
@@ -25,6 +31,8 @@ from engine.core import EngineCore
 from engine.prompts import heldout_prompts, phase_period, staggered
 
 MODEL = Path("models/trained")
+# timed-round steps (0-based) run under torch's profiler: each engine's device work by kernel
+PROFILED = (30, 38)
 RUNS = [(128, p) for p in ("none", "none", "dspark", "none", "none", "dspark", "none")] + [(60, "none")]
 
 
@@ -32,6 +40,9 @@ def main() -> None:
     import torch
 
     cpu = {"thread": 0.0, "process": 0.0}
+    walls: list[float] = []  # the timed round's `EngineCore.step` calls, wall seconds
+    profiler: list[Any] = [None]
+    kernels: list[dict[str, Any]] = []
     timing = [False]  # inside the timed round
     events: list[tuple[Any, Any]] = []
     step, results, timed_round = EngineCore.step, spec_run._results, spec_run._timed_round
@@ -40,12 +51,23 @@ def main() -> None:
     def timed_step(self: EngineCore) -> Any:
         if not timing[0]:
             return step(self)
-        t0, p0 = time.thread_time(), time.process_time()
+        i = len(walls)
+        if i == PROFILED[0]:
+            profiler[0] = torch.profiler.profile(activities=[activity])
+            profiler[0].__enter__()
+        t0, p0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
         try:
             return step(self)
         finally:
             cpu["thread"] += time.thread_time() - t0
             cpu["process"] += time.process_time() - p0
+            walls.append(time.perf_counter() - w0)
+            if i == PROFILED[1] - 1 and profiler[0] is not None:
+                if torch.cuda.is_available():
+                    torch.cuda.synchronize()
+                profiler[0].__exit__(None, None, None)
+                kernels[:] = _top_kernels(profiler[0], PROFILED[1] - PROFILED[0])
+                profiler[0] = None
 
     def timed_replay(graph: Any) -> Any:
         if not timing[0]:
@@ -77,19 +99,32 @@ def main() -> None:
     torch.cuda.CUDAGraph.replay = timed_replay  # type: ignore[method-assign,assignment]
     spec_run._results = with_loop  # type: ignore[assignment]
     spec_run._timed_round = in_timed_round
+    smoke = "--smoke" in sys.argv
     prompts = staggered(heldout_prompts(MODEL, 128, 256), phase_period(MODEL))
-    engine = {"device": "cuda", "dtype": "bfloat16", "async_scheduling": None}
+    engine = {
+        "device": "cpu" if smoke else "cuda",
+        "dtype": "float32" if smoke else "bfloat16",
+        "async_scheduling": None,
+    }
+    activity = torch.profiler.ProfilerActivity.CPU if smoke else torch.profiler.ProfilerActivity.CUDA
     rows = []
-    for c, policy in RUNS:
+    for c, policy in [(4, "none")] if smoke else RUNS:
         cpu["thread"] = cpu["process"] = 0.0
         events.clear()
+        walls.clear()
+        kernels.clear()
+        clocks = _clocks()
         r = spec_run.run_policy(MODEL, prompts[:c], 48, policy, None, engine, warmup_tokens=16, concurrency=c)
         n = r["decode_steps"] + 1  # the timed round's steps, its first (prefill) included
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         replays_ms = sorted(a.elapsed_time(b) for a, b in events)
         r.update(
             host_thread_ms=cpu["thread"] * 1e3 / n, host_process_ms=cpu["process"] * 1e3 / n,
             replay_ms_median=replays_ms[len(replays_ms) // 2] if replays_ms else None,
+            # the steps outside the profiled window (whose host time the profiler lengthens)
+            step_ms_unprofiled=_median([w * 1e3 for i, w in enumerate(walls) if not PROFILED[0] <= i < PROFILED[1]]),
+            kernels=list(kernels), clocks_before=clocks, clocks_after=_clocks(),
         )  # fmt: skip
         print(
             f"{c} {policy}: {r['tokens_per_s']:.0f} tok/s, median step {r['step_ms_median']:.2f} ms, replay "
@@ -98,9 +133,47 @@ def main() -> None:
             f"{r['pipelined']} of {r['loop_steps']}, replays {r['replays']}, captures {r['captures']}, threads {r['threads']}",
             flush=True,
         )
+        for k in kernels[:8]:
+            print(
+                f"    {k['ms_per_step']:.3f} ms/step x{k['calls_per_step']:.1f}  {k['name'][:110]}",
+                flush=True,
+            )
+        print(
+            f"    unprofiled step median {r['step_ms_unprofiled']} ms; clocks {clocks} -> {r['clocks_after']}",
+            flush=True,
+        )
         rows.append({"c": c, "policy": policy, **{k: v for k, v in r.items() if not k.startswith("_")}})
     with open(sys.argv[1], "w") as f:
         json.dump(rows, f, indent=1, default=str)
+
+
+def _top_kernels(prof: Any, steps: int) -> list[dict[str, Any]]:
+    """The profiled window's device work by name, the most time first: ms and calls a step."""
+    rows = []
+    for e in prof.key_averages():
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:
+            us = getattr(e, "self_cuda_time_total", 0.0)
+        if not us:  # a CPU run (--smoke): the operators' own host time
+            us = getattr(e, "self_cpu_time_total", 0.0)
+        if us > 0:
+            rows.append({"name": e.key, "ms_per_step": us / 1e3 / steps, "calls_per_step": e.count / steps})
+    return sorted(rows, key=lambda r: -r["ms_per_step"])[:25]
+
+
+def _clocks() -> str:
+    """The GPU's SM and memory clocks, temperature and power now (nvidia-smi), or why not."""
+    try:
+        return subprocess.run(
+            ["nvidia-smi", "--query-gpu=clocks.sm,clocks.mem,temperature.gpu,power.draw", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=10, check=True,
+        ).stdout.strip()  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"unavailable: {exc}"
+
+
+def _median(values: list[float]) -> float | None:
+    return sorted(values)[len(values) // 2] if values else None
 
 
 if __name__ == "__main__":
