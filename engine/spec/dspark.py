@@ -52,6 +52,11 @@ import numpy.typing as npt
 
 from engine.spec.step_table import StepProfile, throughput
 
+#: Up to this many requests, `plan_dspark_depths` runs in plain Python (`plan_rows_depths`):
+#: below it numpy's fixed cost per call outweighs the per-element work it saves
+#: (scripts/spec_choose_cost.py, docs/speculative.md, "The choice's own host time").
+FEW_REQUESTS = 16
+
 FloatArray = npt.NDArray[np.float64]
 IntArray = npt.NDArray[np.int64]
 Confidences = Sequence[npt.ArrayLike] | npt.NDArray[Any]
@@ -195,6 +200,8 @@ def plan_dspark_depths(conf: npt.ArrayLike, tables: Sequence[StepProfile]) -> li
     batch, k = c.shape
     if batch == 1:
         return plan_one_depths(c[0, : len(tables)].tolist(), tables)
+    if batch <= FEW_REQUESTS:
+        return plan_rows_depths(c.tolist(), tables)
     c, _ = _padded(c)  # validated
     cand = _cumprod(c).ravel()  # row-major: j ascending within each request
     rows = np.repeat(np.arange(batch), k)
@@ -255,6 +262,41 @@ def plan_one_depths(vals: list[float], tables: Sequence[StepProfile]) -> list[DS
                 best = (j, expected[j], thr)
         k, e, thr = best
         plans.append(DSparkPlan(np.array([k], dtype=np.int64), e, 1 + k, thr))
+    return plans
+
+
+def plan_rows_depths(rows: list[list[float]], tables: Sequence[StepProfile]) -> list[DSparkPlan]:
+    """`plan_dspark_depths` of a few requests (``rows``: each one's confidences, all of the
+    same length, at least ``len(tables)``) in plain Python: numpy's per-call cost was most of
+    the array path's time at up to `FEW_REQUESTS` requests. The same survivals, order,
+    sums and interpolation in the same sequence, so each plan equals the array path's to the
+    bit."""
+    batch, k = len(rows), len(rows[0])
+    cand: list[float] = []  # row-major: j ascending within each request
+    for row in rows:
+        if len(row) != k or not all(0.0 <= x <= 1.0 for x in row):  # NaN fails the comparison too
+            raise ValueError("confidences must be finite probabilities in [0, 1], as many a request")
+        surv = 1.0
+        for j, x in enumerate(row):
+            surv = x if j == 0 else surv * x
+            cand.append(surv)
+    # stable: ties keep their row-major order, as the array path's stable argsort does
+    order = sorted(range(len(cand)), key=lambda i: -cand[i])
+    plans = []
+    for d, table in enumerate(tables, start=1):
+        admitted = [i for i in order if i % k < d]
+        best_n, best_e, best_thr = 0, float(batch), float(batch) * table.rate_at(batch)
+        run = 0.0
+        for n, i in enumerate(admitted, start=1):
+            run += cand[i]
+            expected = run + batch
+            thr = expected * table.rate_at(batch + n)
+            if thr > best_thr:  # the first maximum: the fewest tokens among ties
+                best_n, best_e, best_thr = n, expected, thr
+        ks = [0] * batch
+        for i in admitted[:best_n]:
+            ks[i // k] += 1
+        plans.append(DSparkPlan(np.array(ks, dtype=np.int64), best_e, batch + best_n, best_thr))
     return plans
 
 

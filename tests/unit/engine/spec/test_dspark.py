@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from engine.spec.dspark import (
+    FEW_REQUESTS,
     choose_policy,
     expected_accepted,
     expected_total,
@@ -124,10 +125,11 @@ def test_greedy_prefix_of_size_d_maximises_expected_tokens_for_that_d():
 def test_the_plans_at_every_depth_equal_one_plan_per_depth():
     """`plan_dspark_depths` sorts once for every drafting depth; each of its plans equals
     `plan_dspark` over that many drafts with that depth's table, to the bit (one request,
-    ties and zero survivals included)."""
+    ties and zero survivals included; in plain Python up to `FEW_REQUESTS` requests, with
+    arrays above)."""
     rng = np.random.default_rng(4)
-    for _ in range(80):
-        batch = int(rng.integers(1, 7))
+    for _ in range(120):
+        batch = int(rng.integers(1, FEW_REQUESTS + 9))
         conf = rng.uniform(0.0, 1.0, size=(batch, 5))
         if rng.random() < 0.3:
             conf = np.round(conf, 1)  # ties and zeros
