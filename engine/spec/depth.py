@@ -17,7 +17,7 @@ import numpy as np
 from engine.spec.acceptance import DraftAcceptance
 from engine.spec.config import SpecConfig, SpecStats
 from engine.spec.costs import PLAIN, SPECULATING, StepCosts
-from engine.spec.dspark import DSparkPlan, plan_dspark_depths, plan_one_depths
+from engine.spec.dspark import DSparkPlan, plan_dspark_depths, plan_rows_depths
 from engine.spec.profile import SpecProfile
 
 
@@ -224,7 +224,7 @@ class DraftingDepth:
         if isinstance(conf, np.ndarray) and conf.shape[0] == 1:  # one request: plain Python
             row = conf[0, :full].tolist()
             row += rates[len(row) : full]
-            uniform, plans = _uniform_expected_row(row), plan_one_depths(row, tables)
+            uniform, plans = _uniform_expected_row(row), plan_rows_depths([row], tables)
         else:
             filled = _filled(conf, rates, full)
             uniform, plans = _uniform_expected(filled), plan_dspark_depths(filled, tables)

@@ -198,8 +198,6 @@ def plan_dspark_depths(conf: npt.ArrayLike, tables: Sequence[StepProfile]) -> li
     if c.ndim != 2 or c.shape[1] < len(tables):
         raise ValueError(f"need [B, K >= {len(tables)}] confidences, got shape {c.shape}")
     batch, k = c.shape
-    if batch == 1:
-        return plan_one_depths(c[0, : len(tables)].tolist(), tables)
     if batch <= FEW_REQUESTS:
         return plan_rows_depths(c.tolist(), tables)
     c, _ = _padded(c)  # validated
@@ -241,36 +239,12 @@ def _plan_one(row: Any, profile: StepProfile, max_tokens: int | None, stop: str)
     return DSparkPlan(np.array([d], dtype=np.int64), expected, 1 + d, thr)
 
 
-def plan_one_depths(vals: list[float], tables: Sequence[StepProfile]) -> list[DSparkPlan]:
-    """`plan_dspark_depths` for one request whose confidences are ``vals`` (at least
-    ``len(tables)``): `_plan_one` of its first ``d`` drafts priced by ``tables[d - 1]``, at
-    every depth, from one pass over the survivals (the same sums and products in the same
-    order, so each plan equals its `_plan_one` to the bit)."""
-    if not all(0.0 <= x <= 1.0 for x in vals):  # NaN fails the comparison too
-        raise ValueError("confidences must be finite probabilities in [0, 1]")
-    expected, surv, cum = [1.0], 0.0, 0.0  # expected[j]: tokens emitted verifying j drafts
-    for j in range(len(tables)):
-        surv = vals[0] if j == 0 else surv * vals[j]
-        cum += surv
-        expected.append(cum + 1.0)
-    plans = []
-    for d, table in enumerate(tables, start=1):
-        best = (0, 1.0, 1.0 * table.rate_at(1.0))  # (drafts, expected, throughput)
-        for j in range(1, d + 1):
-            thr = expected[j] * table.rate_at(1.0 + j)
-            if thr > best[2]:
-                best = (j, expected[j], thr)
-        k, e, thr = best
-        plans.append(DSparkPlan(np.array([k], dtype=np.int64), e, 1 + k, thr))
-    return plans
-
-
 def plan_rows_depths(rows: list[list[float]], tables: Sequence[StepProfile]) -> list[DSparkPlan]:
     """`plan_dspark_depths` of a few requests (``rows``: each one's confidences, all of the
     same length, at least ``len(tables)``) in plain Python: numpy's per-call cost was most of
-    the array path's time at up to `FEW_REQUESTS` requests. The same survivals, order,
-    sums and interpolation in the same sequence, so each plan equals the array path's to the
-    bit."""
+    the array path's time at up to `FEW_REQUESTS` requests (at one request, the scheduler's
+    every step). The same survivals, order, sums and interpolation in the same sequence, so
+    each plan equals the array path's, and `_plan_one`'s at one request, to the bit."""
     batch, k = len(rows), len(rows[0])
     cand: list[float] = []  # row-major: j ascending within each request
     for row in rows:
