@@ -7,6 +7,11 @@ speculation off, so that every timed step is a speculating one. Prints the mean 
 This is the cost `sluice bench spec` reports per run as `choose_ms_per_step`, without an
 engine: on a GPU it is host time the device waits for in a synchronous step.
 
+``--as-chosen`` drafts each step as deep as the policy chose (none while it is off, when the
+step takes the policy's path without drafts), as an engine's steps do, with the policy's clock
+fixed at 25 us a choice (it prices its own host time, so a real clock would make its
+decisions, and the steps timed, differ from run to run and machine to machine).
+
 ``--off`` times instead the steps of a DSpark policy that has switched speculation off (after
 enough steps with drafts to decide): the policy's whole host work of such a step, its
 choice (`SpecPolicy.idle`) and its step timing (`SpecPolicy.observe_seconds`), which a
@@ -28,14 +33,20 @@ from engine.spec.policy import SpecPolicy
 from engine.spec.profile import SpecProfile
 
 
-def mean_choose_ms(policy: str, profile: SpecProfile, batch: int, steps: int, seed: int) -> float:
+def mean_choose_ms(
+    policy: str, profile: SpecProfile, batch: int, steps: int, seed: int, as_chosen: bool = False
+) -> float:
     rng = np.random.default_rng(seed)
     spec = SpecPolicy(SpecConfig.parse(policy), profile)
+    if as_chosen:  # every choice "takes" 25 us: the same decisions on every machine and run
+        ticks = iter(range(1 << 62))
+        spec.clock = lambda: next(ticks) * 25e-6
     rids = [f"r{i}" for i in range(batch)]
     total = 0.0
     for _ in range(steps):
-        spec.depth = spec.depth or 5
-        conf = (0.5 + 0.5 * rng.random((batch, 5))).tolist()
+        if not as_chosen:
+            spec.depth = spec.depth or 5
+        conf = (0.5 + 0.5 * rng.random((batch, spec.depth))).tolist()
         t0 = time.perf_counter()
         ks, _ = spec.choose(rids, conf)
         total += time.perf_counter() - t0
@@ -73,6 +84,10 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=500)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--off", action="store_true", help="time DSpark's steps while speculation is off")
+    ap.add_argument(
+        "--as-chosen", action="store_true",
+        help="each step drafts as deep as the policy chose (none while off) instead of 5, on a fixed clock",
+    )  # fmt: skip
     args = ap.parse_args()
     profile = SpecProfile.load(args.profile)
     if args.off:
@@ -83,7 +98,7 @@ def main() -> None:
     policies = args.policies.split(",")
     print("batch | " + " | ".join(f"{p} ms" for p in policies))
     for b in (int(x) for x in args.batches.split(",")):
-        cells = [mean_choose_ms(p, profile, b, args.steps, args.seed) for p in policies]
+        cells = [mean_choose_ms(p, profile, b, args.steps, args.seed, args.as_chosen) for p in policies]
         print(f"{b} | " + " | ".join(f"{c:.3f}" for c in cells), flush=True)
 
 
