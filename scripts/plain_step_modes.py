@@ -1,7 +1,7 @@
 """Plain decoding at 128 requests on an H100 runs ~3.3 or ~5.2-5.9 ms a step, engine by
 engine. This runs fresh engines of `sluice bench spec`'s runs in turn (plain decoding, and
 DSpark, which turns speculation off there) and prints, for each, its step median, the host
-CPU time of its timed round's `EngineCore.step` calls a step (thread and process), the
+CPU time of its timed round's `EngineCore.step` calls (median a step, thread and process), the
 device time of its timed round's graph replays a step (CUDA events around each replay), the
 steps it launched while the one before was on the device (`EngineLoop.pipelined`), its CUDA
 graph replays and captures, and its Python threads; the runs' figures go to a JSON file. A
@@ -39,8 +39,10 @@ RUNS = [(128, p) for p in ("none", "none", "dspark", "none", "none", "dspark", "
 def main() -> None:
     import torch
 
-    cpu = {"thread": 0.0, "process": 0.0}
-    walls: list[float] = []  # the timed round's `EngineCore.step` calls, wall seconds
+    # the timed round's `EngineCore.step` calls: wall, thread CPU and process CPU seconds
+    walls: list[float] = []
+    threads: list[float] = []
+    processes: list[float] = []
     profiler: list[Any] = [None]
     kernels: list[dict[str, Any]] = []
     timing = [False]  # inside the timed round
@@ -59,9 +61,9 @@ def main() -> None:
         try:
             return step(self)
         finally:
-            cpu["thread"] += time.thread_time() - t0
-            cpu["process"] += time.process_time() - p0
             walls.append(time.perf_counter() - w0)
+            threads.append(time.thread_time() - t0)
+            processes.append(time.process_time() - p0)
             if i == PROFILED[1] - 1 and profiler[0] is not None:
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
@@ -109,21 +111,23 @@ def main() -> None:
     activity = torch.profiler.ProfilerActivity.CPU if smoke else torch.profiler.ProfilerActivity.CUDA
     rows = []
     for c, policy in [(4, "none")] if smoke else RUNS:
-        cpu["thread"] = cpu["process"] = 0.0
         events.clear()
         walls.clear()
+        threads.clear()
+        processes.clear()
         kernels.clear()
         clocks = _clocks()
         r = spec_run.run_policy(MODEL, prompts[:c], 48, policy, None, engine, warmup_tokens=16, concurrency=c)
-        n = r["decode_steps"] + 1  # the timed round's steps, its first (prefill) included
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         replays_ms = sorted(a.elapsed_time(b) for a, b in events)
         r.update(
-            host_thread_ms=cpu["thread"] * 1e3 / n, host_process_ms=cpu["process"] * 1e3 / n,
+            # medians over the steps outside the profiled window (whose last step's CPU time
+            # holds the profiler's own processing)
+            host_thread_ms=_median(_unprofiled(threads, 1e3)), host_process_ms=_median(_unprofiled(processes, 1e3)),
             replay_ms_median=replays_ms[len(replays_ms) // 2] if replays_ms else None,
             # the steps outside the profiled window (whose host time the profiler lengthens)
-            step_ms_unprofiled=_median([w * 1e3 for i, w in enumerate(walls) if not PROFILED[0] <= i < PROFILED[1]]),
+            step_ms_unprofiled=_median(_unprofiled(walls, 1e3)),
             kernels=list(kernels), clocks_before=clocks, clocks_after=_clocks(),
         )  # fmt: skip
         print(
@@ -170,6 +174,11 @@ def _clocks() -> str:
         ).stdout.strip()  # fmt: skip
     except (OSError, subprocess.SubprocessError) as exc:
         return f"unavailable: {exc}"
+
+
+def _unprofiled(values: list[float], scale: float) -> list[float]:
+    """``values`` (one a timed step) outside the profiled window, times ``scale``."""
+    return [v * scale for i, v in enumerate(values) if not PROFILED[0] <= i < PROFILED[1]]
 
 
 def _median(values: list[float]) -> float | None:
