@@ -14,10 +14,15 @@ ones longer at the same clocks, is told apart from a throttled GPU.
 
     python3 scripts/plain_step_modes.py OUT.json            # on a GPU, from the repository root
     python3 scripts/plain_step_modes.py OUT.json --smoke    # one small plain run on the CPU
+
+The slow mode is the host's (session 56: the replays take the same device time in every
+engine). ``--gc-off`` tests one cause on the host: it freezes what exists and turns Python's
+cyclic collector off, so that no engine's steps pay for collecting another's garbage.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import subprocess
 import sys
@@ -102,6 +107,10 @@ def main() -> None:
     spec_run._results = with_loop  # type: ignore[assignment]
     spec_run._timed_round = in_timed_round
     smoke = "--smoke" in sys.argv
+    if "--gc-off" in sys.argv:  # no cyclic collection: does it follow the collector?
+        gc.collect()
+        gc.freeze()
+        gc.disable()
     prompts = staggered(heldout_prompts(MODEL, 128, 256), phase_period(MODEL))
     engine = {
         "device": "cpu" if smoke else "cuda",
