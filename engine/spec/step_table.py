@@ -12,7 +12,7 @@ import bisect
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import numpy.typing as npt
@@ -30,8 +30,9 @@ class StepProfile:
     tokens: tuple[float, ...]
     rates: tuple[float, ...]
     # rate_at's results: a scheduler asks each table for the same few token counts every step
-    # (at most one per token count a step of the table's batch can have)
+    # (one per token count a step of the table's batch can have), kept up to MEMO_SIZE
     _memo: dict[float, float] = field(default_factory=dict, init=False, compare=False, repr=False)
+    MEMO_SIZE: ClassVar[int] = 4096
 
     def __init__(self, tokens: Iterable[float], steps_per_s: Iterable[float]) -> None:
         t = tuple(float(x) for x in tokens)
@@ -61,7 +62,9 @@ class StepProfile:
         per-call cost; memoised)."""
         hit = self._memo.get(tokens)
         if hit is None:
-            hit = self._memo[tokens] = self._rate_at(tokens)
+            hit = self._rate_at(tokens)
+            if len(self._memo) < self.MEMO_SIZE:  # bounded, whatever a caller asks for
+                self._memo[tokens] = hit
         return hit
 
     def _rate_at(self, tokens: float) -> float:

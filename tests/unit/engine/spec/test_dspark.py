@@ -449,3 +449,14 @@ def test_one_requests_plan_in_plain_python_equals_the_array_plan_to_the_bit():
             assert prof.rate_at(t) == float(np.interp(t, prof.tokens, prof.rates))
     with pytest.raises(ValueError):
         plan_dspark([np.array([0.5, np.nan])], prof)
+
+
+def test_a_tables_memo_of_rates_is_bounded() -> None:
+    """`StepProfile.rate_at` memoises what it computes, up to `MEMO_SIZE` token counts: a
+    caller asking for ever new counts gets them computed, equal to `steps_per_s`, and the
+    memo stops growing."""
+    table = StepProfile([1, 10, 100], [50.0, 20.0, 5.0])
+    for i in range(StepProfile.MEMO_SIZE + 100):
+        tokens = 1.0 + i * 0.01
+        assert table.rate_at(tokens) == table.steps_per_s(tokens)
+    assert len(table._memo) == StepProfile.MEMO_SIZE
