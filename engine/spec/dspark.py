@@ -245,7 +245,7 @@ def plan_rows_depths(rows: list[list[float]], tables: Sequence[StepProfile]) -> 
     the array path's time at up to `FEW_REQUESTS` requests (at one request, the scheduler's
     every step). The same survivals, order, sums and interpolation in the same sequence, so
     each plan equals the array path's, and `_plan_one`'s at one request, to the bit."""
-    batch, k = len(rows), len(rows[0])
+    batch, k = len(rows), len(rows[0]) if rows else 0
     cand: list[float] = []  # row-major: j ascending within each request
     for row in rows:
         if len(row) != k or not all(0.0 <= x <= 1.0 for x in row):  # NaN fails the comparison too

@@ -140,6 +140,8 @@ def test_the_plans_at_every_depth_equal_one_plan_per_depth():
             assert (got.expected_accepted, got.tokens, got.throughput) == (
                 want.expected_accepted, want.tokens, want.throughput,
             )  # fmt: skip
+    for got in plan_dspark_depths(np.zeros((0, 5)), [StepProfile([1], [1.0])] * 3):  # no request
+        assert (got.ks.tolist(), got.expected_accepted, got.tokens, got.throughput) == ([], 0.0, 0, 0.0)
     with pytest.raises(ValueError, match="K >= 3"):
         plan_dspark_depths(np.full((2, 2), 0.5), [StepProfile([1], [1.0])] * 3)
 
