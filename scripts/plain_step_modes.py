@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import gc
 import json
+import statistics
 import subprocess
 import sys
 import threading
@@ -129,12 +130,12 @@ def main() -> None:
         r = spec_run.run_policy(MODEL, prompts[:c], 48, policy, None, engine, warmup_tokens=16, concurrency=c)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
-        replays_ms = sorted(a.elapsed_time(b) for a, b in events)
+        replays_ms = [a.elapsed_time(b) for a, b in events]
         r.update(
             # medians over the steps outside the profiled window (whose last step's CPU time
             # holds the profiler's own processing)
             host_thread_ms=_median(_unprofiled(threads, 1e3)), host_process_ms=_median(_unprofiled(processes, 1e3)),
-            replay_ms_median=replays_ms[len(replays_ms) // 2] if replays_ms else None,
+            replay_ms_median=_median(replays_ms),
             # the steps outside the profiled window (whose host time the profiler lengthens)
             step_ms_unprofiled=_median(_unprofiled(walls, 1e3)),
             kernels=list(kernels), clocks_before=clocks, clocks_after=_clocks(),
@@ -191,7 +192,8 @@ def _unprofiled(values: list[float], scale: float) -> list[float]:
 
 
 def _median(values: list[float]) -> float | None:
-    return sorted(values)[len(values) // 2] if values else None
+    """The upper median (a measured value, not a mean of two), None for no values."""
+    return statistics.median_high(values) if values else None
 
 
 if __name__ == "__main__":
