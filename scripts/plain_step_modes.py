@@ -15,6 +15,12 @@ ones longer at the same clocks, is told apart from a throttled GPU.
     python3 scripts/plain_step_modes.py OUT.json            # on a GPU, from the repository root
     python3 scripts/plain_step_modes.py OUT.json --smoke    # one small plain run on the CPU
 
+Each engine's host side is broken down too: the host wall time of its replay() calls
+(``cudaGraphLaunch``), the mean ms a step inside each of `sluice bench host --phases`' phases,
+and a fixed pure-Python workload's median ms before and after it (``probe``): a slow engine
+whose phases are all slower on a slower probe ran on a slower host; one slow in one phase
+points at that phase.
+
 The slow mode is the host's (session 56: the replays take the same device time in every
 engine). ``--gc-off`` tests one cause on the host: it freezes what exists and turns Python's
 cyclic collector off, so that no engine's steps pay for collecting another's garbage.
@@ -35,11 +41,16 @@ from typing import Any
 import services.bench._spec_run as spec_run
 from engine.core import EngineCore
 from engine.prompts import heldout_prompts, phase_period, staggered
+from services.bench.host import PHASES, _phase_timers
 
 MODEL = Path("models/trained")
 # timed-round steps (0-based) run under torch's profiler: each engine's device work by kernel
 PROFILED = (30, 38)
-RUNS = [(128, p) for p in ("none", "none", "dspark", "none", "none", "dspark", "none")] + [(60, "none")]
+RUNS = (
+    [(128, p) for p in ("none", "none", "dspark", "none", "none", "none")]
+    + [(1, "fixed-5")] * 3
+    + [(60, "none")]
+)
 
 
 def main() -> None:
@@ -53,6 +64,7 @@ def main() -> None:
     kernels: list[dict[str, Any]] = []
     timing = [False]  # inside the timed round
     events: list[tuple[Any, Any]] = []
+    launches: list[float] = []  # host wall seconds of each timed replay() call
     step, results, timed_round = EngineCore.step, spec_run._results, spec_run._timed_round
     replay = torch.cuda.CUDAGraph.replay
 
@@ -82,7 +94,9 @@ def main() -> None:
             return replay(graph)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         out = replay(graph)
+        launches.append(time.perf_counter() - t0)
         end.record()
         events.append((start, end))
         return out
@@ -121,13 +135,13 @@ def main() -> None:
     activity = torch.profiler.ProfilerActivity.CPU if smoke else torch.profiler.ProfilerActivity.CUDA
     rows = []
     for c, policy in [(4, "none")] if smoke else RUNS:
-        events.clear()
-        walls.clear()
-        threads.clear()
-        processes.clear()
-        kernels.clear()
-        clocks = _clocks()
-        r = spec_run.run_policy(MODEL, prompts[:c], 48, policy, None, engine, warmup_tokens=16, concurrency=c)
+        for buf in (events, launches, walls, threads, processes, kernels):
+            buf.clear()
+        clocks, probe_before = _clocks(), _host_probe_ms()
+        with _phase_timers(timing, PHASES) as spent:
+            r = spec_run.run_policy(
+                MODEL, prompts[:c], 48, policy, None, engine, warmup_tokens=16, concurrency=c
+            )
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         replays_ms = [a.elapsed_time(b) for a, b in events]
@@ -139,6 +153,10 @@ def main() -> None:
             # the steps outside the profiled window (whose host time the profiler lengthens)
             step_ms_unprofiled=_median(_unprofiled(walls, 1e3)),
             kernels=list(kernels), clocks_before=clocks, clocks_after=_clocks(),
+            launch_ms_median=_median([x * 1e3 for x in launches]),
+            # the mean ms a timed step spends in each phase (profiled window included)
+            phases_ms={k: round(sum(v) * 1e3 / max(1, len(walls)), 3) for k, v in spent.items()},
+            probe_ms=(probe_before, _host_probe_ms()),
         )  # fmt: skip
         print(
             f"{c} {policy}: {r['tokens_per_s']:.0f} tok/s, median step {r['step_ms_median']:.2f} ms, replay "
@@ -152,6 +170,11 @@ def main() -> None:
                 f"    {k['ms_per_step']:.3f} ms/step x{k['calls_per_step']:.1f}  {k['name'][:110]}",
                 flush=True,
             )
+        print(
+            f"    host: replay() call {r['launch_ms_median']} ms (median); probe {r['probe_ms']} ms; phases "
+            + ", ".join(f"{k} {v:.3f}" for k, v in r["phases_ms"].items() if v >= 0.05),
+            flush=True,
+        )
         print(
             f"    unprofiled step median {r['step_ms_unprofiled']} ms; clocks {clocks} -> {r['clocks_after']}",
             flush=True,
@@ -173,6 +196,20 @@ def _top_kernels(prof: Any, steps: int) -> list[dict[str, Any]]:
         if us > 0:
             rows.append({"name": e.key, "ms_per_step": us / 1e3 / steps, "calls_per_step": e.count / steps})
     return sorted(rows, key=lambda r: -r["ms_per_step"])[:25]
+
+
+def _host_probe_ms(rounds: int = 15) -> float:
+    """The median ms of a fixed pure-Python workload (dict and list work, no I/O): this host's
+    single-thread speed now, to tell a slower host from a slower engine."""
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        d: dict[int, int] = {}
+        for i in range(20_000):
+            d[i & 1023] = d.get(i & 1023, 0) + i
+        sorted(d.values())
+        times.append(time.perf_counter() - t0)
+    return round(statistics.median(times) * 1e3, 3)
 
 
 def _clocks() -> str:
