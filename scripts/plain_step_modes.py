@@ -65,6 +65,7 @@ def main() -> None:
     timing = [False]  # inside the timed round
     events: list[tuple[Any, Any]] = []
     launches: list[float] = []  # host wall seconds of each timed replay() call
+    cpus: dict[int, int] = {}  # the CPU the main thread was on after each timed step -> steps
     step, results, timed_round = EngineCore.step, spec_run._results, spec_run._timed_round
     replay = torch.cuda.CUDAGraph.replay
 
@@ -80,6 +81,7 @@ def main() -> None:
             return step(self)
         finally:
             walls.append(time.perf_counter() - w0)
+            cpus[_cpu_now()] = cpus.get(_cpu_now(), 0) + 1
             threads.append(time.thread_time() - t0)
             processes.append(time.process_time() - p0)
             if i == PROFILED[1] - 1 and profiler[0] is not None:
@@ -135,7 +137,7 @@ def main() -> None:
     activity = torch.profiler.ProfilerActivity.CPU if smoke else torch.profiler.ProfilerActivity.CUDA
     rows = []
     for c, policy in [(4, "none")] if smoke else RUNS:
-        for buf in (events, launches, walls, threads, processes, kernels):
+        for buf in (events, launches, walls, threads, processes, kernels, cpus):
             buf.clear()
         clocks, probe_before = _clocks(), _host_probe_ms()
         with _phase_timers(timing, PHASES) as spent:
@@ -157,6 +159,7 @@ def main() -> None:
             # the mean ms a timed step spends in each phase (profiled window included)
             phases_ms={k: round(sum(v) * 1e3 / max(1, len(walls)), 3) for k, v in spent.items()},
             probe_ms=(probe_before, _host_probe_ms()),
+            cpus=dict(sorted(cpus.items())),
         )  # fmt: skip
         print(
             f"{c} {policy}: {r['tokens_per_s']:.0f} tok/s, median step {r['step_ms_median']:.2f} ms, replay "
@@ -171,7 +174,8 @@ def main() -> None:
                 flush=True,
             )
         print(
-            f"    host: replay() call {r['launch_ms_median']} ms (median); probe {r['probe_ms']} ms; phases "
+            f"    host: replay() call {r['launch_ms_median']} ms (median); probe {r['probe_ms']} ms; "
+            f"on CPUs {r['cpus']}; phases "
             + ", ".join(f"{k} {v:.3f}" for k, v in r["phases_ms"].items() if v >= 0.05),
             flush=True,
         )
@@ -210,6 +214,16 @@ def _host_probe_ms(rounds: int = 15) -> float:
         sorted(d.values())
         times.append(time.perf_counter() - t0)
     return round(statistics.median(times) * 1e3, 3)
+
+
+def _cpu_now() -> int:
+    """The CPU this process's main thread last ran on (/proc/self/stat's ``processor``), -1
+    where that cannot be read."""
+    try:
+        with open("/proc/thread-self/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[36])
+    except (OSError, ValueError, IndexError):
+        return -1
 
 
 def _clocks() -> str:
