@@ -124,10 +124,7 @@ def main() -> None:
     spec_run._results = with_loop  # type: ignore[assignment]
     spec_run._timed_round = in_timed_round
     smoke = "--smoke" in sys.argv
-    if "--gc-off" in sys.argv:  # no cyclic collection: does it follow the collector?
-        gc.collect()
-        gc.freeze()
-        gc.disable()
+    _host_settings(sys.argv)
     prompts = staggered(heldout_prompts(MODEL, 128, 256), phase_period(MODEL))
     engine = {
         "device": "cpu" if smoke else "cuda",
@@ -200,6 +197,14 @@ def _top_kernels(prof: Any, steps: int) -> list[dict[str, Any]]:
         if us > 0:
             rows.append({"name": e.key, "ms_per_step": us / 1e3 / steps, "calls_per_step": e.count / steps})
     return sorted(rows, key=lambda r: -r["ms_per_step"])[:25]
+
+
+def _host_settings(argv: list[str]) -> None:
+    """``--gc-off``: no cyclic collection (does the slow mode follow the collector?)."""
+    if "--gc-off" in argv:
+        gc.collect()
+        gc.freeze()
+        gc.disable()
 
 
 def _host_probe_ms(rounds: int = 15) -> float:
