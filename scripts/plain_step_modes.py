@@ -22,7 +22,9 @@ whose phases are all slower on a slower probe ran on a slower host; one slow in 
 points at that phase.
 
 The slow mode is the host's (session 56: the replays take the same device time in every
-engine). ``--gc-off`` tests one cause on the host: it freezes what exists and turns Python's
+engine). ``--probe-steps`` runs a small probe after every timed step (it lengthens the host's side of
+each step by ~0.3 ms): where the host's own speed changes, the probe slows with the steps.
+``--gc-off`` tests one cause on the host: it freezes what exists and turns Python's
 cyclic collector off, so that no engine's steps pay for collecting another's garbage.
 """
 
@@ -65,6 +67,7 @@ def main() -> None:
     timing = [False]  # inside the timed round
     events: list[tuple[Any, Any]] = []
     launches: list[float] = []  # host wall seconds of each timed replay() call
+    step_probes: list[float] = []  # a small fixed probe's ms after each timed step
     cpus: dict[int, int] = {}  # the CPU the main thread was on after each timed step -> steps
     step, results, timed_round = EngineCore.step, spec_run._results, spec_run._timed_round
     replay = torch.cuda.CUDAGraph.replay
@@ -82,6 +85,8 @@ def main() -> None:
         finally:
             walls.append(time.perf_counter() - w0)
             cpus[_cpu_now()] = cpus.get(_cpu_now(), 0) + 1
+            if probe_steps:  # this thread's speed just after the step
+                step_probes.append(_host_probe_ms(1, 3000))
             threads.append(time.thread_time() - t0)
             processes.append(time.process_time() - p0)
             if i == PROFILED[1] - 1 and profiler[0] is not None:
@@ -125,6 +130,7 @@ def main() -> None:
     spec_run._timed_round = in_timed_round
     smoke = "--smoke" in sys.argv
     _host_settings(sys.argv)
+    probe_steps = "--probe-steps" in sys.argv
     prompts = staggered(heldout_prompts(MODEL, 128, 256), phase_period(MODEL))
     engine = {
         "device": "cpu" if smoke else "cuda",
@@ -134,7 +140,7 @@ def main() -> None:
     activity = torch.profiler.ProfilerActivity.CPU if smoke else torch.profiler.ProfilerActivity.CUDA
     rows = []
     for c, policy in [(4, "none")] if smoke else RUNS:
-        for buf in (events, launches, walls, threads, processes, kernels, cpus):
+        for buf in (events, launches, walls, threads, processes, kernels, cpus, step_probes):
             buf.clear()
         clocks, probe_before = _clocks(), _host_probe_ms()
         with _phase_timers(timing, PHASES) as spent:
@@ -156,6 +162,8 @@ def main() -> None:
             # the mean ms a timed step spends in each phase (profiled window included)
             phases_ms={k: round(sum(v) * 1e3 / max(1, len(walls)), 3) for k, v in spent.items()},
             probe_ms=(probe_before, _host_probe_ms()),
+            # the steps' wall ms and the probe run after each: a slower host slows both
+            steps_and_probes=[(round(w * 1e3, 3), p) for w, p in zip(walls, step_probes)],
             cpus=dict(sorted(cpus.items())),
         )  # fmt: skip
         print(
@@ -172,7 +180,7 @@ def main() -> None:
             )
         print(
             f"    host: replay() call {r['launch_ms_median']} ms (median); probe {r['probe_ms']} ms; "
-            f"on CPUs {r['cpus']}; phases "
+            f"on CPUs {r['cpus']}; {_probe_split(r['steps_and_probes'])}; phases "
             + ", ".join(f"{k} {v:.3f}" for k, v in r["phases_ms"].items() if v >= 0.05),
             flush=True,
         )
@@ -207,18 +215,31 @@ def _host_settings(argv: list[str]) -> None:
         gc.disable()
 
 
-def _host_probe_ms(rounds: int = 15) -> float:
-    """The median ms of a fixed pure-Python workload (dict and list work, no I/O): this host's
-    single-thread speed now, to tell a slower host from a slower engine."""
+def _host_probe_ms(rounds: int = 15, size: int = 20_000) -> float:
+    """The median ms of a fixed pure-Python workload (dict and list work, no I/O) of ``size``
+    iterations: this host's single-thread speed now, to tell a slower host from a slower engine."""
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
         d: dict[int, int] = {}
-        for i in range(20_000):
+        for i in range(size):
             d[i & 1023] = d.get(i & 1023, 0) + i
         sorted(d.values())
         times.append(time.perf_counter() - t0)
     return round(statistics.median(times) * 1e3, 3)
+
+
+def _probe_split(pairs: list[tuple[float, float]]) -> str:
+    """The step probe's median ms after the slower and the faster half of the steps."""
+    if len(pairs) < 4:
+        return "no step probes"
+    pairs = sorted(pairs)
+    half = len(pairs) // 2
+    fast, slow = [p for _, p in pairs[:half]], [p for _, p in pairs[half:]]
+    return (
+        f"probe after the slower half of the steps {_median(slow)} ms "
+        f"(steps {pairs[half][0]}-{pairs[-1][0]}), the faster half {_median(fast)} ms"
+    )
 
 
 def _cpu_now() -> int:
