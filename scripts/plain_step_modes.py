@@ -16,7 +16,9 @@ ones longer at the same clocks, is told apart from a throttled GPU.
     python3 scripts/plain_step_modes.py OUT.json --smoke    # one small plain run on the CPU
 
 Each engine's host side is broken down too: the host wall time of its replay() calls
-(``cudaGraphLaunch``), the mean ms a step inside each of `sluice bench host --phases`' phases,
+(``cudaGraphLaunch``; for five of them, ``IDLE_LAUNCHES``, the device is synchronized first,
+so that a launch that waits for room behind the step before shows against one that does
+not), the mean ms a step inside each of `sluice bench host --phases`' phases,
 and a fixed pure-Python workload's median ms before and after it (``probe``): a slow engine
 whose phases are all slower on a slower probe ran on a slower host; one slow in one phase
 points at that phase.
@@ -48,6 +50,8 @@ from services.bench.host import PHASES, _phase_timers
 MODEL = Path("models/trained")
 # timed-round steps (0-based) run under torch's profiler: each engine's device work by kernel
 PROFILED = (30, 38)
+# timed-round replays (0-based) launched with the device idle (synchronized first)
+IDLE_LAUNCHES = (10, 15)
 RUNS = (
     [(128, p) for p in ("none", "none", "dspark", "none", "none", "none")]
     + [(1, "fixed-5")] * 3
@@ -67,6 +71,7 @@ def main() -> None:
     timing = [False]  # inside the timed round
     events: list[tuple[Any, Any]] = []
     launches: list[float] = []  # host wall seconds of each timed replay() call
+    idle_launches: list[float] = []  # the same, of IDLE_LAUNCHES' replays, the device idle
     step_probes: list[float] = []  # a small fixed probe's ms after each timed step
     cpus: dict[int, int] = {}  # the CPU the main thread was on after each timed step -> steps
     step, results, timed_round = EngineCore.step, spec_run._results, spec_run._timed_round
@@ -100,10 +105,13 @@ def main() -> None:
         if not timing[0]:
             return replay(graph)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        idle = IDLE_LAUNCHES[0] <= len(events) < IDLE_LAUNCHES[1]
+        if idle:  # the device idle first: the launch's own host time, no queue ahead of it
+            torch.cuda.synchronize()
         start.record()
         t0 = time.perf_counter()
         out = replay(graph)
-        launches.append(time.perf_counter() - t0)
+        (idle_launches if idle else launches).append(time.perf_counter() - t0)
         end.record()
         events.append((start, end))
         return out
@@ -140,7 +148,7 @@ def main() -> None:
     activity = torch.profiler.ProfilerActivity.CPU if smoke else torch.profiler.ProfilerActivity.CUDA
     rows = []
     for c, policy in [(4, "none")] if smoke else RUNS:
-        for buf in (events, launches, walls, threads, processes, kernels, cpus, step_probes):
+        for buf in (events, launches, idle_launches, walls, threads, processes, kernels, cpus, step_probes):
             buf.clear()
         clocks, probe_before = _clocks(), _host_probe_ms()
         with _phase_timers(timing, PHASES) as spent:
@@ -159,6 +167,7 @@ def main() -> None:
             step_ms_unprofiled=_median(_unprofiled(walls, 1e3)),
             kernels=list(kernels), clocks_before=clocks, clocks_after=_clocks(),
             launch_ms_median=_median([x * 1e3 for x in launches]),
+            idle_launch_ms_median=_median([x * 1e3 for x in idle_launches]),
             # the mean ms a timed step spends in each phase (profiled window included)
             phases_ms={k: round(sum(v) * 1e3 / max(1, len(walls)), 3) for k, v in spent.items()},
             probe_ms=(probe_before, _host_probe_ms()),
@@ -179,7 +188,8 @@ def main() -> None:
                 flush=True,
             )
         print(
-            f"    host: replay() call {r['launch_ms_median']} ms (median); probe {r['probe_ms']} ms; "
+            f"    host: replay() call {r['launch_ms_median']} ms (median; "
+            f"{r['idle_launch_ms_median']} ms the device idle); probe {r['probe_ms']} ms; "
             f"on CPUs {r['cpus']}; {_probe_split(r['steps_and_probes'])}; phases "
             + ", ".join(f"{k} {v:.3f}" for k, v in r["phases_ms"].items() if v >= 0.05),
             flush=True,
