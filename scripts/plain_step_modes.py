@@ -106,12 +106,8 @@ def main() -> None:
             return replay(graph)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         idle = IDLE_LAUNCHES[0] <= len(events) < IDLE_LAUNCHES[1]
-        if idle:  # the device idle first: the launch's own host time, no queue ahead of it
-            torch.cuda.synchronize()
-        start.record()
-        t0 = time.perf_counter()
-        out = replay(graph)
-        (idle_launches if idle else launches).append(time.perf_counter() - t0)
+        out, seconds = _launch(replay, graph, idle, start)
+        (idle_launches if idle else launches).append(seconds)
         end.record()
         events.append((start, end))
         return out
@@ -215,6 +211,19 @@ def _top_kernels(prof: Any, steps: int) -> list[dict[str, Any]]:
         if us > 0:
             rows.append({"name": e.key, "ms_per_step": us / 1e3 / steps, "calls_per_step": e.count / steps})
     return sorted(rows, key=lambda r: -r["ms_per_step"])[:25]
+
+
+def _launch(replay: Any, graph: Any, idle: bool, start: Any) -> tuple[Any, float]:
+    """``replay(graph)`` after recording the event ``start``, and its host wall seconds;
+    ``idle``: the device synchronized first, so that the launch has no queue ahead of it."""
+    if idle:
+        import torch
+
+        torch.cuda.synchronize()
+    start.record()
+    t0 = time.perf_counter()
+    out = replay(graph)
+    return out, time.perf_counter() - t0
 
 
 def _host_settings(argv: list[str]) -> None:
