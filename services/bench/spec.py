@@ -143,6 +143,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "another sample of the same text, to see how much the figures owe to the prompts drawn (default 0)",
     )  # fmt: skip
     p.add_argument("--profile-steps", type=int, default=8, help="timed steps per profile cell (default 8)")
+    p.add_argument(
+        "--profile-rounds", type=_at_least_one, default=2,
+        help="fresh engines per profile cell, interleaved, the fastest kept (default 2): more where the "
+        "host's speed changes from second to second (docs/benchmarks.md, 'The host's speed flips')",
+    )  # fmt: skip
     p.add_argument("--policies", default=",".join(POLICIES), help="policies to run")
     p.add_argument(
         "--save-profile",
@@ -347,7 +352,7 @@ def _profiles(
     else:
         profile = measure_spec_profile(
             model, sorted(set(conc)), prompt_tokens=args.prompt_tokens, steps=args.profile_steps,
-            progress=progress, device=engine_kwargs["device"], dtype=engine_kwargs["dtype"],
+            rounds=args.profile_rounds, progress=progress, device=engine_kwargs["device"], dtype=engine_kwargs["dtype"],
         )  # fmt: skip
         source = "measured by this run"
         progress(f"profile measured in {time.perf_counter() - t_start:.0f} s")

@@ -413,3 +413,28 @@ def test_a_prompt_phase_draws_other_windows_of_the_same_text_and_zero_keeps_them
         p = argparse.ArgumentParser()
         add_arguments(p)
         p.parse_args(["--prompt-phase", "1.5"])
+
+
+def test_profile_rounds_reach_the_profile_s_measurement_and_zero_is_refused(monkeypatch) -> None:
+    """``--profile-rounds N``: the measured profile's every cell takes N fresh engines (the
+    fastest kept); default 2; fewer than 1 is refused."""
+    import engine.spec.profiling as profiling
+    from services.bench import Report
+    from services.bench.spec import _profiles, add_arguments
+
+    seen: list[int] = []
+    profile = _profile(0.01)
+
+    def measured(model: Any, batches: Any, **kwargs: Any) -> SpecProfile:
+        seen.append(kwargs["rounds"])
+        return profile
+
+    monkeypatch.setattr(profiling, "measure_spec_profile", measured)
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    for argv, rounds in (([], 2), (["--profile-rounds", "4"], 4)):
+        report = Report("spec", {}, {})
+        _profiles(p.parse_args(argv), report, TRAINED, [1, 2], {"device": "cpu", "dtype": "float32"}, 0.0)
+        assert seen[-1] == rounds
+    with pytest.raises(SystemExit):
+        p.parse_args(["--profile-rounds", "0"])
