@@ -27,15 +27,6 @@ import services.bench.host as host
 from engine.core import EngineCore
 
 
-def probe_s(size: int = 3000) -> float:
-    """Seconds of a fixed pure-Python workload of ``size`` dict updates."""
-    t0 = time.perf_counter()
-    d: dict[int, int] = {}
-    for i in range(size):
-        d[i & 511] = d.get(i & 511, 0) + i
-    return time.perf_counter() - t0
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/trained")
@@ -63,7 +54,7 @@ def main() -> None:
         finally:
             wall = time.perf_counter() - t0
             phases = {k: sum(v) - before.get(k, 0.0) for k, v in spent.items()}
-            rows.append((wall, probe_s(), phases))
+            rows.append((wall, host.probe_seconds(), phases))
 
     EngineCore.step = timed_step  # type: ignore[method-assign]
     every: list[tuple[float, float]] = []

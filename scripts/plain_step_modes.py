@@ -45,7 +45,7 @@ from typing import Any
 import services.bench._spec_run as spec_run
 from engine.core import EngineCore
 from engine.prompts import heldout_prompts, phase_period, staggered
-from services.bench.host import PHASES, _phase_timers
+from services.bench.host import PHASES, _phase_timers, probe_seconds
 
 MODEL = Path("models/trained")
 # timed-round steps (0-based) run under torch's profiler: each engine's device work by kernel
@@ -89,11 +89,12 @@ def main() -> None:
             return step(self)
         finally:
             walls.append(time.perf_counter() - w0)
-            cpus[_cpu_now()] = cpus.get(_cpu_now(), 0) + 1
-            if probe_steps:  # this thread's speed just after the step
-                step_probes.append(_host_probe_ms(1, 3000))
             threads.append(time.thread_time() - t0)
             processes.append(time.process_time() - p0)
+            cpu = _cpu_now()
+            cpus[cpu] = cpus.get(cpu, 0) + 1
+            if probe_steps:  # this thread's speed just after the step
+                step_probes.append(round(probe_seconds() * 1e3, 4))
             if i == PROFILED[1] - 1 and profiler[0] is not None:
                 if torch.cuda.is_available():
                     torch.cuda.synchronize()
@@ -234,18 +235,9 @@ def _host_settings(argv: list[str]) -> None:
         gc.disable()
 
 
-def _host_probe_ms(rounds: int = 15, size: int = 20_000) -> float:
-    """The median ms of a fixed pure-Python workload (dict and list work, no I/O) of ``size``
-    iterations: this host's single-thread speed now, to tell a slower host from a slower engine."""
-    times = []
-    for _ in range(rounds):
-        t0 = time.perf_counter()
-        d: dict[int, int] = {}
-        for i in range(size):
-            d[i & 1023] = d.get(i & 1023, 0) + i
-        sorted(d.values())
-        times.append(time.perf_counter() - t0)
-    return round(statistics.median(times) * 1e3, 3)
+def _host_probe_ms(rounds: int = 15) -> float:
+    """The median ms of ``rounds`` runs of `probe_seconds`' workload, ten times its default size."""
+    return round(statistics.median(probe_seconds(30_000) for _ in range(rounds)) * 1e3, 3)
 
 
 def _probe_split(pairs: list[tuple[float, float]]) -> str:
@@ -262,7 +254,7 @@ def _probe_split(pairs: list[tuple[float, float]]) -> str:
 
 
 def _cpu_now() -> int:
-    """The CPU this process's main thread last ran on (/proc/self/stat's ``processor``), -1
+    """The CPU this thread last ran on (/proc/thread-self/stat's ``processor``), -1
     where that cannot be read."""
     try:
         with open("/proc/thread-self/stat") as f:

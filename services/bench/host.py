@@ -101,6 +101,17 @@ def argmax_ms(rows: int, vocab: int, steps: int) -> float:
     return statistics.median(times) * 1e3
 
 
+def probe_seconds(size: int = 3000) -> float:
+    """Seconds of a fixed pure-Python workload (``size`` updates of a 512-entry dict, which fits
+    the L1 cache): its work never changes, so where it takes longer the thread ran slower (the
+    machine), which tells a slower host from a step that did more (scripts/host_speed_flips.py)."""
+    t0 = time.perf_counter()
+    d: dict[int, int] = {}
+    for i in range(size):
+        d[i & 511] = d.get(i & 511, 0) + i
+    return time.perf_counter() - t0
+
+
 @dataclass
 class HostTimes:
     step_ms: float  # median `EngineCore.step`
