@@ -27,10 +27,12 @@ class CoreRequest:
     images: tuple[ImageInput, ...] = ()  # in prompt order, spans within the prompt, not overlapping
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SeqOutput:
     """What one step produced for one request. ``new_token_ids`` include a terminating stop
-    token (``stop_token`` names it); ``finish_reason`` is set on the last message only."""
+    token (``stop_token`` names it); ``finish_reason`` is set on the last message only. Read,
+    never written, once built; not ``frozen`` for the reason `ScheduledSeq` is not (one a
+    running request a step)."""
 
     request_id: str
     new_token_ids: tuple[int, ...]
