@@ -44,11 +44,19 @@ def test_port_zero_tries_again_when_its_pick_is_taken(monkeypatch: pytest.Monkey
             assert redis.Redis.from_url(server.url).ping()
 
 
-def test_a_password_reaches_redis_in_a_private_file_never_in_argv():
+def test_a_password_reaches_redis_in_a_private_file_never_in_argv(monkeypatch: pytest.MonkeyPatch) -> None:
     """Off loopback ``RedisProcess`` draws a password (protected mode refuses remote clients
     without one); given one, it goes to redis-server through a 0600 config file that is gone
     once the server answers, not through argv (which every local user can read)."""
     secret = "pw-" + "9" * 29
+    confs: list[Path] = []  # the config files this server's start wrote
+    private_config = procs._private_config
+
+    def recorded(text: str) -> Path:
+        confs.append(private_config(text))
+        return confs[-1]
+
+    monkeypatch.setattr(procs, "_private_config", recorded)
     with RedisProcess(password=secret) as r:
         assert r.url == f"redis://:{secret}@127.0.0.1:{r.port}/0"
         cmdline = Path(f"/proc/{r.proc.pid}/cmdline").read_bytes().decode()
@@ -56,5 +64,8 @@ def test_a_password_reaches_redis_in_a_private_file_never_in_argv():
         with pytest.raises(redis.exceptions.AuthenticationError):
             redis.Redis(port=r.port).ping()
         assert redis.Redis.from_url(r.url).ping()
-        assert not any(Path(tempfile.gettempdir()).glob("sluice-redis-*.conf"))
+        # this server's config file (another test's server may hold its own at this moment,
+        # so not every sluice-redis-*.conf in the temporary directory)
+        assert [c.parent for c in confs] == [Path(tempfile.gettempdir())]
+        assert not confs[0].exists()
     assert "pw" not in repr(RedisProcess(password=secret))
