@@ -250,7 +250,7 @@ class ModelExecutor:
                     tokens,
                     s.start_pos,
                     s.swa_slot,
-                    list(s.block_table),
+                    s.block_table,
                     s.sample,
                     rows_cached_until=s.replay_until,
                     window_from=s.window_from,

@@ -32,9 +32,11 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class SequenceInput:
-    """One sequence's part of a step, as plain Python data (what the scheduler knows)."""
+    """One sequence's part of a step, as plain Python data (what the scheduler knows). Read,
+    never written, once built; not ``frozen`` for the reason `ScheduledSeq` is not (one a
+    sequence a step; docs/engine-runtime.md, "The step contract")."""
 
     token_ids: Sequence[int]  # the new tokens of this step
     num_computed: int  # tokens already in this sequence's caches
